@@ -1,0 +1,60 @@
+"""Set-up tasks: apply migrations (yoyo-migrations) and create the Kafka topics.
+
+Migrations are the plain SQL files in ``migrations/``; yoyo applies them in order and records each in its
+``_yoyo_migration`` table, under a lock, so concurrent callers are safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+from yoyo import get_backend, read_migrations
+
+from streams.config import Settings
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def yoyo_url(database_url: str) -> str:
+    """The yoyo backend URL (psycopg 3 driver) for a ``postgresql://`` URL."""
+    scheme, sep, rest = database_url.partition("://")
+    if not sep or not scheme.startswith("postgres"):
+        raise ValueError(f"not a PostgreSQL URL: {database_url!r}")
+    return f"postgresql+psycopg://{rest}"
+
+
+def migrate(database_url: str) -> list[str]:
+    """Apply pending migrations; returns the ids applied (empty when up to date)."""
+    backend = get_backend(yoyo_url(database_url))
+    migrations = read_migrations(str(MIGRATIONS_DIR))
+    with backend.lock():
+        pending = backend.to_apply(migrations)
+        backend.apply_migrations(pending)
+    return [m.id for m in pending]
+
+
+async def create_topics(settings: Settings) -> list[str]:
+    """Create the five topics with ``settings.partitions`` partitions (replication 1); returns those created.
+
+    Existing topics are left as they are (their partition count is not changed).
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        wanted = [name for name in settings.topics.values() if name not in existing]
+        if wanted:
+            try:
+                await admin.create_topics(
+                    [NewTopic(name, num_partitions=settings.partitions, replication_factor=1) for name in wanted]
+                )
+            except TopicAlreadyExistsError:
+                pass
+        return wanted
+    finally:
+        await admin.close()

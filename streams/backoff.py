@@ -1,0 +1,37 @@
+"""Delay before the next poll of a remote job (ARCHITECTURE.md, "Leases and polls").
+
+The API's hint (``Retry-After`` or ``poll_after_ms``) wins when present; otherwise a capped exponential
+with "equal jitter" (half fixed, half random; AWS Architecture Blog, "Exponential Backoff and Jitter").
+"""
+
+from __future__ import annotations
+
+import random
+
+_RNG = random.Random()
+
+
+def next_poll_delay_s(
+    poll_count: int,
+    hint_s: float | None,
+    *,
+    base_s: float,
+    cap_s: float,
+    min_s: float,
+    rng: random.Random | None = None,
+) -> float:
+    """Seconds until the next GET of a job already observed ``poll_count`` times.
+
+    Args:
+        poll_count: observations so far (0 for the first poll).
+        hint_s: the API's hint in seconds, or None.
+        base_s, cap_s, min_s: exponential base, upper cap and lower floor (seconds).
+        rng: random source (tests pass a seeded one).
+
+    Returns a delay in ``[min_s, cap_s]``.
+    """
+    if hint_s is not None:
+        return min(cap_s, max(min_s, hint_s))
+    r = rng or _RNG
+    ceiling = min(cap_s, base_s * float(2 ** min(poll_count, 30)))
+    return max(min_s, ceiling / 2 + r.uniform(0, ceiling / 2))

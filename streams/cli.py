@@ -1,0 +1,229 @@
+"""The ``streams`` command line.
+
+::
+
+    streams migrate                  apply migrations and create topics
+    streams worker [--web-port N]    run one Faust worker process (dispatcher, observer, scheduler, relay)
+    streams simulator [...]          run the provider simulator (the remote generation API)
+    streams submit FILE.jsonl        publish submissions from JSONL (one {"operation_id", "request"} a line)
+    streams replay [--trace conv]    publish trace rows as submissions, time-compressed
+    streams follow                   print delivered outputs, each once
+    streams run [...]                the main job: services, simulator, workers, trace replay, report
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+import click
+import orjson
+
+from streams.config import Settings
+from streams.simulator import command as simulator_command
+
+
+def _settings() -> Settings:
+    return Settings.from_env()
+
+
+@click.group()
+@click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
+def main(log_level: str) -> None:
+    """Generation operations through Kafka, Redis and PostgreSQL."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+@main.command()
+def migrate() -> None:
+    """Apply pending SQL migrations (yoyo) and create the Kafka topics."""
+    from streams.admin import create_topics
+    from streams.admin import migrate as apply
+
+    settings = _settings()
+    applied = apply(settings.database_url)
+    click.echo(f"migrations applied: {applied or 'none (up to date)'}")
+    created = asyncio.run(create_topics(settings))
+    click.echo(f"topics created: {created or 'none (all exist)'} ({settings.partitions} partitions)")
+
+
+@main.command()
+@click.option("--web-port", type=int, default=None, help="Port of /metrics and /healthz (default STREAMS_WEB_PORT).")
+def worker(web_port: int | None) -> None:
+    """Run one worker process (Faust): dispatcher and observer agents, poll scheduler and outbox relay timers."""
+    import faust
+
+    from streams.app import create_app
+
+    settings = _settings()
+    if web_port is not None:
+        settings = settings.replace(web_port=web_port)
+    app = create_app(settings)
+    faust.Worker(app, loglevel=logging.getLevelName(logging.getLogger().level)).execute_from_commandline()
+
+
+main.add_command(simulator_command, "simulator")
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def submit(path: Path) -> None:
+    """Publish submissions from a JSONL file: one {"operation_id", "request", "source"?} object per line."""
+    from streams.producer import SubmissionProducer
+
+    lines = path.read_text(encoding="utf-8").splitlines()
+
+    async def run() -> int:
+        count = 0
+        async with SubmissionProducer(_settings()) as producer:
+            futures = []
+            for n, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = orjson.loads(line)
+                    futures.append(await producer.submit(item["operation_id"], item["request"], item.get("source")))
+                except Exception as exc:
+                    raise click.ClickException(f"{path}:{n}: {exc}") from exc
+                count += 1
+            await asyncio.gather(*futures)
+        return count
+
+    click.echo(f"published {asyncio.run(run())} submissions")
+
+
+@main.command()
+@click.option("--trace", default="conv", show_default=True, help="conv, code, or a CSV path.")
+@click.option("--start", default=0, show_default=True, help="First data row.")
+@click.option("--rows", default=100, show_default=True, help="Number of rows.")
+@click.option("--compression", default=60.0, show_default=True, help="Replay speed-up of the arrival times.")
+@click.option("--run-id", default=None, help="Operation id prefix (default: r<unix time>).")
+def replay(trace: str, start: int, rows: int, compression: float, run_id: str | None) -> None:
+    """Publish trace rows as submissions at their (compressed) arrival times."""
+    from streams.producer import SubmissionProducer, replay_trace
+    from streams.trace import read_trace
+
+    settings = _settings()
+    selected = read_trace(trace, start=start, rows=rows)
+    rid = run_id or f"r{int(time.time())}"
+
+    async def run() -> list[str]:
+        async with SubmissionProducer(settings) as producer:
+            return await replay_trace(
+                producer,
+                selected,
+                trace=Path(trace).stem,
+                run_id=rid,
+                compression=compression,
+                model=settings.remote_model,
+            )
+
+    ids = asyncio.run(run())
+    click.echo(f"published {len(ids)} submissions, run id {rid}")
+
+
+@main.command()
+@click.option("--group-id", default=None, help="Consumer group (commits offsets; resume after restart).")
+@click.option("--from-beginning/--from-now", default=True, show_default=True)
+@click.option("--count", type=int, default=None, help="Stop after this many outputs.")
+def follow(group_id: str | None, from_beginning: bool, count: int | None) -> None:
+    """Print each delivered output once, as JSON lines."""
+    from streams.downstream import follow_outputs
+
+    async def run() -> None:
+        seen = 0
+        async for value in follow_outputs(_settings(), group_id=group_id, from_beginning=from_beginning):
+            sys.stdout.write(orjson.dumps(value).decode() + "\n")
+            sys.stdout.flush()
+            seen += 1
+            if count is not None and seen >= count:
+                return
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command("run")
+@click.option("--trace", default="conv", show_default=True, help="conv, code, or a CSV path with the same columns.")
+@click.option("--start", default=0, show_default=True, help="First data row of the slice.")
+@click.option("--rows", default=2000, show_default=True, help="Rows in the slice.")
+@click.option("--compression", default=30.0, show_default=True, help="Speed-up of arrivals and job durations.")
+@click.option("--workers", default=2, show_default=True, help="Worker processes.")
+@click.option("--partitions", default=8, show_default=True, help="Partitions per topic (new topics only).")
+@click.option("--seed", default=7, show_default=True, help="Seed of the simulator's fault decisions.")
+@click.option("--faults/--no-faults", default=True, show_default=True, help="Inject the default fault rates.")
+@click.option(
+    "--fault",
+    "fault_overrides",
+    multiple=True,
+    metavar="NAME=RATE",
+    help="Override one fault rate, e.g. --fault 429=0.05 (names: 429, 502_job_id, 5xx, drop_after_create, slow, "
+    "job_failed).",
+)
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the JSON report here (default reports/<run id>/report.json).",
+)
+@click.option("--timeout-s", default=900.0, show_default=True, help="Give up waiting after this long.")
+def run_command(
+    trace: str,
+    start: int,
+    rows: int,
+    compression: float,
+    workers: int,
+    partitions: int,
+    seed: int,
+    faults: bool,
+    fault_overrides: tuple[str, ...],
+    report_path: Path | None,
+    timeout_s: float,
+) -> None:
+    """The main job: simulator + workers, trace replay, progress, and the report (terminal and JSON)."""
+    from streams.mainjob import DEFAULT_FAULTS, MainJobOptions, run_main_job
+
+    rates = dict(DEFAULT_FAULTS) if faults else {}
+    for item in fault_overrides:
+        name, sep, value = item.partition("=")
+        key = f"fault_{name.strip()}"
+        if not sep or key not in DEFAULT_FAULTS:
+            raise click.BadParameter(
+                f"{item!r}: expected NAME=RATE with NAME in {[k.removeprefix('fault_') for k in DEFAULT_FAULTS]}",
+                param_hint="--fault",
+            )
+        rates[key] = float(value)
+    opts = MainJobOptions(
+        trace=trace,
+        start=start,
+        rows=rows,
+        compression=compression,
+        workers=workers,
+        partitions=partitions,
+        seed=seed,
+        faults=rates,
+        report_path=report_path,
+        timeout_s=timeout_s,
+    )
+    report = asyncio.run(run_main_job(opts))
+    problems = [
+        name
+        for name, bad in (
+            ("operations missing", report["operations_missing"] > 0),
+            ("operations not final", report["operations_final"] < report["operations_submitted"]),
+            ("a second remote job", report["max_jobs_per_operation"] > 1),
+            ("overlapping GETs", report["max_gets_in_flight_per_job"] > 1),
+            ("duplicate deliveries", report["output_duplicates"] > 0),
+            ("undelivered outputs", report["outputs_undelivered"] > 0),
+        )
+        if bad
+    ]
+    if problems:
+        raise click.ClickException("the run broke a promise: " + ", ".join(problems))

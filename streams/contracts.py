@@ -1,0 +1,107 @@
+"""JSON Schema contracts of every topic's value (``schemas/<topic>.json``) and the dead-letter envelope.
+
+:func:`decode` turns raw Kafka bytes into a validated dict or raises :class:`InvalidEventError` with a reason
+code; :func:`dead_letter` builds the envelope that carries the reason and the original bytes to the
+dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import time
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import orjson
+
+from streams.errors import ConfigError, InvalidEventError
+
+SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+
+#: Topic (without prefix) -> schema file name.
+SCHEMA_FILES = {
+    "generation.submissions": "generation.submissions.json",
+    "generation.polls": "generation.polls.json",
+    "generation.outputs.delivered": "generation.outputs.delivered.json",
+    "generation.transitions": "generation.transitions.json",
+    "generation.dead-letter": "generation.dead-letter.json",
+}
+
+
+@functools.cache
+def validator(topic: str) -> jsonschema.protocols.Validator:
+    """The compiled Draft 2020-12 validator for ``topic`` (unprefixed name).
+
+    Raises:
+        ConfigError: no schema file for the topic, or the schema itself is invalid.
+    """
+    try:
+        path = SCHEMA_DIR / SCHEMA_FILES[topic]
+    except KeyError:
+        raise ConfigError(f"no JSON Schema registered for topic {topic!r}") from None
+    schema = orjson.loads(path.read_bytes())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    v: jsonschema.protocols.Validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    return v
+
+
+def decode(topic: str, raw: bytes | None, max_value_bytes: int) -> dict[str, Any]:
+    """Parse and validate one Kafka value for ``topic``.
+
+    Returns the value as a dict. Raises :class:`InvalidEventError` with ``reason`` ``oversized`` (more than
+    ``max_value_bytes`` bytes), ``not_json`` (not UTF-8 JSON, or a tombstone) or ``schema`` (the message
+    names the first failing field).
+    """
+    if raw is None:
+        raise InvalidEventError("not_json", "value is empty (tombstone)")
+    if len(raw) > max_value_bytes:
+        raise InvalidEventError("oversized", f"value is {len(raw)} bytes, over the {max_value_bytes}-byte limit")
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidEventError("not_json", f"value is not JSON: {exc}") from exc
+    errors = sorted(validator(topic).iter_errors(value), key=lambda e: list(e.absolute_path))
+    if errors:
+        first = errors[0]
+        where = "/".join(str(p) for p in first.absolute_path) or "(root)"
+        raise InvalidEventError("schema", f"{topic} schema: at {where}: {first.message}")
+    assert isinstance(value, dict)  # the schemas all require an object
+    return value
+
+
+def validate(topic: str, value: dict[str, Any]) -> None:
+    """Check an outgoing value against its topic's schema.
+
+    Raises:
+        InvalidEventError: reason ``schema``; a bug in the producer, never sent.
+    """
+    error = jsonschema.exceptions.best_match(validator(topic).iter_errors(value))
+    if error is not None:
+        raise InvalidEventError("schema", f"{topic} schema: {error.message}")
+
+
+def dead_letter(
+    *,
+    source_topic: str,
+    partition: int | None,
+    offset: int | None,
+    key: bytes | None,
+    original: bytes | None,
+    error: InvalidEventError,
+    worker: str,
+) -> dict[str, Any]:
+    """The dead-letter envelope (``schemas/generation.dead-letter.json``) for one rejected input."""
+    return {
+        "source_topic": source_topic,
+        "partition": partition,
+        "offset": offset,
+        "key_base64": base64.b64encode(key).decode() if key is not None else None,
+        "reason": error.reason,
+        "error": str(error),
+        "original_base64": base64.b64encode(original or b"").decode(),
+        "failed_at_ms": int(time.time() * 1000),
+        "worker": worker,
+    }

@@ -1,0 +1,196 @@
+"""The dispatcher: one submission event -> ``accepted`` -> ``submitting`` (written first) -> one POST.
+
+Outcome of the POST (see :mod:`streams.remote`):
+
+* created (2xx, or 502 with ``error.job_id``): the job id is saved, fenced; the first poll is scheduled.
+* definite refusal (4xx): ``rejected`` with the API's reason.
+* 429 or "not sent" (connection refused before any byte): retried after ``Retry-After`` / with backoff,
+  within ``submit_retry_deadline_s``; past it, ``rejected`` (nothing was ever created).
+* unknown outcome (timeout or connection lost after send, 5xx without job id): ``uncertain`` with the reason;
+  never re-sent. A replayed submission never POSTs again once the operation left ``accepted``.
+
+A submit lease (Redis) is held around the claim and the POST: with Redis down no claim and no POST happen;
+the event waits (its offset is not committed) and resumes by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import tenacity
+
+from streams import contracts, metrics
+from streams.config import lease_key
+from streams.errors import (
+    CoordinationUnavailableError,
+    InvalidEventError,
+    LeaseLostError,
+    RemoteError,
+    RemoteNotSentError,
+    RemoteRateLimitedError,
+    RemoteRefusedError,
+    RemoteUnknownOutcomeError,
+)
+from streams.lease import Lease
+from streams.remote import SubmitResult
+from streams.runtime import RawMessage, Runtime
+from streams.states import OperationState
+
+log = logging.getLogger(__name__)
+
+SUBMISSIONS_TOPIC = "generation.submissions"
+
+
+def _wait_for_retry(base: tenacity.wait.wait_base) -> tenacity.wait.wait_base:
+    """Wait the 429's ``Retry-After`` when given, else the exponential ``base`` wait."""
+
+    class _Wait(tenacity.wait.wait_base):
+        def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+            exc = retry_state.outcome.exception() if retry_state.outcome else None
+            if isinstance(exc, RemoteRateLimitedError):
+                return exc.retry_after_s
+            return base(retry_state)
+
+    return _Wait()
+
+
+class Dispatcher:
+    """Handles ``generation.submissions`` events for one worker (see module docstring)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def handle(self, message: RawMessage) -> None:
+        """Process one raw submission event; invalid input goes to the dead-letter topic."""
+        settings = self.rt.settings
+        try:
+            event = contracts.decode(SUBMISSIONS_TOPIC, message.value, settings.max_value_bytes)
+        except InvalidEventError as exc:
+            metrics.SUBMISSIONS.labels("dead_letter").inc()
+            await self.rt.dead_letter(message, exc)
+            return
+        operation_id: str = event["operation_id"]
+        request: dict[str, Any] = dict(event["request"])
+        request["submitted_at_ms"] = event["submitted_at_ms"]
+        if "source" in event:
+            request["source"] = event["source"]
+        await self.rt.until_ledger("accept", lambda: self.rt.ledger.accept(operation_id, request))
+        lease = await self._take_submit_lease(operation_id)
+        if lease is None:
+            metrics.SUBMISSIONS.labels("already_dispatched").inc()
+            return
+        try:
+            fencing = await self.rt.until_ledger("claim submit", lambda: self.rt.ledger.claim_for_submit(operation_id))
+        except BaseException:
+            await lease.release()
+            raise
+        if fencing is None:
+            await lease.release()
+            metrics.SUBMISSIONS.labels("already_dispatched").inc()
+            return
+        await self._submit(operation_id, request, fencing, lease)
+
+    async def _take_submit_lease(self, operation_id: str) -> Lease | None:
+        """The submit lease, waiting while another holder has it and the operation is still ``accepted``.
+
+        Returns None once the operation is past ``accepted`` (someone else dispatched it).
+        """
+        key = lease_key(self.rt.settings, "submit", operation_id)
+        while True:
+            lease = await self.rt.acquire_waiting(key, "submit")
+            if lease is not None:
+                return lease
+            metrics.LEASE_BUSY.labels("submit").inc()
+            row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
+            if row is None or row["state"] != OperationState.ACCEPTED:
+                return None
+            await asyncio.sleep(self.rt.settings.lease_busy_retry_s)
+
+    async def _ensure_lease(self, lease: Lease) -> Lease:
+        """Renew the submit lease before a send; re-take it if it expired (we still hold the fencing value)."""
+        try:
+            await lease.renew()
+            return lease
+        except (LeaseLostError, CoordinationUnavailableError) as exc:
+            self.rt.log_outage("submit lease", exc)
+        while True:
+            new = await self.rt.acquire_waiting(lease.key, "submit")
+            if new is not None:
+                return new
+            await asyncio.sleep(self.rt.settings.lease_busy_retry_s)
+
+    async def _submit(self, operation_id: str, request: dict[str, Any], fencing: int, lease: Lease) -> None:
+        """POST (with the allowed retries) and save the outcome; releases the submit lease when done."""
+        settings = self.rt.settings
+        holder = [lease]
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type((RemoteRateLimitedError, RemoteNotSentError)),
+            wait=_wait_for_retry(tenacity.wait_exponential_jitter(initial=0.2, max=5.0)),
+            stop=tenacity.stop_after_delay(settings.submit_retry_deadline_s),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    holder[0] = await self._ensure_lease(holder[0])
+                    result = await self._post_once(operation_id, request, fencing)
+        except RemoteRefusedError as exc:  # includes 429 past the deadline: nothing was created
+            await self._finish_without_job(operation_id, fencing, OperationState.REJECTED, str(exc))
+            return
+        except RemoteNotSentError as exc:
+            why = f"never sent within {settings.submit_retry_deadline_s:.0f} s (nothing created): {exc}"
+            await self._finish_without_job(operation_id, fencing, OperationState.REJECTED, why)
+            return
+        except RemoteUnknownOutcomeError as exc:
+            await self._finish_without_job(operation_id, fencing, OperationState.UNCERTAIN, str(exc))
+            return
+        finally:
+            await holder[0].release()
+        reason = f"job id from HTTP {result.status_code} error.job_id" if result.via_error else None
+        first_poll_s = result.poll_after_s if result.poll_after_s is not None else settings.poll_backoff_base_s
+        saved = await self.rt.until_ledger(
+            "save job id",
+            lambda: self.rt.ledger.save_submitted(operation_id, fencing, result.job_id, first_poll_s, reason),
+        )
+        if saved:
+            metrics.SUBMISSIONS.labels("submitted").inc()
+        else:
+            metrics.FENCING_REFUSALS.labels("submit").inc()
+            log.error(
+                "operation %s: job id %s NOT saved: fencing value %s refused (the operation was claimed again or "
+                "reconciled meanwhile); the job is recorded in remote_calls for reconciliation",
+                operation_id,
+                result.job_id,
+                fencing,
+            )
+
+    async def _post_once(self, operation_id: str, request: dict[str, Any], fencing: int) -> SubmitResult:
+        started = time.perf_counter()
+        try:
+            result = await self.rt.remote.submit(operation_id, request)
+        except RemoteError as exc:
+            outcome = type(exc).__name__.removeprefix("Remote").removesuffix("Error").lower()
+            duration_ms = (time.perf_counter() - started) * 1000.0
+            await self.rt.account(operation_id, "POST", exc.status_code, outcome, None, duration_ms, fencing)
+            if not isinstance(exc, RemoteRateLimitedError | RemoteNotSentError):
+                log.warning("operation %s: POST %s: %s", operation_id, outcome, exc)
+            raise
+        outcome = "created_via_502" if result.via_error else "created"
+        await self.rt.account(
+            operation_id, "POST", result.status_code, outcome, result.job_id, result.duration_ms, fencing
+        )
+        return result
+
+    async def _finish_without_job(self, operation_id: str, fencing: int, state: OperationState, reason: str) -> None:
+        saved = await self.rt.until_ledger(
+            f"save {state}",
+            lambda: self.rt.ledger.save_submission_without_job(operation_id, fencing, state, reason),
+        )
+        if saved:
+            metrics.SUBMISSIONS.labels(state.value).inc()
+        else:
+            metrics.FENCING_REFUSALS.labels("submit").inc()
+            log.warning("operation %s: %s not saved: fencing value %s refused", operation_id, state, fencing)

@@ -1,0 +1,128 @@
+"""The project's exception tree: every error raised on purpose derives from :class:`StreamsError`.
+
+::
+
+    StreamsError
+    ├── ConfigError                  a setting is missing or malformed (fix the environment and restart)
+    ├── InvalidEventError            a Kafka value failed its JSON Schema or is not JSON (goes to the DLQ)
+    ├── CoordinationError            Redis leases
+    │   ├── CoordinationUnavailableError   Redis did not answer: make no claim, make no remote call
+    │   └── LeaseLostError                 renewal/ownership check found another token (or none)
+    ├── LedgerError                  PostgreSQL ledger
+    │   ├── LedgerUnavailableError         PostgreSQL did not answer: wait and retry, never skip the write
+    │   └── UnknownOperationError          an event names an operation the ledger has never accepted
+    └── RemoteError                  the remote generation API (always carries ``operation_id``)
+        ├── RemoteRefusedError             definite refusal, nothing created (4xx such as 400/422)
+        │   └── RemoteRateLimitedError     429: nothing created, retry after ``retry_after_s``
+        ├── RemoteNotSentError             connection refused/not established: no byte of the request sent
+        ├── RemoteUnknownOutcomeError      sent, outcome unknown (timeout/connection lost after send,
+        │                                  5xx without ``error.job_id``): the operation becomes ``uncertain``
+        ├── RemoteJobNotFoundError         GET answered 404 for a saved remote job id
+        └── RemoteTransientError           a GET failed in a way worth retrying later (5xx, timeout, I/O)
+
+A POST is retried only on :class:`RemoteNotSentError` and :class:`RemoteRateLimitedError` (ARCHITECTURE.md,
+"Contracts at the edges"); everything else that was sent is never re-sent.
+"""
+
+from __future__ import annotations
+
+
+class StreamsError(Exception):
+    """Root of every error this project raises on purpose."""
+
+
+class ConfigError(StreamsError):
+    """A setting is missing or malformed; the message names the variable and what to set it to."""
+
+
+class InvalidEventError(StreamsError):
+    """A Kafka value is not JSON, is too large, or fails its topic's JSON Schema.
+
+    ``reason`` is a short machine-readable code (``not_json``, ``schema``, ``oversized``, ``unknown_operation``)
+    and the message says what was wrong; the original bytes go to the dead-letter topic with both.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class CoordinationError(StreamsError):
+    """A Redis lease operation failed."""
+
+
+class CoordinationUnavailableError(CoordinationError):
+    """Redis did not answer (refused, timed out, reset). Workers make no new claims and no remote calls."""
+
+
+class LeaseLostError(CoordinationError):
+    """The lease key no longer holds our owner token (expired, or taken by a newer holder).
+
+    Raised by renewal; the holder must stop: no further remote call and no save for that operation.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(
+            f"lease {key!r} is no longer ours (expired or taken by another owner token); "
+            "stop work on this operation: the ledger's fencing value decides who may save"
+        )
+        self.key = key
+
+
+class LedgerError(StreamsError):
+    """A PostgreSQL ledger operation failed in a way the caller must handle."""
+
+
+class LedgerUnavailableError(LedgerError):
+    """PostgreSQL is unreachable or the connection broke; the write did not happen (or was rolled back)."""
+
+
+class UnknownOperationError(LedgerError):
+    """An event names an operation id that the ledger does not hold."""
+
+    def __init__(self, operation_id: str) -> None:
+        super().__init__(f"operation {operation_id!r} is not in the ledger; the event goes to the dead-letter topic")
+        self.operation_id = operation_id
+
+
+class RemoteError(StreamsError):
+    """A call to the remote generation API failed; ``operation_id`` and ``status_code`` (if any) say where."""
+
+    def __init__(self, operation_id: str, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(f"operation {operation_id}: {message}")
+        self.operation_id = operation_id
+        self.status_code = status_code
+
+
+class RemoteRefusedError(RemoteError):
+    """The API refused with a definite answer that no job was created (4xx). The operation ends ``rejected``."""
+
+    def __init__(self, operation_id: str, message: str, *, status_code: int | None, code: str) -> None:
+        super().__init__(operation_id, message, status_code=status_code)
+        self.code = code
+
+
+class RemoteRateLimitedError(RemoteRefusedError):
+    """HTTP 429: nothing was created; retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, operation_id: str, retry_after_s: float) -> None:
+        super().__init__(
+            operation_id, f"rate limited, retry after {retry_after_s:.3f} s", status_code=429, code="rate_limited"
+        )
+        self.retry_after_s = retry_after_s
+
+
+class RemoteNotSentError(RemoteError):
+    """The connection was refused or never established: no byte of the request left this process."""
+
+
+class RemoteUnknownOutcomeError(RemoteError):
+    """The request was sent and its outcome is unknown; a job may exist. Never re-send: mark ``uncertain``."""
+
+
+class RemoteJobNotFoundError(RemoteError):
+    """A GET for a saved remote job id answered 404."""
+
+
+class RemoteTransientError(RemoteError):
+    """An observation (GET) failed in a retryable way; the poll is rescheduled with backoff."""

@@ -1,0 +1,296 @@
+"""The PostgreSQL ledger: operations, fenced transitions, outputs, outbox and remote-call accounting.
+
+Every method is one transaction. Writes of observations are *fenced*: they name the fencing value the
+worker got when it claimed the operation and touch zero rows if a newer claim happened since (seed: "Fence
+durable state changes separately"). The state order is enforced twice: by the ``WHERE`` clause of each
+query (``states.can_transition``) and by the ``operations_guard`` trigger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import orjson
+
+from streams.errors import LedgerUnavailableError
+from streams.remote import JobSnapshot
+from streams.sql import LEDGER as Q
+from streams.states import OperationState, can_transition, is_terminal
+
+_UNAVAILABLE = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+)
+
+
+@contextlib.asynccontextmanager
+async def _guard(what: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except _UNAVAILABLE as exc:
+        raise LedgerUnavailableError(f"PostgreSQL unavailable during {what}: {type(exc).__name__}: {exc}") from exc
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    for typename in ("json", "jsonb"):
+        await conn.set_type_codec(
+            typename, encoder=lambda v: orjson.dumps(v).decode(), decoder=orjson.loads, schema="pg_catalog"
+        )
+
+
+async def create_pool(database_url: str, *, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
+    """An asyncpg pool whose connections encode/decode json and jsonb with orjson.
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not accept the connection.
+    """
+    async with _guard("connect"):
+        pool: asyncpg.Pool = await asyncpg.create_pool(
+            database_url, min_size=min_size, max_size=max_size, init=_init_connection, command_timeout=30
+        )
+    return pool
+
+
+class SaveOutcome(enum.StrEnum):
+    """What happened to a fenced save."""
+
+    SAVED = "saved"  # written (a transition, or a refresh of the same state)
+    REFUSED_FENCING = "refused_fencing"  # a newer claim exists: the caller drops its result
+    REFUSED_ORDER = "refused_order"  # the row is already at or past this state (e.g. late running)
+
+
+@dataclass(frozen=True)
+class DuePoll:
+    """One poll claimed by the scheduler."""
+
+    operation_id: str
+    remote_job_id: str
+    poll_claim_id: int
+
+
+@dataclass(frozen=True)
+class ObserveClaim:
+    """The observer's claim: the fencing value every save must name."""
+
+    fencing_token: int
+    remote_job_id: str
+    state: OperationState
+
+
+def sources_for(new: OperationState) -> list[str]:
+    """States over which ``new`` may be saved: legal predecessors, plus ``new`` itself when not terminal."""
+    allowed = [s.value for s in OperationState if can_transition(s, new)]
+    if not is_terminal(new):
+        allowed.append(new.value)
+    return allowed
+
+
+class Ledger:
+    """Typed access to the ledger's named queries (``streams/queries/ledger.sql``).
+
+    Args:
+        pool: from :func:`create_pool`.
+        worker: this worker's name, written into the transition log and accounting.
+
+    Every method raises :class:`LedgerUnavailableError` when PostgreSQL does not answer; nothing is then
+    written (each method is one transaction).
+    """
+
+    def __init__(self, pool: asyncpg.Pool, worker: str) -> None:
+        self.pool = pool
+        self.worker = worker
+
+    async def close(self) -> None:
+        """Close the pool."""
+        await self.pool.close()
+
+    async def _record_transition(
+        self,
+        conn: asyncpg.Connection,
+        operation_id: str,
+        from_state: str | None,
+        to_state: str,
+        fencing_token: int,
+        reason: str | None,
+        remote_job_id: str | None,
+    ) -> None:
+        await conn.execute(
+            Q.record_transition, operation_id, from_state, to_state, fencing_token, reason, self.worker, remote_job_id
+        )
+
+    async def accept(self, operation_id: str, request: dict[str, Any]) -> bool:
+        """Insert the operation as ``accepted``; False when it already existed (a replay)."""
+        async with _guard(f"accept {operation_id}"), self.pool.acquire() as conn, conn.transaction():
+            fencing = await conn.fetchval(Q.accept_operation, operation_id, request)
+            if fencing is None:
+                return False
+            await self._record_transition(conn, operation_id, None, "accepted", fencing, None, None)
+            return True
+
+    async def claim_for_submit(self, operation_id: str) -> int | None:
+        """``accepted -> submitting`` with a new fencing value, written before the POST.
+
+        Returns the fencing value, or None when the operation is past ``accepted`` (never resubmit).
+        """
+        async with _guard(f"claim {operation_id}"), self.pool.acquire() as conn, conn.transaction():
+            fencing: int | None = await conn.fetchval(Q.claim_for_submit, operation_id)
+            if fencing is not None:
+                await self._record_transition(conn, operation_id, "accepted", "submitting", fencing, None, None)
+            return fencing
+
+    async def save_submitted(
+        self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
+    ) -> bool:
+        """Fenced: save the job id (``submitting|uncertain -> submitted``); False when refused."""
+        async with _guard(f"save job id of {operation_id}"), self.pool.acquire() as conn, conn.transaction():
+            old = await conn.fetchval(Q.save_submitted, operation_id, fencing_token, remote_job_id, first_poll_delay_s)
+            if old is None:
+                return False
+            await self._record_transition(conn, operation_id, old, "submitted", fencing_token, reason, remote_job_id)
+            return True
+
+    async def save_submission_without_job(
+        self, operation_id: str, fencing_token: int, state: OperationState, reason: str
+    ) -> bool:
+        """Fenced: ``submitting -> rejected|uncertain`` with ``reason``; False when refused."""
+        assert state in (OperationState.REJECTED, OperationState.UNCERTAIN)
+        async with _guard(f"save {state} for {operation_id}"), self.pool.acquire() as conn, conn.transaction():
+            old = await conn.fetchval(Q.save_submission_without_job, operation_id, fencing_token, state.value, reason)
+            if old is None:
+                return False
+            await self._record_transition(conn, operation_id, old, state.value, fencing_token, reason, None)
+            return True
+
+    async def reconcile_stale_submitting(self, stale_after_s: float, batch_size: int) -> list[str]:
+        """Mark operations stuck in ``submitting`` as ``uncertain`` (with a reason); returns their ids."""
+        async with _guard("reconcile submitting"), self.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(Q.reconcile_stale_submitting, stale_after_s, batch_size)
+            for row in rows:
+                await self._record_transition(
+                    conn, row["operation_id"], "submitting", "uncertain", row["fencing_token"], row["reason"], None
+                )
+            return [row["operation_id"] for row in rows]
+
+    async def claim_due_polls(self, batch_size: int, visibility_timeout_s: float) -> list[DuePoll]:
+        """Claim due polls; each comes back by itself after ``visibility_timeout_s`` unless saved sooner."""
+        async with _guard("claim due polls"), self.pool.acquire() as conn:
+            rows = await conn.fetch(Q.claim_due_polls, batch_size, visibility_timeout_s)
+        return [DuePoll(r["operation_id"], r["remote_job_id"], r["poll_claim_id"]) for r in rows]
+
+    async def get_operation(self, operation_id: str) -> dict[str, Any] | None:
+        """The operation's row as a dict, or None when the ledger does not hold it."""
+        async with _guard(f"read {operation_id}"), self.pool.acquire() as conn:
+            row = await conn.fetchrow(Q.get_operation, operation_id)
+        return dict(row) if row is not None else None
+
+    async def claim_for_observe(self, operation_id: str, poll_claim_id: int) -> ObserveClaim | None:
+        """A new fencing value for observing, if the poll is the newest claim and the job still pollable."""
+        async with _guard(f"claim observe {operation_id}"), self.pool.acquire() as conn:
+            row = await conn.fetchrow(Q.claim_for_observe, operation_id, poll_claim_id)
+        if row is None:
+            return None
+        return ObserveClaim(row["fencing_token"], row["remote_job_id"], OperationState(row["state"]))
+
+    async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
+        """Move the claimed poll to now + ``delay_s``; False when the claim is stale or the job not pollable."""
+        async with _guard(f"reschedule {operation_id}"), self.pool.acquire() as conn:
+            row = await conn.fetchval(Q.reschedule_poll, operation_id, poll_claim_id, delay_s)
+        return row is not None
+
+    async def save_observation(
+        self, operation_id: str, fencing_token: int, snapshot: JobSnapshot, next_poll_delay_s: float | None
+    ) -> SaveOutcome:
+        """Fenced, conditional save of one GET snapshot.
+
+        A terminal ``succeeded`` writes the outputs and one outbox row per ``(operation_id, output_id)`` in
+        the same transaction. Returns :class:`SaveOutcome`; a refusal writes nothing.
+        """
+        new = snapshot.state
+        terminal = is_terminal(new)
+        reason = None
+        if new is OperationState.FAILED and snapshot.error:
+            reason = f"remote job failed: {orjson.dumps(snapshot.error).decode()}"
+        async with _guard(f"save observation of {operation_id}"), self.pool.acquire() as conn:
+            async with conn.transaction():
+                old = await conn.fetchval(
+                    Q.save_observation,
+                    operation_id,
+                    fencing_token,
+                    new.value,
+                    snapshot.as_observation(),
+                    None if terminal else next_poll_delay_s,
+                    snapshot.completed_at_ms if terminal else None,
+                    reason,
+                    sources_for(new),
+                )
+                if old is not None:
+                    if old != new.value:
+                        await self._record_transition(
+                            conn, operation_id, old, new.value, fencing_token, reason, snapshot.job_id
+                        )
+                    if new is OperationState.SUCCEEDED:
+                        outputs = [
+                            {"output_id": str(o["id"]), "position": i, "payload": o}
+                            for i, o in enumerate(snapshot.outputs)
+                        ]
+                        await conn.fetchval(
+                            Q.insert_outputs, operation_id, snapshot.job_id, outputs, snapshot.completed_at_ms
+                        )
+                    return SaveOutcome.SAVED
+            current = await conn.fetchrow(Q.get_operation, operation_id)
+        if current is not None and current["fencing_token"] != fencing_token:
+            return SaveOutcome.REFUSED_FENCING
+        return SaveOutcome.REFUSED_ORDER
+
+    async def record_remote_call(
+        self,
+        operation_id: str,
+        method: str,
+        status_code: int | None,
+        outcome: str,
+        remote_job_id: str | None,
+        duration_ms: float,
+        fencing_token: int | None,
+    ) -> None:
+        """Accounting: append one remote call attempt with its classified outcome."""
+        async with _guard(f"account {method} for {operation_id}"), self.pool.acquire() as conn:
+            await conn.execute(
+                Q.record_remote_call,
+                operation_id,
+                method,
+                status_code,
+                outcome,
+                remote_job_id,
+                duration_ms,
+                fencing_token,
+                self.worker,
+            )
+
+    async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
+        """Publish one batch of unpublished outbox rows with ``publish`` and mark them published.
+
+        Only one relay runs at a time (a transaction-scoped advisory lock), which keeps each operation's
+        events in order. ``publish`` must raise unless every row was acknowledged by Kafka; then nothing is
+        marked. A crash between publish and mark repeats rows with the same ``event_id``.
+        Returns the number of rows published (0 when another relay holds the lock).
+        """
+        async with _guard("relay outbox"), self.pool.acquire() as conn, conn.transaction():
+            if not await conn.fetchval(Q.try_relay_lock):
+                return 0
+            rows = await conn.fetch(Q.lock_unpublished_outbox, batch_size)
+            if not rows:
+                return 0
+            await publish([dict(r) for r in rows])
+            await conn.execute(Q.mark_outbox_published, [r["id"] for r in rows])
+            return len(rows)

@@ -1,0 +1,277 @@
+"""The main job: replay a real trace through simulator + workers and report what happened.
+
+Steps: migrations and topics -> simulator and N worker processes from the ``Procfile`` (run by honcho) ->
+trace replay (time-compressed) with progress -> wait until every operation is final and the outbox is
+drained -> report from independent records (:mod:`streams.report`) -> stop the processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import orjson
+
+from streams.admin import create_topics, migrate
+from streams.config import Settings
+from streams.downstream import read_topic_to_end
+from streams.ledger import create_pool
+from streams.producer import SubmissionProducer, replay_trace
+from streams.report import FINAL_STATES, LedgerOperation, build_report, render_table
+from streams.sql import REPORT
+from streams.trace import read_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Fault rates used when the main job runs "with faults on" (the default).
+DEFAULT_FAULTS: dict[str, float] = {
+    "fault_429": 0.01,
+    "fault_502_job_id": 0.01,
+    "fault_5xx": 0.005,
+    "fault_drop_after_create": 0.005,
+    "fault_slow": 0.002,
+    "fault_job_failed": 0.01,
+}
+
+
+@dataclass
+class MainJobOptions:
+    """Options of ``streams run`` (see its ``--help``)."""
+
+    trace: str = "conv"
+    start: int = 0
+    rows: int = 2000
+    compression: float = 30.0
+    workers: int = 2
+    partitions: int = 8
+    seed: int = 7
+    faults: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAULTS))
+    report_path: Path | None = None
+    timeout_s: float = 900.0
+    base_port: int = 17000
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Processes:
+    """The simulator and the workers, run by honcho from the Procfile in their own process group."""
+
+    def __init__(self, env: dict[str, str], workers: int, base_port: int, log_path: Path) -> None:
+        self.env = env
+        self.workers = workers
+        self.base_port = base_port
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start ``honcho start`` with ``simulator=1,worker=N``; output goes to ``log_path``."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        honcho = str(Path(sys.executable).with_name("honcho"))
+        self.proc = subprocess.Popen(
+            [
+                honcho,
+                "start",
+                "-f",
+                str(ROOT / "Procfile"),
+                "-d",
+                str(ROOT),
+                "-c",
+                f"simulator=1,worker={self.workers}",
+                "-p",
+                str(self.base_port),
+            ],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def worker_ports(self) -> list[int]:
+        """Web ports of the workers (honcho: base + 100 per process type + instance)."""
+        return [self.base_port + 100 + i for i in range(self.workers)]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after ``timeout_s``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+async def wait_http(url: str, timeout_s: float, proc: Processes) -> None:
+    """Wait until ``url`` answers 200.
+
+    Raises:
+        RuntimeError: the processes exited or the time ran out (the message names the log file).
+    """
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc.proc is not None and proc.proc.poll() is not None:
+                raise RuntimeError(f"processes exited early; see {proc.log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(url)).status_code == 200:
+                    return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s; see {proc.log_path}")
+
+
+async def progress(pool: asyncpg.Pool, pattern: str) -> dict[str, int]:
+    """Operation counts by state (plus ``outbox_pending``) for the run."""
+    rows = await pool.fetch(REPORT.run_progress, pattern)
+    return {r["state"]: r["n"] for r in rows}
+
+
+def _line(counts: dict[str, int], submitted: int, total: int, started: float) -> str:
+    final = sum(n for s, n in counts.items() if s in FINAL_STATES)
+    states = " ".join(f"{s}={n}" for s, n in sorted(counts.items()) if s != "outbox_pending" and n)
+    rate = final / max(0.001, time.monotonic() - started)
+    return (
+        f"[{time.monotonic() - started:6.1f}s] submitted {submitted}/{total}  final {final}/{total}  "
+        f"({rate:.0f} ops/s)  outbox pending {counts.get('outbox_pending', 0)}  | {states}"
+    )
+
+
+async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str, Any]:
+    """Run the main job end to end; returns the report (also printed, and written as JSON if asked)."""
+    run_id = f"run{int(time.time())}"
+    base = Settings.from_env().replace(partitions=opts.partitions)
+    sim_port = free_port()
+    settings = base.replace(remote_base_url=f"http://127.0.0.1:{sim_port}")
+    rows = read_trace(opts.trace, start=opts.start, rows=opts.rows)
+    trace_name = Path(opts.trace).stem
+    print(
+        f"main job {run_id}: {len(rows)} rows of trace {trace_name!r} from row {opts.start}, compression "
+        f"{opts.compression}x, {opts.workers} workers, faults {opts.faults or 'off'}",
+        file=out,
+    )
+    migrate(settings.database_url)
+    await create_topics(settings)
+
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(
+        {
+            "STREAMS_REMOTE_BASE_URL": settings.remote_base_url,
+            "STREAMS_PARTITIONS": str(opts.partitions),
+            "SIM_PORT": str(sim_port),
+            "SIM_SEED": str(opts.seed),
+            "SIM_COMPRESSION": str(opts.compression),
+            "SIM_SLOW_RESPONSE_S": str(settings.http_read_timeout_s + 2),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update({f"SIM_{k.upper()}": str(v) for k, v in opts.faults.items()})
+    log_path = ROOT / "reports" / run_id / "processes.log"
+    procs = Processes(env, opts.workers, opts.base_port, log_path)
+    procs.start()
+    print(f"processes started (honcho, logs: {log_path})", file=out)
+    pool = await create_pool(settings.database_url, min_size=1, max_size=2)
+    pattern = f"{run_id}-%"
+    try:
+        await wait_http(f"{settings.remote_base_url}/healthz", 60, procs)
+        for port in procs.worker_ports():
+            await wait_http(f"http://127.0.0.1:{port}/healthz", 120, procs)
+        started = time.monotonic()
+        sent = [0]
+        async with SubmissionProducer(settings) as producer:
+            replay = asyncio.create_task(
+                replay_trace(
+                    producer,
+                    rows,
+                    trace=trace_name,
+                    run_id=run_id,
+                    compression=opts.compression,
+                    model=settings.remote_model,
+                    on_sent=lambda n: sent.__setitem__(0, n),
+                )
+            )
+            deadline = started + opts.timeout_s
+            while True:
+                await asyncio.sleep(2.0)
+                counts = await progress(pool, pattern)
+                print(_line(counts, sent[0], len(rows), started), file=out, flush=True)
+                final = sum(n for s, n in counts.items() if s in FINAL_STATES)
+                if replay.done() and final >= len(rows) and counts.get("outbox_pending", 0) == 0:
+                    break
+                if procs.proc is not None and procs.proc.poll() is not None:
+                    raise RuntimeError(f"worker processes exited; see {log_path}")
+                if time.monotonic() > deadline:
+                    print(f"timeout after {opts.timeout_s:.0f} s: reporting what is there", file=out)
+                    break
+            ids = await replay
+        elapsed = time.monotonic() - started
+        report = await collect_report(
+            settings,
+            pool,
+            pattern,
+            ids,
+            {
+                "run_id": run_id,
+                "workers": opts.workers,
+                "partitions": opts.partitions,
+                "trace": trace_name,
+                "rows": len(rows),
+                "start_row": opts.start,
+                "compression": opts.compression,
+                "faults": opts.faults,
+                "wall_clock_s": round(elapsed, 1),
+            },
+        )
+    finally:
+        await pool.close()
+        procs.stop()
+    print(render_table(report), file=out)
+    path = opts.report_path or (ROOT / "reports" / run_id / "report.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    print(f"report written to {path}", file=out)
+    return report
+
+
+async def collect_report(
+    settings: Settings, pool: asyncpg.Pool, pattern: str, ids: list[str], meta: dict[str, Any]
+) -> dict[str, Any]:
+    """Gather the independent records (ledger, simulator, Kafka read-back) and build the report."""
+    rows = await pool.fetch(REPORT.run_operations, pattern)
+    ledger = [
+        LedgerOperation(r["operation_id"], r["state"], r["reason"], r["accepted_at_ms"], r["final_at_ms"], r["outputs"])
+        for r in rows
+    ]
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        sim = (await client.get(f"{settings.remote_base_url}/_sim/jobs")).json()["jobs"]
+        summary = (await client.get(f"{settings.remote_base_url}/_sim/summary")).json()
+    delivered = await read_topic_to_end(settings, "outputs_delivered")
+    meta = dict(meta)
+    meta["faults_injected"] = summary.get("faults_injected", {})
+    return build_report(
+        submitted_ids=ids,
+        ledger=ledger,
+        sim_jobs=sim,
+        delivered=[(d.value, d.timestamp_ms) for d in delivered],
+        meta=meta,
+    )

@@ -1,0 +1,31 @@
+"""Prometheus metrics of one worker process (served at ``/metrics`` by the worker's web server)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+FENCING_REFUSALS = Counter(
+    "streams_fencing_refusals_total",
+    "Saves refused because a newer claim holds the operation (the stale worker dropped its result).",
+    ["stage"],
+)
+ORDER_REFUSALS = Counter(
+    "streams_order_refusals_total",
+    "Observations not saved because the operation is already at or past that state (e.g. late running).",
+)
+LEASE_BUSY = Counter("streams_lease_busy_total", "Lease held by another worker; work rescheduled.", ["action"])
+LEASE_LOST = Counter("streams_lease_lost_total", "Renewal found another owner token; work stopped.", ["action"])
+COORDINATION_UNAVAILABLE = Counter(
+    "streams_coordination_unavailable_total", "Redis did not answer; no claim and no remote call made.", ["action"]
+)
+LEDGER_UNAVAILABLE = Counter("streams_ledger_unavailable_total", "PostgreSQL did not answer; retried.", ["what"])
+REMOTE_CALLS = Counter("streams_remote_calls_total", "Remote API calls by classified outcome.", ["method", "outcome"])
+REMOTE_CALL_SECONDS = Histogram("streams_remote_call_seconds", "Remote API call duration.", ["method"])
+DEAD_LETTERS = Counter("streams_dead_letters_total", "Inputs sent to the dead-letter topic.", ["topic", "reason"])
+STALE_POLLS = Counter("streams_stale_polls_total", "Poll events dropped because a newer claim or state exists.")
+POLLS_CLAIMED = Counter("streams_polls_claimed_total", "Due polls claimed by this worker's scheduler.")
+RECONCILED_UNCERTAIN = Counter(
+    "streams_reconciled_uncertain_total", "Operations found stuck in submitting and marked uncertain."
+)
+OUTBOX_PUBLISHED = Counter("streams_outbox_published_total", "Outbox rows published.", ["topic_role"])
+SUBMISSIONS = Counter("streams_submissions_total", "Submission events by result.", ["result"])

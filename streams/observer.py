@@ -1,0 +1,168 @@
+"""The observer: one due-poll event -> Redis lease -> fenced claim -> GET -> renew -> fenced save -> release.
+
+* Lease not acquired: another worker is observing; the poll is rescheduled (same job id), no spin, no failure.
+* Redis unavailable: no claim and no GET; the poll comes back after its visibility timeout.
+* GET failed: classified, accounted, rescheduled with backoff (429 after its ``Retry-After``).
+* Renewal before the save fails (:class:`LeaseLostError`): no save and no further GET for this poll.
+* Save refused by the fencing value: the result is dropped, counted (``streams_fencing_refusals_total``) and
+  logged. A late ``running`` over a saved ``succeeded`` is refused by the state order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+from streams import contracts, metrics
+from streams.backoff import next_poll_delay_s
+from streams.config import lease_key
+from streams.errors import (
+    CoordinationUnavailableError,
+    InvalidEventError,
+    LeaseLostError,
+    RemoteError,
+    RemoteJobNotFoundError,
+    RemoteRateLimitedError,
+    UnknownOperationError,
+)
+from streams.lease import Lease
+from streams.ledger import ObserveClaim, SaveOutcome
+from streams.remote import JobSnapshot
+from streams.runtime import RawMessage, Runtime
+from streams.states import POLLABLE, OperationState
+
+log = logging.getLogger(__name__)
+
+POLLS_TOPIC = "generation.polls"
+
+
+class Observer:
+    """Handles ``generation.polls`` events for one worker (see module docstring)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def handle(self, message: RawMessage) -> None:
+        """Process one raw poll event; invalid input or an unknown operation goes to the dead-letter topic."""
+        rt = self.rt
+        try:
+            event = contracts.decode(POLLS_TOPIC, message.value, rt.settings.max_value_bytes)
+        except InvalidEventError as exc:
+            await rt.dead_letter(message, exc)
+            return
+        operation_id: str = event["operation_id"]
+        poll_claim_id: int = event["poll_claim_id"]
+        row = await rt.until_ledger("read", lambda: rt.ledger.get_operation(operation_id))
+        if row is None:
+            unknown = UnknownOperationError(operation_id)
+            await rt.dead_letter(message, InvalidEventError("unknown_operation", str(unknown)))
+            return
+        if row["poll_claim_id"] != poll_claim_id or OperationState(row["state"]) not in POLLABLE:
+            metrics.STALE_POLLS.inc()
+            return
+        try:
+            lease = await rt.leases.acquire(lease_key(rt.settings, "observe", operation_id))
+        except CoordinationUnavailableError as exc:
+            metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
+            rt.log_outage("Redis", exc)
+            return  # no GET without a lease; the visibility timeout brings the poll back
+        if lease is None:
+            metrics.LEASE_BUSY.labels("observe").inc()
+            await self._reschedule(operation_id, poll_claim_id, rt.settings.lease_busy_retry_s)
+            return
+        try:
+            await self._observe(operation_id, poll_claim_id, row["poll_count"], lease)
+        finally:
+            await lease.release()
+
+    async def _reschedule(self, operation_id: str, poll_claim_id: int, delay_s: float) -> None:
+        await self.rt.until_ledger(
+            "reschedule", lambda: self.rt.ledger.reschedule_poll(operation_id, poll_claim_id, delay_s)
+        )
+
+    def _delay(self, poll_count: int, hint_s: float | None) -> float:
+        s = self.rt.settings
+        return next_poll_delay_s(
+            poll_count, hint_s, base_s=s.poll_backoff_base_s, cap_s=s.poll_backoff_cap_s, min_s=s.poll_min_delay_s
+        )
+
+    async def _observe(self, operation_id: str, poll_claim_id: int, poll_count: int, lease: Lease) -> None:
+        rt = self.rt
+        claim = await rt.until_ledger("claim observe", lambda: rt.ledger.claim_for_observe(operation_id, poll_claim_id))
+        if claim is None:
+            metrics.STALE_POLLS.inc()
+            return
+        snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim)
+        if snapshot is None:
+            return
+        await self._pause_for_tests()
+        try:
+            await lease.renew()
+        except (LeaseLostError, CoordinationUnavailableError) as exc:
+            metrics.LEASE_LOST.labels("observe").inc()
+            log.warning("operation %s: not saving the GET result: %s", operation_id, exc)
+            return
+        delay = self._delay(poll_count, snapshot.poll_after_s)
+        outcome = await rt.until_ledger(
+            "save observation", lambda: rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay)
+        )
+        if outcome is SaveOutcome.REFUSED_FENCING:
+            metrics.FENCING_REFUSALS.labels("observe").inc()
+            log.warning(
+                "operation %s: observation %s dropped: fencing value %s is stale (a newer claim saved since)",
+                operation_id,
+                snapshot.status,
+                claim.fencing_token,
+            )
+        elif outcome is SaveOutcome.REFUSED_ORDER:
+            metrics.ORDER_REFUSALS.inc()
+            log.info("operation %s: %s not saved over a later state", operation_id, snapshot.status)
+
+    async def _get(
+        self, operation_id: str, poll_claim_id: int, poll_count: int, claim: ObserveClaim
+    ) -> JobSnapshot | None:
+        """GET the job; on a classified failure account it, reschedule, and return None."""
+        rt = self.rt
+        job_id = claim.remote_job_id
+        started = time.perf_counter()
+        try:
+            snapshot = await rt.remote.observe(operation_id, job_id)
+        except RemoteJobNotFoundError as exc:
+            duration_ms = (time.perf_counter() - started) * 1000.0
+            await rt.account(operation_id, "GET", 404, "job_not_found", job_id, duration_ms, claim.fencing_token)
+            log.error("operation %s: %s; recording it as failed", operation_id, exc)
+            return JobSnapshot(
+                job_id=job_id,
+                status="failed",
+                state=OperationState.FAILED,
+                error={"code": "remote_job_not_found", "message": str(exc)},
+                status_code=404,
+            )
+        except RemoteError as exc:
+            duration_ms = (time.perf_counter() - started) * 1000.0
+            outcome = type(exc).__name__.removeprefix("Remote").removesuffix("Error").lower()
+            await rt.account(operation_id, "GET", exc.status_code, outcome, job_id, duration_ms, claim.fencing_token)
+            hint = exc.retry_after_s if isinstance(exc, RemoteRateLimitedError) else None
+            log.info("operation %s: GET %s, retrying: %s", operation_id, outcome, exc)
+            await self._reschedule(operation_id, poll_claim_id, self._delay(poll_count, hint))
+            return None
+        fencing, status = claim.fencing_token, snapshot.status
+        await rt.account(operation_id, "GET", snapshot.status_code, status, job_id, snapshot.duration_ms, fencing)
+        return snapshot
+
+    async def _pause_for_tests(self) -> None:
+        """Test hook (seed acceptance check 1): if ``test_pause_after_get_file`` exists, remove it and SIGSTOP
+        this process between its GET and its save; the test resumes it with SIGCONT. Off unless configured."""
+        path = self.rt.settings.test_pause_after_get_file
+        if not path:
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        log.warning("test hook: stopping this worker (SIGSTOP) between GET and save")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        await asyncio.sleep(0)

@@ -1,0 +1,21 @@
+-- Named queries for reports and progress (read-only).
+
+-- name: run_operations
+-- $1 operation id LIKE pattern. One row per operation with its final-transition time and output count.
+SELECT o.operation_id,
+       o.state::text AS state,
+       o.reason,
+       floor(extract(epoch FROM o.accepted_at) * 1000)::bigint AS accepted_at_ms,
+       (SELECT floor(extract(epoch FROM max(t.at)) * 1000)::bigint
+        FROM transitions t WHERE t.operation_id = o.operation_id) AS final_at_ms,
+       (SELECT count(*) FROM outputs u WHERE u.operation_id = o.operation_id)::integer AS outputs
+FROM operations o
+WHERE o.operation_id LIKE $1;
+
+-- name: run_progress
+-- $1 operation id LIKE pattern. state -> count, plus unpublished outbox rows.
+SELECT state::text AS state, count(*)::integer AS n
+FROM operations WHERE operation_id LIKE $1
+GROUP BY state
+UNION ALL
+SELECT 'outbox_pending', count(*)::integer FROM outbox WHERE operation_id LIKE $1 AND published_at IS NULL;

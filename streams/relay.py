@@ -1,0 +1,48 @@
+"""The outbox relay: publishes outbox rows to their topics, then marks them published.
+
+Each ``(operation_id, output_id)`` has exactly one outbox row (unique key) and is published once; a crash
+between publishing and marking republishes it with the same deterministic ``event_id`` (header and value),
+which downstream drops (:mod:`streams.downstream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from streams import metrics
+from streams.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+class OutboxRelay:
+    """Publishes outbox batches for one worker (only one relay is active at a time, see the ledger)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def _publish(self, rows: list[dict[str, Any]]) -> None:
+        rt = self.rt
+        await asyncio.gather(
+            *(
+                rt.send(rt.settings.topic(row["topic_role"]), row["operation_id"].encode(), row["payload"].encode())
+                for row in rows
+            )
+        )
+        for row in rows:
+            metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
+
+    async def tick(self) -> int:
+        """Publish until the outbox is drained or a batch fails; returns rows published. Never raises."""
+        total = 0
+        while True:
+            try:
+                n = await self.rt.ledger.relay_outbox(self.rt.settings.relay_batch_size, self._publish)
+            except Exception as exc:  # Kafka or PostgreSQL down: nothing was marked; next tick retries
+                self.rt.log_outage("outbox relay", exc)
+                return total
+            total += n
+            if n < self.rt.settings.relay_batch_size:
+                return total

@@ -1,0 +1,155 @@
+"""The run report: every figure from an independent record, never from the pipeline's own counters.
+
+* states: the PostgreSQL ledger;
+* remote jobs, GETs, GETs in flight, remote completion times: the provider simulator's own record;
+* output-delivered events: read back from the ``generation.outputs.delivered`` topic in Kafka.
+
+Field names are shared by the main job, the soak and the benchmark.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+FINAL_STATES = frozenset({"succeeded", "failed", "canceled", "rejected", "uncertain"})
+COMPLETED_STATES = frozenset({"succeeded", "failed", "canceled"})
+
+
+@dataclass(frozen=True)
+class LedgerOperation:
+    """One operation as the ledger holds it."""
+
+    operation_id: str
+    state: str
+    reason: str | None
+    accepted_at_ms: int
+    final_at_ms: int | None
+    outputs: int
+
+
+def percentile(values: list[float], pct: float) -> float | None:
+    """The ``pct`` percentile (0-100, inclusive method) of ``values``, or None when empty."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(pct) - 1] if pct < 100 else max(values)
+
+
+def build_report(
+    *,
+    submitted_ids: Iterable[str],
+    ledger: Iterable[LedgerOperation],
+    sim_jobs: Iterable[Mapping[str, Any]],
+    delivered: Iterable[tuple[Mapping[str, Any], int]],
+    meta: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Compute the report.
+
+    Args:
+        submitted_ids: operation ids this run published.
+        ledger: the ledger's rows for those operations.
+        sim_jobs: the simulator's job records (``operation_id``, ``gets``, ``max_gets_in_flight``,
+            ``completed_at`` in unix seconds).
+        delivered: ``(value, kafka_timestamp_ms)`` of output-delivered records of this run.
+        meta: ``workers``, ``partitions``, ``trace``, ``rows`` and anything else to carry into the report.
+
+    Returns the report dict (see README for the field list).
+    """
+    ids = set(submitted_ids)
+    ops = {o.operation_id: o for o in ledger if o.operation_id in ids}
+    by_state = Counter(o.state for o in ops.values())
+    jobs_by_op: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    orphan_jobs = 0
+    for job in sim_jobs:
+        op = job.get("operation_id")
+        if op in ids:
+            jobs_by_op[str(op)].append(job)
+        elif op is None:
+            orphan_jobs += 1
+    completed = [o for o in ops.values() if o.state in COMPLETED_STATES]
+    gets = [sum(int(j["gets"]) for j in jobs_by_op.get(o.operation_id, [])) for o in completed]
+    completion_s = {
+        (str(j["operation_id"]), str(j["job_id"])): float(j["completed_at"]) for js in jobs_by_op.values() for j in js
+    }
+    events = 0
+    seen: set[str] = set()
+    latencies: list[float] = []
+    for value, ts_ms in delivered:
+        if value.get("operation_id") not in ids:
+            continue
+        events += 1
+        if value["event_id"] in seen:
+            continue
+        seen.add(value["event_id"])
+        done = completion_s.get((value["operation_id"], value["remote_job_id"]))
+        if done is not None:
+            latencies.append(ts_ms - done * 1000.0)
+    outputs_expected = sum(o.outputs for o in ops.values() if o.state == "succeeded")
+    final = [o for o in ops.values() if o.state in FINAL_STATES]
+    span_s = 0.0
+    if final:
+        first = min(o.accepted_at_ms for o in ops.values())
+        last = max(o.final_at_ms or o.accepted_at_ms for o in final)
+        span_s = max(0.001, (last - first) / 1000.0)
+    uncertain = Counter(_reason_kind(o.reason) for o in ops.values() if o.state == "uncertain")
+    rejected = Counter(_reason_kind(o.reason) for o in ops.values() if o.state == "rejected")
+    report: dict[str, Any] = {
+        "operations_submitted": len(ids),
+        "operations_in_ledger": len(ops),
+        "operations_missing": len(ids) - len(ops),
+        "operations_final": len(final),
+        "operations_by_state": dict(sorted(by_state.items())),
+        "uncertain_reasons": dict(uncertain),
+        "rejected_reasons": dict(rejected),
+        "max_jobs_per_operation": max((len(js) for js in jobs_by_op.values()), default=0),
+        "orphan_jobs": orphan_jobs,
+        "max_gets_in_flight_per_job": max(
+            (int(j["max_gets_in_flight"]) for js in jobs_by_op.values() for j in js), default=0
+        ),
+        "gets_per_completed_operation": {
+            "mean": round(statistics.fmean(gets), 3) if gets else None,
+            "max": max(gets, default=None),
+        },
+        "output_events": events,
+        "output_duplicates": events - len(seen),
+        "outputs_expected": outputs_expected,
+        "outputs_undelivered": outputs_expected - len(seen),
+        "throughput_ops_per_s": round(len(final) / span_s, 2) if span_s else 0.0,
+        "completion_to_delivery_ms": {
+            "p50": _round(percentile(latencies, 50)),
+            "p99": _round(percentile(latencies, 99)),
+        },
+    }
+    report.update(meta)
+    return report
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _reason_kind(reason: str | None) -> str:
+    """A short grouping key for a reason text (its first clause)."""
+    if not reason:
+        return "unknown"
+    text = reason.split(": ", 1)[1] if reason.startswith("operation ") and ": " in reason else reason
+    return text.split(";")[0].split("(")[0].strip()[:80]
+
+
+def render_table(report: Mapping[str, Any]) -> str:
+    """A plain-text table of the report for the terminal."""
+    rows: list[tuple[str, str]] = []
+    for key, value in report.items():
+        if isinstance(value, Mapping):
+            inner = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+            rows.append((key, inner))
+        else:
+            rows.append((key, str(value)))
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 50)
+    return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line])

@@ -1,0 +1,83 @@
+"""The poll scheduler and the reconciler, run on a timer in every worker.
+
+* Poll scheduling lives in PostgreSQL: due operations (``next_poll_at <= now()``) are claimed with
+  ``FOR UPDATE SKIP LOCKED`` (workers never claim the same poll twice), their ``next_poll_at`` moves to
+  now + visibility timeout, and one event per claim goes to ``generation.polls`` keyed by operation id.
+  A poll lost with a crashed worker comes back when its visibility timeout passes.
+* Redis unreachable: no new claims (a poll without a lease would only be dropped by the observer).
+* Reconciliation: an operation left in ``submitting`` longer than ``submitting_stale_after_s`` becomes
+  ``uncertain`` with a reason; it is never resubmitted automatically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from streams import metrics
+from streams.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+class PollScheduler:
+    """Claims due polls and publishes them; reconciles stale ``submitting`` operations."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self._last_reconcile = 0.0
+
+    async def tick(self) -> int:
+        """One scheduling round; returns the number of polls published. Never raises for outages."""
+        rt = self.rt
+        if not await rt.leases.healthy():
+            metrics.COORDINATION_UNAVAILABLE.labels("schedule").inc()
+            rt.log_outage("Redis", Exception("PING failed; not claiming polls"))
+            return 0
+        try:
+            await self._maybe_reconcile()
+            polls = await rt.ledger.claim_due_polls(rt.settings.poll_batch_size, rt.settings.visibility_timeout_s)
+        except Exception as exc:  # an outage: the next tick retries; claimed polls come back by themselves
+            rt.log_outage("PostgreSQL", exc)
+            return 0
+        if not polls:
+            return 0
+        metrics.POLLS_CLAIMED.inc(len(polls))
+        now_ms = int(time.time() * 1000)
+        results = await asyncio.gather(
+            *(
+                rt.publish(
+                    "polls",
+                    p.operation_id,
+                    {
+                        "operation_id": p.operation_id,
+                        "remote_job_id": p.remote_job_id,
+                        "poll_claim_id": p.poll_claim_id,
+                        "claimed_at_ms": now_ms,
+                    },
+                )
+                for p in polls
+            ),
+            return_exceptions=True,
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            log.warning(
+                "%d of %d polls not published (%s); they return after the visibility timeout",
+                len(failed),
+                len(polls),
+                failed[0],
+            )
+        return len(polls) - len(failed)
+
+    async def _maybe_reconcile(self) -> None:
+        now = time.monotonic()
+        if now - self._last_reconcile < 1.0:
+            return
+        self._last_reconcile = now
+        s = self.rt.settings
+        ids = await self.rt.ledger.reconcile_stale_submitting(s.submitting_stale_after_s, s.poll_batch_size)
+        if ids:
+            metrics.RECONCILED_UNCERTAIN.inc(len(ids))
+            log.warning("reconciliation: %d operation(s) stuck in submitting marked uncertain: %s", len(ids), ids[:10])

@@ -1,0 +1,495 @@
+"""aiohttp application of the provider simulator and its in-memory job registry.
+
+Everything the simulator records (see :class:`JobRegistry`) is the independent
+source of truth for tests and reports: it is kept in memory, per process, and
+exposed read-only under ``/_sim/*``.
+
+Job status is never advanced by background tasks: each job stores its
+schedule (``created_at``, ``started_at``, ``completed_at``, unix seconds) and
+every read computes the status from the wall clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from streams.simulator.config import SimulatorConfig
+from streams.simulator.faults import FAULT_KINDS, JOB_FAILED, FaultDecider, PostFault
+from streams.simulator.model import JobStatus, TerminalStatus, job_schedule, poll_after_ms, status_at
+
+logger = logging.getLogger("streams.simulator")
+
+_JSON = "application/json"
+
+
+@dataclass(slots=True)
+class JobRecord:
+    """The simulator's record of one created job.
+
+    Times are unix seconds (float).  ``started_at`` / ``completed_at`` are the
+    scheduled times, always set; the public API only reveals them once reached.
+
+    Attributes:
+        job_id: ``job_<16 hex>``.
+        operation_id: ``metadata.operation_id`` of the creating POST, ``None`` if absent.
+        model: the requested model name.
+        context_tokens: prompt tokens (>= 0).
+        generated_tokens: output tokens (>= 1), reported per output.
+        created_at: creation time.
+        started_at: time the job leaves ``queued``.
+        completed_at: time the job reaches ``final_status``.
+        final_status: ``succeeded`` or ``failed`` (decided at creation).
+        outputs: number of outputs once succeeded (1 or 2).
+        create_post_seq: 1-based sequence number (among all POSTs) of the POST that created it.
+        create_fault: fault injected on that POST (``PostFault`` value) or ``None``.
+        create_http_status: HTTP status answered to that POST (0 = connection dropped).
+        gets: number of ``GET /v1/generations/{id}`` received for it.
+        gets_in_flight: GETs currently inside the handler.
+        max_gets_in_flight: maximum of ``gets_in_flight`` ever observed.
+        terminal_gets: GETs that answered a terminal status.
+        first_terminal_get_at: time of the first GET answering a terminal status, or ``None``.
+    """
+
+    job_id: str
+    operation_id: str | None
+    model: str
+    context_tokens: int
+    generated_tokens: int
+    created_at: float
+    started_at: float
+    completed_at: float
+    final_status: TerminalStatus
+    outputs: int
+    create_post_seq: int
+    create_fault: str | None
+    create_http_status: int
+    gets: int = 0
+    gets_in_flight: int = 0
+    max_gets_in_flight: int = 0
+    terminal_gets: int = 0
+    first_terminal_get_at: float | None = None
+
+    def status(self, now: float) -> JobStatus:
+        """Status at unix time ``now``."""
+        return status_at(now, self.started_at, self.completed_at, self.final_status)
+
+    def to_record(self, now: float) -> dict[str, Any]:
+        """JSON-ready record (one element of ``GET /_sim/jobs``); ``status`` is the status at ``now``."""
+        return {
+            "job_id": self.job_id,
+            "operation_id": self.operation_id,
+            "model": self.model,
+            "context_tokens": self.context_tokens,
+            "generated_tokens": self.generated_tokens,
+            "created_at": self.created_at,
+            "started_at": self.started_at,
+            "completed_at": self.completed_at,
+            "status": self.status(now),
+            "final_status": self.final_status,
+            "outputs": self.outputs,
+            "create_post_seq": self.create_post_seq,
+            "create_fault": self.create_fault,
+            "create_http_status": self.create_http_status,
+            "gets": self.gets,
+            "gets_in_flight": self.gets_in_flight,
+            "max_gets_in_flight": self.max_gets_in_flight,
+            "terminal_gets": self.terminal_gets,
+            "first_terminal_get_at": self.first_terminal_get_at,
+        }
+
+
+@dataclass(slots=True)
+class OperationRecord:
+    """Everything seen for one ``metadata.operation_id``.
+
+    Attributes:
+        posts: number of POSTs naming this operation id (including refused ones: 400/401/429/5xx).
+        post_statuses: HTTP status of each of those POSTs in arrival order (0 = dropped connection).
+        jobs: ids of the jobs created for this operation, in creation order.
+    """
+
+    posts: int = 0
+    post_statuses: list[int] = field(default_factory=list)
+    jobs: list[str] = field(default_factory=list)
+
+
+class JobRegistry:
+    """In-memory record of all POSTs, GETs and jobs since start (or the last reset)."""
+
+    def __init__(self) -> None:
+        """Create an empty registry."""
+        self._init_fields()
+
+    def _init_fields(self) -> None:
+        self.jobs: dict[str, JobRecord] = {}
+        self.operations: dict[str, OperationRecord] = {}
+        self.posts = 0
+        self.gets = 0
+        self.gets_not_found = 0
+        self.orphan_jobs = 0
+        self.faults_injected: Counter[str] = Counter()
+        self.posts_by_status: Counter[int] = Counter()
+
+    def clear(self) -> None:
+        """Forget everything (``POST /_sim/reset``)."""
+        self._init_fields()
+
+    def next_post_seq(self) -> int:
+        """Count a new POST and return its 1-based sequence number."""
+        self.posts += 1
+        return self.posts
+
+    def note_post_outcome(self, operation_id: str | None, status: int) -> None:
+        """Record the HTTP status answered to a POST (0 = dropped) under its operation id, if any."""
+        self.posts_by_status[status] += 1
+        if operation_id is not None:
+            op = self.operations.get(operation_id)
+            if op is None:
+                op = self.operations[operation_id] = OperationRecord()
+            op.posts += 1
+            op.post_statuses.append(status)
+
+    def add_job(self, job: JobRecord) -> None:
+        """Store a newly created job and link it to its operation."""
+        self.jobs[job.job_id] = job
+        if job.operation_id is None:
+            self.orphan_jobs += 1
+        else:
+            op = self.operations.get(job.operation_id)
+            if op is None:
+                op = self.operations[job.operation_id] = OperationRecord()
+            op.jobs.append(job.job_id)
+        if job.final_status == "failed":
+            self.faults_injected[JOB_FAILED] += 1
+
+    def summary(self, now: float) -> dict[str, Any]:
+        """Aggregates (the body of ``GET /_sim/summary``)."""
+        by_status: Counter[str] = Counter()
+        max_in_flight = 0
+        for job in self.jobs.values():
+            by_status[job.status(now)] += 1
+            max_in_flight = max(max_in_flight, job.max_gets_in_flight)
+        return {
+            "jobs_created": len(self.jobs),
+            "posts": self.posts,
+            "gets": self.gets,
+            "gets_not_found": self.gets_not_found,
+            "max_jobs_per_operation": max((len(op.jobs) for op in self.operations.values()), default=0),
+            "max_gets_in_flight_per_job": max_in_flight,
+            "operations_seen": len(self.operations),
+            "operations_with_jobs": sum(1 for op in self.operations.values() if op.jobs),
+            "orphan_jobs_without_operation": self.orphan_jobs,
+            "faults_injected": {kind: self.faults_injected[kind] for kind in FAULT_KINDS},
+            "posts_by_status": {str(k): v for k, v in sorted(self.posts_by_status.items())},
+            "jobs_by_status": {s: by_status[s] for s in ("queued", "running", "succeeded", "failed")},
+        }
+
+
+class Simulator:
+    """Mutable state behind one application: current config, seeded RNG, registry."""
+
+    def __init__(self, config: SimulatorConfig) -> None:
+        """Create the state for ``config`` (RNG seeded with ``config.seed``)."""
+        self.config = config
+        self.decider = FaultDecider(config.seed)
+        self.registry = JobRegistry()
+        self.stopping = asyncio.Event()
+
+    def reset(self) -> None:
+        """Clear all records and restart the RNG from ``config.seed``."""
+        self.registry.clear()
+        self.decider.reseed(self.config.seed)
+
+
+SIMULATOR_KEY: web.AppKey[Simulator] = web.AppKey("simulator", Simulator)
+
+
+def get_simulator(app: web.Application) -> Simulator:
+    """The :class:`Simulator` state of an app built by :func:`make_app`."""
+    return app[SIMULATOR_KEY]
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type=_JSON, headers=headers)
+
+
+def _error(status: int, code: str, message: str, **extra: Any) -> web.Response:
+    return _json({"error": {"code": code, "message": message, **extra}}, status=status)
+
+
+def _parse_body(raw: bytes) -> tuple[Any, str | None]:
+    """Parse the POST body; returns ``(parsed, error_message)``."""
+    try:
+        return orjson.loads(raw), None
+    except orjson.JSONDecodeError:
+        return None, "body is not valid JSON"
+
+
+def _operation_id_of(body: Any) -> str | None:
+    if isinstance(body, dict):
+        meta = body.get("metadata")
+        if isinstance(meta, dict):
+            op = meta.get("operation_id")
+            if isinstance(op, str):
+                return op
+    return None
+
+
+def _validate(body: Any) -> str | None:
+    """Return an error message for an invalid generation request, ``None`` if valid."""
+    if not isinstance(body, dict):
+        return "body must be a JSON object"
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        return "model must be a non-empty string"
+    inp = body.get("input")
+    if not isinstance(inp, dict):
+        return "input must be an object"
+    ctx = inp.get("context_tokens")
+    gen = inp.get("generated_tokens")
+    if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 0:
+        return "input.context_tokens must be an integer >= 0"
+    if not isinstance(gen, int) or isinstance(gen, bool) or gen < 1:
+        return "input.generated_tokens must be an integer >= 1"
+    if "metadata" in body:
+        meta = body["metadata"]
+        if not isinstance(meta, dict):
+            return "metadata must be an object"
+        if "operation_id" in meta and not isinstance(meta["operation_id"], str):
+            return "metadata.operation_id must be a string"
+    return None
+
+
+def _authorized(request: web.Request) -> bool:
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return scheme.lower() == "bearer" and bool(token.strip())
+
+
+def _outputs(job: JobRecord) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": f"out_{i}",
+            "index": i,
+            "tokens": job.generated_tokens,
+            "text": f"simulated output {i} of {job.job_id} ({job.generated_tokens} tokens)",
+        }
+        for i in range(job.outputs)
+    ]
+
+
+async def post_generation(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/generations``: validate, draw a fault, maybe create a job, answer."""
+    sim = request.app[SIMULATOR_KEY]
+    reg = sim.registry
+    cfg = sim.config
+    seq = reg.next_post_seq()
+    raw = await request.read()
+    body, parse_error = _parse_body(raw)
+    operation_id = _operation_id_of(body)
+
+    if not _authorized(request):
+        reg.note_post_outcome(operation_id, 401)
+        return _error(401, "unauthorized", "missing or empty bearer token")
+    error = parse_error or _validate(body)
+    if error is not None:
+        reg.note_post_outcome(operation_id, 400)
+        return _error(400, "invalid_request", error)
+
+    decision = sim.decider.decide_post(cfg.fault_rates)
+    if decision.fault is not None:
+        reg.faults_injected[decision.fault.value] += 1
+    job: JobRecord | None = None
+    if decision.create_job:
+        traits = sim.decider.job_traits(cfg.fault_rates)
+        inp = body["input"]
+        ctx, gen = inp["context_tokens"], inp["generated_tokens"]
+        now = time.time()
+        started_at, completed_at = job_schedule(now, cfg.durations(ctx, gen))
+        job = JobRecord(
+            job_id="job_" + secrets.token_hex(8),
+            operation_id=operation_id,
+            model=body["model"],
+            context_tokens=ctx,
+            generated_tokens=gen,
+            created_at=now,
+            started_at=started_at,
+            completed_at=completed_at,
+            final_status="failed" if traits.fails else "succeeded",
+            outputs=traits.outputs,
+            create_post_seq=seq,
+            create_fault=decision.fault.value if decision.fault is not None else None,
+            create_http_status=decision.status,
+        )
+        reg.add_job(job)
+    reg.note_post_outcome(operation_id, decision.status)
+
+    fault = decision.fault
+    if fault is PostFault.RATE_LIMITED_429:
+        return _json(
+            {"error": {"code": "rate_limited", "message": "too many requests"}},
+            status=429,
+            headers={"Retry-After": str(cfg.retry_after_s)},
+        )
+    if fault is PostFault.INTERNAL_5XX:
+        return _error(decision.status, "internal_error", "simulated internal error")
+    assert job is not None
+    if fault is PostFault.UPSTREAM_502:
+        return _error(502, "upstream_error", "simulated upstream error after job creation", job_id=job.job_id)
+    if fault is PostFault.DROP_AFTER_CREATE:
+        if request.transport is not None:
+            request.transport.close()
+        # Nothing can be written any more; aiohttp drops this response silently.
+        return web.Response(status=500)
+    if fault is PostFault.SLOW_RESPONSE:
+        try:
+            async with asyncio.timeout(cfg.slow_response_s):
+                await sim.stopping.wait()
+        except TimeoutError:
+            pass
+    return _json(
+        {
+            "id": job.job_id,
+            "status": "queued",
+            "created_at": job.created_at,
+            "poll_after_ms": poll_after_ms(
+                time.time(), job.completed_at, min_ms=cfg.poll_min_ms, max_ms=cfg.poll_max_ms
+            ),
+        },
+        status=201,
+    )
+
+
+async def get_generation(request: web.Request) -> web.Response:
+    """``GET /v1/generations/{id}``: simulated work, then the job's status computed from the clock."""
+    sim = request.app[SIMULATOR_KEY]
+    reg = sim.registry
+    latency_s = sim.config.get_latency_ms / 1000.0
+    reg.gets += 1
+    job = reg.jobs.get(request.match_info["job_id"])
+    if job is None:
+        reg.gets_not_found += 1
+        if latency_s > 0:
+            await asyncio.sleep(latency_s)
+        return _error(404, "not_found", "no such generation")
+
+    job.gets += 1
+    job.gets_in_flight += 1
+    if job.gets_in_flight > job.max_gets_in_flight:
+        job.max_gets_in_flight = job.gets_in_flight
+    try:
+        if latency_s > 0:
+            await asyncio.sleep(latency_s)
+        cfg = sim.config
+        now = time.time()
+        status = job.status(now)
+        data: dict[str, Any] = {
+            "id": job.job_id,
+            "model": job.model,
+            "status": status,
+            "created_at": job.created_at,
+            "started_at": job.started_at if status != "queued" else None,
+            "completed_at": None,
+            "metadata": {"operation_id": job.operation_id},
+            "poll_after_ms": poll_after_ms(now, job.completed_at, min_ms=cfg.poll_min_ms, max_ms=cfg.poll_max_ms),
+        }
+        if status == "succeeded" or status == "failed":
+            data["completed_at"] = job.completed_at
+            job.terminal_gets += 1
+            if job.first_terminal_get_at is None:
+                job.first_terminal_get_at = now
+            if status == "succeeded":
+                data["outputs"] = _outputs(job)
+            else:
+                data["error"] = {"code": "generation_failed", "message": "simulated generation failure"}
+        return _json(data)
+    finally:
+        job.gets_in_flight -= 1
+
+
+async def sim_summary(request: web.Request) -> web.Response:
+    """``GET /_sim/summary``."""
+    return _json(request.app[SIMULATOR_KEY].registry.summary(time.time()))
+
+
+async def sim_jobs(request: web.Request) -> web.Response:
+    """``GET /_sim/jobs``: every job record, in creation order."""
+    now = time.time()
+    jobs = request.app[SIMULATOR_KEY].registry.jobs
+    return _json({"jobs": [job.to_record(now) for job in jobs.values()]})
+
+
+async def sim_operation(request: web.Request) -> web.Response:
+    """``GET /_sim/operations/{operation_id}`` (unknown ids answer zero posts and no jobs)."""
+    reg = request.app[SIMULATOR_KEY].registry
+    now = time.time()
+    op = reg.operations.get(request.match_info["operation_id"])
+    if op is None:
+        return _json({"posts": 0, "post_statuses": [], "jobs": []})
+    return _json(
+        {
+            "posts": op.posts,
+            "post_statuses": op.post_statuses,
+            "jobs": [reg.jobs[j].to_record(now) for j in op.jobs],
+        }
+    )
+
+
+async def sim_config(request: web.Request) -> web.Response:
+    """``POST /_sim/config``: apply a partial config (JSON object), answer the full config."""
+    sim = request.app[SIMULATOR_KEY]
+    body, parse_error = _parse_body(await request.read())
+    if parse_error is not None or not isinstance(body, dict):
+        return _error(400, "invalid_request", parse_error or "body must be a JSON object")
+    try:
+        new = sim.config.updated(body, allow_static=False)
+    except (ValueError, TypeError) as exc:
+        return _error(400, "invalid_request", str(exc))
+    if new.seed != sim.config.seed:
+        sim.decider.reseed(new.seed)
+    sim.config = new
+    logger.info("simulator config changed: %s", body)
+    return _json(new.to_dict())
+
+
+async def sim_reset(request: web.Request) -> web.Response:
+    """``POST /_sim/reset``: clear all records and reseed the RNG."""
+    request.app[SIMULATOR_KEY].reset()
+    return _json({"ok": True})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """``GET /healthz``."""
+    return _json({"ok": True})
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    # Release slow POST handlers so the server stops without waiting slow_response_s.
+    app[SIMULATOR_KEY].stopping.set()
+
+
+def make_app(config: SimulatorConfig | None = None) -> web.Application:
+    """Build the simulator application for ``config`` (default: ``SimulatorConfig()``).
+
+    The state is reachable with :func:`get_simulator`.
+    """
+    app = web.Application()
+    app[SIMULATOR_KEY] = Simulator(config or SimulatorConfig())
+    app.router.add_post("/v1/generations", post_generation)
+    app.router.add_get("/v1/generations/{job_id}", get_generation, allow_head=False)
+    app.router.add_get("/_sim/summary", sim_summary, allow_head=False)
+    app.router.add_get("/_sim/jobs", sim_jobs, allow_head=False)
+    app.router.add_get("/_sim/operations/{operation_id}", sim_operation, allow_head=False)
+    app.router.add_post("/_sim/config", sim_config)
+    app.router.add_post("/_sim/reset", sim_reset)
+    app.router.add_get("/healthz", healthz, allow_head=False)
+    app.on_shutdown.append(_on_shutdown)
+    return app

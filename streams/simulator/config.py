@@ -1,0 +1,186 @@
+"""Configuration of the provider simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from streams.simulator.faults import FaultRates
+from streams.simulator.model import (
+    DEFAULT_DECODE_MS_PER_TOKEN,
+    DEFAULT_PREFILL_MS_PER_TOKEN,
+    DEFAULT_QUEUE_MS,
+    JobDurations,
+    job_durations,
+)
+
+ENV_PREFIX = "SIM_"
+
+# Fields that cannot be changed through ``POST /_sim/config`` (they need a restart).
+STATIC_FIELDS = frozenset({"host", "port", "access_log"})
+
+_RATE_FIELDS = (
+    "fault_429",
+    "fault_502_job_id",
+    "fault_5xx",
+    "fault_drop_after_create",
+    "fault_slow",
+    "fault_job_failed",
+    "multi_output_rate",
+)
+
+
+def _f(default: Any, help_text: str) -> Any:
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatorConfig:
+    """All settings of the simulator.
+
+    Every field is a CLI option ``--field-name`` and an env var ``SIM_FIELD_NAME``.
+
+    Rates are probabilities in ``[0, 1]`` (0 = off).  Durations carry their unit in the name.
+    """
+
+    host: str = _f("127.0.0.1", "Address to bind.")
+    port: int = _f(8900, "TCP port to bind (0 = any free port).")
+    seed: int = _f(0, "Seed of the random.Random driving every fault decision.")
+    compression: float = _f(1.0, "Clock speed-up: all job durations are divided by this (> 0).")
+    queue_ms: float = _f(DEFAULT_QUEUE_MS, "Queue delay before a job starts, ms (uncompressed).")
+    prefill_ms_per_token: float = _f(DEFAULT_PREFILL_MS_PER_TOKEN, "Prefill time per context token, ms.")
+    decode_ms_per_token: float = _f(DEFAULT_DECODE_MS_PER_TOKEN, "Decode time per generated token, ms.")
+    fault_429: float = _f(0.0, "P(POST answered 429 + Retry-After; nothing created).")
+    retry_after_s: int = _f(1, "Retry-After header value on 429, seconds.")
+    fault_502_job_id: float = _f(0.0, "P(POST answered 502 whose body carries the created job id).")
+    fault_5xx: float = _f(0.0, "P(POST answered 500/503 without job id; job created 50/50).")
+    fault_drop_after_create: float = _f(0.0, "P(job created, connection closed without response).")
+    fault_slow: float = _f(0.0, "P(job created, 201 delayed by --slow-response-s).")
+    slow_response_s: float = _f(15.0, "Delay of a slow POST response, seconds.")
+    fault_job_failed: float = _f(0.0, "P(a created job ends in status failed).")
+    multi_output_rate: float = _f(0.1, "P(a succeeded job has a second output).")
+    get_latency_ms: float = _f(5.0, "Simulated work of every GET /v1/generations/{id}, ms.")
+    poll_min_ms: int = _f(50, "Lower clamp of poll_after_ms.")
+    poll_max_ms: int = _f(5000, "Upper clamp of poll_after_ms.")
+    access_log: bool = _f(False, "Log every request (slows the server down).")
+
+    def __post_init__(self) -> None:
+        """Validate ranges; raises ``ValueError`` on a bad value."""
+        for name in _RATE_FIELDS:
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be within [0, 1], got {value!r}")
+        if self.compression <= 0:
+            raise ValueError("compression must be > 0")
+        for name in (
+            "queue_ms",
+            "prefill_ms_per_token",
+            "decode_ms_per_token",
+            "slow_response_s",
+            "get_latency_ms",
+            "retry_after_s",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not 0 <= self.poll_min_ms <= self.poll_max_ms:
+            raise ValueError("need 0 <= poll_min_ms <= poll_max_ms")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be within [0, 65535]")
+
+    @property
+    def fault_rates(self) -> FaultRates:
+        """The fault probabilities as consumed by :class:`~streams.simulator.faults.FaultDecider`."""
+        return FaultRates(
+            rate_limited_429=self.fault_429,
+            upstream_502=self.fault_502_job_id,
+            internal_5xx=self.fault_5xx,
+            drop_after_create=self.fault_drop_after_create,
+            slow_response=self.fault_slow,
+            job_failed=self.fault_job_failed,
+            multi_output=self.multi_output_rate,
+        )
+
+    def durations(self, context_tokens: int, generated_tokens: int) -> JobDurations:
+        """Phase durations (ms, compressed) of a job of this size under this config."""
+        return job_durations(
+            context_tokens,
+            generated_tokens,
+            queue_ms=self.queue_ms,
+            prefill_ms_per_token=self.prefill_ms_per_token,
+            decode_ms_per_token=self.decode_ms_per_token,
+            compression=self.compression,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a JSON-ready dict (the shape returned by ``POST /_sim/config``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def updated(self, changes: Mapping[str, Any], *, allow_static: bool = True) -> SimulatorConfig:
+        """Return a copy with ``changes`` applied after type coercion.
+
+        Raises:
+            ValueError: on an unknown field, a value of the wrong type, a static field
+                when ``allow_static`` is false, or an out-of-range value.
+        """
+        types = field_types()
+        coerced: dict[str, Any] = {}
+        for name, value in changes.items():
+            if name not in types:
+                raise ValueError(f"unknown config field {name!r}")
+            if not allow_static and name in STATIC_FIELDS:
+                raise ValueError(f"config field {name!r} cannot be changed at runtime")
+            coerced[name] = _coerce(name, types[name], value)
+        return dataclasses.replace(self, **coerced)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SimulatorConfig:
+        """Defaults overridden by ``SIM_<FIELD>`` environment variables (e.g. ``SIM_FAULT_429=0.02``)."""
+        env = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for name in field_types():
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is not None and raw != "":
+                changes[name] = raw
+        return cls().updated(changes)
+
+
+def field_types() -> dict[str, type]:
+    """Map of field name to its Python type (``str``, ``int``, ``float`` or ``bool``)."""
+    names = {"str": str, "int": int, "float": float, "bool": bool}
+    return {f.name: names[str(f.type)] for f in dataclasses.fields(SimulatorConfig)}
+
+
+def field_help() -> dict[str, str]:
+    """Map of field name to its one-line help text."""
+    return {f.name: str(f.metadata.get("help", "")) for f in dataclasses.fields(SimulatorConfig)}
+
+
+def _coerce(name: str, typ: type, value: Any) -> Any:
+    if isinstance(value, str):
+        text = value.strip()
+        if typ is bool:
+            lowered = text.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"{name}: expected a boolean, got {value!r}")
+        try:
+            return typ(text)
+        except ValueError:
+            raise ValueError(f"{name}: expected {typ.__name__}, got {value!r}") from None
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    raise ValueError(f"{name}: expected {typ.__name__}, got {value!r}")

@@ -1,0 +1,407 @@
+"""Provider simulator over real loopback HTTP (aiohttp TestServer + httpx client, no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp.test_utils import TestServer
+
+from streams.simulator import SimulatorConfig, get_simulator, make_app
+
+AUTH = {"Authorization": "Bearer test-token"}
+
+Factory = Callable[..., Awaitable[httpx.AsyncClient]]
+
+
+@pytest.fixture
+async def start_sim() -> AsyncIterator[Factory]:
+    """Start a simulator with ``SimulatorConfig(**overrides)``; returns an httpx client on its base URL."""
+    servers: list[TestServer] = []
+    clients: list[httpx.AsyncClient] = []
+
+    async def factory(**overrides: Any) -> httpx.AsyncClient:
+        overrides.setdefault("get_latency_ms", 1.0)
+        overrides.setdefault("seed", 7)
+        server = TestServer(make_app(SimulatorConfig(**overrides)), host="127.0.0.1", port=0)
+        await server.start_server()
+        servers.append(server)
+        client = httpx.AsyncClient(base_url=str(server.make_url("")).rstrip("/"), timeout=5.0)
+        clients.append(client)
+        return client
+
+    yield factory
+    for client in clients:
+        await client.aclose()
+    for server in servers:
+        await server.close()
+
+
+def _body(op: str | None = "op-1", ctx: int = 100, gen: int = 4) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "sim-model", "input": {"context_tokens": ctx, "generated_tokens": gen}}
+    if op is not None:
+        body["metadata"] = {"operation_id": op}
+    return body
+
+
+async def _summary(client: httpx.AsyncClient) -> dict[str, Any]:
+    r = await client.get("/_sim/summary")
+    assert r.status_code == 200
+    data: dict[str, Any] = r.json()
+    return data
+
+
+async def _operation(client: httpx.AsyncClient, op: str) -> dict[str, Any]:
+    r = await client.get(f"/_sim/operations/{op}")
+    assert r.status_code == 200
+    data: dict[str, Any] = r.json()
+    return data
+
+
+async def _wait_for_status(
+    client: httpx.AsyncClient, job_id: str, wanted: set[str], deadline_s: float = 5.0
+) -> tuple[dict[str, Any], list[str]]:
+    seen: list[str] = []
+    deadline = time.monotonic() + deadline_s
+    while True:
+        r = await client.get(f"/v1/generations/{job_id}")
+        assert r.status_code == 200
+        assert "Retry-After" not in r.headers
+        data: dict[str, Any] = r.json()
+        seen.append(data["status"])
+        if data["status"] in wanted:
+            return data, seen
+        assert time.monotonic() < deadline, f"job {job_id} stuck in {seen[-1]}"
+        await asyncio.sleep(0.01)
+
+
+async def test_healthz(start_sim: Factory) -> None:
+    client = await start_sim()
+    r = await client.get("/healthz")
+    assert (r.status_code, r.json()) == (200, {"ok": True})
+
+
+async def test_lifecycle_queued_running_succeeded(start_sim: Factory) -> None:
+    # queue 100 ms, prefill 0 ms, decode 200 ms: total 300 ms at compression 2
+    client = await start_sim(compression=2.0, multi_output_rate=0.0)
+    t0 = time.time()
+    r = await client.post("/v1/generations", json=_body("op-life", ctx=0, gen=16), headers=AUTH)
+    assert r.status_code == 201
+    created = r.json()
+    assert set(created) == {"id", "status", "created_at", "poll_after_ms"}
+    assert re.fullmatch(r"job_[0-9a-f]{16}", created["id"])
+    assert created["status"] == "queued"
+    assert t0 - 0.01 <= created["created_at"] <= time.time() + 0.01
+    assert 250 <= created["poll_after_ms"] <= 300
+
+    job_id = created["id"]
+    first = (await client.get(f"/v1/generations/{job_id}")).json()
+    assert first["status"] == "queued"
+    assert first["started_at"] is None and first["completed_at"] is None
+    assert "outputs" not in first and "error" not in first
+    assert first["metadata"] == {"operation_id": "op-life"}
+
+    running, seen_before_running = await _wait_for_status(client, job_id, {"running", "succeeded", "failed"})
+    assert running["status"] == "running"
+    assert running["started_at"] == pytest.approx(created["created_at"] + 0.1)
+    assert running["completed_at"] is None
+    assert 50 <= running["poll_after_ms"] <= 200
+
+    done, seen = await _wait_for_status(client, job_id, {"succeeded", "failed"})
+    assert done["status"] == "succeeded"
+    assert seen[-1] == "succeeded" and "failed" not in seen
+    assert done["completed_at"] == pytest.approx(created["created_at"] + 0.3)
+    assert time.time() >= done["completed_at"]
+    assert done["outputs"] == [
+        {"id": "out_0", "index": 0, "tokens": 16, "text": f"simulated output 0 of {job_id} (16 tokens)"}
+    ]
+    assert "error" not in done
+    assert done["poll_after_ms"] == 50
+
+    op = await _operation(client, "op-life")
+    assert op["posts"] == 1 and op["post_statuses"] == [201]
+    [rec] = op["jobs"]
+    assert rec["job_id"] == job_id
+    assert rec["status"] == rec["final_status"] == "succeeded"
+    assert rec["gets"] == 1 + len(seen_before_running) + len(seen)
+    assert rec["gets_in_flight"] == 0 and rec["max_gets_in_flight"] == 1
+    assert rec["terminal_gets"] == 1 and rec["first_terminal_get_at"] >= rec["completed_at"]
+    assert (rec["create_post_seq"], rec["create_fault"], rec["create_http_status"]) == (1, None, 201)
+    assert (rec["context_tokens"], rec["generated_tokens"], rec["outputs"]) == (0, 16, 1)
+
+    s = await _summary(client)
+    assert s["jobs_created"] == 1 and s["posts"] == 1 and s["gets"] == rec["gets"]
+    assert s["max_jobs_per_operation"] == 1 and s["operations_with_jobs"] == 1
+    assert s["orphan_jobs_without_operation"] == 0
+    assert s["max_gets_in_flight_per_job"] == 1
+    assert set(s["faults_injected"].values()) == {0}
+
+
+async def test_unauthorized_creates_nothing(start_sim: Factory) -> None:
+    client = await start_sim()
+    for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Basic abc"}):
+        r = await client.post("/v1/generations", json=_body("op-auth"), headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "unauthorized"
+    s = await _summary(client)
+    assert (s["jobs_created"], s["posts"]) == (0, 3)
+    assert (await _operation(client, "op-auth"))["post_statuses"] == [401, 401, 401]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"not json",
+        b"[1, 2]",
+        b'{"input": {"context_tokens": 1, "generated_tokens": 1}}',
+        b'{"model": "m", "input": {"context_tokens": -1, "generated_tokens": 1}}',
+        b'{"model": "m", "input": {"context_tokens": 1, "generated_tokens": 0}}',
+        b'{"model": "m", "input": {"context_tokens": "1", "generated_tokens": 1}}',
+        b'{"model": "m", "input": {"context_tokens": 1, "generated_tokens": true}}',
+        b'{"model": "m", "input": {"context_tokens": 1.5, "generated_tokens": 1}}',
+        b'{"model": "m"}',
+        b'{"model": "m", "input": {"context_tokens": 1, "generated_tokens": 1}, "metadata": "x"}',
+        b'{"model": "m", "input": {"context_tokens": 1, "generated_tokens": 1}, "metadata": {"operation_id": 3}}',
+    ],
+)
+async def test_invalid_body_400_creates_nothing(start_sim: Factory, content: bytes) -> None:
+    client = await start_sim(fault_502_job_id=1.0)  # faults are never drawn for invalid requests
+    r = await client.post(
+        "/v1/generations", content=content, headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "invalid_request" and err["message"]
+    s = await _summary(client)
+    assert (s["jobs_created"], s["posts"], s["faults_injected"]["upstream_502"]) == (0, 1, 0)
+
+
+async def test_invalid_body_naming_operation_is_counted(start_sim: Factory) -> None:
+    client = await start_sim()
+    r = await client.post("/v1/generations", json=_body("op-bad", gen=0), headers=AUTH)
+    assert r.status_code == 400
+    op = await _operation(client, "op-bad")
+    assert (op["posts"], op["post_statuses"], op["jobs"]) == (1, [400], [])
+
+
+async def test_429_retry_after_creates_nothing(start_sim: Factory) -> None:
+    client = await start_sim(fault_429=1.0, retry_after_s=3)
+    for _ in range(3):
+        r = await client.post("/v1/generations", json=_body("op-429"), headers=AUTH)
+        assert r.status_code == 429
+        assert r.headers["Retry-After"] == "3"
+        assert r.json()["error"]["code"] == "rate_limited"
+    op = await _operation(client, "op-429")
+    assert (op["posts"], op["post_statuses"], op["jobs"]) == (3, [429, 429, 429], [])
+    s = await _summary(client)
+    assert s["jobs_created"] == 0 and s["faults_injected"]["rate_limited_429"] == 3
+    assert s["operations_with_jobs"] == 0
+
+
+async def test_502_carries_job_id_that_exists(start_sim: Factory) -> None:
+    client = await start_sim(fault_502_job_id=1.0, compression=100.0)
+    r = await client.post("/v1/generations", json=_body("op-502"), headers=AUTH)
+    assert r.status_code == 502
+    err = r.json()["error"]
+    assert err["code"] == "upstream_error" and err["job_id"].startswith("job_")
+    done, _ = await _wait_for_status(client, err["job_id"], {"succeeded", "failed"})
+    assert done["status"] == "succeeded"
+    op = await _operation(client, "op-502")
+    assert op["post_statuses"] == [502]
+    [rec] = op["jobs"]
+    assert (rec["job_id"], rec["create_fault"], rec["create_http_status"]) == (err["job_id"], "upstream_502", 502)
+    assert (await _summary(client))["faults_injected"]["upstream_502"] == 1
+
+
+async def test_5xx_without_job_id_unknown_outcome(start_sim: Factory) -> None:
+    client = await start_sim(fault_5xx=1.0)
+    n = 30
+    for i in range(n):
+        r = await client.post("/v1/generations", json=_body(f"op-5xx-{i}"), headers=AUTH)
+        assert r.status_code in (500, 503)
+        err = r.json()["error"]
+        assert err["code"] == "internal_error" and "job_id" not in err
+    jobs = (await client.get("/_sim/jobs")).json()["jobs"]
+    assert 0 < len(jobs) < n  # seeded 50/50: some created, some not
+    assert all(j["create_fault"] == "internal_5xx" and j["create_http_status"] in (500, 503) for j in jobs)
+    s = await _summary(client)
+    assert s["faults_injected"]["internal_5xx"] == n and s["jobs_created"] == len(jobs)
+    assert s["operations_with_jobs"] == len(jobs)
+
+
+async def test_drop_after_create_closes_connection(start_sim: Factory) -> None:
+    client = await start_sim(fault_drop_after_create=1.0)
+    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+        await client.post("/v1/generations", json=_body("op-drop"), headers=AUTH)
+    op = await _operation(client, "op-drop")
+    assert op["post_statuses"] == [0]
+    [rec] = op["jobs"]
+    assert (rec["create_fault"], rec["create_http_status"]) == ("drop_after_create", 0)
+    r = await client.get(f"/v1/generations/{rec['job_id']}")
+    assert r.status_code == 200
+    assert (await _summary(client))["faults_injected"]["drop_after_create"] == 1
+
+
+async def test_slow_response_times_out_but_job_exists(start_sim: Factory) -> None:
+    client = await start_sim(fault_slow=1.0, slow_response_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        await client.post("/v1/generations", json=_body("op-slow"), headers=AUTH, timeout=0.5)
+    assert time.monotonic() - t0 < 1.5
+    [rec] = (await _operation(client, "op-slow"))["jobs"]
+    assert rec["create_fault"] == "slow_response"
+    r = await client.get(f"/v1/generations/{rec['job_id']}")
+    assert r.status_code == 200
+    assert (await _summary(client))["faults_injected"]["slow_response"] == 1
+
+
+async def test_slow_response_eventually_answers_201(start_sim: Factory) -> None:
+    client = await start_sim(fault_slow=1.0, slow_response_s=0.3)
+    t0 = time.monotonic()
+    r = await client.post("/v1/generations", json=_body("op-slow-ok"), headers=AUTH)
+    assert r.status_code == 201
+    assert time.monotonic() - t0 >= 0.3
+    [rec] = (await _operation(client, "op-slow-ok"))["jobs"]
+    assert rec["job_id"] == r.json()["id"]
+
+
+async def test_job_failed_and_multi_output(start_sim: Factory) -> None:
+    client = await start_sim(fault_job_failed=1.0, compression=100.0)
+    job_id = (await client.post("/v1/generations", json=_body("op-fail"), headers=AUTH)).json()["id"]
+    done, _ = await _wait_for_status(client, job_id, {"succeeded", "failed"})
+    assert done["status"] == "failed"
+    assert done["error"]["code"] == "generation_failed"
+    assert "outputs" not in done and done["completed_at"] is not None
+    assert (await _summary(client))["faults_injected"]["job_failed"] == 1
+
+    await client.post("/_sim/config", json={"fault_job_failed": 0.0, "multi_output_rate": 1.0})
+    job_id = (await client.post("/v1/generations", json=_body("op-multi", gen=3), headers=AUTH)).json()["id"]
+    done, _ = await _wait_for_status(client, job_id, {"succeeded", "failed"})
+    assert done["status"] == "succeeded"
+    assert [(o["id"], o["index"], o["tokens"]) for o in done["outputs"]] == [("out_0", 0, 3), ("out_1", 1, 3)]
+
+
+async def test_unknown_job_404(start_sim: Factory) -> None:
+    client = await start_sim()
+    r = await client.get("/v1/generations/job_doesnotexist")
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "not_found"
+    s = await _summary(client)
+    assert (s["gets"], s["gets_not_found"]) == (1, 1)
+
+
+async def test_orphan_job_without_operation(start_sim: Factory) -> None:
+    client = await start_sim()
+    r = await client.post("/v1/generations", json=_body(None), headers=AUTH)
+    assert r.status_code == 201
+    s = await _summary(client)
+    assert (s["jobs_created"], s["orphan_jobs_without_operation"], s["operations_with_jobs"]) == (1, 1, 0)
+    [rec] = (await client.get("/_sim/jobs")).json()["jobs"]
+    assert rec["operation_id"] is None
+
+
+async def test_overlapping_gets_are_counted(start_sim: Factory) -> None:
+    client = await start_sim(get_latency_ms=100.0)
+    a = (await client.post("/v1/generations", json=_body("op-a"), headers=AUTH)).json()["id"]
+    b = (await client.post("/v1/generations", json=_body("op-b"), headers=AUTH)).json()["id"]
+
+    r1, r2 = await asyncio.gather(client.get(f"/v1/generations/{a}"), client.get(f"/v1/generations/{a}"))
+    assert r1.status_code == r2.status_code == 200
+    await client.get(f"/v1/generations/{b}")
+    await client.get(f"/v1/generations/{b}")
+
+    recs = {r["job_id"]: r for r in (await client.get("/_sim/jobs")).json()["jobs"]}
+    assert (recs[a]["gets"], recs[a]["max_gets_in_flight"], recs[a]["gets_in_flight"]) == (2, 2, 0)
+    assert (recs[b]["gets"], recs[b]["max_gets_in_flight"], recs[b]["gets_in_flight"]) == (2, 1, 0)
+    assert (await _summary(client))["max_gets_in_flight_per_job"] == 2
+
+
+async def test_several_jobs_per_operation(start_sim: Factory) -> None:
+    client = await start_sim()
+    for _ in range(3):
+        await client.post("/v1/generations", json=_body("op-dup"), headers=AUTH)
+    await client.post("/v1/generations", json=_body("op-single"), headers=AUTH)
+    op = await _operation(client, "op-dup")
+    assert op["posts"] == 3 and len(op["jobs"]) == 3
+    s = await _summary(client)
+    assert (s["max_jobs_per_operation"], s["operations_with_jobs"], s["posts"]) == (3, 2, 4)
+    assert await _operation(client, "op-never") == {"posts": 0, "post_statuses": [], "jobs": []}
+
+
+async def test_runtime_config_and_reset(start_sim: Factory) -> None:
+    client = await start_sim()
+    r = await client.post("/_sim/config", json={"fault_429": 1, "retry_after_s": 2})
+    assert r.status_code == 200
+    cfg = r.json()
+    assert (cfg["fault_429"], cfg["retry_after_s"], cfg["seed"], cfg["get_latency_ms"]) == (1.0, 2, 7, 1.0)
+    r = await client.post("/v1/generations", json=_body("op-cfg"), headers=AUTH)
+    assert (r.status_code, r.headers["Retry-After"]) == (429, "2")
+
+    for bad in ({"fault_429": 2}, {"nope": 1}, {"port": 1}, {"fault_429": "x"}):
+        r = await client.post("/_sim/config", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    r = await client.post("/_sim/config", content=b"nope")
+    assert r.status_code == 400
+
+    await client.post("/_sim/config", json={"fault_429": 0})
+    job_id = (await client.post("/v1/generations", json=_body("op-cfg"), headers=AUTH)).json()["id"]
+    assert (await _summary(client))["posts"] == 2
+
+    r = await client.post("/_sim/reset")
+    assert (r.status_code, r.json()) == (200, {"ok": True})
+    s = await _summary(client)
+    assert (s["jobs_created"], s["posts"], s["gets"], s["operations_seen"]) == (0, 0, 0, 0)
+    assert set(s["faults_injected"].values()) == {0}
+    assert (await client.get(f"/v1/generations/{job_id}")).status_code == 404
+    assert (await client.get("/_sim/jobs")).json() == {"jobs": []}
+
+
+async def test_same_seed_same_fault_sequence(start_sim: Factory) -> None:
+    async def statuses(client: httpx.AsyncClient) -> list[int]:
+        out = []
+        for i in range(40):
+            r = await client.post("/v1/generations", json=_body(f"op-{i}"), headers=AUTH)
+            out.append(r.status_code)
+        return out
+
+    rates = {"fault_429": 0.3, "fault_502_job_id": 0.3, "fault_5xx": 0.3}
+    first = await statuses(await start_sim(seed=11, **rates))
+    second = await statuses(await start_sim(seed=11, **rates))
+    assert first == second
+    assert {429, 502, 201} <= set(first)
+
+
+async def test_app_state_is_reachable(start_sim: Factory) -> None:
+    app = make_app(SimulatorConfig(seed=3))
+    assert get_simulator(app).config.seed == 3
+
+
+def test_cli_process_logs_address_and_serves() -> None:
+    env = {**os.environ, "SIM_FAULT_429": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streams.simulator", "--port", "0", "--seed", "7", "--compression", "60"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        assert m, line
+        base = m.group(1)
+        with httpx.Client(base_url=base, timeout=5.0) as client:
+            assert client.get("/healthz").json() == {"ok": True}
+            cfg = client.post("/_sim/config", json={}).json()
+            assert (cfg["seed"], cfg["compression"], cfg["fault_429"]) == (7, 60.0, 1.0)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
