@@ -128,7 +128,7 @@ class Dispatcher:
         holder = [lease]
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception_type((RemoteRateLimitedError, RemoteNotSentError)),
-            wait=_wait_for_retry(tenacity.wait_exponential_jitter(initial=0.2, max=5.0)),
+            wait=_wait_for_retry(tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0)),
             stop=tenacity.stop_after_delay(settings.submit_retry_deadline_s),
             reraise=True,
         )

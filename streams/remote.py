@@ -21,6 +21,9 @@ transport instead of patching.
 
 from __future__ import annotations
 
+import datetime as dt
+import email.utils
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +41,8 @@ from streams.errors import (
     RemoteUnknownOutcomeError,
 )
 from streams.states import OperationState, state_for_remote_status
+
+_DELTA_SECONDS = re.compile(r"\d{1,10}(\.\d{1,6})?")
 
 #: httpx exceptions raised before any byte of the request was written.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
@@ -110,15 +115,24 @@ class JobSnapshot:
         }
 
 
-def parse_retry_after_s(value: str | None) -> float | None:
-    """Seconds from a ``Retry-After`` header (delta-seconds form), or None when absent or unreadable."""
+def parse_retry_after_s(value: str | None, *, cap_s: float = 3600.0) -> float | None:
+    """Seconds from a ``Retry-After`` header, or None when absent or unreadable (RFC 9110, 10.2.3).
+
+    Accepts delta-seconds (digits, a decimal fraction tolerated) and an HTTP-date; the result is clamped to
+    ``[0, cap_s]`` so a hostile or broken header cannot stall a worker.
+    """
     if value is None:
         return None
+    text = value.strip()
+    if _DELTA_SECONDS.fullmatch(text):
+        return min(cap_s, float(text))
     try:
-        seconds = float(value.strip())
-    except ValueError:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError):
         return None
-    return max(0.0, seconds)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return min(cap_s, max(0.0, (when - dt.datetime.now(dt.UTC)).total_seconds()))
 
 
 def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:

@@ -99,7 +99,7 @@ class Runtime:
         """
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception_type(LedgerUnavailableError),
-            wait=tenacity.wait_exponential_jitter(initial=0.1, max=self.settings.coordination_retry_cap_s),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=self.settings.coordination_retry_cap_s),
             stop=tenacity.stop_after_delay(600),
             reraise=True,
             before_sleep=lambda rs: self._on_ledger_retry(what, rs),

@@ -1,0 +1,143 @@
+"""Fixtures of the integration tier: real PostgreSQL, Redis, Kafka and the simulator on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from aiohttp import web
+from aiokafka import AIOKafkaProducer
+
+from streams.admin import create_topics, migrate
+from streams.config import Settings
+from streams.lease import LeaseManager, make_redis
+from streams.ledger import Ledger, create_pool
+from streams.remote import RemoteClient, make_http_client
+from streams.runtime import Runtime
+from streams.simulator import SimulatorConfig, make_app
+
+pytestmark = pytest.mark.integration
+
+TABLES = "remote_calls, outbox, outputs, transitions, operations"
+
+
+@pytest.fixture(scope="session")
+def migrated(base_settings: Settings) -> Settings:
+    """The test database migrated and the session's topics created."""
+    migrate(base_settings.database_url)
+    asyncio.run(create_topics(base_settings))
+    return base_settings
+
+
+@pytest.fixture
+async def pool(migrated: Settings) -> AsyncIterator[asyncpg.Pool]:
+    """A pool on the test database, with every ledger table emptied first."""
+    p = await create_pool(migrated.database_url, min_size=1, max_size=10)
+    await p.execute(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE")
+    yield p
+    await p.close()
+
+
+@pytest.fixture
+async def simulator() -> AsyncIterator[Simulator]:
+    """The provider simulator on a real loopback port, faults off, 100x compressed."""
+    sim = Simulator()
+    await sim.start(SimulatorConfig(port=0, compression=100.0, get_latency_ms=1.0))
+    yield sim
+    await sim.stop()
+
+
+class Simulator:
+    """A simulator served by aiohttp on a loopback port, with its introspection API."""
+
+    def __init__(self) -> None:
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+        self.port = 0
+
+    async def start(self, config: SimulatorConfig, port: int | None = None) -> None:
+        """Bind on ``port`` (default: the config's, 0 = any free port)."""
+        self.runner = web.AppRunner(make_app(config), shutdown_timeout=0.5)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", config.port if port is None else port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def get(self, path: str) -> Any:
+        async with httpx.AsyncClient(base_url=self.url, timeout=10) as c:
+            return (await c.get(path)).json()
+
+    async def configure(self, **changes: Any) -> Any:
+        async with httpx.AsyncClient(base_url=self.url, timeout=10) as c:
+            r = await c.post("/_sim/config", json=changes)
+            r.raise_for_status()
+            return r.json()
+
+
+@pytest.fixture
+async def kafka_send(migrated: Settings) -> AsyncIterator[Callable[[str, bytes, bytes], Awaitable[Any]]]:
+    """A real Kafka producer as the runtime's send function (waits for acks)."""
+    producer = AIOKafkaProducer(bootstrap_servers=migrated.kafka_bootstrap, acks="all")
+    await producer.start()
+
+    async def send(topic: str, key: bytes, value: bytes) -> Any:
+        return await producer.send_and_wait(topic, value, key=key)
+
+    yield send
+    await producer.stop()
+
+
+@pytest.fixture
+def settings(migrated: Settings, simulator: Simulator) -> Settings:
+    """Per-test settings: the simulator's URL and a fresh Redis key prefix."""
+    return migrated.replace(remote_base_url=simulator.url, lease_key_prefix=f"t{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+async def runtime(
+    settings: Settings, pool: asyncpg.Pool, kafka_send: Callable[[str, bytes, bytes], Awaitable[Any]]
+) -> AsyncIterator[Runtime]:
+    """A worker runtime over the real services (its own pool, Redis client and HTTP client)."""
+    rt = await Runtime.create(settings, kafka_send, worker="test-worker")
+    yield rt
+    await rt.close()
+
+
+@pytest.fixture
+async def ledger(pool: asyncpg.Pool) -> Ledger:
+    return Ledger(pool, "test")
+
+
+@pytest.fixture
+async def leases(settings: Settings) -> AsyncIterator[LeaseManager]:
+    client = make_redis(settings.redis_url, settings.redis_socket_timeout_s)
+    yield LeaseManager(client, settings.lease_ttl_ms)
+    await client.aclose()
+
+
+@pytest.fixture
+async def remote(settings: Settings) -> AsyncIterator[RemoteClient]:
+    client = RemoteClient(make_http_client(settings), settings.remote_model)
+    yield client
+    await client.aclose()
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, what: str = "") -> None:
+    """Poll ``predicate`` until true; fail after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        if await predicate():
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
+        await asyncio.sleep(0.05)

@@ -1,0 +1,270 @@
+"""JSON Schema contracts of every topic and the dead-letter envelope."""
+
+from __future__ import annotations
+
+import base64
+import copy
+from typing import Any
+
+import jsonschema
+import orjson
+import pytest
+
+from streams import contracts
+from streams.errors import ConfigError, InvalidEventError
+from streams.states import OperationState
+
+SUB = "generation.submissions"
+POLLS = "generation.polls"
+DLQ = "generation.dead-letter"
+LIMIT = 65_536
+
+VALID_SUBMISSION: dict[str, Any] = {
+    "operation_id": "conv-000001",
+    "request": {"context_tokens": 374, "generated_tokens": 44, "model": "sim-1"},
+    "submitted_at_ms": 1_700_000_000_000,
+    "source": {"trace": "conv", "row": 0},
+}
+
+VALID_POLL: dict[str, Any] = {
+    "operation_id": "conv-000001",
+    "remote_job_id": "job-1",
+    "poll_claim_id": 1,
+    "claimed_at_ms": 0,
+}
+
+
+def raw(value: Any) -> bytes:
+    return orjson.dumps(value)
+
+
+def decode_error(topic: str, data: bytes | None, limit: int = LIMIT) -> InvalidEventError:
+    with pytest.raises(InvalidEventError) as info:
+        contracts.decode(topic, data, limit)
+    return info.value
+
+
+# --- schema files ----------------------------------------------------------------------------------------------
+
+
+def test_every_schema_file_is_registered() -> None:
+    on_disk = sorted(p.name for p in contracts.SCHEMA_DIR.glob("*.json"))
+    assert on_disk == sorted(contracts.SCHEMA_FILES.values())
+    assert sorted(contracts.SCHEMA_FILES) == [
+        "generation.dead-letter",
+        "generation.outputs.delivered",
+        "generation.polls",
+        "generation.submissions",
+        "generation.transitions",
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(contracts.SCHEMA_FILES.values()))
+def test_schema_file_is_valid_draft_2020_12(name: str) -> None:
+    schema = orjson.loads((contracts.SCHEMA_DIR / name).read_bytes())
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert jsonschema.validators.validator_for(schema) is jsonschema.Draft202012Validator
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["type"] == "object"
+    assert schema["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("topic", sorted(contracts.SCHEMA_FILES))
+def test_validator_compiles(topic: str) -> None:
+    assert isinstance(contracts.validator(topic), jsonschema.Draft202012Validator)
+
+
+def test_unknown_topic_is_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"no JSON Schema registered for topic 'generation\.nope'"):
+        contracts.validator("generation.nope")
+
+
+def test_transition_schema_lists_every_operation_state() -> None:
+    schema = orjson.loads((contracts.SCHEMA_DIR / "generation.transitions.json").read_bytes())
+    states = {s.value for s in OperationState}
+    assert set(schema["properties"]["to_state"]["enum"]) == states
+    assert set(schema["properties"]["from_state"]["enum"]) == states | {None}
+
+
+# --- decode: submissions ---------------------------------------------------------------------------------------
+
+
+def test_valid_submission_passes() -> None:
+    assert contracts.decode(SUB, raw(VALID_SUBMISSION), LIMIT) == VALID_SUBMISSION
+
+
+def test_minimal_submission_passes() -> None:
+    value = {"operation_id": "a", "request": {"context_tokens": 0, "generated_tokens": 1}, "submitted_at_ms": 0}
+    assert contracts.decode(SUB, raw(value), LIMIT) == value
+
+
+@pytest.mark.parametrize("data", [b"{not json", b"\xff\xfe\x00", b"", b'{"a": 1'])
+def test_not_json(data: bytes) -> None:
+    err = decode_error(SUB, data)
+    assert err.reason == "not_json"
+    assert "not JSON" in str(err)
+
+
+def test_none_is_not_json() -> None:
+    err = decode_error(SUB, None)
+    assert err.reason == "not_json"
+    assert "tombstone" in str(err)
+
+
+def test_oversized() -> None:
+    data = raw(VALID_SUBMISSION)
+    err = decode_error(SUB, data, limit=len(data) - 1)
+    assert err.reason == "oversized"
+    assert str(err) == f"value is {len(data)} bytes, over the {len(data) - 1}-byte limit"
+
+
+def test_exactly_at_the_limit_passes() -> None:
+    data = raw(VALID_SUBMISSION)
+    assert contracts.decode(SUB, data, len(data)) == VALID_SUBMISSION
+
+
+def test_oversized_checked_before_parsing() -> None:
+    assert decode_error(SUB, b"x" * 11, limit=10).reason == "oversized"
+
+
+def mutated(path: list[str], value: Any = None, *, delete: bool = False) -> dict[str, Any]:
+    doc = copy.deepcopy(VALID_SUBMISSION)
+    target = doc
+    for key in path[:-1]:
+        target = target[key]
+    if delete:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("doc", "where", "fragment"),
+    [
+        (mutated(["submitted_at_ms"], delete=True), "(root)", "'submitted_at_ms' is a required property"),
+        (mutated(["operation_id"], delete=True), "(root)", "'operation_id' is a required property"),
+        (mutated(["request", "generated_tokens"], delete=True), "request", "'generated_tokens' is a required property"),
+        (mutated(["request", "generated_tokens"], "12"), "request/generated_tokens", "'12' is not of type 'integer'"),
+        (mutated(["request", "generated_tokens"], 0), "request/generated_tokens", "0 is less than the minimum of 1"),
+        (mutated(["request", "context_tokens"], 1.5), "request/context_tokens", "1.5 is not of type 'integer'"),
+        (mutated(["submitted_at_ms"], -1), "submitted_at_ms", "-1 is less than the minimum of 0"),
+        (mutated(["extra"], 1), "(root)", "'extra' was unexpected"),
+        (mutated(["request", "temperature"], 0.7), "request", "'temperature' was unexpected"),
+        (mutated(["operation_id"], "-starts-with-dash"), "operation_id", "'-starts-with-dash' does not match"),
+        (mutated(["operation_id"], "has space"), "operation_id", "'has space' does not match"),
+        (mutated(["operation_id"], "x" * 129), "operation_id", "does not match"),
+        (mutated(["operation_id"], 42), "operation_id", "42 is not of type 'string'"),
+        (mutated(["source", "nested"], {"a": 1}), "source/nested", "is not of type"),
+    ],
+)
+def test_schema_errors_name_the_field(doc: dict[str, Any], where: str, fragment: str) -> None:
+    err = decode_error(SUB, raw(doc))
+    assert err.reason == "schema"
+    message = str(err)
+    assert message.startswith(f"{SUB} schema: at {where}: ")
+    assert fragment in message
+
+
+def test_operation_id_pattern_accepts_its_alphabet() -> None:
+    doc = mutated(["operation_id"], "A9._:-" + "x" * 122)  # 128 characters, the maximum
+    assert contracts.decode(SUB, raw(doc), LIMIT)["operation_id"] == doc["operation_id"]
+
+
+@pytest.mark.parametrize("value", [[1, 2], "text", 3, None])
+def test_json_but_not_an_object(value: Any) -> None:
+    err = decode_error(SUB, raw(value))
+    assert err.reason == "schema"
+    assert str(err).startswith(f"{SUB} schema: at (root): ")
+
+
+# --- decode: polls ---------------------------------------------------------------------------------------------
+
+
+def test_valid_poll_passes() -> None:
+    assert contracts.decode(POLLS, raw(VALID_POLL), LIMIT) == VALID_POLL
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [
+        ({"poll_claim_id": 0}, "poll_claim_id"),
+        ({"poll_claim_id": "1"}, "poll_claim_id"),
+        ({"remote_job_id": ""}, "remote_job_id"),
+        ({"remote_job_id": "j" * 257}, "remote_job_id"),
+        ({"claimed_at_ms": -5}, "claimed_at_ms"),
+        ({"operation_id": "bad id"}, "operation_id"),
+        ({"fencing_token": 3}, "(root)"),
+    ],
+)
+def test_invalid_poll(change: dict[str, Any], where: str) -> None:
+    err = decode_error(POLLS, raw({**VALID_POLL, **change}))
+    assert err.reason == "schema"
+    assert str(err).startswith(f"{POLLS} schema: at {where}: ")
+
+
+def test_poll_missing_field() -> None:
+    doc = {k: v for k, v in VALID_POLL.items() if k != "remote_job_id"}
+    err = decode_error(POLLS, raw(doc))
+    assert err.reason == "schema"
+    assert "'remote_job_id' is a required property" in str(err)
+
+
+# --- validate / dead letter ------------------------------------------------------------------------------------
+
+
+def test_validate_rejects_bad_outgoing_value() -> None:
+    with pytest.raises(InvalidEventError) as info:
+        contracts.validate(POLLS, {**VALID_POLL, "poll_claim_id": 0})
+    assert info.value.reason == "schema"
+    assert str(info.value).startswith(f"{POLLS} schema: ")
+    contracts.validate(POLLS, VALID_POLL)  # no error
+
+
+@pytest.mark.parametrize(
+    ("original", "key", "reason"),
+    [
+        (b"\xff\xfe{not json", b"conv-000001", "not_json"),
+        (raw({"operation_id": "x"}), None, "schema"),
+        (b"x" * 100, b"k", "oversized"),
+        (None, None, "not_json"),
+    ],
+)
+def test_dead_letter_envelope(original: bytes | None, key: bytes | None, reason: str) -> None:
+    error = InvalidEventError(reason, f"{reason} happened")
+    env = contracts.dead_letter(
+        source_topic="x.generation.submissions",
+        partition=3 if key else None,
+        offset=17 if key else None,
+        key=key,
+        original=original,
+        error=error,
+        worker="worker-1",
+    )
+    contracts.validate(DLQ, env)
+    assert base64.b64decode(env["original_base64"], validate=True) == (original or b"")
+    if key is None:
+        assert env["key_base64"] is None
+    else:
+        assert base64.b64decode(env["key_base64"], validate=True) == key
+    assert env["reason"] == reason
+    assert env["error"] == f"{reason} happened"
+    assert env["source_topic"] == "x.generation.submissions"
+    assert env["worker"] == "worker-1"
+    assert isinstance(env["failed_at_ms"], int) and env["failed_at_ms"] > 1_600_000_000_000
+    # The envelope survives a JSON round trip and decodes as a dead-letter value.
+    assert contracts.decode(DLQ, orjson.dumps(env), LIMIT) == env
+
+
+def test_dead_letter_from_a_real_decode_failure() -> None:
+    original = (
+        b'{"operation_id": "a", "request": {"context_tokens": 1, "generated_tokens": "12"}, "submitted_at_ms": 0}'
+    )
+    err = decode_error(SUB, original)
+    env = contracts.dead_letter(
+        source_topic=SUB, partition=0, offset=0, key=b"a", original=original, error=err, worker="w"
+    )
+    contracts.validate(DLQ, env)
+    assert env["reason"] == "schema"
+    assert "request/generated_tokens" in env["error"]
+    assert base64.b64decode(env["original_base64"]) == original

@@ -1,0 +1,118 @@
+"""Operation state rules (ARCHITECTURE.md, "Operation states"), checked pair by pair against an explicit table."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from streams.states import OperationState, can_transition, is_terminal, state_for_remote_status
+
+S = OperationState
+
+# Written from the ARCHITECTURE rules, not from streams/states.py:
+# accepted -> submitting -> submitted -> queued -> running -> succeeded | failed | canceled (forward, skipping
+# intermediate observation states is allowed because a job may finish between two polls);
+# submitting -> rejected | uncertain; uncertain -> submitted only; terminal states never change.
+LEGAL: frozenset[tuple[OperationState, OperationState]] = frozenset(
+    {
+        (S.ACCEPTED, S.SUBMITTING),
+        (S.SUBMITTING, S.SUBMITTED),
+        (S.SUBMITTING, S.REJECTED),
+        (S.SUBMITTING, S.UNCERTAIN),
+        (S.UNCERTAIN, S.SUBMITTED),
+        (S.SUBMITTED, S.QUEUED),
+        (S.SUBMITTED, S.RUNNING),
+        (S.SUBMITTED, S.SUCCEEDED),
+        (S.SUBMITTED, S.FAILED),
+        (S.SUBMITTED, S.CANCELED),
+        (S.QUEUED, S.RUNNING),
+        (S.QUEUED, S.SUCCEEDED),
+        (S.QUEUED, S.FAILED),
+        (S.QUEUED, S.CANCELED),
+        (S.RUNNING, S.SUCCEEDED),
+        (S.RUNNING, S.FAILED),
+        (S.RUNNING, S.CANCELED),
+    }
+)
+
+ALL_PAIRS = list(itertools.product(S, S))
+
+
+def test_enum_values_are_the_architecture_words() -> None:
+    assert [s.value for s in S] == [
+        "accepted",
+        "submitting",
+        "submitted",
+        "queued",
+        "running",
+        "succeeded",
+        "failed",
+        "canceled",
+        "uncertain",
+        "rejected",
+    ]
+
+
+@pytest.mark.parametrize(("current", "new"), ALL_PAIRS, ids=[f"{a.value}->{b.value}" for a, b in ALL_PAIRS])
+def test_can_transition_every_pair(current: OperationState, new: OperationState) -> None:
+    assert can_transition(current, new) is ((current, new) in LEGAL)
+
+
+def test_table_size() -> None:
+    assert len(ALL_PAIRS) == 100
+    assert sum(can_transition(a, b) for a, b in ALL_PAIRS) == len(LEGAL) == 17
+
+
+@pytest.mark.parametrize("state", list(S))
+def test_same_state_is_not_a_transition(state: OperationState) -> None:
+    assert can_transition(state, state) is False
+
+
+@pytest.mark.parametrize("terminal", [S.SUCCEEDED, S.FAILED, S.CANCELED, S.REJECTED])
+def test_terminal_never_changes(terminal: OperationState) -> None:
+    assert [s for s in S if can_transition(terminal, s)] == []
+
+
+def test_late_running_never_replaces_succeeded() -> None:
+    assert can_transition(S.SUCCEEDED, S.RUNNING) is False
+    assert can_transition(S.SUCCEEDED, S.QUEUED) is False
+    assert can_transition(S.RUNNING, S.QUEUED) is False
+
+
+def test_uncertain_only_to_submitted() -> None:
+    assert [s for s in S if can_transition(S.UNCERTAIN, s)] == [S.SUBMITTED]
+
+
+def test_nothing_reenters_accepted_or_submitting_except_the_claim() -> None:
+    assert [a for a in S if can_transition(a, S.ACCEPTED)] == []
+    assert [a for a in S if can_transition(a, S.SUBMITTING)] == [S.ACCEPTED]
+
+
+def test_is_terminal() -> None:
+    assert {s for s in S if is_terminal(s)} == {S.SUCCEEDED, S.FAILED, S.CANCELED, S.REJECTED}
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        ("queued", S.QUEUED),
+        ("pending", S.QUEUED),
+        ("running", S.RUNNING),
+        ("in_progress", S.RUNNING),
+        ("succeeded", S.SUCCEEDED),
+        ("completed", S.SUCCEEDED),
+        ("failed", S.FAILED),
+        ("canceled", S.CANCELED),
+        ("cancelled", S.CANCELED),
+        ("  RUNNING ", S.RUNNING),
+        ("Succeeded", S.SUCCEEDED),
+        ("", None),
+        ("unknown", None),
+        ("rejected", None),
+        ("uncertain", None),
+        ("submitted", None),
+    ],
+)
+def test_state_for_remote_status(status: str, expected: OperationState | None) -> None:
+    assert state_for_remote_status(status) == expected
