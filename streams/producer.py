@@ -57,9 +57,7 @@ class SubmissionProducer:
         """
         value = submission(operation_id, request, source)
         contracts.validate("generation.submissions", value)
-        fut: asyncio.Future[Any] = await self._producer.send(
-            self.topic, orjson.dumps(value), key=operation_id.encode()
-        )
+        fut: asyncio.Future[Any] = await self._producer.send(self.topic, orjson.dumps(value), key=operation_id.encode())
         return fut
 
     async def send_raw(self, key: bytes | None, value: bytes) -> None:

@@ -46,8 +46,10 @@ async def test_created_job_is_saved_and_replay_does_not_post_again(
     record = await simulator.get("/_sim/operations/op-ok")
     assert record["posts"] == 1 and len(record["jobs"]) == 1
     assert row["state"] == "submitted" and row["remote_job_id"] == record["jobs"][0]["job_id"]
-    states = [r["to_state"] for r in await pool.fetch(
-        "SELECT to_state::text FROM transitions WHERE operation_id='op-ok' ORDER BY id")]
+    states = [
+        r["to_state"]
+        for r in await pool.fetch("SELECT to_state::text FROM transitions WHERE operation_id='op-ok' ORDER BY id")
+    ]
     assert states == ["accepted", "submitting", "submitted"]
     calls = await pool.fetch("SELECT method, outcome, status_code FROM remote_calls WHERE operation_id='op-ok'")
     assert [(c["method"], c["outcome"], c["status_code"]) for c in calls] == [("POST", "created", 201)]
@@ -112,8 +114,11 @@ async def test_connection_refused_is_retried_and_exactly_one_job_exists(
         task = asyncio.create_task(Dispatcher(rt).handle(submission("op-refused")))
 
         async def refused_attempts() -> int:
-            return int(await pool.fetchval(
-                "SELECT count(*) FROM remote_calls WHERE operation_id='op-refused' AND outcome='notsent'"))
+            return int(
+                await pool.fetchval(
+                    "SELECT count(*) FROM remote_calls WHERE operation_id='op-refused' AND outcome='notsent'"
+                )
+            )
 
         while await refused_attempts() < 2:
             await asyncio.sleep(0.05)

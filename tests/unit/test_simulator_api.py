@@ -174,9 +174,7 @@ async def test_unauthorized_creates_nothing(start_sim: Factory) -> None:
 )
 async def test_invalid_body_400_creates_nothing(start_sim: Factory, content: bytes) -> None:
     client = await start_sim(fault_502_job_id=1.0)  # faults are never drawn for invalid requests
-    r = await client.post(
-        "/v1/generations", content=content, headers={**AUTH, "Content-Type": "application/json"}
-    )
+    r = await client.post("/v1/generations", content=content, headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "invalid_request" and err["message"]

@@ -117,10 +117,17 @@ def test_job_traits_rates() -> None:
 def test_config_defaults_and_validation() -> None:
     cfg = SimulatorConfig()
     assert (cfg.queue_ms, cfg.prefill_ms_per_token, cfg.decode_ms_per_token, cfg.compression) == (
-        200.0, 0.02, 25.0, 1.0,
+        200.0,
+        0.02,
+        25.0,
+        1.0,
     )
     assert (cfg.fault_429, cfg.fault_5xx, cfg.get_latency_ms, cfg.poll_min_ms, cfg.poll_max_ms) == (
-        0.0, 0.0, 5.0, 50, 5000,
+        0.0,
+        0.0,
+        5.0,
+        50,
+        5000,
     )
     with pytest.raises(ValueError):
         SimulatorConfig(fault_429=1.5)
@@ -146,9 +153,21 @@ def test_config_from_env() -> None:
 def test_cli_help_lists_every_option() -> None:
     result = CliRunner().invoke(command, ["--help"])
     assert result.exit_code == 0, result.output
-    for opt in ("--seed", "--compression", "--fault-502-job-id", "--fault-5xx", "--fault-drop-after-create",
-                "--fault-slow", "--slow-response-s", "--fault-429", "--retry-after-s", "--fault-job-failed",
-                "--get-latency-ms", "--host", "--port"):
+    for opt in (
+        "--seed",
+        "--compression",
+        "--fault-502-job-id",
+        "--fault-5xx",
+        "--fault-drop-after-create",
+        "--fault-slow",
+        "--slow-response-s",
+        "--fault-429",
+        "--retry-after-s",
+        "--fault-job-failed",
+        "--get-latency-ms",
+        "--host",
+        "--port",
+    ):
         assert opt in result.output
 
 

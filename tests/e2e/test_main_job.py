@@ -1,0 +1,138 @@
+"""End to end: the simulator with faults on and two real worker processes (honcho, Procfile) replaying
+a few hundred rows of the real trace, plus bad input published to the real topics."""
+
+from __future__ import annotations
+
+import base64
+import io
+import uuid
+from pathlib import Path
+
+import asyncpg
+import orjson
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from streams.admin import create_topics, migrate
+from streams.config import Settings
+from streams.downstream import read_topic_to_end
+from streams.mainjob import MainJobOptions, free_port, run_main_job
+
+pytestmark = pytest.mark.e2e
+
+FAULTS = {
+    "fault_429": 0.03,
+    "fault_502_job_id": 0.03,
+    "fault_5xx": 0.02,
+    "fault_drop_after_create": 0.02,
+    "fault_slow": 0.01,
+    "fault_job_failed": 0.02,
+}
+
+
+async def publish_bad_input(settings: Settings, tag: str) -> dict[str, tuple[str, bytes]]:
+    """Bad values on the real topics; returns key -> (expected reason, original bytes)."""
+    bad = {
+        f"{tag}-nonjson": ("submissions", b"{not json", "not_json"),
+        f"{tag}-missing": ("submissions", orjson.dumps({"operation_id": f"{tag}-missing"}), "schema"),
+        f"{tag}-wrongtype": (
+            "submissions",
+            orjson.dumps(
+                {
+                    "operation_id": f"{tag}-wrongtype",
+                    "submitted_at_ms": 1,
+                    "request": {"context_tokens": "many", "generated_tokens": 3},
+                }
+            ),
+            "schema",
+        ),
+        f"{tag}-oversized": ("submissions", b'{"pad": "' + b"x" * (settings.max_value_bytes + 10) + b'"}', "oversized"),
+        f"{tag}-ghostpoll": (
+            "polls",
+            orjson.dumps(
+                {"operation_id": f"{tag}-ghost", "remote_job_id": "job-ghost", "poll_claim_id": 1, "claimed_at_ms": 1}
+            ),
+            "unknown_operation",
+        ),
+    }
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, max_request_size=2_000_000)
+    await producer.start()
+    try:
+        for key, (role, value, _) in bad.items():
+            await producer.send_and_wait(settings.topic(role), value, key=key.encode())
+    finally:
+        await producer.stop()
+    return {key: (reason, value) for key, (_, value, reason) in bad.items()}
+
+
+async def test_trace_through_two_workers_with_faults(
+    base_settings: Settings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    run = uuid.uuid4().hex[:6]
+    settings = base_settings.replace(topic_prefix=f"e2e-{run}.", app_id=f"streams-e2e-{run}")
+    for key, value in {
+        "STREAMS_DATABASE_URL": settings.database_url,
+        "STREAMS_TOPIC_PREFIX": settings.topic_prefix,
+        "STREAMS_APP_ID": settings.app_id,
+        "STREAMS_HTTP_READ_TIMEOUT_S": "3",
+        "STREAMS_LEASE_TTL_MS": "5000",
+        "STREAMS_VISIBILITY_TIMEOUT_S": "8",
+    }.items():
+        monkeypatch.setenv(key, value)
+    migrate(settings.database_url)
+    await create_topics(settings.replace(partitions=4))
+    expected_letters = await publish_bad_input(settings, f"bad{run}")
+
+    out = io.StringIO()
+    report = await run_main_job(
+        MainJobOptions(
+            rows=300,
+            compression=30.0,
+            workers=2,
+            partitions=4,
+            seed=11,
+            faults=FAULTS,
+            report_path=tmp_path / "report.json",
+            timeout_s=300,
+            base_port=free_port() // 2 + 20000,
+        ),
+        out=out,
+    )
+    assert (tmp_path / "report.json").exists()
+    assert report["operations_submitted"] == 300
+    assert report["operations_missing"] == 0
+    assert report["operations_final"] == 300, out.getvalue()[-3000:]
+    assert report["max_jobs_per_operation"] == 1
+    assert report["max_gets_in_flight_per_job"] == 1
+    assert report["output_duplicates"] == 0
+    assert report["outputs_undelivered"] == 0
+    assert report["output_events"] == report["outputs_expected"] > 0
+    assert set(report["operations_by_state"]) <= {"succeeded", "failed", "uncertain", "rejected"}
+    assert report["operations_by_state"]["succeeded"] > 200
+    assert sum(report["faults_injected"].values()) > 0
+
+    pool = await asyncpg.create_pool(settings.database_url, min_size=1, max_size=2)
+    try:
+        run_id = report["run_id"]
+        rows = await pool.fetch(
+            "SELECT state::text AS state, reason FROM operations WHERE operation_id LIKE $1 AND state = 'uncertain'",
+            f"{run_id}-%",
+        )
+        assert all(r["reason"] for r in rows)
+        posts = await pool.fetchval(
+            "SELECT max(n) FROM (SELECT count(*) AS n FROM remote_calls WHERE method='POST' AND operation_id LIKE $1"
+            " AND outcome IN ('created', 'created_via_502', 'unknownoutcome') GROUP BY operation_id) c",
+            f"{run_id}-%",
+        )
+        assert posts == 1  # no operation was sent twice
+    finally:
+        await pool.close()
+
+    letters = {}
+    for r in await read_topic_to_end(settings, "dead_letter"):
+        key = base64.b64decode(r.value["key_base64"] or "").decode()
+        letters[key] = r.value
+    for key, (reason, original) in expected_letters.items():
+        assert key in letters, f"{key} not dead-lettered"
+        assert letters[key]["reason"] == reason
+        assert base64.b64decode(letters[key]["original_base64"]) == original

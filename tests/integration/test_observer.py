@@ -1,0 +1,165 @@
+"""The observer against the real services: leases, fencing, state order, outputs with the outbox."""
+
+from __future__ import annotations
+
+import time
+
+import asyncpg
+import orjson
+import pytest
+
+from streams import metrics
+from streams.config import lease_key
+from streams.ledger import SaveOutcome
+from streams.observer import Observer
+from streams.remote import JobSnapshot
+from streams.runtime import RawMessage, Runtime
+from streams.states import OperationState
+from tests.integration.conftest import Simulator, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+async def submitted_operation(runtime: Runtime, op: str, generated: int = 5) -> str:
+    """An operation with a real remote job, saved as submitted and due now; returns the job id."""
+    request = {"context_tokens": 10, "generated_tokens": generated}
+    assert await runtime.ledger.accept(op, request)
+    fencing = await runtime.ledger.claim_for_submit(op)
+    assert fencing is not None
+    result = await runtime.remote.submit(op, request)
+    assert await runtime.ledger.save_submitted(op, fencing, result.job_id, 0.0, None)
+    return result.job_id
+
+
+async def claim_poll(runtime: Runtime, op: str) -> RawMessage:
+    """Claim the due poll for ``op`` like the scheduler does and return its event."""
+    polls = [p for p in await runtime.ledger.claim_due_polls(100, 3.0) if p.operation_id == op]
+    assert len(polls) == 1
+    p = polls[0]
+    value = {
+        "operation_id": op,
+        "remote_job_id": p.remote_job_id,
+        "poll_claim_id": p.poll_claim_id,
+        "claimed_at_ms": int(time.time() * 1000),
+    }
+    return RawMessage("generation.polls", 0, 0, op.encode(), orjson.dumps(value))
+
+
+async def state_of(pool: asyncpg.Pool, op: str) -> str:
+    return str(await pool.fetchval("SELECT state::text FROM operations WHERE operation_id=$1", op))
+
+
+async def test_observes_until_succeeded_and_writes_outputs_with_outbox(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    job_id = await submitted_operation(runtime, "op-obs")
+    observer = Observer(runtime)
+
+    async def terminal() -> bool:
+        await pool.execute(
+            "UPDATE operations SET next_poll_at = now() WHERE operation_id='op-obs'"
+            " AND state IN ('submitted','queued','running')"
+        )
+        if await state_of(pool, "op-obs") != "succeeded":
+            await observer.handle(await claim_poll(runtime, "op-obs"))
+        return await state_of(pool, "op-obs") == "succeeded"
+
+    await wait_for(terminal, 10, "operation to succeed")
+    job = (await simulator.get("/_sim/operations/op-obs"))["jobs"][0]
+    assert job["job_id"] == job_id and job["max_gets_in_flight"] == 1
+    outputs = await pool.fetch("SELECT output_id FROM outputs WHERE operation_id='op-obs' ORDER BY position")
+    outbox = await pool.fetch(
+        "SELECT event_id FROM outbox WHERE operation_id='op-obs' AND topic_role='outputs_delivered' ORDER BY id"
+    )
+    assert [r["output_id"] for r in outputs] == [f"out_{i}" for i in range(job["outputs"])]
+    assert [r["event_id"] for r in outbox] == [f"output:op-obs:{r['output_id']}" for r in outputs]
+    assert await pool.fetchval("SELECT next_poll_at FROM operations WHERE operation_id='op-obs'") is None
+
+
+async def test_lease_busy_reschedules_without_get(runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator) -> None:
+    await submitted_operation(runtime, "op-busy")
+    poll = await claim_poll(runtime, "op-busy")
+    other = await runtime.leases.acquire(lease_key(runtime.settings, "observe", "op-busy"))
+    assert other is not None
+    before = metrics.LEASE_BUSY.labels("observe")._value.get()
+    await Observer(runtime).handle(poll)
+    job = (await simulator.get("/_sim/operations/op-busy"))["jobs"][0]
+    assert job["gets"] == 0
+    assert metrics.LEASE_BUSY.labels("observe")._value.get() == before + 1
+    delay = await pool.fetchval(
+        "SELECT extract(epoch FROM next_poll_at - now()) FROM operations WHERE operation_id='op-busy'"
+    )
+    assert 0 < delay <= runtime.settings.lease_busy_retry_s + 0.1  # rescheduled soon, not at the visibility timeout
+    await other.release()
+
+
+async def test_redis_down_means_no_get_and_the_poll_comes_back(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    await submitted_operation(runtime, "op-noredis")
+    poll = await claim_poll(runtime, "op-noredis")
+    from streams.lease import LeaseManager, make_redis
+
+    down = make_redis("redis://127.0.0.1:1/0", 0.3)
+    real = runtime.leases
+    runtime.leases = LeaseManager(down, 1000)
+    try:
+        await Observer(runtime).handle(poll)
+    finally:
+        runtime.leases = real
+        await down.aclose()
+    assert (await simulator.get("/_sim/operations/op-noredis"))["jobs"][0]["gets"] == 0
+    assert await state_of(pool, "op-noredis") == "submitted"
+    delay = await pool.fetchval(
+        "SELECT extract(epoch FROM next_poll_at - now()) FROM operations WHERE operation_id='op-noredis'"
+    )
+    assert 2.0 < delay <= 3.0  # still claimed for its visibility timeout: it comes back by itself
+
+
+async def test_stale_fencing_value_is_refused_and_counted(runtime: Runtime, pool: asyncpg.Pool) -> None:
+    job_id = await submitted_operation(runtime, "op-fence")
+    poll = await claim_poll(runtime, "op-fence")
+    claim_id = orjson.loads(poll.value or b"")["poll_claim_id"]
+    first = await runtime.ledger.claim_for_observe("op-fence", claim_id)
+    second = await runtime.ledger.claim_for_observe("op-fence", claim_id)
+    assert first is not None and second is not None and second.fencing_token == first.fencing_token + 1
+    succeeded = JobSnapshot(job_id, "succeeded", OperationState.SUCCEEDED, outputs=[{"id": "out_0"}], completed_at_ms=1)
+    running = JobSnapshot(job_id, "running", OperationState.RUNNING)
+    assert await runtime.ledger.save_observation("op-fence", second.fencing_token, succeeded, None) is SaveOutcome.SAVED
+    assert (
+        await runtime.ledger.save_observation("op-fence", first.fencing_token, running, 1.0)
+        is SaveOutcome.REFUSED_FENCING
+    )
+    # a late running with the *current* fencing value is refused by the state order
+    assert (
+        await runtime.ledger.save_observation("op-fence", second.fencing_token, running, 1.0)
+        is SaveOutcome.REFUSED_ORDER
+    )
+    assert await state_of(pool, "op-fence") == "succeeded"
+    transitions = await pool.fetchval("SELECT count(*) FROM transitions WHERE operation_id='op-fence'")
+    outbox = await pool.fetchval("SELECT count(*) FROM outbox WHERE operation_id='op-fence'")
+    # a repeated succeeded save writes nothing new either
+    assert (
+        await runtime.ledger.save_observation("op-fence", second.fencing_token, succeeded, None)
+        is SaveOutcome.REFUSED_ORDER
+    )
+    assert await pool.fetchval("SELECT count(*) FROM transitions WHERE operation_id='op-fence'") == transitions
+    assert await pool.fetchval("SELECT count(*) FROM outbox WHERE operation_id='op-fence'") == outbox == 5
+
+
+async def test_lost_lease_before_save_means_no_save_and_no_second_get(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    await submitted_operation(runtime, "op-lost")
+    poll = await claim_poll(runtime, "op-lost")
+    claim_id = orjson.loads(poll.value or b"")["poll_claim_id"]
+    key = lease_key(runtime.settings, "observe", "op-lost")
+    lease = await runtime.leases.acquire(key)
+    assert lease is not None
+    await runtime.leases.client.set(key, "someone-else", px=5000)  # ownership changed under us
+    before = metrics.LEASE_LOST.labels("observe")._value.get()
+    await Observer(runtime)._observe("op-lost", claim_id, 0, lease)
+    assert metrics.LEASE_LOST.labels("observe")._value.get() == before + 1
+    assert (await simulator.get("/_sim/operations/op-lost"))["jobs"][0]["gets"] == 1
+    assert await pool.fetchval("SELECT poll_count FROM operations WHERE operation_id='op-lost'") == 0
+    assert await runtime.leases.client.get(key) == b"someone-else"

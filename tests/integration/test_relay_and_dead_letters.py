@@ -1,0 +1,136 @@
+"""Outbox relay (including a crash between publish and mark) and bad input reaching the dead-letter topic."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any
+
+import asyncpg
+import orjson
+import pytest
+
+from streams.config import Settings
+from streams.dispatcher import Dispatcher
+from streams.downstream import EventDeduplicator, read_topic_to_end
+from streams.ledger import SaveOutcome
+from streams.observer import Observer
+from streams.relay import OutboxRelay
+from streams.remote import JobSnapshot
+from streams.runtime import RawMessage, Runtime
+from streams.states import OperationState
+
+pytestmark = pytest.mark.integration
+
+
+async def succeeded_operation(runtime: Runtime, op: str, outputs: int) -> None:
+    assert await runtime.ledger.accept(op, {"context_tokens": 1, "generated_tokens": 1})
+    fencing = await runtime.ledger.claim_for_submit(op)
+    assert fencing is not None
+    assert await runtime.ledger.save_submitted(op, fencing, f"job-{op}", 0.0, None)
+    polls = [p for p in await runtime.ledger.claim_due_polls(100, 3.0) if p.operation_id == op]
+    claim = await runtime.ledger.claim_for_observe(op, polls[0].poll_claim_id)
+    assert claim is not None
+    snap = JobSnapshot(
+        f"job-{op}",
+        "succeeded",
+        OperationState.SUCCEEDED,
+        outputs=[{"id": f"out_{i}", "text": "x"} for i in range(outputs)],
+        completed_at_ms=123,
+    )
+    assert await runtime.ledger.save_observation(op, claim.fencing_token, snap, None) is SaveOutcome.SAVED
+
+
+def for_op(records: list[Any], op: str) -> list[dict[str, Any]]:
+    return [r.value for r in records if r.value.get("operation_id") == op]
+
+
+async def test_relay_publishes_each_output_once_and_transitions_in_order(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings
+) -> None:
+    op = f"op-relay-{uuid.uuid4().hex[:6]}"
+    await succeeded_operation(runtime, op, outputs=2)
+    relay = OutboxRelay(runtime)
+    assert await relay.tick() == 6  # 4 transitions + 2 outputs
+    assert await relay.tick() == 0
+    assert await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
+    outputs = for_op(await read_topic_to_end(settings, "outputs_delivered"), op)
+    assert sorted(o["event_id"] for o in outputs) == [f"output:{op}:out_0", f"output:{op}:out_1"]
+    assert all(o["remote_job_id"] == f"job-{op}" and o["remote_completed_at_ms"] == 123 for o in outputs)
+    transitions = for_op(await read_topic_to_end(settings, "transitions"), op)
+    assert [t["to_state"] for t in transitions] == ["accepted", "submitting", "submitted", "succeeded"]
+
+
+async def test_crash_between_publish_and_mark_repeats_with_same_event_id(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings
+) -> None:
+    op = f"op-crash-{uuid.uuid4().hex[:6]}"
+    await succeeded_operation(runtime, op, outputs=1)
+    relay = OutboxRelay(runtime)
+
+    async def publish_then_crash(rows: list[dict[str, Any]]) -> None:
+        await relay._publish(rows)
+        raise RuntimeError("relay killed after publish, before mark")
+
+    with pytest.raises(RuntimeError):
+        await runtime.ledger.relay_outbox(100, publish_then_crash)
+    assert await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 5
+    assert await relay.tick() == 5
+    assert await pool.fetchval("SELECT count(*) FROM outputs WHERE operation_id=$1", op) == 1
+    outputs = for_op(await read_topic_to_end(settings, "outputs_delivered"), op)
+    assert [o["event_id"] for o in outputs] == [f"output:{op}:out_0"] * 2
+    dedupe = EventDeduplicator()
+    assert [o["event_id"] for o in outputs if dedupe.first_time(o["event_id"])] == [f"output:{op}:out_0"]
+
+
+def submission_bytes(op: str, **request: Any) -> bytes:
+    return orjson.dumps({"operation_id": op, "request": request, "submitted_at_ms": int(time.time() * 1000)})
+
+
+async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings
+) -> None:
+    tag = uuid.uuid4().hex[:6]
+    oversized = (
+        submission_bytes(f"big-{tag}", context_tokens=1, generated_tokens=1)[:-1]
+        + b', "pad": "'
+        + (b"x" * settings.max_value_bytes)
+        + b'"}'
+    )
+    cases: list[tuple[str, bytes, str, str]] = [
+        ("submissions", b"\xff\xfenot json", "not_json", "not JSON"),
+        ("submissions", orjson.dumps({"operation_id": f"m-{tag}", "submitted_at_ms": 1}), "schema", "request"),
+        (
+            "submissions",
+            submission_bytes(f"w-{tag}", context_tokens=1, generated_tokens="12"),
+            "schema",
+            "generated_tokens",
+        ),
+        ("submissions", oversized, "oversized", "over the"),
+        (
+            "polls",
+            orjson.dumps(
+                {"operation_id": f"ghost-{tag}", "remote_job_id": "job-x", "poll_claim_id": 1, "claimed_at_ms": 1}
+            ),
+            "unknown_operation",
+            f"ghost-{tag}",
+        ),
+    ]
+    dispatcher, observer = Dispatcher(runtime), Observer(runtime)
+    for i, (role, value, _, _) in enumerate(cases):
+        message = RawMessage(settings.topic(role), 0, i, f"key-{tag}-{i}".encode(), value)
+        await (dispatcher if role == "submissions" else observer).handle(message)
+    letters = {
+        base64.b64decode(r.value["key_base64"]).decode(): r.value
+        for r in await read_topic_to_end(settings, "dead_letter")
+        if r.value["key_base64"] and base64.b64decode(r.value["key_base64"]).decode().startswith(f"key-{tag}-")
+    }
+    assert len(letters) == len(cases)
+    for i, (role, value, reason, words) in enumerate(cases):
+        letter = letters[f"key-{tag}-{i}"]
+        assert letter["reason"] == reason
+        assert words in letter["error"]
+        assert letter["source_topic"] == settings.topic(role) and letter["offset"] == i
+        assert base64.b64decode(letter["original_base64"]) == value
+    assert await pool.fetchval("SELECT count(*) FROM operations") == 0  # nothing bad entered the ledger
