@@ -1,3 +1,5 @@
+DROP TRIGGER operations_log_transition ON operations;
+DROP FUNCTION operations_log_transition();
 DROP TABLE remote_calls;
 DROP TABLE outbox;
 DROP TABLE outputs;

@@ -37,6 +37,7 @@ CREATE TABLE operations (
     remote_completed_at timestamptz,
     accepted_at         timestamptz NOT NULL DEFAULT now(),
     updated_at          timestamptz NOT NULL DEFAULT now(),
+    updated_by          text NOT NULL,
     CONSTRAINT job_id_once_submitted CHECK (
         state IN ('accepted', 'submitting', 'uncertain', 'rejected') OR remote_job_id IS NOT NULL
     ),
@@ -132,3 +133,39 @@ CREATE TABLE remote_calls (
 );
 
 CREATE INDEX remote_calls_operation ON remote_calls (operation_id);
+
+-- Every state change is logged by the database itself, in the same transaction as the change: one row in
+-- the transition log and one outbox event for generation.transitions (event id transition:<op>:<state>,
+-- deterministic because each state is entered at most once). No query can change state without it.
+CREATE FUNCTION operations_log_transition() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    previous operation_state;
+BEGIN
+    IF TG_OP = 'UPDATE' THEN
+        IF NEW.state IS NOT DISTINCT FROM OLD.state THEN
+            RETURN NULL;
+        END IF;
+        previous := OLD.state;
+    END IF;
+    INSERT INTO transitions (operation_id, from_state, to_state, fencing_token, reason, worker)
+    VALUES (NEW.operation_id, previous, NEW.state, NEW.fencing_token, NEW.reason, NEW.updated_by);
+    INSERT INTO outbox (event_id, topic_role, operation_id, payload)
+    VALUES (
+        'transition:' || NEW.operation_id || ':' || NEW.state,
+        'transitions',
+        NEW.operation_id,
+        jsonb_build_object(
+            'event_id', 'transition:' || NEW.operation_id || ':' || NEW.state,
+            'operation_id', NEW.operation_id,
+            'from_state', previous,
+            'to_state', NEW.state,
+            'fencing_token', NEW.fencing_token,
+            'remote_job_id', NEW.remote_job_id,
+            'reason', NEW.reason,
+            'at_ms', floor(extract(epoch FROM now()) * 1000)::bigint));
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER operations_log_transition AFTER INSERT OR UPDATE OF state ON operations
+    FOR EACH ROW EXECUTE FUNCTION operations_log_transition();

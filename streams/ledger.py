@@ -1,9 +1,10 @@
 """The PostgreSQL ledger: operations, fenced transitions, outputs, outbox and remote-call accounting.
 
-Every method is one transaction. Writes of observations are *fenced*: they name the fencing value the
-worker got when it claimed the operation and touch zero rows if a newer claim happened since (seed: "Fence
-durable state changes separately"). The state order is enforced twice: by the ``WHERE`` clause of each
-query (``states.can_transition``) and by the ``operations_guard`` trigger.
+Every method is one statement (one round trip, atomic), except the relay's batch. Writes of observations are
+*fenced*: they name the fencing value the worker got when it claimed the operation and touch zero rows if a
+newer claim happened since (seed: "Fence durable state changes separately"). The state order is enforced
+twice: by the ``WHERE`` clause of each query (``states.can_transition``) and by the ``operations_guard``
+trigger; the ``operations_log_transition`` trigger writes the transition log and its outbox event.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class ObserveClaim:
     fencing_token: int
     remote_job_id: str
     state: OperationState
+    poll_count: int
 
 
 def sources_for(new: OperationState) -> list[str]:
@@ -115,140 +117,106 @@ class Ledger:
         """Close the pool."""
         await self.pool.close()
 
-    async def _record_transition(
-        self,
-        conn: asyncpg.Connection,
-        operation_id: str,
-        from_state: str | None,
-        to_state: str,
-        fencing_token: int,
-        reason: str | None,
-        remote_job_id: str | None,
-    ) -> None:
-        await conn.execute(
-            Q.record_transition, operation_id, from_state, to_state, fencing_token, reason, self.worker, remote_job_id
-        )
-
     async def accept(self, operation_id: str, request: dict[str, Any]) -> bool:
         """Insert the operation as ``accepted``; False when it already existed (a replay)."""
-        async with _guard(f"accept {operation_id}"), self.pool.acquire() as conn, conn.transaction():
-            fencing = await conn.fetchval(Q.accept_operation, operation_id, request)
-            if fencing is None:
-                return False
-            await self._record_transition(conn, operation_id, None, "accepted", fencing, None, None)
-            return True
+        async with _guard(f"accept {operation_id}"):
+            fencing = await self.pool.fetchval(Q.accept_operation, operation_id, request, self.worker)
+        return fencing is not None
 
     async def claim_for_submit(self, operation_id: str) -> int | None:
         """``accepted -> submitting`` with a new fencing value, written before the POST.
 
         Returns the fencing value, or None when the operation is past ``accepted`` (never resubmit).
         """
-        async with _guard(f"claim {operation_id}"), self.pool.acquire() as conn, conn.transaction():
-            fencing: int | None = await conn.fetchval(Q.claim_for_submit, operation_id)
-            if fencing is not None:
-                await self._record_transition(conn, operation_id, "accepted", "submitting", fencing, None, None)
-            return fencing
+        async with _guard(f"claim {operation_id}"):
+            fencing: int | None = await self.pool.fetchval(Q.claim_for_submit, operation_id, self.worker)
+        return fencing
 
     async def save_submitted(
         self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
     ) -> bool:
         """Fenced: save the job id (``submitting|uncertain -> submitted``); False when refused."""
-        async with _guard(f"save job id of {operation_id}"), self.pool.acquire() as conn, conn.transaction():
-            old = await conn.fetchval(Q.save_submitted, operation_id, fencing_token, remote_job_id, first_poll_delay_s)
-            if old is None:
-                return False
-            await self._record_transition(conn, operation_id, old, "submitted", fencing_token, reason, remote_job_id)
-            return True
+        async with _guard(f"save job id of {operation_id}"):
+            saved = await self.pool.fetchval(
+                Q.save_submitted, operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason, self.worker
+            )
+        return saved is not None
 
     async def save_submission_without_job(
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str
     ) -> bool:
         """Fenced: ``submitting -> rejected|uncertain`` with ``reason``; False when refused."""
-        assert state in (OperationState.REJECTED, OperationState.UNCERTAIN)
-        async with _guard(f"save {state} for {operation_id}"), self.pool.acquire() as conn, conn.transaction():
-            old = await conn.fetchval(Q.save_submission_without_job, operation_id, fencing_token, state.value, reason)
-            if old is None:
-                return False
-            await self._record_transition(conn, operation_id, old, state.value, fencing_token, reason, None)
-            return True
+        if state not in (OperationState.REJECTED, OperationState.UNCERTAIN):
+            raise ValueError(f"a submission without a job ends rejected or uncertain, not {state}")
+        async with _guard(f"save {state} for {operation_id}"):
+            saved = await self.pool.fetchval(
+                Q.save_submission_without_job, operation_id, fencing_token, state.value, reason, self.worker
+            )
+        return saved is not None
 
     async def reconcile_stale_submitting(self, stale_after_s: float, batch_size: int) -> list[str]:
         """Mark operations stuck in ``submitting`` as ``uncertain`` (with a reason); returns their ids."""
-        async with _guard("reconcile submitting"), self.pool.acquire() as conn, conn.transaction():
-            rows = await conn.fetch(Q.reconcile_stale_submitting, stale_after_s, batch_size)
-            for row in rows:
-                await self._record_transition(
-                    conn, row["operation_id"], "submitting", "uncertain", row["fencing_token"], row["reason"], None
-                )
-            return [row["operation_id"] for row in rows]
+        async with _guard("reconcile submitting"):
+            rows = await self.pool.fetch(Q.reconcile_stale_submitting, stale_after_s, batch_size, self.worker)
+        return [row["operation_id"] for row in rows]
 
     async def claim_due_polls(self, batch_size: int, visibility_timeout_s: float) -> list[DuePoll]:
         """Claim due polls; each comes back by itself after ``visibility_timeout_s`` unless saved sooner."""
-        async with _guard("claim due polls"), self.pool.acquire() as conn:
-            rows = await conn.fetch(Q.claim_due_polls, batch_size, visibility_timeout_s)
+        async with _guard("claim due polls"):
+            rows = await self.pool.fetch(Q.claim_due_polls, batch_size, visibility_timeout_s)
         return [DuePoll(r["operation_id"], r["remote_job_id"], r["poll_claim_id"]) for r in rows]
 
     async def get_operation(self, operation_id: str) -> dict[str, Any] | None:
         """The operation's row as a dict, or None when the ledger does not hold it."""
-        async with _guard(f"read {operation_id}"), self.pool.acquire() as conn:
-            row = await conn.fetchrow(Q.get_operation, operation_id)
+        async with _guard(f"read {operation_id}"):
+            row = await self.pool.fetchrow(Q.get_operation, operation_id)
         return dict(row) if row is not None else None
 
     async def claim_for_observe(self, operation_id: str, poll_claim_id: int) -> ObserveClaim | None:
         """A new fencing value for observing, if the poll is the newest claim and the job still pollable."""
-        async with _guard(f"claim observe {operation_id}"), self.pool.acquire() as conn:
-            row = await conn.fetchrow(Q.claim_for_observe, operation_id, poll_claim_id)
+        async with _guard(f"claim observe {operation_id}"):
+            row = await self.pool.fetchrow(Q.claim_for_observe, operation_id, poll_claim_id, self.worker)
         if row is None:
             return None
-        return ObserveClaim(row["fencing_token"], row["remote_job_id"], OperationState(row["state"]))
+        return ObserveClaim(row["fencing_token"], row["remote_job_id"], OperationState(row["state"]), row["poll_count"])
 
     async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
         """Move the claimed poll to now + ``delay_s``; False when the claim is stale or the job not pollable."""
-        async with _guard(f"reschedule {operation_id}"), self.pool.acquire() as conn:
-            row = await conn.fetchval(Q.reschedule_poll, operation_id, poll_claim_id, delay_s)
+        async with _guard(f"reschedule {operation_id}"):
+            row = await self.pool.fetchval(Q.reschedule_poll, operation_id, poll_claim_id, delay_s)
         return row is not None
 
     async def save_observation(
         self, operation_id: str, fencing_token: int, snapshot: JobSnapshot, next_poll_delay_s: float | None
     ) -> SaveOutcome:
-        """Fenced, conditional save of one GET snapshot.
+        """Fenced, conditional save of one GET snapshot (one statement).
 
         A terminal ``succeeded`` writes the outputs and one outbox row per ``(operation_id, output_id)`` in
-        the same transaction. Returns :class:`SaveOutcome`; a refusal writes nothing.
+        the same statement. Returns :class:`SaveOutcome`; a refusal writes nothing.
         """
         new = snapshot.state
         terminal = is_terminal(new)
         reason = None
         if new is OperationState.FAILED and snapshot.error:
             reason = f"remote job failed: {orjson.dumps(snapshot.error).decode()}"
-        async with _guard(f"save observation of {operation_id}"), self.pool.acquire() as conn:
-            async with conn.transaction():
-                old = await conn.fetchval(
-                    Q.save_observation,
-                    operation_id,
-                    fencing_token,
-                    new.value,
-                    snapshot.as_observation(),
-                    None if terminal else next_poll_delay_s,
-                    snapshot.completed_at_ms if terminal else None,
-                    reason,
-                    sources_for(new),
-                )
-                if old is not None:
-                    if old != new.value:
-                        await self._record_transition(
-                            conn, operation_id, old, new.value, fencing_token, reason, snapshot.job_id
-                        )
-                    if new is OperationState.SUCCEEDED:
-                        outputs = [
-                            {"output_id": str(o["id"]), "position": i, "payload": o}
-                            for i, o in enumerate(snapshot.outputs)
-                        ]
-                        await conn.fetchval(
-                            Q.insert_outputs, operation_id, snapshot.job_id, outputs, snapshot.completed_at_ms
-                        )
-                    return SaveOutcome.SAVED
-            current = await conn.fetchrow(Q.get_operation, operation_id)
+        outputs = [{"output_id": str(o["id"]), "position": i, "payload": o} for i, o in enumerate(snapshot.outputs)]
+        async with _guard(f"save observation of {operation_id}"):
+            saved = await self.pool.fetchval(
+                Q.save_observation,
+                operation_id,
+                fencing_token,
+                new.value,
+                snapshot.as_observation(),
+                None if terminal else next_poll_delay_s,
+                snapshot.completed_at_ms if terminal else None,
+                reason,
+                sources_for(new),
+                outputs,
+                self.worker,
+            )
+            if saved:
+                return SaveOutcome.SAVED
+            current = await self.pool.fetchrow(Q.get_operation, operation_id)
         if current is not None and current["fencing_token"] != fencing_token:
             return SaveOutcome.REFUSED_FENCING
         return SaveOutcome.REFUSED_ORDER
@@ -264,8 +232,8 @@ class Ledger:
         fencing_token: int | None,
     ) -> None:
         """Accounting: append one remote call attempt with its classified outcome."""
-        async with _guard(f"account {method} for {operation_id}"), self.pool.acquire() as conn:
-            await conn.execute(
+        async with _guard(f"account {method} for {operation_id}"):
+            await self.pool.execute(
                 Q.record_remote_call,
                 operation_id,
                 method,

@@ -32,7 +32,7 @@ from streams.lease import Lease
 from streams.ledger import ObserveClaim, SaveOutcome
 from streams.remote import JobSnapshot
 from streams.runtime import RawMessage, Runtime
-from streams.states import POLLABLE, OperationState
+from streams.states import OperationState
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +55,35 @@ class Observer:
             return
         operation_id: str = event["operation_id"]
         poll_claim_id: int = event["poll_claim_id"]
-        row = await rt.until_ledger("read", lambda: rt.ledger.get_operation(operation_id))
-        if row is None:
-            unknown = UnknownOperationError(operation_id)
-            await rt.dead_letter(message, InvalidEventError("unknown_operation", str(unknown)))
-            return
-        if row["poll_claim_id"] != poll_claim_id or OperationState(row["state"]) not in POLLABLE:
-            metrics.STALE_POLLS.inc()
-            return
         try:
             lease = await rt.leases.acquire(lease_key(rt.settings, "observe", operation_id))
         except CoordinationUnavailableError as exc:
             metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
             rt.log_outage("Redis", exc)
-            return  # no GET without a lease; the visibility timeout brings the poll back
+            return  # no claim and no GET without a lease; the visibility timeout brings the poll back
         if lease is None:
             metrics.LEASE_BUSY.labels("observe").inc()
             await self._reschedule(operation_id, poll_claim_id, rt.settings.lease_busy_retry_s)
             return
         try:
-            await self._observe(operation_id, poll_claim_id, row["poll_count"], lease)
+            claim = await rt.until_ledger(
+                "claim observe", lambda: rt.ledger.claim_for_observe(operation_id, poll_claim_id)
+            )
+            if claim is None:
+                await self._not_claimed(message, operation_id)
+                return
+            await self._observe(operation_id, poll_claim_id, claim, lease)
         finally:
             await lease.release()
+
+    async def _not_claimed(self, message: RawMessage, operation_id: str) -> None:
+        """A poll that claims nothing: stale (counted), or for an unknown operation (dead-lettered)."""
+        row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
+        if row is None:
+            error = InvalidEventError("unknown_operation", str(UnknownOperationError(operation_id)))
+            await self.rt.dead_letter(message, error)
+        else:
+            metrics.STALE_POLLS.inc()
 
     async def _reschedule(self, operation_id: str, poll_claim_id: int, delay_s: float) -> None:
         await self.rt.until_ledger(
@@ -89,12 +96,9 @@ class Observer:
             poll_count, hint_s, base_s=s.poll_backoff_base_s, cap_s=s.poll_backoff_cap_s, min_s=s.poll_min_delay_s
         )
 
-    async def _observe(self, operation_id: str, poll_claim_id: int, poll_count: int, lease: Lease) -> None:
+    async def _observe(self, operation_id: str, poll_claim_id: int, claim: ObserveClaim, lease: Lease) -> None:
         rt = self.rt
-        claim = await rt.until_ledger("claim observe", lambda: rt.ledger.claim_for_observe(operation_id, poll_claim_id))
-        if claim is None:
-            metrics.STALE_POLLS.inc()
-            return
+        poll_count = claim.poll_count
         snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim)
         if snapshot is None:
             return

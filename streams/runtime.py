@@ -97,21 +97,24 @@ class Runtime:
         Waits with capped exponential backoff and jitter (tenacity); gives up only after 10 minutes, raising
         the last :class:`LedgerUnavailableError`.
         """
+        try:
+            return await fn()  # the fast path: no retry machinery unless PostgreSQL is actually down
+        except LedgerUnavailableError as exc:
+            self._on_ledger_retry(what, exc)
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception_type(LedgerUnavailableError),
             wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=self.settings.coordination_retry_cap_s),
             stop=tenacity.stop_after_delay(600),
             reraise=True,
-            before_sleep=lambda rs: self._on_ledger_retry(what, rs),
+            before_sleep=lambda rs: self._on_ledger_retry(what, rs.outcome.exception() if rs.outcome else None),
         )
         async for attempt in retrying:
             with attempt:
                 return await fn()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _on_ledger_retry(self, what: str, state: tenacity.RetryCallState) -> None:
+    def _on_ledger_retry(self, what: str, exc: BaseException | None) -> None:
         metrics.LEDGER_UNAVAILABLE.labels(what).inc()
-        exc = state.outcome.exception() if state.outcome else None
         self.log_outage("PostgreSQL", exc if isinstance(exc, Exception) else Exception(what))
 
     async def acquire_waiting(self, key: str, action: str) -> Lease | None:

@@ -1,88 +1,67 @@
 -- Named queries of the ledger. Each query starts with a "-- name: <name>" line; the comment lines
 -- after it document its parameters and result. Loaded by streams.sql.Queries.
+--
+-- Every query is one statement (one round trip, atomic). State changes are logged by the database itself:
+-- the operations_log_transition trigger writes the transition log row and the generation.transitions
+-- outbox event; operations_guard refuses illegal transitions, fencing regressions and job-id rewrites.
+-- $N named "worker" fill operations.updated_by, which the transition log records.
 
 -- name: accept_operation
 -- Insert a new operation in state 'accepted' (idempotent: a replayed submission inserts nothing).
--- $1 operation_id, $2 request (jsonb). Returns one row (fencing_token) only when newly inserted.
-INSERT INTO operations (operation_id, request)
-VALUES ($1, $2::jsonb)
+-- $1 operation_id, $2 request (jsonb), $3 worker. Returns fencing_token only when newly inserted.
+INSERT INTO operations (operation_id, request, updated_by)
+VALUES ($1, $2::jsonb, $3)
 ON CONFLICT (operation_id) DO NOTHING
 RETURNING fencing_token;
 
--- name: record_transition
--- Append to the transition log and write the matching outbox event, in the caller's transaction.
--- $1 operation_id, $2 from_state (NULL when created), $3 to_state, $4 fencing_token, $5 reason,
--- $6 worker, $7 remote_job_id. Event id is deterministic: transition:<operation_id>:<to_state>.
-WITH t AS (
-    INSERT INTO transitions (operation_id, from_state, to_state, fencing_token, reason, worker)
-    VALUES ($1, $2::operation_state, $3::operation_state, $4, $5, $6)
-    RETURNING operation_id, from_state, to_state, fencing_token, reason, at
-)
-INSERT INTO outbox (event_id, topic_role, operation_id, payload)
-SELECT 'transition:' || t.operation_id || ':' || t.to_state,
-       'transitions',
-       t.operation_id,
-       jsonb_build_object(
-           'event_id', 'transition:' || t.operation_id || ':' || t.to_state,
-           'operation_id', t.operation_id,
-           'from_state', t.from_state,
-           'to_state', t.to_state,
-           'fencing_token', t.fencing_token,
-           'remote_job_id', $7::text,
-           'reason', t.reason,
-           'at_ms', floor(extract(epoch FROM t.at) * 1000)::bigint)
-FROM t;
-
 -- name: claim_for_submit
 -- The dispatcher's claim: accepted -> submitting, written before the POST, with a new fencing value.
--- $1 operation_id. Returns fencing_token, or no row when the operation is past 'accepted'.
+-- $1 operation_id, $2 worker. Returns fencing_token, or no row when the operation is past 'accepted'.
 UPDATE operations
-SET state = 'submitting', fencing_token = fencing_token + 1
+SET state = 'submitting', fencing_token = fencing_token + 1, updated_by = $2
 WHERE operation_id = $1 AND state = 'accepted'
 RETURNING fencing_token;
 
 -- name: save_submitted
 -- Fenced: save the remote job id from a 2xx or from a 502's error.job_id; submitting|uncertain -> submitted.
--- $1 operation_id, $2 fencing_token, $3 remote_job_id, $4 first poll delay (s).
--- Returns old_state, or no row when the fencing value is stale or a job id is already saved.
-UPDATE operations AS o
+-- $1 operation_id, $2 fencing_token, $3 remote_job_id, $4 first poll delay (s), $5 reason (or NULL),
+-- $6 worker. Returns operation_id, or no row when the fencing value is stale or a job id is already saved.
+UPDATE operations
 SET state = 'submitted',
     remote_job_id = $3,
-    reason = NULL,
-    next_poll_at = now() + make_interval(secs => $4)
-FROM (SELECT operation_id, state AS old_state FROM operations WHERE operation_id = $1 FOR UPDATE) AS prev
-WHERE o.operation_id = prev.operation_id
-  AND o.fencing_token = $2
-  AND o.state IN ('submitting', 'uncertain')
-  AND o.remote_job_id IS NULL
-RETURNING prev.old_state;
+    reason = $5,
+    next_poll_at = now() + make_interval(secs => $4),
+    updated_by = $6
+WHERE operation_id = $1
+  AND fencing_token = $2
+  AND state IN ('submitting', 'uncertain')
+  AND remote_job_id IS NULL
+RETURNING operation_id;
 
 -- name: save_submission_without_job
 -- Fenced: submitting -> rejected (definite refusal) or uncertain (unknown outcome), with its reason.
--- $1 operation_id, $2 fencing_token, $3 new state ('rejected' | 'uncertain'), $4 reason.
--- Returns old_state, or no row when refused by the fencing value or the state.
-UPDATE operations AS o
-SET state = $3::operation_state, reason = $4
-FROM (SELECT operation_id, state AS old_state FROM operations WHERE operation_id = $1 FOR UPDATE) AS prev
-WHERE o.operation_id = prev.operation_id
-  AND o.fencing_token = $2
-  AND o.state = 'submitting'
-RETURNING prev.old_state;
+-- $1 operation_id, $2 fencing_token, $3 new state ('rejected' | 'uncertain'), $4 reason, $5 worker.
+-- Returns operation_id, or no row when refused by the fencing value or the state.
+UPDATE operations
+SET state = $3::operation_state, reason = $4, updated_by = $5
+WHERE operation_id = $1 AND fencing_token = $2 AND state = 'submitting'
+RETURNING operation_id;
 
 -- name: reconcile_stale_submitting
 -- Reconciliation: an operation left in 'submitting' longer than $1 seconds had its dispatcher die or
 -- lose contact mid-flight. It becomes 'uncertain' with a reason; it is never resubmitted automatically.
 -- The fencing value is kept, so the same dispatcher may still save a late job id (uncertain -> submitted).
--- $1 stale-after (s), $2 batch size. Returns operation_id, fencing_token, reason.
+-- $1 stale-after (s), $2 batch size, $3 worker. Returns operation_id.
 UPDATE operations AS o
 SET state = 'uncertain',
     reason = 'no outcome saved within ' || $1::text || ' s of submitting (dispatcher died or lost contact '
-             'mid-flight); the POST may have created a job: reconcile, never resubmit automatically'
+             'mid-flight); the POST may have created a job: reconcile, never resubmit automatically',
+    updated_by = $3
 FROM (SELECT operation_id FROM operations
       WHERE state = 'submitting' AND updated_at < now() - make_interval(secs => $1)
       ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED) AS stale
 WHERE o.operation_id = stale.operation_id
-RETURNING o.operation_id, o.fencing_token, o.reason;
+RETURNING o.operation_id;
 
 -- name: claim_due_polls
 -- The poll scheduler's claim: due operations get next_poll_at = now + visibility timeout and a new
@@ -106,15 +85,16 @@ WHERE operation_id = $1;
 
 -- name: claim_for_observe
 -- The observer's claim for one poll, taken after the Redis lease: a new fencing value.
--- $1 operation_id, $2 poll_claim_id of the poll event. Returns fencing_token, remote_job_id, state;
--- no row when the poll is stale (re-claimed since) or the operation is no longer pollable.
+-- $1 operation_id, $2 poll_claim_id of the poll event, $3 worker. Returns fencing_token, remote_job_id,
+-- state, poll_count; no row when the poll is stale (re-claimed since), the operation is no longer pollable,
+-- or it does not exist.
 UPDATE operations
-SET fencing_token = fencing_token + 1
+SET fencing_token = fencing_token + 1, updated_by = $3
 WHERE operation_id = $1 AND poll_claim_id = $2 AND state IN ('submitted', 'queued', 'running')
-RETURNING fencing_token, remote_job_id, state::text AS state;
+RETURNING fencing_token, remote_job_id, state::text AS state, poll_count;
 
 -- name: reschedule_poll
--- Move one claimed poll to now + $3 seconds (lease busy, Redis down, GET failed).
+-- Move one claimed poll to now + $3 seconds (lease busy, GET failed).
 -- $1 operation_id, $2 poll_claim_id, $3 delay (s). Returns operation_id when rescheduled.
 UPDATE operations
 SET next_poll_at = now() + make_interval(secs => $3)
@@ -122,57 +102,55 @@ WHERE operation_id = $1 AND poll_claim_id = $2 AND state IN ('submitted', 'queue
 RETURNING operation_id;
 
 -- name: save_observation
--- Fenced, conditional save of one GET snapshot.
+-- Fenced, conditional save of one GET snapshot; when it is 'succeeded', the outputs and one outbox row per
+-- (operation_id, output_id) are written by the same statement (a second row is impossible: primary key and
+-- unique index; a repeat is skipped).
 -- $1 operation_id, $2 fencing_token, $3 new state, $4 observation (jsonb), $5 next poll delay (s, NULL when
 -- terminal), $6 remote completion time (epoch ms, NULL unless terminal), $7 reason, $8 states the new state
--- may be saved over (operation_state[]). Returns old_state, or no row when refused (fencing or order).
-UPDATE operations AS o
-SET state = $3::operation_state,
-    last_observation = $4::jsonb,
-    last_observed_at = now(),
-    poll_count = o.poll_count + 1,
-    next_poll_at = CASE WHEN $5::double precision IS NULL THEN NULL
-                        ELSE now() + make_interval(secs => $5::double precision) END,
-    remote_completed_at = COALESCE(to_timestamp($6::double precision / 1000.0), o.remote_completed_at),
-    reason = COALESCE($7, o.reason)
-FROM (SELECT operation_id, state AS old_state FROM operations WHERE operation_id = $1 FOR UPDATE) AS prev
-WHERE o.operation_id = prev.operation_id
-  AND o.fencing_token = $2
-  AND o.state = ANY($8::operation_state[])
-RETURNING prev.old_state;
-
--- name: insert_outputs
--- Record outputs with an outbox row each, in the succeeded transition's transaction; a second row for the
--- same (operation_id, output_id) is impossible (primary key, unique index) and silently skipped.
--- $1 operation_id, $2 remote_job_id, $3 outputs jsonb array of {output_id, position, payload},
--- $4 remote completion time (epoch ms). Returns the number of outbox rows written.
-WITH src AS (
-    SELECT * FROM jsonb_to_recordset($3::jsonb) AS x(output_id text, position integer, payload jsonb)
-), ins AS (
+-- may be saved over (operation_state[]), $9 outputs (jsonb array of {output_id, position, payload}),
+-- $10 worker. Returns 1 when saved, 0 when refused (stale fencing value or state order).
+WITH saved AS (
+    UPDATE operations AS o
+    SET state = $3::operation_state,
+        last_observation = $4::jsonb,
+        last_observed_at = now(),
+        poll_count = o.poll_count + 1,
+        next_poll_at = CASE WHEN $5::double precision IS NULL THEN NULL
+                            ELSE now() + make_interval(secs => $5::double precision) END,
+        remote_completed_at = COALESCE(to_timestamp($6::double precision / 1000.0), o.remote_completed_at),
+        reason = $7,
+        updated_by = $10
+    WHERE o.operation_id = $1
+      AND o.fencing_token = $2
+      AND o.state = ANY($8::operation_state[])
+    RETURNING o.operation_id, o.state, o.remote_job_id
+), outs AS (
     INSERT INTO outputs (operation_id, output_id, position, payload)
-    SELECT $1, src.output_id, src.position, src.payload FROM src
+    SELECT saved.operation_id, x.output_id, x.position, x.payload
+    FROM saved, jsonb_to_recordset($9::jsonb) AS x(output_id text, position integer, payload jsonb)
+    WHERE saved.state = 'succeeded'
     ON CONFLICT (operation_id, output_id) DO NOTHING
-    RETURNING output_id, position, payload, recorded_at
+    RETURNING operation_id, output_id, position, payload, recorded_at
 ), box AS (
     INSERT INTO outbox (event_id, topic_role, operation_id, output_id, payload)
-    SELECT 'output:' || $1 || ':' || ins.output_id,
+    SELECT 'output:' || outs.operation_id || ':' || outs.output_id,
            'outputs_delivered',
-           $1,
-           ins.output_id,
+           outs.operation_id,
+           outs.output_id,
            jsonb_build_object(
-               'event_id', 'output:' || $1 || ':' || ins.output_id,
-               'operation_id', $1,
-               'output_id', ins.output_id,
-               'position', ins.position,
-               'remote_job_id', $2::text,
-               'output', ins.payload,
-               'remote_completed_at_ms', $4::bigint,
-               'recorded_at_ms', floor(extract(epoch FROM ins.recorded_at) * 1000)::bigint)
-    FROM ins
+               'event_id', 'output:' || outs.operation_id || ':' || outs.output_id,
+               'operation_id', outs.operation_id,
+               'output_id', outs.output_id,
+               'position', outs.position,
+               'remote_job_id', saved.remote_job_id,
+               'output', outs.payload,
+               'remote_completed_at_ms', $6::bigint,
+               'recorded_at_ms', floor(extract(epoch FROM outs.recorded_at) * 1000)::bigint)
+    FROM outs JOIN saved USING (operation_id)
     ON CONFLICT DO NOTHING
     RETURNING 1
 )
-SELECT count(*) FROM box;
+SELECT count(*)::integer FROM saved;
 
 -- name: record_remote_call
 -- Accounting: one row per remote call attempt.

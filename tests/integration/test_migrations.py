@@ -35,8 +35,8 @@ async def test_every_migration_file_is_applied(pool: asyncpg.Pool) -> None:
 
 async def test_trigger_refuses_illegal_transition_and_fencing_regression(pool: asyncpg.Pool) -> None:
     await pool.execute(
-        "INSERT INTO operations (operation_id, request, state, remote_job_id, fencing_token)"
-        " VALUES ('op-t', '{}', 'succeeded', 'job-1', 5)"
+        "INSERT INTO operations (operation_id, request, state, remote_job_id, fencing_token, updated_by)"
+        " VALUES ('op-t', '{}', 'succeeded', 'job-1', 5, 'test')"
     )
     with pytest.raises(asyncpg.CheckViolationError, match="illegal transition succeeded -> running"):
         await pool.execute("UPDATE operations SET state = 'running' WHERE operation_id = 'op-t'")
@@ -48,7 +48,7 @@ async def test_trigger_refuses_illegal_transition_and_fencing_regression(pool: a
 
 
 async def test_outbox_refuses_second_row_for_same_output(pool: asyncpg.Pool) -> None:
-    await pool.execute("INSERT INTO operations (operation_id, request) VALUES ('op-o', '{}')")
+    await pool.execute("INSERT INTO operations (operation_id, request, updated_by) VALUES ('op-o', '{}', 'test')")
     insert = (
         "INSERT INTO outbox (event_id, topic_role, operation_id, output_id, payload)"
         " VALUES ($1, 'outputs_delivered', 'op-o', 'out_0', '{}')"
@@ -56,3 +56,19 @@ async def test_outbox_refuses_second_row_for_same_output(pool: asyncpg.Pool) -> 
     await pool.execute(insert, "output:op-o:out_0")
     with pytest.raises(asyncpg.UniqueViolationError):
         await pool.execute(insert, "output:op-o:out_0-again")
+
+
+async def test_every_state_change_is_logged_with_its_outbox_event(pool: asyncpg.Pool) -> None:
+    await pool.execute("INSERT INTO operations (operation_id, request, updated_by) VALUES ('op-l', '{}', 'w1')")
+    await pool.execute(
+        "UPDATE operations SET state = 'submitting', fencing_token = 1, updated_by = 'w2' WHERE operation_id = 'op-l'"
+    )
+    await pool.execute("UPDATE operations SET poll_count = 3 WHERE operation_id = 'op-l'")  # not a state change
+    rows = await pool.fetch(
+        "SELECT from_state::text, to_state::text, fencing_token, worker FROM transitions WHERE operation_id = 'op-l'"
+        " ORDER BY id"
+    )
+    assert [tuple(r) for r in rows] == [(None, "accepted", 0, "w1"), ("accepted", "submitting", 1, "w2")]
+    events = await pool.fetch("SELECT event_id, payload FROM outbox WHERE operation_id = 'op-l' ORDER BY id")
+    assert [e["event_id"] for e in events] == ["transition:op-l:accepted", "transition:op-l:submitting"]
+    assert events[1]["payload"]["from_state"] == "accepted" and events[1]["payload"]["fencing_token"] == 1

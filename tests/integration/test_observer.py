@@ -158,7 +158,9 @@ async def test_lost_lease_before_save_means_no_save_and_no_second_get(
     assert lease is not None
     await runtime.leases.client.set(key, "someone-else", px=5000)  # ownership changed under us
     before = metrics.LEASE_LOST.labels("observe")._value.get()
-    await Observer(runtime)._observe("op-lost", claim_id, 0, lease)
+    claim = await runtime.ledger.claim_for_observe("op-lost", claim_id)
+    assert claim is not None
+    await Observer(runtime)._observe("op-lost", claim_id, claim, lease)
     assert metrics.LEASE_LOST.labels("observe")._value.get() == before + 1
     assert (await simulator.get("/_sim/operations/op-lost"))["jobs"][0]["gets"] == 1
     assert await pool.fetchval("SELECT poll_count FROM operations WHERE operation_id='op-lost'") == 0
