@@ -46,6 +46,7 @@ def create_app(settings: Settings) -> faust.App:
         topic_replication_factor=1,
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
+        producer_linger_ms=2,
         stream_wait_empty=False,
         autodiscover=False,
         store="memory://",

@@ -35,7 +35,8 @@ def _settings() -> Settings:
 def main(log_level: str) -> None:
     """Generation operations through Kafka, Redis and PostgreSQL."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for noisy in ("httpx", "aiokafka"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 @main.command()
@@ -153,7 +154,7 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None) -> Non
 @click.option("--trace", default="conv", show_default=True, help="conv, code, or a CSV path with the same columns.")
 @click.option("--start", default=0, show_default=True, help="First data row of the slice.")
 @click.option("--rows", default=2000, show_default=True, help="Rows in the slice.")
-@click.option("--compression", default=30.0, show_default=True, help="Speed-up of arrivals and job durations.")
+@click.option("--compression", default=15.0, show_default=True, help="Speed-up of arrivals and job durations.")
 @click.option("--workers", default=2, show_default=True, help="Worker processes.")
 @click.option("--partitions", default=8, show_default=True, help="Partitions per topic (new topics only).")
 @click.option("--seed", default=7, show_default=True, help="Seed of the simulator's fault decisions.")

@@ -50,6 +50,11 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         )
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Pool reset hook: asyncpg already rolled back any open transaction; the ledger keeps no session state
+    (no SET, LISTEN, cursors or session advisory locks), so the default reset round trip is skipped."""
+
+
 async def create_pool(database_url: str, *, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
     """An asyncpg pool whose connections encode/decode json and jsonb with orjson.
 
@@ -58,7 +63,12 @@ async def create_pool(database_url: str, *, min_size: int = 2, max_size: int = 1
     """
     async with _guard("connect"):
         pool: asyncpg.Pool = await asyncpg.create_pool(
-            database_url, min_size=min_size, max_size=max_size, init=_init_connection, command_timeout=30
+            database_url,
+            min_size=min_size,
+            max_size=max_size,
+            init=_init_connection,
+            reset=_keep_session,
+            command_timeout=30,
         )
     return pool
 

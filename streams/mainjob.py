@@ -52,7 +52,7 @@ class MainJobOptions:
     trace: str = "conv"
     start: int = 0
     rows: int = 2000
-    compression: float = 30.0
+    compression: float = 15.0
     workers: int = 2
     partitions: int = 8
     seed: int = 7
