@@ -47,6 +47,8 @@ def create_app(settings: Settings) -> faust.App:
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
         producer_linger_ms=2,
+        broker_session_timeout=settings.kafka_session_timeout_s,
+        broker_heartbeat_interval=settings.kafka_heartbeat_interval_s,
         stream_wait_empty=False,
         autodiscover=False,
         store="memory://",

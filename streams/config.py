@@ -36,6 +36,8 @@ class Settings:
     remote_model: str = "sim-1"
 
     app_id: str = "generation-streams"
+    kafka_session_timeout_s: float = 30.0
+    kafka_heartbeat_interval_s: float = 3.0
     topic_prefix: str = ""
     partitions: int = 8
 
@@ -76,7 +78,8 @@ class Settings:
     web_port: int = 6066
     web_enabled: bool = True
 
-    # Test hooks (issue 3): a path; when it exists the observer blocks between its GET and its save.
+    # Test hook (seed acceptance check 1): a path; when it exists, the observer removes it and stops its own
+    # process (SIGSTOP) after its GET and lease renewal, before its fenced save.
     test_pause_after_get_file: str = ""
 
     topics: dict[str, str] = field(default_factory=dict, compare=False, repr=False)

@@ -102,13 +102,15 @@ class Observer:
         snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim)
         if snapshot is None:
             return
-        await self._pause_for_tests()
         try:
             await lease.renew()
         except (LeaseLostError, CoordinationUnavailableError) as exc:
             metrics.LEASE_LOST.labels("observe").inc()
             log.warning("operation %s: not saving the GET result: %s", operation_id, exc)
             return
+        # A worker can be paused right here, after a successful renewal: only the fencing value protects the
+        # save below. The test hook makes that pause happen on purpose.
+        await self._pause_for_tests()
         delay = self._delay(poll_count, snapshot.poll_after_s)
         outcome = await rt.until_ledger(
             "save observation", lambda: rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay)
@@ -159,7 +161,8 @@ class Observer:
 
     async def _pause_for_tests(self) -> None:
         """Test hook (seed acceptance check 1): if ``test_pause_after_get_file`` exists, remove it and SIGSTOP
-        this process between its GET and its save; the test resumes it with SIGCONT. Off unless configured."""
+        this process after its GET and renewal, before its save; the test resumes it with SIGCONT.
+        Off unless configured."""
         path = self.rt.settings.test_pause_after_get_file
         if not path:
             return

@@ -8,9 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
-import httpx
 import pytest
-from aiohttp import web
 from aiokafka import AIOKafkaProducer
 
 from streams.admin import create_topics, migrate
@@ -19,7 +17,8 @@ from streams.lease import LeaseManager, make_redis
 from streams.ledger import Ledger, create_pool
 from streams.remote import RemoteClient, make_http_client
 from streams.runtime import Runtime
-from streams.simulator import SimulatorConfig, make_app
+from streams.simulator import SimulatorConfig
+from tests.support import SimulatorServer as Simulator
 
 pytestmark = pytest.mark.integration
 
@@ -50,38 +49,6 @@ async def simulator() -> AsyncIterator[Simulator]:
     await sim.start(SimulatorConfig(port=0, compression=100.0, get_latency_ms=1.0))
     yield sim
     await sim.stop()
-
-
-class Simulator:
-    """A simulator served by aiohttp on a loopback port, with its introspection API."""
-
-    def __init__(self) -> None:
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-        self.port = 0
-
-    async def start(self, config: SimulatorConfig, port: int | None = None) -> None:
-        """Bind on ``port`` (default: the config's, 0 = any free port)."""
-        self.runner = web.AppRunner(make_app(config), shutdown_timeout=0.5)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", config.port if port is None else port)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-
-    async def get(self, path: str) -> Any:
-        async with httpx.AsyncClient(base_url=self.url, timeout=10) as c:
-            return (await c.get(path)).json()
-
-    async def configure(self, **changes: Any) -> Any:
-        async with httpx.AsyncClient(base_url=self.url, timeout=10) as c:
-            r = await c.post("/_sim/config", json=changes)
-            r.raise_for_status()
-            return r.json()
 
 
 @pytest.fixture
@@ -130,14 +97,3 @@ async def remote(settings: Settings) -> AsyncIterator[RemoteClient]:
     client = RemoteClient(make_http_client(settings), settings.remote_model)
     yield client
     await client.aclose()
-
-
-async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, what: str = "") -> None:
-    """Poll ``predicate`` until true; fail after ``timeout_s``."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        if await predicate():
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
-        await asyncio.sleep(0.05)

@@ -14,7 +14,7 @@ from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.runtime import RawMessage, Runtime
 from streams.simulator import SimulatorConfig
-from tests.integration.conftest import Simulator
+from tests.support import SimulatorServer as Simulator
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,8 @@ from streams.observer import Observer
 from streams.remote import JobSnapshot
 from streams.runtime import RawMessage, Runtime
 from streams.states import OperationState
-from tests.integration.conftest import Simulator, wait_for
+from tests.support import SimulatorServer as Simulator
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 

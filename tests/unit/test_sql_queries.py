@@ -60,7 +60,6 @@ def test_empty_query_is_an_error(text: str) -> None:
 
 EXPECTED_LEDGER = [
     "accept_operation",
-    "record_transition",
     "claim_for_submit",
     "save_submitted",
     "save_submission_without_job",
@@ -70,7 +69,6 @@ EXPECTED_LEDGER = [
     "claim_for_observe",
     "reschedule_poll",
     "save_observation",
-    "insert_outputs",
     "record_remote_call",
     "try_relay_lock",
     "lock_unpublished_outbox",
@@ -79,18 +77,16 @@ EXPECTED_LEDGER = [
 
 #: Number of parameters each query takes (from its documentation comment).
 EXPECTED_ARITY = {
-    "accept_operation": 2,
-    "record_transition": 7,
-    "claim_for_submit": 1,
-    "save_submitted": 4,
-    "save_submission_without_job": 4,
-    "reconcile_stale_submitting": 2,
+    "accept_operation": 3,
+    "claim_for_submit": 2,
+    "save_submitted": 6,
+    "save_submission_without_job": 5,
+    "reconcile_stale_submitting": 3,
     "claim_due_polls": 2,
     "get_operation": 1,
-    "claim_for_observe": 2,
+    "claim_for_observe": 3,
     "reschedule_poll": 3,
-    "save_observation": 8,
-    "insert_outputs": 4,
+    "save_observation": 10,
     "record_remote_call": 8,
     "try_relay_lock": 0,
     "lock_unpublished_outbox": 1,

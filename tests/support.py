@@ -1,0 +1,232 @@
+"""Process-level test harness: real worker processes, the simulator on a real socket, Toxiproxy, services.
+
+Everything here drives real processes and real services; assertions read independent records (the
+simulator's, the ledger's, Kafka's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from aiohttp import web
+
+from streams.config import Settings
+from streams.mainjob import free_port
+from streams.simulator import SimulatorConfig, make_app
+
+ROOT = Path(__file__).resolve().parents[1]
+STREAMS = str(Path(sys.executable).with_name("streams"))
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` every 50 ms until true; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """``STREAMS_*`` variables that reproduce ``settings`` in a child process."""
+    import dataclasses
+
+    env = {}
+    for f in dataclasses.fields(settings):
+        if f.name == "topics":
+            continue
+        value = getattr(settings, f.name)
+        env["STREAMS_" + f.name.upper()] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    return env
+
+
+class SimulatorServer:
+    """The provider simulator served from the test's event loop on a loopback port."""
+
+    def __init__(self) -> None:
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, config: SimulatorConfig, port: int | None = None) -> None:
+        """Bind on ``port`` (default: the config's; 0 = any free port)."""
+        self.runner = web.AppRunner(make_app(config), shutdown_timeout=0.5)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", config.port if port is None else port).start()
+        self.port = self.runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def get(self, path: str) -> Any:
+        async with httpx.AsyncClient(base_url=self.url, timeout=30) as c:
+            return (await c.get(path)).json()
+
+    async def configure(self, **changes: Any) -> Any:
+        async with httpx.AsyncClient(base_url=self.url, timeout=30) as c:
+            r = await c.post("/_sim/config", json=changes)
+            r.raise_for_status()
+            return r.json()
+
+
+@dataclass
+class Worker:
+    """One ``streams worker`` process."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    web_port: int
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, sig)
+
+    def stopped(self) -> bool:
+        """True while the process is stopped by SIGSTOP (state T in /proc)."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+    async def metric(self, name: str, labels: str = "") -> float:
+        """Value of one Prometheus sample of this worker (0.0 when absent)."""
+        async with httpx.AsyncClient(timeout=5) as c:
+            text = (await c.get(f"http://127.0.0.1:{self.web_port}/metrics")).text
+        wanted = f"{name}{{{labels}}}" if labels else name
+        for line in text.splitlines():
+            if line.startswith(wanted + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    async def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"worker {self.name} exited with {self.proc.returncode}; see {self.log_path}")
+        try:
+            async with httpx.AsyncClient(timeout=2) as c:
+                return (await c.get(f"http://127.0.0.1:{self.web_port}/healthz")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class Fleet:
+    """Worker processes sharing one consumer group, with per-test settings."""
+
+    settings: Settings
+    log_dir: Path
+    workers: dict[str, Worker] = field(default_factory=dict)
+
+    def start(self, name: str, **overrides: Any) -> Worker:
+        """Start one worker with ``settings`` (plus ``overrides``) in the environment."""
+        settings = self.settings.replace(**overrides) if overrides else self.settings
+        port = free_port()
+        env = dict(os.environ)
+        env.update(settings_env(settings.replace(web_enabled=True, web_port=port)))
+        log_path = self.log_dir / f"worker-{name}.log"
+        proc = subprocess.Popen(
+            [STREAMS, "--log-level", "INFO", "worker", "--web-port", str(port)],
+            env=env,
+            stdout=log_path.open("wb"),
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        worker = Worker(name, proc, port, log_path)
+        self.workers[name] = worker
+        return worker
+
+    async def wait_ready(self, *names: str, timeout_s: float = 60) -> None:
+        for name in names or tuple(self.workers):
+            await wait_for(self.workers[name].ready, timeout_s, f"worker {name} ready")
+
+    def stop_all(self) -> None:
+        for w in self.workers.values():
+            w.signal(signal.SIGCONT)
+            w.signal(signal.SIGTERM)
+        for w in self.workers.values():
+            try:
+                w.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                w.signal(signal.SIGKILL)
+                w.proc.wait()
+
+
+def unique_settings(base: Settings, **overrides: Any) -> Settings:
+    """Settings with a fresh topic prefix, consumer group and lease key prefix."""
+    run = uuid.uuid4().hex[:8]
+    return base.replace(topic_prefix=f"f{run}.", app_id=f"streams-f{run}", lease_key_prefix=f"f{run}", **overrides)
+
+
+class Toxiproxy:
+    """Client of the Toxiproxy REST API (127.0.0.1:8474), started by ``scripts/toxiproxy up``."""
+
+    API = "http://127.0.0.1:8474"
+
+    @staticmethod
+    def ensure_running() -> None:
+        subprocess.run([str(ROOT / "scripts" / "toxiproxy"), "up"], check=True, cwd=ROOT)
+
+    async def _call(self, method: str, path: str, json: Any = None) -> Any:
+        async with httpx.AsyncClient(base_url=self.API, timeout=10) as c:
+            r = await c.request(method, path, json=json)
+            r.raise_for_status()
+            return r.json() if r.content else None
+
+    async def create(self, name: str, upstream: str) -> int:
+        """Create (or replace) proxy ``name`` to ``upstream`` on a free port; returns the port."""
+        with contextlib.suppress(httpx.HTTPStatusError):
+            await self._call("DELETE", f"/proxies/{name}")
+        port = free_port()
+        await self._call(
+            "POST", "/proxies", {"name": name, "listen": f"127.0.0.1:{port}", "upstream": upstream, "enabled": True}
+        )
+        return port
+
+    async def enable(self, name: str, enabled: bool) -> None:
+        """Disabled: the listener is closed and connections are refused/reset."""
+        await self._call("POST", f"/proxies/{name}", {"enabled": enabled})
+
+    async def blackhole(self, name: str, on: bool) -> None:
+        """On: the port accepts connections but nothing is ever answered (``timeout`` toxic, timeout 0)."""
+        if on:
+            await self._call(
+                "POST",
+                f"/proxies/{name}/toxics",
+                {"name": "blackhole", "type": "timeout", "stream": "upstream", "attributes": {"timeout": 0}},
+            )
+        else:
+            with contextlib.suppress(httpx.HTTPStatusError):
+                await self._call("DELETE", f"/proxies/{name}/toxics/blackhole")
+
+    async def delete(self, name: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self._call("DELETE", f"/proxies/{name}")
+
+
+def services(*args: str) -> None:
+    """Run ``scripts/services <args>`` (stop/start/restart of a service this project manages)."""
+    subprocess.run([str(ROOT / "scripts" / "services"), *args], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
