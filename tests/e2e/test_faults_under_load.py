@@ -1,0 +1,97 @@
+"""Faults under load (issue 3, checks 10 and 11): rebalances, and Kafka and PostgreSQL restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+
+import asyncpg
+import pytest
+
+from streams.producer import SubmissionProducer
+from tests.support import Fleet, SimulatorServer, services, wait_for
+
+pytestmark = pytest.mark.e2e
+
+FINAL = ("succeeded", "failed", "canceled", "rejected", "uncertain")
+
+
+async def trickle(producer: SubmissionProducer, prefix: str, n: int, per_s: float) -> list[str]:
+    """Publish ``n`` submissions at ``per_s`` per second; returns their operation ids."""
+    ids = []
+    futures = []
+    for i in range(n):
+        op = f"{prefix}-{i:05d}"
+        futures.append(await producer.submit(op, {"context_tokens": 500, "generated_tokens": 50 + (i % 7) * 40}))
+        ids.append(op)
+        await asyncio.sleep(1.0 / per_s)
+    await asyncio.gather(*futures)
+    return ids
+
+
+async def check_promises(pool: asyncpg.Pool, sim: SimulatorServer, ids: list[str], timeout_s: float) -> None:
+    async def done() -> bool:
+        n = await pool.fetchval(
+            "SELECT count(*) FROM operations WHERE operation_id = ANY($1) AND state::text = ANY($2)", ids, list(FINAL)
+        )
+        return bool(n == len(ids))
+
+    await wait_for(done, timeout_s, f"all {len(ids)} operations final")
+    rows = await pool.fetch(
+        "SELECT operation_id, state::text AS state, reason FROM operations WHERE operation_id = ANY($1)", ids
+    )
+    assert len(rows) == len(ids)  # nothing lost
+    assert all(r["reason"] for r in rows if r["state"] == "uncertain")
+    summary = await sim.get("/_sim/summary")
+    assert summary["max_jobs_per_operation"] <= 1
+    assert summary["max_gets_in_flight_per_job"] == 1
+    jobs = (await sim.get("/_sim/jobs"))["jobs"]
+    job_ops = [j["operation_id"] for j in jobs]
+    assert len(job_ops) == len(set(job_ops))  # no operation created twice
+    succeeded = [r["operation_id"] for r in rows if r["state"] == "succeeded"]
+    undelivered = await pool.fetchval(
+        "SELECT count(*) FROM outbox WHERE operation_id = ANY($1) AND published_at IS NULL", succeeded
+    )
+
+    async def drained() -> bool:
+        return (
+            await pool.fetchval(
+                "SELECT count(*) FROM outbox WHERE operation_id = ANY($1) AND published_at IS NULL", succeeded
+            )
+            == 0
+        )
+
+    if undelivered:
+        await wait_for(drained, 30, "outbox drained")
+
+
+async def test_rebalance_under_load(
+    fleet: Fleet, sim: SimulatorServer, ledger_pool: asyncpg.Pool, producer: SubmissionProducer
+) -> None:
+    """Check 10: a third worker joins and one is SIGKILLed while 300 operations flow."""
+    fleet.start("a")
+    fleet.start("b")
+    await fleet.wait_ready()
+    load = asyncio.create_task(trickle(producer, f"reb{uuid.uuid4().hex[:6]}", 300, 60.0))
+    await asyncio.sleep(1.5)
+    fleet.start("c")
+    await asyncio.sleep(1.5)
+    fleet.workers["a"].signal(signal.SIGKILL)
+    ids = await load
+    await check_promises(ledger_pool, sim, ids, 120)
+
+
+@pytest.mark.parametrize("service", ["kafka", "postgres"])
+async def test_service_restart_under_load(
+    service: str, fleet: Fleet, sim: SimulatorServer, ledger_pool: asyncpg.Pool, producer: SubmissionProducer
+) -> None:
+    """Check 11: the Kafka broker, or PostgreSQL, restarted during load; workers recover by themselves."""
+    fleet.start("a")
+    fleet.start("b")
+    await fleet.wait_ready()
+    prefix = f"{service}{uuid.uuid4().hex[:6]}"
+    first = await trickle(producer, prefix + "-a", 100, 80.0)
+    await asyncio.to_thread(services, "restart", service)
+    second = await trickle(producer, prefix + "-b", 100, 80.0)
+    await check_promises(ledger_pool, sim, first + second, 180)
