@@ -58,3 +58,20 @@ async def create_topics(settings: Settings) -> list[str]:
         return wanted
     finally:
         await admin.close()
+
+
+async def delete_topics(settings: Settings) -> list[str]:
+    """Delete the five topics of ``settings`` (those that exist); returns the names deleted.
+
+    Meant for isolated runs (the main job, test sessions) whose topics carry their own prefix.
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        doomed = [name for name in settings.topics.values() if name in existing]
+        if doomed:
+            await admin.delete_topics(doomed)
+        return doomed
+    finally:
+        await admin.close()

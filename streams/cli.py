@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 import orjson
 
 from streams.config import Settings
+from streams.errors import StreamsError
 from streams.simulator import command as simulator_command
+
+T = TypeVar("T")
 
 
 def _settings() -> Settings:
@@ -131,13 +137,16 @@ def replay(trace: str, start: int, rows: int, compression: float, run_id: str | 
 @click.option("--group-id", default=None, help="Consumer group (commits offsets; resume after restart).")
 @click.option("--from-beginning/--from-now", default=True, show_default=True)
 @click.option("--count", type=int, default=None, help="Stop after this many outputs.")
-def follow(group_id: str | None, from_beginning: bool, count: int | None) -> None:
+@click.option("--operation-prefix", default="", help="Only outputs of operations whose id starts with this.")
+def follow(group_id: str | None, from_beginning: bool, count: int | None, operation_prefix: str) -> None:
     """Print each delivered output once, as JSON lines."""
     from streams.downstream import follow_outputs
 
     async def run() -> None:
         seen = 0
         async for value in follow_outputs(_settings(), group_id=group_id, from_beginning=from_beginning):
+            if not value["operation_id"].startswith(operation_prefix):
+                continue
             sys.stdout.write(orjson.dumps(value).decode() + "\n")
             sys.stdout.flush()
             seen += 1
@@ -150,13 +159,37 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None) -> Non
         pass
 
 
+def _check_trace(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from streams.trace import trace_path
+
+    try:
+        trace_path(value)
+    except FileNotFoundError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
+async def _until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro``, cancelling it on SIGTERM so its clean-up (stopping child processes) runs."""
+    task = asyncio.ensure_future(coro)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await task
+
+
 @main.command("run")
-@click.option("--trace", default="conv", show_default=True, help="conv, code, or a CSV path with the same columns.")
-@click.option("--start", default=0, show_default=True, help="First data row of the slice.")
-@click.option("--rows", default=2000, show_default=True, help="Rows in the slice.")
-@click.option("--compression", default=15.0, show_default=True, help="Speed-up of arrivals and job durations.")
-@click.option("--workers", default=2, show_default=True, help="Worker processes.")
-@click.option("--partitions", default=8, show_default=True, help="Partitions per topic (new topics only).")
+@click.option("--trace", default="conv", show_default=True, callback=_check_trace, help="conv, code, or a CSV path.")
+@click.option("--start", default=0, show_default=True, type=click.IntRange(min=0), help="First data row.")
+@click.option("--rows", default=2000, show_default=True, type=click.IntRange(min=1), help="Rows in the slice.")
+@click.option(
+    "--compression",
+    default=15.0,
+    show_default=True,
+    type=click.FloatRange(min=0.001),
+    help="Speed-up of arrivals and job durations.",
+)
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 16), help="Worker processes.")
+@click.option("--partitions", default=8, show_default=True, type=click.IntRange(1, 256), help="Partitions per topic.")
+@click.option("--keep-topics", is_flag=True, help="Keep the run's topics (deleted after the report by default).")
 @click.option("--seed", default=7, show_default=True, help="Seed of the simulator's fault decisions.")
 @click.option("--faults/--no-faults", default=True, show_default=True, help="Inject the default fault rates.")
 @click.option(
@@ -187,6 +220,7 @@ def run_command(
     fault_overrides: tuple[str, ...],
     report_path: Path | None,
     timeout_s: float,
+    keep_topics: bool,
 ) -> None:
     """The main job: simulator + workers, trace replay, progress, and the report (terminal and JSON)."""
     from streams.mainjob import DEFAULT_FAULTS, MainJobOptions, run_main_job
@@ -200,7 +234,13 @@ def run_command(
                 f"{item!r}: expected NAME=RATE with NAME in {[k.removeprefix('fault_') for k in DEFAULT_FAULTS]}",
                 param_hint="--fault",
             )
-        rates[key] = float(value)
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = -1.0
+        if not 0.0 <= rate <= 1.0:
+            raise click.BadParameter(f"{item!r}: RATE must be a number from 0 to 1", param_hint="--fault")
+        rates[key] = rate
     opts = MainJobOptions(
         trace=trace,
         start=start,
@@ -212,8 +252,14 @@ def run_command(
         faults=rates,
         report_path=report_path,
         timeout_s=timeout_s,
+        keep_topics=keep_topics,
     )
-    report = asyncio.run(run_main_job(opts))
+    try:
+        report = asyncio.run(_until_sigterm(run_main_job(opts)))
+    except asyncio.CancelledError:
+        raise click.ClickException("terminated (SIGTERM); the simulator and workers were stopped") from None
+    except StreamsError as exc:
+        raise click.ClickException(str(exc)) from exc
     problems = [
         name
         for name, bad in (

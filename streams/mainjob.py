@@ -23,16 +23,22 @@ import asyncpg
 import httpx
 import orjson
 
-from streams.admin import create_topics, migrate
+from streams.admin import create_topics, delete_topics, migrate
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
+from streams.errors import StreamsError
 from streams.ledger import create_pool
 from streams.producer import SubmissionProducer, replay_trace
 from streams.report import FINAL_STATES, LedgerOperation, build_report, render_table
 from streams.sql import REPORT
-from streams.trace import read_trace
+from streams.trace import TraceRow, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class MainJobError(StreamsError):
+    """The main job cannot start or its processes failed; the message says why and where the logs are."""
+
 
 #: Fault rates used when the main job runs "with faults on" (the default).
 DEFAULT_FAULTS: dict[str, float] = {
@@ -60,6 +66,10 @@ class MainJobOptions:
     report_path: Path | None = None
     timeout_s: float = 900.0
     base_port: int = 17000
+    keep_topics: bool = False
+    #: Give the run its own topics and consumer group (default); False uses the environment's, e.g. for a test
+    #: that publishes to those topics before the run.
+    isolate: bool = True
 
 
 def free_port() -> int:
@@ -132,12 +142,19 @@ async def wait_http(url: str, timeout_s: float, proc: Processes) -> None:
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if proc.proc is not None and proc.proc.poll() is not None:
-                raise RuntimeError(f"processes exited early; see {proc.log_path}")
+                raise MainJobError(f"processes exited early; see the end of {proc.log_path}:\n{_tail(proc.log_path)}")
             with contextlib.suppress(httpx.HTTPError):
                 if (await client.get(url)).status_code == 200:
                     return
             await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s; see {proc.log_path}")
+    raise MainJobError(f"{url} did not answer within {timeout_s:.0f} s; see {proc.log_path}")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 async def progress(pool: asyncpg.Pool, pattern: str) -> dict[str, int]:
@@ -159,9 +176,13 @@ def _line(counts: dict[str, int], submitted: int, total: int, started: float) ->
 async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str, Any]:
     """Run the main job end to end; returns the report (also printed, and written as JSON if asked)."""
     run_id = f"run{int(time.time())}"
-    base = Settings.from_env().replace(partitions=opts.partitions)
+    base = Settings.from_env()
     sim_port = free_port()
-    settings = base.replace(remote_base_url=f"http://127.0.0.1:{sim_port}")
+    # The run is isolated on the shared services: its own topics (prefix) and consumer group, so no other
+    # worker can take its events, and one main job at a time per ledger (an advisory lock).
+    settings = base.replace(partitions=opts.partitions, remote_base_url=f"http://127.0.0.1:{sim_port}")
+    if opts.isolate:
+        settings = settings.replace(topic_prefix=f"{base.topic_prefix}{run_id}.", app_id=f"{base.app_id}-{run_id}")
     rows = read_trace(opts.trace, start=opts.start, rows=opts.rows)
     trace_name = Path(opts.trace).stem
     print(
@@ -170,9 +191,28 @@ async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str,
         file=out,
     )
     migrate(settings.database_url)
+    lock = await asyncpg.connect(settings.database_url)
+    if not await lock.fetchval(REPORT.try_main_job_lock):
+        await lock.close()
+        raise MainJobError(
+            "another main job is running on this ledger (PostgreSQL advisory lock held); wait for it to finish "
+            "or point STREAMS_DATABASE_URL at another database"
+        )
+    try:
+        return await _run_locked(opts, settings, run_id, sim_port, rows, out)
+    finally:
+        await lock.close()
+
+
+async def _run_locked(
+    opts: MainJobOptions, settings: Settings, run_id: str, sim_port: int, rows: list[TraceRow], out: Any
+) -> dict[str, Any]:
+    trace_name = Path(opts.trace).stem
     await create_topics(settings)
 
     env = dict(os.environ)
+    env["STREAMS_TOPIC_PREFIX"] = settings.topic_prefix
+    env["STREAMS_APP_ID"] = settings.app_id
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(
         {
@@ -219,7 +259,7 @@ async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str,
                 if replay.done() and final >= len(rows) and counts.get("outbox_pending", 0) == 0:
                     break
                 if procs.proc is not None and procs.proc.poll() is not None:
-                    raise RuntimeError(f"worker processes exited; see {log_path}")
+                    raise MainJobError(f"worker processes exited; see the end of {log_path}:\n{_tail(log_path)}")
                 if time.monotonic() > deadline:
                     print(f"timeout after {opts.timeout_s:.0f} s: reporting what is there", file=out)
                     break
@@ -245,6 +285,8 @@ async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str,
     finally:
         await pool.close()
         procs.stop()
+        if opts.isolate and not opts.keep_topics:
+            await delete_topics(settings)
     print(render_table(report), file=out)
     path = opts.report_path or (ROOT / "reports" / run_id / "report.json")
     path.parent.mkdir(parents=True, exist_ok=True)

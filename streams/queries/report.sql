@@ -19,3 +19,7 @@ FROM operations WHERE operation_id LIKE $1
 GROUP BY state
 UNION ALL
 SELECT 'outbox_pending', count(*)::integer FROM outbox WHERE operation_id LIKE $1 AND published_at IS NULL;
+
+-- name: try_main_job_lock
+-- One main job at a time per ledger: a session-level advisory lock, held until the connection closes.
+SELECT pg_try_advisory_lock(hashtext('generation-streams:main-job'));

@@ -8,7 +8,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from streams.admin import create_topics, migrate
+from streams.admin import create_topics, delete_topics, migrate
 from streams.config import Settings
 from streams.ledger import create_pool
 from streams.producer import SubmissionProducer
@@ -27,7 +27,7 @@ async def sim() -> AsyncIterator[SimulatorServer]:
 
 
 @pytest.fixture
-async def fault_settings(base_settings: Settings, sim: SimulatorServer) -> Settings:
+async def fault_settings(base_settings: Settings, sim: SimulatorServer) -> AsyncIterator[Settings]:
     """Per-test settings: fresh topics/group/lease keys, short TTLs, the test simulator; ledger emptied."""
     settings = unique_settings(
         base_settings,
@@ -48,7 +48,8 @@ async def fault_settings(base_settings: Settings, sim: SimulatorServer) -> Setti
     pool = await create_pool(settings.database_url, min_size=1, max_size=2)
     await pool.execute(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE")
     await pool.close()
-    return settings
+    yield settings
+    await delete_topics(settings)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from streams.admin import create_topics, migrate
+from streams.admin import create_topics, delete_topics, migrate
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
 from streams.mainjob import MainJobOptions, free_port, run_main_job
@@ -95,6 +95,7 @@ async def test_trace_through_two_workers_with_faults(
             report_path=tmp_path / "report.json",
             timeout_s=300,
             base_port=free_port() // 2 + 20000,
+            isolate=False,
         ),
         out=out,
     )
@@ -136,3 +137,4 @@ async def test_trace_through_two_workers_with_faults(
         assert key in letters, f"{key} not dead-lettered"
         assert letters[key]["reason"] == reason
         assert base64.b64decode(letters[key]["original_base64"]) == original
+    await delete_topics(settings)

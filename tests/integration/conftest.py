@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import asyncpg
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from streams.admin import create_topics, migrate
+from streams.admin import create_topics, delete_topics, migrate
 from streams.config import Settings
 from streams.lease import LeaseManager, make_redis
 from streams.ledger import Ledger, create_pool
@@ -26,11 +26,12 @@ TABLES = "remote_calls, outbox, outputs, transitions, operations"
 
 
 @pytest.fixture(scope="session")
-def migrated(base_settings: Settings) -> Settings:
-    """The test database migrated and the session's topics created."""
+def migrated(base_settings: Settings) -> Iterator[Settings]:
+    """The test database migrated and the session's topics created (and deleted at the end)."""
     migrate(base_settings.database_url)
     asyncio.run(create_topics(base_settings))
-    return base_settings
+    yield base_settings
+    asyncio.run(delete_topics(base_settings))
 
 
 @pytest.fixture
