@@ -10,8 +10,9 @@ module only wires them to Kafka.
 * ``relay_outbox`` task: :class:`~streams.relay.OutboxRelay`, in a loop.
 * Web: ``GET /metrics`` (Prometheus text) and ``GET /healthz``.
 
-An unexpected exception while handling an event never stops the partition: the event goes to the
-dead-letter topic with reason ``processing_error`` and its original bytes, so it can be replayed.
+An unexpected exception while handling an event never stops the partition: the event is retried
+(:data:`HANDLER_ATTEMPTS`), then goes to the dead-letter topic with reason ``processing_error`` and its
+original bytes, so it can be replayed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import faust
+import tenacity
 from prometheus_client import generate_latest
 
 from streams.config import Settings
@@ -33,6 +35,34 @@ from streams.runtime import RawMessage, Runtime
 from streams.scheduler import PollScheduler
 
 log = logging.getLogger(__name__)
+
+
+#: Attempts at an event whose handling raised unexpectedly, before it is dead-lettered (handlers are
+#: idempotent, so a retry is safe; outages of PostgreSQL and Redis are waited out inside the handlers).
+HANDLER_ATTEMPTS = 5
+
+
+async def handle_with_retries(rt: Runtime, handle: Callable[[RawMessage], Awaitable[None]], raw: RawMessage) -> None:
+    """Run ``handle(raw)``; retry unexpected errors with backoff, then dead-letter the event with reason
+    ``processing_error`` and its original bytes (it can be replayed from there). Never raises."""
+    retrying = tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_attempt(HANDLER_ATTEMPTS),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0),
+        reraise=True,
+    )
+    try:
+        async for attempt in retrying:
+            with attempt:
+                await handle(raw)
+    except Exception as exc:
+        log.exception(
+            "handling %s[%s]@%s failed %d times; dead-lettering it",
+            raw.topic,
+            raw.partition,
+            raw.offset,
+            HANDLER_ATTEMPTS,
+        )
+        await rt.dead_letter(raw, InvalidEventError("processing_error", f"{type(exc).__name__}: {exc}"))
 
 
 def create_app(settings: Settings) -> faust.App:
@@ -49,7 +79,9 @@ def create_app(settings: Settings) -> faust.App:
         producer_linger_ms=2,
         broker_session_timeout=settings.kafka_session_timeout_s,
         broker_heartbeat_interval=settings.kafka_heartbeat_interval_s,
-        stream_wait_empty=False,
+        # Wait for events in flight before a rebalance (Faust's default). With False, a rebalance during a
+        # PostgreSQL restart lost submissions in 2 of 3 runs (tests/e2e/test_faults_under_load.py).
+        stream_wait_empty=True,
         autodiscover=False,
         store="memory://",
         web_enabled=settings.web_enabled,
@@ -79,12 +111,7 @@ def create_app(settings: Settings) -> faust.App:
         handle = handler(rt)
         async for event in stream.events():
             m = event.message
-            raw = RawMessage(m.topic, m.partition, m.offset, m.key, m.value)
-            try:
-                await handle(raw)
-            except Exception as exc:
-                log.exception("unexpected error handling %s[%s]@%s; dead-lettering it", m.topic, m.partition, m.offset)
-                await rt.dead_letter(raw, InvalidEventError("processing_error", f"{type(exc).__name__}: {exc}"))
+            await handle_with_retries(rt, handle, RawMessage(m.topic, m.partition, m.offset, m.key, m.value))
 
     @app.agent(topic("submissions"), concurrency=settings.dispatcher_concurrency)
     async def dispatch(stream: Any) -> None:

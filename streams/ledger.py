@@ -32,6 +32,8 @@ _UNAVAILABLE = (
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
+    # raised when a connection broke mid-operation and its protocol state is left inconsistent
+    asyncpg.InternalClientError,
 )
 
 

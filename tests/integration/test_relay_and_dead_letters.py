@@ -134,3 +134,34 @@ async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
         assert letter["source_topic"] == settings.topic(role) and letter["offset"] == i
         assert base64.b64decode(letter["original_base64"]) == value
     assert await pool.fetchval("SELECT count(*) FROM operations") == 0  # nothing bad entered the ledger
+
+
+async def test_unexpected_errors_are_retried_then_dead_lettered(runtime: Runtime, settings: Settings) -> None:
+    from streams import app
+
+    tag = uuid.uuid4().hex[:6]
+    calls: list[int] = []
+
+    async def flaky(message: RawMessage) -> None:
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("transient")
+
+    ok = RawMessage(settings.topic("submissions"), 0, 1, f"ok-{tag}".encode(), b"{}")
+    await app.handle_with_retries(runtime, flaky, ok)
+    assert len(calls) == 3
+
+    async def broken(message: RawMessage) -> None:
+        raise RuntimeError("always")
+
+    bad = RawMessage(settings.topic("submissions"), 0, 2, f"bad-{tag}".encode(), b'{"x": 1}')
+    await app.handle_with_retries(runtime, broken, bad)
+    letters = [
+        r.value
+        for r in await read_topic_to_end(settings, "dead_letter")
+        if r.value["key_base64"] and base64.b64decode(r.value["key_base64"]).decode().endswith(tag)
+    ]
+    assert [(x["reason"], base64.b64decode(x["original_base64"])) for x in letters] == [
+        ("processing_error", b'{"x": 1}')
+    ]
+    assert "RuntimeError: always" in letters[0]["error"]
