@@ -274,3 +274,49 @@ def run_command(
     ]
     if problems:
         raise click.ClickException("the run broke a promise: " + ", ".join(problems))
+
+
+@main.command("soak")
+@click.option("--trace", default="conv", show_default=True, callback=_check_trace, help="conv, code, or a CSV path.")
+@click.option("--start", default=0, show_default=True, type=click.IntRange(min=0), help="First data row.")
+@click.option("--rows", default=10_000, show_default=True, type=click.IntRange(min=1), help="Rows to replay.")
+@click.option("--compression", default=15.0, show_default=True, type=click.FloatRange(min=0.001))
+@click.option("--workers", default=3, show_default=True, type=click.IntRange(2, 16), help="Worker processes.")
+@click.option("--faults", default=20, show_default=True, type=click.IntRange(min=0), help="Faults to inject.")
+@click.option("--seed", default=1, show_default=True, help="Seed of the fault plan and the simulator.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--timeout-s", default=1800.0, show_default=True)
+def soak_command(
+    trace: str,
+    start: int,
+    rows: int,
+    compression: float,
+    workers: int,
+    faults: int,
+    seed: int,
+    report_path: Path | None,
+    timeout_s: float,
+) -> None:
+    """Replay trace rows through several workers while injecting seeded random faults, then audit."""
+    from streams.soak import SoakOptions, broken_promises, run_soak
+
+    opts = SoakOptions(
+        trace=trace,
+        start=start,
+        rows=rows,
+        compression=compression,
+        workers=workers,
+        faults=faults,
+        seed=seed,
+        report_path=report_path,
+        timeout_s=timeout_s,
+    )
+    try:
+        report = asyncio.run(_until_sigterm(run_soak(opts)))
+    except asyncio.CancelledError:
+        raise click.ClickException("terminated (SIGTERM)") from None
+    except StreamsError as exc:
+        raise click.ClickException(str(exc)) from exc
+    problems = broken_promises(report)
+    if problems:
+        raise click.ClickException("the soak broke a promise: " + ", ".join(problems))

@@ -68,6 +68,9 @@ class Settings:
     http_max_connections: int = 200
     submit_retry_deadline_s: float = 300.0
 
+    # PostgreSQL connections per worker process (statements are short; agents queue on the pool).
+    db_pool_max_size: int = 10
+
     # Agents.
     dispatcher_concurrency: int = 32
     observer_concurrency: int = 64
@@ -106,6 +109,16 @@ class Settings:
     def replace(self, **changes: Any) -> Settings:
         """A copy with ``changes`` applied (topic names recomputed)."""
         return dataclasses.replace(self, **changes)
+
+    def to_env(self) -> dict[str, str]:
+        """``STREAMS_*`` variables that reproduce these settings in a child process."""
+        env = {}
+        for f in dataclasses.fields(self):
+            if f.name == "topics":
+                continue
+            value = getattr(self, f.name)
+            env["STREAMS_" + f.name.upper()] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        return env
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:

@@ -34,6 +34,8 @@ _UNAVAILABLE = (
     asyncpg.CrashShutdownError,
     # raised when a connection broke mid-operation and its protocol state is left inconsistent
     asyncpg.InternalClientError,
+    # class 53: too many connections, out of memory or disk; transient from a worker's point of view
+    asyncpg.InsufficientResourcesError,
 )
 
 

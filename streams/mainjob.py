@@ -308,6 +308,9 @@ async def collect_report(
         sim = (await client.get(f"{settings.remote_base_url}/_sim/jobs")).json()["jobs"]
         summary = (await client.get(f"{settings.remote_base_url}/_sim/summary")).json()
     delivered = await read_topic_to_end(settings, "outputs_delivered")
+    transitions = [
+        (r["operation_id"], r["from_state"], r["to_state"]) for r in await pool.fetch(REPORT.run_transitions, pattern)
+    ]
     meta = dict(meta)
     meta["faults_injected"] = summary.get("faults_injected", {})
     return build_report(
@@ -316,4 +319,5 @@ async def collect_report(
         sim_jobs=sim,
         delivered=[(d.value, d.timestamp_ms) for d in delivered],
         meta=meta,
+        transitions=transitions,
     )

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from streams.states import OperationState, can_transition
+
 FINAL_STATES = frozenset({"succeeded", "failed", "canceled", "rejected", "uncertain"})
 COMPLETED_STATES = frozenset({"succeeded", "failed", "canceled"})
 
@@ -40,6 +42,25 @@ def percentile(values: list[float], pct: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[int(pct) - 1] if pct < 100 else max(values)
 
 
+def state_regressions(transitions: Iterable[tuple[str, str | None, str]]) -> int:
+    """Count illegal steps in a transition log given as ``(operation_id, from_state, to_state)`` in order.
+
+    A step is illegal when it is not a legal forward move (:func:`streams.states.can_transition`; the first
+    step must be ``None -> accepted``) or when its ``from_state`` is not the previous step's ``to_state``.
+    """
+    bad = 0
+    previous: dict[str, str] = {}
+    for op, from_state, to_state in transitions:
+        last = previous.get(op)
+        if last is None:
+            ok = from_state is None and to_state == "accepted"
+        else:
+            ok = from_state == last and can_transition(OperationState(last), OperationState(to_state))
+        bad += not ok
+        previous[op] = to_state
+    return bad
+
+
 def build_report(
     *,
     submitted_ids: Iterable[str],
@@ -47,6 +68,7 @@ def build_report(
     sim_jobs: Iterable[Mapping[str, Any]],
     delivered: Iterable[tuple[Mapping[str, Any], int]],
     meta: Mapping[str, Any],
+    transitions: Iterable[tuple[str, str | None, str]] = (),
 ) -> dict[str, Any]:
     """Compute the report.
 
@@ -69,6 +91,8 @@ def build_report(
         op = job.get("operation_id")
         if op in ids:
             jobs_by_op[str(op)].append(job)
+            if op not in ops:  # a remote job for an operation the ledger does not hold
+                orphan_jobs += 1
         elif op is None:
             orphan_jobs += 1
     completed = [o for o in ops.values() if o.state in COMPLETED_STATES]
@@ -78,6 +102,7 @@ def build_report(
     }
     events = 0
     seen: set[str] = set()
+    outputs_seen: set[tuple[str, str]] = set()
     latencies: list[float] = []
     for value, ts_ms in delivered:
         if value.get("operation_id") not in ids:
@@ -86,6 +111,7 @@ def build_report(
         if value["event_id"] in seen:
             continue
         seen.add(value["event_id"])
+        outputs_seen.add((str(value["operation_id"]), str(value["output_id"])))
         done = completion_s.get((value["operation_id"], value["remote_job_id"]))
         if done is not None:
             latencies.append(ts_ms - done * 1000.0)
@@ -117,8 +143,10 @@ def build_report(
         },
         "output_events": events,
         "output_duplicates": events - len(seen),
+        "output_duplicates_after_dedupe": len(seen) - len(outputs_seen),
         "outputs_expected": outputs_expected,
-        "outputs_undelivered": outputs_expected - len(seen),
+        "outputs_undelivered": outputs_expected - len(outputs_seen),
+        "state_regressions": state_regressions(transitions),
         "throughput_ops_per_s": round(len(final) / span_s, 2) if span_s else 0.0,
         "completion_to_delivery_ms": {
             "p50": _round(percentile(latencies, 50)),

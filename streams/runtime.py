@@ -73,7 +73,7 @@ class Runtime:
     async def create(cls, settings: Settings, send: SendFn, worker: str | None = None) -> Runtime:
         """Connect to PostgreSQL and build the Redis and HTTP clients (Redis may still be down)."""
         name = worker or worker_name()
-        pool = await create_pool(settings.database_url, max_size=max(10, settings.observer_concurrency // 2))
+        pool = await create_pool(settings.database_url, min_size=2, max_size=settings.db_pool_max_size)
         redis = make_redis(settings.redis_url, settings.redis_socket_timeout_s)
         remote = RemoteClient(make_http_client(settings), settings.remote_model)
         return cls(settings, Ledger(pool, name), LeaseManager(redis, settings.lease_ttl_ms), remote, send, name)

@@ -39,19 +39,6 @@ async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float, w
         await asyncio.sleep(0.05)
 
 
-def settings_env(settings: Settings) -> dict[str, str]:
-    """``STREAMS_*`` variables that reproduce ``settings`` in a child process."""
-    import dataclasses
-
-    env = {}
-    for f in dataclasses.fields(settings):
-        if f.name == "topics":
-            continue
-        value = getattr(settings, f.name)
-        env["STREAMS_" + f.name.upper()] = ("true" if value else "false") if isinstance(value, bool) else str(value)
-    return env
-
-
 class SimulatorServer:
     """The provider simulator served from the test's event loop on a loopback port."""
 
@@ -146,7 +133,7 @@ class Fleet:
         settings = self.settings.replace(**overrides) if overrides else self.settings
         port = free_port()
         env = dict(os.environ)
-        env.update(settings_env(settings.replace(web_enabled=True, web_port=port)))
+        env.update(settings.replace(web_enabled=True, web_port=port).to_env())
         log_path = self.log_dir / f"worker-{name}.log"
         proc = subprocess.Popen(
             [STREAMS, "--log-level", "INFO", "worker", "--web-port", str(port)],

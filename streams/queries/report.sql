@@ -23,3 +23,10 @@ SELECT 'outbox_pending', count(*)::integer FROM outbox WHERE operation_id LIKE $
 -- name: try_main_job_lock
 -- One main job at a time per ledger: a session-level advisory lock, held until the connection closes.
 SELECT pg_try_advisory_lock(hashtext('generation-streams:main-job'));
+
+-- name: run_transitions
+-- $1 operation id LIKE pattern. The transition log of the run's operations, in order.
+SELECT operation_id, from_state::text AS from_state, to_state::text AS to_state
+FROM transitions
+WHERE operation_id LIKE $1
+ORDER BY operation_id, id;

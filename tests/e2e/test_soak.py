@@ -1,0 +1,38 @@
+"""The short soak: a few hundred trace rows through three workers with one fault of every kind."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import orjson
+import pytest
+
+from streams.soak import FAULT_KINDS, SoakOptions, broken_promises, run_soak
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_short_soak_keeps_every_promise(tmp_path: Path) -> None:
+    out = io.StringIO()
+    report = await run_soak(
+        SoakOptions(
+            rows=300,
+            compression=10.0,
+            workers=3,
+            faults=len(FAULT_KINDS),
+            seed=5,
+            report_path=tmp_path / "soak.json",
+            timeout_s=420,
+            submitting_stale_after_s=20.0,
+            submit_retry_deadline_s=8.0,
+        ),
+        out=out,
+    )
+    assert broken_promises(report) == [], out.getvalue()[-4000:]
+    assert report["operations_submitted"] == report["operations_in_ledger"] == 300
+    injected = report["faults_by_kind"] | report["faults_skipped"]
+    assert set(injected) == set(FAULT_KINDS)
+    assert sum(report["faults_by_kind"].values()) >= 4  # the worker and network faults always run
+    assert "unknown" not in report["uncertain_reasons"]  # every uncertain operation carries its reason
+    assert orjson.loads((tmp_path / "soak.json").read_bytes())["state_regressions"] == 0
