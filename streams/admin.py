@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 from yoyo import get_backend, read_migrations
@@ -75,3 +76,30 @@ async def delete_topics(settings: Settings) -> list[str]:
         return doomed
     finally:
         await admin.close()
+
+
+async def create_run_database(database_url: str, run_id: str) -> str:
+    """Create an empty database ``<name>_<run_id>`` next to ``database_url``'s and return its URL.
+
+    Harness runs (main job, soak) use one each, so an aborted run's leftovers never reach the next run's
+    workers. Raises ``asyncpg.PostgresError`` when the role may not create databases.
+    """
+    base, _, name = database_url.rpartition("/")
+    name, _, query = name.partition("?")
+    run_db = f"{name}_{run_id}".lower()
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(f'CREATE DATABASE "{run_db}"')
+    finally:
+        await conn.close()
+    return f"{base}/{run_db}" + (f"?{query}" if query else "")
+
+
+async def drop_run_database(database_url: str, run_database_url: str) -> None:
+    """Drop the run database created by :func:`create_run_database` (its connections are terminated)."""
+    run_db = run_database_url.rpartition("/")[2].partition("?")[0]
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{run_db}" WITH (FORCE)')
+    finally:
+        await conn.close()

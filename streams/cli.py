@@ -189,7 +189,7 @@ async def _until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
 )
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 16), help="Worker processes.")
 @click.option("--partitions", default=8, show_default=True, type=click.IntRange(1, 256), help="Partitions per topic.")
-@click.option("--keep-topics", is_flag=True, help="Keep the run's topics (deleted after the report by default).")
+@click.option("--keep", is_flag=True, help="Keep the run's database and topics (removed after the report).")
 @click.option("--seed", default=7, show_default=True, help="Seed of the simulator's fault decisions.")
 @click.option("--faults/--no-faults", default=True, show_default=True, help="Inject the default fault rates.")
 @click.option(
@@ -220,7 +220,7 @@ def run_command(
     fault_overrides: tuple[str, ...],
     report_path: Path | None,
     timeout_s: float,
-    keep_topics: bool,
+    keep: bool,
 ) -> None:
     """The main job: simulator + workers, trace replay, progress, and the report (terminal and JSON)."""
     from streams.mainjob import DEFAULT_FAULTS, MainJobOptions, run_main_job
@@ -252,7 +252,7 @@ def run_command(
         faults=rates,
         report_path=report_path,
         timeout_s=timeout_s,
-        keep_topics=keep_topics,
+        keep=keep,
     )
     try:
         report = asyncio.run(_until_sigterm(run_main_job(opts)))

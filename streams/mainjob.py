@@ -23,7 +23,7 @@ import asyncpg
 import httpx
 import orjson
 
-from streams.admin import create_topics, delete_topics, migrate
+from streams.admin import create_run_database, create_topics, delete_topics, drop_run_database, migrate
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
 from streams.errors import StreamsError
@@ -66,7 +66,8 @@ class MainJobOptions:
     report_path: Path | None = None
     timeout_s: float = 900.0
     base_port: int = 17000
-    keep_topics: bool = False
+    #: Keep the run's database and topics after the report (isolated runs only).
+    keep: bool = False
     #: Give the run its own topics and consumer group (default); False uses the environment's, e.g. for a test
     #: that publishes to those topics before the run.
     isolate: bool = True
@@ -174,22 +175,35 @@ def _line(counts: dict[str, int], submitted: int, total: int, started: float) ->
 
 
 async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str, Any]:
-    """Run the main job end to end; returns the report (also printed, and written as JSON if asked)."""
+    """Run the main job end to end; returns the report (also printed, and written as JSON if asked).
+
+    Isolated (the default): the run gets its own ledger database, topics and consumer group on the shared
+    services, so nothing of another run (or of an aborted one) reaches its workers; all three are removed
+    after the report unless ``keep``. Not isolated: the environment's, one main job at a time (a lock).
+    """
     run_id = f"run{int(time.time())}"
     base = Settings.from_env()
     sim_port = free_port()
-    # The run is isolated on the shared services: its own topics (prefix) and consumer group, so no other
-    # worker can take its events, and one main job at a time per ledger (an advisory lock).
     settings = base.replace(partitions=opts.partitions, remote_base_url=f"http://127.0.0.1:{sim_port}")
-    if opts.isolate:
-        settings = settings.replace(topic_prefix=f"{base.topic_prefix}{run_id}.", app_id=f"{base.app_id}-{run_id}")
     rows = read_trace(opts.trace, start=opts.start, rows=opts.rows)
-    trace_name = Path(opts.trace).stem
     print(
-        f"main job {run_id}: {len(rows)} rows of trace {trace_name!r} from row {opts.start}, compression "
-        f"{opts.compression}x, {opts.workers} workers, faults {opts.faults or 'off'}",
+        f"main job {run_id}: {len(rows)} rows of trace {Path(opts.trace).stem!r} from row {opts.start}, "
+        f"compression {opts.compression}x, {opts.workers} workers, faults {opts.faults or 'off'}",
         file=out,
     )
+    if opts.isolate:
+        settings = settings.replace(
+            topic_prefix=f"{base.topic_prefix}{run_id}.",
+            app_id=f"{base.app_id}-{run_id}",
+            database_url=await create_run_database(base.database_url, run_id),
+        )
+        try:
+            migrate(settings.database_url)
+            return await _run(opts, settings, run_id, sim_port, rows, out)
+        finally:
+            if not opts.keep:
+                await drop_run_database(base.database_url, settings.database_url)
+                await delete_topics(settings)
     migrate(settings.database_url)
     lock = await asyncpg.connect(settings.database_url)
     if not await lock.fetchval(REPORT.try_main_job_lock):
@@ -199,12 +213,12 @@ async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str,
             "or point STREAMS_DATABASE_URL at another database"
         )
     try:
-        return await _run_locked(opts, settings, run_id, sim_port, rows, out)
+        return await _run(opts, settings, run_id, sim_port, rows, out)
     finally:
         await lock.close()
 
 
-async def _run_locked(
+async def _run(
     opts: MainJobOptions, settings: Settings, run_id: str, sim_port: int, rows: list[TraceRow], out: Any
 ) -> dict[str, Any]:
     trace_name = Path(opts.trace).stem
@@ -213,6 +227,7 @@ async def _run_locked(
     env = dict(os.environ)
     env["STREAMS_TOPIC_PREFIX"] = settings.topic_prefix
     env["STREAMS_APP_ID"] = settings.app_id
+    env["STREAMS_DATABASE_URL"] = settings.database_url
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(
         {
@@ -285,8 +300,6 @@ async def _run_locked(
     finally:
         await pool.close()
         procs.stop()
-        if opts.isolate and not opts.keep_topics:
-            await delete_topics(settings)
     print(render_table(report), file=out)
     path = opts.report_path or (ROOT / "reports" / run_id / "report.json")
     path.parent.mkdir(parents=True, exist_ok=True)

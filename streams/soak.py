@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import orjson
 
-from streams.admin import create_topics, delete_topics, migrate
+from streams.admin import create_run_database, create_topics, delete_topics, drop_run_database, migrate
 from streams.config import Settings
 from streams.errors import StreamsError
 from streams.ledger import create_pool
@@ -76,6 +76,8 @@ class SoakOptions:
     report_path: Path | None = None
     timeout_s: float = 1800.0
     lease_ttl_ms: int = 3000
+    #: Keep the run's database and topics after the report.
+    keep: bool = False
     #: Reconciliation delay for ``submitting`` without outcome; must exceed the POST retry budget below.
     submitting_stale_after_s: float = 60.0
     submit_retry_deadline_s: float = 30.0
@@ -264,9 +266,11 @@ async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
     rows = read_trace(opts.trace, start=opts.start, rows=opts.rows)
     log_dir = ROOT / "reports" / run_id
     log_dir.mkdir(parents=True, exist_ok=True)
-    migrate(base.database_url)
+    run_db = await create_run_database(base.database_url, run_id)  # nothing of another run reaches this one
+    migrate(run_db)
     proxy, proxy_port = await _toxiproxy(run_id, sim_port)
     settings = base.replace(
+        database_url=run_db,
         topic_prefix=f"{base.topic_prefix}{run_id}.",
         app_id=f"{base.app_id}-{run_id}",
         remote_base_url=f"http://127.0.0.1:{proxy_port}",
@@ -357,8 +361,11 @@ async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             async with httpx.AsyncClient(base_url=TOXIPROXY_API, timeout=10) as c:
                 await c.delete(f"/proxies/{proxy}")
-        with contextlib.suppress(Exception):
-            await delete_topics(settings)
+        if not opts.keep:
+            with contextlib.suppress(Exception):
+                await delete_topics(settings)
+            with contextlib.suppress(Exception):
+                await drop_run_database(base.database_url, run_db)
     print(render_table(report), file=out)
     path = opts.report_path or (log_dir / "report.json")
     path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
