@@ -7,6 +7,7 @@ in :class:`Settings`. Durations carry their unit in the name (``_ms``, ``_s``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,7 +67,7 @@ class Settings:
     http_write_timeout_s: float = 5.0
     http_pool_timeout_s: float = 5.0
     http_max_connections: int = 200
-    submit_retry_deadline_s: float = 300.0
+    submit_retry_deadline_s: float = 60.0
 
     # PostgreSQL connections per worker process (statements are short; agents queue on the pool).
     db_pool_max_size: int = 10
@@ -96,6 +97,40 @@ class Settings:
             "dead_letter": TOPIC_DEAD_LETTER,
         }
         object.__setattr__(self, "topics", {k: self.topic_prefix + v for k, v in names.items()})
+        self._check()
+
+    def _check(self) -> None:
+        """Refuse combinations that would break a worker at run time (raises :class:`ConfigError`)."""
+        for name in (
+            "partitions",
+            "lease_ttl_ms",
+            "poll_batch_size",
+            "relay_batch_size",
+            "dispatcher_concurrency",
+            "observer_concurrency",
+            "db_pool_max_size",
+            "http_max_connections",
+            "max_value_bytes",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"STREAMS_{name.upper()} must be at least 1")
+        post_budget_s = (
+            self.submit_retry_deadline_s
+            + self.http_connect_timeout_s
+            + self.http_write_timeout_s
+            + self.http_read_timeout_s
+        )
+        if self.submitting_stale_after_s <= post_budget_s:
+            raise ConfigError(
+                f"STREAMS_SUBMITTING_STALE_AFTER_S ({self.submitting_stale_after_s}) must exceed the POST budget "
+                f"({post_budget_s:.0f} s: retry deadline + HTTP timeouts), or a live dispatcher's operation would "
+                "be reconciled to uncertain while it still waits to retry"
+            )
+        if self.visibility_timeout_s * 1000 < self.lease_ttl_ms:
+            raise ConfigError(
+                "STREAMS_VISIBILITY_TIMEOUT_S must be at least the lease TTL "
+                f"({self.lease_ttl_ms} ms), or a paused worker's poll returns while its lease still holds"
+            )
 
     @property
     def lease_ttl_s(self) -> float:
@@ -139,24 +174,29 @@ class Settings:
             default = f.default
             try:
                 if isinstance(default, bool):
-                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                    values[f.name] = _parse_bool(raw)
                 elif isinstance(default, int):
                     values[f.name] = int(raw)
                 elif isinstance(default, float):
                     values[f.name] = float(raw)
+                    if not math.isfinite(values[f.name]):
+                        raise ValueError("not a finite number")
                 else:
                     values[f.name] = raw
             except ValueError as exc:
                 raise ConfigError(f"{var}={raw!r} is not a valid {type(default).__name__}: {exc}") from exc
-        settings = cls(**values)
-        if settings.partitions < 1:
-            raise ConfigError("STREAMS_PARTITIONS must be >= 1")
-        if settings.visibility_timeout_s * 1000 < settings.lease_ttl_ms:
-            raise ConfigError(
-                "STREAMS_VISIBILITY_TIMEOUT_S must be at least the lease TTL "
-                f"({settings.lease_ttl_ms} ms), or a paused worker's poll returns while its lease still holds"
-            )
-        return settings
+            if isinstance(default, int | float) and not isinstance(default, bool) and values[f.name] < 0:
+                raise ConfigError(f"{var}={raw!r} must not be negative")
+        return cls(**values)
+
+
+def _parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
 
 
 def lease_key(settings: Settings, action: str, operation_id: str) -> str:

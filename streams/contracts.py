@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import time
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,15 @@ def dead_letter(
     original: bytes | None,
     error: InvalidEventError,
     worker: str,
+    max_original_bytes: int = 512 * 1024,
 ) -> dict[str, Any]:
-    """The dead-letter envelope (``schemas/generation.dead-letter.json``) for one rejected input."""
+    """The dead-letter envelope (``schemas/generation.dead-letter.json``) for one rejected input.
+
+    The original bytes travel base64-encoded, cut at ``max_original_bytes`` so the envelope always fits in a
+    Kafka record (``original_size`` and ``original_sha256`` describe the whole value, ``original_truncated``
+    says whether it was cut).
+    """
+    data = original or b""
     return {
         "source_topic": source_topic,
         "partition": partition,
@@ -101,7 +109,10 @@ def dead_letter(
         "key_base64": base64.b64encode(key).decode() if key is not None else None,
         "reason": error.reason,
         "error": str(error),
-        "original_base64": base64.b64encode(original or b"").decode(),
+        "original_base64": base64.b64encode(data[:max_original_bytes]).decode(),
+        "original_size": len(data),
+        "original_truncated": len(data) > max_original_bytes,
+        "original_sha256": hashlib.sha256(data).hexdigest(),
         "failed_at_ms": int(time.time() * 1000),
         "worker": worker,
     }

@@ -28,6 +28,7 @@ from streams.errors import (
     CoordinationUnavailableError,
     InvalidEventError,
     LeaseLostError,
+    LedgerDataError,
     RemoteError,
     RemoteNotSentError,
     RemoteRateLimitedError,
@@ -44,17 +45,34 @@ log = logging.getLogger(__name__)
 SUBMISSIONS_TOPIC = "generation.submissions"
 
 
-def _wait_for_retry(base: tenacity.wait.wait_base) -> tenacity.wait.wait_base:
-    """Wait the 429's ``Retry-After`` when given, else the exponential ``base`` wait."""
+def _wait_for_retry(base: tenacity.wait.wait_base, budget_s: float) -> tenacity.wait.wait_base:
+    """Wait the 429's ``Retry-After`` when given, else the exponential ``base`` wait; never past the budget
+    (the next attempt then finds the budget spent and the POST ends ``rejected``)."""
 
     class _Wait(tenacity.wait.wait_base):
         def __call__(self, retry_state: tenacity.RetryCallState) -> float:
             exc = retry_state.outcome.exception() if retry_state.outcome else None
-            if isinstance(exc, RemoteRateLimitedError):
-                return exc.retry_after_s
-            return base(retry_state)
+            wanted = exc.retry_after_s if isinstance(exc, RemoteRateLimitedError) else base(retry_state)
+            remaining = budget_s - (retry_state.seconds_since_start or 0.0)
+            return max(0.0, min(wanted, remaining + 0.01))
 
     return _Wait()
+
+
+class _NoLongerOurs(Exception):
+    """The operation left ``submitting`` under our fencing value while we waited to retry: stop, send nothing."""
+
+
+def normalized_request(request: dict[str, Any]) -> dict[str, Any]:
+    """The generation request as sent to the API: token counts as ints (JSON Schema lets ``5.0`` count as an
+    integer), the model when given. Two submissions of one operation must agree on it."""
+    out: dict[str, Any] = {
+        "context_tokens": int(request["context_tokens"]),
+        "generated_tokens": int(request["generated_tokens"]),
+    }
+    if request.get("model") is not None:
+        out["model"] = request["model"]
+    return out
 
 
 class Dispatcher:
@@ -73,11 +91,29 @@ class Dispatcher:
             await self.rt.dead_letter(message, exc)
             return
         operation_id: str = event["operation_id"]
-        request: dict[str, Any] = dict(event["request"])
-        request["submitted_at_ms"] = event["submitted_at_ms"]
+        if message.key != operation_id.encode():
+            await self._reject_input(
+                message,
+                "key_mismatch",
+                f"record key {message.key!r} is not the operation id "
+                f"{operation_id!r}: every topic is keyed by operation id",
+            )
+            return
+        request = normalized_request(event["request"])
+        stored = dict(request, submitted_at_ms=event["submitted_at_ms"])
         if "source" in event:
-            request["source"] = event["source"]
-        await self.rt.until_ledger("accept", lambda: self.rt.ledger.accept(operation_id, request))
+            stored["source"] = event["source"]
+        if not await self.rt.until_ledger("accept", lambda: self.rt.ledger.accept(operation_id, stored)):
+            row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
+            previous = normalized_request(row["request"]) if row is not None else request
+            if previous != request:
+                await self._reject_input(
+                    message,
+                    "conflicting_duplicate",
+                    f"operation {operation_id} was accepted "
+                    f"with request {previous}; this submission asks for {request}",
+                )
+                return
         lease = await self._take_submit_lease(operation_id)
         if lease is None:
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
@@ -92,6 +128,10 @@ class Dispatcher:
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
             return
         await self._submit(operation_id, request, fencing, lease)
+
+    async def _reject_input(self, message: RawMessage, reason: str, text: str) -> None:
+        metrics.SUBMISSIONS.labels("dead_letter").inc()
+        await self.rt.dead_letter(message, InvalidEventError(reason, text))
 
     async def _take_submit_lease(self, operation_id: str) -> Lease | None:
         """The submit lease, waiting while another holder has it and the operation is still ``accepted``.
@@ -128,15 +168,22 @@ class Dispatcher:
         holder = [lease]
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception_type((RemoteRateLimitedError, RemoteNotSentError)),
-            wait=_wait_for_retry(tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0)),
+            wait=_wait_for_retry(
+                tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0), settings.submit_retry_deadline_s
+            ),
             stop=tenacity.stop_after_delay(settings.submit_retry_deadline_s),
             reraise=True,
         )
         try:
             async for attempt in retrying:
                 with attempt:
+                    if attempt.retry_state.attempt_number > 1 and not await self._still_ours(operation_id, fencing):
+                        raise _NoLongerOurs()
                     holder[0] = await self._ensure_lease(holder[0])
                     result = await self._post_once(operation_id, request, fencing)
+        except _NoLongerOurs:
+            log.warning("operation %s: left submitting while a retry waited; not sending again", operation_id)
+            return
         except RemoteRefusedError as exc:  # includes 429 past the deadline: nothing was created
             await self._finish_without_job(operation_id, fencing, OperationState.REJECTED, str(exc))
             return
@@ -151,10 +198,16 @@ class Dispatcher:
             await holder[0].release()
         reason = f"job id from HTTP {result.status_code} error.job_id" if result.via_error else None
         first_poll_s = result.poll_after_s if result.poll_after_s is not None else settings.poll_backoff_base_s
-        saved = await self.rt.until_ledger(
-            "save job id",
-            lambda: self.rt.ledger.save_submitted(operation_id, fencing, result.job_id, first_poll_s, reason),
-        )
+        try:
+            saved = await self.rt.until_ledger(
+                "save job id",
+                lambda: self.rt.ledger.save_submitted(operation_id, fencing, result.job_id, first_poll_s, reason),
+            )
+        except LedgerDataError as exc:  # e.g. the API returned a job id another operation already holds
+            log.error("operation %s: job %s created but its id cannot be saved: %s", operation_id, result.job_id, exc)
+            why = f"remote job {result.job_id} was created but its id could not be saved ({exc}); reconcile by hand"
+            await self._finish_without_job(operation_id, fencing, OperationState.UNCERTAIN, why)
+            return
         if saved:
             metrics.SUBMISSIONS.labels("submitted").inc()
         else:
@@ -166,6 +219,10 @@ class Dispatcher:
                 result.job_id,
                 fencing,
             )
+
+    async def _still_ours(self, operation_id: str, fencing: int) -> bool:
+        row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
+        return row is not None and row["state"] == OperationState.SUBMITTING and row["fencing_token"] == fencing
 
     async def _post_once(self, operation_id: str, request: dict[str, Any], fencing: int) -> SubmitResult:
         started = time.perf_counter()

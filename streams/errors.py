@@ -10,6 +10,7 @@
     │   └── LeaseLostError                 renewal/ownership check found another token (or none)
     ├── LedgerError                  PostgreSQL ledger
     │   ├── LedgerUnavailableError         PostgreSQL did not answer: wait and retry, never skip the write
+    │   ├── LedgerDataError                PostgreSQL refused a value (class 22/23): retrying cannot help
     │   └── UnknownOperationError          an event names an operation the ledger has never accepted
     └── RemoteError                  the remote generation API (always carries ``operation_id``)
         ├── RemoteRefusedError             definite refusal, nothing created (4xx such as 400/422)
@@ -18,6 +19,7 @@
         ├── RemoteUnknownOutcomeError      sent, outcome unknown (timeout/connection lost after send,
         │                                  5xx without ``error.job_id``): the operation becomes ``uncertain``
         ├── RemoteJobNotFoundError         GET answered 404 for a saved remote job id
+        ├── RemoteContractError            a GET answer that breaks the API contract (e.g. output ids)
         └── RemoteTransientError           a GET failed in a way worth retrying later (5xx, timeout, I/O)
 
 A POST is retried only on :class:`RemoteNotSentError` and :class:`RemoteRateLimitedError` (ARCHITECTURE.md,
@@ -38,8 +40,9 @@ class ConfigError(StreamsError):
 class InvalidEventError(StreamsError):
     """A Kafka value is not JSON, is too large, or fails its topic's JSON Schema.
 
-    ``reason`` is a short machine-readable code (``not_json``, ``schema``, ``oversized``, ``unknown_operation``)
-    and the message says what was wrong; the original bytes go to the dead-letter topic with both.
+    ``reason`` is a short machine-readable code (``not_json``, ``schema``, ``oversized``, ``unknown_operation``,
+    ``key_mismatch``, ``conflicting_duplicate``, ``processing_error``) and the message says what was wrong; the
+    original bytes go to the dead-letter topic with both.
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -75,6 +78,11 @@ class LedgerError(StreamsError):
 
 class LedgerUnavailableError(LedgerError):
     """PostgreSQL is unreachable or the connection broke; the write did not happen (or was rolled back)."""
+
+
+class LedgerDataError(LedgerError):
+    """PostgreSQL refused the values of a write (data exception or integrity violation); nothing was written
+    and retrying the same write cannot succeed. The caller records the operation's outcome another way."""
 
 
 class UnknownOperationError(LedgerError):
@@ -122,6 +130,11 @@ class RemoteUnknownOutcomeError(RemoteError):
 
 class RemoteJobNotFoundError(RemoteError):
     """A GET for a saved remote job id answered 404."""
+
+
+class RemoteContractError(RemoteError):
+    """A response that breaks the API's contract (outputs without distinct string ids); the job ends ``failed``
+    with this reason rather than delivering outputs that cannot be told apart."""
 
 
 class RemoteTransientError(RemoteError):

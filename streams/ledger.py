@@ -19,8 +19,8 @@ from typing import Any
 import asyncpg
 import orjson
 
-from streams.errors import LedgerUnavailableError
-from streams.remote import JobSnapshot
+from streams.errors import LedgerDataError, LedgerUnavailableError
+from streams.remote import JobSnapshot, clean_text
 from streams.sql import LEDGER as Q
 from streams.states import OperationState, can_transition, is_terminal
 
@@ -45,6 +45,8 @@ async def _guard(what: str) -> AsyncIterator[None]:
         yield
     except _UNAVAILABLE as exc:
         raise LedgerUnavailableError(f"PostgreSQL unavailable during {what}: {type(exc).__name__}: {exc}") from exc
+    except (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError) as exc:
+        raise LedgerDataError(f"PostgreSQL refused the values of {what}: {type(exc).__name__}: {exc}") from exc
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -119,8 +121,8 @@ class Ledger:
         pool: from :func:`create_pool`.
         worker: this worker's name, written into the transition log and accounting.
 
-    Every method raises :class:`LedgerUnavailableError` when PostgreSQL does not answer; nothing is then
-    written (each method is one transaction).
+    Every method raises :class:`LedgerUnavailableError` when PostgreSQL does not answer and
+    :class:`LedgerDataError` when it refuses the values; nothing is then written (each method is atomic).
     """
 
     def __init__(self, pool: asyncpg.Pool, worker: str) -> None:
@@ -164,7 +166,7 @@ class Ledger:
             raise ValueError(f"a submission without a job ends rejected or uncertain, not {state}")
         async with _guard(f"save {state} for {operation_id}"):
             saved = await self.pool.fetchval(
-                Q.save_submission_without_job, operation_id, fencing_token, state.value, reason, self.worker
+                Q.save_submission_without_job, operation_id, fencing_token, state.value, clean_text(reason), self.worker
             )
         return saved is not None
 
@@ -212,7 +214,7 @@ class Ledger:
         terminal = is_terminal(new)
         reason = None
         if new is OperationState.FAILED and snapshot.error:
-            reason = f"remote job failed: {orjson.dumps(snapshot.error).decode()}"
+            reason = clean_text(f"remote job failed: {orjson.dumps(snapshot.error).decode()}")
         outputs = [{"output_id": str(o["id"]), "position": i, "payload": o} for i, o in enumerate(snapshot.outputs)]
         async with _guard(f"save observation of {operation_id}"):
             saved = await self.pool.fetchval(

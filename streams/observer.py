@@ -23,6 +23,8 @@ from streams.errors import (
     CoordinationUnavailableError,
     InvalidEventError,
     LeaseLostError,
+    LedgerDataError,
+    RemoteContractError,
     RemoteError,
     RemoteJobNotFoundError,
     RemoteRateLimitedError,
@@ -30,13 +32,23 @@ from streams.errors import (
 )
 from streams.lease import Lease
 from streams.ledger import ObserveClaim, SaveOutcome
-from streams.remote import JobSnapshot
+from streams.remote import JobSnapshot, clean_text
 from streams.runtime import RawMessage, Runtime
 from streams.states import OperationState
 
 log = logging.getLogger(__name__)
 
 POLLS_TOPIC = "generation.polls"
+
+
+def _failed(job_id: str, code: str, message: str) -> JobSnapshot:
+    """A ``failed`` snapshot standing for an answer that cannot be used as it is."""
+    return JobSnapshot(
+        job_id=job_id,
+        status="failed",
+        state=OperationState.FAILED,
+        error={"code": code, "message": clean_text(message, 1000)},
+    )
 
 
 class Observer:
@@ -99,6 +111,12 @@ class Observer:
     async def _observe(self, operation_id: str, poll_claim_id: int, claim: ObserveClaim, lease: Lease) -> None:
         rt = self.rt
         poll_count = claim.poll_count
+        try:
+            await lease.renew()  # the claim may have waited out a PostgreSQL outage: still ours before the GET?
+        except (LeaseLostError, CoordinationUnavailableError) as exc:
+            metrics.LEASE_LOST.labels("observe").inc()
+            log.warning("operation %s: no GET: %s", operation_id, exc)
+            return
         snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim)
         if snapshot is None:
             return
@@ -112,9 +130,18 @@ class Observer:
         # save below. The test hook makes that pause happen on purpose.
         await self._pause_for_tests()
         delay = self._delay(poll_count, snapshot.poll_after_s)
-        outcome = await rt.until_ledger(
-            "save observation", lambda: rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay)
-        )
+        try:
+            outcome = await rt.until_ledger(
+                "save observation",
+                lambda: rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay),
+            )
+        except LedgerDataError as exc:  # e.g. a NUL in an output: the answer cannot be stored as it is
+            log.error("operation %s: the remote answer cannot be stored (%s); recording failed", operation_id, exc)
+            unstorable = _failed(snapshot.job_id, "unstorable_response", str(exc))
+            outcome = await rt.until_ledger(
+                "save observation",
+                lambda: rt.ledger.save_observation(operation_id, claim.fencing_token, unstorable, None),
+            )
         if outcome is SaveOutcome.REFUSED_FENCING:
             metrics.FENCING_REFUSALS.labels("observe").inc()
             log.warning(
@@ -126,6 +153,7 @@ class Observer:
         elif outcome is SaveOutcome.REFUSED_ORDER:
             metrics.ORDER_REFUSALS.inc()
             log.info("operation %s: %s not saved over a later state", operation_id, snapshot.status)
+            await self._reschedule(operation_id, poll_claim_id, delay)  # still pollable: poll again soon
 
     async def _get(
         self, operation_id: str, poll_claim_id: int, poll_count: int, claim: ObserveClaim
@@ -140,13 +168,12 @@ class Observer:
             duration_ms = (time.perf_counter() - started) * 1000.0
             await rt.account(operation_id, "GET", 404, "job_not_found", job_id, duration_ms, claim.fencing_token)
             log.error("operation %s: %s; recording it as failed", operation_id, exc)
-            return JobSnapshot(
-                job_id=job_id,
-                status="failed",
-                state=OperationState.FAILED,
-                error={"code": "remote_job_not_found", "message": str(exc)},
-                status_code=404,
-            )
+            return _failed(job_id, "remote_job_not_found", str(exc))
+        except RemoteContractError as exc:
+            duration_ms = (time.perf_counter() - started) * 1000.0
+            await rt.account(operation_id, "GET", 200, "contract_violation", job_id, duration_ms, claim.fencing_token)
+            log.error("operation %s: %s; recording it as failed", operation_id, exc)
+            return _failed(job_id, "contract_violation", str(exc))
         except RemoteError as exc:
             duration_ms = (time.perf_counter() - started) * 1000.0
             outcome = type(exc).__name__.removeprefix("Remote").removesuffix("Error").lower()

@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import datetime as dt
 import email.utils
+import math
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import orjson
 
 from streams.config import Settings
 from streams.errors import (
+    RemoteContractError,
     RemoteJobNotFoundError,
     RemoteNotSentError,
     RemoteRateLimitedError,
@@ -143,19 +146,34 @@ def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+#: Upper bound of any poll hint from the API (s): a broken or hostile hint cannot park a job for years.
+MAX_POLL_HINT_S = 3600.0
+
+#: Job ids this client accepts: they go into a URL path and the ledger (at most 256 characters).
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,255}")
+
+
 def _poll_after_s(body: dict[str, Any] | None, response: httpx.Response) -> float | None:
     hint = parse_retry_after_s(response.headers.get("Retry-After"))
     if hint is not None:
         return hint
-    if body is not None and isinstance(body.get("poll_after_ms"), int | float):
-        return max(0.0, float(body["poll_after_ms"]) / 1000.0)
+    value = body.get("poll_after_ms") if body is not None else None
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return min(MAX_POLL_HINT_S, max(0.0, float(value) / 1000.0))
     return None
 
 
 def _to_ms(value: Any) -> int | None:
-    if isinstance(value, int | float):
-        return int(value * 1000) if value < 1e11 else int(value)
-    return None
+    """Epoch milliseconds from a unix time in seconds (or already in ms); None when absent or implausible."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        return None
+    ms = int(value * 1000) if value < 1e11 else int(value)
+    return ms if ms < 10**13 else None  # beyond the year 2286: not a real completion time
+
+
+def clean_text(text: str, limit: int = 2000) -> str:
+    """``text`` made storable in PostgreSQL text/jsonb (no NUL) and at most ``limit`` characters."""
+    return text.replace("\x00", "\\0")[:limit]
 
 
 class RemoteClient:
@@ -218,19 +236,21 @@ class RemoteClient:
         error = error if isinstance(error, dict) else {}
         if 200 <= status < 300:
             job_id = body.get("id") if body is not None else None
-            if isinstance(job_id, str) and job_id:
+            if isinstance(job_id, str) and JOB_ID.fullmatch(job_id):
                 return SubmitResult(job_id, status, False, _poll_after_s(body, response), duration_ms)
             raise RemoteUnknownOutcomeError(
-                operation_id, f"HTTP {status} without a readable job id; a job may exist", status_code=status
+                operation_id,
+                f"HTTP {status} without a usable job id ({clean_text(repr(job_id), 80)}); a job may exist",
+                status_code=status,
             )
-        if status == 502 and isinstance(error.get("job_id"), str) and error["job_id"]:
+        if status == 502 and isinstance(error.get("job_id"), str) and JOB_ID.fullmatch(error["job_id"]):
             return SubmitResult(error["job_id"], status, True, _poll_after_s(body, response), duration_ms)
         if status == 429:
             retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
             raise RemoteRateLimitedError(operation_id, 1.0 if retry_after is None else retry_after)
         if 400 <= status < 500:
-            code = str(error.get("code", f"http_{status}"))
-            message = str(error.get("message", response.reason_phrase))
+            code = clean_text(str(error.get("code", f"http_{status}")), 80)
+            message = clean_text(str(error.get("message", response.reason_phrase)), 500)
             raise RemoteRefusedError(
                 operation_id, f"refused with HTTP {status} {code}: {message}", status_code=status, code=code
             )
@@ -243,13 +263,14 @@ class RemoteClient:
 
         Raises:
             RemoteJobNotFoundError: 404 for this job id.
+            RemoteContractError: a 200 whose outputs break the contract (ids missing, not strings, repeated).
             RemoteRateLimitedError: 429 (retry after its hint).
             RemoteTransientError: any other failure (timeouts, I/O, 5xx, unreadable body, unknown status).
         """
         started = time.perf_counter()
         try:
-            response = await self.http.get(f"/v1/generations/{job_id}")
-        except httpx.HTTPError as exc:
+            response = await self.http.get(f"/v1/generations/{quote(job_id, safe='')}")
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise RemoteTransientError(operation_id, f"GET {job_id} failed ({type(exc).__name__}: {exc})") from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
         status = response.status_code
@@ -268,8 +289,17 @@ class RemoteClient:
                 operation_id, f"GET {job_id} returned unknown status {remote_status!r}", status_code=status
             )
         outputs = body.get("outputs") or []
-        if not isinstance(outputs, list) or not all(isinstance(o, dict) and "id" in o for o in outputs):
-            raise RemoteTransientError(operation_id, f"GET {job_id} returned malformed outputs", status_code=status)
+        ids = (
+            [o.get("id") for o in outputs]
+            if isinstance(outputs, list) and all(isinstance(o, dict) for o in outputs)
+            else None
+        )
+        if ids is None or not all(isinstance(i, str) and i for i in ids) or len(set(ids)) != len(ids):
+            raise RemoteContractError(
+                operation_id,
+                f"GET {job_id} returned outputs without distinct string ids: {clean_text(repr(outputs), 300)}",
+                status_code=status,
+            )
         error = body.get("error")
         return JobSnapshot(
             job_id=job_id,

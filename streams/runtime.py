@@ -152,7 +152,15 @@ class Runtime:
             "dead-lettered %s[%s]@%s: %s (%s)", message.topic, message.partition, message.offset, error.reason, error
         )
         key = (message.key or b"").decode("utf-8", "replace")
-        await self.publish("dead_letter", key, envelope)
+        delay = 0.2
+        while True:  # a dead letter is the event's only record: never drop it, wait for Kafka instead
+            try:
+                await self.publish("dead_letter", key, envelope)
+                return
+            except Exception as exc:
+                self.log_outage("dead-letter topic", exc)
+                await asyncio.sleep(delay)
+                delay = min(self.settings.coordination_retry_cap_s, delay * 2)
 
     async def account(
         self,

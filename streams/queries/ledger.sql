@@ -79,7 +79,7 @@ RETURNING o.operation_id, o.remote_job_id, o.poll_claim_id;
 -- name: get_operation
 -- $1 operation_id. One row or none.
 SELECT operation_id, state::text AS state, remote_job_id, fencing_token, poll_claim_id, next_poll_at,
-       poll_count, reason, last_observation
+       poll_count, reason, last_observation, request
 FROM operations
 WHERE operation_id = $1;
 

@@ -24,7 +24,7 @@ async def test_short_soak_keeps_every_promise(tmp_path: Path) -> None:
             seed=5,
             report_path=tmp_path / "soak.json",
             timeout_s=420,
-            submitting_stale_after_s=20.0,
+            submitting_stale_after_s=30.0,
             submit_retry_deadline_s=8.0,
         ),
         out=out,

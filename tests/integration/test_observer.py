@@ -151,13 +151,22 @@ async def test_stale_fencing_value_is_refused_and_counted(runtime: Runtime, pool
 async def test_lost_lease_before_save_means_no_save_and_no_second_get(
     runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator
 ) -> None:
+    """Seed check 2: ownership changes while the GET is in flight; the renewal before the save fails with
+    LeaseLostError, nothing is saved, no second GET, and the newer holder's key is untouched."""
     await submitted_operation(runtime, "op-lost")
     poll = await claim_poll(runtime, "op-lost")
     claim_id = orjson.loads(poll.value or b"")["poll_claim_id"]
     key = lease_key(runtime.settings, "observe", "op-lost")
     lease = await runtime.leases.acquire(key)
     assert lease is not None
-    await runtime.leases.client.set(key, "someone-else", px=5000)  # ownership changed under us
+    real_observe = runtime.remote.observe
+
+    async def observe_then_lose_ownership(operation_id: str, job_id: str) -> JobSnapshot:
+        snapshot = await real_observe(operation_id, job_id)  # the real GET
+        await runtime.leases.client.set(key, "someone-else", px=5000)  # meanwhile the lease changed hands
+        return snapshot
+
+    runtime.remote.observe = observe_then_lose_ownership  # type: ignore[method-assign]
     before = metrics.LEASE_LOST.labels("observe")._value.get()
     claim = await runtime.ledger.claim_for_observe("op-lost", claim_id)
     assert claim is not None
@@ -166,3 +175,19 @@ async def test_lost_lease_before_save_means_no_save_and_no_second_get(
     assert (await simulator.get("/_sim/operations/op-lost"))["jobs"][0]["gets"] == 1
     assert await pool.fetchval("SELECT poll_count FROM operations WHERE operation_id='op-lost'") == 0
     assert await runtime.leases.client.get(key) == b"someone-else"
+    assert await runtime.leases.client.pttl(key) > 4000
+
+
+async def test_lost_lease_before_get_means_no_get(runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator) -> None:
+    await submitted_operation(runtime, "op-lost2")
+    poll = await claim_poll(runtime, "op-lost2")
+    claim_id = orjson.loads(poll.value or b"")["poll_claim_id"]
+    key = lease_key(runtime.settings, "observe", "op-lost2")
+    lease = await runtime.leases.acquire(key)
+    assert lease is not None
+    await runtime.leases.client.set(key, "someone-else", px=5000)
+    claim = await runtime.ledger.claim_for_observe("op-lost2", claim_id)
+    assert claim is not None
+    await Observer(runtime)._observe("op-lost2", claim_id, claim, lease)
+    assert (await simulator.get("/_sim/operations/op-lost2"))["jobs"][0]["gets"] == 0
+    assert await pool.fetchval("SELECT poll_count FROM operations WHERE operation_id='op-lost2'") == 0

@@ -117,6 +117,22 @@ async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
             f"ghost-{tag}",
         ),
     ]
+    cases.append(
+        (
+            "submissions",
+            submission_bytes(f"op-{tag}", context_tokens=1, generated_tokens=1),
+            "key_mismatch",
+            "is not the operation id",
+        )
+    )
+    cases.append(
+        (
+            "submissions",
+            submission_bytes(f"newline-{tag}\n", context_tokens=1, generated_tokens=1),
+            "schema",
+            "operation_id",
+        )
+    )
     dispatcher, observer = Dispatcher(runtime), Observer(runtime)
     for i, (role, value, _, _) in enumerate(cases):
         message = RawMessage(settings.topic(role), 0, i, f"key-{tag}-{i}".encode(), value)
@@ -165,3 +181,30 @@ async def test_unexpected_errors_are_retried_then_dead_lettered(runtime: Runtime
         ("processing_error", b'{"x": 1}')
     ]
     assert "RuntimeError: always" in letters[0]["error"]
+
+
+async def test_duplicate_operation_with_a_different_request_is_dead_lettered(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings, simulator: object
+) -> None:
+    op = f"dup-{uuid.uuid4().hex[:6]}"
+    first = RawMessage(
+        settings.topic("submissions"), 0, 1, op.encode(), submission_bytes(op, context_tokens=10, generated_tokens=5)
+    )
+    replay = RawMessage(
+        settings.topic("submissions"), 0, 2, op.encode(), submission_bytes(op, context_tokens=10.0, generated_tokens=5)
+    )  # same request (5.0 == 5)
+    conflict = RawMessage(
+        settings.topic("submissions"), 0, 3, op.encode(), submission_bytes(op, context_tokens=999, generated_tokens=5)
+    )
+    d = Dispatcher(runtime)
+    for m in (first, replay, conflict):
+        await d.handle(m)
+    letters = [
+        r.value
+        for r in await read_topic_to_end(settings, "dead_letter")
+        if r.value["key_base64"] == base64.b64encode(op.encode()).decode()
+    ]
+    assert [(x["reason"], x["offset"]) for x in letters] == [("conflicting_duplicate", 3)]
+    stored = await pool.fetchval("SELECT request FROM operations WHERE operation_id = $1", op)
+    assert (stored["context_tokens"], stored["generated_tokens"]) == (10, 5)
+    assert await pool.fetchval("SELECT count(*) FROM remote_calls WHERE operation_id = $1", op) == 1

@@ -88,10 +88,27 @@ def test_bad_number_names_the_variable(var: str, raw: str, type_name: str) -> No
     assert str(info.value).startswith(f"{var}={raw!r} is not a valid {type_name}: ")
 
 
-@pytest.mark.parametrize("raw", ["0", "-1"])
-def test_partitions_must_be_positive(raw: str) -> None:
-    with pytest.raises(ConfigError, match="STREAMS_PARTITIONS must be >= 1"):
+@pytest.mark.parametrize(("raw", "message"), [("0", "must be at least 1"), ("-1", "must not be negative")])
+def test_partitions_must_be_positive(raw: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"STREAMS_PARTITIONS.*{message}"):
         Settings.from_env({"STREAMS_PARTITIONS": raw})
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"STREAMS_VISIBILITY_TIMEOUT_S": "nan"}, "not a finite number"),
+        ({"STREAMS_VISIBILITY_TIMEOUT_S": "inf"}, "not a finite number"),
+        ({"STREAMS_LEASE_TTL_MS": "0"}, "STREAMS_LEASE_TTL_MS must be at least 1"),
+        ({"STREAMS_POLL_BATCH_SIZE": "0"}, "STREAMS_POLL_BATCH_SIZE must be at least 1"),
+        ({"STREAMS_RELAY_BATCH_SIZE": "-1"}, "must not be negative"),
+        ({"STREAMS_WEB_ENABLED": "flase"}, "expected one of"),
+        ({"STREAMS_SUBMIT_RETRY_DEADLINE_S": "300"}, "must exceed the POST budget"),
+    ],
+)
+def test_values_that_would_break_a_worker_are_refused(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_env(env)
 
 
 @pytest.mark.parametrize(

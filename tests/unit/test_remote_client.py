@@ -11,6 +11,7 @@ import pytest
 
 from streams.config import Settings
 from streams.errors import (
+    RemoteContractError,
     RemoteError,
     RemoteJobNotFoundError,
     RemoteNotSentError,
@@ -325,8 +326,6 @@ async def test_observe_non_200_is_transient(make_client: ClientFactory, status: 
     [
         {"status": "exploded"},
         {},
-        {"status": "running", "outputs": "nope"},
-        {"status": "succeeded", "outputs": [{"text": "no id"}]},
         b"not json",
         [1, 2],
     ],
@@ -336,6 +335,44 @@ async def test_observe_unreadable_200_is_transient(make_client: ClientFactory, b
     with pytest.raises(RemoteTransientError) as info:
         await client.observe(OP, "job-1")
     assert_carries(info.value, 200)
+
+
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        "nope",
+        [{"text": "no id"}],
+        [{"id": None}],
+        [{"id": 7}],
+        [{"id": "o1", "text": "first"}, {"id": "o1", "text": "second"}],
+    ],
+)
+async def test_observe_outputs_without_distinct_string_ids_break_the_contract(
+    make_client: ClientFactory, outputs: Any
+) -> None:
+    client, _ = make_client(answer(200, {"status": "succeeded", "outputs": outputs}))
+    with pytest.raises(RemoteContractError) as info:
+        await client.observe(OP, "job-1")
+    assert_carries(info.value, 200)
+
+
+async def test_job_ids_are_escaped_in_the_url_and_refused_when_unusable(make_client: ClientFactory) -> None:
+    client, seen = make_client(answer(200, {"status": "running"}))
+    await client.observe(OP, "a/../b?x=1#")
+    assert seen.requests[0].url.raw_path == b"/v1/generations/a%2F..%2Fb%3Fx%3D1%23"
+    for bad in ("a/../b", "x\r\n", "j" * 300, ""):
+        client2, _ = make_client(answer(201, {"id": bad}))
+        with pytest.raises(RemoteUnknownOutcomeError, match="without a usable job id"):
+            await client2.submit(OP, {"context_tokens": 1, "generated_tokens": 1})
+
+
+async def test_hints_are_capped_and_absurd_times_ignored(make_client: ClientFactory) -> None:
+    client, _ = make_client(answer(201, {"id": "J1", "poll_after_ms": 1e16}))
+    result = await client.submit(OP, {"context_tokens": 1, "generated_tokens": 1})
+    assert result.poll_after_s == 3600.0
+    client, _ = make_client(answer(200, {"status": "succeeded", "outputs": [], "completed_at": 1e20}))
+    snapshot = await client.observe(OP, "job-1")
+    assert snapshot.completed_at_ms is None
 
 
 @pytest.mark.parametrize("exc_type", [httpx.ConnectError, httpx.ReadTimeout, httpx.RemoteProtocolError])
