@@ -176,6 +176,16 @@ async def _until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
     return await task
 
 
+def _run_job(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a harness job (main job, soak) to completion; SIGTERM and project errors become clean exits."""
+    try:
+        return asyncio.run(_until_sigterm(coro))
+    except asyncio.CancelledError:
+        raise click.ClickException("terminated (SIGTERM); the simulator and workers were stopped") from None
+    except StreamsError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 @main.command("run")
 @click.option("--trace", default="conv", show_default=True, callback=_check_trace, help="conv, code, or a CSV path.")
 @click.option("--start", default=0, show_default=True, type=click.IntRange(min=0), help="First data row.")
@@ -224,6 +234,7 @@ def run_command(
 ) -> None:
     """The main job: simulator + workers, trace replay, progress, and the report (terminal and JSON)."""
     from streams.mainjob import DEFAULT_FAULTS, MainJobOptions, run_main_job
+    from streams.report import broken_promises
 
     rates = dict(DEFAULT_FAULTS) if faults else {}
     for item in fault_overrides:
@@ -254,24 +265,8 @@ def run_command(
         timeout_s=timeout_s,
         keep=keep,
     )
-    try:
-        report = asyncio.run(_until_sigterm(run_main_job(opts)))
-    except asyncio.CancelledError:
-        raise click.ClickException("terminated (SIGTERM); the simulator and workers were stopped") from None
-    except StreamsError as exc:
-        raise click.ClickException(str(exc)) from exc
-    problems = [
-        name
-        for name, bad in (
-            ("operations missing", report["operations_missing"] > 0),
-            ("operations not final", report["operations_final"] < report["operations_submitted"]),
-            ("a second remote job", report["max_jobs_per_operation"] > 1),
-            ("overlapping GETs", report["max_gets_in_flight_per_job"] > 1),
-            ("duplicate deliveries", report["output_duplicates"] > 0),
-            ("undelivered outputs", report["outputs_undelivered"] > 0),
-        )
-        if bad
-    ]
+    report = _run_job(run_main_job(opts))
+    problems = broken_promises(report, repeats_allowed=False)
     if problems:
         raise click.ClickException("the run broke a promise: " + ", ".join(problems))
 
@@ -286,6 +281,7 @@ def run_command(
 @click.option("--seed", default=1, show_default=True, help="Seed of the fault plan and the simulator.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--timeout-s", default=1800.0, show_default=True)
+@click.option("--keep", is_flag=True, help="Keep the run's database and topics (removed after the report).")
 def soak_command(
     trace: str,
     start: int,
@@ -296,9 +292,11 @@ def soak_command(
     seed: int,
     report_path: Path | None,
     timeout_s: float,
+    keep: bool,
 ) -> None:
     """Replay trace rows through several workers while injecting seeded random faults, then audit."""
-    from streams.soak import SoakOptions, broken_promises, run_soak
+    from streams.report import broken_promises
+    from streams.soak import SoakOptions, run_soak
 
     opts = SoakOptions(
         trace=trace,
@@ -310,13 +308,8 @@ def soak_command(
         seed=seed,
         report_path=report_path,
         timeout_s=timeout_s,
+        keep=keep,
     )
-    try:
-        report = asyncio.run(_until_sigterm(run_soak(opts)))
-    except asyncio.CancelledError:
-        raise click.ClickException("terminated (SIGTERM)") from None
-    except StreamsError as exc:
-        raise click.ClickException(str(exc)) from exc
-    problems = broken_promises(report)
+    problems = broken_promises(_run_job(run_soak(opts)), repeats_allowed=True)
     if problems:
         raise click.ClickException("the soak broke a promise: " + ", ".join(problems))

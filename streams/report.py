@@ -181,3 +181,24 @@ def render_table(report: Mapping[str, Any]) -> str:
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 50)
     return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line])
+
+
+def broken_promises(report: Mapping[str, Any], *, repeats_allowed: bool) -> list[str]:
+    """The report's must-be-zero figures that are not zero (empty when the run kept every promise).
+
+    ``repeats_allowed``: an output event repeated with the *same* event id is legitimate after a relay crash
+    (the soak kills workers); without faults (the main job) there must be none.
+    """
+    checks = {
+        "operations_missing": report["operations_missing"],
+        "operations not final": report["operations_submitted"] - report["operations_final"],
+        "remote jobs beyond one per operation": max(0, report["max_jobs_per_operation"] - 1),
+        "orphan_jobs": report["orphan_jobs"],
+        "GETs in flight beyond one per job": max(0, report["max_gets_in_flight_per_job"] - 1),
+        "state_regressions": report["state_regressions"],
+        "output duplicates after dedupe": report["output_duplicates_after_dedupe"],
+        "outputs_undelivered": report["outputs_undelivered"],
+    }
+    if not repeats_allowed:
+        checks["output_duplicates"] = report["output_duplicates"]
+    return [f"{name}={value}" for name, value in checks.items() if value]

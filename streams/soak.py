@@ -371,18 +371,3 @@ async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
     path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(f"report written to {path}", file=out)
     return report
-
-
-def broken_promises(report: dict[str, Any]) -> list[str]:
-    """The soak's zeros that are not zero (empty when the run kept every promise)."""
-    checks = {
-        "operations_missing": report["operations_missing"],
-        "operations not final": report["operations_submitted"] - report["operations_final"],
-        "remote jobs beyond one per operation": max(0, report["max_jobs_per_operation"] - 1),
-        "orphan_jobs": report["orphan_jobs"],
-        "GETs in flight beyond one per job": max(0, report["max_gets_in_flight_per_job"] - 1),
-        "state_regressions": report["state_regressions"],
-        "output duplicates after dedupe": report["output_duplicates_after_dedupe"],
-        "outputs_undelivered": report["outputs_undelivered"],
-    }
-    return [f"{name}={value}" for name, value in checks.items() if value]
