@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 from typing import Any
 
 from streams import metrics
@@ -33,6 +35,20 @@ class OutboxRelay:
         )
         for row in rows:
             metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
+        self._kill_for_tests(rows)
+
+    def _kill_for_tests(self, rows: list[dict[str, Any]]) -> None:
+        """Test hook (issue 3, check 9): with ``test_kill_after_publish_file`` present and an output in the batch,
+        remove the file and SIGKILL this process between publishing and marking. Off unless configured."""
+        path = self.rt.settings.test_kill_after_publish_file
+        if not path or not any(row["topic_role"] == "outputs_delivered" for row in rows):
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        log.warning("test hook: killing this worker (SIGKILL) after publishing, before marking")
+        os.kill(os.getpid(), signal.SIGKILL)
 
     async def tick(self) -> int:
         """Publish until the outbox is drained or a batch fails; returns rows published. Never raises."""
