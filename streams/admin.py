@@ -6,6 +6,7 @@ Migrations are the plain SQL files in ``migrations/``; yoyo applies them in orde
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -103,3 +104,24 @@ async def drop_run_database(database_url: str, run_database_url: str) -> None:
         await conn.execute(f'DROP DATABASE IF EXISTS "{run_db}" WITH (FORCE)')
     finally:
         await conn.close()
+
+
+async def wait_group_stable(settings: Settings, members: int, timeout_s: float) -> bool:
+    """Wait until the consumer group ``settings.app_id`` is ``Stable`` with ``members`` members.
+
+    Returns False when the time ran out (the caller decides whether that matters).
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            [response] = await admin.describe_consumer_groups([settings.app_id])
+            group = response.groups[0]
+            state, group_members = group[2], group[5]
+            if state == "Stable" and len(group_members) >= members:
+                return True
+            await asyncio.sleep(0.25)
+        return False
+    finally:
+        await admin.close()

@@ -23,7 +23,14 @@ import asyncpg
 import httpx
 import orjson
 
-from streams.admin import create_run_database, create_topics, delete_topics, drop_run_database, migrate
+from streams.admin import (
+    create_run_database,
+    create_topics,
+    delete_topics,
+    drop_run_database,
+    migrate,
+    wait_group_stable,
+)
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
 from streams.errors import StreamsError
@@ -251,6 +258,9 @@ async def _run(
         await wait_http(f"{settings.remote_base_url}/healthz", 60, procs)
         for port in procs.worker_ports():
             await wait_http(f"http://127.0.0.1:{port}/healthz", 120, procs)
+        # Measure the steady state: start the replay once every worker has its partitions (no start-up rebalance).
+        if not await wait_group_stable(settings, opts.workers, 60):
+            print("warning: the consumer group did not settle within 60 s; replaying anyway", file=out)
         started = time.monotonic()
         sent = [0]
         async with SubmissionProducer(settings) as producer:
