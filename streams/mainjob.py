@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -72,7 +73,8 @@ class MainJobOptions:
     faults: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAULTS))
     report_path: Path | None = None
     timeout_s: float = 900.0
-    base_port: int = 17000
+    #: honcho's base port (workers' web ports are base+100+i); None: a free block below the ephemeral range.
+    base_port: int | None = None
     #: Keep the run's database and topics after the report (isolated runs only).
     keep: bool = False
     #: Give the run its own topics and consumer group (default); False uses the environment's, e.g. for a test
@@ -81,11 +83,28 @@ class MainJobOptions:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that is free right now, below Linux's ephemeral range (see free_port_block)."""
+    return free_port_block([0])
+
+
+def free_port_block(offsets: list[int], low: int = 20000, high: int = 32000) -> int:
+    """A base port whose ``base + offset`` ports are all free now, below Linux's ephemeral range (32768+), so
+    outgoing connections' local ports cannot take them meanwhile.
+
+    Raises:
+        MainJobError: no such block found after 200 tries.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(low, high - max(offsets))
+        try:
+            for offset in offsets:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        return base
+    raise MainJobError(f"no free block of ports {offsets} between {low} and {high}")
 
 
 class Processes:
@@ -249,7 +268,8 @@ async def _run(
     )
     env.update({f"SIM_{k.upper()}": str(v) for k, v in opts.faults.items()})
     log_path = ROOT / "reports" / run_id / "processes.log"
-    procs = Processes(env, opts.workers, opts.base_port, log_path)
+    base_port = opts.base_port or free_port_block([0, *(100 + i for i in range(opts.workers))])
+    procs = Processes(env, opts.workers, base_port, log_path)
     procs.start()
     print(f"processes started (honcho, logs: {log_path})", file=out)
     pool = await create_pool(settings.database_url, min_size=1, max_size=2)

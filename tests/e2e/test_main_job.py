@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaProducer
 from streams.admin import create_topics, delete_topics, migrate
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
-from streams.mainjob import MainJobOptions, free_port, run_main_job
+from streams.mainjob import MainJobOptions, run_main_job
 
 pytestmark = pytest.mark.e2e
 
@@ -94,7 +94,6 @@ async def test_trace_through_two_workers_with_faults(
             faults=FAULTS,
             report_path=tmp_path / "report.json",
             timeout_s=300,
-            base_port=free_port() // 2 + 20000,
             isolate=False,
         ),
         out=out,
