@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import time
 
@@ -35,6 +34,7 @@ from streams.ledger import ObserveClaim, SaveOutcome
 from streams.remote import JobSnapshot, clean_text
 from streams.runtime import RawMessage, Runtime
 from streams.states import OperationState
+from streams.test_hooks import signal_self_once
 
 log = logging.getLogger(__name__)
 
@@ -190,13 +190,5 @@ class Observer:
         """Test hook (seed acceptance check 1): if ``test_pause_after_get_file`` exists, remove it and SIGSTOP
         this process after its GET and renewal, before its save; the test resumes it with SIGCONT.
         Off unless configured."""
-        path = self.rt.settings.test_pause_after_get_file
-        if not path:
-            return
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return
-        log.warning("test hook: stopping this worker (SIGSTOP) between GET and save")
-        os.kill(os.getpid(), signal.SIGSTOP)
+        signal_self_once(self.rt.settings.test_pause_after_get_file, signal.SIGSTOP, "between GET and save")
         await asyncio.sleep(0)

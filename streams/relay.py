@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from typing import Any
 
 from streams import metrics
 from streams.runtime import Runtime
+from streams.test_hooks import signal_self_once
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +40,9 @@ class OutboxRelay:
     def _kill_for_tests(self, rows: list[dict[str, Any]]) -> None:
         """Test hook (issue 3, check 9): with ``test_kill_after_publish_file`` present and an output in the batch,
         remove the file and SIGKILL this process between publishing and marking. Off unless configured."""
-        path = self.rt.settings.test_kill_after_publish_file
-        if not path or not any(row["topic_role"] == "outputs_delivered" for row in rows):
-            return
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return
-        log.warning("test hook: killing this worker (SIGKILL) after publishing, before marking")
-        os.kill(os.getpid(), signal.SIGKILL)
+        if any(row["topic_role"] == "outputs_delivered" for row in rows):
+            hook = self.rt.settings.test_kill_after_publish_file
+            signal_self_once(hook, signal.SIGKILL, "after publishing, before marking")
 
     async def tick(self) -> int:
         """Publish until the outbox is drained or a batch fails; returns rows published. Never raises."""
