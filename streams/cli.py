@@ -4,39 +4,90 @@
 
     streams migrate                  apply migrations and create topics
     streams worker [--web-port N]    run one Faust worker process (dispatcher, observer, scheduler, relay)
-    streams simulator [...]          run the provider simulator (the remote generation API)
     streams submit FILE.jsonl        publish submissions from JSONL (one {"operation_id", "request"} a line)
-    streams replay [--trace conv]    publish trace rows as submissions, time-compressed
     streams follow                   print delivered outputs, each once
-    streams run [...]                the main job: services, simulator, workers, trace replay, report
+
+Installed packages add commands through the ``streams.commands`` entry-point group, loaded only when one of
+them is invoked (or listed by ``--help``): the harness (``generation-streams[harness]``) adds ``streams run``,
+``streams soak``, ``streams simulator`` and ``streams replay``. The product's own commands import none of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
-import time
-from collections.abc import Coroutine
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 import orjson
 
 from streams.config import Settings
-from streams.errors import StreamsError
-from streams.simulator import command as simulator_command
 
-T = TypeVar("T")
+#: Entry-point group through which installed packages add commands to ``streams``.
+COMMANDS_GROUP = "streams.commands"
+
+
+class PluginGroup(click.Group):
+    """A click group that also offers the commands of the ``streams.commands`` entry-point group, importing
+    each only when it is asked for (click's lazy-loading pattern:
+    https://click.palletsprojects.com/en/stable/complex/#lazily-loading-subcommands).
+
+    A command whose module cannot be imported (its extra is not installed) is replaced by one that fails
+    with what to install.
+    """
+
+    @staticmethod
+    def plugin_entry_points() -> dict[str, EntryPoint]:
+        """Name -> entry point of every command registered under :data:`COMMANDS_GROUP`."""
+        return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.plugin_entry_points()})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            return command
+        entry_point = self.plugin_entry_points().get(cmd_name)
+        if entry_point is None:
+            return None
+        try:
+            loaded = entry_point.load()
+        except ImportError as exc:
+            return _unavailable(cmd_name, entry_point, exc)
+        if not isinstance(loaded, click.Command):
+            raise click.ClickException(f"entry point {entry_point.value!r} of {cmd_name!r} is not a click command")
+        return loaded
+
+
+def _unavailable(name: str, entry_point: EntryPoint, exc: ImportError) -> click.Command:
+    """A stand-in for a plugin command whose imports fail: it exits non-zero saying what to install."""
+    dist = entry_point.dist.name if entry_point.dist is not None else "generation-streams"
+    message = (
+        f"'streams {name}' is not available: {exc}. It belongs to the harness; install it with "
+        f"pip install '{dist}[harness]'"
+    )
+
+    def fail(args: tuple[str, ...]) -> None:
+        raise click.ClickException(message)
+
+    return click.Command(
+        name,
+        callback=fail,
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+        help=f"(not available: {exc}; needs the harness extra)",
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+        add_help_option=False,
+    )
 
 
 def _settings() -> Settings:
     return Settings.from_env()
 
 
-@click.group()
+@click.group(cls=PluginGroup)
 @click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
 def main(log_level: str) -> None:
     """Generation operations through Kafka, Redis and PostgreSQL."""
@@ -73,9 +124,6 @@ def worker(web_port: int | None) -> None:
     faust.Worker(app, loglevel=logging.getLevelName(logging.getLogger().level)).execute_from_commandline()
 
 
-main.add_command(simulator_command, "simulator")
-
-
 @main.command()
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def submit(path: Path) -> None:
@@ -104,36 +152,6 @@ def submit(path: Path) -> None:
 
 
 @main.command()
-@click.option("--trace", default="conv", show_default=True, help="conv, code, or a CSV path.")
-@click.option("--start", default=0, show_default=True, help="First data row.")
-@click.option("--rows", default=100, show_default=True, help="Number of rows.")
-@click.option("--compression", default=60.0, show_default=True, help="Replay speed-up of the arrival times.")
-@click.option("--run-id", default=None, help="Operation id prefix (default: r<unix time>).")
-def replay(trace: str, start: int, rows: int, compression: float, run_id: str | None) -> None:
-    """Publish trace rows as submissions at their (compressed) arrival times."""
-    from streams.producer import SubmissionProducer, replay_trace
-    from streams.trace import read_trace
-
-    settings = _settings()
-    selected = read_trace(trace, start=start, rows=rows)
-    rid = run_id or f"r{int(time.time())}"
-
-    async def run() -> list[str]:
-        async with SubmissionProducer(settings) as producer:
-            return await replay_trace(
-                producer,
-                selected,
-                trace=Path(trace).stem,
-                run_id=rid,
-                compression=compression,
-                model=settings.remote_model,
-            )
-
-    ids = asyncio.run(run())
-    click.echo(f"published {len(ids)} submissions, run id {rid}")
-
-
-@main.command()
 @click.option("--group-id", default=None, help="Consumer group (commits offsets; resume after restart).")
 @click.option("--from-beginning/--from-now", default=True, show_default=True)
 @click.option("--count", type=int, default=None, help="Stop after this many outputs.")
@@ -157,159 +175,3 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None, operat
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
-
-
-def _check_trace(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    from streams.trace import trace_path
-
-    try:
-        trace_path(value)
-    except FileNotFoundError as exc:
-        raise click.BadParameter(str(exc)) from None
-    return value
-
-
-async def _until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro``, cancelling it on SIGTERM so its clean-up (stopping child processes) runs."""
-    task = asyncio.ensure_future(coro)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    return await task
-
-
-def _run_job(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a harness job (main job, soak) to completion; SIGTERM and project errors become clean exits."""
-    try:
-        return asyncio.run(_until_sigterm(coro))
-    except asyncio.CancelledError:
-        raise click.ClickException("terminated (SIGTERM); the simulator and workers were stopped") from None
-    except StreamsError as exc:
-        raise click.ClickException(str(exc)) from exc
-
-
-@main.command("run")
-@click.option("--trace", default="conv", show_default=True, callback=_check_trace, help="conv, code, or a CSV path.")
-@click.option("--start", default=0, show_default=True, type=click.IntRange(min=0), help="First data row.")
-@click.option("--rows", default=2000, show_default=True, type=click.IntRange(min=1), help="Rows in the slice.")
-@click.option(
-    "--compression",
-    default=15.0,
-    show_default=True,
-    type=click.FloatRange(min=0.001),
-    help="Speed-up of arrivals and job durations.",
-)
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 16), help="Worker processes.")
-@click.option("--partitions", default=8, show_default=True, type=click.IntRange(1, 256), help="Partitions per topic.")
-@click.option("--keep", is_flag=True, help="Keep the run's database and topics (removed after the report).")
-@click.option("--seed", default=7, show_default=True, help="Seed of the simulator's fault decisions.")
-@click.option("--faults/--no-faults", default=True, show_default=True, help="Inject the default fault rates.")
-@click.option(
-    "--fault",
-    "fault_overrides",
-    multiple=True,
-    metavar="NAME=RATE",
-    help="Override one fault rate, e.g. --fault 429=0.05 (names: 429, 502_job_id, 5xx, drop_after_create, slow, "
-    "job_failed).",
-)
-@click.option(
-    "--report",
-    "report_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the JSON report here (default reports/<run id>/report.json).",
-)
-@click.option("--timeout-s", default=900.0, show_default=True, help="Give up waiting after this long.")
-def run_command(
-    trace: str,
-    start: int,
-    rows: int,
-    compression: float,
-    workers: int,
-    partitions: int,
-    seed: int,
-    faults: bool,
-    fault_overrides: tuple[str, ...],
-    report_path: Path | None,
-    timeout_s: float,
-    keep: bool,
-) -> None:
-    """The main job: simulator + workers, trace replay, progress, and the report (terminal and JSON)."""
-    from streams.mainjob import DEFAULT_FAULTS, MainJobOptions, run_main_job
-    from streams.report import broken_promises
-
-    rates = dict(DEFAULT_FAULTS) if faults else {}
-    for item in fault_overrides:
-        name, sep, value = item.partition("=")
-        key = f"fault_{name.strip()}"
-        if not sep or key not in DEFAULT_FAULTS:
-            raise click.BadParameter(
-                f"{item!r}: expected NAME=RATE with NAME in {[k.removeprefix('fault_') for k in DEFAULT_FAULTS]}",
-                param_hint="--fault",
-            )
-        try:
-            rate = float(value)
-        except ValueError:
-            rate = -1.0
-        if not 0.0 <= rate <= 1.0:
-            raise click.BadParameter(f"{item!r}: RATE must be a number from 0 to 1", param_hint="--fault")
-        rates[key] = rate
-    opts = MainJobOptions(
-        trace=trace,
-        start=start,
-        rows=rows,
-        compression=compression,
-        workers=workers,
-        partitions=partitions,
-        seed=seed,
-        faults=rates,
-        report_path=report_path,
-        timeout_s=timeout_s,
-        keep=keep,
-    )
-    report = _run_job(run_main_job(opts))
-    problems = broken_promises(report, repeats_allowed=False)
-    if problems:
-        raise click.ClickException("the run broke a promise: " + ", ".join(problems))
-
-
-@main.command("soak")
-@click.option("--trace", default="conv", show_default=True, callback=_check_trace, help="conv, code, or a CSV path.")
-@click.option("--start", default=0, show_default=True, type=click.IntRange(min=0), help="First data row.")
-@click.option("--rows", default=10_000, show_default=True, type=click.IntRange(min=1), help="Rows to replay.")
-@click.option("--compression", default=15.0, show_default=True, type=click.FloatRange(min=0.001))
-@click.option("--workers", default=3, show_default=True, type=click.IntRange(2, 16), help="Worker processes.")
-@click.option("--faults", default=20, show_default=True, type=click.IntRange(min=0), help="Faults to inject.")
-@click.option("--seed", default=1, show_default=True, help="Seed of the fault plan and the simulator.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-@click.option("--timeout-s", default=1800.0, show_default=True)
-@click.option("--keep", is_flag=True, help="Keep the run's database and topics (removed after the report).")
-def soak_command(
-    trace: str,
-    start: int,
-    rows: int,
-    compression: float,
-    workers: int,
-    faults: int,
-    seed: int,
-    report_path: Path | None,
-    timeout_s: float,
-    keep: bool,
-) -> None:
-    """Replay trace rows through several workers while injecting seeded random faults, then audit."""
-    from streams.report import broken_promises
-    from streams.soak import SoakOptions, run_soak
-
-    opts = SoakOptions(
-        trace=trace,
-        start=start,
-        rows=rows,
-        compression=compression,
-        workers=workers,
-        faults=faults,
-        seed=seed,
-        report_path=report_path,
-        timeout_s=timeout_s,
-        keep=keep,
-    )
-    problems = broken_promises(_run_job(run_soak(opts)), repeats_allowed=True)
-    if problems:
-        raise click.ClickException("the soak broke a promise: " + ", ".join(problems))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -12,7 +11,6 @@ from aiokafka import AIOKafkaProducer
 
 from streams import contracts
 from streams.config import Settings
-from streams.trace import TraceRow
 
 
 def submission(operation_id: str, request: dict[str, Any], source: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -63,40 +61,3 @@ class SubmissionProducer:
     async def send_raw(self, key: bytes | None, value: bytes) -> None:
         """Send arbitrary bytes to the submissions topic (tests of bad input); waits for the ack."""
         await self._producer.send_and_wait(self.topic, value, key=key)
-
-
-def trace_request(row: TraceRow, model: str) -> dict[str, Any]:
-    """The generation request for one trace row."""
-    return {"model": model, "context_tokens": row.context_tokens, "generated_tokens": row.generated_tokens}
-
-
-async def replay_trace(
-    producer: SubmissionProducer,
-    rows: Iterable[TraceRow],
-    *,
-    trace: str,
-    run_id: str,
-    compression: float,
-    model: str,
-    on_sent: Callable[[int], None] | None = None,
-) -> list[str]:
-    """Publish ``rows`` at their trace arrival times divided by ``compression``; returns the operation ids.
-
-    Operation ids are ``<run_id>-<trace>-<row>`` so a run can be replayed without colliding with another.
-    """
-    started = time.monotonic()
-    ids: list[str] = []
-    pending: list[asyncio.Future[Any]] = []
-    for row in rows:
-        due = started + row.arrival_s / compression
-        delay = due - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        operation_id = f"{run_id}-{trace}-{row.row:06d}"
-        source = {"trace": trace, "row": row.row, "arrival_s": row.arrival_s}
-        pending.append(await producer.submit(operation_id, trace_request(row, model), source))
-        ids.append(operation_id)
-        if on_sent is not None:
-            on_sent(len(ids))
-    await asyncio.gather(*pending)
-    return ids

@@ -1,4 +1,4 @@
-"""Named SQL queries kept in ``streams/queries/*.sql`` (procrastinate's layout).
+"""Named SQL queries kept in ``<package>/queries/*.sql`` (procrastinate's layout), read as package resources.
 
 A file holds several queries; each begins with a line ``-- name: <query_name>`` and runs until the next one.
 """
@@ -6,9 +6,7 @@ A file holds several queries; each begins with a line ``-- name: <query_name>`` 
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
-QUERIES_DIR = Path(__file__).resolve().parent / "queries"
+from importlib import resources
 
 _NAME_LINE = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
 
@@ -33,17 +31,21 @@ def parse_queries(text: str) -> dict[str, str]:
     return queries
 
 
-def load_queries(filename: str) -> dict[str, str]:
-    """Load the named queries of ``streams/queries/<filename>``."""
-    text = (QUERIES_DIR / filename).read_text(encoding="utf-8")
+def load_queries(filename: str, package: str = "streams") -> dict[str, str]:
+    """Load the named queries of ``<package>/queries/<filename>`` (a package resource).
+
+    Raises:
+        FileNotFoundError: the installation lacks the file.
+    """
+    text = resources.files(package).joinpath("queries", filename).read_text(encoding="utf-8")
     return parse_queries(text)
 
 
 class Queries:
     """Attribute access to the named queries of one file: ``Q.claim_for_submit`` is its SQL text."""
 
-    def __init__(self, filename: str) -> None:
-        self._queries = load_queries(filename)
+    def __init__(self, filename: str, package: str = "streams") -> None:
+        self._queries = load_queries(filename, package)
 
     def __getattr__(self, name: str) -> str:
         try:
@@ -57,4 +59,3 @@ class Queries:
 
 
 LEDGER = Queries("ledger.sql")
-REPORT = Queries("report.sql")

@@ -23,8 +23,8 @@ import httpx
 from aiohttp import web
 
 from streams.config import Settings
-from streams.mainjob import free_port
-from streams.simulator import SimulatorConfig, make_app
+from streams_harness.mainjob import free_port
+from streams_harness.simulator import SimulatorConfig, make_app
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS = str(Path(sys.executable).with_name("streams"))

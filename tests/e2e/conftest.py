@@ -12,7 +12,7 @@ from streams.admin import create_topics, delete_topics, migrate
 from streams.config import Settings
 from streams.ledger import create_pool
 from streams.producer import SubmissionProducer
-from streams.simulator import SimulatorConfig
+from streams_harness.simulator import SimulatorConfig
 from tests.support import Fleet, SimulatorServer, unique_settings
 
 TABLES = "remote_calls, outbox, outputs, transitions, operations"

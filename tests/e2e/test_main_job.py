@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaProducer
 from streams.admin import create_topics, delete_topics, migrate
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
-from streams.mainjob import MainJobOptions, run_main_job
+from streams_harness.mainjob import MainJobOptions, run_main_job
 
 pytestmark = pytest.mark.e2e
 

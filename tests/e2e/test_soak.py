@@ -8,8 +8,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from streams.report import broken_promises
-from streams.soak import FAULT_KINDS, SoakOptions, run_soak
+from streams_harness.report import broken_promises
+from streams_harness.soak import FAULT_KINDS, SoakOptions, run_soak
 
 pytestmark = pytest.mark.e2e
 

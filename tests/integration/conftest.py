@@ -17,7 +17,7 @@ from streams.lease import LeaseManager, make_redis
 from streams.ledger import Ledger, create_pool
 from streams.remote import RemoteClient, make_http_client
 from streams.runtime import Runtime
-from streams.simulator import SimulatorConfig
+from streams_harness.simulator import SimulatorConfig
 from tests.support import SimulatorServer as Simulator
 
 pytestmark = pytest.mark.integration

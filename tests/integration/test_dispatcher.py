@@ -13,7 +13,7 @@ import pytest
 from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.runtime import RawMessage, Runtime
-from streams.simulator import SimulatorConfig
+from streams_harness.simulator import SimulatorConfig
 from tests.support import SimulatorServer as Simulator
 
 pytestmark = pytest.mark.integration

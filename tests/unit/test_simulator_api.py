@@ -15,7 +15,7 @@ import httpx
 import pytest
 from aiohttp.test_utils import TestServer
 
-from streams.simulator import SimulatorConfig, get_simulator, make_app
+from streams_harness.simulator import SimulatorConfig, get_simulator, make_app
 
 AUTH = {"Authorization": "Bearer test-token"}
 
@@ -385,7 +385,7 @@ async def test_app_state_is_reachable(start_sim: Factory) -> None:
 def test_cli_process_logs_address_and_serves() -> None:
     env = {**os.environ, "SIM_FAULT_429": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streams.simulator", "--port", "0", "--seed", "7", "--compression", "60"],
+        [sys.executable, "-m", "streams_harness.simulator", "--port", "0", "--seed", "7", "--compression", "60"],
         stderr=subprocess.PIPE,
         text=True,
         env=env,

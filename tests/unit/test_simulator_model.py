@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from streams.simulator.cli import command
-from streams.simulator.config import SimulatorConfig
-from streams.simulator.faults import FaultDecider, FaultRates, PostFault
-from streams.simulator.model import JobDurations, job_durations, job_schedule, poll_after_ms, status_at
+from streams_harness.simulator.cli import command
+from streams_harness.simulator.config import SimulatorConfig
+from streams_harness.simulator.faults import FaultDecider, FaultRates, PostFault
+from streams_harness.simulator.model import JobDurations, job_durations, job_schedule, poll_after_ms, status_at
 
 
 def test_default_durations_exact() -> None:

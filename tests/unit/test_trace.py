@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from streams.trace import DATA_DIR, TraceRow, read_trace, trace_path
+from streams_harness.trace import DATA_DIR, TraceRow, read_trace, trace_path
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
 

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from streams.simulator.faults import FaultRates
-from streams.simulator.model import (
+from streams_harness.simulator.faults import FaultRates
+from streams_harness.simulator.model import (
     DEFAULT_DECODE_MS_PER_TOKEN,
     DEFAULT_PREFILL_MS_PER_TOKEN,
     DEFAULT_QUEUE_MS,
@@ -92,7 +92,7 @@ class SimulatorConfig:
 
     @property
     def fault_rates(self) -> FaultRates:
-        """The fault probabilities as consumed by :class:`~streams.simulator.faults.FaultDecider`."""
+        """The fault probabilities as consumed by :class:`~streams_harness.simulator.faults.FaultDecider`."""
         return FaultRates(
             rate_limited_429=self.fault_429,
             upstream_502=self.fault_502_job_id,

@@ -39,10 +39,11 @@ from streams.admin import create_run_database, create_topics, delete_topics, dro
 from streams.config import Settings
 from streams.errors import StreamsError
 from streams.ledger import create_pool
-from streams.mainjob import DEFAULT_FAULTS, ROOT, collect_report, free_port, progress
-from streams.producer import SubmissionProducer, replay_trace
-from streams.report import FINAL_STATES, render_table
-from streams.trace import read_trace
+from streams.producer import SubmissionProducer
+from streams_harness.mainjob import DEFAULT_FAULTS, ROOT, collect_report, free_port, progress
+from streams_harness.replay import replay_trace
+from streams_harness.report import FINAL_STATES, render_table
+from streams_harness.trace import read_trace
 
 FAULT_KINDS = (
     "worker_kill",

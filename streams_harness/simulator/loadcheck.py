@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m streams.simulator --port 8900 --compression 60 &
-    python -m streams.simulator.loadcheck --url http://127.0.0.1:8900 --clients 200 --duration 5
+    python -m streams_harness.simulator --port 8900 --compression 60 &
+    python -m streams_harness.simulator.loadcheck --url http://127.0.0.1:8900 --clients 200 --duration 5
 
 Each of ``--clients`` concurrent ``httpx.AsyncClient`` loops ``POST /v1/generations``
 then ``GET /v1/generations/{id}`` for ``--duration`` seconds.

@@ -22,11 +22,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from streams.simulator.config import SimulatorConfig
-from streams.simulator.faults import FAULT_KINDS, JOB_FAILED, FaultDecider, PostFault
-from streams.simulator.model import JobStatus, TerminalStatus, job_schedule, poll_after_ms, status_at
+from streams_harness.simulator.config import SimulatorConfig
+from streams_harness.simulator.faults import FAULT_KINDS, JOB_FAILED, FaultDecider, PostFault
+from streams_harness.simulator.model import JobStatus, TerminalStatus, job_schedule, poll_after_ms, status_at
 
-logger = logging.getLogger("streams.simulator")
+logger = logging.getLogger("streams_harness.simulator")
 
 _JSON = "application/json"
 

@@ -2,7 +2,7 @@
 
 Steps: migrations and topics -> simulator and N worker processes from the ``Procfile`` (run by honcho) ->
 trace replay (time-compressed) with progress -> wait until every operation is final and the outbox is
-drained -> report from independent records (:mod:`streams.report`) -> stop the processes.
+drained -> report from independent records (:mod:`streams_harness.report`) -> stop the processes.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from streams.config import Settings
 from streams.downstream import read_topic_to_end
 from streams.errors import StreamsError
 from streams.ledger import create_pool
-from streams.producer import SubmissionProducer, replay_trace
-from streams.report import FINAL_STATES, LedgerOperation, build_report, render_table
-from streams.sql import REPORT
-from streams.trace import TraceRow, read_trace
+from streams.producer import SubmissionProducer
+from streams_harness.replay import replay_trace
+from streams_harness.report import FINAL_STATES, REPORT, LedgerOperation, build_report, render_table
+from streams_harness.trace import TraceRow, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
-"""Command line entry of the provider simulator (``python -m streams.simulator``).
+"""Command line entry of the provider simulator (``python -m streams_harness.simulator``).
 
-Every :class:`~streams.simulator.config.SimulatorConfig` field is an option
+Every :class:`~streams_harness.simulator.config.SimulatorConfig` field is an option
 ``--field-name``; unset options fall back to ``SIM_FIELD_NAME`` environment
 variables, then to the defaults.  The project CLI can mount :data:`command`
 (e.g. as ``streams simulator``) or call :func:`run` directly.
@@ -18,10 +18,10 @@ from typing import Any
 import click
 from aiohttp import web
 
-from streams.simulator.app import make_app
-from streams.simulator.config import SimulatorConfig, field_help, field_types
+from streams_harness.simulator.app import make_app
+from streams_harness.simulator.config import SimulatorConfig, field_help, field_types
 
-logger = logging.getLogger("streams.simulator")
+logger = logging.getLogger("streams_harness.simulator")
 
 
 async def serve(config: SimulatorConfig, stop: asyncio.Event | None = None) -> None:

@@ -1,4 +1,5 @@
-"""The real production request trace (Azure LLM inference trace 2023, CC-BY 4.0, see ``data/``).
+"""The real production request trace (Azure LLM inference trace 2023, CC-BY 4.0, see
+``streams_harness/data/azure-llm-inference-2023/README.md``).
 
 Each CSV row is one generation request: ``TIMESTAMP`` (arrival, UTC, 7 fractional digits; the file starts
 with a UTF-8 byte-order mark), ``ContextTokens`` and ``GeneratedTokens``.
@@ -8,10 +9,14 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import io
 from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "azure-llm-inference-2023"
+#: The trace files, package data of the harness.
+DATA_DIR: Traversable = resources.files("streams_harness").joinpath("data", "azure-llm-inference-2023")
 
 #: Short trace names -> files.
 TRACES = {
@@ -34,7 +39,7 @@ class TraceRow:
     generated_tokens: int
 
 
-def trace_path(name_or_path: str) -> Path:
+def trace_path(name_or_path: str) -> Traversable:
     """The CSV path for a trace name (``conv``, ``code``) or a path to a CSV with the same columns.
 
     Raises:
@@ -63,7 +68,7 @@ def read_trace(name_or_path: str, *, start: int = 0, rows: int | None = None) ->
     path = trace_path(name_or_path)
     out: list[TraceRow] = []
     first: dt.datetime | None = None
-    with path.open(newline="", encoding="utf-8-sig") as fh:
+    with path.open("rb") as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline="") as fh:
         for index, rec in enumerate(csv.DictReader(fh)):
             if index < start:
                 continue

@@ -15,7 +15,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from streams.sql import Queries
 from streams.states import OperationState, can_transition
+
+#: The report's named queries (``streams_harness/queries/report.sql``).
+REPORT = Queries("report.sql", package="streams_harness")
 
 FINAL_STATES = frozenset({"succeeded", "failed", "canceled", "rejected", "uncertain"})
 COMPLETED_STATES = frozenset({"succeeded", "failed", "canceled"})

@@ -1,0 +1,48 @@
+"""Trace replay: publish trace rows as submissions at their (compressed) arrival times."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from streams.producer import SubmissionProducer
+from streams_harness.trace import TraceRow
+
+
+def trace_request(row: TraceRow, model: str) -> dict[str, Any]:
+    """The generation request for one trace row."""
+    return {"model": model, "context_tokens": row.context_tokens, "generated_tokens": row.generated_tokens}
+
+
+async def replay_trace(
+    producer: SubmissionProducer,
+    rows: Iterable[TraceRow],
+    *,
+    trace: str,
+    run_id: str,
+    compression: float,
+    model: str,
+    on_sent: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Publish ``rows`` at their trace arrival times divided by ``compression``; returns the operation ids.
+
+    Operation ids are ``<run_id>-<trace>-<row>`` so a run can be replayed without colliding with another.
+    """
+    started = time.monotonic()
+    ids: list[str] = []
+    pending: list[asyncio.Future[Any]] = []
+    for row in rows:
+        due = started + row.arrival_s / compression
+        delay = due - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        operation_id = f"{run_id}-{trace}-{row.row:06d}"
+        source = {"trace": trace, "row": row.row, "arrival_s": row.arrival_s}
+        pending.append(await producer.submit(operation_id, trace_request(row, model), source))
+        ids.append(operation_id)
+        if on_sent is not None:
+            on_sent(len(ids))
+    await asyncio.gather(*pending)
+    return ids
