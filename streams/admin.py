@@ -1,25 +1,30 @@
 """Set-up tasks: apply migrations (yoyo-migrations) and create the Kafka topics.
 
-Migrations are the plain SQL files in ``migrations/``; yoyo applies them in order and records each in its
-``_yoyo_migration`` table, under a lock, so concurrent callers are safe.
+Migrations are the plain SQL files in ``migrations/`` (installed as the package ``streams.migrations``); yoyo
+applies them in order and records each in its ``_yoyo_migration`` table, under a lock, so concurrent callers
+are safe.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from importlib import resources
 from pathlib import Path
 
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 from yoyo import get_backend, read_migrations
+from yoyo.migrations import MigrationList
 
 from streams.config import Settings
+from streams.errors import MissingResourceError
 
 log = logging.getLogger(__name__)
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+#: The package that holds the migrations (``migrations/`` of the repository, see ``pyproject.toml``).
+MIGRATIONS_PACKAGE = "streams.migrations"
 
 
 def yoyo_url(database_url: str) -> str:
@@ -30,13 +35,41 @@ def yoyo_url(database_url: str) -> str:
     return f"postgresql+psycopg://{rest}"
 
 
+def sql_migrations(directory: Path) -> MigrationList:
+    """The SQL migrations (``*.sql``, rollbacks paired by yoyo) of ``directory``.
+
+    Raises:
+        MissingResourceError: the directory holds none; an installation without its migrations must not
+            report a database as up to date.
+    """
+    found = read_migrations(str(directory))
+    migrations = MigrationList([m for m in found if m.path.endswith(".sql")], found.post_apply)
+    if not migrations:
+        raise MissingResourceError(
+            f"no migration (*.sql) found in {directory}: the installed package {MIGRATIONS_PACKAGE} is incomplete; "
+            "reinstall generation-streams. Nothing was applied."
+        )
+    return migrations
+
+
 def migrate(database_url: str) -> list[str]:
-    """Apply pending migrations; returns the ids applied (empty when up to date)."""
-    backend = get_backend(yoyo_url(database_url))
-    migrations = read_migrations(str(MIGRATIONS_DIR))
-    with backend.lock():
-        pending = backend.to_apply(migrations)
-        backend.apply_migrations(pending)
+    """Apply pending migrations of :data:`MIGRATIONS_PACKAGE`; returns the ids applied (empty when up to date).
+
+    Raises:
+        MissingResourceError: the package is not installed or holds no migration (nothing is applied).
+    """
+    try:
+        package = resources.files(MIGRATIONS_PACKAGE)
+    except ModuleNotFoundError as exc:
+        raise MissingResourceError(
+            f"package {MIGRATIONS_PACKAGE} is not installed: reinstall generation-streams. Nothing was applied."
+        ) from exc
+    with resources.as_file(package) as directory:
+        migrations = sql_migrations(directory)
+        backend = get_backend(yoyo_url(database_url))
+        with backend.lock():
+            pending = backend.to_apply(migrations)
+            backend.apply_migrations(pending)
     return [m.id for m in pending]
 
 

@@ -24,6 +24,7 @@ import click
 import orjson
 
 from streams.config import Settings
+from streams.errors import StreamsError
 
 #: Entry-point group through which installed packages add commands to ``streams``.
 COMMANDS_GROUP = "streams.commands"
@@ -103,7 +104,10 @@ def migrate() -> None:
     from streams.admin import migrate as apply
 
     settings = _settings()
-    applied = apply(settings.database_url)
+    try:
+        applied = apply(settings.database_url)
+    except StreamsError as exc:
+        raise click.ClickException(str(exc)) from exc
     click.echo(f"migrations applied: {applied or 'none (up to date)'}")
     created = asyncio.run(create_topics(settings))
     click.echo(f"topics created: {created or 'none (all exist)'} ({settings.partitions} partitions)")

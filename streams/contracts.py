@@ -1,4 +1,5 @@
-"""JSON Schema contracts of every topic's value (``schemas/<topic>.json``) and the dead-letter envelope.
+"""JSON Schema contracts of every topic's value (``schemas/<topic>.json``, installed as the package
+``streams.schemas``) and the dead-letter envelope.
 
 :func:`decode` turns raw Kafka bytes into a validated dict or raises :class:`InvalidEventError` with a reason
 code; :func:`dead_letter` builds the envelope that carries the reason and the original bytes to the
@@ -11,15 +12,17 @@ import base64
 import functools
 import hashlib
 import time
-from pathlib import Path
+from importlib import resources
+from importlib.resources.abc import Traversable
 from typing import Any
 
 import jsonschema
 import orjson
 
-from streams.errors import ConfigError, InvalidEventError
+from streams.errors import ConfigError, InvalidEventError, MissingResourceError
 
-SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+#: The package that holds the schema files (``schemas/`` of the repository, see ``pyproject.toml``).
+SCHEMA_PACKAGE = "streams.schemas"
 
 #: Topic (without prefix) -> schema file name.
 SCHEMA_FILES = {
@@ -31,18 +34,39 @@ SCHEMA_FILES = {
 }
 
 
+def schema_dir() -> Traversable:
+    """The installed schema files (an :mod:`importlib.resources` traversable).
+
+    Raises:
+        MissingResourceError: the package :data:`SCHEMA_PACKAGE` is not installed.
+    """
+    try:
+        return resources.files(SCHEMA_PACKAGE)
+    except ModuleNotFoundError as exc:
+        raise MissingResourceError(
+            f"package {SCHEMA_PACKAGE} (the topics' JSON Schemas) is not installed: reinstall generation-streams"
+        ) from exc
+
+
 @functools.cache
 def validator(topic: str) -> jsonschema.protocols.Validator:
     """The compiled Draft 2020-12 validator for ``topic`` (unprefixed name).
 
     Raises:
         ConfigError: no schema file for the topic, or the schema itself is invalid.
+        MissingResourceError: the topic's schema file is not installed.
     """
     try:
-        path = SCHEMA_DIR / SCHEMA_FILES[topic]
+        name = SCHEMA_FILES[topic]
     except KeyError:
         raise ConfigError(f"no JSON Schema registered for topic {topic!r}") from None
-    schema = orjson.loads(path.read_bytes())
+    try:
+        schema = orjson.loads(schema_dir().joinpath(name).read_bytes())
+    except FileNotFoundError as exc:
+        raise MissingResourceError(
+            f"JSON Schema {name} of topic {topic} is missing from package {SCHEMA_PACKAGE}: "
+            "reinstall generation-streams"
+        ) from exc
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)
     v: jsonschema.protocols.Validator = cls(schema, format_checker=cls.FORMAT_CHECKER)

@@ -4,6 +4,7 @@
 
     StreamsError
     ├── ConfigError                  a setting is missing or malformed (fix the environment and restart)
+    ├── MissingResourceError         a file the package ships (schema, migration, query) is not installed
     ├── InvalidEventError            a Kafka value failed its JSON Schema or is not JSON (goes to the DLQ)
     ├── CoordinationError            Redis leases
     │   ├── CoordinationUnavailableError   Redis did not answer: make no claim, make no remote call
@@ -35,6 +36,11 @@ class StreamsError(Exception):
 
 class ConfigError(StreamsError):
     """A setting is missing or malformed; the message names the variable and what to set it to."""
+
+
+class MissingResourceError(StreamsError):
+    """A file the package ships (a JSON Schema, a migration, a named query) is missing from the installation;
+    the message names it. Reinstall the package; nothing was done."""
 
 
 class InvalidEventError(StreamsError):
