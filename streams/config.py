@@ -82,13 +82,6 @@ class Settings:
     web_port: int = 6066
     web_enabled: bool = True
 
-    # Test hook (seed acceptance check 1): a path; when it exists, the observer removes it and stops its own
-    # process (SIGSTOP) after its GET and lease renewal, before its fenced save.
-    test_pause_after_get_file: str = ""
-    # Test hook (issue 3, check 9): a path; when it exists, the relay removes it and kills its own process
-    # (SIGKILL) after publishing a batch that holds an output, before marking the batch published.
-    test_kill_after_publish_file: str = ""
-
     topics: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

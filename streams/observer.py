@@ -10,12 +10,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 import time
 
-from streams import contracts, metrics
+from streams import contracts, hooks, metrics
 from streams.backoff import next_poll_delay_s
 from streams.config import lease_key
 from streams.errors import (
@@ -34,7 +32,6 @@ from streams.ledger import ObserveClaim, SaveOutcome
 from streams.remote import JobSnapshot, clean_text
 from streams.runtime import RawMessage, Runtime
 from streams.states import OperationState
-from streams.test_hooks import signal_self_once
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +124,8 @@ class Observer:
             log.warning("operation %s: not saving the GET result: %s", operation_id, exc)
             return
         # A worker can be paused right here, after a successful renewal: only the fencing value protects the
-        # save below. The test hook makes that pause happen on purpose.
-        await self._pause_for_tests()
+        # save below. A test harness makes that pause happen on purpose here (streams/hooks.py).
+        hooks.reach(hooks.HookPoint.OBSERVED_BEFORE_SAVE, operation_id=operation_id)
         delay = self._delay(poll_count, snapshot.poll_after_s)
         try:
             outcome = await rt.until_ledger(
@@ -185,10 +182,3 @@ class Observer:
         fencing, status = claim.fencing_token, snapshot.status
         await rt.account(operation_id, "GET", snapshot.status_code, status, job_id, snapshot.duration_ms, fencing)
         return snapshot
-
-    async def _pause_for_tests(self) -> None:
-        """Test hook (seed acceptance check 1): if ``test_pause_after_get_file`` exists, remove it and SIGSTOP
-        this process after its GET and renewal, before its save; the test resumes it with SIGCONT.
-        Off unless configured."""
-        signal_self_once(self.rt.settings.test_pause_after_get_file, signal.SIGSTOP, "between GET and save")
-        await asyncio.sleep(0)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import Any
 
-from streams import metrics
+from streams import hooks, metrics
 from streams.runtime import Runtime
-from streams.test_hooks import signal_self_once
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +33,7 @@ class OutboxRelay:
         )
         for row in rows:
             metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
-        self._kill_for_tests(rows)
-
-    def _kill_for_tests(self, rows: list[dict[str, Any]]) -> None:
-        """Test hook (issue 3, check 9): with ``test_kill_after_publish_file`` present and an output in the batch,
-        remove the file and SIGKILL this process between publishing and marking. Off unless configured."""
-        if any(row["topic_role"] == "outputs_delivered" for row in rows):
-            hook = self.rt.settings.test_kill_after_publish_file
-            signal_self_once(hook, signal.SIGKILL, "after publishing, before marking")
+        hooks.reach(hooks.HookPoint.PUBLISHED_BEFORE_MARK, rows=rows)
 
     async def tick(self) -> int:
         """Publish until the outbox is drained or a batch fails; returns rows published. Never raises."""

@@ -128,15 +128,21 @@ class Fleet:
     log_dir: Path
     workers: dict[str, Worker] = field(default_factory=dict)
 
-    def start(self, name: str, **overrides: Any) -> Worker:
-        """Start one worker with ``settings`` (plus ``overrides``) in the environment."""
+    def start(self, name: str, *, faults: dict[str, str] | None = None, **overrides: Any) -> Worker:
+        """Start one worker with ``settings`` (plus ``overrides``) in the environment.
+
+        ``faults`` (``HARNESS_*`` variable -> value, see :mod:`streams_harness.faults`) runs the worker through
+        ``python -m streams_harness.faults`` with those fault hooks armed; without it, the ``streams`` script.
+        """
         settings = self.settings.replace(**overrides) if overrides else self.settings
         port = free_port()
         env = dict(os.environ)
         env.update(settings.replace(web_enabled=True, web_port=port).to_env())
+        env.update(faults or {})
+        command = [sys.executable, "-m", "streams_harness.faults"] if faults else [STREAMS]
         log_path = self.log_dir / f"worker-{name}.log"
         proc = subprocess.Popen(
-            [STREAMS, "--log-level", "INFO", "worker", "--web-port", str(port)],
+            [*command, "--log-level", "INFO", "worker", "--web-port", str(port)],
             env=env,
             stdout=log_path.open("wb"),
             stderr=subprocess.STDOUT,

@@ -1,4 +1,5 @@
-"""Issue 3, check 9: the outbox relay's process killed between publishing and marking."""
+"""The outbox relay's process killed between publishing and marking: the batch is published again with the
+same event ids, and downstream deduplication leaves each output once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from streams.config import Settings
 from streams.downstream import EventDeduplicator, read_topic_to_end
 from streams.producer import SubmissionProducer
+from streams_harness import faults
 from tests.support import Fleet, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -22,7 +24,7 @@ async def test_relay_killed_between_publish_and_mark(
 ) -> None:
     hook = tmp_path / "kill-after-publish"
     hook.touch()
-    a = fleet.start("a", test_kill_after_publish_file=str(hook))
+    a = fleet.start("a", faults={faults.KILL_AFTER_PUBLISH_FILE: str(hook)})
     await fleet.wait_ready("a")
     prefix = f"relay{uuid.uuid4().hex[:6]}"
     ids = [f"{prefix}-{i}" for i in range(5)]

@@ -13,6 +13,7 @@ import pytest
 
 from streams.config import Settings
 from streams.producer import SubmissionProducer
+from streams_harness import faults
 from tests.support import Fleet, SimulatorServer, Toxiproxy, services, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +47,7 @@ async def test_paused_worker_save_is_refused_by_fencing(
     takes the lease, observes and saves; A resumes and its save is refused by the fencing value."""
     hook = tmp_path / "pause-after-get"
     hook.touch()
-    a = fleet.start("a", test_pause_after_get_file=str(hook))
+    a = fleet.start("a", faults={faults.PAUSE_AFTER_GET_FILE: str(hook)})
     await fleet.wait_ready("a")
     [op] = await submit(producer, f"pause{uuid.uuid4().hex[:6]}", 1, generated=400)
 

@@ -1,0 +1,79 @@
+"""Fault injection inside worker processes: actions at the product's hook points (:mod:`streams.hooks`).
+
+Run a worker through this module instead of the ``streams`` script::
+
+    HARNESS_PAUSE_AFTER_GET_FILE=/tmp/pause python -m streams_harness.faults worker --web-port 6070
+
+It installs the actions the environment selects, then runs the ``streams`` command line with the remaining
+arguments. Each action fires once: when its file exists at the hook point, it removes the file and signals
+its own process.
+
+=================================== ======================================================================
+``HARNESS_PAUSE_AFTER_GET_FILE``    SIGSTOP after the observer's GET and lease renewal, before its fenced
+                                    save (a test resumes it with SIGCONT)
+``HARNESS_KILL_AFTER_PUBLISH_FILE`` SIGKILL after the relay published a batch holding an output, before it
+                                    marked the batch published
+=================================== ======================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+from streams import hooks
+from streams.hooks import HookPoint
+
+log = logging.getLogger(__name__)
+
+PAUSE_AFTER_GET_FILE = "HARNESS_PAUSE_AFTER_GET_FILE"
+KILL_AFTER_PUBLISH_FILE = "HARNESS_KILL_AFTER_PUBLISH_FILE"
+
+
+def signal_self_once(path: str, sig: signal.Signals, where: str) -> bool:
+    """If ``path`` exists, remove it and send ``sig`` to this process; True when it fired."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    log.warning("fault hook: %s to this worker %s", sig.name, where)
+    os.kill(os.getpid(), sig)
+    return True
+
+
+def install_from_env(environ: Mapping[str, str]) -> list[HookPoint]:
+    """Install the actions ``environ`` selects (see the module docstring); returns the points armed."""
+    armed: list[HookPoint] = []
+    pause_file = environ.get(PAUSE_AFTER_GET_FILE, "")
+    if pause_file:
+
+        def pause(**context: Any) -> None:
+            signal_self_once(pause_file, signal.SIGSTOP, "between GET and save")
+
+        hooks.install(HookPoint.OBSERVED_BEFORE_SAVE, pause)
+        armed.append(HookPoint.OBSERVED_BEFORE_SAVE)
+    kill_file = environ.get(KILL_AFTER_PUBLISH_FILE, "")
+    if kill_file:
+
+        def kill(*, rows: list[dict[str, Any]], **context: Any) -> None:
+            if any(row["topic_role"] == "outputs_delivered" for row in rows):
+                signal_self_once(kill_file, signal.SIGKILL, "after publishing, before marking")
+
+        hooks.install(HookPoint.PUBLISHED_BEFORE_MARK, kill)
+        armed.append(HookPoint.PUBLISHED_BEFORE_MARK)
+    return armed
+
+
+def main() -> None:
+    """Arm the hooks from the environment, then run the ``streams`` command line."""
+    from streams.cli import main as streams_main
+
+    install_from_env(os.environ)
+    streams_main(prog_name="streams")
+
+
+if __name__ == "__main__":
+    main()
