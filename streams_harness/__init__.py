@@ -11,3 +11,12 @@ It needs the ``harness`` extra (``pip install 'generation-streams[harness]'``). 
 never imports it; its commands (``streams run``, ``soak``, ``simulator``, ``replay``) reach the ``streams``
 command line through the ``streams.commands`` entry-point group.
 """
+
+from importlib.util import find_spec
+
+#: Modules of the ``harness`` extra: without them no harness command can run, so none loads.
+REQUIRED_MODULES = ("aiohttp", "honcho")
+
+for _module in REQUIRED_MODULES:
+    if find_spec(_module) is None:
+        raise ImportError(f"No module named {_module!r} (extra 'harness' of generation-streams)", name=_module)
