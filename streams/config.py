@@ -14,7 +14,7 @@ from typing import Any
 
 from streams.errors import ConfigError
 
-#: Topic names (ARCHITECTURE.md); a deployment may prefix them with ``STREAMS_TOPIC_PREFIX``.
+#: Topic names; a deployment may prefix them with ``STREAMS_TOPIC_PREFIX``.
 TOPIC_SUBMISSIONS = "generation.submissions"
 TOPIC_POLLS = "generation.polls"
 TOPIC_OUTPUTS_DELIVERED = "generation.outputs.delivered"

@@ -11,8 +11,7 @@
     │   └── LeaseLostError                 renewal/ownership check found another token (or none)
     ├── LedgerError                  PostgreSQL ledger
     │   ├── LedgerUnavailableError         PostgreSQL did not answer: wait and retry, never skip the write
-    │   ├── LedgerDataError                PostgreSQL refused a value (class 22/23): retrying cannot help
-    │   └── UnknownOperationError          an event names an operation the ledger has never accepted
+    │   └── LedgerDataError                PostgreSQL refused a value (class 22/23): retrying cannot help
     └── RemoteError                  the remote generation API (always carries ``operation_id``)
         ├── RemoteRefusedError             definite refusal, nothing created (4xx such as 400/422)
         │   └── RemoteRateLimitedError     429: nothing created, retry after ``retry_after_s``
@@ -23,8 +22,8 @@
         ├── RemoteContractError            a GET answer that breaks the API contract (e.g. output ids)
         └── RemoteTransientError           a GET failed in a way worth retrying later (5xx, timeout, I/O)
 
-A POST is retried only on :class:`RemoteNotSentError` and :class:`RemoteRateLimitedError` (ARCHITECTURE.md,
-"Contracts at the edges"); everything else that was sent is never re-sent.
+A POST is retried only on :class:`RemoteNotSentError` and :class:`RemoteRateLimitedError`; everything else that
+was sent is never re-sent (README.md, "How it keeps its promises").
 """
 
 from __future__ import annotations
@@ -89,14 +88,6 @@ class LedgerUnavailableError(LedgerError):
 class LedgerDataError(LedgerError):
     """PostgreSQL refused the values of a write (data exception or integrity violation); nothing was written
     and retrying the same write cannot succeed. The caller records the operation's outcome another way."""
-
-
-class UnknownOperationError(LedgerError):
-    """An event names an operation id that the ledger does not hold."""
-
-    def __init__(self, operation_id: str) -> None:
-        super().__init__(f"operation {operation_id!r} is not in the ledger; the event goes to the dead-letter topic")
-        self.operation_id = operation_id
 
 
 class RemoteError(StreamsError):

@@ -25,7 +25,6 @@ from streams.errors import (
     RemoteError,
     RemoteJobNotFoundError,
     RemoteRateLimitedError,
-    UnknownOperationError,
 )
 from streams.lease import Lease
 from streams.ledger import ObserveClaim, SaveOutcome
@@ -89,7 +88,10 @@ class Observer:
         """A poll that claims nothing: stale (counted), or for an unknown operation (dead-lettered)."""
         row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
         if row is None:
-            error = InvalidEventError("unknown_operation", str(UnknownOperationError(operation_id)))
+            error = InvalidEventError(
+                "unknown_operation",
+                f"operation {operation_id!r} is not in the ledger; the event goes to the dead-letter topic",
+            )
             await self.rt.dead_letter(message, error)
         else:
             metrics.STALE_POLLS.inc()

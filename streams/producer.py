@@ -57,7 +57,3 @@ class SubmissionProducer:
         contracts.validate("generation.submissions", value)
         fut: asyncio.Future[Any] = await self._producer.send(self.topic, orjson.dumps(value), key=operation_id.encode())
         return fut
-
-    async def send_raw(self, key: bytes | None, value: bytes) -> None:
-        """Send arbitrary bytes to the submissions topic (tests of bad input); waits for the ack."""
-        await self._producer.send_and_wait(self.topic, value, key=key)

@@ -1,4 +1,4 @@
-"""Operation states and the rules for moving between them (ARCHITECTURE.md, "Operation states").
+"""Operation states and the rules for moving between them.
 
 The PostgreSQL enum ``operation_state`` mirrors :class:`OperationState` (a migration test checks it) and a
 trigger in the ledger refuses any transition that :func:`can_transition` refuses.
@@ -43,24 +43,7 @@ class OperationState(enum.StrEnum):
 
 S = OperationState
 
-#: Position in the forward order; equal ranks are alternatives (terminal outcomes).
-RANK: dict[OperationState, int] = {
-    S.ACCEPTED: 0,
-    S.SUBMITTING: 1,
-    S.UNCERTAIN: 2,
-    S.SUBMITTED: 3,
-    S.QUEUED: 4,
-    S.RUNNING: 5,
-    S.SUCCEEDED: 6,
-    S.FAILED: 6,
-    S.CANCELED: 6,
-    S.REJECTED: 6,
-}
-
 TERMINAL: frozenset[OperationState] = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELED, S.REJECTED})
-
-#: States whose remote job is observed by polling.
-POLLABLE: frozenset[OperationState] = frozenset({S.SUBMITTED, S.QUEUED, S.RUNNING})
 
 #: Remote job statuses (the API's words) and the state each one maps to.
 REMOTE_STATUS_TO_STATE: dict[str, OperationState] = {

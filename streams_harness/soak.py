@@ -1,5 +1,5 @@
 """The soak: replay N trace rows through several worker processes while injecting seeded random faults,
-then audit the ledger against the simulator's own record (issue: "survive faults with nothing lost").
+then audit the ledger against the simulator's own record: nothing may be lost or done twice.
 
 Faults (each kind chosen by a seeded ``random.Random``):
 

@@ -1,4 +1,4 @@
-"""Faults under load (issue 3, checks 10 and 11): rebalances, and Kafka and PostgreSQL restarts."""
+"""Faults under load: rebalances, and Kafka and PostgreSQL restarts."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ async def check_promises(pool: asyncpg.Pool, sim: SimulatorServer, ids: list[str
 async def test_rebalance_under_load(
     fleet: Fleet, sim: SimulatorServer, ledger_pool: asyncpg.Pool, producer: SubmissionProducer
 ) -> None:
-    """Check 10: a third worker joins and one is SIGKILLed while 300 operations flow."""
+    """A third worker joins and one is SIGKILLed while 300 operations flow."""
     fleet.start("a")
     fleet.start("b")
     await fleet.wait_ready()
@@ -86,7 +86,7 @@ async def test_rebalance_under_load(
 async def test_service_restart_under_load(
     service: str, fleet: Fleet, sim: SimulatorServer, ledger_pool: asyncpg.Pool, producer: SubmissionProducer
 ) -> None:
-    """Check 11: the Kafka broker, or PostgreSQL, restarted during load; workers recover by themselves."""
+    """The Kafka broker, or PostgreSQL, restarted during load; workers recover by themselves."""
     fleet.start("a")
     fleet.start("b")
     await fleet.wait_ready()

@@ -1,4 +1,4 @@
-"""The seed's acceptance checks against real worker processes and real services (issue 3, checks 1-6)."""
+"""The seed's acceptance checks against real worker processes and real services."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ async def all_final(pool: asyncpg.Pool, ids: list[str]) -> bool:
 async def test_paused_worker_save_is_refused_by_fencing(
     fleet: Fleet, sim: SimulatorServer, producer: SubmissionProducer, ledger_pool: asyncpg.Pool, tmp_path: Path
 ) -> None:
-    """Check 1: A is SIGSTOPped after its GET (and renewal), before its save, longer than the lease TTL; B
+    """A is SIGSTOPped after its GET (and renewal), before its save, longer than the lease TTL; B
     takes the lease, observes and saves; A resumes and its save is refused by the fencing value."""
     hook = tmp_path / "pause-after-get"
     hook.touch()
@@ -98,7 +98,7 @@ async def test_redis_unavailable_stops_claims_and_resumes(
     ledger_pool: asyncpg.Pool,
     producer: SubmissionProducer,
 ) -> None:
-    """Check 4: Redis refused (server stopped) or accepting but silent: zero POSTs and GETs while down, no
+    """Redis refused (server stopped) or accepting but silent: zero POSTs and GETs while down, no
     state change, and every operation finishes by itself when it returns."""
     Toxiproxy.ensure_running()
     toxi = Toxiproxy()
@@ -148,7 +148,7 @@ async def _count_posts(sim: SimulatorServer, ids: list[str]) -> bool:
 async def test_redis_restarted_empty_keeps_ledger_and_creates_nothing(
     fleet: Fleet, sim: SimulatorServer, ledger_pool: asyncpg.Pool, producer: SubmissionProducer
 ) -> None:
-    """Check 5: FLUSHALL and a real restart: durable records intact, no new remote creation for operations
+    """FLUSHALL and a real restart: durable records intact, no new remote creation for operations
     that already had a job id, fencing values keep increasing, polling resumes."""
     fleet.start("a")
     await fleet.wait_ready()
@@ -193,7 +193,7 @@ async def test_redis_restarted_empty_keeps_ledger_and_creates_nothing(
 async def test_dispatcher_killed_mid_post_ends_uncertain_with_one_post(
     fleet: Fleet, sim: SimulatorServer, ledger_pool: asyncpg.Pool, producer: SubmissionProducer
 ) -> None:
-    """Check 6: SIGKILL after the remote job was created, before the response was saved: uncertain, with a
+    """SIGKILL after the remote job was created, before the response was saved: uncertain, with a
     reason, and the simulator saw exactly one POST for it."""
     await sim.configure(fault_slow=1.0, slow_response_s=30.0)
     a = fleet.start("a")

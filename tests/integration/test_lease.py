@@ -1,4 +1,5 @@
-"""Redis leases against a real Redis: the seed's acceptance checks 2 and 3, cancellation, outages."""
+"""Redis leases against a real Redis: exclusive acquisition, renewal and release by the owner token only (a
+newer holder is never touched), cancellation, outages."""
 
 from __future__ import annotations
 

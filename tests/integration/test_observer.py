@@ -151,7 +151,7 @@ async def test_stale_fencing_value_is_refused_and_counted(runtime: Runtime, pool
 async def test_lost_lease_before_save_means_no_save_and_no_second_get(
     runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator
 ) -> None:
-    """Seed check 2: ownership changes while the GET is in flight; the renewal before the save fails with
+    """Ownership changes while the GET is in flight; the renewal before the save fails with
     LeaseLostError, nothing is saved, no second GET, and the newer holder's key is untouched."""
     await submitted_operation(runtime, "op-lost")
     poll = await claim_poll(runtime, "op-lost")

@@ -1,4 +1,4 @@
-"""Operation state rules (ARCHITECTURE.md, "Operation states"), checked pair by pair against an explicit table."""
+"""Operation state rules, checked pair by pair against an explicit table."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from streams.states import OperationState, can_transition, is_terminal, state_fo
 
 S = OperationState
 
-# Written from the ARCHITECTURE rules, not from streams/states.py:
+# Written from the design's rules (README.md, "How it keeps its promises"), not from streams/states.py:
 # accepted -> submitting -> submitted -> queued -> running -> succeeded | failed | canceled (forward, skipping
 # intermediate observation states is allowed because a job may finish between two polls);
 # submitting -> rejected | uncertain; uncertain -> submitted only; terminal states never change.
