@@ -37,11 +37,10 @@ from streams.downstream import read_topic_to_end
 from streams.errors import StreamsError
 from streams.ledger import create_pool
 from streams.producer import SubmissionProducer
+from streams_harness.checkout import checkout_dir
 from streams_harness.replay import replay_trace
 from streams_harness.report import FINAL_STATES, REPORT, LedgerOperation, build_report, render_table
 from streams_harness.trace import TraceRow, read_trace
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class MainJobError(StreamsError):
@@ -122,14 +121,15 @@ class Processes:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         honcho = str(Path(sys.executable).with_name("honcho"))
+        root = checkout_dir()
         self.proc = subprocess.Popen(
             [
                 honcho,
                 "start",
                 "-f",
-                str(ROOT / "Procfile"),
+                str(root / "Procfile"),
                 "-d",
-                str(ROOT),
+                str(root),
                 "-c",
                 f"simulator=1,worker={self.workers}",
                 "-p",
@@ -207,6 +207,7 @@ async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str,
     services, so nothing of another run (or of an aborted one) reaches its workers; all three are removed
     after the report unless ``keep``. Not isolated: the environment's, one main job at a time (a lock).
     """
+    checkout_dir()  # outside a clone, fail before anything is created
     run_id = f"run{int(time.time())}"
     base = Settings.from_env()
     sim_port = free_port()
@@ -267,7 +268,7 @@ async def _run(
         }
     )
     env.update({f"SIM_{k.upper()}": str(v) for k, v in opts.faults.items()})
-    log_path = ROOT / "reports" / run_id / "processes.log"
+    log_path = checkout_dir() / "reports" / run_id / "processes.log"
     base_port = opts.base_port or free_port_block([0, *(100 + i for i in range(opts.workers))])
     procs = Processes(env, opts.workers, base_port, log_path)
     procs.start()
@@ -331,7 +332,7 @@ async def _run(
         await pool.close()
         procs.stop()
     print(render_table(report), file=out)
-    path = opts.report_path or (ROOT / "reports" / run_id / "report.json")
+    path = opts.report_path or (checkout_dir() / "reports" / run_id / "report.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(f"report written to {path}", file=out)

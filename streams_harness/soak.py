@@ -40,7 +40,8 @@ from streams.config import Settings
 from streams.errors import StreamsError
 from streams.ledger import create_pool
 from streams.producer import SubmissionProducer
-from streams_harness.mainjob import DEFAULT_FAULTS, ROOT, collect_report, free_port, progress
+from streams_harness.checkout import checkout_dir
+from streams_harness.mainjob import DEFAULT_FAULTS, collect_report, free_port, progress
 from streams_harness.replay import replay_trace
 from streams_harness.report import FINAL_STATES, render_table
 from streams_harness.trace import read_trace
@@ -104,7 +105,7 @@ class Fleet:
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=ROOT,
+            cwd=checkout_dir(),
         )
         return name
 
@@ -175,7 +176,7 @@ class Chaos:
 
     async def _restart(self, service: str) -> None:
         status = await asyncio.to_thread(
-            subprocess.run, [str(ROOT / "scripts" / "services"), "status"], capture_output=True, text=True
+            subprocess.run, [str(checkout_dir() / "scripts" / "services"), "status"], capture_output=True, text=True
         )
         managed = any(line.startswith(service) and "managed," in line for line in status.stdout.splitlines())
         if not managed:
@@ -183,7 +184,7 @@ class Chaos:
             return
         await asyncio.to_thread(
             subprocess.run,
-            [str(ROOT / "scripts" / "services"), "restart", service],
+            [str(checkout_dir() / "scripts" / "services"), "restart", service],
             check=True,
             stdout=subprocess.DEVNULL,
         )
@@ -243,7 +244,7 @@ def _start_simulator(opts: SoakOptions, settings: Settings, port: int, log_dir: 
 
 async def _toxiproxy(run_id: str, upstream_port: int) -> tuple[str, int]:
     """Start Toxiproxy (scripts/toxiproxy up) and create the worker->simulator proxy; returns (name, port)."""
-    await asyncio.to_thread(subprocess.run, [str(ROOT / "scripts" / "toxiproxy"), "up"], check=True)
+    await asyncio.to_thread(subprocess.run, [str(checkout_dir() / "scripts" / "toxiproxy"), "up"], check=True)
     name, port = f"sim-{run_id}", free_port()
     async with httpx.AsyncClient(base_url=TOXIPROXY_API, timeout=10) as c:
         r = await c.post(
@@ -261,11 +262,12 @@ async def _toxiproxy(run_id: str, upstream_port: int) -> tuple[str, int]:
 
 async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
     """Run the soak and return its report (printed as a table and written as JSON)."""
+    checkout_dir()  # outside a clone, fail before anything is created
     run_id = f"soak{int(time.time())}"
     base = Settings.from_env()
     sim_port = free_port()
     rows = read_trace(opts.trace, start=opts.start, rows=opts.rows)
-    log_dir = ROOT / "reports" / run_id
+    log_dir = checkout_dir() / "reports" / run_id
     log_dir.mkdir(parents=True, exist_ok=True)
     run_db = await create_run_database(base.database_url, run_id)  # nothing of another run reaches this one
     migrate(run_db)

@@ -159,3 +159,13 @@ def test_product_version_is_the_distribution_version() -> None:
     from importlib.metadata import version
 
     assert streams.__version__ == version("generation-streams")
+
+
+def test_the_harness_finds_the_clone_it_runs_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streams_harness.checkout import CheckoutNotFoundError, checkout_dir
+
+    assert checkout_dir(ROOT / "tests" / "unit") == ROOT
+    monkeypatch.chdir(ROOT / "scripts")
+    assert checkout_dir() == ROOT
+    with pytest.raises(CheckoutNotFoundError, match=f"no clone of the repository at or above {tmp_path}"):
+        checkout_dir(tmp_path)
