@@ -22,6 +22,7 @@ from streams.errors import StreamsError
 
 T = TypeVar("T")
 
+
 @click.command("replay")
 @click.option("--trace", default="conv", show_default=True, help="conv, code, or a CSV path.")
 @click.option("--start", default=0, show_default=True, help="First data row.")
