@@ -1,11 +1,14 @@
 """Delay before the next poll of a remote job (ARCHITECTURE.md, "Leases and polls").
 
-The API's hint (``Retry-After`` or ``poll_after_ms``) wins when present; otherwise a capped exponential
-with "equal jitter" (half fixed, half random; AWS Architecture Blog, "Exponential Backoff and Jitter").
+The API's hint (``Retry-After`` or ``poll_after_ms``, read by :mod:`streams.remote`) wins when usable,
+clamped to ``[min_s, cap_s]``; otherwise a capped exponential with "equal jitter" (half fixed, half random; AWS
+Architecture Blog, "Exponential Backoff and Jitter"). The next poll is therefore never before now + ``min_s``,
+never after now + ``cap_s``, and an unreadable hint (None, NaN) gets the exponential fallback.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 _RNG = random.Random()
@@ -28,9 +31,10 @@ def next_poll_delay_s(
         base_s, cap_s, min_s: exponential base, upper cap and lower floor (seconds).
         rng: random source (tests pass a seeded one).
 
-    Returns a delay in ``[min_s, cap_s]``.
+    Returns a delay in ``[min_s, cap_s]``: a hint below ``min_s`` (past, negative) gives ``min_s``, one above
+    ``cap_s`` (``inf`` included) gives ``cap_s``, a NaN hint counts as none.
     """
-    if hint_s is not None:
+    if hint_s is not None and not math.isnan(hint_s):
         return min(cap_s, max(min_s, hint_s))
     r = rng or _RNG
     ceiling = min(cap_s, base_s * float(2 ** min(poll_count, 30)))

@@ -21,8 +21,8 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 import click
-import orjson
 
+from streams import exactjson
 from streams.config import Settings
 from streams.errors import StreamsError
 
@@ -144,7 +144,7 @@ def submit(path: Path) -> None:
                 if not line.strip():
                     continue
                 try:
-                    item = orjson.loads(line)
+                    item = exactjson.loads(line)
                     futures.append(await producer.submit(item["operation_id"], item["request"], item.get("source")))
                 except Exception as exc:
                     raise click.ClickException(f"{path}:{n}: {exc}") from exc
@@ -169,7 +169,7 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None, operat
         async for value in follow_outputs(_settings(), group_id=group_id, from_beginning=from_beginning):
             if not value["operation_id"].startswith(operation_prefix):
                 continue
-            sys.stdout.write(orjson.dumps(value).decode() + "\n")
+            sys.stdout.write(exactjson.dumps(value).decode() + "\n")
             sys.stdout.flush()
             seen += 1
             if count is not None and seen >= count:

@@ -4,6 +4,12 @@
 :func:`decode` turns raw Kafka bytes into a validated dict or raises :class:`InvalidEventError` with a reason
 code; :func:`dead_letter` builds the envelope that carries the reason and the original bytes to the
 dead-letter topic.
+
+Values are read with :mod:`streams.exactjson` (every number exact: ``int`` or ``Decimal``); an integral
+``Decimal`` such as ``5.0`` is an ``integer`` for the schemas, as JSON Schema says (2020-12, validation 6.1.1).
+Every ``format`` keyword is enforced (jsonschema checks ``format`` only when given a FormatChecker, and some
+formats only with extra packages: ``date-time`` needs ``rfc3339-validator``): a schema that uses a format the
+installed checker cannot enforce is refused when it is loaded (:func:`compile_schema`).
 """
 
 from __future__ import annotations
@@ -12,14 +18,16 @@ import base64
 import functools
 import hashlib
 import time
+from collections.abc import Iterator
+from decimal import Decimal
 from importlib import resources
 from importlib.resources.abc import Traversable
 from typing import Any
 
 import jsonschema
-import orjson
 
-from streams.errors import ConfigError, InvalidEventError, MissingResourceError
+from streams import exactjson
+from streams.errors import ConfigError, InvalidEventError, JsonValueError, MissingResourceError
 
 #: The package that holds the schema files (``schemas/`` of the repository, see ``pyproject.toml``).
 SCHEMA_PACKAGE = "streams.schemas"
@@ -32,6 +40,59 @@ SCHEMA_FILES = {
     "generation.transitions": "generation.transitions.json",
     "generation.dead-letter": "generation.dead-letter.json",
 }
+
+_BASE = jsonschema.Draft202012Validator
+
+#: The format checker of every schema: each format jsonschema can check with the installed packages.
+FORMAT_CHECKER: jsonschema.FormatChecker = _BASE.FORMAT_CHECKER
+
+
+def _is_integer(checker: Any, instance: Any) -> bool:
+    if isinstance(instance, Decimal):
+        return instance.is_finite() and instance == instance.to_integral_value()
+    return bool(_BASE.TYPE_CHECKER.is_type(instance, "integer"))
+
+
+#: Draft 2020-12 with integral Decimals counted as integers.
+_Validator = jsonschema.validators.extend(
+    _BASE, type_checker=_BASE.TYPE_CHECKER.redefine("integer", _is_integer), format_checker=FORMAT_CHECKER
+)
+
+
+def formats_used(schema: Any) -> Iterator[tuple[str, str]]:
+    """Each ``format`` keyword in ``schema`` as ``(location, format name)``; location like ``properties/at``."""
+    stack: list[tuple[str, Any]] = [("", schema)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("format"), str):
+                yield where or "(root)", node["format"]
+            for key, value in node.items():
+                if key not in ("format", "enum", "const", "default", "examples"):
+                    stack.append((f"{where}/{key}" if where else key, value))
+        elif isinstance(node, list):
+            stack.extend((f"{where}/{i}", item) for i, item in enumerate(node))
+
+
+def compile_schema(schema: dict[str, Any], name: str) -> jsonschema.protocols.Validator:
+    """A validator for ``schema`` that enforces every ``format`` it uses.
+
+    Raises:
+        ConfigError: the schema is invalid, or uses a format the installed checker does not enforce (install
+            ``jsonschema[format-nongpl]``; an unknown format name is a typo in the schema).
+    """
+    try:
+        _Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ConfigError(f"JSON Schema {name} is invalid: {exc.message}") from exc
+    for where, fmt in formats_used(schema):
+        if fmt not in FORMAT_CHECKER.checkers:
+            raise ConfigError(
+                f"JSON Schema {name} uses format {fmt!r} at {where}, which is not enforced: jsonschema checks it "
+                "only with its format packages (pip install 'jsonschema[format-nongpl]'), or the name is unknown"
+            )
+    v: jsonschema.protocols.Validator = _Validator(schema, format_checker=FORMAT_CHECKER)
+    return v
 
 
 def schema_dir() -> Traversable:
@@ -50,10 +111,10 @@ def schema_dir() -> Traversable:
 
 @functools.cache
 def validator(topic: str) -> jsonschema.protocols.Validator:
-    """The compiled Draft 2020-12 validator for ``topic`` (unprefixed name).
+    """The compiled Draft 2020-12 validator for ``topic`` (unprefixed name), every format enforced.
 
     Raises:
-        ConfigError: no schema file for the topic, or the schema itself is invalid.
+        ConfigError: no schema file for the topic, or the schema itself is invalid or not enforceable.
         MissingResourceError: the topic's schema file is not installed.
     """
     try:
@@ -61,33 +122,42 @@ def validator(topic: str) -> jsonschema.protocols.Validator:
     except KeyError:
         raise ConfigError(f"no JSON Schema registered for topic {topic!r}") from None
     try:
-        schema = orjson.loads(schema_dir().joinpath(name).read_bytes())
+        schema = exactjson.loads(schema_dir().joinpath(name).read_bytes())
     except FileNotFoundError as exc:
         raise MissingResourceError(
             f"JSON Schema {name} of topic {topic} is missing from package {SCHEMA_PACKAGE}: "
             "reinstall generation-streams"
         ) from exc
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)
-    v: jsonschema.protocols.Validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
-    return v
+    return compile_schema(schema, name)
+
+
+def format_conforms(value: Any, fmt: str) -> bool:
+    """True when ``value`` satisfies JSON Schema format ``fmt`` (e.g. ``date-time``: RFC 3339, offset required).
+
+    Raises:
+        ConfigError: the installed packages cannot check ``fmt`` (jsonschema would accept anything).
+    """
+    if fmt not in FORMAT_CHECKER.checkers:
+        raise ConfigError(f"format {fmt!r} cannot be checked: pip install 'jsonschema[format-nongpl]'")
+    return bool(FORMAT_CHECKER.conforms(value, fmt))
 
 
 def decode(topic: str, raw: bytes | None, max_value_bytes: int) -> dict[str, Any]:
-    """Parse and validate one Kafka value for ``topic``.
+    """Parse and validate one Kafka value for ``topic``, every number exact (:mod:`streams.exactjson`).
 
     Returns the value as a dict. Raises :class:`InvalidEventError` with ``reason`` ``oversized`` (more than
-    ``max_value_bytes`` bytes), ``not_json`` (not UTF-8 JSON, or a tombstone) or ``schema`` (the message
-    names the first failing field).
+    ``max_value_bytes`` bytes), ``not_json`` (not UTF-8 JSON, a tombstone, or ``NaN``/``Infinity``, naming the
+    field), ``number_out_of_range`` (a number too long to carry exactly, naming the field) or ``schema`` (the
+    message names the first failing field).
     """
     if raw is None:
         raise InvalidEventError("not_json", "value is empty (tombstone)")
     if len(raw) > max_value_bytes:
         raise InvalidEventError("oversized", f"value is {len(raw)} bytes, over the {max_value_bytes}-byte limit")
     try:
-        value = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidEventError("not_json", f"value is not JSON: {exc}") from exc
+        value = exactjson.loads(raw)
+    except JsonValueError as exc:
+        raise InvalidEventError(exc.reason, f"{topic} value: {exc}") from exc
     errors = sorted(validator(topic).iter_errors(value), key=lambda e: list(e.absolute_path))
     if errors:
         first = errors[0]

@@ -1,6 +1,8 @@
 """Downstream helper: follow ``generation.outputs.delivered`` and yield each output exactly once.
 
 The relay may repeat an event after a crash (same ``event_id``); :class:`EventDeduplicator` drops repeats.
+Values are read with :func:`streams.exactjson.loads`: an output's numbers reach the reader exactly (a 2**64 stays
+an ``int``, a long fraction a ``Decimal``).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from aiokafka import AIOKafkaConsumer
 
+from streams import exactjson
 from streams.config import Settings
 
 
@@ -38,12 +40,13 @@ class EventDeduplicator:
 
 @dataclass(frozen=True)
 class DeliveredRecord:
-    """One record read from the outputs topic: the decoded value and its Kafka timestamp (epoch ms)."""
+    """One record read from a topic: the decoded value (numbers exact), its bytes and Kafka timestamp (epoch ms)."""
 
     value: dict[str, Any]
     timestamp_ms: int
     partition: int
     offset: int
+    raw: bytes
 
 
 async def read_topic_to_end(settings: Settings, role: str) -> list[DeliveredRecord]:
@@ -70,7 +73,9 @@ async def read_topic_to_end(settings: Settings, role: str) -> list[DeliveredReco
             for tp, msgs in batch.items():
                 for m in msgs:
                     if m.offset < end[tp]:
-                        out.append(DeliveredRecord(orjson.loads(m.value), m.timestamp, tp.partition, m.offset))
+                        out.append(
+                            DeliveredRecord(exactjson.loads(m.value), m.timestamp, tp.partition, m.offset, m.value)
+                        )
                     if m.offset >= end[tp] - 1:
                         remaining.discard(tp)
             for tp in list(remaining):
@@ -99,7 +104,7 @@ async def follow_outputs(
     await consumer.start()
     try:
         async for message in consumer:
-            value = orjson.loads(message.value)
+            value = exactjson.loads(message.value)
             if dedupe.first_time(value["event_id"]):
                 yield value
     finally:

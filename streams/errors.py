@@ -6,6 +6,7 @@
     ├── ConfigError                  a setting is missing or malformed (fix the environment and restart)
     ├── MissingResourceError         a file the package ships (schema, migration, query) is not installed
     ├── InvalidEventError            a Kafka value failed its JSON Schema or is not JSON (goes to the DLQ)
+    ├── JsonValueError               JSON text that is not JSON or whose numbers cannot be carried exactly
     ├── CoordinationError            Redis leases
     │   ├── CoordinationUnavailableError   Redis did not answer: make no claim, make no remote call
     │   └── LeaseLostError                 renewal/ownership check found another token (or none)
@@ -45,14 +46,27 @@ class MissingResourceError(StreamsError):
 class InvalidEventError(StreamsError):
     """A Kafka value is not JSON, is too large, or fails its topic's JSON Schema.
 
-    ``reason`` is a short machine-readable code (``not_json``, ``schema``, ``oversized``, ``unknown_operation``,
-    ``key_mismatch``, ``conflicting_duplicate``, ``processing_error``) and the message says what was wrong; the
-    original bytes go to the dead-letter topic with both.
+    ``reason`` is a short machine-readable code (``not_json``, ``number_out_of_range``, ``schema``, ``oversized``,
+    ``unknown_operation``, ``key_mismatch``, ``conflicting_duplicate``, ``processing_error``) and the message
+    says what was wrong; the original bytes go to the dead-letter topic with both.
     """
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class JsonValueError(StreamsError):
+    """JSON text that is not JSON, or holds a value that cannot be carried exactly (``NaN``, a number too long).
+
+    ``reason`` is ``not_json`` or ``number_out_of_range``; ``path`` names the field (``outputs/0/seed``,
+    ``(root)``) when the text parsed; the message says what was wrong (:mod:`streams.exactjson`).
+    """
+
+    def __init__(self, reason: str, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.path = path
 
 
 class CoordinationError(StreamsError):

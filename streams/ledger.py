@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-import orjson
 
+from streams import exactjson
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.remote import JobSnapshot, clean_text
 from streams.sql import LEDGER as Q
@@ -49,11 +49,15 @@ async def _guard(what: str) -> AsyncIterator[None]:
         raise LedgerDataError(f"PostgreSQL refused the values of {what}: {type(exc).__name__}: {exc}") from exc
 
 
+def _encode_json(value: Any) -> str:
+    return exactjson.dumps(value).decode()
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
+    """json/jsonb codecs with every number exact (:mod:`streams.exactjson`): jsonb stores numbers as
+    ``numeric``, so a 2**64 written here is read back as the same int (orjson would round it to a double)."""
     for typename in ("json", "jsonb"):
-        await conn.set_type_codec(
-            typename, encoder=lambda v: orjson.dumps(v).decode(), decoder=orjson.loads, schema="pg_catalog"
-        )
+        await conn.set_type_codec(typename, encoder=_encode_json, decoder=exactjson.loads, schema="pg_catalog")
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:
@@ -62,7 +66,7 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 
 
 async def create_pool(database_url: str, *, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
-    """An asyncpg pool whose connections encode/decode json and jsonb with orjson.
+    """An asyncpg pool whose connections encode/decode json and jsonb with every number exact.
 
     Raises:
         LedgerUnavailableError: PostgreSQL did not accept the connection.
@@ -214,7 +218,7 @@ class Ledger:
         terminal = is_terminal(new)
         reason = None
         if new is OperationState.FAILED and snapshot.error:
-            reason = clean_text(f"remote job failed: {orjson.dumps(snapshot.error).decode()}")
+            reason = clean_text(f"remote job failed: {exactjson.dumps(snapshot.error).decode()}")
         outputs = [{"output_id": str(o["id"]), "position": i, "payload": o} for i, o in enumerate(snapshot.outputs)]
         async with _guard(f"save observation of {operation_id}"):
             saved = await self.pool.fetchval(

@@ -6,10 +6,9 @@ import asyncio
 import time
 from typing import Any
 
-import orjson
 from aiokafka import AIOKafkaProducer
 
-from streams import contracts
+from streams import contracts, exactjson
 from streams.config import Settings
 
 
@@ -50,10 +49,15 @@ class SubmissionProducer:
     ) -> asyncio.Future[Any]:
         """Queue one submission; returns a future that resolves when Kafka acknowledged it.
 
+        Numbers in ``request`` and ``source`` are written exactly (``int`` of any size, ``Decimal``); read the
+        input with :func:`streams.exactjson.loads` so that none is rounded on the way in.
+
         Raises:
             InvalidEventError: the value does not satisfy the submissions schema (nothing is sent).
         """
         value = submission(operation_id, request, source)
         contracts.validate("generation.submissions", value)
-        fut: asyncio.Future[Any] = await self._producer.send(self.topic, orjson.dumps(value), key=operation_id.encode())
+        fut: asyncio.Future[Any] = await self._producer.send(
+            self.topic, exactjson.dumps(value), key=operation_id.encode()
+        )
         return fut

@@ -15,6 +15,11 @@ timeout or connection lost after send, 5xx      :class:`RemoteUnknownOutcomeErro
 without job id, 2xx without a readable id
 =============================================== ================================== =====================
 
+Answers are read with every number exact (:mod:`streams.exactjson`). A 2xx whose body cannot be read exactly
+(``NaN``, a number too long) counts as "without a readable id"; on a GET, such a 200 is a contract violation
+naming the field. ``Retry-After`` is read by :func:`parse_retry_after_s`, ``completed_at`` by
+:func:`read_completed_at_ms`.
+
 The ``httpx.AsyncClient`` is built in one factory, :func:`make_http_client`, so tests and benchmarks inject a
 transport instead of patching.
 """
@@ -23,18 +28,21 @@ from __future__ import annotations
 
 import datetime as dt
 import email.utils
+import logging
 import math
 import re
 import time
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 from urllib.parse import quote
 
 import httpx
-import orjson
 
+from streams import contracts, exactjson
 from streams.config import Settings
 from streams.errors import (
+    JsonValueError,
     RemoteContractError,
     RemoteJobNotFoundError,
     RemoteNotSentError,
@@ -45,7 +53,10 @@ from streams.errors import (
 )
 from streams.states import OperationState, state_for_remote_status
 
-_DELTA_SECONDS = re.compile(r"\d{1,10}(\.\d{1,6})?")
+log = logging.getLogger(__name__)
+
+#: ``Retry-After`` delay-seconds: ASCII digits (RFC 9110, 10.2.3), a decimal fraction tolerated; any length.
+_DELTA_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
 
 #: httpx exceptions raised before any byte of the request was written.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
@@ -94,7 +105,9 @@ class JobSnapshot:
     """One GET of a remote job.
 
     ``state`` is the operation state the remote ``status`` maps to; ``outputs`` is a list of dicts with at
-    least an ``id``; ``completed_at_ms`` is the remote completion time (epoch ms) when terminal.
+    least an ``id``, every number exact (:mod:`streams.exactjson`); ``completed_at_ms`` is the remote completion
+    time (epoch ms) when terminal and readable, else None with ``completed_at_problem`` saying why
+    (:func:`read_completed_at_ms`).
     """
 
     job_id: str
@@ -106,69 +119,133 @@ class JobSnapshot:
     error: dict[str, Any] | None = None
     status_code: int = 200
     duration_ms: float = 0.0
+    completed_at_problem: str | None = None
 
     def as_observation(self) -> dict[str, Any]:
-        """The JSON saved as the operation's ``last_observation``."""
-        return {
+        """The JSON saved as the operation's ``last_observation`` (with ``completed_at_problem`` when set)."""
+        observation = {
             "job_id": self.job_id,
             "status": self.status,
             "outputs": len(self.outputs),
             "completed_at_ms": self.completed_at_ms,
             "error": self.error,
         }
-
-
-def parse_retry_after_s(value: str | None, *, cap_s: float = 3600.0) -> float | None:
-    """Seconds from a ``Retry-After`` header, or None when absent or unreadable (RFC 9110, 10.2.3).
-
-    Accepts delta-seconds (digits, a decimal fraction tolerated) and an HTTP-date; the result is clamped to
-    ``[0, cap_s]`` so a hostile or broken header cannot stall a worker.
-    """
-    if value is None:
-        return None
-    text = value.strip()
-    if _DELTA_SECONDS.fullmatch(text):
-        return min(cap_s, float(text))
-    try:
-        when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.UTC)
-    return min(cap_s, max(0.0, (when - dt.datetime.now(dt.UTC)).total_seconds()))
-
-
-def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:
-    try:
-        body = orjson.loads(response.content)
-    except orjson.JSONDecodeError:
-        return None
-    return body if isinstance(body, dict) else None
+        if self.completed_at_problem is not None:
+            observation["completed_at_problem"] = self.completed_at_problem
+        return observation
 
 
 #: Upper bound of any poll hint from the API (s): a broken or hostile hint cannot park a job for years.
 MAX_POLL_HINT_S = 3600.0
 
+#: Wait after a 429 whose ``Retry-After`` is absent or unreadable (s).
+RATE_LIMITED_FALLBACK_S = 1.0
+
+#: Latest time the ledger and the topic schemas accept (epoch ms of 9999-12-31T23:59:59.999Z).
+MAX_EPOCH_MS = 253_402_300_799_999
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
 #: Job ids this client accepts: they go into a URL path and the ledger (at most 256 characters).
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,255}")
 
 
+def parse_retry_after_s(
+    value: str | None, *, cap_s: float = MAX_POLL_HINT_S, now: dt.datetime | None = None
+) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (RFC 9110, 10.2.3), or None when absent or unreadable.
+
+    * delay-seconds (ASCII digits, a decimal fraction tolerated, surrounding spaces ignored): that many
+      seconds, capped at ``cap_s`` (``86400000`` -> ``cap_s``; a long number is read, not refused);
+    * an HTTP-date: seconds from ``now`` (default: the wall clock) until then, 0 when it is past, capped;
+    * anything else (``-1``, ``nan``, ``1e999``, ``inf``, empty): None, and the caller falls back to its own
+      backoff. The result is never negative, never NaN and never above ``cap_s``.
+    """
+    if value is None:
+        return None
+    text = value.strip(" \t")
+    if _DELTA_SECONDS.fullmatch(text):
+        return min(cap_s, float(text))  # float() of a very long number is inf: capped like the rest
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)  # an HTTP-date is always GMT
+    seconds = (when - (now or dt.datetime.now(dt.UTC))).total_seconds()
+    return min(cap_s, max(0.0, seconds))
+
+
+def _read_json(response: httpx.Response) -> tuple[Any, JsonValueError | None]:
+    """The answer's JSON with every number exact, or None and why it could not be read."""
+    try:
+        return exactjson.loads(response.content), None
+    except JsonValueError as exc:
+        return None, exc
+
+
 def _poll_after_s(body: dict[str, Any] | None, response: httpx.Response) -> float | None:
+    """The API's poll hint in seconds: ``Retry-After`` when readable, else ``poll_after_ms``; clamped to
+    ``[0, MAX_POLL_HINT_S]``; None when neither is usable."""
     hint = parse_retry_after_s(response.headers.get("Retry-After"))
     if hint is not None:
         return hint
     value = body.get("poll_after_ms") if body is not None else None
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return min(MAX_POLL_HINT_S, max(0.0, float(value) / 1000.0))
-    return None
-
-
-def _to_ms(value: Any) -> int | None:
-    """Epoch milliseconds from a unix time in seconds (or already in ms); None when absent or implausible."""
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+    if not exactjson.is_number(value):
         return None
-    ms = int(value * 1000) if value < 1e11 else int(value)
-    return ms if ms < 10**13 else None  # beyond the year 2286: not a real completion time
+    seconds = float(value) / 1000.0  # a huge value is inf here: capped below
+    return min(MAX_POLL_HINT_S, max(0.0, seconds)) if not math.isnan(seconds) else None
+
+
+def read_completed_at_ms(value: Any) -> tuple[int | None, str | None]:
+    """The remote ``completed_at`` as epoch milliseconds, or None and the reason it was not read.
+
+    ================================================ =====================================================
+    ``completed_at``                                 result
+    ================================================ =====================================================
+    absent or ``null``                               ``(None, None)``
+    a number below 1e11                              unix seconds -> ms (sub-millisecond digits dropped)
+    a larger number                                  epoch ms
+    an RFC 3339 date-time with ``Z`` or ``±hh:mm``   that instant in epoch ms
+    a date-time without an offset                    ``(None, reason)``: not guessed as UTC (an hours-wide
+                                                     error would pass unseen)
+    negative, after 9999-12-31, other text, a bool   ``(None, reason)``
+    ================================================ =====================================================
+
+    The caller records the reason with the observation (``completed_at_problem``) and logs it.
+    """
+    if value is None:
+        return None, None
+    shown = _shown(value)
+    ms: int | None = None
+    if exactjson.is_number(value):
+        number = value if isinstance(value, Decimal) else Decimal(repr(value) if isinstance(value, float) else value)
+        if number.is_finite():
+            ms = int(number * 1000) if number < Decimal("1e11") else int(number)
+    elif isinstance(value, str):
+        if not contracts.format_conforms(value, "date-time"):
+            try:
+                naive = dt.datetime.fromisoformat(value.upper()).tzinfo is None
+            except ValueError:
+                naive = False
+            if naive:
+                return None, f"completed_at {shown} has no UTC offset (RFC 3339 requires Z or +hh:mm); not read"
+            return None, f"completed_at {shown} is not an RFC 3339 date-time; not read"
+        try:
+            when = dt.datetime.fromisoformat(value.upper())
+        except ValueError as exc:  # e.g. a leap second: valid RFC 3339, not representable
+            return None, f"completed_at {shown} cannot be represented ({exc}); not read"
+        ms = (when - _EPOCH) // dt.timedelta(milliseconds=1)
+    else:
+        return None, f"completed_at {shown} is neither a number nor a date-time; not read"
+    if ms is None or not 0 <= ms <= MAX_EPOCH_MS:
+        return None, f"completed_at {shown} is outside 1970-01-01 .. 9999-12-31; not read"
+    return ms, None
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``value`` as short text for a reason (numbers exactly as they came: ``JsonDecimal`` shows its JSON)."""
+    return clean_text(repr(value), limit)
 
 
 def clean_text(text: str, limit: int = 2000) -> str:
@@ -214,7 +291,7 @@ class RemoteClient:
         started = time.perf_counter()
         try:
             response = await self.http.post(
-                "/v1/generations", content=orjson.dumps(body), headers={"Content-Type": "application/json"}
+                "/v1/generations", content=exactjson.dumps(body), headers={"Content-Type": "application/json"}
             )
         except _NOT_SENT as exc:
             raise RemoteNotSentError(operation_id, f"POST not sent ({type(exc).__name__}: {exc})") from exc
@@ -231,23 +308,26 @@ class RemoteClient:
 
     def _classify_submit(self, operation_id: str, response: httpx.Response, duration_ms: float) -> SubmitResult:
         status = response.status_code
-        body = _json_or_none(response)
+        parsed, unreadable = _read_json(response)
+        body = parsed if isinstance(parsed, dict) else None
         error = body.get("error") if body is not None else None
         error = error if isinstance(error, dict) else {}
+        # An answer that cannot be read exactly (NaN, a number too long, not JSON) is not trusted in part.
+        why_unreadable = f" (body not read: {clean_text(str(unreadable), 300)})" if unreadable is not None else ""
         if 200 <= status < 300:
             job_id = body.get("id") if body is not None else None
             if isinstance(job_id, str) and JOB_ID.fullmatch(job_id):
                 return SubmitResult(job_id, status, False, _poll_after_s(body, response), duration_ms)
             raise RemoteUnknownOutcomeError(
                 operation_id,
-                f"HTTP {status} without a usable job id ({clean_text(repr(job_id), 80)}); a job may exist",
+                f"HTTP {status} without a usable job id ({_shown(job_id)}){why_unreadable}; a job may exist",
                 status_code=status,
             )
         if status == 502 and isinstance(error.get("job_id"), str) and JOB_ID.fullmatch(error["job_id"]):
             return SubmitResult(error["job_id"], status, True, _poll_after_s(body, response), duration_ms)
         if status == 429:
             retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
-            raise RemoteRateLimitedError(operation_id, 1.0 if retry_after is None else retry_after)
+            raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
         if 400 <= status < 500:
             code = clean_text(str(error.get("code", f"http_{status}")), 80)
             message = clean_text(str(error.get("message", response.reason_phrase)), 500)
@@ -255,7 +335,7 @@ class RemoteClient:
                 operation_id, f"refused with HTTP {status} {code}: {message}", status_code=status, code=code
             )
         raise RemoteUnknownOutcomeError(
-            operation_id, f"HTTP {status} without error.job_id; a job may exist", status_code=status
+            operation_id, f"HTTP {status} without error.job_id{why_unreadable}; a job may exist", status_code=status
         )
 
     async def observe(self, operation_id: str, job_id: str) -> JobSnapshot:
@@ -263,9 +343,10 @@ class RemoteClient:
 
         Raises:
             RemoteJobNotFoundError: 404 for this job id.
-            RemoteContractError: a 200 whose outputs break the contract (ids missing, not strings, repeated).
+            RemoteContractError: a 200 whose outputs break the contract (ids missing, not strings, repeated), or
+                with a value that cannot be carried exactly (``NaN``, ``Infinity``, a number too long), naming it.
             RemoteRateLimitedError: 429 (retry after its hint).
-            RemoteTransientError: any other failure (timeouts, I/O, 5xx, unreadable body, unknown status).
+            RemoteTransientError: any other failure (timeouts, I/O, 5xx, a body that is not JSON, unknown status).
         """
         started = time.perf_counter()
         try:
@@ -273,42 +354,69 @@ class RemoteClient:
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise RemoteTransientError(operation_id, f"GET {job_id} failed ({type(exc).__name__}: {exc})") from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
-        status = response.status_code
-        body = _json_or_none(response)
-        if status == 404:
-            raise RemoteJobNotFoundError(operation_id, f"remote job {job_id} not found (404)", status_code=404)
-        if status == 429:
-            retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
-            raise RemoteRateLimitedError(operation_id, 1.0 if retry_after is None else retry_after)
-        if status != 200 or body is None:
-            raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP {status}", status_code=status)
-        remote_status = str(body.get("status", ""))
-        state = state_for_remote_status(remote_status)
-        if state is None:
-            raise RemoteTransientError(
-                operation_id, f"GET {job_id} returned unknown status {remote_status!r}", status_code=status
-            )
-        outputs = body.get("outputs") or []
-        ids = (
-            [o.get("id") for o in outputs]
-            if isinstance(outputs, list) and all(isinstance(o, dict) for o in outputs)
-            else None
-        )
-        if ids is None or not all(isinstance(i, str) and i for i in ids) or len(set(ids)) != len(ids):
-            raise RemoteContractError(
-                operation_id,
-                f"GET {job_id} returned outputs without distinct string ids: {clean_text(repr(outputs), 300)}",
-                status_code=status,
-            )
-        error = body.get("error")
-        return JobSnapshot(
-            job_id=job_id,
-            status=remote_status,
-            state=state,
-            outputs=outputs,
-            poll_after_s=_poll_after_s(body, response),
-            completed_at_ms=_to_ms(body.get("completed_at")),
-            error=error if isinstance(error, dict) else None,
+        return parse_job_answer(operation_id, job_id, response, duration_ms)
+
+
+def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, duration_ms: float) -> JobSnapshot:
+    """Classify one answer to ``GET /v1/generations/{job_id}`` (see :meth:`RemoteClient.observe`).
+
+    Every number of the answer is read exactly (:mod:`streams.exactjson`): outputs carry big integers and long
+    fractions unchanged. A 200 with ``NaN``/``Infinity`` or a number too long to carry is a contract violation
+    naming the field; a 200 that is not JSON at all is retried, with what was wrong in the reason.
+
+    Raises:
+        RemoteJobNotFoundError, RemoteRateLimitedError, RemoteContractError, RemoteTransientError.
+    """
+    status = response.status_code
+    if status == 404:
+        raise RemoteJobNotFoundError(operation_id, f"remote job {job_id} not found (404)", status_code=404)
+    if status == 429:
+        retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+        raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
+    if status != 200:
+        raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP {status}", status_code=status)
+    body, unreadable = _read_json(response)
+    if unreadable is not None and unreadable.path is not None:
+        raise RemoteContractError(
+            operation_id,
+            f"GET {job_id} answered HTTP 200 with a value that cannot be carried exactly: "
+            f"{clean_text(str(unreadable), 300)}",
             status_code=status,
-            duration_ms=duration_ms,
         )
+    if not isinstance(body, dict):
+        what = clean_text(str(unreadable), 300) if unreadable is not None else "JSON that is not an object"
+        raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP 200 with {what}", status_code=status)
+    remote_status = str(body.get("status", ""))
+    state = state_for_remote_status(remote_status)
+    if state is None:
+        raise RemoteTransientError(
+            operation_id, f"GET {job_id} returned unknown status {remote_status!r}", status_code=status
+        )
+    outputs = body.get("outputs") or []
+    ids = (
+        [o.get("id") for o in outputs]
+        if isinstance(outputs, list) and all(isinstance(o, dict) for o in outputs)
+        else None
+    )
+    if ids is None or not all(isinstance(i, str) and i for i in ids) or len(set(ids)) != len(ids):
+        raise RemoteContractError(
+            operation_id,
+            f"GET {job_id} returned outputs without distinct string ids: {clean_text(repr(outputs), 300)}",
+            status_code=status,
+        )
+    error = body.get("error")
+    completed_at_ms, completed_at_problem = read_completed_at_ms(body.get("completed_at"))
+    if completed_at_problem is not None:
+        log.warning("operation %s: GET %s: %s", operation_id, job_id, completed_at_problem)
+    return JobSnapshot(
+        job_id=job_id,
+        status=remote_status,
+        state=state,
+        outputs=outputs,
+        poll_after_s=_poll_after_s(body, response),
+        completed_at_ms=completed_at_ms,
+        completed_at_problem=completed_at_problem,
+        error=error if isinstance(error, dict) else None,
+        status_code=status,
+        duration_ms=duration_ms,
+    )

@@ -15,10 +15,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import orjson
 import tenacity
 
-from streams import contracts, metrics
+from streams import contracts, exactjson, metrics
 from streams.config import Settings
 from streams.errors import CoordinationUnavailableError, InvalidEventError, LedgerUnavailableError
 from streams.lease import Lease, LeaseManager, make_redis
@@ -133,8 +132,8 @@ class Runtime:
                 delay = min(self.settings.coordination_retry_cap_s, delay * 2)
 
     async def publish(self, role: str, key: str, value: dict[str, Any]) -> None:
-        """Send ``value`` as JSON to the topic of ``role`` keyed by ``key``; returns once Kafka acked."""
-        await self.send(self.settings.topic(role), key.encode(), orjson.dumps(value))
+        """Send ``value`` as JSON (numbers exact) to the topic of ``role`` keyed by ``key``; returns once acked."""
+        await self.send(self.settings.topic(role), key.encode(), exactjson.dumps(value))
 
     async def dead_letter(self, message: RawMessage, error: InvalidEventError) -> None:
         """Send ``message`` with its reason and original bytes to the dead-letter topic (waits for the ack)."""

@@ -274,8 +274,10 @@ def _authorized(request: web.Request) -> bool:
     return scheme.lower() == "bearer" and bool(token.strip())
 
 
-def _outputs(job: JobRecord) -> list[dict[str, Any]]:
-    return [
+def _outputs(job: JobRecord, extra_json: str = "") -> list[Any]:
+    """The job's outputs; ``extra_json`` (raw object text) is spliced into each one verbatim, so an answer can
+    carry numbers no Python float or orjson int holds (``2**64``, ``NaN``) exactly as written."""
+    outputs: list[Any] = [
         {
             "id": f"out_{i}",
             "index": i,
@@ -284,6 +286,10 @@ def _outputs(job: JobRecord) -> list[dict[str, Any]]:
         }
         for i in range(job.outputs)
     ]
+    members = extra_json.strip()[1:-1].strip().encode()
+    if members:
+        outputs = [orjson.Fragment(orjson.dumps(o)[:-1] + b"," + members + b"}") for o in outputs]
+    return outputs
 
 
 async def post_generation(request: web.Request) -> web.StreamResponse:
@@ -337,7 +343,7 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
         return _json(
             {"error": {"code": "rate_limited", "message": "too many requests"}},
             status=429,
-            headers={"Retry-After": str(cfg.retry_after_s)},
+            headers={"Retry-After": cfg.retry_after_header or str(cfg.retry_after_s)},
         )
     if fault is PostFault.INTERNAL_5XX:
         return _error(decision.status, "internal_error", "simulated internal error")
@@ -407,10 +413,10 @@ async def get_generation(request: web.Request) -> web.Response:
             if job.first_terminal_get_at is None:
                 job.first_terminal_get_at = now
             if status == "succeeded":
-                data["outputs"] = _outputs(job)
+                data["outputs"] = _outputs(job, cfg.output_extra_json)
             else:
                 data["error"] = {"code": "generation_failed", "message": "simulated generation failure"}
-        return _json(data)
+        return _json(data, headers={"Retry-After": cfg.retry_after_header} if cfg.retry_after_header else None)
     finally:
         job.gets_in_flight -= 1
 

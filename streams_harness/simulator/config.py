@@ -55,6 +55,12 @@ class SimulatorConfig:
     decode_ms_per_token: float = _f(DEFAULT_DECODE_MS_PER_TOKEN, "Decode time per generated token, ms.")
     fault_429: float = _f(0.0, "P(POST answered 429 + Retry-After; nothing created).")
     retry_after_s: int = _f(1, "Retry-After header value on 429, seconds.")
+    retry_after_header: str = _f(
+        "", "If set: the Retry-After header, verbatim, on every GET answer and every 429 (replaces retry_after_s)."
+    )
+    output_extra_json: str = _f(
+        "", 'If set: raw JSON members spliced verbatim into every output, e.g. {"seed": 18446744073709551616}.'
+    )
     fault_502_job_id: float = _f(0.0, "P(POST answered 502 whose body carries the created job id).")
     fault_5xx: float = _f(0.0, "P(POST answered 500/503 without job id; job created 50/50).")
     fault_drop_after_create: float = _f(0.0, "P(job created, connection closed without response).")
@@ -89,6 +95,9 @@ class SimulatorConfig:
             raise ValueError("need 0 <= poll_min_ms <= poll_max_ms")
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be within [0, 65535]")
+        extra = self.output_extra_json.strip()
+        if extra and not (extra.startswith("{") and extra.endswith("}") and extra[1:-1].strip()):
+            raise ValueError("output_extra_json must be the text of a non-empty JSON object")
 
     @property
     def fault_rates(self) -> FaultRates:

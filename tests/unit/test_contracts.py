@@ -71,7 +71,9 @@ def test_schema_file_is_valid_draft_2020_12(name: str) -> None:
 
 @pytest.mark.parametrize("topic", sorted(contracts.SCHEMA_FILES))
 def test_validator_compiles(topic: str) -> None:
-    assert isinstance(contracts.validator(topic), jsonschema.Draft202012Validator)
+    v = contracts.validator(topic)
+    assert v.META_SCHEMA == jsonschema.Draft202012Validator.META_SCHEMA
+    assert v.format_checker is contracts.FORMAT_CHECKER
 
 
 def test_unknown_topic_is_config_error() -> None:

@@ -1,0 +1,211 @@
+"""JSON in and out of the system without changing a number.
+
+Every place JSON enters the system (Kafka values, the remote API's answers, jsonb read back from PostgreSQL,
+``streams submit`` files) reads it with :func:`loads`; every place it leaves (Kafka values, POST bodies, jsonb
+written to PostgreSQL, ``streams follow``) writes it with :func:`dumps`.
+
+Why not ``orjson.loads``: it turns integers outside ``[-2**63, 2**64 - 1]`` into binary doubles (``2**64`` and
+``2**64 + 1`` both become ``18446744073709551616.0``) and reads every fraction as a double. Here:
+
+============================== ==================================================================
+JSON number                    Python value
+============================== ==================================================================
+an integer, any size           ``int`` (exact)
+a fraction or an exponent      :class:`JsonDecimal`, a :class:`decimal.Decimal` (exact value and digits:
+                               ``1.50`` stays ``1.50``, ``1e400`` stays ``1E+400``)
+============================== ==================================================================
+
+:func:`dumps` writes both back as the same JSON numbers, so a payload the system does not interpret (an output,
+a ``source``, the provider's request body) is carried exactly. PostgreSQL ``jsonb`` keeps such numbers exactly
+too (``numeric``); it writes exponents out in plain digits (``1E+3`` is read back as ``1000``).
+
+What cannot be carried exactly is refused with :class:`~streams.errors.JsonValueError`, naming the field:
+
+* ``NaN``, ``Infinity``, ``-Infinity`` (not JSON: RFC 8259, section 6) -> ``not_json``;
+* a number whose plain decimal form has more than :data:`MAX_NUMBER_DIGITS` digits (Python's own limit for
+  integers, and beyond what PostgreSQL's ``numeric`` stores past the decimal point), or numbers in exponent form
+  that would expand by more than :data:`MAX_EXPANSION_CHARS` characters in all once stored -> ``number_out_of_range``;
+* text that is not UTF-8, not JSON, nested too deeply, or a string with an unpaired surrogate -> ``not_json``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any, TypeGuard
+
+import orjson
+
+from streams.errors import JsonValueError
+
+#: Most digits of one number in plain decimal form (``sys.int_info.default_max_str_digits``).
+MAX_NUMBER_DIGITS = 4300
+
+#: Most characters that numbers written with an exponent may add to a document once stored in plain digits
+#: (PostgreSQL ``jsonb`` writes ``1e4000`` as 4001 characters): a small answer cannot become a huge event.
+MAX_EXPANSION_CHARS = 65_536
+
+#: The integers ``orjson.dumps`` writes natively; wider ones are written from their decimal text.
+_ORJSON_INT_MIN, _ORJSON_INT_MAX = -(2**63), 2**64 - 1
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class JsonDecimal(Decimal):
+    """A JSON number with a fraction or an exponent, exactly as written; its ``repr`` is its JSON text, so error
+    messages (jsonschema's among them) show ``1.5`` rather than ``Decimal('1.5')``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class _Refused:
+    """Stands in the parsed value for a token that cannot be carried exactly, so its path can be named."""
+
+    __slots__ = ("reason", "why")
+
+    def __init__(self, reason: str, why: str) -> None:
+        self.reason = reason
+        self.why = why
+
+
+def _plain_digits(number: Decimal) -> int:
+    """Characters of ``number`` written without an exponent (sign excluded)."""
+    _, digits, exponent = number.as_tuple()
+    assert isinstance(exponent, int)  # finite: the JSON grammar has no NaN or infinity
+    if exponent >= 0:
+        return len(digits) + exponent
+    return max(len(digits), -exponent) + 1
+
+
+def _path(parts: list[str | int]) -> str:
+    return "/".join(str(p) for p in parts) or "(root)"
+
+
+def _walk(value: Any) -> Iterator[tuple[list[str | int], Any]]:
+    """Every value in document order with its path; iterative, so any depth the parser accepted is fine."""
+    stack: list[tuple[list[str | int], Any]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        yield path, item
+        if isinstance(item, dict):
+            stack.extend(([*path, k], v) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend(([*path, i], v) for i, v in reversed(list(enumerate(item))))
+
+
+def loads(data: bytes | str) -> Any:
+    """Parse JSON text with every number exact (see the module docstring for the mapping).
+
+    Args:
+        data: UTF-8 bytes or a str.
+
+    Raises:
+        JsonValueError: ``reason`` ``not_json`` or ``number_out_of_range``, ``path`` the field (``a/0/b``,
+            ``(root)``), the message what was wrong.
+    """
+    if isinstance(data, bytes | bytearray | memoryview):
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise JsonValueError("not_json", f"not JSON: not UTF-8 ({exc})") from exc
+    else:
+        text = data
+    refused = 0
+    expansion = 0
+
+    def refuse(reason: str, why: str) -> _Refused:
+        nonlocal refused
+        refused += 1
+        return _Refused(reason, why)
+
+    def parse_int(token: str) -> int | _Refused:
+        digits = len(token.lstrip("-"))
+        if digits > MAX_NUMBER_DIGITS:
+            why = f"an integer of {digits} digits (at most {MAX_NUMBER_DIGITS} are carried exactly)"
+            return refuse("number_out_of_range", why)
+        return int(token)
+
+    def parse_float(token: str) -> JsonDecimal | _Refused:
+        nonlocal expansion
+        number = JsonDecimal(token)
+        plain = _plain_digits(number)
+        if plain > MAX_NUMBER_DIGITS:
+            why = f"{token[:40]} has {plain} digits written out (at most {MAX_NUMBER_DIGITS} are carried exactly)"
+            return refuse("number_out_of_range", why)
+        expansion += max(0, plain - len(token))
+        if expansion > MAX_EXPANSION_CHARS:
+            why = f"{token[:40]}: numbers with exponents grow the text by over {MAX_EXPANSION_CHARS} characters"
+            return refuse("number_out_of_range", why)
+        return number
+
+    def parse_constant(token: str) -> _Refused:
+        return refuse("not_json", f"{token} is not a JSON number (RFC 8259, section 6)")
+
+    decoder = json.JSONDecoder(parse_int=parse_int, parse_float=parse_float, parse_constant=parse_constant)
+    try:
+        value = decoder.decode(text)
+    except json.JSONDecodeError as exc:
+        raise JsonValueError("not_json", f"not JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise JsonValueError("not_json", "not JSON: nested too deeply") from exc
+    if refused:
+        path, bad = next((p, v) for p, v in _walk(value) if isinstance(v, _Refused))
+        raise JsonValueError(bad.reason, f"at {_path(path)}: {bad.why}", path=_path(path))
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_unpaired_surrogates(value)
+    return value
+
+
+def _refuse_unpaired_surrogates(value: Any) -> None:
+    """Refuse strings that no UTF-8 text can hold (``"\\ud800"`` alone), as orjson and PostgreSQL would."""
+    for path, item in _walk(value):
+        texts = [item] if isinstance(item, str) else list(item) if isinstance(item, dict) else []
+        for s in texts:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = _path(path)
+                why = f"at {where}: a string with an unpaired surrogate (not UTF-8 text)"
+                raise JsonValueError("not_json", why, path=where) from exc
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, Decimal):
+        if not value.is_finite():
+            raise TypeError(f"{value} cannot be written as a JSON number (RFC 8259, section 6)")
+        return orjson.Fragment(str(value))
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _wide_ints_as_text(value: Any) -> Any:
+    """A copy of ``value`` in which integers orjson cannot write are pre-written JSON fragments."""
+    if isinstance(value, dict):
+        return {k: _wide_ints_as_text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_wide_ints_as_text(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and not _ORJSON_INT_MIN <= value <= _ORJSON_INT_MAX:
+        return orjson.Fragment(str(value))
+    return value
+
+
+def dumps(value: Any) -> bytes:
+    """``value`` as compact UTF-8 JSON, every ``int`` and :class:`~decimal.Decimal` written exactly.
+
+    Raises:
+        TypeError: a value JSON cannot hold (an unsupported type, a non-finite Decimal, an unpaired surrogate).
+    """
+    try:
+        return orjson.dumps(value, default=_default)
+    except orjson.JSONEncodeError:
+        pass  # most often an integer beyond 64 bits: write those from their text, or raise the real error
+    return orjson.dumps(_wide_ints_as_text(value), default=_default)
+
+
+def is_number(value: Any) -> TypeGuard[int | float | Decimal]:
+    """True for a JSON number as :func:`loads` returns it (``int`` or ``Decimal``; also ``float``), not a bool."""
+    return isinstance(value, int | float | Decimal) and not isinstance(value, bool)
