@@ -68,8 +68,9 @@ def formats_used(schema: Any) -> Iterator[tuple[str, str]]:
             if isinstance(node.get("format"), str):
                 yield where or "(root)", node["format"]
             for key, value in node.items():
-                if key not in ("format", "enum", "const", "default", "examples"):
-                    stack.append((f"{where}/{key}" if where else key, value))
+                if key in ("enum", "const", "default", "examples") or (key == "format" and isinstance(value, str)):
+                    continue  # data, or the keyword itself
+                stack.append((f"{where}/{key}" if where else key, value))
         elif isinstance(node, list):
             stack.extend((f"{where}/{i}", item) for i, item in enumerate(node))
 

@@ -225,7 +225,7 @@ def read_completed_at_ms(value: Any) -> tuple[int | None, str | None]:
     elif isinstance(value, str):
         if not contracts.format_conforms(value, "date-time"):
             try:
-                naive = dt.datetime.fromisoformat(value.upper()).tzinfo is None
+                naive = "T" in value.upper() and dt.datetime.fromisoformat(value.upper()).tzinfo is None
             except ValueError:
                 naive = False
             if naive:
