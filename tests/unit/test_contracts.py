@@ -347,7 +347,7 @@ def test_interpreted_integers_have_a_maximum_in_every_schema() -> None:
     """Every integer field the system reads or writes is bounded, so nothing is rounded or overflows a column."""
     unbounded = []
     for topic in contracts.SCHEMA_FILES:
-        schema = orjson.loads((contracts.SCHEMA_DIR / contracts.SCHEMA_FILES[topic]).read_bytes())
+        schema = orjson.loads(contracts.schema_dir().joinpath(contracts.SCHEMA_FILES[topic]).read_bytes())
         stack = [("", schema)]
         while stack:
             where, node = stack.pop()
@@ -363,7 +363,7 @@ def test_interpreted_integers_have_a_maximum_in_every_schema() -> None:
 def test_latest_time_is_the_same_everywhere() -> None:
     from streams.remote import MAX_EPOCH_MS
 
-    sub = orjson.loads((contracts.SCHEMA_DIR / "generation.submissions.json").read_bytes())
+    sub = orjson.loads(contracts.schema_dir().joinpath("generation.submissions.json").read_bytes())
     assert sub["properties"]["submitted_at_ms"]["maximum"] == MAX_EPOCH_MS
     latest = dt.datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=dt.UTC)
     assert (latest - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(milliseconds=1) == MAX_EPOCH_MS

@@ -64,7 +64,7 @@ def test_a_format_that_cannot_be_enforced_is_refused_when_the_schema_loads() -> 
 def topic_formats() -> list[tuple[str, str, str]]:
     found = []
     for topic, name in sorted(contracts.SCHEMA_FILES.items()):
-        schema = orjson.loads((contracts.SCHEMA_DIR / name).read_bytes())
+        schema = orjson.loads(contracts.schema_dir().joinpath(name).read_bytes())
         found += [(topic, where, fmt) for where, fmt in contracts.formats_used(schema)]
     return found
 
