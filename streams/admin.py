@@ -1,8 +1,15 @@
-"""Set-up tasks: apply migrations (yoyo-migrations) and create the Kafka topics.
+"""Set-up tasks: apply migrations (yoyo-migrations), Kafka admin calls (topics, consumer groups).
 
 Migrations are the plain SQL files in ``migrations/`` (installed as the package ``streams.migrations``); yoyo
 applies them in order and records each in its ``_yoyo_migration`` table, under a lock, so concurrent callers
 are safe.
+
+Every Kafka admin call goes through :class:`KafkaAdmin`, which retries the broker's retriable errors (tenacity)
+within a deadline. A broker that has just started answers on its port before it can coordinate a consumer
+group: its internal ``__consumer_offsets`` topic is created on the first coordinator look-up, and until its
+partitions are loaded, look-ups and describes answer "coordinator not available" or "load in progress". aiokafka's
+admin client raises those at once, and reports per-topic errors of create/delete in the response without
+raising; both are handled here.
 """
 
 from __future__ import annotations
@@ -10,16 +17,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from importlib import resources
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
 
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaError,
+    KafkaTimeoutError,
+    TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
+    for_code,
+)
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
 from yoyo import get_backend, read_migrations
 from yoyo.migrations import MigrationList
 
 from streams.config import Settings
-from streams.errors import MissingResourceError
+from streams.errors import KafkaAdminError, MissingResourceError
 
 log = logging.getLogger(__name__)
 
@@ -73,43 +93,219 @@ def migrate(database_url: str) -> list[str]:
     return [m.id for m in pending]
 
 
+T = TypeVar("T")
+
+#: Backoff between attempts of a Kafka admin call (exponential with jitter, seconds).
+ADMIN_RETRY_INITIAL_S = 0.1
+ADMIN_RETRY_MAX_S = 2.0
+
+
+def is_retriable_kafka_error(exc: BaseException) -> bool:
+    """True when retrying the same Kafka admin call can succeed.
+
+    Retriable: errors aiokafka marks ``retriable`` (among them group coordinator not available, not coordinator,
+    coordinator load in progress, leader not available, not controller, request timed out, connection errors,
+    node not ready), aiokafka's client-side timeout, and the OS-level connection errors and timeouts under them.
+    Everything else is a definite answer (invalid topic name, policy violation, authorization) that retrying
+    cannot change. Source of the rule: the ``retriable`` flag of the Kafka protocol's error codes, as aiokafka
+    carries it.
+    """
+    if isinstance(exc, KafkaError):
+        return bool(exc.retriable) or isinstance(exc, KafkaTimeoutError)
+    return isinstance(exc, OSError | TimeoutError)
+
+
+def _raise_for_code(error_code: int, message: str) -> None:
+    """Raise the aiokafka error of a non-zero Kafka protocol ``error_code`` (responses carry them unraised)."""
+    if error_code:
+        raise for_code(error_code)(message)
+
+
+async def _nothing(client: AIOKafkaAdminClient) -> None:
+    """An admin request that only needs the client connected (used to connect with retries)."""
+
+
+@dataclass(frozen=True)
+class GroupDescription:
+    """A consumer group as its coordinator describes it: ``state`` (``Stable``, ``PreparingRebalance``,
+    ``CompletingRebalance``, ``Empty``, ``Dead`` for an unknown group) and the number of ``members``."""
+
+    group_id: str
+    state: str
+    members: int
+
+
+class KafkaAdmin:
+    """A Kafka admin client whose every call retries the broker's retriable errors within a deadline.
+
+    Use ``async with KafkaAdmin(settings) as admin``. Each call may take up to ``deadline_s`` seconds (default
+    ``settings.kafka_admin_deadline_s``), including connecting; :func:`is_retriable_kafka_error` decides what is
+    retried (exponential backoff with jitter, 0.1 s up to 2 s). A connection error drops the client, so the next
+    attempt bootstraps afresh.
+
+    Raises:
+        KafkaAdminError: from any call, when the broker answers with a definite error, or still answers with a
+            retriable one at the deadline; the message names the call and the broker.
+    """
+
+    def __init__(self, settings: Settings, deadline_s: float | None = None) -> None:
+        self.bootstrap = settings.kafka_bootstrap
+        self.deadline_s = settings.kafka_admin_deadline_s if deadline_s is None else deadline_s
+        self._client: AIOKafkaAdminClient | None = None
+
+    async def __aenter__(self) -> KafkaAdmin:
+        await self.call("connect", _nothing)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._drop_client()
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+    async def _connected(self) -> AIOKafkaAdminClient:
+        if self._client is None:
+            client = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+            try:
+                await client.start()
+            except BaseException:
+                await client.close()
+                raise
+            self._client = client
+        return self._client
+
+    async def call(
+        self,
+        what: str,
+        request: Callable[[AIOKafkaAdminClient], Awaitable[T]],
+        deadline_s: float | None = None,
+    ) -> T:
+        """Run ``request(client)`` until it succeeds, a definite error, or ``deadline_s`` (default: the admin's).
+
+        Each attempt is bounded by the time left (at least 1 s). Raises :class:`KafkaAdminError` naming ``what``.
+        """
+        budget_s = self.deadline_s if deadline_s is None else deadline_s
+        started = time.monotonic()
+        attempts = 0
+
+        async def attempt() -> T:
+            nonlocal attempts
+            attempts += 1
+            left_s = max(1.0, budget_s - (time.monotonic() - started))
+            try:
+                async with asyncio.timeout(left_s):
+                    return await request(await self._connected())
+            except (KafkaConnectionError, OSError, TimeoutError):
+                await self._drop_client()
+                raise
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(is_retriable_kafka_error),
+            stop=stop_after_delay(budget_s),
+            wait=wait_exponential_jitter(initial=ADMIN_RETRY_INITIAL_S, max=ADMIN_RETRY_MAX_S),
+            before_sleep=lambda state: log.debug(
+                "Kafka admin call %r on %s: attempt %d failed (%r), retrying",
+                what,
+                self.bootstrap,
+                state.attempt_number,
+                state.outcome.exception() if state.outcome else None,
+            ),
+            reraise=True,
+        )
+        try:
+            return await retrying(attempt)
+        except (KafkaError, OSError, TimeoutError) as exc:
+            raise KafkaAdminError(
+                what, self.bootstrap, attempts=attempts, elapsed_s=time.monotonic() - started, cause=exc
+            ) from exc
+
+    async def create_topics(self, names: list[str], partitions: int) -> list[str]:
+        """Create ``names`` with ``partitions`` partitions each (replication factor 1); returns those created.
+
+        Topics that already exist are left as they are. Raises :class:`KafkaAdminError` for any other per-topic
+        error the broker reports (e.g. an invalid name).
+        """
+
+        async def request(client: AIOKafkaAdminClient) -> list[str]:
+            existing = set(await client.list_topics())
+            wanted = [name for name in names if name not in existing]
+            if not wanted:
+                return []
+            response: Any = await client.create_topics(
+                [NewTopic(name, num_partitions=partitions, replication_factor=1) for name in wanted]
+            )
+            created = []
+            for topic, error_code, *rest in response.topic_errors:
+                if error_code == TopicAlreadyExistsError.errno:
+                    continue
+                _raise_for_code(error_code, f"creating topic {topic!r}" + (f": {rest[0]}" if rest and rest[0] else ""))
+                created.append(topic)
+            return created
+
+        return await self.call(f"create topics {names}", request)
+
+    async def delete_topics(self, names: list[str]) -> list[str]:
+        """Delete those of ``names`` that exist; returns the names deleted (a topic already gone is no error)."""
+
+        async def request(client: AIOKafkaAdminClient) -> list[str]:
+            existing = set(await client.list_topics())
+            doomed = [name for name in names if name in existing]
+            if not doomed:
+                return []
+            response: Any = await client.delete_topics(doomed)
+            deleted = []
+            for topic, error_code, *_ in response.topic_error_codes:
+                if error_code == UnknownTopicOrPartitionError.errno:
+                    continue
+                _raise_for_code(error_code, f"deleting topic {topic!r}")
+                deleted.append(topic)
+            return deleted
+
+        return await self.call(f"delete topics {names}", request)
+
+    async def find_coordinator(self, group_id: str, deadline_s: float | None = None) -> int:
+        """The broker id coordinating consumer group ``group_id`` (a FindCoordinator request)."""
+
+        async def request(client: AIOKafkaAdminClient) -> int:
+            coordinator: int = await client.find_coordinator(group_id)
+            return coordinator
+
+        return await self.call(f"find the coordinator of consumer group {group_id!r}", request, deadline_s)
+
+    async def describe_group(self, group_id: str, deadline_s: float | None = None) -> GroupDescription:
+        """Consumer group ``group_id`` as its coordinator describes it (``Dead`` with 0 members when unknown)."""
+
+        async def request(client: AIOKafkaAdminClient) -> GroupDescription:
+            [response] = await client.describe_consumer_groups([group_id])
+            error_code, _, state, _, _, members, *_ = response.groups[0]
+            _raise_for_code(error_code, f"describing consumer group {group_id!r}")
+            return GroupDescription(group_id, state, len(members))
+
+        return await self.call(f"describe consumer group {group_id!r}", request, deadline_s)
+
+
 async def create_topics(settings: Settings) -> list[str]:
     """Create the five topics with ``settings.partitions`` partitions (replication 1); returns those created.
 
-    Existing topics are left as they are (their partition count is not changed).
+    Existing topics are left as they are (their partition count is not changed). Raises
+    :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    await admin.start()
-    try:
-        existing = set(await admin.list_topics())
-        wanted = [name for name in settings.topics.values() if name not in existing]
-        if wanted:
-            try:
-                await admin.create_topics(
-                    [NewTopic(name, num_partitions=settings.partitions, replication_factor=1) for name in wanted]
-                )
-            except TopicAlreadyExistsError:
-                pass
-        return wanted
-    finally:
-        await admin.close()
+    async with KafkaAdmin(settings) as admin:
+        return await admin.create_topics(list(settings.topics.values()), settings.partitions)
 
 
 async def delete_topics(settings: Settings) -> list[str]:
     """Delete the five topics of ``settings`` (those that exist); returns the names deleted.
 
-    Meant for isolated runs (the main job, test sessions) whose topics carry their own prefix.
+    Meant for isolated runs (the main job, test sessions) whose topics carry their own prefix. Raises
+    :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    await admin.start()
-    try:
-        existing = set(await admin.list_topics())
-        doomed = [name for name in settings.topics.values() if name in existing]
-        if doomed:
-            await admin.delete_topics(doomed)
-        return doomed
-    finally:
-        await admin.close()
+    async with KafkaAdmin(settings) as admin:
+        return await admin.delete_topics(list(settings.topics.values()))
 
 
 async def create_run_database(database_url: str, run_id: str) -> str:
@@ -140,21 +336,22 @@ async def drop_run_database(database_url: str, run_database_url: str) -> None:
 
 
 async def wait_group_stable(settings: Settings, members: int, timeout_s: float) -> bool:
-    """Wait until the consumer group ``settings.app_id`` is ``Stable`` with ``members`` members.
+    """Wait until the consumer group ``settings.app_id`` is ``Stable`` with at least ``members`` members.
 
-    Returns False when the time ran out (the caller decides whether that matters).
+    Returns False when the group did not settle within ``timeout_s`` (the caller decides whether that matters).
+    Retriable broker errors (a new broker without a group coordinator yet) are retried within the same time.
+
+    Raises:
+        KafkaAdminError: the broker could not describe the group at all within ``timeout_s``, or refused.
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    await admin.start()
-    try:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while asyncio.get_running_loop().time() < deadline:
-            [response] = await admin.describe_consumer_groups([settings.app_id])
-            group = response.groups[0]
-            state, group_members = group[2], group[5]
-            if state == "Stable" and len(group_members) >= members:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with KafkaAdmin(settings, deadline_s=timeout_s) as admin:
+        while True:
+            left_s = deadline - loop.time()
+            if left_s <= 0:
+                return False
+            group = await admin.describe_group(settings.app_id, deadline_s=left_s)
+            if group.state == "Stable" and group.members >= members:
                 return True
-            await asyncio.sleep(0.25)
-        return False
-    finally:
-        await admin.close()
+            await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))

@@ -3,6 +3,7 @@
 ::
 
     streams migrate                  apply migrations and create topics
+    streams ready [--service NAME]   wait until PostgreSQL, Redis and Kafka answer real commands
     streams worker [--web-port N]    run one Faust worker process (dispatcher, observer, scheduler, relay)
     streams submit FILE.jsonl        publish submissions from JSONL (one {"operation_id", "request"} a line)
     streams follow                   print delivered outputs, each once
@@ -111,6 +112,44 @@ def migrate() -> None:
     click.echo(f"migrations applied: {applied or 'none (up to date)'}")
     created = asyncio.run(create_topics(settings))
     click.echo(f"topics created: {created or 'none (all exist)'} ({settings.partitions} partitions)")
+
+
+@main.command()
+@click.option(
+    "--service",
+    "services",
+    multiple=True,
+    type=click.Choice(["postgres", "redis", "kafka"]),
+    help="Check only this service (repeatable; default: all three).",
+)
+@click.option("--timeout-s", default=120.0, show_default=True, help="Give up on a service after this long.")
+@click.option(
+    "--pid",
+    "pids",
+    multiple=True,
+    metavar="SERVICE=PID",
+    help="The service's server process: fail at once if it exits while waiting (repeatable).",
+)
+def ready(services: tuple[str, ...], timeout_s: float, pids: tuple[str, ...]) -> None:
+    """Wait until the services answer real commands: PostgreSQL a query (STREAMS_DATABASE_URL), Redis SET/GET
+    (STREAMS_REDIS_URL), Kafka a group coordinator look-up and describe of a throwaway consumer group
+    (STREAMS_KAFKA_BOOTSTRAP). Exits non-zero with the reason when one does not within --timeout-s."""
+    from streams.errors import StreamsError
+    from streams.readiness import SERVICES, wait_ready
+
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # refused connections while waiting are expected
+    watched: dict[str, int] = {}
+    for item in pids:
+        name, sep, value = item.partition("=")
+        if not sep or name not in SERVICES or not value.isdigit():
+            raise click.BadParameter(f"{item!r}: expected SERVICE=PID with SERVICE in {SERVICES}", param_hint="--pid")
+        watched[name] = int(value)
+    try:
+        answers = asyncio.run(wait_ready(_settings(), list(services or SERVICES), timeout_s, watched))
+    except StreamsError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for name, (answer, elapsed_s) in answers.items():
+        click.echo(f"{name:<9} ready    {answer} ({elapsed_s:.1f}s)")
 
 
 @main.command()

@@ -41,6 +41,8 @@ class Settings:
     kafka_heartbeat_interval_s: float = 3.0
     topic_prefix: str = ""
     partitions: int = 8
+    # Kafka admin calls (topics, consumer-group look-ups) retry the broker's retriable errors this long.
+    kafka_admin_deadline_s: float = 60.0
 
     # Redis leases (seed: ``SET app:observe:operation-42 token NX PX 45000``).
     lease_key_prefix: str = "app"

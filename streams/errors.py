@@ -13,6 +13,9 @@
     ├── LedgerError                  PostgreSQL ledger
     │   ├── LedgerUnavailableError         PostgreSQL did not answer: wait and retry, never skip the write
     │   └── LedgerDataError                PostgreSQL refused a value (class 22/23): retrying cannot help
+    ├── KafkaAdminError              a Kafka admin call (topics, consumer groups) failed, or kept failing past its
+    │                                deadline with errors the broker calls retriable
+    ├── ServiceNotReadyError         a backing service did not answer real commands within the deadline
     └── RemoteError                  the remote generation API (always carries ``operation_id``)
         ├── RemoteRefusedError             definite refusal, nothing created (4xx such as 400/422)
         │   └── RemoteRateLimitedError     429: nothing created, retry after ``retry_after_s``
@@ -102,6 +105,37 @@ class LedgerUnavailableError(LedgerError):
 class LedgerDataError(LedgerError):
     """PostgreSQL refused the values of a write (data exception or integrity violation); nothing was written
     and retrying the same write cannot succeed. The caller records the operation's outcome another way."""
+
+
+class KafkaAdminError(StreamsError):
+    """A Kafka admin call (create/delete/list topics, find a group coordinator, describe a consumer group) failed.
+
+    Either the broker answered with a definite error (an invalid topic name, a policy refusal), or it kept
+    answering with errors it calls retriable (no group coordinator yet, coordinator loading, not the controller,
+    connection refused) until the deadline. ``call`` names the call, ``attempts`` and ``elapsed_s`` say how hard it
+    was tried; the message says what to check.
+    """
+
+    def __init__(self, call: str, bootstrap: str, *, attempts: int, elapsed_s: float, cause: BaseException) -> None:
+        retried = f" after {attempts} attempts over {elapsed_s:.1f} s" if attempts > 1 else ""
+        super().__init__(
+            f"Kafka admin call {call!r} on {bootstrap} failed{retried}: {type(cause).__name__}: {cause}. "
+            "Check that the broker is up and can coordinate consumer groups (`scripts/services up` waits for that; "
+            "`streams ready --service kafka` checks it), then run again"
+        )
+        self.call = call
+        self.attempts = attempts
+        self.elapsed_s = elapsed_s
+        self.cause = cause
+
+
+class ServiceNotReadyError(StreamsError):
+    """A backing service (``kafka``, ``postgres``, ``redis``) did not answer real commands within the deadline,
+    or its process exited while we waited; the message names the service, its address and the last error."""
+
+    def __init__(self, service: str, message: str) -> None:
+        super().__init__(f"{service}: {message}")
+        self.service = service
 
 
 class RemoteError(StreamsError):

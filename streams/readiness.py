@@ -1,0 +1,207 @@
+"""Readiness of the backing services: ready for what the workers do, not a port that answers.
+
+* Kafka: a group coordinator is found for a throwaway consumer group and describes it. A broker that has just
+  started answers on its port before it can do that (its ``__consumer_offsets`` topic is created on the first
+  coordinator look-up); a describe does not create the group, so nothing is left behind.
+* PostgreSQL: the configured role logs in to the configured database and answers a query.
+* Redis: a throwaway key (``<lease key prefix>:ready:<random>``, 10 s TTL) is SET, read back with GET and deleted.
+
+Transient errors (connection refused, the database starting up, Redis loading its data, the broker's retriable
+errors) are retried with tenacity until the deadline; anything else fails at once. ``streams ready`` and
+``scripts/services up`` use :func:`wait_ready`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import asyncpg
+import redis.asyncio as aioredis
+import redis.exceptions
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
+
+from streams.admin import KafkaAdmin
+from streams.config import Settings
+from streams.errors import KafkaAdminError, ServiceNotReadyError
+
+SERVICES = ("postgres", "redis", "kafka")
+#: Redis key of a readiness probe (one per check, expires by itself).
+READY_KEY_FORMAT = "{prefix}:ready:{token}"
+READY_KEY_TTL_MS = 10_000
+#: Backoff between readiness attempts (exponential with jitter, seconds).
+RETRY_INITIAL_S = 0.1
+RETRY_MAX_S = 1.0
+#: How often a watched server process is checked for having exited (seconds).
+PID_CHECK_INTERVAL_S = 0.2
+
+_TRANSIENT_POSTGRES = (OSError, TimeoutError, asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError)
+_TRANSIENT_REDIS = (
+    OSError,
+    TimeoutError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.BusyLoadingError,
+)
+
+
+async def _retry_transient(
+    check: Callable[[], Awaitable[str]], transient: tuple[type[BaseException], ...], deadline_s: float
+) -> str:
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type(transient),
+        stop=stop_after_delay(deadline_s),
+        wait=wait_exponential_jitter(initial=RETRY_INITIAL_S, max=RETRY_MAX_S),
+        reraise=True,
+    )
+    return await retrying(check)
+
+
+def _failure(what: str, exc: BaseException, transient: tuple[type[BaseException], ...], deadline_s: float) -> str:
+    """``what`` failed: still transient at the deadline, or a definite refusal (not retried)."""
+    if isinstance(exc, transient):
+        return f"{what} within {deadline_s:.0f} s (last error: {type(exc).__name__}: {exc})"
+    return f"{what}: refused with {type(exc).__name__}: {exc}"
+
+
+async def check_postgres(settings: Settings, deadline_s: float) -> str:
+    """Log in to ``settings.database_url`` and run a query; returns the server version.
+
+    Raises:
+        ServiceNotReadyError: no answer within ``deadline_s``, or a definite refusal (wrong password, no such
+            database: run ``scripts/services up`` as root to create the role and databases).
+    """
+
+    async def check() -> str:
+        conn = await asyncpg.connect(settings.database_url, timeout=min(5.0, deadline_s))
+        try:
+            version: str = await conn.fetchval("SELECT current_setting('server_version')")
+            return f"PostgreSQL {version}"
+        finally:
+            await conn.close()
+
+    try:
+        return await _retry_transient(check, _TRANSIENT_POSTGRES, deadline_s)
+    except (*_TRANSIENT_POSTGRES, asyncpg.PostgresError) as exc:
+        where = settings.database_url.rpartition("@")[2]
+        raise ServiceNotReadyError(
+            "postgres",
+            _failure(f"{where} did not answer a query", exc, _TRANSIENT_POSTGRES, deadline_s)
+            + (
+                ""
+                if isinstance(exc, _TRANSIENT_POSTGRES)
+                else "; `scripts/services up` (as root) creates the role and databases"
+            ),
+        ) from exc
+
+
+async def check_redis(settings: Settings, deadline_s: float) -> str:
+    """SET a throwaway key with a TTL, GET it back and DEL it; returns the server version.
+
+    Raises:
+        ServiceNotReadyError: no answer within ``deadline_s``, a refusal, or GET not returning what SET stored.
+    """
+    key = READY_KEY_FORMAT.format(prefix=settings.lease_key_prefix, token=uuid.uuid4().hex)
+
+    async def check() -> str:
+        client = aioredis.from_url(settings.redis_url, socket_timeout=min(5.0, deadline_s))
+        try:
+            await client.set(key, b"ready", px=READY_KEY_TTL_MS)
+            value = await client.get(key)
+            await client.delete(key)
+            if value != b"ready":
+                raise ServiceNotReadyError("redis", f"GET {key} returned {value!r} right after SET stored b'ready'")
+            info = await client.info("server")
+            return f"Redis {info.get('redis_version', '?')}"
+        finally:
+            await client.aclose()
+
+    try:
+        return await _retry_transient(check, _TRANSIENT_REDIS, deadline_s)
+    except (*_TRANSIENT_REDIS, redis.exceptions.RedisError) as exc:
+        raise ServiceNotReadyError(
+            "redis", _failure(f"{settings.redis_url} did not answer SET/GET", exc, _TRANSIENT_REDIS, deadline_s)
+        ) from exc
+
+
+async def check_kafka(settings: Settings, deadline_s: float) -> str:
+    """Find the group coordinator of a throwaway consumer group and describe the group; returns the coordinator.
+
+    Raises:
+        ServiceNotReadyError: the broker could not coordinate a consumer group within ``deadline_s``.
+    """
+    group_id = f"{settings.app_id}-ready-{uuid.uuid4().hex[:12]}"
+    started = time.monotonic()
+    try:
+        async with KafkaAdmin(settings, deadline_s=deadline_s) as admin:
+            coordinator = await admin.find_coordinator(group_id, deadline_s - (time.monotonic() - started))
+            await admin.describe_group(group_id, deadline_s - (time.monotonic() - started))
+    except KafkaAdminError as exc:
+        raise ServiceNotReadyError(
+            "kafka", f"{settings.kafka_bootstrap} cannot coordinate a consumer group yet ({exc})"
+        ) from exc
+    return f"group coordinator: broker {coordinator}"
+
+
+CHECKS: dict[str, Callable[[Settings, float], Awaitable[str]]] = {
+    "postgres": check_postgres,
+    "redis": check_redis,
+    "kafka": check_kafka,
+}
+
+
+def _process_alive(pid: int) -> bool:
+    """True while ``pid`` is a live process (a zombie awaiting its parent counts as exited)."""
+    try:
+        os.kill(pid, 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    except PermissionError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def _watch_pid(service: str, pid: int) -> str:
+    while _process_alive(pid):
+        await asyncio.sleep(PID_CHECK_INTERVAL_S)
+    raise ServiceNotReadyError(service, f"its server process {pid} exited while we waited for it to become ready")
+
+
+async def wait_ready(
+    settings: Settings, services: list[str], deadline_s: float, pids: dict[str, int] | None = None
+) -> dict[str, tuple[str, float]]:
+    """Check ``services`` (names from :data:`SERVICES`) concurrently, each within ``deadline_s``.
+
+    ``pids`` maps a service to its server process: its exit fails that check at once instead of at the deadline.
+    Returns ``{service: (what it answered, seconds it took)}``.
+
+    Raises:
+        ServiceNotReadyError: the first service that failed (the others are cancelled).
+    """
+
+    async def one(service: str) -> tuple[str, float]:
+        started = time.monotonic()
+        check = asyncio.ensure_future(CHECKS[service](settings, deadline_s))
+        waiters: set[asyncio.Future[str]] = {check}
+        if pids and service in pids:
+            waiters.add(asyncio.ensure_future(_watch_pid(service, pids[service])))
+        try:
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            answer = done.pop().result()
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        return answer, time.monotonic() - started
+
+    tasks = [asyncio.ensure_future(one(service)) for service in services]
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    return dict(zip(services, results, strict=True))
