@@ -34,7 +34,7 @@ from aiokafka.errors import (
     UnknownTopicOrPartitionError,
     for_code,
 )
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
 from yoyo import get_backend, read_migrations
 from yoyo.migrations import MigrationList
 
@@ -95,9 +95,10 @@ def migrate(database_url: str) -> list[str]:
 
 T = TypeVar("T")
 
-#: Backoff between attempts of a Kafka admin call (exponential with jitter, seconds).
+#: Backoff between attempts of a Kafka admin call: exponential from 0.1 s up to 2 s, plus up to 0.1 s of jitter.
 ADMIN_RETRY_INITIAL_S = 0.1
 ADMIN_RETRY_MAX_S = 2.0
+ADMIN_RETRY_JITTER_S = 0.1
 
 
 def is_retriable_kafka_error(exc: BaseException) -> bool:
@@ -206,7 +207,8 @@ class KafkaAdmin:
         retrying = AsyncRetrying(
             retry=retry_if_exception(is_retriable_kafka_error),
             stop=stop_after_delay(budget_s),
-            wait=wait_exponential_jitter(initial=ADMIN_RETRY_INITIAL_S, max=ADMIN_RETRY_MAX_S),
+            wait=wait_exponential(multiplier=ADMIN_RETRY_INITIAL_S, max=ADMIN_RETRY_MAX_S)
+            + wait_random(0, ADMIN_RETRY_JITTER_S),
             before_sleep=lambda state: log.debug(
                 "Kafka admin call %r on %s: attempt %d failed (%r), retrying",
                 what,

@@ -23,7 +23,7 @@ from pathlib import Path
 import asyncpg
 import redis.asyncio as aioredis
 import redis.exceptions
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential, wait_random
 
 from streams.admin import KafkaAdmin
 from streams.config import Settings
@@ -36,6 +36,7 @@ READY_KEY_TTL_MS = 10_000
 #: Backoff between readiness attempts (exponential with jitter, seconds).
 RETRY_INITIAL_S = 0.1
 RETRY_MAX_S = 1.0
+RETRY_JITTER_S = 0.05
 #: How often a watched server process is checked for having exited (seconds).
 PID_CHECK_INTERVAL_S = 0.2
 
@@ -55,7 +56,7 @@ async def _retry_transient(
     retrying = AsyncRetrying(
         retry=retry_if_exception_type(transient),
         stop=stop_after_delay(deadline_s),
-        wait=wait_exponential_jitter(initial=RETRY_INITIAL_S, max=RETRY_MAX_S),
+        wait=wait_exponential(multiplier=RETRY_INITIAL_S, max=RETRY_MAX_S) + wait_random(0, RETRY_JITTER_S),
         reraise=True,
     )
     return await retrying(check)

@@ -23,7 +23,7 @@ import httpx
 from aiohttp import web
 
 from streams.config import Settings
-from streams_harness.mainjob import free_port
+from streams_harness.mainjob import free_port, free_port_block
 from streams_harness.simulator import SimulatorConfig, make_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,3 +223,51 @@ class Toxiproxy:
 def services(*args: str) -> None:
     """Run ``scripts/services <args>`` (stop/start/restart of a service this project manages)."""
     subprocess.run([str(ROOT / "scripts" / "services"), *args], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+class ThrowawayBroker:
+    """A second, brand-new single-node Kafka, started and stopped by ``scripts/services`` on free ports with its
+    data in ``data_dir``; the shared broker is not touched. The jars are the repository's (``.data/kafka/libs``,
+    fetched by ``scripts/services`` if missing)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port_block([0, 1])
+        self.env = dict(os.environ)
+        self.env.update(
+            {
+                "SERVICES_DATA_DIR": str(data_dir),
+                "SERVICES_KAFKA_PORT": str(self.port),
+                "SERVICES_KAFKA_CONTROLLER_PORT": str(self.port + 1),
+                "SERVICES_KAFKA_LIBS": str(ROOT / ".data" / "kafka" / "libs"),
+                "KAFKA_HEAP_OPTS": "-Xms128m -Xmx384m",
+            }
+        )
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "kafka" / "kafka.log"
+
+    def services(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+        """Run ``scripts/services <args>`` for this broker; returns the finished process (output captured)."""
+        return subprocess.run(
+            [str(ROOT / "scripts" / "services"), *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+
+    def start(self, *options: str) -> None:
+        """``scripts/services start kafka [options]``; fails the test with the script's output if it fails."""
+        done = self.services("start", "kafka", *options)
+        if done.returncode != 0:
+            raise AssertionError(f"scripts/services start kafka failed:\n{done.stdout}\n{done.stderr}")
+
+    def stop(self) -> None:
+        self.services("stop", "kafka")
