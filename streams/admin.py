@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from importlib import resources
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar

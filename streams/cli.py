@@ -134,7 +134,6 @@ def ready(services: tuple[str, ...], timeout_s: float, pids: tuple[str, ...]) ->
     """Wait until the services answer real commands: PostgreSQL a query (STREAMS_DATABASE_URL), Redis SET/GET
     (STREAMS_REDIS_URL), Kafka a group coordinator look-up and describe of a throwaway consumer group
     (STREAMS_KAFKA_BOOTSTRAP). Exits non-zero with the reason when one does not within --timeout-s."""
-    from streams.errors import StreamsError
     from streams.readiness import SERVICES, wait_ready
 
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # refused connections while waiting are expected
