@@ -104,10 +104,10 @@ def test_harness_commands_are_offered_through_the_entry_point_group() -> None:
     group = cli.main
     assert isinstance(group, cli.PluginGroup)
     assert set(group.plugin_entry_points()) == {"run", "soak", "simulator", "replay"}
-    assert set(group.commands) == {"migrate", "worker", "submit", "follow"}  # the product's own
+    assert set(group.commands) == {"migrate", "ready", "worker", "submit", "follow"}  # the product's own
     result = CliRunner().invoke(group, ["--help"])
     assert result.exit_code == 0
-    for name in ("run", "soak", "simulator", "replay", "migrate", "worker", "submit", "follow"):
+    for name in ("run", "soak", "simulator", "replay", "migrate", "ready", "worker", "submit", "follow"):
         assert f"\n  {name} " in result.output
 
 
