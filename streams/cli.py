@@ -169,7 +169,12 @@ def worker(web_port: int | None) -> None:
 @main.command()
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def submit(path: Path) -> None:
-    """Publish submissions from a JSONL file: one {"operation_id", "request", "source"?} object per line."""
+    """Publish submissions from a JSONL file: one {"operation_id", "request", "source"?} object per line.
+
+    "request" is the provider's request body, e.g. {"model": "genace-1", "input": {"prompt": "...", "max_tokens":
+    32}}; it is sent as written.
+    """
+    from streams import jsontext
     from streams.producer import SubmissionProducer
 
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -181,9 +186,10 @@ def submit(path: Path) -> None:
             for n, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
-                try:
+                try:  # the request and source texts go to Kafka as they are written (numbers stay exact)
                     item = exactjson.loads(line)
-                    futures.append(await producer.submit(item["operation_id"], item["request"], item.get("source")))
+                    texts = jsontext.member_texts(line)
+                    futures.append(await producer.submit(item["operation_id"], texts["request"], texts.get("source")))
                 except Exception as exc:
                     raise click.ClickException(f"{path}:{n}: {exc}") from exc
                 count += 1

@@ -77,7 +77,9 @@ class Settings:
     # Agents.
     dispatcher_concurrency: int = 32
     observer_concurrency: int = 64
-    max_value_bytes: int = 65_536
+    # Largest Kafka value read (bytes): a provider request with a long prompt fits (the trace's longest, 14,050
+    # tokens, is ~68 KB of text); a dead letter carries up to 512 KiB of the original, so all of such a value.
+    max_value_bytes: int = 262_144
     coordination_retry_cap_s: float = 5.0
 
     # Worker web server (metrics, health).

@@ -9,6 +9,10 @@ Outcome of the POST (see :mod:`streams.remote`):
 * unknown outcome (timeout or connection lost after send, 5xx without job id): ``uncertain`` with the reason;
   never re-sent. A replayed submission never POSTs again once the operation left ``accepted``.
 
+The request is the provider's request body, carried as JSON text from the Kafka event to the ledger and the
+POST body (:func:`streams.remote.provider_request_body` adds ``metadata.client_reference`` and a default
+``model``); a replay of the same operation id with a request of another meaning is dead-lettered.
+
 A submit lease (Redis) is held around the claim and the POST: with Redis down no claim and no POST happen;
 the event waits (its offset is not committed) and resumes by itself.
 """
@@ -16,13 +20,14 @@ the event waits (its offset is not committed) and resumes by itself.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from typing import Any
 
 import tenacity
 
-from streams import contracts, metrics
+from streams import contracts, jsontext, metrics
 from streams.config import lease_key
 from streams.errors import (
     CoordinationUnavailableError,
@@ -63,16 +68,10 @@ class _NoLongerOurs(Exception):
     """The operation left ``submitting`` under our fencing value while we waited to retry: stop, send nothing."""
 
 
-def normalized_request(request: dict[str, Any]) -> dict[str, Any]:
-    """The generation request as sent to the API: token counts as ints (JSON Schema lets ``5.0`` count as an
-    integer), the model when given. Two submissions of one operation must agree on it."""
-    out: dict[str, Any] = {
-        "context_tokens": int(request["context_tokens"]),
-        "generated_tokens": int(request["generated_tokens"]),
-    }
-    if request.get("model") is not None:
-        out["model"] = request["model"]
-    return out
+def request_digest(request: Any) -> str:
+    """A short digest (16 hex characters of SHA-256) of a request's canonical form
+    (:func:`streams.jsontext.canonical`): equal for two requests that mean the same JSON."""
+    return hashlib.sha256(jsontext.canonical(request).encode()).hexdigest()[:16]
 
 
 class Dispatcher:
@@ -99,19 +98,25 @@ class Dispatcher:
                 f"{operation_id!r}: every topic is keyed by operation id",
             )
             return
-        request = normalized_request(event["request"])
-        stored = dict(request, submitted_at_ms=event["submitted_at_ms"])
-        if "source" in event:
-            stored["source"] = event["source"]
-        if not await self.rt.until_ledger("accept", lambda: self.rt.ledger.accept(operation_id, stored)):
+        assert message.value is not None  # decode refuses a tombstone
+        parts = jsontext.member_texts(message.value.decode("utf-8"))
+        request_text = parts["request"]
+        accepted = await self.rt.until_ledger(
+            "accept",
+            lambda: self.rt.ledger.accept(
+                operation_id, request_text, submitted_at_ms=event["submitted_at_ms"], source_text=parts.get("source")
+            ),
+        )
+        if not accepted:  # a replay: it must ask for the same request (canonical forms, not texts, compared)
             row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
-            previous = normalized_request(row["request"]) if row is not None else request
-            if previous != request:
+            previous = request_digest(jsontext.loads_exact(row["request"])) if row is not None else None
+            if previous is not None and previous != request_digest(event["request"]):
                 await self._reject_input(
                     message,
                     "conflicting_duplicate",
-                    f"operation {operation_id} was accepted "
-                    f"with request {previous}; this submission asks for {request}",
+                    f"operation {operation_id} was accepted with another request (canonical digest {previous}); "
+                    f"this submission's request differs (digest {request_digest(event['request'])}): "
+                    "a different request needs a new operation id",
                 )
                 return
         lease = await self._take_submit_lease(operation_id)
@@ -127,7 +132,7 @@ class Dispatcher:
             await lease.release()
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
             return
-        await self._submit(operation_id, request, fencing, lease)
+        await self._submit(operation_id, request_text, fencing, lease)
 
     async def _reject_input(self, message: RawMessage, reason: str, text: str) -> None:
         metrics.SUBMISSIONS.labels("dead_letter").inc()
@@ -162,7 +167,7 @@ class Dispatcher:
                 return new
             await asyncio.sleep(self.rt.settings.lease_busy_retry_s)
 
-    async def _submit(self, operation_id: str, request: dict[str, Any], fencing: int, lease: Lease) -> None:
+    async def _submit(self, operation_id: str, request_text: str, fencing: int, lease: Lease) -> None:
         """POST (with the allowed retries) and save the outcome; releases the submit lease when done."""
         settings = self.rt.settings
         holder = [lease]
@@ -180,7 +185,7 @@ class Dispatcher:
                     if attempt.retry_state.attempt_number > 1 and not await self._still_ours(operation_id, fencing):
                         raise _NoLongerOurs()
                     holder[0] = await self._ensure_lease(holder[0])
-                    result = await self._post_once(operation_id, request, fencing)
+                    result = await self._post_once(operation_id, request_text, fencing)
         except _NoLongerOurs:
             log.warning("operation %s: left submitting while a retry waited; not sending again", operation_id)
             return
@@ -224,10 +229,10 @@ class Dispatcher:
         row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
         return row is not None and row["state"] == OperationState.SUBMITTING and row["fencing_token"] == fencing
 
-    async def _post_once(self, operation_id: str, request: dict[str, Any], fencing: int) -> SubmitResult:
+    async def _post_once(self, operation_id: str, request_text: str, fencing: int) -> SubmitResult:
         started = time.perf_counter()
         try:
-            result = await self.rt.remote.submit(operation_id, request)
+            result = await self.rt.remote.submit(operation_id, request_text)
         except RemoteError as exc:
             outcome = type(exc).__name__.removeprefix("Remote").removesuffix("Error").lower()
             duration_ms = (time.perf_counter() - started) * 1000.0

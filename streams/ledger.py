@@ -137,10 +137,18 @@ class Ledger:
         """Close the pool."""
         await self.pool.close()
 
-    async def accept(self, operation_id: str, request: dict[str, Any]) -> bool:
-        """Insert the operation as ``accepted``; False when it already existed (a replay)."""
+    async def accept(
+        self, operation_id: str, request_text: str, *, submitted_at_ms: int, source_text: str | None = None
+    ) -> bool:
+        """Insert the operation as ``accepted``; False when it already existed (a replay).
+
+        ``request_text`` (the provider's request) and ``source_text`` are JSON texts, stored as they are
+        (``json``: no number or escape rewritten); ``submitted_at_ms`` is the application's epoch ms.
+        """
         async with _guard(f"accept {operation_id}"):
-            fencing = await self.pool.fetchval(Q.accept_operation, operation_id, request, self.worker)
+            fencing = await self.pool.fetchval(
+                Q.accept_operation, operation_id, request_text, submitted_at_ms, source_text, self.worker
+            )
         return fencing is not None
 
     async def claim_for_submit(self, operation_id: str) -> int | None:

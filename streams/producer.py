@@ -4,24 +4,45 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from streams import contracts, exactjson
+from streams import contracts, exactjson, jsontext
 from streams.config import Settings
 
+#: A JSON object given as its text (carried verbatim) or as a mapping (written with :func:`exactjson.dumps`).
+JsonObject = str | Mapping[str, Any]
 
-def submission(operation_id: str, request: dict[str, Any], source: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A submission value (``schemas/generation.submissions.json``) stamped with the current time (ms)."""
-    value: dict[str, Any] = {
-        "operation_id": operation_id,
-        "request": request,
-        "submitted_at_ms": int(time.time() * 1000),
-    }
+
+def _json_text(value: JsonObject) -> str:
+    """``value`` as JSON text; a text is checked to be one whole JSON value (it is spliced into the event).
+
+    Raises:
+        InvalidEventError: reason ``not_json``.
+    """
+    if isinstance(value, str):
+        jsontext.loads_exact(value)
+        return value
+    return exactjson.dumps(value).decode()
+
+
+def submission(operation_id: str, request: JsonObject, source: JsonObject | None = None) -> bytes:
+    """A submission value (``schemas/generation.submissions.json``) stamped with the current time (ms).
+
+    Raises :class:`~streams.errors.InvalidEventError` (``not_json``) when a text is not one JSON value.
+    ``request`` and ``source`` given as JSON text are written into the value as they are, so that a number or a
+    string reaches the provider exactly as written.
+    """
+    parts = [
+        f'"operation_id":{exactjson.dumps(operation_id).decode()}',
+        f'"request":{_json_text(request)}',
+        f'"submitted_at_ms":{int(time.time() * 1000)}',
+    ]
     if source is not None:
-        value["source"] = source
-    return value
+        parts.append(f'"source":{_json_text(source)}')
+    return ("{" + ",".join(parts) + "}").encode()
 
 
 class SubmissionProducer:
@@ -45,19 +66,18 @@ class SubmissionProducer:
         await self._producer.stop()
 
     async def submit(
-        self, operation_id: str, request: dict[str, Any], source: dict[str, Any] | None = None
+        self, operation_id: str, request: JsonObject, source: JsonObject | None = None
     ) -> asyncio.Future[Any]:
         """Queue one submission; returns a future that resolves when Kafka acknowledged it.
 
-        Numbers in ``request`` and ``source`` are written exactly (``int`` of any size, ``Decimal``); read the
-        input with :func:`streams.exactjson.loads` so that none is rounded on the way in.
+        ``request`` is the provider's request body (JSON text, carried verbatim, or a mapping).
+        Numbers in a mapping are written exactly (``int`` of any size, ``Decimal``).
 
         Raises:
-            InvalidEventError: the value does not satisfy the submissions schema (nothing is sent).
+            InvalidEventError: the value is not JSON, is over ``max_value_bytes``, or does not satisfy the
+                submissions schema (nothing is sent).
         """
         value = submission(operation_id, request, source)
-        contracts.validate("generation.submissions", value)
-        fut: asyncio.Future[Any] = await self._producer.send(
-            self.topic, exactjson.dumps(value), key=operation_id.encode()
-        )
+        contracts.decode("generation.submissions", value, self.settings.max_value_bytes)
+        fut: asyncio.Future[Any] = await self._producer.send(self.topic, value, key=operation_id.encode())
         return fut

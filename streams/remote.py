@@ -39,7 +39,7 @@ from urllib.parse import quote
 
 import httpx
 
-from streams import contracts, exactjson
+from streams import contracts, exactjson, jsontext
 from streams.config import Settings
 from streams.errors import (
     JsonValueError,
@@ -253,6 +253,34 @@ def clean_text(text: str, limit: int = 2000) -> str:
     return text.replace("\x00", "\\0")[:limit]
 
 
+def provider_request_body(request_text: str, operation_id: str, default_model: str) -> bytes:
+    """The POST body for one operation (UTF-8): the application's request text with every character kept,
+    plus what the product adds (README, "Submitting"):
+
+    * ``metadata.client_reference``: the operation id, so the provider's record of the job names the operation
+      (an operator can find the job of an ``uncertain`` operation). It is NOT an idempotency key: nothing says
+      the provider refuses a second job with the same reference; the product itself never re-sends a POST whose
+      outcome is unknown.
+    * ``model``: ``default_model`` (``STREAMS_REMOTE_MODEL``) when the request names none.
+
+    ``request_text`` is a JSON object whose ``metadata``, if present, is an object without ``client_reference``
+    (``schemas/generation.submissions.json`` guarantees both); numbers and strings are never re-encoded.
+    """
+    found = jsontext.members(request_text)
+    reference = exactjson.dumps(operation_id).decode()
+    added: list[tuple[str, str]] = []
+    if not any(m.key == "model" for m in found):
+        added.append(("model", exactjson.dumps(default_model).decode()))
+    text = request_text
+    metadata = next((m for m in found if m.key == "metadata"), None)
+    if metadata is None:
+        added.append(("metadata", '{"client_reference":' + reference + "}"))
+    else:
+        inner = jsontext.append_members(text[metadata.start : metadata.end], [("client_reference", reference)])
+        text = text[: metadata.start] + inner + text[metadata.end :]
+    return jsontext.append_members(text, added, empty=not found).encode()
+
+
 class RemoteClient:
     """Calls the remote generation API for one worker; see the module docstring for the taxonomy.
 
@@ -269,10 +297,12 @@ class RemoteClient:
         """Close the underlying HTTP client."""
         await self.http.aclose()
 
-    async def submit(self, operation_id: str, request: dict[str, Any]) -> SubmitResult:
+    async def submit(self, operation_id: str, request_text: str) -> SubmitResult:
         """POST one generation; returns the created job or raises a classified :class:`RemoteError`.
 
-        ``request`` holds ``context_tokens`` and ``generated_tokens`` (ints) and optionally ``model``.
+        ``request_text`` is the provider's request body as JSON text (an object); it is sent as
+        :func:`provider_request_body` makes it: unchanged but for ``metadata.client_reference`` and a default
+        ``model``.
 
         Raises:
             RemoteRateLimitedError: 429, nothing created; retry after ``retry_after_s``.
@@ -280,18 +310,11 @@ class RemoteClient:
             RemoteNotSentError: no byte was sent; safe to retry.
             RemoteUnknownOutcomeError: sent and outcome unknown; never retry.
         """
-        body = {
-            "model": request.get("model", self.model),
-            "input": {
-                "context_tokens": request["context_tokens"],
-                "generated_tokens": request["generated_tokens"],
-            },
-            "metadata": {"operation_id": operation_id},
-        }
+        body = provider_request_body(request_text, operation_id, self.model)
         started = time.perf_counter()
         try:
             response = await self.http.post(
-                "/v1/generations", content=exactjson.dumps(body), headers={"Content-Type": "application/json"}
+                "/v1/generations", content=body, headers={"Content-Type": "application/json"}
             )
         except _NOT_SENT as exc:
             raise RemoteNotSentError(operation_id, f"POST not sent ({type(exc).__name__}: {exc})") from exc

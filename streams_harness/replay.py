@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -10,10 +11,19 @@ from typing import Any
 from streams.producer import SubmissionProducer
 from streams_harness.trace import TraceRow
 
+#: Words of the replay's prompts (short ones: a prompt of the trace's longest context, 14,050 tokens, is ~68 KB).
+PROMPT_WORDS = ("the", "lease", "holds", "while", "a", "worker", "polls", "one", "job", "and", "saves", "it")
+
+
+def trace_prompt(tokens: int) -> str:
+    """A prompt of exactly ``tokens`` tokens as the simulator counts them (words separated by spaces)."""
+    return " ".join(itertools.islice(itertools.cycle(PROMPT_WORDS), max(0, tokens)))
+
 
 def trace_request(row: TraceRow, model: str) -> dict[str, Any]:
-    """The generation request for one trace row."""
-    return {"model": model, "context_tokens": row.context_tokens, "generated_tokens": row.generated_tokens}
+    """The provider request for one trace row: a prompt of its context tokens, ``max_tokens`` its generated
+    tokens (the simulator generates them all, so the job lasts what the trace's request did)."""
+    return {"model": model, "input": {"prompt": trace_prompt(row.context_tokens), "max_tokens": row.generated_tokens}}
 
 
 async def replay_trace(

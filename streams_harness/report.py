@@ -79,7 +79,7 @@ def build_report(
     Args:
         submitted_ids: operation ids this run published.
         ledger: the ledger's rows for those operations.
-        sim_jobs: the simulator's job records (``operation_id``, ``gets``, ``max_gets_in_flight``,
+        sim_jobs: the simulator's job records (``client_reference``: the operation id; ``gets``, ``max_gets_in_flight``,
             ``completed_at`` in unix seconds).
         delivered: ``(value, kafka_timestamp_ms)`` of output-delivered records of this run.
         meta: ``workers``, ``partitions``, ``trace``, ``rows`` and anything else to carry into the report.
@@ -92,7 +92,7 @@ def build_report(
     jobs_by_op: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     orphan_jobs = 0
     for job in sim_jobs:
-        op = job.get("operation_id")
+        op = job.get("client_reference")
         if op in ids:
             jobs_by_op[str(op)].append(job)
             if op not in ops:  # a remote job for an operation the ledger does not hold
@@ -102,7 +102,9 @@ def build_report(
     completed = [o for o in ops.values() if o.state in COMPLETED_STATES]
     gets = [sum(int(j["gets"]) for j in jobs_by_op.get(o.operation_id, [])) for o in completed]
     completion_s = {
-        (str(j["operation_id"]), str(j["job_id"])): float(j["completed_at"]) for js in jobs_by_op.values() for j in js
+        (str(j["client_reference"]), str(j["job_id"])): float(j["completed_at"])
+        for js in jobs_by_op.values()
+        for j in js
     }
     events = 0
     seen: set[str] = set()

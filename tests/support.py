@@ -271,3 +271,30 @@ class ThrowawayBroker:
 
     def stop(self) -> None:
         self.services("stop", "kafka")
+
+
+async def kafka_tool(main_class: str, *args: str, stdin: bytes = b"", timeout_s: float = 180) -> str:
+    """Run one of Kafka's own command-line tools (``scripts/services kafka-tool``: the broker's jars, fetched
+    when missing) without blocking the event loop; returns its standard output.
+
+    Raises:
+        AssertionError: the tool exited non-zero (its stderr in the message) or ran past ``timeout_s``.
+    """
+    proc = await asyncio.create_subprocess_exec(
+        str(ROOT / "scripts" / "services"),
+        "kafka-tool",
+        main_class,
+        *args,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"{main_class} ran past {timeout_s} s") from None
+    assert proc.returncode == 0, f"{main_class} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}"
+    return out.decode()

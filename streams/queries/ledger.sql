@@ -8,9 +8,10 @@
 
 -- name: accept_operation
 -- Insert a new operation in state 'accepted' (idempotent: a replayed submission inserts nothing).
--- $1 operation_id, $2 request (jsonb), $3 worker. Returns fencing_token only when newly inserted.
-INSERT INTO operations (operation_id, request, updated_by)
-VALUES ($1, $2::jsonb, $3)
+-- $1 operation_id, $2 request (JSON text, stored as it is), $3 submitted_at_ms, $4 source (JSON text or NULL),
+-- $5 worker. Returns fencing_token only when newly inserted.
+INSERT INTO operations (operation_id, request, submitted_at_ms, source, updated_by)
+VALUES ($1, $2::text::json, $3, $4::text::json, $5)
 ON CONFLICT (operation_id) DO NOTHING
 RETURNING fencing_token;
 
@@ -77,9 +78,9 @@ WHERE o.operation_id = due.operation_id
 RETURNING o.operation_id, o.remote_job_id, o.poll_claim_id;
 
 -- name: get_operation
--- $1 operation_id. One row or none.
+-- $1 operation_id. One row or none; request is the JSON text as submitted.
 SELECT operation_id, state::text AS state, remote_job_id, fencing_token, poll_claim_id, next_poll_at,
-       poll_count, reason, last_observation, request
+       poll_count, reason, last_observation, request::text AS request
 FROM operations
 WHERE operation_id = $1;
 

@@ -12,19 +12,31 @@ every read computes the status from the wall clock.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from decimal import Decimal
+from importlib import resources
 from typing import Any
 
+import jsonschema
 import orjson
 from aiohttp import web
 
 from streams_harness.simulator.config import SimulatorConfig
 from streams_harness.simulator.faults import FAULT_KINDS, JOB_FAILED, FaultDecider, PostFault
-from streams_harness.simulator.model import JobStatus, TerminalStatus, job_schedule, poll_after_ms, status_at
+from streams_harness.simulator.model import (
+    JobStatus,
+    TerminalStatus,
+    job_schedule,
+    poll_after_ms,
+    read_request,
+    status_at,
+)
 
 logger = logging.getLogger("streams_harness.simulator")
 
@@ -40,10 +52,11 @@ class JobRecord:
 
     Attributes:
         job_id: ``job_<16 hex>``.
-        operation_id: ``metadata.operation_id`` of the creating POST, ``None`` if absent.
+        client_reference: ``metadata.client_reference`` of the creating POST (the product's operation id),
+            ``None`` if absent.
         model: the requested model name.
-        context_tokens: prompt tokens (>= 0).
-        generated_tokens: output tokens (>= 1), reported per output.
+        context_tokens: tokens of ``input.prompt`` (>= 0).
+        generated_tokens: ``input.max_tokens`` (>= 1), reported per output.
         created_at: creation time.
         started_at: time the job leaves ``queued``.
         completed_at: time the job reaches ``final_status``.
@@ -60,7 +73,7 @@ class JobRecord:
     """
 
     job_id: str
-    operation_id: str | None
+    client_reference: str | None
     model: str
     context_tokens: int
     generated_tokens: int
@@ -86,7 +99,7 @@ class JobRecord:
         """JSON-ready record (one element of ``GET /_sim/jobs``); ``status`` is the status at ``now``."""
         return {
             "job_id": self.job_id,
-            "operation_id": self.operation_id,
+            "client_reference": self.client_reference,
             "model": self.model,
             "context_tokens": self.context_tokens,
             "generated_tokens": self.generated_tokens,
@@ -109,17 +122,19 @@ class JobRecord:
 
 @dataclass(slots=True)
 class OperationRecord:
-    """Everything seen for one ``metadata.operation_id``.
+    """Everything seen for one ``metadata.client_reference`` (for the product: one operation id).
 
     Attributes:
-        posts: number of POSTs naming this operation id (including refused ones: 400/401/429/5xx).
+        posts: number of POSTs naming this client reference (including refused ones: 400/401/429/5xx).
         post_statuses: HTTP status of each of those POSTs in arrival order (0 = dropped connection).
-        jobs: ids of the jobs created for this operation, in creation order.
+        jobs: ids of the jobs created for it, in creation order.
+        bodies: each POST body as received (UTF-8 text), only while ``record_bodies`` is on.
     """
 
     posts: int = 0
     post_statuses: list[int] = field(default_factory=list)
     jobs: list[str] = field(default_factory=list)
+    bodies: list[str] = field(default_factory=list)
 
 
 class JobRegistry:
@@ -148,25 +163,28 @@ class JobRegistry:
         self.posts += 1
         return self.posts
 
-    def note_post_outcome(self, operation_id: str | None, status: int) -> None:
-        """Record the HTTP status answered to a POST (0 = dropped) under its operation id, if any."""
+    def note_post_outcome(self, client_reference: str | None, status: int, body: bytes | None = None) -> None:
+        """Record the HTTP status answered to a POST (0 = dropped) under its client reference, if any, with its
+        ``body`` when given (kept as UTF-8 text, undecodable bytes replaced)."""
         self.posts_by_status[status] += 1
-        if operation_id is not None:
-            op = self.operations.get(operation_id)
+        if client_reference is not None:
+            op = self.operations.get(client_reference)
             if op is None:
-                op = self.operations[operation_id] = OperationRecord()
+                op = self.operations[client_reference] = OperationRecord()
             op.posts += 1
             op.post_statuses.append(status)
+            if body is not None:
+                op.bodies.append(body.decode("utf-8", "replace"))
 
     def add_job(self, job: JobRecord) -> None:
         """Store a newly created job and link it to its operation."""
         self.jobs[job.job_id] = job
-        if job.operation_id is None:
+        if job.client_reference is None:
             self.orphan_jobs += 1
         else:
-            op = self.operations.get(job.operation_id)
+            op = self.operations.get(job.client_reference)
             if op is None:
-                op = self.operations[job.operation_id] = OperationRecord()
+                op = self.operations[job.client_reference] = OperationRecord()
             op.jobs.append(job.job_id)
         if job.final_status == "failed":
             self.faults_injected[JOB_FAILED] += 1
@@ -226,46 +244,46 @@ def _error(status: int, code: str, message: str, **extra: Any) -> web.Response:
     return _json({"error": {"code": code, "message": message, **extra}}, status=status)
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _parse_body(raw: bytes) -> tuple[Any, str | None]:
-    """Parse the POST body; returns ``(parsed, error_message)``."""
+    """Parse the POST body with every number exact (a provider does not round what it is sent); returns
+    ``(parsed, error_message)``."""
     try:
-        return orjson.loads(raw), None
-    except orjson.JSONDecodeError:
+        return json.loads(raw.decode("utf-8"), parse_float=Decimal, parse_constant=_refuse_constant), None
+    except (ValueError, RecursionError):
         return None, "body is not valid JSON"
 
 
-def _operation_id_of(body: Any) -> str | None:
+def _client_reference_of(body: Any) -> str | None:
     if isinstance(body, dict):
         meta = body.get("metadata")
         if isinstance(meta, dict):
-            op = meta.get("operation_id")
-            if isinstance(op, str):
-                return op
+            reference = meta.get("client_reference")
+            if isinstance(reference, str):
+                return reference
     return None
+
+
+@functools.cache
+def _request_validator() -> jsonschema.protocols.Validator:
+    """The validator of ``request.schema.json`` (package data beside this module)."""
+    schema = orjson.loads(resources.files(__package__).joinpath("request.schema.json").read_bytes())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    validator: jsonschema.protocols.Validator = cls(schema)
+    return validator
 
 
 def _validate(body: Any) -> str | None:
-    """Return an error message for an invalid generation request, ``None`` if valid."""
-    if not isinstance(body, dict):
-        return "body must be a JSON object"
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        return "model must be a non-empty string"
-    inp = body.get("input")
-    if not isinstance(inp, dict):
-        return "input must be an object"
-    ctx = inp.get("context_tokens")
-    gen = inp.get("generated_tokens")
-    if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 0:
-        return "input.context_tokens must be an integer >= 0"
-    if not isinstance(gen, int) or isinstance(gen, bool) or gen < 1:
-        return "input.generated_tokens must be an integer >= 1"
-    if "metadata" in body:
-        meta = body["metadata"]
-        if not isinstance(meta, dict):
-            return "metadata must be an object"
-        if "operation_id" in meta and not isinstance(meta["operation_id"], str):
-            return "metadata.operation_id must be a string"
-    return None
+    """Return an error message for a body ``request.schema.json`` refuses, ``None`` if valid."""
+    error = jsonschema.exceptions.best_match(_request_validator().iter_errors(body))
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+    return f"at {where}: {error.message}"
 
 
 def _authorized(request: web.Request) -> bool:
@@ -300,14 +318,15 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
     seq = reg.next_post_seq()
     raw = await request.read()
     body, parse_error = _parse_body(raw)
-    operation_id = _operation_id_of(body)
+    reference = _client_reference_of(body)
+    kept = raw if cfg.record_bodies else None
 
     if not _authorized(request):
-        reg.note_post_outcome(operation_id, 401)
+        reg.note_post_outcome(reference, 401, kept)
         return _error(401, "unauthorized", "missing or empty bearer token")
     error = parse_error or _validate(body)
     if error is not None:
-        reg.note_post_outcome(operation_id, 400)
+        reg.note_post_outcome(reference, 400, kept)
         return _error(400, "invalid_request", error)
 
     decision = sim.decider.decide_post(cfg.fault_rates)
@@ -316,16 +335,15 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
     job: JobRecord | None = None
     if decision.create_job:
         traits = sim.decider.job_traits(cfg.fault_rates)
-        inp = body["input"]
-        ctx, gen = inp["context_tokens"], inp["generated_tokens"]
+        asked = read_request(body)
         now = time.time()
-        started_at, completed_at = job_schedule(now, cfg.durations(ctx, gen))
+        started_at, completed_at = job_schedule(now, cfg.durations(asked.context_tokens, asked.generated_tokens))
         job = JobRecord(
             job_id="job_" + secrets.token_hex(8),
-            operation_id=operation_id,
-            model=body["model"],
-            context_tokens=ctx,
-            generated_tokens=gen,
+            client_reference=asked.client_reference,
+            model=asked.model,
+            context_tokens=asked.context_tokens,
+            generated_tokens=asked.generated_tokens,
             created_at=now,
             started_at=started_at,
             completed_at=completed_at,
@@ -336,7 +354,7 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
             create_http_status=decision.status,
         )
         reg.add_job(job)
-    reg.note_post_outcome(operation_id, decision.status)
+    reg.note_post_outcome(reference, decision.status, kept)
 
     fault = decision.fault
     if fault is PostFault.RATE_LIMITED_429:
@@ -404,7 +422,7 @@ async def get_generation(request: web.Request) -> web.Response:
             "created_at": job.created_at,
             "started_at": job.started_at if status != "queued" else None,
             "completed_at": None,
-            "metadata": {"operation_id": job.operation_id},
+            "metadata": {"client_reference": job.client_reference},
             "poll_after_ms": poll_after_ms(now, job.completed_at, min_ms=cfg.poll_min_ms, max_ms=cfg.poll_max_ms),
         }
         if status == "succeeded" or status == "failed":
@@ -434,17 +452,19 @@ async def sim_jobs(request: web.Request) -> web.Response:
 
 
 async def sim_operation(request: web.Request) -> web.Response:
-    """``GET /_sim/operations/{operation_id}`` (unknown ids answer zero posts and no jobs)."""
+    """``GET /_sim/operations/{client_reference}`` (unknown references answer zero posts and no jobs; ``bodies``
+    holds the POST bodies received while ``record_bodies`` was on)."""
     reg = request.app[SIMULATOR_KEY].registry
     now = time.time()
-    op = reg.operations.get(request.match_info["operation_id"])
+    op = reg.operations.get(request.match_info["client_reference"])
     if op is None:
-        return _json({"posts": 0, "post_statuses": [], "jobs": []})
+        return _json({"posts": 0, "post_statuses": [], "jobs": [], "bodies": []})
     return _json(
         {
             "posts": op.posts,
             "post_statuses": op.post_statuses,
             "jobs": [reg.jobs[j].to_record(now) for j in op.jobs],
+            "bodies": op.bodies,
         }
     )
 
@@ -452,7 +472,10 @@ async def sim_operation(request: web.Request) -> web.Response:
 async def sim_config(request: web.Request) -> web.Response:
     """``POST /_sim/config``: apply a partial config (JSON object), answer the full config."""
     sim = request.app[SIMULATOR_KEY]
-    body, parse_error = _parse_body(await request.read())
+    try:
+        body, parse_error = orjson.loads(await request.read()), None
+    except orjson.JSONDecodeError:
+        body, parse_error = None, "body is not valid JSON"
     if parse_error is not None or not isinstance(body, dict):
         return _error(400, "invalid_request", parse_error or "body must be a JSON object")
     try:
@@ -493,7 +516,7 @@ def make_app(config: SimulatorConfig | None = None) -> web.Application:
     app.router.add_get("/v1/generations/{job_id}", get_generation, allow_head=False)
     app.router.add_get("/_sim/summary", sim_summary, allow_head=False)
     app.router.add_get("/_sim/jobs", sim_jobs, allow_head=False)
-    app.router.add_get("/_sim/operations/{operation_id}", sim_operation, allow_head=False)
+    app.router.add_get("/_sim/operations/{client_reference}", sim_operation, allow_head=False)
     app.router.add_post("/_sim/config", sim_config)
     app.router.add_post("/_sim/reset", sim_reset)
     app.router.add_get("/healthz", healthz, allow_head=False)

@@ -72,6 +72,7 @@ class SimulatorConfig:
     poll_min_ms: int = _f(50, "Lower clamp of poll_after_ms.")
     poll_max_ms: int = _f(5000, "Upper clamp of poll_after_ms.")
     access_log: bool = _f(False, "Log every request (slows the server down).")
+    record_bodies: bool = _f(False, "Keep every POST body, shown per client reference (tests of what arrived).")
 
     def __post_init__(self) -> None:
         """Validate ranges; raises ``ValueError`` on a bad value."""

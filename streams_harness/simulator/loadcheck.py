@@ -18,7 +18,7 @@ import time
 import click
 import httpx
 
-_BODY = {"model": "load", "input": {"context_tokens": 1000, "generated_tokens": 20}}
+_BODY = {"model": "load", "input": {"prompt": " ".join(["token"] * 1000), "max_tokens": 20}}
 
 
 async def _client_loop(
@@ -35,7 +35,7 @@ async def _client_loop(
         n = 0
         while time.monotonic() < stop_at:
             n += 1
-            body = {**_BODY, "metadata": {"operation_id": f"load-{index}-{n}"}}
+            body = {**_BODY, "metadata": {"client_reference": f"load-{index}-{n}"}}
             try:
                 t0 = time.monotonic()
                 r = await client.post("/v1/generations", json=body)

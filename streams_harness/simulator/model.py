@@ -1,4 +1,10 @@
-"""Job duration model of the provider simulator (pure functions, no I/O).
+"""Job model of the provider simulator (pure functions, no I/O): what it reads from a request, and how long the
+job then takes.
+
+From a ``POST /v1/generations`` body (``request.schema.json``) it reads what a provider would
+(:func:`read_request`): ``model``; ``input.prompt``, whose length in tokens (:func:`prompt_tokens`) is the
+job's ``context_tokens``; ``input.max_tokens``, which the simulated model always generates in full
+(``generated_tokens``); and ``metadata.client_reference``, the client's name for the job.
 
 A simulated generation job goes through three phases, all measured from the
 moment the ``POST /v1/generations`` request created it::
@@ -26,8 +32,10 @@ The job is ``queued`` while ``now < started_at``, ``running`` while
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 TerminalStatus = Literal["succeeded", "failed"]
@@ -35,6 +43,48 @@ TerminalStatus = Literal["succeeded", "failed"]
 DEFAULT_QUEUE_MS = 200.0
 DEFAULT_PREFILL_MS_PER_TOKEN = 0.02
 DEFAULT_DECODE_MS_PER_TOKEN = 25.0
+
+
+#: One token of a prompt: a run of letters, digits and underscores, or any other single non-space character.
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def prompt_tokens(prompt: str) -> int:
+    """The prompt's length in tokens as the simulated provider counts them (:data:`_TOKEN`).
+
+    ``"Write a haiku about leases"`` is 5 tokens, ``"leases."`` 2. A real tokenizer splits words further; this
+    count only has to be stable and to match the trace replay, whose prompts are words separated by spaces
+    (``n`` words are ``n`` tokens).
+    """
+    return sum(1 for _ in _TOKEN.finditer(prompt))
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """What the simulator reads from one valid request body.
+
+    Attributes:
+        model: ``model``.
+        context_tokens: tokens of ``input.prompt`` (:func:`prompt_tokens`).
+        generated_tokens: ``input.max_tokens``: the simulated model always generates them all.
+        client_reference: ``metadata.client_reference``, or None when absent.
+    """
+
+    model: str
+    context_tokens: int
+    generated_tokens: int
+    client_reference: str | None
+
+
+def read_request(body: Mapping[str, Any]) -> JobRequest:
+    """The :class:`JobRequest` of a body that satisfies ``request.schema.json`` (checked by the caller)."""
+    metadata = body.get("metadata") or {}
+    return JobRequest(
+        model=body["model"],
+        context_tokens=prompt_tokens(body["input"]["prompt"]),
+        generated_tokens=int(body["input"]["max_tokens"]),
+        client_reference=metadata.get("client_reference"),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ async def publish_bad_input(settings: Settings, tag: str) -> dict[str, tuple[str
                 {
                     "operation_id": f"{tag}-wrongtype",
                     "submitted_at_ms": 1,
-                    "request": {"context_tokens": "many", "generated_tokens": 3},
+                    "request": {"model": 3, "input": {"prompt": "hi", "max_tokens": 3}},
                 }
             ),
             "schema",

@@ -5,27 +5,37 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from decimal import Decimal
+from typing import Any
 
 import asyncpg
 import orjson
 import pytest
 
+from streams import jsontext
 from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.runtime import RawMessage, Runtime
 from streams_harness.simulator import SimulatorConfig
+from streams_harness.simulator.model import prompt_tokens
 from tests.support import SimulatorServer as Simulator
 
 pytestmark = pytest.mark.integration
 
 
-def submission(op: str, generated: int = 20) -> RawMessage:
-    value = {
-        "operation_id": op,
-        "request": {"context_tokens": 100, "generated_tokens": generated},
-        "submitted_at_ms": int(time.time() * 1000),
-    }
-    return RawMessage("generation.submissions", 0, 1, op.encode(), orjson.dumps(value))
+def request_text(generated: int = 20, model: str | None = None) -> str:
+    """A provider request: a 100-token prompt, ``generated`` tokens to generate."""
+    request: dict[str, Any] = {"input": {"prompt": " ".join(["lease"] * 100), "max_tokens": generated}}
+    if model is not None:
+        request["model"] = model
+    return orjson.dumps(request).decode()
+
+
+def submission(op: str, generated: int = 20, request: str | None = None) -> RawMessage:
+    """A submission event whose request is the JSON text ``request`` (written into the value as it is)."""
+    text = request if request is not None else request_text(generated)
+    value = f'{{"operation_id": "{op}", "request": {text}, "submitted_at_ms": {int(time.time() * 1000)}}}'
+    return RawMessage("generation.submissions", 0, 1, op.encode(), value.encode())
 
 
 async def op_row(pool: asyncpg.Pool, op: str) -> asyncpg.Record:
@@ -133,22 +143,53 @@ async def test_connection_refused_is_retried_and_exactly_one_job_exists(
 
 
 async def test_definite_refusal_ends_rejected(runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator) -> None:
-    # The simulator refuses an empty model name with 400 invalid_request: nothing is created.
-    value = {
-        "operation_id": "op-400",
-        "request": {"model": "", "context_tokens": 1, "generated_tokens": 1},
-        "submitted_at_ms": 1,
-    }
-    msg = RawMessage("generation.submissions", 0, 1, b"op-400", orjson.dumps(value))
-    # the schema refuses an empty model before any POST; bypass it to exercise the API's 400
-    d = Dispatcher(runtime)
-    await runtime.ledger.accept("op-400", value["request"])
-    fencing = await runtime.ledger.claim_for_submit("op-400")
-    assert fencing is not None
-    lease = await runtime.leases.acquire("x:submit:op-400")
-    assert lease is not None
-    await d._submit("op-400", value["request"], fencing, lease)
+    # The simulator refuses max_tokens 0 with 400 invalid_request: nothing is created (the product does not look
+    # inside the request: the provider decides).
+    await Dispatcher(runtime).handle(submission("op-400", generated=0))
     row = await op_row(pool, "op-400")
-    assert row["state"] == "rejected" and "HTTP 400" in row["reason"]
-    assert (await simulator.get("/_sim/operations/op-400"))["jobs"] == []
-    assert msg.key == b"op-400"
+    assert row["state"] == "rejected" and "HTTP 400 invalid_request" in row["reason"]
+    assert "max_tokens" in row["reason"]
+    record = await simulator.get("/_sim/operations/op-400")
+    assert (record["post_statuses"], record["jobs"]) == ([400], [])
+
+
+#: A request whose numbers orjson or a double would change and whose strings carry escapes and non-ASCII text.
+EXACT_REQUEST = (
+    '{"model": "genace-1", "input": {"prompt": "Write a haiku about leases \\u00e9\\n\\"\\\\\\u0000'
+    ' \\ud83d\\ude00 h\\u00e9 \u00e9 \u2603 \U0001f600", "max_tokens": 32}, "seed": 18446744073709551617,'
+    ' "t": 0.1000000000000000055511151231257827, "huge": 1e400, "trail": 1.50, "metadata": {"user": "u-1"}}'
+)
+
+
+async def test_the_request_reaches_the_provider_exactly(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    """The bytes the provider receives are the submitted request text, with the client reference added inside
+    its metadata; the ledger keeps the text as it was submitted."""
+    await simulator.configure(record_bodies=True)
+    await Dispatcher(runtime).handle(submission("op-exact", request=EXACT_REQUEST))
+    record = await simulator.get("/_sim/operations/op-exact")
+    assert record["post_statuses"] == [201]
+    [body] = record["bodies"]
+    assert body == EXACT_REQUEST.replace('{"user": "u-1"}', '{"user": "u-1","client_reference":"op-exact"}')
+    received = jsontext.loads_exact(body)
+    assert received["seed"] == 2**64 + 1
+    assert received["t"] == Decimal("0.1000000000000000055511151231257827")
+    assert received["huge"] == Decimal("1e400")
+    prompt = 'Write a haiku about leases \u00e9\n"\\\x00 \U0001f600 h\u00e9 \u00e9 \u2603 \U0001f600'
+    assert received["input"]["prompt"] == prompt
+    [job] = record["jobs"]
+    assert (job["context_tokens"], job["generated_tokens"]) == (prompt_tokens(prompt), 32) == (14, 32)
+    stored = await pool.fetchval("SELECT request::text FROM operations WHERE operation_id = 'op-exact'")
+    assert stored == EXACT_REQUEST
+    assert (await op_row(pool, "op-exact"))["state"] == "submitted"
+
+
+async def test_model_default_is_added_only_when_absent(runtime: Runtime, simulator: Simulator) -> None:
+    await simulator.configure(record_bodies=True)
+    d = Dispatcher(runtime)
+    await d.handle(submission("op-default", request=request_text()))
+    await d.handle(submission("op-own-model", request=request_text(model="genace-1")))
+    [default] = (await simulator.get("/_sim/operations/op-default"))["jobs"]
+    [own] = (await simulator.get("/_sim/operations/op-own-model"))["jobs"]
+    assert (default["model"], own["model"]) == (runtime.settings.remote_model, "genace-1")

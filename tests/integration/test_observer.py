@@ -23,8 +23,8 @@ pytestmark = pytest.mark.integration
 
 async def submitted_operation(runtime: Runtime, op: str, generated: int = 5) -> str:
     """An operation with a real remote job, saved as submitted and due now; returns the job id."""
-    request = {"context_tokens": 10, "generated_tokens": generated}
-    assert await runtime.ledger.accept(op, request)
+    request = f'{{"input": {{"prompt": "ten words of a prompt for a job to run on", "max_tokens": {generated}}}}}'
+    assert await runtime.ledger.accept(op, request, submitted_at_ms=0)
     fencing = await runtime.ledger.claim_for_submit(op)
     assert fencing is not None
     result = await runtime.remote.submit(op, request)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 
 async def succeeded_operation(runtime: Runtime, op: str, outputs: int) -> None:
-    assert await runtime.ledger.accept(op, {"context_tokens": 1, "generated_tokens": 1})
+    assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
     fencing = await runtime.ledger.claim_for_submit(op)
     assert fencing is not None
     assert await runtime.ledger.save_submitted(op, fencing, f"job-{op}", 0.0, None)
@@ -84,8 +84,9 @@ async def test_crash_between_publish_and_mark_repeats_with_same_event_id(
     assert [o["event_id"] for o in outputs if dedupe.first_time(o["event_id"])] == [f"output:{op}:out_0"]
 
 
-def submission_bytes(op: str, **request: Any) -> bytes:
-    return orjson.dumps({"operation_id": op, "request": request, "submitted_at_ms": int(time.time() * 1000)})
+def submission_bytes(op: str, request: str = '{"input": {"prompt": "p", "max_tokens": 1}}') -> bytes:
+    """A submission value whose request is the JSON text ``request``, written into the value as it is."""
+    return f'{{"operation_id": "{op}", "request": {request}, "submitted_at_ms": {int(time.time() * 1000)}}}'.encode()
 
 
 async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
@@ -93,7 +94,7 @@ async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
 ) -> None:
     tag = uuid.uuid4().hex[:6]
     oversized = (
-        submission_bytes(f"big-{tag}", context_tokens=1, generated_tokens=1)[:-1]
+        submission_bytes(f"big-{tag}")[:-1]
         + b', "pad": "'
         + (b"x" * settings.max_value_bytes)
         + b'"}'
@@ -101,12 +102,8 @@ async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
     cases: list[tuple[str, bytes, str, str]] = [
         ("submissions", b"\xff\xfenot json", "not_json", "not JSON"),
         ("submissions", orjson.dumps({"operation_id": f"m-{tag}", "submitted_at_ms": 1}), "schema", "request"),
-        (
-            "submissions",
-            submission_bytes(f"w-{tag}", context_tokens=1, generated_tokens="12"),
-            "schema",
-            "generated_tokens",
-        ),
+        ("submissions", submission_bytes(f"w-{tag}", '{"model": 12}'), "schema", "request/model"),
+        ("submissions", submission_bytes(f"d-{tag}", '{"a": 1, "a": 2}'), "not_json", "appears twice"),
         ("submissions", oversized, "oversized", "over the"),
         (
             "polls",
@@ -120,7 +117,7 @@ async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
     cases.append(
         (
             "submissions",
-            submission_bytes(f"op-{tag}", context_tokens=1, generated_tokens=1),
+            submission_bytes(f"op-{tag}"),
             "key_mismatch",
             "is not the operation id",
         )
@@ -128,7 +125,7 @@ async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
     cases.append(
         (
             "submissions",
-            submission_bytes(f"newline-{tag}\n", context_tokens=1, generated_tokens=1),
+            submission_bytes(f"newline-{tag}\\n"),
             "schema",
             "operation_id",
         )
@@ -183,28 +180,33 @@ async def test_unexpected_errors_are_retried_then_dead_lettered(runtime: Runtime
     assert "RuntimeError: always" in letters[0]["error"]
 
 
+SEED, T = "18446744073709551617", "0.1000000000000000055511151231257827"
+
+
+def dup_request(seed: str = SEED, t: str = T) -> str:
+    return f'{{"model": "m", "input": {{"prompt": "h\\u00e9", "max_tokens": 32}}, "seed": {seed}, "t": {t}}}'
+
+
+#: The same request written otherwise: keys reordered, blanks, the escape written out, 32.0 for 32, a trailing 0.
+SAME_REQUEST = f'{{ "t": {T}0, "seed": {SEED},\n "input": {{"max_tokens": 32.0, "prompt": "h\u00e9"}}, "model": "m" }}'
+
+
 async def test_duplicate_operation_with_a_different_request_is_dead_lettered(
     runtime: Runtime, pool: asyncpg.Pool, settings: Settings, simulator: object
 ) -> None:
     op = f"dup-{uuid.uuid4().hex[:6]}"
-    first = RawMessage(
-        settings.topic("submissions"), 0, 1, op.encode(), submission_bytes(op, context_tokens=10, generated_tokens=5)
-    )
-    replay = RawMessage(
-        settings.topic("submissions"), 0, 2, op.encode(), submission_bytes(op, context_tokens=10.0, generated_tokens=5)
-    )  # same request (5.0 == 5)
-    conflict = RawMessage(
-        settings.topic("submissions"), 0, 3, op.encode(), submission_bytes(op, context_tokens=999, generated_tokens=5)
-    )
+    # then requests that differ only where a double (or orjson) sees no difference
+    texts = [dup_request(), SAME_REQUEST, dup_request(seed="18446744073709551616"), dup_request(t="0.1")]
     d = Dispatcher(runtime)
-    for m in (first, replay, conflict):
-        await d.handle(m)
+    for offset, text in enumerate(texts, 1):
+        await d.handle(RawMessage(settings.topic("submissions"), 0, offset, op.encode(), submission_bytes(op, text)))
     letters = [
         r.value
         for r in await read_topic_to_end(settings, "dead_letter")
         if r.value["key_base64"] == base64.b64encode(op.encode()).decode()
     ]
-    assert [(x["reason"], x["offset"]) for x in letters] == [("conflicting_duplicate", 3)]
-    stored = await pool.fetchval("SELECT request FROM operations WHERE operation_id = $1", op)
-    assert (stored["context_tokens"], stored["generated_tokens"]) == (10, 5)
+    assert [(x["reason"], x["offset"]) for x in letters] == [("conflicting_duplicate", 3), ("conflicting_duplicate", 4)]
+    assert "a different request needs a new operation id" in letters[0]["error"]
+    stored = await pool.fetchval("SELECT request::text FROM operations WHERE operation_id = $1", op)
+    assert stored == dup_request()
     assert await pool.fetchval("SELECT count(*) FROM remote_calls WHERE operation_id = $1", op) == 1

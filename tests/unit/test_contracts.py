@@ -23,7 +23,7 @@ LIMIT = 65_536
 
 VALID_SUBMISSION: dict[str, Any] = {
     "operation_id": "conv-000001",
-    "request": {"context_tokens": 374, "generated_tokens": 44, "model": "sim-1"},
+    "request": {"model": "genace-1", "input": {"prompt": "Write a haiku about leases", "max_tokens": 32}},
     "submitted_at_ms": 1_700_000_000_000,
     "source": {"trace": "conv", "row": 0},
 }
@@ -98,7 +98,7 @@ def test_valid_submission_passes() -> None:
 
 
 def test_minimal_submission_passes() -> None:
-    value = {"operation_id": "a", "request": {"context_tokens": 0, "generated_tokens": 1}, "submitted_at_ms": 0}
+    value = {"operation_id": "a", "request": {}, "submitted_at_ms": 0}
     assert contracts.decode(SUB, raw(value), LIMIT) == value
 
 
@@ -148,13 +148,15 @@ def mutated(path: list[str], value: Any = None, *, delete: bool = False) -> dict
     [
         (mutated(["submitted_at_ms"], delete=True), "(root)", "'submitted_at_ms' is a required property"),
         (mutated(["operation_id"], delete=True), "(root)", "'operation_id' is a required property"),
-        (mutated(["request", "generated_tokens"], delete=True), "request", "'generated_tokens' is a required property"),
-        (mutated(["request", "generated_tokens"], "12"), "request/generated_tokens", "'12' is not of type 'integer'"),
-        (mutated(["request", "generated_tokens"], 0), "request/generated_tokens", "0 is less than the minimum of 1"),
-        (mutated(["request", "context_tokens"], 1.5), "request/context_tokens", "1.5 is not of type 'integer'"),
+        (mutated(["request"], delete=True), "(root)", "'request' is a required property"),
+        (mutated(["request"], [1]), "request", "[1] is not of type 'object'"),
+        (mutated(["request", "model"], ""), "request/model", "should be non-empty"),
+        (mutated(["request", "model"], 7), "request/model", "7 is not of type 'string'"),
+        (mutated(["request", "metadata"], "x"), "request/metadata", "'x' is not of type 'object'"),
+        (mutated(["request", "metadata"], {"client_reference": "mine"}), "request/metadata/client_reference", "'mine'"),
+        (mutated(["submitted_at_ms"], 2**63), "submitted_at_ms", "is greater than the maximum"),
         (mutated(["submitted_at_ms"], -1), "submitted_at_ms", "-1 is less than the minimum of 0"),
         (mutated(["extra"], 1), "(root)", "'extra' was unexpected"),
-        (mutated(["request", "temperature"], 0.7), "request", "'temperature' was unexpected"),
         (mutated(["operation_id"], "-starts-with-dash"), "operation_id", "'-starts-with-dash' does not match"),
         (mutated(["operation_id"], "has space"), "operation_id", "'has space' does not match"),
         (mutated(["operation_id"], "x" * 129), "operation_id", "does not match"),
@@ -173,6 +175,36 @@ def test_schema_errors_name_the_field(doc: dict[str, Any], where: str, fragment:
 def test_operation_id_pattern_accepts_its_alphabet() -> None:
     doc = mutated(["operation_id"], "A9._:-" + "x" * 122)  # 128 characters, the maximum
     assert contracts.decode(SUB, raw(doc), LIMIT)["operation_id"] == doc["operation_id"]
+
+
+def test_the_provider_request_is_opaque_and_exact() -> None:
+    """What a generation API takes passes, whatever its members; numbers come back exact."""
+    data = (
+        b'{"operation_id": "a", "submitted_at_ms": 0, "request": {"model": "genace-1", "input": {"prompt": "hi",'
+        b' "max_tokens": 32}, "seed": 18446744073709551617, "temperature": 0.1000000000000000055511151231257827,'
+        b' "scale": 1e400, "metadata": {"user": "u-1"}}}'
+    )
+    request = contracts.decode(SUB, data, LIMIT)["request"]
+    assert request["seed"] == 2**64 + 1
+    assert request["temperature"] == Decimal("0.1000000000000000055511151231257827")
+    assert request["scale"] == Decimal("1e400")
+    assert request["input"] == {"prompt": "hi", "max_tokens": 32}
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        (b'{"operation_id": "a", "submitted_at_ms": 0, "request": {"x": NaN}}', "NaN is not a JSON number"),
+        (b'{"operation_id": "a", "submitted_at_ms": 0, "request": {"x": Infinity}}', "Infinity is not a JSON number"),
+        (b'{"operation_id": "a", "submitted_at_ms": 0, "request": {"x": 1, "x": 2}}', "key 'x' appears twice"),
+        (b'{"operation_id": "a", "operation_id": "b", "submitted_at_ms": 0, "request": {}}', "appears twice"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ],
+)
+def test_values_without_one_meaning_are_not_json(data: bytes, fragment: str) -> None:
+    err = decode_error(SUB, data, limit=len(data))
+    assert err.reason == "not_json"
+    assert fragment in str(err)
 
 
 @pytest.mark.parametrize("value", [[1, 2], "text", 3, None])
@@ -262,7 +294,7 @@ def test_dead_letter_envelope(original: bytes | None, key: bytes | None, reason:
 
 def test_dead_letter_from_a_real_decode_failure() -> None:
     original = (
-        b'{"operation_id": "a", "request": {"context_tokens": 1, "generated_tokens": "12"}, "submitted_at_ms": 0}'
+        b'{"operation_id": "a", "request": {"model": 12, "input": {"prompt": "hi"}}, "submitted_at_ms": 0}'
     )
     err = decode_error(SUB, original)
     env = contracts.dead_letter(
@@ -270,13 +302,13 @@ def test_dead_letter_from_a_real_decode_failure() -> None:
     )
     contracts.validate(DLQ, env)
     assert env["reason"] == "schema"
-    assert "request/generated_tokens" in env["error"]
+    assert "request/model" in env["error"]
     assert base64.b64decode(env["original_base64"]) == original
 
 
 # --- numbers: exact or refused with the field ------------------------------------------------------------------
 
-SUBMISSION_PREFIX = b'{"operation_id": "op-1", "request": {"context_tokens": 1, "generated_tokens": 1}, '
+SUBMISSION_PREFIX = b'{"operation_id": "op-1", "request": {"input": {"prompt": "p", "max_tokens": 1}}, '
 
 # submission text after the fixed prefix -> the decoded value of the field, or (reason, field, words)
 SUBMISSION_NUMBERS: list[tuple[bytes, str, Any]] = [

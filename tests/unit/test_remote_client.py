@@ -24,7 +24,7 @@ from streams.remote import JobSnapshot, RemoteClient, SubmitResult, make_http_cl
 from streams.states import OperationState
 
 OP = "operation-42"
-REQUEST = {"context_tokens": 374, "generated_tokens": 44}
+REQUEST = '{"input": {"prompt": "Write a haiku about leases", "max_tokens": 44}}'
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -101,18 +101,18 @@ async def test_submit_sends_body_auth_and_path(make_client: ClientFactory, setti
     assert str(request.url) == "http://127.0.0.1:8900/v1/generations"
     assert request.headers["Authorization"] == "Bearer dev-key"
     assert request.headers["Content-Type"] == "application/json"
-    assert orjson.loads(request.content) == {
-        "model": "sim-1",
-        "input": {"context_tokens": 374, "generated_tokens": 44},
-        "metadata": {"operation_id": OP},
-    }
+    assert request.content == (
+        b'{"input": {"prompt": "Write a haiku about leases", "max_tokens": 44},'
+        b'"model":"sim-1","metadata":{"client_reference":"operation-42"}}'
+    )
 
 
 async def test_submit_request_model_overrides_default(make_client: ClientFactory) -> None:
     client, rec = make_client(answer(200, {"id": "job-9"}))
-    result = await client.submit(OP, {**REQUEST, "model": "other-model"})
+    result = await client.submit(OP, '{"model": "other-model", "input": {}}')
     assert result.status_code == 200
-    assert orjson.loads(rec.requests[0].content)["model"] == "other-model"
+    sent = rec.requests[0].content
+    assert sent == b'{"model": "other-model", "input": {},"metadata":{"client_reference":"operation-42"}}'
 
 
 async def test_submit_201_without_hint(make_client: ClientFactory) -> None:
@@ -363,12 +363,12 @@ async def test_job_ids_are_escaped_in_the_url_and_refused_when_unusable(make_cli
     for bad in ("a/../b", "x\r\n", "j" * 300, ""):
         client2, _ = make_client(answer(201, {"id": bad}))
         with pytest.raises(RemoteUnknownOutcomeError, match="without a usable job id"):
-            await client2.submit(OP, {"context_tokens": 1, "generated_tokens": 1})
+            await client2.submit(OP, REQUEST)
 
 
 async def test_hints_are_capped_and_absurd_times_ignored(make_client: ClientFactory) -> None:
     client, _ = make_client(answer(201, {"id": "J1", "poll_after_ms": 1e16}))
-    result = await client.submit(OP, {"context_tokens": 1, "generated_tokens": 1})
+    result = await client.submit(OP, REQUEST)
     assert result.poll_after_s == 3600.0
     client, _ = make_client(answer(200, {"status": "succeeded", "outputs": [], "completed_at": 1e20}))
     snapshot = await client.observe(OP, "job-1")

@@ -46,9 +46,10 @@ async def start_sim() -> AsyncIterator[Factory]:
 
 
 def _body(op: str | None = "op-1", ctx: int = 100, gen: int = 4) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "sim-model", "input": {"context_tokens": ctx, "generated_tokens": gen}}
+    """A request whose prompt is ``ctx`` tokens long, asking for ``gen`` tokens, naming client reference ``op``."""
+    body: dict[str, Any] = {"model": "sim-model", "input": {"prompt": " ".join(["lease"] * ctx), "max_tokens": gen}}
     if op is not None:
-        body["metadata"] = {"operation_id": op}
+        body["metadata"] = {"client_reference": op}
     return body
 
 
@@ -107,7 +108,7 @@ async def test_lifecycle_queued_running_succeeded(start_sim: Factory) -> None:
     assert first["status"] == "queued"
     assert first["started_at"] is None and first["completed_at"] is None
     assert "outputs" not in first and "error" not in first
-    assert first["metadata"] == {"operation_id": "op-life"}
+    assert first["metadata"] == {"client_reference": "op-life"}
 
     running, seen_before_running = await _wait_for_status(client, job_id, {"running", "succeeded", "failed"})
     assert running["status"] == "running"
@@ -161,15 +162,20 @@ async def test_unauthorized_creates_nothing(start_sim: Factory) -> None:
     [
         b"not json",
         b"[1, 2]",
-        b'{"input": {"context_tokens": 1, "generated_tokens": 1}}',
-        b'{"model": "m", "input": {"context_tokens": -1, "generated_tokens": 1}}',
-        b'{"model": "m", "input": {"context_tokens": 1, "generated_tokens": 0}}',
-        b'{"model": "m", "input": {"context_tokens": "1", "generated_tokens": 1}}',
-        b'{"model": "m", "input": {"context_tokens": 1, "generated_tokens": true}}',
-        b'{"model": "m", "input": {"context_tokens": 1.5, "generated_tokens": 1}}',
+        b'{"input": {"prompt": "hi", "max_tokens": 1}}',
+        b'{"model": "", "input": {"prompt": "hi", "max_tokens": 1}}',
+        b'{"model": "m", "input": {"max_tokens": 1}}',
+        b'{"model": "m", "input": {"prompt": "hi"}}',
+        b'{"model": "m", "input": {"prompt": 7, "max_tokens": 1}}',
+        b'{"model": "m", "input": {"prompt": "hi", "max_tokens": 0}}',
+        b'{"model": "m", "input": {"prompt": "hi", "max_tokens": 1000001}}',
+        b'{"model": "m", "input": {"prompt": "hi", "max_tokens": "1"}}',
+        b'{"model": "m", "input": {"prompt": "hi", "max_tokens": true}}',
+        b'{"model": "m", "input": {"prompt": "hi", "max_tokens": 1.5}}',
+        b'{"model": "m", "input": {"prompt": "hi", "max_tokens": NaN}}',
         b'{"model": "m"}',
-        b'{"model": "m", "input": {"context_tokens": 1, "generated_tokens": 1}, "metadata": "x"}',
-        b'{"model": "m", "input": {"context_tokens": 1, "generated_tokens": 1}, "metadata": {"operation_id": 3}}',
+        b'{"model": "m", "input": {"prompt": "hi", "max_tokens": 1}, "metadata": "x"}',
+        b'{"model": "m", "input": {"prompt": "hi", "max_tokens": 1}, "metadata": {"client_reference": 3}}',
     ],
 )
 async def test_invalid_body_400_creates_nothing(start_sim: Factory, content: bytes) -> None:
@@ -180,6 +186,25 @@ async def test_invalid_body_400_creates_nothing(start_sim: Factory, content: byt
     assert err["code"] == "invalid_request" and err["message"]
     s = await _summary(client)
     assert (s["jobs_created"], s["posts"], s["faults_injected"]["upstream_502"]) == (0, 1, 0)
+
+
+async def test_the_request_is_read_as_a_provider_would(start_sim: Factory) -> None:
+    """Prompt length in tokens and max_tokens set the job; unknown members are ignored; numbers a double cannot
+    hold are no reason to refuse; with record_bodies on, the bytes received are kept."""
+    client = await start_sim(compression=1.0, record_bodies=True, multi_output_rate=0.0)
+    content = (
+        b'{"model": "genace-1", "input": {"prompt": "Write a haiku about leases.", "max_tokens": 32},'
+        b' "seed": 18446744073709551617, "scale": 1e400, "metadata": {"client_reference": "op-haiku", "u": 1}}'
+    )
+    r = await client.post("/v1/generations", content=content, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 201, r.text
+    op = await _operation(client, "op-haiku")
+    [rec] = op["jobs"]
+    assert (rec["model"], rec["context_tokens"], rec["generated_tokens"]) == ("genace-1", 6, 32)
+    assert rec["completed_at"] - rec["created_at"] == pytest.approx((200 + 6 * 0.02 + 32 * 25) / 1000)
+    assert op["bodies"] == [content.decode()]
+    job = (await client.get(f"/v1/generations/{rec['job_id']}")).json()
+    assert (job["model"], job["metadata"]) == ("genace-1", {"client_reference": "op-haiku"})
 
 
 async def test_invalid_body_naming_operation_is_counted(start_sim: Factory) -> None:
@@ -303,7 +328,7 @@ async def test_orphan_job_without_operation(start_sim: Factory) -> None:
     s = await _summary(client)
     assert (s["jobs_created"], s["orphan_jobs_without_operation"], s["operations_with_jobs"]) == (1, 1, 0)
     [rec] = (await client.get("/_sim/jobs")).json()["jobs"]
-    assert rec["operation_id"] is None
+    assert rec["client_reference"] is None
 
 
 async def test_overlapping_gets_are_counted(start_sim: Factory) -> None:
@@ -331,7 +356,7 @@ async def test_several_jobs_per_operation(start_sim: Factory) -> None:
     assert op["posts"] == 3 and len(op["jobs"]) == 3
     s = await _summary(client)
     assert (s["max_jobs_per_operation"], s["operations_with_jobs"], s["posts"]) == (3, 2, 4)
-    assert await _operation(client, "op-never") == {"posts": 0, "post_statuses": [], "jobs": []}
+    assert await _operation(client, "op-never") == {"posts": 0, "post_statuses": [], "jobs": [], "bodies": []}
 
 
 async def test_runtime_config_and_reset(start_sim: Factory) -> None:

@@ -5,10 +5,21 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from streams_harness.replay import trace_request
 from streams_harness.simulator.cli import command
 from streams_harness.simulator.config import SimulatorConfig
 from streams_harness.simulator.faults import FaultDecider, FaultRates, PostFault
-from streams_harness.simulator.model import JobDurations, job_durations, job_schedule, poll_after_ms, status_at
+from streams_harness.simulator.model import (
+    JobDurations,
+    JobRequest,
+    job_durations,
+    job_schedule,
+    poll_after_ms,
+    prompt_tokens,
+    read_request,
+    status_at,
+)
+from streams_harness.trace import TraceRow
 
 
 def test_default_durations_exact() -> None:
@@ -175,3 +186,35 @@ def test_cli_rejects_bad_rate() -> None:
     result = CliRunner().invoke(command, ["--fault-429", "2"])
     assert result.exit_code != 0
     assert "fault_429" in result.output
+
+
+# --- what the simulator reads from a request -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [("", 0), ("   ", 0), ("Write a haiku about leases", 5), ("leases.", 2), ("don't stop!", 5), ("h\u00e9 \u2603", 2)],
+)
+def test_prompt_tokens(prompt: str, tokens: int) -> None:
+    assert prompt_tokens(prompt) == tokens
+
+
+def test_read_request_takes_what_a_provider_reads() -> None:
+    body = {
+        "model": "genace-1",
+        "input": {"prompt": "Write a haiku about leases", "max_tokens": 32, "stop": ["\n"]},
+        "temperature": 0.7,
+        "metadata": {"client_reference": "op-1", "user": "u"},
+    }
+    assert read_request(body) == JobRequest("genace-1", 5, 32, "op-1")
+    assert read_request({"model": "m", "input": {"prompt": "", "max_tokens": 1}}) == JobRequest("m", 0, 1, None)
+
+
+@pytest.mark.parametrize("row", [0, 1, 2, 5, 11, 12, 13, 14_050])
+def test_replay_prompts_have_the_trace_rows_context_tokens(row: int) -> None:
+    trace_row = TraceRow(row=0, arrival_s=0.0, context_tokens=row, generated_tokens=7)
+    request = trace_request(trace_row, "sim-1")
+    assert request["model"] == "sim-1" and request["input"]["max_tokens"] == 7
+    asked = read_request(request)
+    assert (asked.context_tokens, asked.generated_tokens) == (row, 7)
+    assert SimulatorConfig().durations(asked.context_tokens, 7) == job_durations(row, 7)

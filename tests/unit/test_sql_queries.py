@@ -77,7 +77,7 @@ EXPECTED_LEDGER = [
 
 #: Number of parameters each query takes (from its documentation comment).
 EXPECTED_ARITY = {
-    "accept_operation": 3,
+    "accept_operation": 5,
     "claim_for_submit": 2,
     "save_submitted": 6,
     "save_submission_without_job": 5,
