@@ -24,10 +24,20 @@ from aiohttp import web
 
 from streams.config import Settings
 from streams_harness.mainjob import free_port, free_port_block
+from streams_harness.replay import trace_request
 from streams_harness.simulator import SimulatorConfig, make_app
+from streams_harness.trace import TraceRow
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS = str(Path(sys.executable).with_name("streams"))
+
+
+def provider_request(context_tokens: int, max_tokens: int, model: str | None = None) -> dict[str, Any]:
+    """A request the provider simulator takes: a prompt of ``context_tokens`` tokens, ``max_tokens`` to generate."""
+    request = trace_request(TraceRow(0, 0.0, context_tokens, max_tokens), model or "sim-1")
+    if model is None:
+        del request["model"]  # the worker's STREAMS_REMOTE_MODEL then applies
+    return request
 
 
 async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:

@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from streams.producer import SubmissionProducer
-from tests.support import Fleet, SimulatorServer, services, wait_for
+from tests.support import Fleet, SimulatorServer, provider_request, services, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,7 @@ async def trickle(producer: SubmissionProducer, prefix: str, n: int, per_s: floa
     futures = []
     for i in range(n):
         op = f"{prefix}-{i:05d}"
-        futures.append(await producer.submit(op, {"context_tokens": 500, "generated_tokens": 50 + (i % 7) * 40}))
+        futures.append(await producer.submit(op, provider_request(500, 50 + (i % 7) * 40)))
         ids.append(op)
         await asyncio.sleep(1.0 / per_s)
     await asyncio.gather(*futures)
@@ -47,7 +47,7 @@ async def check_promises(pool: asyncpg.Pool, sim: SimulatorServer, ids: list[str
     assert summary["max_jobs_per_operation"] <= 1
     assert summary["max_gets_in_flight_per_job"] == 1
     jobs = (await sim.get("/_sim/jobs"))["jobs"]
-    job_ops = [j["operation_id"] for j in jobs]
+    job_ops = [j["client_reference"] for j in jobs]
     assert len(job_ops) == len(set(job_ops))  # no operation created twice
     succeeded = [r["operation_id"] for r in rows if r["state"] == "succeeded"]
     undelivered = await pool.fetchval(

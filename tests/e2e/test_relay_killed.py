@@ -14,7 +14,7 @@ from streams.config import Settings
 from streams.downstream import EventDeduplicator, read_topic_to_end
 from streams.producer import SubmissionProducer
 from streams_harness import faults
-from tests.support import Fleet, wait_for
+from tests.support import Fleet, provider_request, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +29,7 @@ async def test_relay_killed_between_publish_and_mark(
     prefix = f"relay{uuid.uuid4().hex[:6]}"
     ids = [f"{prefix}-{i}" for i in range(5)]
     for op in ids:
-        await (await producer.submit(op, {"context_tokens": 10, "generated_tokens": 5}))
+        await (await producer.submit(op, provider_request(10, 5)))
 
     async def a_died() -> bool:
         return a.proc.poll() is not None

@@ -14,7 +14,7 @@ import pytest
 from streams.config import Settings
 from streams.producer import SubmissionProducer
 from streams_harness import faults
-from tests.support import Fleet, SimulatorServer, Toxiproxy, services, wait_for
+from tests.support import Fleet, SimulatorServer, Toxiproxy, provider_request, services, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,7 @@ FINAL = ("succeeded", "failed", "canceled", "rejected", "uncertain")
 
 async def submit(producer: SubmissionProducer, prefix: str, n: int, generated: int = 20) -> list[str]:
     ids = [f"{prefix}-{i:04d}" for i in range(n)]
-    futures = [await producer.submit(op, {"context_tokens": 100, "generated_tokens": generated}) for op in ids]
+    futures = [await producer.submit(op, provider_request(100, generated)) for op in ids]
     await asyncio.gather(*futures)
     return ids
 
