@@ -147,16 +147,16 @@ def decode(topic: str, raw: bytes | None, max_value_bytes: int) -> dict[str, Any
     """Parse and validate one Kafka value for ``topic``, every number exact (:mod:`streams.exactjson`).
 
     Returns the value as a dict. Raises :class:`InvalidEventError` with ``reason`` ``oversized`` (more than
-    ``max_value_bytes`` bytes), ``not_json`` (not UTF-8 JSON, a tombstone, or ``NaN``/``Infinity``, naming the
-    field), ``number_out_of_range`` (a number too long to carry exactly, naming the field) or ``schema`` (the
-    message names the first failing field).
+    ``max_value_bytes`` bytes), ``not_json`` (not UTF-8 JSON, a tombstone, ``NaN``/``Infinity`` or a key
+    repeated in one object, naming the field), ``number_out_of_range`` (a number too long to carry exactly,
+    naming the field) or ``schema`` (the message names the first failing field).
     """
     if raw is None:
         raise InvalidEventError("not_json", "value is empty (tombstone)")
     if len(raw) > max_value_bytes:
         raise InvalidEventError("oversized", f"value is {len(raw)} bytes, over the {max_value_bytes}-byte limit")
     try:
-        value = exactjson.loads(raw)
+        value = exactjson.loads(raw, unique_keys=True)
     except JsonValueError as exc:
         raise InvalidEventError(exc.reason, f"{topic} value: {exc}") from exc
     errors = sorted(validator(topic).iter_errors(value), key=lambda e: list(e.absolute_path))

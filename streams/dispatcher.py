@@ -27,7 +27,7 @@ from typing import Any
 
 import tenacity
 
-from streams import contracts, jsontext, metrics
+from streams import contracts, exactjson, jsontext, metrics
 from streams.config import lease_key
 from streams.errors import (
     CoordinationUnavailableError,
@@ -70,7 +70,8 @@ class _NoLongerOurs(Exception):
 
 def request_digest(request: Any) -> str:
     """A short digest (16 hex characters of SHA-256) of a request's canonical form
-    (:func:`streams.jsontext.canonical`): equal for two requests that mean the same JSON."""
+    (:func:`streams.jsontext.canonical`; ``request`` as :func:`streams.exactjson.loads` reads it): equal for two
+    requests that mean the same JSON."""
     return hashlib.sha256(jsontext.canonical(request).encode()).hexdigest()[:16]
 
 
@@ -109,7 +110,7 @@ class Dispatcher:
         )
         if not accepted:  # a replay: it must ask for the same request (canonical forms, not texts, compared)
             row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
-            previous = request_digest(jsontext.loads_exact(row["request"])) if row is not None else None
+            previous = request_digest(exactjson.loads(row["request"])) if row is not None else None
             if previous is not None and previous != request_digest(event["request"]):
                 await self._reject_input(
                     message,

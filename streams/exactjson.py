@@ -25,7 +25,8 @@ What cannot be carried exactly is refused with :class:`~streams.errors.JsonValue
 * a number whose plain decimal form has more than :data:`MAX_NUMBER_DIGITS` digits (Python's own limit for
   integers, and beyond what PostgreSQL's ``numeric`` stores past the decimal point), or numbers in exponent form
   that would expand by more than :data:`MAX_EXPANSION_CHARS` characters in all once stored -> ``number_out_of_range``;
-* text that is not UTF-8, not JSON, nested too deeply, or a string with an unpaired surrogate -> ``not_json``.
+* text that is not UTF-8, not JSON, nested too deeply, or a string with an unpaired surrogate -> ``not_json``;
+* on request (``unique_keys``, every Kafka value), a key repeated in one object -> ``not_json``.
 """
 
 from __future__ import annotations
@@ -98,11 +99,13 @@ def _walk(value: Any) -> Iterator[tuple[list[str | int], Any]]:
             stack.extend(([*path, i], v) for i, v in reversed(list(enumerate(item))))
 
 
-def loads(data: bytes | str) -> Any:
+def loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
     """Parse JSON text with every number exact (see the module docstring for the mapping).
 
     Args:
         data: UTF-8 bytes or a str.
+        unique_keys: refuse (``not_json``, naming the field) a key that appears twice in one object: JSON
+            parsers disagree on which one counts (RFC 8259, section 4), so such a value has no single meaning.
 
     Raises:
         JsonValueError: ``reason`` ``not_json`` or ``number_out_of_range``, ``path`` the field (``a/0/b``,
@@ -146,7 +149,20 @@ def loads(data: bytes | str) -> Any:
     def parse_constant(token: str) -> _Refused:
         return refuse("not_json", f"{token} is not a JSON number (RFC 8259, section 6)")
 
-    decoder = json.JSONDecoder(parse_int=parse_int, parse_float=parse_float, parse_constant=parse_constant)
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        value: dict[str, Any] = {}
+        for key, item in pairs:
+            if key in value:
+                item = refuse("not_json", f"key {key!r} appears twice in one object (RFC 8259, section 4)")
+            value[key] = item
+        return value
+
+    decoder = json.JSONDecoder(
+        parse_int=parse_int,
+        parse_float=parse_float,
+        parse_constant=parse_constant,
+        object_pairs_hook=unique if unique_keys else None,
+    )
     try:
         value = decoder.decode(text)
     except json.JSONDecodeError as exc:

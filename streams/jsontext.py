@@ -1,13 +1,13 @@
 """JSON text carried as it is: the verbatim text of an object's members, members appended without re-encoding,
-and a canonical form to compare two texts by value.
+and a canonical form to compare two values by meaning.
 
 The provider's request travels from the Kafka event to the POST body as JSON *text*, never re-encoded: a big
 integer (``2**64 + 1``), a number beyond double range or precision (``1e400``,
 ``0.1000000000000000055511151231257827``), an escaped or non-ASCII string reach the provider exactly as the
 application wrote them. The product only appends members it owns (:func:`append_members`) to an object's text.
 
-Every function here takes text that :func:`loads_exact` accepted (it refuses ``NaN``/``Infinity``, duplicate
-keys, text that is not JSON), so the walk over the text never meets a syntax error it has to explain.
+Every function here takes text that :func:`streams.exactjson.loads` accepted (with ``unique_keys``: every Kafka
+value is read so), so the walk over the text never meets a syntax error it has to explain.
 """
 
 from __future__ import annotations
@@ -23,39 +23,8 @@ from streams.errors import InvalidEventError
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number (RFC 8259, section 6)")
-
-
-def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    value: dict[str, Any] = {}
-    for key, item in pairs:
-        if key in value:
-            raise ValueError(f"key {key!r} appears twice in one object (parsers disagree on which one counts)")
-        value[key] = item
-    return value
-
-
-_DECODER = json.JSONDecoder(
-    parse_float=decimal.Decimal, parse_constant=_refuse_constant, object_pairs_hook=_refuse_duplicates
-)
-
-
-def loads_exact(text: str | bytes) -> Any:
-    """Parse JSON with every number exact: integers as ``int``, other numbers as :class:`decimal.Decimal`.
-
-    Raises:
-        InvalidEventError: reason ``not_json``: not UTF-8, not JSON, ``NaN``/``Infinity``, a key repeated in
-            one object, nesting too deep, or an integer of more than 4300 digits (Python's limit).
-    """
-    try:
-        source = text.decode("utf-8") if isinstance(text, bytes) else text
-        return _DECODER.decode(source)
-    except RecursionError as exc:
-        raise InvalidEventError("not_json", "value is not JSON we can read: nested too deeply") from exc
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the refusals above, int digit limit
-        raise InvalidEventError("not_json", f"value is not JSON: {exc}") from exc
+#: Finds where a value ends; the numbers it reads are thrown away (kept as text, so none can fail to parse).
+_DECODER = json.JSONDecoder(parse_int=str, parse_float=str)
 
 
 @dataclass(frozen=True)
@@ -76,7 +45,8 @@ def _skip_whitespace(text: str, index: int) -> int:
 def members(text: str) -> list[Member]:
     """The members of the JSON object ``text`` in their order, each with the span of its verbatim value.
 
-    ``text`` must be JSON that :func:`loads_exact` accepted, an object at the top (whitespace around it is fine).
+    ``text`` must be JSON that :func:`streams.exactjson.loads` accepted, an object at the top (blanks around it
+    are fine).
 
     Raises:
         InvalidEventError: reason ``not_json`` when ``text`` is not a JSON object.
@@ -136,7 +106,7 @@ def _canonical_number(value: int | decimal.Decimal) -> str:
         negative, digits, exponent = value < 0, str(abs(value)), 0
     else:
         sign, digit_tuple, exp = value.as_tuple()
-        assert isinstance(exp, int)  # JSON has no NaN or infinity, and loads_exact refuses them
+        assert isinstance(exp, int)  # JSON has no NaN or infinity, and exactjson.loads refuses them
         negative, digits, exponent = bool(sign), "".join(map(str, digit_tuple)).lstrip("0"), exp
     stripped = digits.rstrip("0")
     if not stripped:
@@ -145,7 +115,7 @@ def _canonical_number(value: int | decimal.Decimal) -> str:
 
 
 def canonical(value: Any) -> str:
-    """A canonical JSON-like text of a value from :func:`loads_exact`: two values have the same canonical text
+    """A canonical JSON-like text of a value from :func:`streams.exactjson.loads`: two values have the same text
     exactly when they mean the same JSON (keys sorted, numbers compared by exact value, strings by their
     characters whatever their escapes; ``true`` is not ``1``)."""
     if isinstance(value, dict):
@@ -159,4 +129,4 @@ def canonical(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, int | decimal.Decimal):
         return _canonical_number(value)
-    raise TypeError(f"{type(value).__name__} is not a value loads_exact returns")
+    raise TypeError(f"{type(value).__name__} is not a value exactjson.loads returns")

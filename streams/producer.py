@@ -9,8 +9,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from streams import contracts, exactjson, jsontext
+from streams import contracts, exactjson
 from streams.config import Settings
+from streams.errors import InvalidEventError, JsonValueError
 
 #: A JSON object given as its text (carried verbatim) or as a mapping (written with :func:`exactjson.dumps`).
 JsonObject = str | Mapping[str, Any]
@@ -20,10 +21,13 @@ def _json_text(value: JsonObject) -> str:
     """``value`` as JSON text; a text is checked to be one whole JSON value (it is spliced into the event).
 
     Raises:
-        InvalidEventError: reason ``not_json``.
+        InvalidEventError: reason ``not_json`` or ``number_out_of_range``.
     """
     if isinstance(value, str):
-        jsontext.loads_exact(value)
+        try:
+            exactjson.loads(value, unique_keys=True)
+        except JsonValueError as exc:
+            raise InvalidEventError(exc.reason, f"a JSON text of the submission: {exc}") from exc
         return value
     return exactjson.dumps(value).decode()
 
@@ -31,7 +35,7 @@ def _json_text(value: JsonObject) -> str:
 def submission(operation_id: str, request: JsonObject, source: JsonObject | None = None) -> bytes:
     """A submission value (``schemas/generation.submissions.json``) stamped with the current time (ms).
 
-    Raises :class:`~streams.errors.InvalidEventError` (``not_json``) when a text is not one JSON value.
+    Raises :class:`~streams.errors.InvalidEventError` when a text is not one JSON value.
     ``request`` and ``source`` given as JSON text are written into the value as they are, so that a number or a
     string reaches the provider exactly as written.
     """

@@ -10,7 +10,7 @@ import asyncpg
 import orjson
 import pytest
 
-from streams import jsontext
+from streams import exactjson
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
 from tests.support import Fleet, SimulatorServer, kafka_tool
@@ -83,7 +83,7 @@ async def test_console_producer_to_console_consumer(
     [exact_body] = (await sim.get(f"/_sim/operations/{run}-exact"))["bodies"]
     with_reference = EXACT.replace('"u-\u00e9"}', f'"u-\u00e9","client_reference":"{run}-exact"}}')
     assert exact_body == with_reference[:-1] + f',"model":"{fault_settings.remote_model}"}}'
-    received = jsontext.loads_exact(exact_body)
+    received = exactjson.loads(exact_body)
     assert received["seed"] == 2**64 + 1
     assert received["t"] == Decimal("0.1000000000000000055511151231257827")
     assert received["scale"] == Decimal("1e400")

@@ -12,7 +12,7 @@ import asyncpg
 import orjson
 import pytest
 
-from streams import jsontext
+from streams import exactjson
 from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.runtime import RawMessage, Runtime
@@ -172,7 +172,7 @@ async def test_the_request_reaches_the_provider_exactly(
     assert record["post_statuses"] == [201]
     [body] = record["bodies"]
     assert body == EXACT_REQUEST.replace('{"user": "u-1"}', '{"user": "u-1","client_reference":"op-exact"}')
-    received = jsontext.loads_exact(body)
+    received = exactjson.loads(body)
     assert received["seed"] == 2**64 + 1
     assert received["t"] == Decimal("0.1000000000000000055511151231257827")
     assert received["huge"] == Decimal("1e400")

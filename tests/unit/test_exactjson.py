@@ -121,3 +121,19 @@ def test_dumps_writes_wide_ints_anywhere_in_the_document() -> None:
 )
 def test_is_number(value: Any, expected: bool) -> None:
     assert exactjson.is_number(value) is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (b'{"a": 1, "a": 1}', "a"),
+        (b'{"a": {"b": [{"c": 1, "c": 2}]}}', "a/b/0/c"),
+        (b'{"\\u00e9": 1, "\xc3\xa9": 2}', "\u00e9"),  # the same key, written two ways
+    ],
+)
+def test_repeated_keys_are_refused_on_request_naming_the_field(text: bytes, where: str) -> None:
+    with pytest.raises(JsonValueError) as info:
+        exactjson.loads(text, unique_keys=True)
+    assert (info.value.reason, info.value.path) == ("not_json", where)
+    assert "appears twice in one object" in str(info.value)
+    assert exactjson.loads(text) is not None  # the default reads them (the last one counts), as orjson does

@@ -23,7 +23,7 @@ from streams.errors import (
 from streams.remote import RemoteClient, make_http_client, parse_retry_after_s
 
 OP = "op-numbers"
-REQUEST = {"context_tokens": 1, "generated_tokens": 1}
+REQUEST = '{"input": {"prompt": "p", "max_tokens": 1}}'
 
 Client = Callable[[int, bytes, dict[str, str] | None], RemoteClient]
 
@@ -138,9 +138,9 @@ async def test_post_body_numbers_are_sent_exactly() -> None:
         return httpx.Response(201, content=b'{"id": "job-1"}')
 
     remote = RemoteClient(make_http_client(Settings(), transport=httpx.MockTransport(respond)), "sim-1")
-    await remote.submit(OP, {"context_tokens": 2**64, "generated_tokens": Decimal("5.0")})
+    await remote.submit(OP, '{"input": {"seed": 18446744073709551616, "max_tokens": 5.0, "t": 1e400}}')
     await remote.aclose()
-    assert b'"context_tokens":18446744073709551616,"generated_tokens":5.0' in sent[0]
+    assert sent[0].startswith(b'{"input": {"seed": 18446744073709551616, "max_tokens": 5.0, "t": 1e400},')
 
 
 # --- completed_at ------------------------------------------------------------------------------------------------
