@@ -38,7 +38,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 from yoyo import get_backend, read_migrations
 from yoyo.migrations import MigrationList
 
-from streams.config import Settings
+from streams.config import Settings, mask_url
 from streams.errors import KafkaAdminError, MissingResourceError
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def yoyo_url(database_url: str) -> str:
     """The yoyo backend URL (psycopg 3 driver) for a ``postgresql://`` URL."""
     scheme, sep, rest = database_url.partition("://")
     if not sep or not scheme.startswith("postgres"):
-        raise ValueError(f"not a PostgreSQL URL: {database_url!r}")
+        raise ValueError(f"not a PostgreSQL URL: {mask_url(database_url)!r}")
     return f"postgresql+psycopg://{rest}"
 
 

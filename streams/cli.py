@@ -106,7 +106,7 @@ def migrate() -> None:
 
     settings = _settings()
     try:
-        applied = apply(settings.database_url)
+        applied = apply(settings.database_url.get_secret_value())
     except StreamsError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"migrations applied: {applied or 'none (up to date)'}")

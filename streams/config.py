@@ -1,16 +1,25 @@
 """Settings, durations and key/topic names, defined once.
 
 Every setting is read from an environment variable ``STREAMS_<NAME>`` (upper case), with the default shown
-in :class:`Settings`. Durations carry their unit in the name (``_ms``, ``_s``).
+in :class:`Settings`, by pydantic-settings (:meth:`Settings.from_env`); durations carry their unit in the name
+(``_ms``, ``_s``).
+
+Secrets never reach a log line, a repr, a report or a dead letter: the API key is a :class:`~pydantic.SecretStr`
+and every URL that may hold a password (PostgreSQL, Redis, the remote API) a :class:`SecretUrl`, shown with its
+password masked (:func:`mask_url`); code that needs the value asks for it (``.get_secret_value()``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from pydantic import AfterValidator, BeforeValidator, Field, SecretStr, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings.sources.utils import parse_env_vars
 
 from streams.errors import ConfigError
 
@@ -21,99 +30,189 @@ TOPIC_OUTPUTS_DELIVERED = "generation.outputs.delivered"
 TOPIC_TRANSITIONS = "generation.transitions"
 TOPIC_DEAD_LETTER = "generation.dead-letter"
 
+#: Prefix of every setting's environment variable.
+ENV_PREFIX = "STREAMS_"
 
-@dataclass(frozen=True)
-class Settings:
-    """Runtime configuration of workers, CLI and tests.
+#: What a masked password reads as.
+MASK = "***"
 
-    Raises :class:`~streams.errors.ConfigError` from :meth:`from_env` when a variable does not parse.
+#: Query parameters of a URL that carry a password (libpq's ``password``, and common spellings).
+_SECRET_QUERY_KEYS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "api_key", "apikey"})
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``: in the user info (``scheme://user:secret@host``,
+    ``redis://:secret@host``) and in query parameters such as ``?password=secret``. Anything that does not parse
+    as a URL is masked whole (it might be a password)."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError on a malformed port, where the netloc may be anything
+    except ValueError:
+        return MASK
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:{MASK}@{host}" if colon else f"{userinfo}@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(k.lower() in _SECRET_QUERY_KEYS for k, _ in pairs):
+            query = urlencode([(k, MASK if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs], safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+class SecretUrl(SecretStr):
+    """A URL that may hold a password: ``str()`` and ``repr()`` show it masked (:func:`mask_url`), so host,
+    port and database stay readable in logs; ``get_secret_value()`` gives the URL itself."""
+
+    def _display(self) -> str:  # pydantic: the text str() and repr() show
+        return mask_url(self.get_secret_value())
+
+
+def _parse_bool(raw: Any) -> Any:
+    """Environment booleans: 1/0, true/false, yes/no, on/off (any case, blanks around), empty = false."""
+    if not isinstance(raw, str):
+        return raw
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _int_text(raw: Any) -> Any:
+    """Integers from text as Python's ``int()`` reads them (``3.0`` is not an integer)."""
+    return int(raw) if isinstance(raw, str) else raw
+
+
+def _at_least_one(value: int) -> int:
+    if value < 1:
+        raise PydanticCustomError("at_least_one", "must be at least 1")
+    return value
+
+
+EnvBool = Annotated[bool, BeforeValidator(_parse_bool)]
+PositiveInt = Annotated[int, BeforeValidator(_int_text), Field(ge=0), AfterValidator(_at_least_one)]
+Count = Annotated[int, BeforeValidator(_int_text), Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+
+class _EnvironSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping (``os.environ`` or a test's dict)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+
+def env_values(settings_cls: type[BaseSettings], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The values pydantic-settings reads for ``settings_cls`` from ``environ`` (default ``os.environ``): each
+    field from ``<env_prefix><FIELD>`` in any case, as text, unknown variables ignored. The one environment
+    loader of the project (the worker's :class:`Settings`, the simulator's ``SIM_*`` configuration)."""
+    return _EnvironSource(settings_cls, os.environ if environ is None else environ)()
+
+
+class Settings(BaseSettings):
+    """Runtime configuration of workers, CLI and tests (immutable, validated on construction).
+
+    ``Settings(**values)`` is the defaults with ``values``; :meth:`from_env` reads ``STREAMS_*`` variables;
+    :meth:`replace` copies with changes. Every way raises :class:`~streams.errors.ConfigError` naming the
+    variable when a value does not parse or would break a worker (never showing a secret).
     """
 
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, frozen=True, allow_inf_nan=False, extra="forbid", validate_default=True
+    )
+
+    #: Fields whose values are secrets (never shown, not even in an error message).
+    SECRET_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"remote_api_key", "database_url", "redis_url", "remote_base_url"}
+    )
+
     kafka_bootstrap: str = "127.0.0.1:9092"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    database_url: str = "postgresql://streams:streams@127.0.0.1:5432/streams"
-    remote_base_url: str = "http://127.0.0.1:8900"
-    remote_api_key: str = "dev-key"
+    redis_url: SecretUrl = SecretUrl("redis://127.0.0.1:6379/0")
+    database_url: SecretUrl = SecretUrl("postgresql://streams:streams@127.0.0.1:5432/streams")
+    remote_base_url: SecretUrl = SecretUrl("http://127.0.0.1:8900")
+    remote_api_key: SecretStr = SecretStr("dev-key")
     remote_model: str = "sim-1"
 
     app_id: str = "generation-streams"
-    kafka_session_timeout_s: float = 30.0
-    kafka_heartbeat_interval_s: float = 3.0
+    kafka_session_timeout_s: Seconds = 30.0
+    kafka_heartbeat_interval_s: Seconds = 3.0
     topic_prefix: str = ""
-    partitions: int = 8
+    partitions: PositiveInt = 8
     # Kafka admin calls (topics, consumer-group look-ups) retry the broker's retriable errors this long.
-    kafka_admin_deadline_s: float = 60.0
+    kafka_admin_deadline_s: Seconds = 60.0
 
     # Redis leases (seed: ``SET app:observe:operation-42 token NX PX 45000``).
     lease_key_prefix: str = "app"
-    lease_ttl_ms: int = 45_000
-    redis_socket_timeout_s: float = 1.0
+    lease_ttl_ms: PositiveInt = 45_000
+    redis_socket_timeout_s: Seconds = 1.0
 
     # Poll scheduling in PostgreSQL.
-    visibility_timeout_s: float = 60.0
-    poll_scheduler_interval_s: float = 0.2
-    poll_batch_size: int = 500
-    poll_backoff_base_s: float = 0.5
-    poll_backoff_cap_s: float = 30.0
-    poll_min_delay_s: float = 0.05
-    lease_busy_retry_s: float = 1.0
-    submitting_stale_after_s: float = 120.0
+    visibility_timeout_s: Seconds = 60.0
+    poll_scheduler_interval_s: Seconds = 0.2
+    poll_batch_size: PositiveInt = 500
+    poll_backoff_base_s: Seconds = 0.5
+    poll_backoff_cap_s: Seconds = 30.0
+    poll_min_delay_s: Seconds = 0.05
+    lease_busy_retry_s: Seconds = 1.0
+    submitting_stale_after_s: Seconds = 120.0
 
     # Outbox relay.
-    relay_interval_s: float = 0.05
-    relay_batch_size: int = 1000
+    relay_interval_s: Seconds = 0.05
+    relay_batch_size: PositiveInt = 1000
 
     # Remote API client timeouts (httpx) and POST retry budget.
-    http_connect_timeout_s: float = 2.0
-    http_read_timeout_s: float = 10.0
-    http_write_timeout_s: float = 5.0
-    http_pool_timeout_s: float = 5.0
-    http_max_connections: int = 200
-    submit_retry_deadline_s: float = 60.0
+    http_connect_timeout_s: Seconds = 2.0
+    http_read_timeout_s: Seconds = 10.0
+    http_write_timeout_s: Seconds = 5.0
+    http_pool_timeout_s: Seconds = 5.0
+    http_max_connections: PositiveInt = 200
+    submit_retry_deadline_s: Seconds = 60.0
 
     # PostgreSQL connections per worker process (statements are short; agents queue on the pool).
-    db_pool_max_size: int = 10
+    db_pool_max_size: PositiveInt = 10
 
     # Agents.
-    dispatcher_concurrency: int = 32
-    observer_concurrency: int = 64
+    dispatcher_concurrency: PositiveInt = 32
+    observer_concurrency: PositiveInt = 64
     # Largest Kafka value read (bytes): a provider request with a long prompt fits (the trace's longest, 14,050
     # tokens, is ~68 KB of text); a dead letter carries up to 512 KiB of the original, so all of such a value.
-    max_value_bytes: int = 262_144
-    coordination_retry_cap_s: float = 5.0
+    max_value_bytes: PositiveInt = 262_144
+    coordination_retry_cap_s: Seconds = 5.0
 
     # Worker web server (metrics, health).
-    web_port: int = 6066
-    web_enabled: bool = True
+    web_port: Count = 6066
+    web_enabled: EnvBool = True
 
-    topics: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc)) from None
 
-    def __post_init__(self) -> None:
-        names = {
-            "submissions": TOPIC_SUBMISSIONS,
-            "polls": TOPIC_POLLS,
-            "outputs_delivered": TOPIC_OUTPUTS_DELIVERED,
-            "transitions": TOPIC_TRANSITIONS,
-            "dead_letter": TOPIC_DEAD_LETTER,
-        }
-        object.__setattr__(self, "topics", {k: self.topic_prefix + v for k, v in names.items()})
-        self._check()
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Construction takes only the values given: the environment is read by :meth:`from_env` alone."""
+        return (init_settings,)
 
-    def _check(self) -> None:
-        """Refuse combinations that would break a worker at run time (raises :class:`ConfigError`)."""
-        for name in (
-            "partitions",
-            "lease_ttl_ms",
-            "poll_batch_size",
-            "relay_batch_size",
-            "dispatcher_concurrency",
-            "observer_concurrency",
-            "db_pool_max_size",
-            "http_max_connections",
-            "max_value_bytes",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"STREAMS_{name.upper()} must be at least 1")
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        """Refuse combinations that would break a worker at run time."""
         post_budget_s = (
             self.submit_retry_deadline_s
             + self.http_connect_timeout_s
@@ -121,16 +220,30 @@ class Settings:
             + self.http_read_timeout_s
         )
         if self.submitting_stale_after_s <= post_budget_s:
-            raise ConfigError(
+            raise ValueError(
                 f"STREAMS_SUBMITTING_STALE_AFTER_S ({self.submitting_stale_after_s}) must exceed the POST budget "
                 f"({post_budget_s:.0f} s: retry deadline + HTTP timeouts), or a live dispatcher's operation would "
                 "be reconciled to uncertain while it still waits to retry"
             )
         if self.visibility_timeout_s * 1000 < self.lease_ttl_ms:
-            raise ConfigError(
+            raise ValueError(
                 "STREAMS_VISIBILITY_TIMEOUT_S must be at least the lease TTL "
                 f"({self.lease_ttl_ms} ms), or a paused worker's poll returns while its lease still holds"
             )
+        return self
+
+    @property
+    def topics(self) -> dict[str, str]:
+        """Role -> full topic name (``submissions``, ``polls``, ``outputs_delivered``, ``transitions``,
+        ``dead_letter``), each with :attr:`topic_prefix`."""
+        names = {
+            "submissions": TOPIC_SUBMISSIONS,
+            "polls": TOPIC_POLLS,
+            "outputs_delivered": TOPIC_OUTPUTS_DELIVERED,
+            "transitions": TOPIC_TRANSITIONS,
+            "dead_letter": TOPIC_DEAD_LETTER,
+        }
+        return {k: self.topic_prefix + v for k, v in names.items()}
 
     @property
     def lease_ttl_s(self) -> float:
@@ -138,65 +251,73 @@ class Settings:
         return self.lease_ttl_ms / 1000.0
 
     def topic(self, role: str) -> str:
-        """The full topic name for ``role`` (``submissions``, ``polls``, ``outputs_delivered``, ...)."""
+        """The full topic name for ``role`` (``submissions``, ``polls``, ``outputs_delivered``, ...).
+
+        Raises:
+            KeyError: an unknown role.
+        """
         return self.topics[role]
 
     def replace(self, **changes: Any) -> Settings:
-        """A copy with ``changes`` applied (topic names recomputed)."""
-        return dataclasses.replace(self, **changes)
+        """A validated copy with ``changes`` applied (raises :class:`ConfigError` like the constructor)."""
+        return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
 
     def to_env(self) -> dict[str, str]:
-        """``STREAMS_*`` variables that reproduce these settings in a child process."""
+        """``STREAMS_*`` variables that reproduce these settings in a child process.
+
+        The values are the real ones, secrets included (a child's environment is not a log): never print them.
+        """
         env = {}
-        for f in dataclasses.fields(self):
-            if f.name == "topics":
-                continue
-            value = getattr(self, f.name)
-            env["STREAMS_" + f.name.upper()] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, SecretStr):
+                text = value.get_secret_value()
+            elif isinstance(value, bool):
+                text = "true" if value else "false"
+            else:
+                text = str(value)
+            env[ENV_PREFIX + name.upper()] = text
         return env
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
-        """Build settings from ``STREAMS_*`` variables over the defaults.
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Settings from ``STREAMS_*`` variables (of ``environ``, default ``os.environ``) over the defaults,
+        read by pydantic-settings (variable names in any case; unknown ``STREAMS_*`` variables ignored).
 
         Raises:
-            ConfigError: a variable is set but does not parse as its field's type.
+            ConfigError: a variable does not parse as its setting's type, is out of range, or the combination
+                would break a worker (the message names the variable, never a secret's value).
         """
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name == "topics":
-                continue
-            var = "STREAMS_" + f.name.upper()
-            raw = env.get(var)
-            if raw is None:
-                continue
-            default = f.default
-            try:
-                if isinstance(default, bool):
-                    values[f.name] = _parse_bool(raw)
-                elif isinstance(default, int):
-                    values[f.name] = int(raw)
-                elif isinstance(default, float):
-                    values[f.name] = float(raw)
-                    if not math.isfinite(values[f.name]):
-                        raise ValueError("not a finite number")
-                else:
-                    values[f.name] = raw
-            except ValueError as exc:
-                raise ConfigError(f"{var}={raw!r} is not a valid {type(default).__name__}: {exc}") from exc
-            if isinstance(default, int | float) and not isinstance(default, bool) and values[f.name] < 0:
-                raise ConfigError(f"{var}={raw!r} must not be negative")
-        return cls(**values)
+        return cls(**env_values(cls, environ))
 
 
-def _parse_bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+def _explain(exc: ValidationError) -> str:
+    """One message per refused value, naming its variable and never a secret's value."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        name = str(error["loc"][0]) if error["loc"] else ""
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if not name:  # a combination (model validator): its message names the variables
+            lines.append(message)
+            continue
+        var = ENV_PREFIX + name.upper()
+        if name in Settings.SECRET_FIELDS:
+            lines.append(f"{var} is not valid: {message}")
+            continue
+        raw = error.get("input")
+        if error["type"] == "at_least_one":
+            lines.append(f"{var} must be at least 1 (got {raw!r})")
+        elif error["type"] == "greater_than_equal":
+            lines.append(f"{var}={raw!r} must not be negative")
+        elif error["type"] == "extra_forbidden":
+            lines.append(f"{name!r} is not a setting")
+        else:
+            annotation = Settings.model_fields[name].annotation
+            type_name = getattr(annotation, "__name__", str(annotation))
+            if error["type"] == "finite_number":
+                message = "not a finite number"
+            lines.append(f"{var}={raw!r} is not a valid {type_name}: {message}")
+    return "; ".join(lines)
 
 
 def lease_key(settings: Settings, action: str, operation_id: str) -> str:

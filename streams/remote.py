@@ -69,8 +69,11 @@ def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | N
     ``transport`` replaces httpx's default pool (tests, alternative transports).
     """
     return httpx.AsyncClient(
-        base_url=settings.remote_base_url,
-        headers={"Authorization": f"Bearer {settings.remote_api_key}", "User-Agent": "generation-streams/0.1"},
+        base_url=settings.remote_base_url.get_secret_value(),
+        headers={
+            "Authorization": f"Bearer {settings.remote_api_key.get_secret_value()}",
+            "User-Agent": "generation-streams/0.1",
+        },
         timeout=httpx.Timeout(
             connect=settings.http_connect_timeout_s,
             read=settings.http_read_timeout_s,

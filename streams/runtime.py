@@ -72,8 +72,9 @@ class Runtime:
     async def create(cls, settings: Settings, send: SendFn, worker: str | None = None) -> Runtime:
         """Connect to PostgreSQL and build the Redis and HTTP clients (Redis may still be down)."""
         name = worker or worker_name()
-        pool = await create_pool(settings.database_url, min_size=2, max_size=settings.db_pool_max_size)
-        redis = make_redis(settings.redis_url, settings.redis_socket_timeout_s)
+        database_url = settings.database_url.get_secret_value()
+        pool = await create_pool(database_url, min_size=2, max_size=settings.db_pool_max_size)
+        redis = make_redis(settings.redis_url.get_secret_value(), settings.redis_socket_timeout_s)
         remote = RemoteClient(make_http_client(settings), settings.remote_model)
         return cls(settings, Ledger(pool, name), LeaseManager(redis, settings.lease_ttl_ms), remote, send, name)
 

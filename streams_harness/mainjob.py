@@ -222,17 +222,17 @@ async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str,
         settings = settings.replace(
             topic_prefix=f"{base.topic_prefix}{run_id}.",
             app_id=f"{base.app_id}-{run_id}",
-            database_url=await create_run_database(base.database_url, run_id),
+            database_url=await create_run_database(base.database_url.get_secret_value(), run_id),
         )
         try:
-            migrate(settings.database_url)
+            migrate(settings.database_url.get_secret_value())
             return await _run(opts, settings, run_id, sim_port, rows, out)
         finally:
             if not opts.keep:
-                await drop_run_database(base.database_url, settings.database_url)
+                await drop_run_database(base.database_url.get_secret_value(), settings.database_url.get_secret_value())
                 await delete_topics(settings)
-    migrate(settings.database_url)
-    lock = await asyncpg.connect(settings.database_url)
+    migrate(settings.database_url.get_secret_value())
+    lock = await asyncpg.connect(settings.database_url.get_secret_value())
     if not await lock.fetchval(REPORT.try_main_job_lock):
         await lock.close()
         raise MainJobError(
@@ -254,11 +254,11 @@ async def _run(
     env = dict(os.environ)
     env["STREAMS_TOPIC_PREFIX"] = settings.topic_prefix
     env["STREAMS_APP_ID"] = settings.app_id
-    env["STREAMS_DATABASE_URL"] = settings.database_url
+    env["STREAMS_DATABASE_URL"] = settings.database_url.get_secret_value()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(
         {
-            "STREAMS_REMOTE_BASE_URL": settings.remote_base_url,
+            "STREAMS_REMOTE_BASE_URL": settings.remote_base_url.get_secret_value(),
             "STREAMS_PARTITIONS": str(opts.partitions),
             "SIM_PORT": str(sim_port),
             "SIM_SEED": str(opts.seed),
@@ -273,10 +273,10 @@ async def _run(
     procs = Processes(env, opts.workers, base_port, log_path)
     procs.start()
     print(f"processes started (honcho, logs: {log_path})", file=out)
-    pool = await create_pool(settings.database_url, min_size=1, max_size=2)
+    pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
     pattern = f"{run_id}-%"
     try:
-        await wait_http(f"{settings.remote_base_url}/healthz", 60, procs)
+        await wait_http(f"{settings.remote_base_url.get_secret_value()}/healthz", 60, procs)
         for port in procs.worker_ports():
             await wait_http(f"http://127.0.0.1:{port}/healthz", 120, procs)
         # Measure the steady state: start the replay once every worker has its partitions (no start-up rebalance).
@@ -349,8 +349,8 @@ async def collect_report(
         for r in rows
     ]
     async with httpx.AsyncClient(timeout=30.0) as client:
-        sim = (await client.get(f"{settings.remote_base_url}/_sim/jobs")).json()["jobs"]
-        summary = (await client.get(f"{settings.remote_base_url}/_sim/summary")).json()
+        sim = (await client.get(f"{settings.remote_base_url.get_secret_value()}/_sim/jobs")).json()["jobs"]
+        summary = (await client.get(f"{settings.remote_base_url.get_secret_value()}/_sim/summary")).json()
     delivered = await read_topic_to_end(settings, "outputs_delivered")
     transitions = [
         (r["operation_id"], r["from_state"], r["to_state"]) for r in await pool.fetch(REPORT.run_transitions, pattern)

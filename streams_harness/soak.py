@@ -269,7 +269,8 @@ async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
     rows = read_trace(opts.trace, start=opts.start, rows=opts.rows)
     log_dir = checkout_dir() / "reports" / run_id
     log_dir.mkdir(parents=True, exist_ok=True)
-    run_db = await create_run_database(base.database_url, run_id)  # nothing of another run reaches this one
+    # nothing of another run reaches this one
+    run_db = await create_run_database(base.database_url.get_secret_value(), run_id)
     migrate(run_db)
     proxy, proxy_port = await _toxiproxy(run_id, sim_port)
     settings = base.replace(
@@ -291,7 +292,7 @@ async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
     for _ in range(opts.workers):
         fleet.start()
     chaos = Chaos(opts, fleet, proxy, out)
-    pool = await create_pool(settings.database_url, min_size=1, max_size=2)
+    pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
     pattern = f"{run_id}-%"
     print(
         f"soak {run_id}: {len(rows)} rows, {opts.workers} workers, {opts.faults} faults (seed {opts.seed}), "
@@ -368,7 +369,7 @@ async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
             with contextlib.suppress(Exception):
                 await delete_topics(settings)
             with contextlib.suppress(Exception):
-                await drop_run_database(base.database_url, run_db)
+                await drop_run_database(base.database_url.get_secret_value(), run_db)
     print(render_table(report), file=out)
     path = opts.report_path or (log_dir / "report.json")
     path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

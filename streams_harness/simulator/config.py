@@ -1,13 +1,16 @@
-"""Configuration of the provider simulator."""
+"""Configuration of the provider simulator: a pydantic-settings model read from ``SIM_<FIELD>`` variables
+(:func:`streams.config.env_values`, the project's one environment loader), CLI options and
+``POST /_sim/config``."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from streams.config import env_values
 from streams_harness.simulator.faults import FaultRates
 from streams_harness.simulator.model import (
     DEFAULT_DECODE_MS_PER_TOKEN,
@@ -34,17 +37,22 @@ _RATE_FIELDS = (
 
 
 def _f(default: Any, help_text: str) -> Any:
-    return field(default=default, metadata={"help": help_text})
+    return Field(default=default, description=help_text)
 
 
-@dataclass(frozen=True, slots=True)
-class SimulatorConfig:
-    """All settings of the simulator.
+class SimulatorConfig(BaseSettings):
+    """All settings of the simulator (immutable, validated on construction: ``ValueError`` on a bad value).
 
     Every field is a CLI option ``--field-name`` and an env var ``SIM_FIELD_NAME``.
 
     Rates are probabilities in ``[0, 1]`` (0 = off).  Durations carry their unit in the name.
     """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_ignore_empty=True, frozen=True, extra="forbid", allow_inf_nan=False
+    )
+
+    RATE_FIELDS: ClassVar[tuple[str, ...]] = _RATE_FIELDS
 
     host: str = _f("127.0.0.1", "Address to bind.")
     port: int = _f(8900, "TCP port to bind (0 = any free port).")
@@ -74,8 +82,21 @@ class SimulatorConfig:
     access_log: bool = _f(False, "Log every request (slows the server down).")
     record_bodies: bool = _f(False, "Keep every POST body, shown per client reference (tests of what arrived).")
 
-    def __post_init__(self) -> None:
-        """Validate ranges; raises ``ValueError`` on a bad value."""
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Construction takes only the values given: the environment is read by :meth:`from_env` alone."""
+        return (init_settings,)
+
+    @model_validator(mode="after")
+    def _check(self) -> SimulatorConfig:
+        """Validate ranges."""
         for name in _RATE_FIELDS:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -99,6 +120,7 @@ class SimulatorConfig:
         extra = self.output_extra_json.strip()
         if extra and not (extra.startswith("{") and extra.endswith("}") and extra[1:-1].strip()):
             raise ValueError("output_extra_json must be the text of a non-empty JSON object")
+        return self
 
     @property
     def fault_rates(self) -> FaultRates:
@@ -126,71 +148,53 @@ class SimulatorConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as a JSON-ready dict (the shape returned by ``POST /_sim/config``)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return self.model_dump()
 
     def updated(self, changes: Mapping[str, Any], *, allow_static: bool = True) -> SimulatorConfig:
-        """Return a copy with ``changes`` applied after type coercion.
+        """Return a validated copy with ``changes`` applied (text such as ``"0.02"`` is read as its field's type).
 
         Raises:
             ValueError: on an unknown field, a value of the wrong type, a static field
                 when ``allow_static`` is false, or an out-of-range value.
         """
-        types = field_types()
-        coerced: dict[str, Any] = {}
-        for name, value in changes.items():
-            if name not in types:
+        for name in changes:
+            if name not in type(self).model_fields:
                 raise ValueError(f"unknown config field {name!r}")
             if not allow_static and name in STATIC_FIELDS:
                 raise ValueError(f"config field {name!r} cannot be changed at runtime")
-            coerced[name] = _coerce(name, types[name], value)
-        return dataclasses.replace(self, **coerced)
+        try:
+            return type(self)(**{**self.model_dump(), **changes})
+        except ValidationError as exc:
+            raise ValueError(_explain(exc)) from None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SimulatorConfig:
-        """Defaults overridden by ``SIM_<FIELD>`` environment variables (e.g. ``SIM_FAULT_429=0.02``)."""
-        env = os.environ if environ is None else environ
-        changes: dict[str, Any] = {}
-        for name in field_types():
-            raw = env.get(ENV_PREFIX + name.upper())
-            if raw is not None and raw != "":
-                changes[name] = raw
-        return cls().updated(changes)
+        """Defaults overridden by ``SIM_<FIELD>`` environment variables (e.g. ``SIM_FAULT_429=0.02``; empty ones
+        are ignored).
+
+        Raises:
+            ValueError: a variable does not parse or is out of range.
+        """
+        return cls().updated(env_values(cls, environ))
+
+
+def _explain(exc: ValidationError) -> str:
+    """``field: message`` for each refused value."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {str(e['msg']).removeprefix('Value error, ')}"
+        for e in exc.errors(include_url=False)
+    )
 
 
 def field_types() -> dict[str, type]:
     """Map of field name to its Python type (``str``, ``int``, ``float`` or ``bool``)."""
-    names = {"str": str, "int": int, "float": float, "bool": bool}
-    return {f.name: names[str(f.type)] for f in dataclasses.fields(SimulatorConfig)}
+    types: dict[str, type] = {}
+    for name, info in SimulatorConfig.model_fields.items():
+        assert isinstance(info.annotation, type)
+        types[name] = info.annotation
+    return types
 
 
 def field_help() -> dict[str, str]:
     """Map of field name to its one-line help text."""
-    return {f.name: str(f.metadata.get("help", "")) for f in dataclasses.fields(SimulatorConfig)}
-
-
-def _coerce(name: str, typ: type, value: Any) -> Any:
-    if isinstance(value, str):
-        text = value.strip()
-        if typ is bool:
-            lowered = text.lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"{name}: expected a boolean, got {value!r}")
-        try:
-            return typ(text)
-        except ValueError:
-            raise ValueError(f"{name}: expected {typ.__name__}, got {value!r}") from None
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-    elif typ is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    raise ValueError(f"{name}: expected {typ.__name__}, got {value!r}")
+    return {name: info.description or "" for name, info in SimulatorConfig.model_fields.items()}

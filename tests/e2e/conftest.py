@@ -45,9 +45,9 @@ async def fault_settings(base_settings: Settings, sim: SimulatorServer) -> Async
         dispatcher_concurrency=8,
         observer_concurrency=16,
     )
-    migrate(settings.database_url)
+    migrate(settings.database_url.get_secret_value())
     await create_topics(settings)
-    pool = await create_pool(settings.database_url, min_size=1, max_size=2)
+    pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
     await pool.execute(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE")
     await pool.close()
     yield settings
@@ -56,7 +56,7 @@ async def fault_settings(base_settings: Settings, sim: SimulatorServer) -> Async
 
 @pytest.fixture
 async def ledger_pool(fault_settings: Settings) -> AsyncIterator[asyncpg.Pool]:
-    pool = await create_pool(fault_settings.database_url, min_size=1, max_size=4)
+    pool = await create_pool(fault_settings.database_url.get_secret_value(), min_size=1, max_size=4)
     yield pool
     await pool.close()
 

@@ -71,7 +71,7 @@ async def test_trace_through_two_workers_with_faults(
     run = uuid.uuid4().hex[:6]
     settings = base_settings.replace(topic_prefix=f"e2e-{run}.", app_id=f"streams-e2e-{run}")
     for key, value in {
-        "STREAMS_DATABASE_URL": settings.database_url,
+        "STREAMS_DATABASE_URL": settings.database_url.get_secret_value(),
         "STREAMS_TOPIC_PREFIX": settings.topic_prefix,
         "STREAMS_APP_ID": settings.app_id,
         "STREAMS_HTTP_READ_TIMEOUT_S": "3",
@@ -79,7 +79,7 @@ async def test_trace_through_two_workers_with_faults(
         "STREAMS_VISIBILITY_TIMEOUT_S": "8",
     }.items():
         monkeypatch.setenv(key, value)
-    migrate(settings.database_url)
+    migrate(settings.database_url.get_secret_value())
     await create_topics(settings.replace(partitions=4))
     expected_letters = await publish_bad_input(settings, f"bad{run}")
 
@@ -111,7 +111,7 @@ async def test_trace_through_two_workers_with_faults(
     assert report["operations_by_state"]["succeeded"] > 200
     assert sum(report["faults_injected"].values()) > 0
 
-    pool = await asyncpg.create_pool(settings.database_url, min_size=1, max_size=2)
+    pool = await asyncpg.create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
     try:
         run_id = report["run_id"]
         rows = await pool.fetch(

@@ -169,7 +169,7 @@ async def test_redis_restarted_empty_keeps_ledger_and_creates_nothing(
     }
     import redis.asyncio as aioredis
 
-    client: Any = aioredis.Redis.from_url(fleet.settings.redis_url)
+    client: Any = aioredis.Redis.from_url(fleet.settings.redis_url.get_secret_value())
     await client.flushall()
     await client.aclose()
     services("restart", "redis")

@@ -28,7 +28,7 @@ TABLES = "remote_calls, outbox, outputs, transitions, operations"
 @pytest.fixture(scope="session")
 def migrated(base_settings: Settings) -> Iterator[Settings]:
     """The test database migrated and the session's topics created (and deleted at the end)."""
-    migrate(base_settings.database_url)
+    migrate(base_settings.database_url.get_secret_value())
     asyncio.run(create_topics(base_settings))
     yield base_settings
     asyncio.run(delete_topics(base_settings))
@@ -37,7 +37,7 @@ def migrated(base_settings: Settings) -> Iterator[Settings]:
 @pytest.fixture
 async def pool(migrated: Settings) -> AsyncIterator[asyncpg.Pool]:
     """A pool on the test database, with every ledger table emptied first."""
-    p = await create_pool(migrated.database_url, min_size=1, max_size=10)
+    p = await create_pool(migrated.database_url.get_secret_value(), min_size=1, max_size=10)
     await p.execute(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE")
     yield p
     await p.close()
@@ -88,7 +88,7 @@ async def ledger(pool: asyncpg.Pool) -> Ledger:
 
 @pytest.fixture
 async def leases(settings: Settings) -> AsyncIterator[LeaseManager]:
-    client = make_redis(settings.redis_url, settings.redis_socket_timeout_s)
+    client = make_redis(settings.redis_url.get_secret_value(), settings.redis_socket_timeout_s)
     yield LeaseManager(client, settings.lease_ttl_ms)
     await client.aclose()
 

@@ -8,7 +8,6 @@ locally and fails in CI (``CI`` set).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -108,7 +107,7 @@ def test_services_are_the_three_backends_migrate_simulator_and_workers(compose: 
 def test_workers_wait_for_migrations_and_use_known_settings(compose: dict[str, Any]) -> None:
     worker = compose["services"]["worker"]
     assert worker["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
-    known = {"STREAMS_" + f.name.upper() for f in dataclasses.fields(Settings)}
+    known = {"STREAMS_" + name.upper() for name in Settings.model_fields}
     env = environment(worker)
     assert set(env) <= known, f"unknown settings: {set(env) - known}"
     assert env["STREAMS_KAFKA_BOOTSTRAP"] == "kafka:9092"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streams.config import ConfigError, Settings, lease_key
+from streams.config import ConfigError, Settings, lease_key, mask_url
 
 DEFAULT_TOPICS = {
     "submissions": "generation.submissions",
@@ -61,7 +61,7 @@ def test_types_are_parsed() -> None:
     assert s.lease_ttl_ms == 30_000 and isinstance(s.lease_ttl_ms, int)
     assert s.lease_ttl_s == 30.0
     assert s.web_enabled is False
-    assert s.remote_base_url == "http://remote:9000"
+    assert s.remote_base_url.get_secret_value() == "http://remote:9000"
     assert s.kafka_bootstrap == "k1:9092,k2:9092"
 
 
@@ -158,3 +158,67 @@ def test_lease_key() -> None:
     assert lease_key(Settings(), "submit", "conv-000001") == "app:submit:conv-000001"
     assert lease_key(Settings(lease_key_prefix="test-1"), "observe", "op") == "test-1:observe:op"
     assert lease_key(Settings.from_env({"STREAMS_LEASE_KEY_PREFIX": "p"}), "observe", "o") == "p:observe:o"
+
+
+# --- secrets ---------------------------------------------------------------------------------------------------
+
+API_KEY = "sk-live-7f3a9c2e"
+DB_URL = "postgresql://streams:s3cr3t-pw@db.internal:5432/ledger"
+REDIS_URL = "redis://:r3d1s-pw@cache:6379/0"
+REMOTE_URL = "https://svc:h77p-pw@api.example:443/v1?api_key=q-secret&region=eu"
+SECRETS = ("7f3a9c2e", "s3cr3t-pw", "r3d1s-pw", "h77p-pw", "q-secret")
+
+
+def secret_settings() -> Settings:
+    return Settings.from_env(
+        {
+            "STREAMS_REMOTE_API_KEY": API_KEY,
+            "STREAMS_DATABASE_URL": DB_URL,
+            "STREAMS_REDIS_URL": REDIS_URL,
+            "STREAMS_REMOTE_BASE_URL": REMOTE_URL,
+        }
+    )
+
+
+def test_secrets_are_masked_in_str_and_repr_and_kept_for_use() -> None:
+    s = secret_settings()
+    for shown in (str(s), repr(s), f"{s}", str(s.model_dump())):
+        assert not any(secret in shown for secret in SECRETS), shown
+    assert "postgresql://streams:***@db.internal:5432/ledger" in repr(s)
+    assert "redis://:***@cache:6379/0" in repr(s)
+    assert "https://svc:***@api.example:443/v1?api_key=***&region=eu" in repr(s)
+    assert "remote_api_key=SecretStr('**********')" in repr(s)
+    assert s.remote_api_key.get_secret_value() == API_KEY
+    assert (s.database_url.get_secret_value(), s.redis_url.get_secret_value()) == (DB_URL, REDIS_URL)
+    assert s.remote_base_url.get_secret_value() == REMOTE_URL
+
+
+def test_a_child_process_gets_the_real_values() -> None:
+    s = secret_settings()
+    env = s.to_env()
+    assert (env["STREAMS_REMOTE_API_KEY"], env["STREAMS_DATABASE_URL"]) == (API_KEY, DB_URL)
+    assert Settings.from_env(env) == s
+    assert s.replace(partitions=2).database_url.get_secret_value() == DB_URL
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://streams:streams@127.0.0.1:5432/streams", "postgresql://streams:***@127.0.0.1:5432/streams"),
+        ("postgresql://streams@127.0.0.1/streams", "postgresql://streams@127.0.0.1/streams"),
+        ("postgresql://u:p%40ss@h/d?sslmode=require&password=x", "postgresql://u:***@h/d?sslmode=require&password=***"),
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+        ("http://127.0.0.1:8900", "http://127.0.0.1:8900"),
+        ("http://u:p@[::1]:8900/x", "http://u:***@[::1]:8900/x"),
+        ("postgresql://u:p@h:notaport/d", "***"),
+    ],
+)
+def test_mask_url(url: str, shown: str) -> None:
+    assert mask_url(url) == shown
+
+
+def test_errors_about_secret_settings_do_not_show_them() -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings(database_url=12345678)  # type: ignore[arg-type]
+    assert "STREAMS_DATABASE_URL is not valid" in str(info.value) and "12345678" not in str(info.value)

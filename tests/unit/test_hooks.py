@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,7 +37,7 @@ def test_an_installed_action_gets_the_context() -> None:
 
 
 def test_settings_carry_no_test_switch() -> None:
-    assert [f.name for f in dataclasses.fields(Settings) if "test" in f.name or "hook" in f.name] == []
+    assert [name for name in Settings.model_fields if "test" in name or "hook" in name] == []
 
 
 def test_nothing_is_armed_without_the_variables() -> None:
