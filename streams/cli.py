@@ -25,7 +25,7 @@ import click
 
 from streams import exactjson
 from streams.config import Settings
-from streams.errors import StreamsError
+from streams.errors import ConfigError, StreamsError
 
 #: Entry-point group through which installed packages add commands to ``streams``.
 COMMANDS_GROUP = "streams.commands"
@@ -86,7 +86,11 @@ def _unavailable(name: str, entry_point: EntryPoint, exc: ImportError) -> click.
 
 
 def _settings() -> Settings:
-    return Settings.from_env()
+    """Settings from the environment; a bad value ends the command with the message, not a traceback."""
+    try:
+        return Settings.from_env()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 @click.group(cls=PluginGroup)
