@@ -78,7 +78,7 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
     """
 
     async def check() -> str:
-        conn = await asyncpg.connect(settings.database_url, timeout=min(5.0, deadline_s))
+        conn = await asyncpg.connect(settings.database_url.get_secret_value(), timeout=min(5.0, deadline_s))
         try:
             version: str = await conn.fetchval("SELECT current_setting('server_version')")
             return f"PostgreSQL {version}"
@@ -88,7 +88,7 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
     try:
         return await _retry_transient(check, _TRANSIENT_POSTGRES, deadline_s)
     except (*_TRANSIENT_POSTGRES, asyncpg.PostgresError) as exc:
-        where = settings.database_url.rpartition("@")[2]
+        where = settings.database_url.get_secret_value().rpartition("@")[2]  # host, port, database
         raise ServiceNotReadyError(
             "postgres",
             _failure(f"{where} did not answer a query", exc, _TRANSIENT_POSTGRES, deadline_s)
@@ -109,7 +109,7 @@ async def check_redis(settings: Settings, deadline_s: float) -> str:
     key = READY_KEY_FORMAT.format(prefix=settings.lease_key_prefix, token=uuid.uuid4().hex)
 
     async def check() -> str:
-        client = aioredis.from_url(settings.redis_url, socket_timeout=min(5.0, deadline_s))
+        client = aioredis.from_url(settings.redis_url.get_secret_value(), socket_timeout=min(5.0, deadline_s))
         try:
             await client.set(key, b"ready", px=READY_KEY_TTL_MS)
             value = await client.get(key)
@@ -125,7 +125,8 @@ async def check_redis(settings: Settings, deadline_s: float) -> str:
         return await _retry_transient(check, _TRANSIENT_REDIS, deadline_s)
     except (*_TRANSIENT_REDIS, redis.exceptions.RedisError) as exc:
         raise ServiceNotReadyError(
-            "redis", _failure(f"{settings.redis_url} did not answer SET/GET", exc, _TRANSIENT_REDIS, deadline_s)
+            # a SecretUrl formats with its password masked
+            "redis", _failure(f"{settings.redis_url} did not answer SET/GET", exc, _TRANSIENT_REDIS, deadline_s),
         ) from exc
 
 

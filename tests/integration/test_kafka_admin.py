@@ -87,7 +87,7 @@ async def test_ready_answers_for_the_three_services(base_settings: Settings) -> 
     assert answers["redis"][0].startswith("Redis ")
     assert answers["kafka"][0].startswith("group coordinator: broker ")
     assert all(0 <= elapsed_s < 30 for _, elapsed_s in answers.values())
-    client = aioredis.from_url(settings.redis_url)
+    client = aioredis.from_url(settings.redis_url.get_secret_value())
     try:
         assert [key async for key in client.scan_iter(f"{settings.lease_key_prefix}:*")] == []  # probe key deleted
     finally:
