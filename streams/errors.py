@@ -12,7 +12,9 @@
     │   └── LeaseLostError                 renewal/ownership check found another token (or none)
     ├── LedgerError                  PostgreSQL ledger
     │   ├── LedgerUnavailableError         PostgreSQL did not answer: wait and retry, never skip the write
-    │   └── LedgerDataError                PostgreSQL refused a value (class 22/23): retrying cannot help
+    │   ├── LedgerDataError                PostgreSQL refused a value (class 22/23): retrying cannot help
+    │   ├── UnknownOperationError          an event or a command names an operation the ledger does not hold
+    │   └── OperatorActionRefusedError     an operator's command does not apply (wrong state, bad job id)
     ├── KafkaAdminError              a Kafka admin call (topics, consumer groups) failed, or kept failing past its
     │                                deadline with errors the broker calls retriable
     ├── ServiceNotReadyError         a backing service did not answer real commands within the deadline
@@ -23,6 +25,7 @@
         ├── RemoteUnknownOutcomeError      sent, outcome unknown (timeout/connection lost after send,
         │                                  5xx without ``error.job_id``): the operation becomes ``uncertain``
         ├── RemoteJobNotFoundError         GET answered 404 for a saved remote job id
+        ├── RemoteUnknownStatusError       GET answered 200 with a status the client does not know
         ├── RemoteContractError            a GET answer that breaks the API contract (e.g. output ids)
         └── RemoteTransientError           a GET failed in a way worth retrying later (5xx, timeout, I/O)
 
@@ -138,6 +141,26 @@ class ServiceNotReadyError(StreamsError):
         self.service = service
 
 
+class UnknownOperationError(LedgerError):
+    """A command names an operation id that the ledger does not hold."""
+
+    def __init__(self, operation_id: str) -> None:
+        super().__init__(f"operation {operation_id!r} is not in the ledger; check the operation id")
+        self.operation_id = operation_id
+
+
+class OperatorActionRefusedError(LedgerError):
+    """An operator's command (``adopt``, ``abandon``, ``repoll``, ``fail``) does not apply to the operation as the
+    ledger holds it; nothing was written. ``state`` is the operation's current state (None when the command's
+    input was refused before reading it); the message says what the command needs."""
+
+    def __init__(self, operation_id: str, action: str, message: str, *, state: str | None = None) -> None:
+        super().__init__(f"{action} operation {operation_id!r} refused: {message}")
+        self.operation_id = operation_id
+        self.action = action
+        self.state = state
+
+
 class RemoteError(StreamsError):
     """A call to the remote generation API failed; ``operation_id`` and ``status_code`` (if any) say where."""
 
@@ -174,7 +197,21 @@ class RemoteUnknownOutcomeError(RemoteError):
 
 
 class RemoteJobNotFoundError(RemoteError):
-    """A GET for a saved remote job id answered 404."""
+    """A GET for a saved remote job id answered 404; ``answer`` is the raw answer (status code and body text),
+    kept if the operation stalls. Providers commonly answer 404 for a few seconds after creating a job."""
+
+    def __init__(self, operation_id: str, message: str, *, answer: dict[str, object]) -> None:
+        super().__init__(operation_id, message, status_code=404)
+        self.answer = answer
+
+
+class RemoteUnknownStatusError(RemoteError):
+    """A GET answered 200 with a ``status`` this client does not know (``aborted``, ``paused``, ``null``, ...);
+    ``answer`` is the raw answer, kept if the operation stalls."""
+
+    def __init__(self, operation_id: str, message: str, *, answer: dict[str, object]) -> None:
+        super().__init__(operation_id, message, status_code=200)
+        self.answer = answer
 
 
 class RemoteContractError(RemoteError):

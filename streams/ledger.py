@@ -19,10 +19,12 @@ from typing import Any
 import asyncpg
 
 from streams import exactjson
-from streams.errors import LedgerDataError, LedgerUnavailableError
-from streams.remote import JobSnapshot, clean_text
+from streams.errors import LedgerDataError, LedgerUnavailableError, OperatorActionRefusedError, UnknownOperationError
+from streams.remote import JOB_ID, JobSnapshot, clean_text
+from streams.sql import ACCOUNTING
 from streams.sql import LEDGER as Q
-from streams.states import OperationState, can_transition, is_terminal
+from streams.sql import OPERATORS as OPS
+from streams.states import POLLABLE, OperationState, can_transition, is_terminal
 
 _UNAVAILABLE = (
     OSError,
@@ -111,11 +113,29 @@ class ObserveClaim:
 
 
 def sources_for(new: OperationState) -> list[str]:
-    """States over which ``new`` may be saved: legal predecessors, plus ``new`` itself when not terminal."""
-    allowed = [s.value for s in OperationState if can_transition(s, new)]
-    if not is_terminal(new):
+    """States over which an observation of ``new`` may be saved: its legal predecessors among the pollable
+    states, plus ``new`` itself when not terminal (a refresh). Never over ``stalled``: only an operator moves
+    work out of it."""
+    allowed = [s.value for s in OperationState if s in POLLABLE and can_transition(s, new)]
+    if not is_terminal(new) and new in POLLABLE:
         allowed.append(new.value)
     return allowed
+
+
+@dataclass(frozen=True)
+class OperatorMove:
+    """The result of an operator's decision: the transition written.
+
+    ``transition_seq`` is the operation's transition sequence number (the event id is
+    ``transition:<operation_id>:<transition_seq>:<to_state>``); ``fencing_token`` the value the decision took.
+    """
+
+    operation_id: str
+    action: str
+    from_state: OperationState
+    to_state: OperationState
+    transition_seq: int
+    fencing_token: int
 
 
 class Ledger:
@@ -290,3 +310,140 @@ class Ledger:
             await publish([dict(r) for r in rows])
             await conn.execute(Q.mark_outbox_published, [r["id"] for r in rows])
             return len(rows)
+
+    # --- operators' decisions -----------------------------------------------------------------------------
+
+    async def adopt(self, operation_id: str, remote_job_id: str, reason: str, actor: str) -> OperatorMove:
+        """An operator adopts the job found at the provider for an ``uncertain`` operation: ``uncertain ->
+        submitted`` with that job id, observed from now on; the job gets an accounting record ``adopted``.
+
+        Args:
+            operation_id: the operation.
+            remote_job_id: the provider's job id (``[A-Za-z0-9][A-Za-z0-9._:-]{0,255}``).
+            reason: why (recorded in the transition log), non-empty.
+            actor: who decided (recorded as the transition's worker), non-empty.
+
+        Raises:
+            UnknownOperationError: the ledger does not hold the operation.
+            OperatorActionRefusedError: the operation is not ``uncertain``, the job id is malformed or already
+                saved for another operation, or reason/actor is empty. Nothing is written.
+        """
+        action = "adopt"
+        if not JOB_ID.fullmatch(remote_job_id):
+            raise OperatorActionRefusedError(
+                operation_id, action, f"{clean_text(repr(remote_job_id), 80)} is not a usable remote job id"
+            )
+        why = self._decision_text(operation_id, action, reason, actor, f"adopted job {remote_job_id}")
+        try:
+            return await self._decide(
+                action,
+                OPS.adopt,
+                operation_id,
+                OperationState.UNCERTAIN,
+                OperationState.SUBMITTED,
+                remote_job_id,
+                why,
+                actor,
+            )
+        except LedgerDataError:
+            async with _guard(f"read holder of job {remote_job_id}"):
+                holder = await self.pool.fetchval(OPS.operation_holding_job, remote_job_id)
+            if holder is not None and holder != operation_id:
+                raise OperatorActionRefusedError(
+                    operation_id,
+                    action,
+                    f"remote job {remote_job_id} is already saved for operation {holder!r}; a job belongs to one "
+                    "operation",
+                    state=OperationState.UNCERTAIN.value,
+                ) from None
+            raise
+
+    async def abandon(self, operation_id: str, reason: str, actor: str) -> OperatorMove:
+        """An operator checked that the provider created no job for an ``uncertain`` operation: ``uncertain ->
+        rejected`` ("not created, checked by an operator").
+
+        Raises:
+            UnknownOperationError: the ledger does not hold the operation.
+            OperatorActionRefusedError: the operation is not ``uncertain``, or reason/actor is empty.
+        """
+        action = "abandon"
+        why = self._decision_text(operation_id, action, reason, actor, "not created, checked by an operator")
+        return await self._decide(
+            action, OPS.abandon, operation_id, OperationState.UNCERTAIN, OperationState.REJECTED, why, actor
+        )
+
+    async def repoll(self, operation_id: str, actor: str, reason: str = "observe again") -> OperatorMove:
+        """An operator has a ``stalled`` operation observed again: ``stalled -> submitted``, due now, with a fresh
+        observation window (maximum age and unknown-status count start over).
+
+        Raises:
+            UnknownOperationError: the ledger does not hold the operation.
+            OperatorActionRefusedError: the operation is not ``stalled``, or actor is empty.
+        """
+        action = "repoll"
+        why = self._decision_text(operation_id, action, reason, actor, "repolled by an operator")
+        return await self._decide(
+            action, OPS.repoll, operation_id, OperationState.STALLED, OperationState.SUBMITTED, why, actor
+        )
+
+    async def fail(self, operation_id: str, reason: str, actor: str) -> OperatorMove:
+        """An operator ends a ``stalled`` operation: ``stalled -> failed`` with the reason.
+
+        Raises:
+            UnknownOperationError: the ledger does not hold the operation.
+            OperatorActionRefusedError: the operation is not ``stalled``, or reason/actor is empty.
+        """
+        action = "fail"
+        why = self._decision_text(operation_id, action, reason, actor, "failed by an operator")
+        return await self._decide(
+            action, OPS.fail_stalled, operation_id, OperationState.STALLED, OperationState.FAILED, why, actor
+        )
+
+    @staticmethod
+    def _decision_text(operation_id: str, action: str, reason: str, actor: str, what: str) -> str:
+        if not actor.strip():
+            raise OperatorActionRefusedError(operation_id, action, "name who decides (actor)")
+        if not reason.strip():
+            raise OperatorActionRefusedError(operation_id, action, "give a reason; it is recorded")
+        return clean_text(f"{what} ({actor.strip()}): {reason.strip()}")
+
+    async def _decide(
+        self,
+        action: str,
+        query: str,
+        operation_id: str,
+        from_state: OperationState,
+        to_state: OperationState,
+        *args: Any,
+    ) -> OperatorMove:
+        async with _guard(f"{action} {operation_id}"):
+            row = await self.pool.fetchrow(query, operation_id, *args)
+            if row is not None:
+                return OperatorMove(
+                    operation_id, action, from_state, to_state, row["transition_seq"], row["fencing_token"]
+                )
+            current = await self.pool.fetchrow(Q.get_operation, operation_id)
+        if current is None:
+            raise UnknownOperationError(operation_id)
+        raise OperatorActionRefusedError(
+            operation_id,
+            action,
+            f"it is {current['state']}; {action} applies only to {from_state.value} operations",
+            state=current["state"],
+        )
+
+    # --- accounting ------------------------------------------------------------------------------------------
+
+    async def accounting_summary(self, operation_pattern: str = "%") -> dict[str, Any]:
+        """The accounting summary of the operations whose id matches ``operation_pattern`` (SQL ``LIKE``).
+
+        Returns a dict: ``jobs_by_outcome`` ({outcome or ``not_terminal``: n}), ``jobs_by_learned_via``
+        ({``post_2xx``/``post_502``/``adopted``/``lookup``/``duplicate``: n}), ``learned_only_via_502``,
+        ``duplicate_creations``, ``charges`` ([{currency, amount (decimal text), jobs}]), ``refunds_settled``
+        ([{currency, amount, refunds}]), ``refunds_pending`` (failed/canceled jobs with a charge and no refund
+        recorded), ``needs_decision`` ({``uncertain``/``stalled``: {operations, oldest_age_s}}),
+        ``posts_per_operation`` and ``gets_per_completed_operation`` ({operations, mean, max}).
+        """
+        async with _guard("accounting summary"):
+            row = await self.pool.fetchrow(ACCOUNTING.accounting_summary, operation_pattern)
+        return dict(row)

@@ -50,6 +50,7 @@ from streams.errors import (
     RemoteRefusedError,
     RemoteTransientError,
     RemoteUnknownOutcomeError,
+    RemoteUnknownStatusError,
 )
 from streams.states import OperationState, state_for_remote_status
 
@@ -110,7 +111,9 @@ class JobSnapshot:
     ``state`` is the operation state the remote ``status`` maps to; ``outputs`` is a list of dicts with at
     least an ``id``, every number exact (:mod:`streams.exactjson`); ``completed_at_ms`` is the remote completion
     time (epoch ms) when terminal and readable, else None with ``completed_at_problem`` saying why
-    (:func:`read_completed_at_ms`).
+    (:func:`read_completed_at_ms`). ``charge`` and ``refund`` are the provider's objects as it sent them
+    (``{"id", "amount", "currency"}`` in the simulator's dialect), or None; the ledger's accounting records
+    them, nothing else interprets them.
     """
 
     job_id: str
@@ -123,6 +126,8 @@ class JobSnapshot:
     status_code: int = 200
     duration_ms: float = 0.0
     completed_at_problem: str | None = None
+    charge: dict[str, Any] | None = None
+    refund: dict[str, Any] | None = None
 
     def as_observation(self) -> dict[str, Any]:
         """The JSON saved as the operation's ``last_observation`` (with ``completed_at_problem`` when set)."""
@@ -132,6 +137,8 @@ class JobSnapshot:
             "outputs": len(self.outputs),
             "completed_at_ms": self.completed_at_ms,
             "error": self.error,
+            "charge": self.charge,
+            "refund": self.refund,
         }
         if self.completed_at_problem is not None:
             observation["completed_at_problem"] = self.completed_at_problem
@@ -284,6 +291,15 @@ def provider_request_body(request_text: str, operation_id: str, default_model: s
     return jsontext.append_members(text, added, empty=not found).encode()
 
 
+#: Characters of a raw answer's body kept (it is stored when an operation stalls).
+RAW_ANSWER_CHARS = 4000
+
+
+def raw_answer(response: httpx.Response) -> dict[str, Any]:
+    """``{"http_status": int, "body": str}``: an answer kept as it came (body text, storable, truncated)."""
+    return {"http_status": response.status_code, "body": clean_text(response.text, RAW_ANSWER_CHARS)}
+
+
 class RemoteClient:
     """Calls the remote generation API for one worker; see the module docstring for the taxonomy.
 
@@ -368,11 +384,13 @@ class RemoteClient:
         """GET one remote job.
 
         Raises:
-            RemoteJobNotFoundError: 404 for this job id.
+            RemoteJobNotFoundError: 404 for this job id (with the raw answer).
+            RemoteUnknownStatusError: a 200 whose ``status`` is missing, not a string, or not a known word
+                (with the raw answer).
             RemoteContractError: a 200 whose outputs break the contract (ids missing, not strings, repeated), or
                 with a value that cannot be carried exactly (``NaN``, ``Infinity``, a number too long), naming it.
             RemoteRateLimitedError: 429 (retry after its hint).
-            RemoteTransientError: any other failure (timeouts, I/O, 5xx, a body that is not JSON, unknown status).
+            RemoteTransientError: any other failure (timeouts, I/O, 5xx, a body that is not JSON).
         """
         started = time.perf_counter()
         try:
@@ -391,11 +409,12 @@ def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, d
     naming the field; a 200 that is not JSON at all is retried, with what was wrong in the reason.
 
     Raises:
-        RemoteJobNotFoundError, RemoteRateLimitedError, RemoteContractError, RemoteTransientError.
+        RemoteJobNotFoundError, RemoteUnknownStatusError, RemoteRateLimitedError, RemoteContractError,
+        RemoteTransientError.
     """
     status = response.status_code
     if status == 404:
-        raise RemoteJobNotFoundError(operation_id, f"remote job {job_id} not found (404)", status_code=404)
+        raise RemoteJobNotFoundError(operation_id, f"remote job {job_id} not found (404)", answer=raw_answer(response))
     if status == 429:
         retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
         raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
@@ -412,12 +431,15 @@ def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, d
     if not isinstance(body, dict):
         what = clean_text(str(unreadable), 300) if unreadable is not None else "JSON that is not an object"
         raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP 200 with {what}", status_code=status)
-    remote_status = str(body.get("status", ""))
-    state = state_for_remote_status(remote_status)
+    raw_status = body.get("status")
+    state = state_for_remote_status(raw_status) if isinstance(raw_status, str) else None
     if state is None:
-        raise RemoteTransientError(
-            operation_id, f"GET {job_id} returned unknown status {remote_status!r}", status_code=status
+        raise RemoteUnknownStatusError(
+            operation_id,
+            f"GET {job_id} returned unknown status {clean_text(repr(raw_status), 80)}",
+            answer=raw_answer(response),
         )
+    remote_status = str(raw_status)
     outputs = body.get("outputs") or []
     ids = (
         [o.get("id") for o in outputs]
@@ -431,6 +453,7 @@ def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, d
             status_code=status,
         )
     error = body.get("error")
+    charge, refund = body.get("charge"), body.get("refund")
     completed_at_ms, completed_at_problem = read_completed_at_ms(body.get("completed_at"))
     if completed_at_problem is not None:
         log.warning("operation %s: GET %s: %s", operation_id, job_id, completed_at_problem)
@@ -445,4 +468,6 @@ def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, d
         error=error if isinstance(error, dict) else None,
         status_code=status,
         duration_ms=duration_ms,
+        charge=charge if isinstance(charge, dict) else None,
+        refund=refund if isinstance(refund, dict) else None,
     )

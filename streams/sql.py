@@ -59,3 +59,5 @@ class Queries:
 
 
 LEDGER = Queries("ledger.sql")
+OPERATORS = Queries("operators.sql")
+ACCOUNTING = Queries("accounting.sql")

@@ -1,7 +1,8 @@
 """Operation states and the rules for moving between them.
 
-The PostgreSQL enum ``operation_state`` mirrors :class:`OperationState` (a migration test checks it) and a
-trigger in the ledger refuses any transition that :func:`can_transition` refuses.
+The PostgreSQL enum ``operation_state`` mirrors :class:`OperationState` and the table
+``operation_state_transitions`` mirrors :func:`can_transition` (a migration test checks both); a trigger in the
+ledger refuses any transition the table does not hold.
 
 Who moves work out of each state:
 
@@ -9,16 +10,26 @@ Who moves work out of each state:
 accepted       dispatcher: claims it (``submitting``, written *before* the POST)
 submitting     dispatcher: saves the POST outcome (``submitted``/``rejected``/``uncertain``);
                reconciler (poll scheduler): a stale ``submitting`` with no outcome -> ``uncertain``
-submitted      observer: saves GET snapshots (``queued``/``running``/terminal)
-queued         observer
-running        observer
-uncertain      dispatcher, only when the same POST's answer arrives late with a job id
-               (-> ``submitted``); otherwise an operator decision. Never resubmitted automatically.
+submitted      observer: saves GET snapshots (``queued``/``running``/terminal), or ``stalled`` when the
+               provider's answers stop making progress (404 past the grace window, an unknown status
+               ``unknown_status_limit`` times in a row, observed longer than ``max_observation_age_s``)
+queued         observer (as ``submitted``)
+running        observer (as ``submitted``)
+uncertain      reconciler, when lookup by client reference is on: adopts the job found (-> ``submitted``),
+               or leaves it for a person ("not found by lookup"); the dispatcher, when the same POST's
+               answer arrives late with a job id (-> ``submitted``); an operator: ``adopt`` a job id found at
+               the provider (-> ``submitted``) or ``abandon`` it as not created (-> ``rejected``).
+               Never resubmitted automatically.
+stalled        an operator: ``repoll`` (-> ``submitted``, observed again) or ``fail`` (-> ``failed``).
+               Nothing polls it meanwhile.
 succeeded      nobody (terminal)
 failed         nobody (terminal)
 canceled       nobody (terminal)
-rejected       nobody (terminal: the API refused definitely, nothing was created)
+rejected       nobody (terminal: the API refused definitely, or an operator checked that nothing was created)
 ============== ==============================================================================
+
+A state may be entered more than once (``stalled -> submitted -> stalled``): the transition log numbers each
+operation's transitions, and the event id ``transition:<operation id>:<seq>:<state>`` stays deterministic.
 """
 
 from __future__ import annotations
@@ -39,11 +50,18 @@ class OperationState(enum.StrEnum):
     CANCELED = "canceled"
     UNCERTAIN = "uncertain"
     REJECTED = "rejected"
+    STALLED = "stalled"
 
 
 S = OperationState
 
 TERMINAL: frozenset[OperationState] = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELED, S.REJECTED})
+
+#: States whose remote job is observed by polling.
+POLLABLE: frozenset[OperationState] = frozenset({S.SUBMITTED, S.QUEUED, S.RUNNING})
+
+#: States in which the pipeline stops and waits for the reconciler or a person.
+NEEDS_DECISION: frozenset[OperationState] = frozenset({S.UNCERTAIN, S.STALLED})
 
 #: Remote job statuses (the API's words) and the state each one maps to.
 REMOTE_STATUS_TO_STATE: dict[str, OperationState] = {
@@ -61,18 +79,20 @@ REMOTE_STATUS_TO_STATE: dict[str, OperationState] = {
 _ALLOWED: dict[OperationState, frozenset[OperationState]] = {
     S.ACCEPTED: frozenset({S.SUBMITTING}),
     S.SUBMITTING: frozenset({S.SUBMITTED, S.REJECTED, S.UNCERTAIN}),
-    S.UNCERTAIN: frozenset({S.SUBMITTED}),
-    S.SUBMITTED: frozenset({S.QUEUED, S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELED}),
-    S.QUEUED: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELED}),
-    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELED}),
+    S.UNCERTAIN: frozenset({S.SUBMITTED, S.REJECTED}),
+    S.SUBMITTED: frozenset({S.QUEUED, S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELED, S.STALLED}),
+    S.QUEUED: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELED, S.STALLED}),
+    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELED, S.STALLED}),
+    S.STALLED: frozenset({S.SUBMITTED, S.FAILED}),
 }
 
 
 def can_transition(current: OperationState, new: OperationState) -> bool:
-    """True when ``current -> new`` is a legal forward move.
+    """True when ``current -> new`` is a legal move.
 
-    Terminal states never change; a late ``running`` can never replace ``succeeded``; staying in the same
-    state is not a transition (returns False).
+    Moves go forward, except an operator's ``stalled -> submitted`` (observe again). Terminal states never
+    change; a late ``running`` can never replace ``succeeded``, nor ``queued`` a saved ``running``; staying in
+    the same state is not a transition (returns False).
     """
     return new in _ALLOWED.get(current, frozenset())
 

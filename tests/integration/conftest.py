@@ -22,7 +22,7 @@ from tests.support import SimulatorServer as Simulator
 
 pytestmark = pytest.mark.integration
 
-TABLES = "remote_calls, outbox, outputs, transitions, operations"
+TABLES = "refunds, remote_jobs, remote_calls, outbox, outputs, transitions, operations"
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import asyncpg
 import pytest
+from yoyo import get_backend
 
+from streams.admin import create_run_database, drop_run_database, sql_migrations, yoyo_url
+from streams.config import Settings
 from streams.states import OperationState, can_transition
 
 pytestmark = pytest.mark.integration
@@ -24,7 +28,7 @@ async def test_transition_table_mirrors_python(pool: asyncpg.Pool) -> None:
     in_db = {(r["from_state"], r["to_state"]) for r in rows}
     in_code = {(a.value, b.value) for a in OperationState for b in OperationState if can_transition(a, b)}
     assert in_db == in_code
-    assert len(in_db) == 17
+    assert len(in_db) == 23
 
 
 async def test_every_migration_file_is_applied(pool: asyncpg.Pool) -> None:
@@ -70,5 +74,111 @@ async def test_every_state_change_is_logged_with_its_outbox_event(pool: asyncpg.
     )
     assert [tuple(r) for r in rows] == [(None, "accepted", 0, "w1"), ("accepted", "submitting", 1, "w2")]
     events = await pool.fetch("SELECT event_id, payload FROM outbox WHERE operation_id = 'op-l' ORDER BY id")
-    assert [e["event_id"] for e in events] == ["transition:op-l:accepted", "transition:op-l:submitting"]
+    assert [e["event_id"] for e in events] == ["transition:op-l:1:accepted", "transition:op-l:2:submitting"]
     assert events[1]["payload"]["from_state"] == "accepted" and events[1]["payload"]["fencing_token"] == 1
+    assert [e["payload"]["seq"] for e in events] == [1, 2]
+
+
+async def test_a_state_entered_twice_is_logged_twice_with_distinct_deterministic_event_ids(pool: asyncpg.Pool) -> None:
+    await pool.execute(
+        "INSERT INTO operations (operation_id, request, state, remote_job_id, updated_by)"
+        " VALUES ('op-2x', '{}', 'submitted', 'job-2x', 'w')"
+    )
+    stall = (
+        "UPDATE operations SET state = 'stalled', reason = 'r', last_observation = '{}' WHERE operation_id = 'op-2x'"
+    )
+    await pool.execute(stall)
+    await pool.execute("UPDATE operations SET state = 'submitted' WHERE operation_id = 'op-2x'")
+    await pool.execute(stall)
+    rows = await pool.fetch(
+        "SELECT seq, from_state::text, to_state::text FROM transitions WHERE operation_id = 'op-2x' ORDER BY id"
+    )
+    assert [tuple(r) for r in rows] == [
+        (1, None, "submitted"),
+        (2, "submitted", "stalled"),
+        (3, "stalled", "submitted"),
+        (4, "submitted", "stalled"),
+    ]
+    events = await pool.fetch("SELECT event_id FROM outbox WHERE operation_id = 'op-2x' ORDER BY id")
+    assert [e["event_id"] for e in events] == [
+        "transition:op-2x:1:submitted",
+        "transition:op-2x:2:stalled",
+        "transition:op-2x:3:submitted",
+        "transition:op-2x:4:stalled",
+    ]
+    # The sequence is the database's: a query cannot set it.
+    await pool.execute("UPDATE operations SET transition_seq = 1 WHERE operation_id = 'op-2x'")
+    assert await pool.fetchval("SELECT transition_seq FROM operations WHERE operation_id = 'op-2x'") == 4
+
+
+async def test_stalled_keeps_its_reason_and_last_answer_and_is_never_polled(pool: asyncpg.Pool) -> None:
+    await pool.execute(
+        "INSERT INTO operations (operation_id, request, state, remote_job_id, updated_by)"
+        " VALUES ('op-s', '{}', 'running', 'job-s', 'w')"
+    )
+    with pytest.raises(asyncpg.CheckViolationError, match="reason_when_uncertain_rejected_or_stalled"):
+        await pool.execute(
+            "UPDATE operations SET state = 'stalled', last_observation = '{}' WHERE operation_id = 'op-s'"
+        )
+    with pytest.raises(asyncpg.CheckViolationError, match="last_answer_kept_when_stalled"):
+        await pool.execute("UPDATE operations SET state = 'stalled', reason = 'r' WHERE operation_id = 'op-s'")
+    with pytest.raises(asyncpg.CheckViolationError, match="polled_only_while_pollable"):
+        await pool.execute(
+            "UPDATE operations SET state = 'stalled', reason = 'r', last_observation = '{}', next_poll_at = now()"
+            " WHERE operation_id = 'op-s'"
+        )
+    with pytest.raises(asyncpg.CheckViolationError, match="illegal transition running -> submitted"):
+        await pool.execute("UPDATE operations SET state = 'submitted' WHERE operation_id = 'op-s'")
+
+
+#: The migrations of the stalled state and reconciliation.
+OURS = ("0002.1.", "0002.2.")
+
+
+async def test_migrations_roll_back_and_apply_again(migrated: Settings) -> None:
+    """0002's rollbacks restore 0001's schema (enum without 'stalled', one row per state in the log), refuse to
+    run while an operation is stalled, and the migrations apply again on top."""
+    base_url = migrated.database_url.get_secret_value()
+    run_url = await create_run_database(base_url, f"mig{uuid.uuid4().hex[:8]}")
+    try:
+        backend = get_backend(yoyo_url(run_url))
+        migrations = sql_migrations(MIGRATIONS)
+        with backend.lock():
+            backend.apply_migrations(backend.to_apply(migrations))
+        conn = await asyncpg.connect(run_url)
+        try:
+            await conn.execute(
+                "INSERT INTO operations (operation_id, request, state, remote_job_id, updated_by)"
+                " VALUES ('op-r', '{}', 'running', 'job-r', 'w');"
+                "UPDATE operations SET state = 'stalled', reason = 'r', last_observation = '{}'"
+                " WHERE operation_id = 'op-r'"
+            )
+            with backend.lock(), pytest.raises(Exception, match="operations are stalled"):
+                backend.rollback_migrations(backend.to_rollback(migrations.filter(lambda m: m.id.startswith(OURS))))
+            await conn.execute("UPDATE operations SET state = 'failed' WHERE operation_id = 'op-r'")
+            with backend.lock(), pytest.raises(Exception, match="the transition log holds stalled steps"):
+                backend.rollback_migrations(backend.to_rollback(migrations.filter(lambda m: m.id.startswith(OURS))))
+            await conn.execute(
+                "DELETE FROM outbox; DELETE FROM transitions; DELETE FROM remote_jobs; DELETE FROM operations;"
+                "INSERT INTO operations (operation_id, request, updated_by) VALUES ('op-r', '{}', 'w');"
+                "UPDATE operations SET state = 'submitting' WHERE operation_id = 'op-r';"
+                "UPDATE operations SET state = 'uncertain', reason = 'r' WHERE operation_id = 'op-r';"
+                "UPDATE operations SET state = 'rejected' WHERE operation_id = 'op-r';"
+            )
+            with backend.lock():
+                backend.rollback_migrations(backend.to_rollback(migrations.filter(lambda m: m.id.startswith(OURS))))
+            labels = await conn.fetchval("SELECT enum_range(NULL::operation_state)::text[]")
+            assert labels == [s.value for s in OperationState if s is not OperationState.STALLED]
+            assert await conn.fetchval("SELECT count(*) FROM operation_state_transitions") == 17
+            assert await conn.fetchval("SELECT state::text FROM operations WHERE operation_id = 'op-r'") == "rejected"
+            assert await conn.fetchval("SELECT to_regclass('remote_jobs')") is None
+            with backend.lock():
+                backend.apply_migrations(backend.to_apply(migrations))
+            assert await conn.fetchval("SELECT enum_range(NULL::operation_state)::text[]") == [
+                s.value for s in OperationState
+            ]
+            assert await conn.fetchval("SELECT transition_seq FROM operations WHERE operation_id = 'op-r'") == 4
+        finally:
+            await conn.close()
+    finally:
+        await drop_run_database(base_url, run_url)

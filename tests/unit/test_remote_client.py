@@ -19,6 +19,7 @@ from streams.errors import (
     RemoteRefusedError,
     RemoteTransientError,
     RemoteUnknownOutcomeError,
+    RemoteUnknownStatusError,
 )
 from streams.remote import JobSnapshot, RemoteClient, SubmitResult, make_http_client, parse_retry_after_s
 from streams.states import OperationState
@@ -286,6 +287,8 @@ async def test_observe_succeeded_with_outputs(make_client: ClientFactory) -> Non
         "outputs": 2,
         "completed_at_ms": 1700000000123,
         "error": None,
+        "charge": None,
+        "refund": None,
     }
 
 
@@ -321,20 +324,44 @@ async def test_observe_non_200_is_transient(make_client: ClientFactory, status: 
     assert_carries(info.value, status)
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        {"status": "exploded"},
-        {},
-        b"not json",
-        [1, 2],
-    ],
-)
+@pytest.mark.parametrize("body", [b"not json", [1, 2]])
 async def test_observe_unreadable_200_is_transient(make_client: ClientFactory, body: Any) -> None:
     client, _ = make_client(answer(200, body))
     with pytest.raises(RemoteTransientError) as info:
         await client.observe(OP, "job-1")
     assert_carries(info.value, 200)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"status": "exploded"}, {"status": "aborted"}, {"status": "paused"}, {"status": None}, {"status": 3}, {}],
+)
+async def test_observe_unknown_status_keeps_the_raw_answer(make_client: ClientFactory, body: Any) -> None:
+    client, _ = make_client(answer(200, body))
+    with pytest.raises(RemoteUnknownStatusError) as info:
+        await client.observe(OP, "job-1")
+    assert_carries(info.value, 200)
+    assert info.value.answer == {"http_status": 200, "body": orjson.dumps(body).decode()}
+
+
+async def test_observe_404_keeps_the_raw_answer(make_client: ClientFactory) -> None:
+    client, _ = make_client(answer(404, {"error": {"code": "not_found", "message": "no such generation"}}))
+    with pytest.raises(RemoteJobNotFoundError) as info:
+        await client.observe(OP, "job-1")
+    assert info.value.answer["http_status"] == 404
+    assert orjson.loads(str(info.value.answer["body"]))["error"]["code"] == "not_found"
+
+
+async def test_observe_carries_charge_and_refund_as_sent(make_client: ClientFactory) -> None:
+    charge = {"id": "ch_1", "amount": "0.001250", "currency": "USD"}
+    refund = {"id": "rf_1", "amount": "0.001250", "currency": "USD"}
+    client, _ = make_client(answer(200, {"status": "failed", "charge": charge, "refund": refund}))
+    snapshot = await client.observe(OP, "job-1")
+    assert (snapshot.charge, snapshot.refund) == (charge, refund)
+    assert snapshot.as_observation()["charge"] == charge and snapshot.as_observation()["refund"] == refund
+    client, _ = make_client(answer(200, {"status": "running", "charge": "12", "refund": None}))
+    snapshot = await client.observe(OP, "job-1")
+    assert (snapshot.charge, snapshot.refund) == (None, None)
 
 
 @pytest.mark.parametrize(

@@ -124,3 +124,19 @@ def test_placeholders_are_contiguous_from_one(name: str) -> None:
 
 def test_placeholder_helper() -> None:
     assert _placeholders("-- $9 doc\nSELECT $1, $2 -- $7\n, $10") == {1, 2, 10}
+
+
+#: Named queries of the other files, with their number of parameters.
+EXPECTED_OTHERS = {
+    "operators.sql": {"adopt": 4, "abandon": 3, "repoll": 3, "fail_stalled": 3, "operation_holding_job": 1},
+    "accounting.sql": {"accounting_summary": 1},
+}
+
+
+@pytest.mark.parametrize("filename", sorted(EXPECTED_OTHERS))
+def test_other_query_files(filename: str) -> None:
+    queries = Queries(filename)
+    assert queries.names() == list(EXPECTED_OTHERS[filename])
+    for name, arity in EXPECTED_OTHERS[filename].items():
+        used = _placeholders(getattr(queries, name))
+        assert used == set(range(1, arity + 1)), f"{filename}:{name}: placeholders {sorted(used)}"

@@ -13,7 +13,9 @@ S = OperationState
 # Written from the design's rules (README.md, "How it keeps its promises"), not from streams/states.py:
 # accepted -> submitting -> submitted -> queued -> running -> succeeded | failed | canceled (forward, skipping
 # intermediate observation states is allowed because a job may finish between two polls);
-# submitting -> rejected | uncertain; uncertain -> submitted only; terminal states never change.
+# submitting -> rejected | uncertain; uncertain -> submitted (a job found: adopted) | rejected (an operator
+# checked nothing was created); a pollable job whose answers stop making progress -> stalled, left only by an
+# operator: -> submitted (observe again) | failed; terminal states never change.
 LEGAL: frozenset[tuple[OperationState, OperationState]] = frozenset(
     {
         (S.ACCEPTED, S.SUBMITTING),
@@ -33,6 +35,12 @@ LEGAL: frozenset[tuple[OperationState, OperationState]] = frozenset(
         (S.RUNNING, S.SUCCEEDED),
         (S.RUNNING, S.FAILED),
         (S.RUNNING, S.CANCELED),
+        (S.UNCERTAIN, S.REJECTED),
+        (S.SUBMITTED, S.STALLED),
+        (S.QUEUED, S.STALLED),
+        (S.RUNNING, S.STALLED),
+        (S.STALLED, S.SUBMITTED),
+        (S.STALLED, S.FAILED),
     }
 )
 
@@ -51,6 +59,7 @@ def test_enum_values_are_the_architecture_words() -> None:
         "canceled",
         "uncertain",
         "rejected",
+        "stalled",
     ]
 
 
@@ -60,8 +69,8 @@ def test_can_transition_every_pair(current: OperationState, new: OperationState)
 
 
 def test_table_size() -> None:
-    assert len(ALL_PAIRS) == 100
-    assert sum(can_transition(a, b) for a, b in ALL_PAIRS) == len(LEGAL) == 17
+    assert len(ALL_PAIRS) == 121
+    assert sum(can_transition(a, b) for a, b in ALL_PAIRS) == len(LEGAL) == 23
 
 
 @pytest.mark.parametrize("state", list(S))
@@ -80,8 +89,14 @@ def test_late_running_never_replaces_succeeded() -> None:
     assert can_transition(S.RUNNING, S.QUEUED) is False
 
 
-def test_uncertain_only_to_submitted() -> None:
-    assert [s for s in S if can_transition(S.UNCERTAIN, s)] == [S.SUBMITTED]
+def test_uncertain_only_to_submitted_or_rejected() -> None:
+    assert [s for s in S if can_transition(S.UNCERTAIN, s)] == [S.SUBMITTED, S.REJECTED]
+
+
+def test_stalled_is_entered_only_from_pollable_states_and_left_only_to_submitted_or_failed() -> None:
+    assert [s for s in S if can_transition(s, S.STALLED)] == [S.SUBMITTED, S.QUEUED, S.RUNNING]
+    assert [s for s in S if can_transition(S.STALLED, s)] == [S.SUBMITTED, S.FAILED]
+    assert not is_terminal(S.STALLED)
 
 
 def test_nothing_reenters_accepted_or_submitting_except_the_claim() -> None:
@@ -112,6 +127,9 @@ def test_is_terminal() -> None:
         ("rejected", None),
         ("uncertain", None),
         ("submitted", None),
+        ("stalled", None),
+        ("aborted", None),
+        ("paused", None),
     ],
 )
 def test_state_for_remote_status(status: str, expected: OperationState | None) -> None:
