@@ -8,6 +8,8 @@ module only wires them to Kafka.
 * ``observe`` agent: ``generation.polls`` -> :class:`~streams.observer.Observer`.
 * ``schedule_polls`` task: :class:`~streams.scheduler.PollScheduler` (due polls, reconciliation), in a loop.
 * ``relay_outbox`` task: :class:`~streams.relay.OutboxRelay`, in a loop.
+* ``reconcile_lookups`` task (only with ``lookup_enabled``): :class:`~streams.reconciler.Reconciler`, in a loop
+  of its own, so a slow lookup never delays poll scheduling.
 * Web: ``GET /metrics`` (Prometheus text) and ``GET /healthz``.
 
 An unexpected exception while handling an event never stops the partition: the event is retried
@@ -30,6 +32,7 @@ from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.errors import InvalidEventError
 from streams.observer import Observer
+from streams.reconciler import Reconciler
 from streams.relay import OutboxRelay
 from streams.runtime import RawMessage, Runtime
 from streams.scheduler import PollScheduler
@@ -40,6 +43,9 @@ log = logging.getLogger(__name__)
 #: Attempts at an event whose handling raised unexpectedly, before it is dead-lettered (handlers are
 #: idempotent, so a retry is safe; outages of PostgreSQL and Redis are waited out inside the handlers).
 HANDLER_ATTEMPTS = 5
+
+#: Pause of the reconciler's loop when no lookup was due (s).
+RECONCILER_IDLE_S = 1.0
 
 
 async def handle_with_retries(rt: Runtime, handle: Callable[[RawMessage], Awaitable[None]], raw: RawMessage) -> None:
@@ -139,6 +145,11 @@ def create_app(settings: Settings) -> faust.App:
     @app.task
     async def relay_outbox() -> None:
         await run_forever(OutboxRelay(await runtime()).tick, settings.relay_interval_s)
+
+    @app.task
+    async def reconcile_lookups() -> None:
+        if settings.lookup_enabled:
+            await run_forever(Reconciler(await runtime()).tick, RECONCILER_IDLE_S)
 
     @app.page("/metrics")
     async def metrics_view(web: Any, request: Any) -> Any:

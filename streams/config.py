@@ -165,6 +165,21 @@ class Settings(BaseSettings):
     lease_busy_retry_s: Seconds = 1.0
     submitting_stale_after_s: Seconds = 120.0
 
+    # When a known job stops making progress, polling stops (state ``stalled``) until an operator acts:
+    # a GET answering 404 longer than this after the job id was saved (inside it, a 404 only reschedules) ...
+    not_found_grace_s: Seconds = 60.0
+    # ... a status the client does not know, this many GETs in a row ...
+    unknown_status_limit: PositiveInt = 5
+    # ... or a job observed longer than this without becoming terminal.
+    max_observation_age_s: Seconds = 86_400.0
+
+    # Reconciliation of ``uncertain`` by looking the job up at the provider by its client reference (the
+    # operation id the POST carried). Off by default: the API must offer such a lookup. The first lookup waits
+    # ``lookup_lag_s`` after the operation became uncertain (the provider's consistency lag), so "none found"
+    # can be trusted; it is then left for a person.
+    lookup_enabled: EnvBool = False
+    lookup_lag_s: Seconds = 30.0
+
     # Outbox relay.
     relay_interval_s: Seconds = 0.05
     relay_batch_size: PositiveInt = 1000

@@ -20,8 +20,8 @@ import asyncpg
 
 from streams import exactjson
 from streams.errors import LedgerDataError, LedgerUnavailableError, OperatorActionRefusedError, UnknownOperationError
-from streams.remote import JOB_ID, JobSnapshot, clean_text
-from streams.sql import ACCOUNTING
+from streams.remote import JOB_ID, JobSnapshot, LookupJob, clean_text
+from streams.sql import ACCOUNTING, RECONCILE
 from streams.sql import LEDGER as Q
 from streams.sql import OPERATORS as OPS
 from streams.states import POLLABLE, OperationState, can_transition, is_terminal
@@ -104,12 +104,25 @@ class DuePoll:
 
 @dataclass(frozen=True)
 class ObserveClaim:
-    """The observer's claim: the fencing value every save must name."""
+    """The observer's claim: the fencing value every save must name; ``observed_for_s`` is how long the job has
+    been observed (since its id was saved or an operator repolled it), by the database's clock."""
 
     fencing_token: int
     remote_job_id: str
     state: OperationState
     poll_count: int
+    observed_for_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LookupClaim:
+    """The reconciler's claim of one ``uncertain`` operation for a lookup: the fencing value its save must name,
+    how long the operation has been uncertain (s), and the lookups claimed so far (this one included)."""
+
+    operation_id: str
+    fencing_token: int
+    uncertain_for_s: float
+    lookup_count: int
 
 
 def sources_for(new: OperationState) -> list[str]:
@@ -226,7 +239,13 @@ class Ledger:
             row = await self.pool.fetchrow(Q.claim_for_observe, operation_id, poll_claim_id, self.worker)
         if row is None:
             return None
-        return ObserveClaim(row["fencing_token"], row["remote_job_id"], OperationState(row["state"]), row["poll_count"])
+        return ObserveClaim(
+            row["fencing_token"],
+            row["remote_job_id"],
+            OperationState(row["state"]),
+            row["poll_count"],
+            row["observed_for_s"],
+        )
 
     async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
         """Move the claimed poll to now + ``delay_s``; False when the claim is stale or the job not pollable."""
@@ -268,6 +287,126 @@ class Ledger:
         if current is not None and current["fencing_token"] != fencing_token:
             return SaveOutcome.REFUSED_FENCING
         return SaveOutcome.REFUSED_ORDER
+
+    async def save_stalled(
+        self, operation_id: str, fencing_token: int, reason: str, last_answer: dict[str, Any]
+    ) -> bool:
+        """Fenced: a pollable operation -> ``stalled`` with ``reason`` and the raw ``last_answer`` (kept as
+        ``last_observation``); nothing polls it until an operator acts. False when refused."""
+        async with _guard(f"save stalled for {operation_id}"):
+            saved = await self.pool.fetchval(
+                Q.save_stalled, operation_id, fencing_token, clean_text(reason), last_answer, self.worker
+            )
+        return saved is not None
+
+    async def note_not_found(
+        self,
+        operation_id: str,
+        fencing_token: int,
+        grace_s: float,
+        next_poll_delay_s: float,
+        reason: str,
+        answer: dict[str, Any],
+    ) -> OperationState | None:
+        """Fenced: the job's GET answered 404. Within ``grace_s`` of saving the job id the poll is rescheduled
+        ``next_poll_delay_s`` out; past it the operation becomes ``stalled`` with ``reason`` and ``answer``.
+
+        Returns the state afterwards (``stalled``, or the unchanged pollable state), None when refused.
+        """
+        async with _guard(f"note 404 for {operation_id}"):
+            state = await self.pool.fetchval(
+                Q.note_not_found,
+                operation_id,
+                fencing_token,
+                grace_s,
+                next_poll_delay_s,
+                clean_text(reason),
+                answer,
+                self.worker,
+            )
+        return None if state is None else OperationState(state)
+
+    async def note_unknown_status(
+        self,
+        operation_id: str,
+        fencing_token: int,
+        limit: int,
+        next_poll_delay_s: float,
+        reason: str,
+        answer: dict[str, Any],
+    ) -> tuple[OperationState, int] | None:
+        """Fenced: the job's GET answered a status the client does not know. The ``limit``-th in a row makes the
+        operation ``stalled`` with ``reason`` and ``answer``; before that the poll is rescheduled.
+
+        Returns (state afterwards, unknown statuses in a row), None when refused.
+        """
+        async with _guard(f"note unknown status for {operation_id}"):
+            row = await self.pool.fetchrow(
+                Q.note_unknown_status,
+                operation_id,
+                fencing_token,
+                limit,
+                next_poll_delay_s,
+                clean_text(reason),
+                answer,
+                self.worker,
+            )
+        return None if row is None else (OperationState(row["state"]), row["unknown_status_count"])
+
+    # --- reconciliation by lookup -----------------------------------------------------------------------------
+
+    async def claim_due_lookups(self, batch_size: int, lag_s: float, visibility_timeout_s: float) -> list[LookupClaim]:
+        """Claim ``uncertain`` operations due for a lookup (first one ``lag_s`` after becoming uncertain); each
+        claim takes a new fencing value and comes back by itself after ``visibility_timeout_s``."""
+        async with _guard("claim due lookups"):
+            rows = await self.pool.fetch(
+                RECONCILE.claim_due_lookups, batch_size, lag_s, visibility_timeout_s, self.worker
+            )
+        return [
+            LookupClaim(r["operation_id"], r["fencing_token"], r["uncertain_for_s"], r["lookup_count"]) for r in rows
+        ]
+
+    async def adopt_found_job(
+        self, claim: LookupClaim, found: list[LookupJob], reason: str, first_poll_delay_s: float
+    ) -> bool:
+        """Fenced: adopt ``found[0]`` (oldest first) for the claimed operation (``uncertain -> submitted``) and
+        give every job found its accounting record (``lookup``, the others ``duplicate``), in one statement.
+
+        Returns True when the transition was written (False: a newer claim or an operator decided meanwhile;
+        the accounting records are written all the same).
+        """
+        if not found:
+            raise ValueError("adopt_found_job needs at least one job")
+        jobs = [{"job_id": j.job_id, "status": j.status} for j in found]
+        async with _guard(f"adopt found job for {claim.operation_id}"):
+            adopted: bool = await self.pool.fetchval(
+                RECONCILE.adopt_found_job,
+                claim.operation_id,
+                claim.fencing_token,
+                found[0].job_id,
+                clean_text(reason),
+                first_poll_delay_s,
+                jobs,
+                self.worker,
+            )
+        return adopted
+
+    async def give_up_lookup(self, claim: LookupClaim, reason: str) -> bool:
+        """Fenced: nothing found after the lag; the operation stays ``uncertain`` for a person, ``reason`` first
+        in its reason. False when refused."""
+        async with _guard(f"give up lookup for {claim.operation_id}"):
+            row = await self.pool.fetchval(
+                RECONCILE.give_up_lookup, claim.operation_id, claim.fencing_token, clean_text(reason), self.worker
+            )
+        return row is not None
+
+    async def reschedule_lookup(self, claim: LookupClaim, delay_s: float) -> bool:
+        """Fenced: try the lookup again ``delay_s`` from now. False when refused."""
+        async with _guard(f"reschedule lookup for {claim.operation_id}"):
+            row = await self.pool.fetchval(
+                RECONCILE.reschedule_lookup, claim.operation_id, claim.fencing_token, delay_s
+            )
+        return row is not None
 
     async def record_remote_call(
         self,
@@ -433,6 +572,19 @@ class Ledger:
         )
 
     # --- accounting ------------------------------------------------------------------------------------------
+
+    async def record_refund(self, remote_job_id: str, refund: dict[str, Any]) -> bool:
+        """Record a refund the provider reported for a job, once per (refund id, job id); ``refund`` is the
+        provider's object (a string ``id``; ``amount`` and ``currency`` as sent). A terminal observation records
+        its refund by itself; this is for refunds learned otherwise. Never used to decide whether a job was
+        created.
+
+        Returns True when recorded now, False when it already was (or the job has no accounting record, or the
+        refund carries no string id).
+        """
+        async with _guard(f"record refund for job {remote_job_id}"):
+            row = await self.pool.fetchval(ACCOUNTING.record_refund, remote_job_id, refund)
+        return row is not None
 
     async def accounting_summary(self, operation_pattern: str = "%") -> dict[str, Any]:
         """The accounting summary of the operations whose id matches ``operation_pattern`` (SQL ``LIKE``).

@@ -29,3 +29,14 @@ RECONCILED_UNCERTAIN = Counter(
 )
 OUTBOX_PUBLISHED = Counter("streams_outbox_published_total", "Outbox rows published.", ["topic_role"])
 SUBMISSIONS = Counter("streams_submissions_total", "Submission events by result.", ["result"])
+STALLED = Counter(
+    "streams_stalled_total",
+    "Operations stalled because the provider's answers stopped making progress (polling stops).",
+    ["kind"],
+)
+LOOKUPS = Counter(
+    "streams_lookups_total", "Lookups of uncertain operations by client reference, by result.", ["result"]
+)
+DUPLICATE_CREATIONS = Counter(
+    "streams_duplicate_creations_total", "Further jobs the provider created for one operation, found by lookup."
+)

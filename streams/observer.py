@@ -3,6 +3,8 @@
 * Lease not acquired: another worker is observing; the poll is rescheduled (same job id), no spin, no failure.
 * Redis unavailable: no claim and no GET; the poll comes back after its visibility timeout.
 * GET failed: classified, accounted, rescheduled with backoff (429 after its ``Retry-After``).
+* The job's answers stop making progress (404 past the grace window, an unknown status N times in a row, older
+  than the maximum observation age): ``stalled``, polling stops (:mod:`streams.stalling`).
 * Renewal before the save fails (:class:`LeaseLostError`): no save and no further GET for this poll.
 * Save refused by the fencing value: the result is dropped, counted (``streams_fencing_refusals_total``) and
   logged. A late ``running`` over a saved ``succeeded`` is refused by the state order.
@@ -25,12 +27,14 @@ from streams.errors import (
     RemoteError,
     RemoteJobNotFoundError,
     RemoteRateLimitedError,
+    RemoteUnknownStatusError,
 )
 from streams.lease import Lease
 from streams.ledger import ObserveClaim, SaveOutcome
 from streams.remote import JobSnapshot, clean_text
 from streams.runtime import RawMessage, Runtime
-from streams.states import OperationState
+from streams.stalling import StallGuard
+from streams.states import OperationState, is_terminal
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class Observer:
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
+        self.stalls = StallGuard(runtime)
 
     async def handle(self, message: RawMessage) -> None:
         """Process one raw poll event; invalid input or an unknown operation goes to the dead-letter topic."""
@@ -110,13 +115,14 @@ class Observer:
     async def _observe(self, operation_id: str, poll_claim_id: int, claim: ObserveClaim, lease: Lease) -> None:
         rt = self.rt
         poll_count = claim.poll_count
+        claimed_at = time.monotonic()
         try:
             await lease.renew()  # the claim may have waited out a PostgreSQL outage: still ours before the GET?
         except (LeaseLostError, CoordinationUnavailableError) as exc:
             metrics.LEASE_LOST.labels("observe").inc()
             log.warning("operation %s: no GET: %s", operation_id, exc)
             return
-        snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim)
+        snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim, claimed_at)
         if snapshot is None:
             return
         try:
@@ -128,6 +134,9 @@ class Observer:
         # A worker can be paused right here, after a successful renewal: only the fencing value protects the
         # save below. A test harness makes that pause happen on purpose here (streams/hooks.py).
         hooks.reach(hooks.HookPoint.OBSERVED_BEFORE_SAVE, operation_id=operation_id)
+        if not is_terminal(snapshot.state) and self.stalls.too_old(claim, claimed_at):
+            await self.stalls.stall_too_old(operation_id, claim, snapshot.as_observation())
+            return
         delay = self._delay(poll_count, snapshot.poll_after_s)
         try:
             outcome = await rt.until_ledger(
@@ -155,9 +164,9 @@ class Observer:
             await self._reschedule(operation_id, poll_claim_id, delay)  # still pollable: poll again soon
 
     async def _get(
-        self, operation_id: str, poll_claim_id: int, poll_count: int, claim: ObserveClaim
+        self, operation_id: str, poll_claim_id: int, poll_count: int, claim: ObserveClaim, claimed_at: float
     ) -> JobSnapshot | None:
-        """GET the job; on a classified failure account it, reschedule, and return None."""
+        """GET the job; on a classified failure account it, reschedule (or stall), and return None."""
         rt = self.rt
         job_id = claim.remote_job_id
         started = time.perf_counter()
@@ -166,8 +175,15 @@ class Observer:
         except RemoteJobNotFoundError as exc:
             duration_ms = (time.perf_counter() - started) * 1000.0
             await rt.account(operation_id, "GET", 404, "job_not_found", job_id, duration_ms, claim.fencing_token)
-            log.error("operation %s: %s; recording it as failed", operation_id, exc)
-            return _failed(job_id, "remote_job_not_found", str(exc))
+            log.info("operation %s: %s", operation_id, exc)
+            await self.stalls.not_found(operation_id, claim, exc, self._delay(poll_count, None))
+            return None
+        except RemoteUnknownStatusError as exc:
+            duration_ms = (time.perf_counter() - started) * 1000.0
+            await rt.account(operation_id, "GET", 200, "unknown_status", job_id, duration_ms, claim.fencing_token)
+            log.warning("operation %s: %s", operation_id, exc)
+            await self.stalls.unknown_status(operation_id, claim, exc, self._delay(poll_count, None))
+            return None
         except RemoteContractError as exc:
             duration_ms = (time.perf_counter() - started) * 1000.0
             await rt.account(operation_id, "GET", 200, "contract_violation", job_id, duration_ms, claim.fencing_token)
@@ -177,6 +193,9 @@ class Observer:
             duration_ms = (time.perf_counter() - started) * 1000.0
             outcome = type(exc).__name__.removeprefix("Remote").removesuffix("Error").lower()
             await rt.account(operation_id, "GET", exc.status_code, outcome, job_id, duration_ms, claim.fencing_token)
+            if self.stalls.too_old(claim, claimed_at):
+                await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
+                return None
             hint = exc.retry_after_s if isinstance(exc, RemoteRateLimitedError) else None
             log.info("operation %s: GET %s, retrying: %s", operation_id, outcome, exc)
             await self._reschedule(operation_id, poll_claim_id, self._delay(poll_count, hint))

@@ -105,6 +105,20 @@ class SubmitResult:
 
 
 @dataclass(frozen=True)
+class LookupJob:
+    """One job a lookup by client reference found: its id, the provider's status word and creation time
+    (epoch ms, None when the answer did not carry a readable one)."""
+
+    job_id: str
+    status: str | None
+    created_at_ms: int | None
+
+    def as_record(self) -> dict[str, Any]:
+        """JSON-ready ``{"job_id", "status", "created_at_ms"}``."""
+        return {"job_id": self.job_id, "status": self.status, "created_at_ms": self.created_at_ms}
+
+
+@dataclass(frozen=True)
 class JobSnapshot:
     """One GET of a remote job.
 
@@ -399,6 +413,60 @@ class RemoteClient:
             raise RemoteTransientError(operation_id, f"GET {job_id} failed ({type(exc).__name__}: {exc})") from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
         return parse_job_answer(operation_id, job_id, response, duration_ms)
+
+    async def lookup(self, operation_id: str) -> list[LookupJob]:
+        """The jobs the provider lists for client reference ``operation_id`` (``GET /v1/generations?
+        client_reference=...``), oldest first (by creation time, then id). Only for providers that offer it.
+
+        Raises:
+            RemoteRateLimitedError: 429 (retry after its hint).
+            RemoteRefusedError: another 4xx: the provider does not offer the lookup (turn it off) or refused it.
+            RemoteContractError: a 200 whose ``data`` is not a list of objects with usable job ids.
+            RemoteTransientError: any other failure (timeouts, I/O, 5xx, unreadable body).
+        """
+        try:
+            response = await self.http.get("/v1/generations", params={"client_reference": operation_id})
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            raise RemoteTransientError(operation_id, f"lookup failed ({type(exc).__name__}: {exc})") from exc
+        status = response.status_code
+        body, _ = _read_json(response)
+        body = body if isinstance(body, dict) else None
+        if status == 429:
+            retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+            raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
+        if 400 <= status < 500:
+            error = body.get("error") if body is not None else None
+            code = (
+                clean_text(str(error.get("code", f"http_{status}")), 80)
+                if isinstance(error, dict)
+                else f"http_{status}"
+            )
+            raise RemoteRefusedError(
+                operation_id,
+                f"lookup by client reference refused with HTTP {status} {code}; does the provider offer it?",
+                status_code=status,
+                code=code,
+            )
+        if status != 200 or body is None:
+            raise RemoteTransientError(operation_id, f"lookup answered HTTP {status}", status_code=status)
+        data = body.get("data")
+        if not isinstance(data, list) or not all(
+            isinstance(j, dict) and isinstance(j.get("id"), str) and JOB_ID.fullmatch(j["id"]) for j in data
+        ):
+            raise RemoteContractError(
+                operation_id,
+                f"lookup answer without a list of jobs with usable ids: {clean_text(repr(data), 300)}",
+                status_code=status,
+            )
+        jobs = [
+            LookupJob(
+                job_id=j["id"],
+                status=clean_text(j["status"], 80) if isinstance(j.get("status"), str) else None,
+                created_at_ms=read_completed_at_ms(j.get("created_at"))[0],
+            )
+            for j in data
+        ]
+        return sorted(jobs, key=lambda j: (j.created_at_ms is None, j.created_at_ms or 0, j.job_id))
 
 
 def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, duration_ms: float) -> JobSnapshot:

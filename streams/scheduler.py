@@ -6,7 +6,9 @@
   A poll lost with a crashed worker comes back when its visibility timeout passes.
 * Redis unreachable: no new claims (a poll without a lease would only be dropped by the observer).
 * Reconciliation: an operation left in ``submitting`` longer than ``submitting_stale_after_s`` becomes
-  ``uncertain`` with a reason; it is never resubmitted automatically.
+  ``uncertain`` with a reason; it is never resubmitted automatically. ``uncertain`` operations are then looked
+  up at the provider by :class:`~streams.reconciler.Reconciler` (its own task, when ``lookup_enabled``) or
+  decided by an operator.
 """
 
 from __future__ import annotations

@@ -61,3 +61,4 @@ class Queries:
 LEDGER = Queries("ledger.sql")
 OPERATORS = Queries("operators.sql")
 ACCOUNTING = Queries("accounting.sql")
+RECONCILE = Queries("reconcile.sql")

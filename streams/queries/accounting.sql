@@ -62,3 +62,19 @@ SELECT
     (SELECT jsonb_build_object('operations', count(*), 'mean', round(avg(gets), 3)::float8, 'max', max(gets))
      FROM completed)
         AS gets_per_completed_operation;
+
+-- name: record_refund
+-- A refund the provider reported for a job, recorded once per (refund id, job id): a repeat inserts nothing.
+-- Never consulted to decide whether a job was created.
+-- $1 remote_job_id, $2 refund (jsonb with a string "id", and "amount", "currency" as sent). Returns 1 when
+-- recorded now, no row when it was already (or the job has no accounting record).
+INSERT INTO refunds (refund_id, remote_job_id, refund, amount, currency)
+SELECT $2::jsonb ->> 'id',
+       j.remote_job_id,
+       $2::jsonb,
+       CASE WHEN $2::jsonb ->> 'amount' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$' THEN ($2::jsonb ->> 'amount')::numeric END,
+       left($2::jsonb ->> 'currency', 16)
+FROM remote_jobs j
+WHERE j.remote_job_id = $1 AND jsonb_typeof($2::jsonb -> 'id') = 'string'
+ON CONFLICT (refund_id, remote_job_id) DO NOTHING
+RETURNING 1;

@@ -25,19 +25,30 @@ RETURNING fencing_token;
 
 -- name: save_submitted
 -- Fenced: save the remote job id from a 2xx or from a 502's error.job_id; submitting|uncertain -> submitted.
--- $1 operation_id, $2 fencing_token, $3 remote_job_id, $4 first poll delay (s), $5 reason (or NULL),
--- $6 worker. Returns operation_id, or no row when the fencing value is stale or a job id is already saved.
-UPDATE operations
-SET state = 'submitted',
-    remote_job_id = $3,
-    reason = $5,
-    next_poll_at = now() + make_interval(secs => $4),
-    updated_by = $6
-WHERE operation_id = $1
-  AND fencing_token = $2
-  AND state IN ('submitting', 'uncertain')
-  AND remote_job_id IS NULL
-RETURNING operation_id;
+-- The job's accounting record is written by the same statement if the POST's accounting did not already.
+-- $1 operation_id, $2 fencing_token, $3 remote_job_id, $4 first poll delay (s), $5 reason (NULL for a 2xx; the
+-- 502's words when the id came from error.job_id), $6 worker. Returns operation_id, or no row when the fencing
+-- value is stale or a job id is already saved.
+WITH saved AS (
+    UPDATE operations
+    SET state = 'submitted',
+        remote_job_id = $3,
+        reason = $5,
+        next_poll_at = now() + make_interval(secs => $4),
+        next_lookup_at = NULL,
+        updated_by = $6
+    WHERE operation_id = $1
+      AND fencing_token = $2
+      AND state IN ('submitting', 'uncertain')
+      AND remote_job_id IS NULL
+    RETURNING operation_id, remote_job_id
+), account AS (
+    INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
+    SELECT remote_job_id, operation_id, CASE WHEN $5::text IS NULL THEN 'post_2xx' ELSE 'post_502' END, $6
+    FROM saved
+    ON CONFLICT (remote_job_id) DO NOTHING
+)
+SELECT operation_id FROM saved;
 
 -- name: save_submission_without_job
 -- Fenced: submitting -> rejected (definite refusal) or uncertain (unknown outcome), with its reason.
@@ -87,12 +98,13 @@ WHERE operation_id = $1;
 -- name: claim_for_observe
 -- The observer's claim for one poll, taken after the Redis lease: a new fencing value.
 -- $1 operation_id, $2 poll_claim_id of the poll event, $3 worker. Returns fencing_token, remote_job_id,
--- state, poll_count; no row when the poll is stale (re-claimed since), the operation is no longer pollable,
--- or it does not exist.
+-- state, poll_count, observed_for_s (since the observation began: job id saved or repolled); no row when the
+-- poll is stale (re-claimed since), the operation is no longer pollable, or it does not exist.
 UPDATE operations
 SET fencing_token = fencing_token + 1, updated_by = $3
 WHERE operation_id = $1 AND poll_claim_id = $2 AND state IN ('submitted', 'queued', 'running')
-RETURNING fencing_token, remote_job_id, state::text AS state, poll_count;
+RETURNING fencing_token, remote_job_id, state::text AS state, poll_count,
+          extract(epoch FROM now() - COALESCE(observing_since, accepted_at))::float8 AS observed_for_s;
 
 -- name: reschedule_poll
 -- Move one claimed poll to now + $3 seconds (lease busy, GET failed).
@@ -105,17 +117,21 @@ RETURNING operation_id;
 -- name: save_observation
 -- Fenced, conditional save of one GET snapshot; when it is 'succeeded', the outputs and one outbox row per
 -- (operation_id, output_id) are written by the same statement (a second row is impossible: primary key and
--- unique index; a repeat is skipped).
--- $1 operation_id, $2 fencing_token, $3 new state, $4 observation (jsonb), $5 next poll delay (s, NULL when
--- terminal), $6 remote completion time (epoch ms, NULL unless terminal), $7 reason, $8 states the new state
--- may be saved over (operation_state[]), $9 outputs (jsonb array of {output_id, position, payload}),
--- $10 worker. Returns 1 when saved, 0 when refused (stale fencing value or state order).
+-- unique index; a repeat is skipped). A known status ends any run of unknown ones. When the snapshot is
+-- terminal, the job's accounting record takes its outcome and the provider's charge, and a refund is recorded
+-- once per (refund id, job id).
+-- $1 operation_id, $2 fencing_token, $3 new state, $4 observation (jsonb, with "status", "charge", "refund"),
+-- $5 next poll delay (s, NULL when terminal), $6 remote completion time (epoch ms, NULL unless terminal),
+-- $7 reason, $8 states the new state may be saved over (operation_state[]), $9 outputs (jsonb array of
+-- {output_id, position, payload}), $10 worker. Returns 1 when saved, 0 when refused (stale fencing value or
+-- state order).
 WITH saved AS (
     UPDATE operations AS o
     SET state = $3::operation_state,
         last_observation = $4::jsonb,
         last_observed_at = now(),
         poll_count = o.poll_count + 1,
+        unknown_status_count = 0,
         next_poll_at = CASE WHEN $5::double precision IS NULL THEN NULL
                             ELSE now() + make_interval(secs => $5::double precision) END,
         remote_completed_at = COALESCE(to_timestamp($6::double precision / 1000.0), o.remote_completed_at),
@@ -150,16 +166,108 @@ WITH saved AS (
     FROM outs JOIN saved USING (operation_id)
     ON CONFLICT DO NOTHING
     RETURNING 1
+), account AS (
+    UPDATE remote_jobs AS j
+    SET outcome = saved.state::text,
+        outcome_at = now(),
+        last_status = left($4::jsonb ->> 'status', 80),
+        charge = CASE WHEN jsonb_typeof($4::jsonb -> 'charge') = 'object' THEN $4::jsonb -> 'charge' END,
+        charge_amount = CASE WHEN $4::jsonb #>> '{charge,amount}' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$'
+                             THEN ($4::jsonb #>> '{charge,amount}')::numeric END,
+        charge_currency = left($4::jsonb #>> '{charge,currency}', 16)
+    FROM saved
+    WHERE j.remote_job_id = saved.remote_job_id AND saved.state IN ('succeeded', 'failed', 'canceled')
+    RETURNING j.remote_job_id
+), refund AS (
+    INSERT INTO refunds (refund_id, remote_job_id, refund, amount, currency)
+    SELECT $4::jsonb #>> '{refund,id}',
+           account.remote_job_id,
+           $4::jsonb -> 'refund',
+           CASE WHEN $4::jsonb #>> '{refund,amount}' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$'
+                THEN ($4::jsonb #>> '{refund,amount}')::numeric END,
+           left($4::jsonb #>> '{refund,currency}', 16)
+    FROM account
+    WHERE jsonb_typeof($4::jsonb #> '{refund,id}') = 'string'
+    ON CONFLICT (refund_id, remote_job_id) DO NOTHING
 )
 SELECT count(*)::integer FROM saved;
 
+-- name: save_stalled
+-- Fenced: a pollable operation whose provider answers stopped making progress -> stalled, with the reason and
+-- the raw last answer; nothing polls it until an operator repolls or fails it.
+-- $1 operation_id, $2 fencing_token, $3 reason, $4 last answer (jsonb), $5 worker. Returns operation_id, or no
+-- row when refused (stale fencing value, or no longer pollable).
+WITH stalled AS (
+    UPDATE operations
+    SET state = 'stalled',
+        reason = $3,
+        last_observation = $4::jsonb,
+        last_observed_at = now(),
+        next_poll_at = NULL,
+        updated_by = $5
+    WHERE operation_id = $1 AND fencing_token = $2 AND state IN ('submitted', 'queued', 'running')
+    RETURNING operation_id, remote_job_id
+), account AS (
+    UPDATE remote_jobs AS j
+    SET last_status = left($4::jsonb ->> 'status', 80)
+    FROM stalled
+    WHERE j.remote_job_id = stalled.remote_job_id AND $4::jsonb ? 'status'
+)
+SELECT operation_id FROM stalled;
+
+-- name: note_not_found
+-- Fenced: the job's GET answered 404. Within $3 seconds of saving the job id (providers commonly answer 404
+-- for a while after creating a job) the poll is only rescheduled $4 seconds out; past it, -> stalled with the
+-- reason $5 and the raw answer $6.
+-- $1 operation_id, $2 fencing_token, $3 grace (s), $4 next poll delay (s), $5 reason, $6 answer (jsonb),
+-- $7 worker. Returns the state afterwards ('stalled' or the pollable state), or no row when refused.
+UPDATE operations AS o
+SET state = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN 'stalled'
+                 ELSE o.state END,
+    reason = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN $5 ELSE o.reason END,
+    last_observation = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN $6::jsonb
+                            ELSE o.last_observation END,
+    next_poll_at = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN NULL
+                        ELSE now() + make_interval(secs => $4) END,
+    poll_count = o.poll_count + 1,
+    last_observed_at = now(),
+    updated_by = $7
+WHERE o.operation_id = $1 AND o.fencing_token = $2 AND o.state IN ('submitted', 'queued', 'running')
+RETURNING o.state::text AS state;
+
+-- name: note_unknown_status
+-- Fenced: the job's GET answered a status the client does not know. The $3-th in a row -> stalled with the
+-- reason $5 and the raw answer $6; before that the poll is rescheduled $4 seconds out.
+-- $1 operation_id, $2 fencing_token, $3 limit, $4 next poll delay (s), $5 reason, $6 answer (jsonb),
+-- $7 worker. Returns the state afterwards and unknown_status_count, or no row when refused.
+UPDATE operations AS o
+SET state = CASE WHEN o.unknown_status_count + 1 >= $3 THEN 'stalled' ELSE o.state END,
+    reason = CASE WHEN o.unknown_status_count + 1 >= $3 THEN $5 ELSE o.reason END,
+    last_observation = $6::jsonb,
+    next_poll_at = CASE WHEN o.unknown_status_count + 1 >= $3 THEN NULL
+                        ELSE now() + make_interval(secs => $4) END,
+    unknown_status_count = o.unknown_status_count + 1,
+    poll_count = o.poll_count + 1,
+    last_observed_at = now(),
+    updated_by = $7
+WHERE o.operation_id = $1 AND o.fencing_token = $2 AND o.state IN ('submitted', 'queued', 'running')
+RETURNING o.state::text AS state, o.unknown_status_count;
+
 -- name: record_remote_call
--- Accounting: one row per remote call attempt.
+-- Accounting: one row per remote call attempt. A POST that reported a job id (outcome 'created' or
+-- 'created_via_502') also gives the job its accounting record, even if the id is never saved on the operation.
 -- $1 operation_id, $2 method, $3 status_code, $4 outcome, $5 remote_job_id, $6 duration_ms,
 -- $7 fencing_token, $8 worker.
-INSERT INTO remote_calls (operation_id, method, status_code, outcome, remote_job_id, duration_ms,
-                          fencing_token, worker)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8);
+WITH call AS (
+    INSERT INTO remote_calls (operation_id, method, status_code, outcome, remote_job_id, duration_ms,
+                              fencing_token, worker)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+)
+INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
+SELECT $5, $1, CASE WHEN $4 = 'created_via_502' THEN 'post_502' ELSE 'post_2xx' END, $8
+WHERE $2 = 'POST' AND $5::text IS NOT NULL AND $4 IN ('created', 'created_via_502')
+  AND EXISTS (SELECT 1 FROM operations WHERE operation_id = $1)
+ON CONFLICT (remote_job_id) DO NOTHING;
 
 -- name: try_relay_lock
 -- One relay publishes at a time (keeps each operation's events in order); transaction-scoped.

@@ -28,7 +28,7 @@ import orjson
 from aiohttp import web
 
 from streams_harness.simulator.config import SimulatorConfig
-from streams_harness.simulator.faults import FAULT_KINDS, JOB_FAILED, FaultDecider, PostFault
+from streams_harness.simulator.faults import FAULT_KINDS, JOB_FAILED, FaultDecider, JobFault, PostFault
 from streams_harness.simulator.model import (
     JobStatus,
     TerminalStatus,
@@ -70,6 +70,13 @@ class JobRecord:
         max_gets_in_flight: maximum of ``gets_in_flight`` ever observed.
         terminal_gets: GETs that answered a terminal status.
         first_terminal_get_at: time of the first GET answering a terminal status, or ``None``.
+        faults: the job's GET-side faults (``JobFault`` values).
+        unknown_status: the undocumented status answered when ``unknown_status`` is among ``faults``.
+        charge_amount: what the job costs (decimal text, in ``currency``), reported once it is terminal; a
+            failed job's charge is refunded in full (refund id ``rf_<job hex>``).
+        currency: the currency of charge and refund.
+        gets_not_found: GETs answered 404 (inside the not-found window).
+        regressed_gets: GETs answered ``queued`` while the job was running.
     """
 
     job_id: str
@@ -90,10 +97,27 @@ class JobRecord:
     max_gets_in_flight: int = 0
     terminal_gets: int = 0
     first_terminal_get_at: float | None = None
+    faults: tuple[str, ...] = ()
+    unknown_status: str | None = None
+    charge_amount: str = "0"
+    currency: str = "USD"
+    gets_not_found: int = 0
+    regressed_gets: int = 0
 
     def status(self, now: float) -> JobStatus:
-        """Status at unix time ``now``."""
+        """Status at unix time ``now`` (a ``never_finishes`` job stays ``running``)."""
+        if JobFault.NEVER_FINISHES in self.faults and now >= self.started_at:
+            return "running"
         return status_at(now, self.started_at, self.completed_at, self.final_status)
+
+    @property
+    def refund_id(self) -> str | None:
+        """The refund id of a failed job (``None`` otherwise)."""
+        return "rf_" + self.job_id.removeprefix("job_") if self.final_status == "failed" else None
+
+    def charge(self) -> dict[str, str]:
+        """The charge object of the GET answer once terminal."""
+        return {"id": "ch_" + self.job_id.removeprefix("job_"), "amount": self.charge_amount, "currency": self.currency}
 
     def to_record(self, now: float) -> dict[str, Any]:
         """JSON-ready record (one element of ``GET /_sim/jobs``); ``status`` is the status at ``now``."""
@@ -117,6 +141,13 @@ class JobRecord:
             "max_gets_in_flight": self.max_gets_in_flight,
             "terminal_gets": self.terminal_gets,
             "first_terminal_get_at": self.first_terminal_get_at,
+            "faults": list(self.faults),
+            "unknown_status": self.unknown_status,
+            "charge_amount": self.charge_amount,
+            "currency": self.currency,
+            "refund_id": self.refund_id,
+            "gets_not_found": self.gets_not_found,
+            "regressed_gets": self.regressed_gets,
         }
 
 
@@ -153,6 +184,7 @@ class JobRegistry:
         self.orphan_jobs = 0
         self.faults_injected: Counter[str] = Counter()
         self.posts_by_status: Counter[int] = Counter()
+        self.lookups = 0
 
     def clear(self) -> None:
         """Forget everything (``POST /_sim/reset``)."""
@@ -188,6 +220,8 @@ class JobRegistry:
             op.jobs.append(job.job_id)
         if job.final_status == "failed":
             self.faults_injected[JOB_FAILED] += 1
+        for kind in job.faults:
+            self.faults_injected[kind] += 1
 
     def summary(self, now: float) -> dict[str, Any]:
         """Aggregates (the body of ``GET /_sim/summary``)."""
@@ -201,6 +235,7 @@ class JobRegistry:
             "posts": self.posts,
             "gets": self.gets,
             "gets_not_found": self.gets_not_found,
+            "lookups": self.lookups,
             "max_jobs_per_operation": max((len(op.jobs) for op in self.operations.values()), default=0),
             "max_gets_in_flight_per_job": max_in_flight,
             "operations_seen": len(self.operations),
@@ -352,6 +387,13 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
             create_post_seq=seq,
             create_fault=decision.fault.value if decision.fault is not None else None,
             create_http_status=decision.status,
+            faults=tuple(sorted(traits.faults)),
+            unknown_status=traits.unknown_status,
+            charge_amount=str(
+                Decimal(cfg.price_per_context_token) * asked.context_tokens
+                + Decimal(cfg.price_per_generated_token) * asked.generated_tokens
+            ),
+            currency=cfg.price_currency,
         )
         reg.add_job(job)
     reg.note_post_outcome(reference, decision.status, kept)
@@ -393,7 +435,12 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
 
 
 async def get_generation(request: web.Request) -> web.Response:
-    """``GET /v1/generations/{id}``: simulated work, then the job's status computed from the clock."""
+    """``GET /v1/generations/{id}``: simulated work, then the job's status computed from the clock.
+
+    A terminal answer carries the job's ``charge``; a failed one also its ``refund``. The job's GET-side faults
+    (``JobFault``) change the answer: 404 inside the not-found window, an undocumented status, ``queued`` while
+    running.
+    """
     sim = request.app[SIMULATOR_KEY]
     reg = sim.registry
     latency_s = sim.config.get_latency_ms / 1000.0
@@ -414,29 +461,65 @@ async def get_generation(request: web.Request) -> web.Response:
             await asyncio.sleep(latency_s)
         cfg = sim.config
         now = time.time()
+        if JobFault.NOT_FOUND_WINDOW in job.faults and now < job.created_at + cfg.not_found_window_s:
+            job.gets_not_found += 1
+            reg.gets_not_found += 1
+            return _error(404, "not_found", "no such generation")
         status = job.status(now)
+        answered: str | None = status
+        if JobFault.UNKNOWN_STATUS in job.faults:
+            answered = job.unknown_status
+        elif JobFault.STATUS_REGRESSION in job.faults and status == "running" and job.gets % 2 == 0:
+            answered = "queued"
+            job.regressed_gets += 1
         data: dict[str, Any] = {
             "id": job.job_id,
             "model": job.model,
-            "status": status,
+            "status": answered,
             "created_at": job.created_at,
             "started_at": job.started_at if status != "queued" else None,
             "completed_at": None,
             "metadata": {"client_reference": job.client_reference},
             "poll_after_ms": poll_after_ms(now, job.completed_at, min_ms=cfg.poll_min_ms, max_ms=cfg.poll_max_ms),
         }
-        if status == "succeeded" or status == "failed":
+        if answered == "succeeded" or answered == "failed":
             data["completed_at"] = job.completed_at
+            data["charge"] = job.charge()
             job.terminal_gets += 1
             if job.first_terminal_get_at is None:
                 job.first_terminal_get_at = now
-            if status == "succeeded":
+            if answered == "succeeded":
                 data["outputs"] = _outputs(job, cfg.output_extra_json)
             else:
                 data["error"] = {"code": "generation_failed", "message": "simulated generation failure"}
+                data["refund"] = {"id": job.refund_id, "amount": job.charge_amount, "currency": job.currency}
         return _json(data, headers={"Retry-After": cfg.retry_after_header} if cfg.retry_after_header else None)
     finally:
         job.gets_in_flight -= 1
+
+
+async def list_generations(request: web.Request) -> web.Response:
+    """``GET /v1/generations?client_reference=...``: the jobs created with that client reference, oldest first
+    (``{"data": [{"id", "status", "created_at"}]}``), listed ``lookup_lag_s`` after creation (the consistency
+    lag). Offered only with ``lookup_enabled`` (the real API documents no such lookup): 404 otherwise."""
+    sim = request.app[SIMULATOR_KEY]
+    cfg = sim.config
+    if not cfg.lookup_enabled:
+        return _error(404, "not_found", "no such endpoint")
+    if not _authorized(request):
+        return _error(401, "unauthorized", "missing or empty bearer token")
+    reference = request.query.get("client_reference")
+    if not reference:
+        return _error(400, "invalid_request", "client_reference is required")
+    reg = sim.registry
+    reg.lookups += 1
+    if cfg.get_latency_ms > 0:
+        await asyncio.sleep(cfg.get_latency_ms / 1000.0)
+    now = time.time()
+    op = reg.operations.get(reference)
+    jobs = [reg.jobs[j] for j in op.jobs] if op is not None else []
+    visible = sorted((j for j in jobs if j.created_at <= now - cfg.lookup_lag_s), key=lambda j: j.created_at)
+    return _json({"data": [{"id": j.job_id, "status": j.status(now), "created_at": j.created_at} for j in visible]})
 
 
 async def sim_summary(request: web.Request) -> web.Response:
@@ -513,6 +596,7 @@ def make_app(config: SimulatorConfig | None = None) -> web.Application:
     app = web.Application()
     app[SIMULATOR_KEY] = Simulator(config or SimulatorConfig())
     app.router.add_post("/v1/generations", post_generation)
+    app.router.add_get("/v1/generations", list_generations, allow_head=False)
     app.router.add_get("/v1/generations/{job_id}", get_generation, allow_head=False)
     app.router.add_get("/_sim/summary", sim_summary, allow_head=False)
     app.router.add_get("/_sim/jobs", sim_jobs, allow_head=False)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
 from pydantic import Field, ValidationError, model_validator
@@ -33,6 +34,10 @@ _RATE_FIELDS = (
     "fault_slow",
     "fault_job_failed",
     "multi_output_rate",
+    "fault_not_found",
+    "fault_unknown_status",
+    "fault_never_finishes",
+    "fault_status_regression",
 )
 
 
@@ -76,6 +81,16 @@ class SimulatorConfig(BaseSettings):
     slow_response_s: float = _f(15.0, "Delay of a slow POST response, seconds.")
     fault_job_failed: float = _f(0.0, "P(a created job ends in status failed).")
     multi_output_rate: float = _f(0.1, "P(a succeeded job has a second output).")
+    fault_not_found: float = _f(0.0, "P(a created job answers GET with 404 for --not-found-window-s).")
+    not_found_window_s: float = _f(5.0, "How long after creation a not_found_window job answers 404, seconds.")
+    fault_unknown_status: float = _f(0.0, "P(a created job answers every GET with aborted, paused or null).")
+    fault_never_finishes: float = _f(0.0, "P(a created job stays running forever).")
+    fault_status_regression: float = _f(0.0, "P(a running job answers queued to every second GET).")
+    lookup_enabled: bool = _f(False, "Offer GET /v1/generations?client_reference=... (the real API documents none).")
+    lookup_lag_s: float = _f(0.0, "Consistency lag of the lookup: jobs are listed this long after creation, s.")
+    price_per_context_token: str = _f("0.0000005", "Charge per context token (decimal, in price_currency).")
+    price_per_generated_token: str = _f("0.0000015", "Charge per generated token (decimal, in price_currency).")
+    price_currency: str = _f("USD", "Currency of charges and refunds.")
     get_latency_ms: float = _f(5.0, "Simulated work of every GET /v1/generations/{id}, ms.")
     poll_min_ms: int = _f(50, "Lower clamp of poll_after_ms.")
     poll_max_ms: int = _f(5000, "Upper clamp of poll_after_ms.")
@@ -110,6 +125,8 @@ class SimulatorConfig(BaseSettings):
             "slow_response_s",
             "get_latency_ms",
             "retry_after_s",
+            "not_found_window_s",
+            "lookup_lag_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -120,6 +137,13 @@ class SimulatorConfig(BaseSettings):
         extra = self.output_extra_json.strip()
         if extra and not (extra.startswith("{") and extra.endswith("}") and extra[1:-1].strip()):
             raise ValueError("output_extra_json must be the text of a non-empty JSON object")
+        for name in ("price_per_context_token", "price_per_generated_token"):
+            try:
+                price = Decimal(getattr(self, name))
+            except InvalidOperation:
+                raise ValueError(f"{name} must be a decimal number, got {getattr(self, name)!r}") from None
+            if not price.is_finite() or price < 0:
+                raise ValueError(f"{name} must be a finite decimal >= 0")
         return self
 
     @property
@@ -133,6 +157,10 @@ class SimulatorConfig(BaseSettings):
             slow_response=self.fault_slow,
             job_failed=self.fault_job_failed,
             multi_output=self.multi_output_rate,
+            not_found_window=self.fault_not_found,
+            unknown_status=self.fault_unknown_status,
+            never_finishes=self.fault_never_finishes,
+            status_regression=self.fault_status_regression,
         )
 
     def durations(self, context_tokens: int, generated_tokens: int) -> JobDurations:

@@ -10,8 +10,16 @@ one independent draw from the seeded RNG, and the first hit wins:
 4. ``drop_after_create`` - job created, connection closed without a response.
 5. ``slow_response``     - job created, the 201 is delayed by ``slow_response_s``.
 
-Per-job properties (terminal failure, a second output) are drawn from the same
-RNG at creation time, so a given seed and request sequence is reproducible.
+Per-job properties are drawn from the same RNG at creation time, so a given seed
+and request sequence is reproducible: terminal failure, a second output, and the
+GET-side faults (each drawn only when its rate is above 0, so turning them on
+leaves every other draw of a seed as it was):
+
+* ``not_found_window``  - GET answers 404 for ``not_found_window_s`` after creation.
+* ``unknown_status``    - every GET answers a status the API never documented
+                          (``aborted``, ``paused`` or ``null``).
+* ``never_finishes``    - the job stays ``running`` forever.
+* ``status_regression`` - while running, every second GET answers ``queued``.
 """
 
 from __future__ import annotations
@@ -34,7 +42,20 @@ class PostFault(StrEnum):
 JOB_FAILED = "job_failed"
 """Summary key for jobs that end in status ``failed``."""
 
-FAULT_KINDS: tuple[str, ...] = (*(f.value for f in PostFault), JOB_FAILED)
+
+class JobFault(StrEnum):
+    """Faults of a job's GET answers, drawn at creation (values are the summary keys)."""
+
+    NOT_FOUND_WINDOW = "not_found_window"
+    UNKNOWN_STATUS = "unknown_status"
+    NEVER_FINISHES = "never_finishes"
+    STATUS_REGRESSION = "status_regression"
+
+
+#: The unknown statuses a job with ``unknown_status`` answers (``None`` is sent as ``"status": null``).
+UNKNOWN_STATUSES: tuple[str | None, ...] = ("aborted", "paused", None)
+
+FAULT_KINDS: tuple[str, ...] = (*(f.value for f in PostFault), JOB_FAILED, *(f.value for f in JobFault))
 """All keys of ``faults_injected`` in ``GET /_sim/summary``."""
 
 
@@ -50,6 +71,10 @@ class FaultRates:
         slow_response: P(201 delayed by ``slow_response_s``).
         job_failed: P(a created job ends ``failed``).
         multi_output: P(a succeeded job has a second output).
+        not_found_window: P(a created job answers 404 for a window after creation).
+        unknown_status: P(a created job answers an undocumented status to every GET).
+        never_finishes: P(a created job stays ``running`` forever).
+        status_regression: P(a created job answers ``queued`` to every second GET while running).
     """
 
     rate_limited_429: float = 0.0
@@ -59,6 +84,10 @@ class FaultRates:
     slow_response: float = 0.0
     job_failed: float = 0.0
     multi_output: float = 0.1
+    not_found_window: float = 0.0
+    unknown_status: float = 0.0
+    never_finishes: float = 0.0
+    status_regression: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +112,14 @@ class JobTraits:
     Attributes:
         fails: the job ends in status ``failed`` instead of ``succeeded``.
         outputs: number of outputs on success (1 or 2).
+        faults: the GET-side faults of the job.
+        unknown_status: the status answered when ``unknown_status`` is among ``faults``.
     """
 
     fails: bool
     outputs: int
+    faults: frozenset[JobFault] = frozenset()
+    unknown_status: str | None = None
 
 
 class FaultDecider:
@@ -122,7 +155,18 @@ class FaultDecider:
         return PostDecision(None, create_job=True, status=201)
 
     def job_traits(self, rates: FaultRates) -> JobTraits:
-        """Draw whether a new job fails and how many outputs it has on success."""
+        """Draw whether a new job fails, how many outputs it has on success, and its GET-side faults."""
         fails = self._hit(rates.job_failed)
         outputs = 2 if self._hit(rates.multi_output) else 1
-        return JobTraits(fails=fails, outputs=outputs)
+        faults = frozenset(
+            kind
+            for kind, rate in (
+                (JobFault.NOT_FOUND_WINDOW, rates.not_found_window),
+                (JobFault.UNKNOWN_STATUS, rates.unknown_status),
+                (JobFault.NEVER_FINISHES, rates.never_finishes),
+                (JobFault.STATUS_REGRESSION, rates.status_regression),
+            )
+            if rate > 0 and self._hit(rate)
+        )
+        unknown = self._rng.choice(UNKNOWN_STATUSES) if JobFault.UNKNOWN_STATUS in faults else None
+        return JobTraits(fails=fails, outputs=outputs, faults=faults, unknown_status=unknown)

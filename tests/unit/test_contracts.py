@@ -293,9 +293,7 @@ def test_dead_letter_envelope(original: bytes | None, key: bytes | None, reason:
 
 
 def test_dead_letter_from_a_real_decode_failure() -> None:
-    original = (
-        b'{"operation_id": "a", "request": {"model": 12, "input": {"prompt": "hi"}}, "submitted_at_ms": 0}'
-    )
+    original = b'{"operation_id": "a", "request": {"model": 12, "input": {"prompt": "hi"}}, "submitted_at_ms": 0}'
     err = decode_error(SUB, original)
     env = contracts.dead_letter(
         source_topic=SUB, partition=0, offset=0, key=b"a", original=original, error=err, worker="w"
@@ -315,26 +313,38 @@ SUBMISSION_NUMBERS: list[tuple[bytes, str, Any]] = [
     (b'"submitted_at_ms": 1, "source": {"n": 18446744073709551616}}', "source/n", 2**64),
     (b'"submitted_at_ms": 1, "source": {"n": 18446744073709551617}}', "source/n", 2**64 + 1),
     (b'"submitted_at_ms": 1, "source": {"n": -9223372036854775809}}', "source/n", -(2**63) - 1),
-    (b'"submitted_at_ms": 1, "source": {"n": 0.1000000000000000055511151231257827}}', "source/n",
-     Decimal("0.1000000000000000055511151231257827")),
+    (
+        b'"submitted_at_ms": 1, "source": {"n": 0.1000000000000000055511151231257827}}',
+        "source/n",
+        Decimal("0.1000000000000000055511151231257827"),
+    ),
     (b'"submitted_at_ms": 1, "source": {"n": 1e400}}', "source/n", Decimal("1e400")),
     (b'"submitted_at_ms": 253402300799999}', "submitted_at_ms", 253402300799999),
     (b'"submitted_at_ms": 1e3}', "submitted_at_ms", Decimal(1000)),  # an integer for JSON Schema
-    (b'"submitted_at_ms": 18446744073709551616}', "submitted_at_ms",
-     ("schema", "submitted_at_ms", "18446744073709551616 is greater than the maximum of 253402300799999")),
-    (b'"submitted_at_ms": 253402300800000}', "submitted_at_ms",
-     ("schema", "submitted_at_ms", "is greater than the maximum")),
+    (
+        b'"submitted_at_ms": 18446744073709551616}',
+        "submitted_at_ms",
+        ("schema", "submitted_at_ms", "18446744073709551616 is greater than the maximum of 253402300799999"),
+    ),
+    (
+        b'"submitted_at_ms": 253402300800000}',
+        "submitted_at_ms",
+        ("schema", "submitted_at_ms", "is greater than the maximum"),
+    ),
     (b'"submitted_at_ms": 1.5}', "submitted_at_ms", ("schema", "submitted_at_ms", "1.5 is not of type 'integer'")),
     (b'"submitted_at_ms": 1, "source": {"n": NaN}}', "source/n", ("not_json", "source/n", "NaN is not a JSON number")),
-    (b'"submitted_at_ms": 1, "source": {"n": -Infinity}}', "source/n",
-     ("not_json", "source/n", "-Infinity is not a JSON number")),
-    (b'"submitted_at_ms": 1, "source": {"n": 1e5000}}', "source/n",
-     ("number_out_of_range", "source/n", "5001 digits")),
+    (
+        b'"submitted_at_ms": 1, "source": {"n": -Infinity}}',
+        "source/n",
+        ("not_json", "source/n", "-Infinity is not a JSON number"),
+    ),
+    (b'"submitted_at_ms": 1, "source": {"n": 1e5000}}', "source/n", ("number_out_of_range", "source/n", "5001 digits")),
 ]
 
 
-@pytest.mark.parametrize(("rest", "field", "outcome"), SUBMISSION_NUMBERS, ids=[r[0][:60].decode() for r in
-                                                                               SUBMISSION_NUMBERS])
+@pytest.mark.parametrize(
+    ("rest", "field", "outcome"), SUBMISSION_NUMBERS, ids=[r[0][:60].decode() for r in SUBMISSION_NUMBERS]
+)
 def test_submission_numbers_are_exact_or_refused_naming_the_field(rest: bytes, field: str, outcome: Any) -> None:
     data = SUBMISSION_PREFIX + rest
     if isinstance(outcome, tuple):

@@ -37,17 +37,23 @@ EXACT: list[tuple[bytes, Any, bytes]] = [
     (b"123456789012345678901234567890", 123456789012345678901234567890, b"123456789012345678901234567890"),
     (b'{"seed": 18446744073709551616}', {"seed": TWO_64}, b'{"seed":18446744073709551616}'),
     (b"[9007199254740993]", [9007199254740993], b"[9007199254740993]"),  # 2**53 + 1: not a double
-    (b"0.1000000000000000055511151231257827", Decimal("0.1000000000000000055511151231257827"),
-     b"0.1000000000000000055511151231257827"),
+    (
+        b"0.1000000000000000055511151231257827",
+        Decimal("0.1000000000000000055511151231257827"),
+        b"0.1000000000000000055511151231257827",
+    ),
     (b"1.50", Decimal("1.50"), b"1.50"),
     (b"1e400", Decimal("1e400"), b"1E+400"),
     (b"1E-400", Decimal("1e-400"), b"1E-400"),
     (b"-0.0", Decimal("-0.0"), b"-0.0"),
     (b"5.0", Decimal("5.0"), b"5.0"),
     (b"1" + b"0" * 4299, 10**4299, b"1" + b"0" * 4299),  # 4300 digits: the limit
-    (b'{"a": [1, {"b": 2.25}], "c": null, "d": true, "e": "x"}', {"a": [1, {"b": Decimal("2.25")}], "c": None,
-     "d": True, "e": "x"}, b'{"a":[1,{"b":2.25}],"c":null,"d":true,"e":"x"}'),
-    (b'"\\ud83d\\ude00"', "\U0001f600", "\"\U0001f600\"".encode()),
+    (
+        b'{"a": [1, {"b": 2.25}], "c": null, "d": true, "e": "x"}',
+        {"a": [1, {"b": Decimal("2.25")}], "c": None, "d": True, "e": "x"},
+        b'{"a":[1,{"b":2.25}],"c":null,"d":true,"e":"x"}',
+    ),
+    (b'"\\ud83d\\ude00"', "\U0001f600", '"\U0001f600"'.encode()),
 ]
 
 
@@ -89,8 +95,9 @@ REFUSED: list[tuple[bytes, str, str | None, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("text", "reason", "path", "words"), REFUSED, ids=[r[0][:30].decode("latin-1")
-                                                                          for r in REFUSED])
+@pytest.mark.parametrize(
+    ("text", "reason", "path", "words"), REFUSED, ids=[r[0][:30].decode("latin-1") for r in REFUSED]
+)
 def test_values_that_cannot_be_carried_exactly_are_refused_naming_the_field(
     text: bytes, reason: str, path: str | None, words: str
 ) -> None:

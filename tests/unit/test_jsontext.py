@@ -38,7 +38,7 @@ def test_the_generation_api_example_gets_only_the_client_reference() -> None:
 def test_model_default_only_when_absent() -> None:
     assert body_text('{"input": {}}') == '{"input": {},"model":"sim-1","metadata":{"client_reference":"op-1"}}'
     assert body_text("{}") == '{"model":"sim-1","metadata":{"client_reference":"op-1"}}'
-    assert body_text(' { \n } \n') == ' { \n "model":"sim-1","metadata":{"client_reference":"op-1"}} \n'
+    assert body_text(" { \n } \n") == ' { \n "model":"sim-1","metadata":{"client_reference":"op-1"}} \n'
 
 
 @pytest.mark.parametrize(
@@ -79,12 +79,12 @@ def _random_value(rng: random.Random, depth: int = 0) -> Any:
     if kind == 1:
         return rng.randrange(-(2**70), 2**70)
     if kind == 2:
-        return Decimal(f"{rng.randrange(-10**20, 10**20)}e{rng.randrange(-500, 500)}")
+        return Decimal(f"{rng.randrange(-(10**20), 10**20)}e{rng.randrange(-500, 500)}")
     if kind in (3, 4):
         return "".join(rng.choice('ab"\\\n\u00e9\u2603\U0001f600 \x00/') for _ in range(rng.randrange(6)))
     if kind == 5:
         return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
-    keys = {"".join(rng.choice("kmé\"") for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(4))}
+    keys = {"".join(rng.choice('kmé"') for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(4))}
     keys -= {"model", "metadata"}
     return {k: _random_value(rng, depth + 1) for k in keys}
 
@@ -93,8 +93,10 @@ def _dumps(value: Any, rng: random.Random) -> str:
     """JSON text of ``value`` with random blanks and escapes (numbers written from their exact text)."""
     blank = lambda: rng.choice(["", " ", "\n  ", "\t"])  # noqa: E731
     if isinstance(value, dict):
-        parts = [f"{blank()}{json.dumps(k, ensure_ascii=rng.random() < 0.5)}{blank()}:{blank()}{_dumps(v, rng)}"
-                 for k, v in value.items()]
+        parts = [
+            f"{blank()}{json.dumps(k, ensure_ascii=rng.random() < 0.5)}{blank()}:{blank()}{_dumps(v, rng)}"
+            for k, v in value.items()
+        ]
         return "{" + ",".join(parts) + blank() + "}"
     if isinstance(value, list):
         return "[" + ",".join(blank() + _dumps(v, rng) for v in value) + blank() + "]"

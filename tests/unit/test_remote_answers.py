@@ -115,11 +115,17 @@ async def test_a_get_200_that_is_not_json_is_retried_saying_why(client: Client, 
 @pytest.mark.parametrize(
     ("status", "body", "words"),
     [
-        (201, b'{"id": "job-1", "poll_after_ms": NaN}', "HTTP 201 without a usable job id (None) (body not read: "
-         "at poll_after_ms: NaN is not a JSON number"),
+        (
+            201,
+            b'{"id": "job-1", "poll_after_ms": NaN}',
+            "HTTP 201 without a usable job id (None) (body not read: at poll_after_ms: NaN is not a JSON number",
+        ),
         (201, b'{"id": "job-1", "poll_after_ms": 1e5000}', "(body not read: at poll_after_ms: 1e5000 has 5001"),
-        (502, b'{"error": {"job_id": "job-1", "x": Infinity}}', "HTTP 502 without error.job_id (body not read: "
-         "at error/x: Infinity is not a JSON number"),
+        (
+            502,
+            b'{"error": {"job_id": "job-1", "x": Infinity}}',
+            "HTTP 502 without error.job_id (body not read: at error/x: Infinity is not a JSON number",
+        ),
     ],
 )
 async def test_a_post_answer_that_cannot_be_read_exactly_is_an_unknown_outcome_naming_the_field(
@@ -227,8 +233,9 @@ def test_only_ascii_digits_are_delay_seconds() -> None:
     assert parse_retry_after_s("\u0663", now=NOW) is None  # ARABIC-INDIC DIGIT THREE (a str header, not wire)
 
 
-@pytest.mark.parametrize(("header", "seconds", "poll_delay", "post_wait"), RETRY_AFTER,
-                         ids=[repr(r[0]) for r in RETRY_AFTER])
+@pytest.mark.parametrize(
+    ("header", "seconds", "poll_delay", "post_wait"), RETRY_AFTER, ids=[repr(r[0]) for r in RETRY_AFTER]
+)
 def test_retry_after_table(
     header: str | None, seconds: float | None, poll_delay: float | str, post_wait: float
 ) -> None:
@@ -241,8 +248,9 @@ def test_retry_after_table(
         assert delay == poll_delay
 
 
-@pytest.mark.parametrize(("header", "seconds", "poll_delay", "post_wait"), RETRY_AFTER,
-                         ids=[repr(r[0]) for r in RETRY_AFTER])
+@pytest.mark.parametrize(
+    ("header", "seconds", "poll_delay", "post_wait"), RETRY_AFTER, ids=[repr(r[0]) for r in RETRY_AFTER]
+)
 async def test_retry_after_on_the_wire(
     client: Client, header: str | None, seconds: float | None, poll_delay: float | str, post_wait: float
 ) -> None:

@@ -428,3 +428,114 @@ def test_cli_process_logs_address_and_serves() -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+# --- GET-side faults, lookup by client reference, charges and refunds -----------------------------------------
+
+
+def _ref_body(op: str, ref: str | None = None, gen: int = 4) -> dict[str, Any]:
+    body = _body(op, gen=gen)
+    body["metadata"]["client_reference"] = ref or op
+    return body
+
+
+async def test_not_found_window_answers_404_then_the_job(start_sim: Factory) -> None:
+    client = await start_sim(fault_not_found=1.0, not_found_window_s=0.3, compression=100.0)
+    job_id = (await client.post("/v1/generations", json=_ref_body("op-nf"), headers=AUTH)).json()["id"]
+    r = await client.get(f"/v1/generations/{job_id}")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    await asyncio.sleep(0.35)
+    r = await client.get(f"/v1/generations/{job_id}")
+    assert r.status_code == 200
+    [job] = (await _operation(client, "op-nf"))["jobs"]
+    assert (job["gets"], job["gets_not_found"], job["faults"]) == (2, 1, ["not_found_window"])
+    assert (await _summary(client))["faults_injected"]["not_found_window"] == 1
+
+
+async def test_unknown_status_is_answered_to_every_get(start_sim: Factory) -> None:
+    client = await start_sim(fault_unknown_status=1.0, compression=1000.0, seed=3)
+    answered = set()
+    for i in range(6):
+        job_id = (await client.post("/v1/generations", json=_ref_body(f"op-u{i}"), headers=AUTH)).json()["id"]
+        await asyncio.sleep(0.05)  # past completion at 1000x: the job would be terminal
+        statuses = {(await client.get(f"/v1/generations/{job_id}")).json()["status"] for _ in range(3)}
+        [job] = (await _operation(client, f"op-u{i}"))["jobs"]
+        assert statuses == {job["unknown_status"]}
+        answered |= statuses
+    assert answered <= {"aborted", "paused", None} and len(answered) >= 2
+
+
+async def test_never_finishes_stays_running(start_sim: Factory) -> None:
+    client = await start_sim(fault_never_finishes=1.0, compression=1000.0)
+    job_id = (await client.post("/v1/generations", json=_ref_body("op-nv"), headers=AUTH)).json()["id"]
+    await asyncio.sleep(0.1)  # its schedule ended long ago at 1000x
+    data = (await client.get(f"/v1/generations/{job_id}")).json()
+    assert data["status"] == "running" and data["completed_at"] is None and "charge" not in data
+
+
+async def test_status_regression_answers_queued_while_running_never_after_the_end(start_sim: Factory) -> None:
+    client = await start_sim(fault_status_regression=1.0, compression=20.0)  # ~1 s running with gen=40
+    job_id = (await client.post("/v1/generations", json=_ref_body("op-rg", gen=40), headers=AUTH)).json()["id"]
+    done, seen = await _wait_for_status(client, job_id, {"succeeded"})
+    first_running = seen.index("running")
+    assert "queued" in seen[first_running:]  # went back
+    assert done["status"] == "succeeded"
+    [job] = (await _operation(client, "op-rg"))["jobs"]
+    assert job["regressed_gets"] >= seen[first_running:].count("queued") >= 1
+
+
+async def test_new_faults_off_leave_the_fault_sequence_of_a_seed_unchanged(start_sim: Factory) -> None:
+    async def statuses(client: httpx.AsyncClient) -> list[int]:
+        return [
+            (await client.post("/v1/generations", json=_body(f"op-{i}"), headers=AUTH)).status_code for i in range(30)
+        ]
+
+    rates = {"fault_429": 0.3, "fault_502_job_id": 0.3, "fault_job_failed": 0.5}
+    plain = await statuses(await start_sim(seed=5, **rates))
+    with_zero = await statuses(await start_sim(seed=5, fault_not_found=0.0, fault_unknown_status=0.0, **rates))
+    assert plain == with_zero
+
+
+async def test_lookup_is_off_by_default(start_sim: Factory) -> None:
+    client = await start_sim()
+    await client.post("/v1/generations", json=_ref_body("op-l"), headers=AUTH)
+    r = await client.get("/v1/generations", params={"client_reference": "op-l"}, headers=AUTH)
+    assert r.status_code == 404
+    assert (await _summary(client))["lookups"] == 0
+
+
+async def test_lookup_lists_jobs_by_client_reference_after_the_lag(start_sim: Factory) -> None:
+    client = await start_sim(lookup_enabled=True, lookup_lag_s=0.3, compression=100.0)
+    first = (await client.post("/v1/generations", json=_ref_body("op-a", "ref-1"), headers=AUTH)).json()["id"]
+    second = (await client.post("/v1/generations", json=_ref_body("op-b", "ref-1"), headers=AUTH)).json()["id"]
+    await client.post("/v1/generations", json=_ref_body("op-c", "ref-2"), headers=AUTH)
+    r = await client.get("/v1/generations", params={"client_reference": "ref-1"}, headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"data": []}  # inside the consistency lag
+    await asyncio.sleep(0.35)
+    data = (await client.get("/v1/generations", params={"client_reference": "ref-1"}, headers=AUTH)).json()["data"]
+    assert [d["id"] for d in data] == [first, second]
+    assert all(d["status"] in ("queued", "running", "succeeded") and d["created_at"] > 0 for d in data)
+    r = await client.get("/v1/generations", headers=AUTH)
+    assert r.status_code == 400
+    assert (await _summary(client))["lookups"] == 2
+
+
+async def test_charge_on_completion_and_refund_for_failed_jobs(start_sim: Factory) -> None:
+    client = await start_sim(compression=100.0, price_per_context_token="0.000001", price_per_generated_token="0.01")
+    job_id = (await client.post("/v1/generations", json=_ref_body("op-ok"), headers=AUTH)).json()["id"]
+    done, _ = await _wait_for_status(client, job_id, {"succeeded"})
+    assert done["charge"] == {"id": "ch_" + job_id.removeprefix("job_"), "amount": "0.040100", "currency": "USD"}
+    assert "refund" not in done
+    await client.post("/_sim/config", json={"fault_job_failed": 1.0})
+    job_id = (await client.post("/v1/generations", json=_ref_body("op-ko"), headers=AUTH)).json()["id"]
+    done, _ = await _wait_for_status(client, job_id, {"failed"})
+    assert done["refund"] == {"id": "rf_" + job_id.removeprefix("job_"), "amount": "0.040100", "currency": "USD"}
+    [job] = (await _operation(client, "op-ko"))["jobs"]
+    assert (job["refund_id"], job["charge_amount"]) == (done["refund"]["id"], "0.040100")
+
+
+def test_prices_must_be_decimals() -> None:
+    with pytest.raises(ValueError, match="price_per_context_token must be a decimal"):
+        SimulatorConfig(price_per_context_token="cheap")
+    with pytest.raises(ValueError, match="finite decimal >= 0"):
+        SimulatorConfig(price_per_generated_token="-1")

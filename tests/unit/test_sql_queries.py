@@ -69,6 +69,9 @@ EXPECTED_LEDGER = [
     "claim_for_observe",
     "reschedule_poll",
     "save_observation",
+    "save_stalled",
+    "note_not_found",
+    "note_unknown_status",
     "record_remote_call",
     "try_relay_lock",
     "lock_unpublished_outbox",
@@ -87,6 +90,9 @@ EXPECTED_ARITY = {
     "claim_for_observe": 3,
     "reschedule_poll": 3,
     "save_observation": 10,
+    "save_stalled": 5,
+    "note_not_found": 7,
+    "note_unknown_status": 7,
     "record_remote_call": 8,
     "try_relay_lock": 0,
     "lock_unpublished_outbox": 1,
@@ -129,7 +135,8 @@ def test_placeholder_helper() -> None:
 #: Named queries of the other files, with their number of parameters.
 EXPECTED_OTHERS = {
     "operators.sql": {"adopt": 4, "abandon": 3, "repoll": 3, "fail_stalled": 3, "operation_holding_job": 1},
-    "accounting.sql": {"accounting_summary": 1},
+    "accounting.sql": {"accounting_summary": 1, "record_refund": 2},
+    "reconcile.sql": {"claim_due_lookups": 4, "adopt_found_job": 7, "give_up_lookup": 4, "reschedule_lookup": 3},
 }
 
 

@@ -1,0 +1,124 @@
+"""When a known job's answers stop making progress: the observer's way to ``stalled`` (polling stops there until
+an operator repolls or fails the operation; :mod:`streams.states`).
+
+Three signs, each bounded by a setting, so the GETs spent on a stuck job are bounded too:
+
+* 404 longer than ``not_found_grace_s`` after the job id was saved. Inside the window a 404 only reschedules
+  the poll (providers commonly answer 404 for a few seconds after creating a job).
+* a status the client does not know (``aborted``, ``paused``, ``null``, ...) ``unknown_status_limit`` GETs
+  in a row (a known status resets the count).
+* observed longer than ``max_observation_age_s`` without becoming terminal (whatever the answers: a job that
+  never finishes, or GETs that keep failing).
+
+Every decision is one fenced statement of the ledger; the reason and the raw last answer are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from streams import metrics
+from streams.errors import RemoteJobNotFoundError, RemoteUnknownStatusError
+from streams.ledger import ObserveClaim
+from streams.runtime import Runtime
+from streams.states import OperationState
+
+log = logging.getLogger(__name__)
+
+
+class StallGuard:
+    """The observer's checks for a job that stopped making progress (see module docstring).
+
+    Args:
+        runtime: the worker's runtime (settings and ledger).
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    def too_old(self, claim: ObserveClaim, claimed_at: float) -> bool:
+        """True when the job has been observed longer than ``max_observation_age_s``.
+
+        ``claimed_at`` is ``time.monotonic()`` when the claim was taken (its ``observed_for_s`` is as of then).
+        """
+        observed_for_s = claim.observed_for_s + (time.monotonic() - claimed_at)
+        return observed_for_s > self.rt.settings.max_observation_age_s
+
+    async def stall_too_old(self, operation_id: str, claim: ObserveClaim, last_answer: dict[str, Any]) -> bool:
+        """Fenced: ``stalled`` because the job is older than the maximum observation age. False when refused."""
+        s = self.rt.settings
+        reason = (
+            f"remote job {claim.remote_job_id} observed for more than {s.max_observation_age_s:.0f} s without "
+            f"becoming terminal (last answer: {_short(last_answer)}); repoll or fail it"
+        )
+        return await self._stall(operation_id, claim, "max_age", reason, last_answer)
+
+    async def not_found(
+        self, operation_id: str, claim: ObserveClaim, exc: RemoteJobNotFoundError, next_poll_delay_s: float
+    ) -> OperationState | None:
+        """Fenced: a 404 for the saved job id; rescheduled inside the grace window, ``stalled`` past it.
+
+        Returns the state afterwards, None when refused by the fencing value.
+        """
+        rt = self.rt
+        grace_s = rt.settings.not_found_grace_s
+        reason = (
+            f"remote job {claim.remote_job_id} not found (404) more than {grace_s:.0f} s after its id was saved; "
+            "the provider may have lost it: repoll or fail it"
+        )
+        state = await rt.until_ledger(
+            "note 404",
+            lambda: rt.ledger.note_not_found(
+                operation_id, claim.fencing_token, grace_s, next_poll_delay_s, reason, exc.answer
+            ),
+        )
+        self._report(operation_id, state, "not_found", reason)
+        return state
+
+    async def unknown_status(
+        self, operation_id: str, claim: ObserveClaim, exc: RemoteUnknownStatusError, next_poll_delay_s: float
+    ) -> OperationState | None:
+        """Fenced: a status the client does not know; ``stalled`` at the ``unknown_status_limit``-th in a row.
+
+        Returns the state afterwards, None when refused by the fencing value.
+        """
+        rt = self.rt
+        limit = rt.settings.unknown_status_limit
+        reason = (
+            f"remote job {claim.remote_job_id} answered a status this client does not know {limit} times in a "
+            f"row (last answer: {_short(exc.answer)}); repoll or fail it"
+        )
+        noted = await rt.until_ledger(
+            "note unknown status",
+            lambda: rt.ledger.note_unknown_status(
+                operation_id, claim.fencing_token, limit, next_poll_delay_s, reason, exc.answer
+            ),
+        )
+        state = None if noted is None else noted[0]
+        self._report(operation_id, state, "unknown_status", reason)
+        return state
+
+    async def _stall(
+        self, operation_id: str, claim: ObserveClaim, kind: str, reason: str, last_answer: dict[str, Any]
+    ) -> bool:
+        rt = self.rt
+        saved = await rt.until_ledger(
+            "save stalled", lambda: rt.ledger.save_stalled(operation_id, claim.fencing_token, reason, last_answer)
+        )
+        self._report(operation_id, OperationState.STALLED if saved else None, kind, reason)
+        return saved
+
+    def _report(self, operation_id: str, state: OperationState | None, kind: str, reason: str) -> None:
+        if state is None:
+            metrics.FENCING_REFUSALS.labels("observe").inc()
+            log.warning("operation %s: %s not noted: a newer claim holds the operation", operation_id, kind)
+        elif state is OperationState.STALLED:
+            metrics.STALLED.labels(kind).inc()
+            log.warning("operation %s stalled: %s", operation_id, reason)
+
+
+def _short(answer: dict[str, Any], limit: int = 300) -> str:
+    text = ", ".join(f"{k}={v!r}" for k, v in answer.items())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
