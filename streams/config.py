@@ -162,6 +162,9 @@ class Settings(BaseSettings):
     poll_backoff_base_s: Seconds = 0.5
     poll_backoff_cap_s: Seconds = 30.0
     poll_min_delay_s: Seconds = 0.05
+    # The API's poll hint is followed as it is for a job's first this many observations; from then on a capped
+    # exponential floor applies, so a job the provider keeps calling "almost done" costs few GETs.
+    poll_hint_trusted_polls: Count = 8
     lease_busy_retry_s: Seconds = 1.0
     submitting_stale_after_s: Seconds = 120.0
 

@@ -109,7 +109,12 @@ class Observer:
     def _delay(self, poll_count: int, hint_s: float | None) -> float:
         s = self.rt.settings
         return next_poll_delay_s(
-            poll_count, hint_s, base_s=s.poll_backoff_base_s, cap_s=s.poll_backoff_cap_s, min_s=s.poll_min_delay_s
+            poll_count,
+            hint_s,
+            base_s=s.poll_backoff_base_s,
+            cap_s=s.poll_backoff_cap_s,
+            min_s=s.poll_min_delay_s,
+            hints_trusted_polls=s.poll_hint_trusted_polls,
         )
 
     async def _observe(self, operation_id: str, poll_claim_id: int, claim: ObserveClaim, lease: Lease) -> None:

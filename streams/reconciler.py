@@ -76,8 +76,9 @@ class Reconciler:
         await rt.account(op, "GET", 200, f"lookup_found_{min(len(found), 9)}", None, duration_ms, claim.fencing_token)
         if not found:
             reason = (
-                f"not found by lookup {claim.uncertain_for_s:.0f} s after the outcome became unknown (provider's "
-                f"consistency lag {rt.settings.lookup_lag_s:.0f} s): check at the provider, then adopt or abandon"
+                f"not found by lookup; looked up {claim.uncertain_for_s:.0f} s after the outcome became unknown "
+                f"(provider's consistency lag {rt.settings.lookup_lag_s:.0f} s): check at the provider, then adopt "
+                "or abandon"
             )
             if await rt.until_ledger("give up lookup", lambda: rt.ledger.give_up_lookup(claim, reason)):
                 metrics.LOOKUPS.labels("not_found").inc()

@@ -50,8 +50,8 @@ class StallGuard:
         """Fenced: ``stalled`` because the job is older than the maximum observation age. False when refused."""
         s = self.rt.settings
         reason = (
-            f"remote job {claim.remote_job_id} observed for more than {s.max_observation_age_s:.0f} s without "
-            f"becoming terminal (last answer: {_short(last_answer)}); repoll or fail it"
+            f"observed for more than {s.max_observation_age_s:.0f} s without becoming terminal; remote job "
+            f"{claim.remote_job_id}, last answer: {_short(last_answer)}; repoll or fail it"
         )
         return await self._stall(operation_id, claim, "max_age", reason, last_answer)
 
@@ -65,8 +65,8 @@ class StallGuard:
         rt = self.rt
         grace_s = rt.settings.not_found_grace_s
         reason = (
-            f"remote job {claim.remote_job_id} not found (404) more than {grace_s:.0f} s after its id was saved; "
-            "the provider may have lost it: repoll or fail it"
+            f"not found (404) more than {grace_s:.0f} s after the job id was saved; remote job "
+            f"{claim.remote_job_id} may be lost at the provider; repoll or fail it"
         )
         state = await rt.until_ledger(
             "note 404",
@@ -87,8 +87,8 @@ class StallGuard:
         rt = self.rt
         limit = rt.settings.unknown_status_limit
         reason = (
-            f"remote job {claim.remote_job_id} answered a status this client does not know {limit} times in a "
-            f"row (last answer: {_short(exc.answer)}); repoll or fail it"
+            f"a status this client does not know, {limit} times in a row; remote job {claim.remote_job_id}, "
+            f"last answer: {_short(exc.answer)}; repoll or fail it"
         )
         noted = await rt.until_ledger(
             "note unknown status",

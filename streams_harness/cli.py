@@ -103,7 +103,13 @@ def _run_job(coro: Coroutine[Any, Any, T]) -> T:
     multiple=True,
     metavar="NAME=RATE",
     help="Override one fault rate, e.g. --fault 429=0.05 (names: 429, 502_job_id, 5xx, drop_after_create, slow, "
-    "job_failed).",
+    "job_failed, not_found, unknown_status, never_finishes, status_regression).",
+)
+@click.option(
+    "--lookup/--no-lookup",
+    default=False,
+    show_default=True,
+    help="Reconcile uncertain operations by lookup of the client reference (the simulator offers it).",
 )
 @click.option(
     "--report",
@@ -126,6 +132,7 @@ def run_command(
     report_path: Path | None,
     timeout_s: float,
     keep: bool,
+    lookup: bool,
 ) -> None:
     """The main job: simulator + workers, trace replay, progress, and the report (terminal and JSON)."""
     from streams_harness.mainjob import DEFAULT_FAULTS, MainJobOptions, run_main_job
@@ -159,6 +166,7 @@ def run_command(
         report_path=report_path,
         timeout_s=timeout_s,
         keep=keep,
+        lookup=lookup,
     )
     report = _run_job(run_main_job(opts))
     problems = broken_promises(report, repeats_allowed=False)
@@ -177,6 +185,12 @@ def run_command(
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--timeout-s", default=1800.0, show_default=True)
 @click.option("--keep", is_flag=True, help="Keep the run's database and topics (removed after the report).")
+@click.option(
+    "--lookup/--no-lookup",
+    default=False,
+    show_default=True,
+    help="Reconcile uncertain operations by lookup; the audit then requires none left whose job exists.",
+)
 def soak_command(
     trace: str,
     start: int,
@@ -188,6 +202,7 @@ def soak_command(
     report_path: Path | None,
     timeout_s: float,
     keep: bool,
+    lookup: bool,
 ) -> None:
     """Replay trace rows through several workers while injecting seeded random faults, then audit."""
     from streams_harness.report import broken_promises
@@ -204,6 +219,7 @@ def soak_command(
         report_path=report_path,
         timeout_s=timeout_s,
         keep=keep,
+        lookup=lookup,
     )
     problems = broken_promises(_run_job(run_soak(opts)), repeats_allowed=True)
     if problems:

@@ -35,11 +35,18 @@ from streams.admin import (
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
 from streams.errors import StreamsError
-from streams.ledger import create_pool
+from streams.ledger import Ledger, create_pool
 from streams.producer import SubmissionProducer
 from streams_harness.checkout import checkout_dir
 from streams_harness.replay import replay_trace
-from streams_harness.report import FINAL_STATES, REPORT, LedgerOperation, build_report, render_table
+from streams_harness.report import (
+    FINAL_STATES,
+    REPORT,
+    LedgerAccounting,
+    LedgerOperation,
+    build_report,
+    render_table,
+)
 from streams_harness.trace import TraceRow, read_trace
 
 
@@ -55,7 +62,30 @@ DEFAULT_FAULTS: dict[str, float] = {
     "fault_drop_after_create": 0.005,
     "fault_slow": 0.002,
     "fault_job_failed": 0.01,
+    "fault_not_found": 0.005,
+    "fault_unknown_status": 0.002,
+    "fault_never_finishes": 0.002,
+    "fault_status_regression": 0.01,
 }
+
+
+#: Maximum observation age of a harness run's workers (s): a job that never finishes stalls this long after its
+#: id was saved (the product's default, 24 h, would outlast the run); far beyond any job of the traces.
+RUN_MAX_OBSERVATION_AGE_S = 30.0
+
+#: The simulator's lookup consistency lag in a run with lookup on (s); the workers wait one more second.
+RUN_LOOKUP_LAG_S = 1.0
+
+
+def run_settings_env(lookup: bool, max_observation_age_s: float = RUN_MAX_OBSERVATION_AGE_S) -> dict[str, str]:
+    """``STREAMS_*`` and ``SIM_*`` variables of a harness run's workers and simulator for reconciliation."""
+    return {
+        "STREAMS_MAX_OBSERVATION_AGE_S": str(max_observation_age_s),
+        "STREAMS_LOOKUP_ENABLED": "true" if lookup else "false",
+        "STREAMS_LOOKUP_LAG_S": str(RUN_LOOKUP_LAG_S + 1.0),
+        "SIM_LOOKUP_ENABLED": "true" if lookup else "false",
+        "SIM_LOOKUP_LAG_S": str(RUN_LOOKUP_LAG_S),
+    }
 
 
 @dataclass
@@ -79,6 +109,8 @@ class MainJobOptions:
     #: Give the run its own topics and consumer group (default); False uses the environment's, e.g. for a test
     #: that publishes to those topics before the run.
     isolate: bool = True
+    #: Reconcile uncertain operations by lookup of the client reference (the simulator offers it for the run).
+    lookup: bool = False
 
 
 def free_port() -> int:
@@ -190,9 +222,13 @@ async def progress(pool: asyncpg.Pool, pattern: str) -> dict[str, int]:
     return {r["state"]: r["n"] for r in rows}
 
 
-def _line(counts: dict[str, int], submitted: int, total: int, started: float) -> str:
+def _line(counts: dict[str, int], submitted: int, total: int, started: float, lookup: bool) -> str:
     final = sum(n for s, n in counts.items() if s in FINAL_STATES)
-    states = " ".join(f"{s}={n}" for s, n in sorted(counts.items()) if s != "outbox_pending" and n)
+    states = " ".join(
+        f"{s}={n}" for s, n in sorted(counts.items()) if s not in ("outbox_pending", "lookup_pending") and n
+    )
+    if lookup and counts.get("lookup_pending"):
+        states += f" (lookups pending {counts['lookup_pending']})"
     rate = final / max(0.001, time.monotonic() - started)
     return (
         f"[{time.monotonic() - started:6.1f}s] submitted {submitted}/{total}  final {final}/{total}  "
@@ -215,7 +251,8 @@ async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str,
     rows = read_trace(opts.trace, start=opts.start, rows=opts.rows)
     print(
         f"main job {run_id}: {len(rows)} rows of trace {Path(opts.trace).stem!r} from row {opts.start}, "
-        f"compression {opts.compression}x, {opts.workers} workers, faults {opts.faults or 'off'}",
+        f"compression {opts.compression}x, {opts.workers} workers, faults {opts.faults or 'off'}, "
+        f"lookup {'on' if opts.lookup else 'off'}",
         file=out,
     )
     if opts.isolate:
@@ -268,6 +305,7 @@ async def _run(
         }
     )
     env.update({f"SIM_{k.upper()}": str(v) for k, v in opts.faults.items()})
+    env.update(run_settings_env(opts.lookup))
     log_path = checkout_dir() / "reports" / run_id / "processes.log"
     base_port = opts.base_port or free_port_block([0, *(100 + i for i in range(opts.workers))])
     procs = Processes(env, opts.workers, base_port, log_path)
@@ -300,9 +338,10 @@ async def _run(
             while True:
                 await asyncio.sleep(2.0)
                 counts = await progress(pool, pattern)
-                print(_line(counts, sent[0], len(rows), started), file=out, flush=True)
+                print(_line(counts, sent[0], len(rows), started, opts.lookup), file=out, flush=True)
                 final = sum(n for s, n in counts.items() if s in FINAL_STATES)
-                if replay.done() and final >= len(rows) and counts.get("outbox_pending", 0) == 0:
+                settled = not opts.lookup or counts.get("lookup_pending", 0) == 0
+                if replay.done() and final >= len(rows) and settled and counts.get("outbox_pending", 0) == 0:
                     break
                 if procs.proc is not None and procs.proc.poll() is not None:
                     raise MainJobError(f"worker processes exited; see the end of {log_path}:\n{_tail(log_path)}")
@@ -325,6 +364,7 @@ async def _run(
                 "start_row": opts.start,
                 "compression": opts.compression,
                 "faults": opts.faults,
+                "lookup": opts.lookup,
                 "wall_clock_s": round(elapsed, 1),
             },
         )
@@ -355,6 +395,8 @@ async def collect_report(
     transitions = [
         (r["operation_id"], r["from_state"], r["to_state"]) for r in await pool.fetch(REPORT.run_transitions, pattern)
     ]
+    accounting = await Ledger(pool, "report").accounting_summary(pattern)
+    reconciled = await pool.fetchrow(REPORT.run_reconciled, pattern)
     meta = dict(meta)
     meta["faults_injected"] = summary.get("faults_injected", {})
     return build_report(
@@ -364,4 +406,11 @@ async def collect_report(
         delivered=[(d.value, d.timestamp_ms) for d in delivered],
         meta=meta,
         transitions=transitions,
+        accounting=LedgerAccounting(
+            reconciled=dict(reconciled) if reconciled is not None else {},
+            duplicate_creations=accounting["duplicate_creations"],
+            charges=accounting["charges"],
+            refunds_settled=accounting["refunds_settled"],
+            refunds_pending=accounting["refunds_pending"],
+        ),
     )

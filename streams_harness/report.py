@@ -13,6 +13,7 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from streams.sql import Queries
@@ -21,8 +22,28 @@ from streams.states import OperationState, can_transition
 #: The report's named queries (``streams_harness/queries/report.sql``).
 REPORT = Queries("report.sql", package="streams_harness")
 
-FINAL_STATES = frozenset({"succeeded", "failed", "canceled", "rejected", "uncertain"})
+#: States in which the pipeline is done with an operation: terminal, or waiting for the reconciler or a person.
+FINAL_STATES = frozenset({"succeeded", "failed", "canceled", "rejected", "uncertain", "stalled"})
 COMPLETED_STATES = frozenset({"succeeded", "failed", "canceled"})
+#: Shown in ``operations_by_state`` even when zero.
+ALWAYS_SHOWN_STATES = ("uncertain", "stalled")
+TERMINAL_JOB_STATUSES = frozenset({"succeeded", "failed"})
+
+
+@dataclass(frozen=True)
+class LedgerAccounting:
+    """What the ledger learned about remote jobs (the product's accounting, :meth:`Ledger.accounting_summary`,
+    and the transition log), for the report's comparison with the provider's own record.
+
+    ``reconciled`` maps ``automatic`` (adopted by lookup), ``by_person`` (adopted or abandoned by an operator)
+    and ``late_answer`` (the same POST's answer arrived after ``uncertain``) to counts.
+    """
+
+    reconciled: Mapping[str, int]
+    duplicate_creations: int
+    charges: list[Mapping[str, Any]]
+    refunds_settled: list[Mapping[str, Any]]
+    refunds_pending: int
 
 
 @dataclass(frozen=True)
@@ -73,6 +94,7 @@ def build_report(
     delivered: Iterable[tuple[Mapping[str, Any], int]],
     meta: Mapping[str, Any],
     transitions: Iterable[tuple[str, str | None, str]] = (),
+    accounting: LedgerAccounting | None = None,
 ) -> dict[str, Any]:
     """Compute the report.
 
@@ -83,6 +105,8 @@ def build_report(
             ``completed_at`` in unix seconds).
         delivered: ``(value, kafka_timestamp_ms)`` of output-delivered records of this run.
         meta: ``workers``, ``partitions``, ``trace``, ``rows`` and anything else to carry into the report.
+        transitions: the run's transition log, ``(operation_id, from_state, to_state)`` in order.
+        accounting: what the ledger's accounting learned (compared with the simulator's record).
 
     Returns the report dict (see README for the field list).
     """
@@ -130,6 +154,15 @@ def build_report(
         span_s = max(0.001, (last - first) / 1000.0)
     uncertain = Counter(_reason_kind(o.reason) for o in ops.values() if o.state == "uncertain")
     rejected = Counter(_reason_kind(o.reason) for o in ops.values() if o.state == "rejected")
+    stalled = Counter(_reason_kind(o.reason) for o in ops.values() if o.state == "stalled")
+    for state in ALWAYS_SHOWN_STATES:
+        by_state.setdefault(state, 0)
+    stuck_gets = [
+        sum(int(j["gets"]) for j in jobs_by_op.get(o.operation_id, [])) for o in ops.values() if o.state == "stalled"
+    ]
+    provider_jobs = [j for js in jobs_by_op.values() for j in js]
+    ended = [j for j in provider_jobs if j.get("status") in TERMINAL_JOB_STATUSES]
+    acc = accounting or LedgerAccounting({}, 0, [], [], 0)
     report: dict[str, Any] = {
         "operations_submitted": len(ids),
         "operations_in_ledger": len(ops),
@@ -138,6 +171,29 @@ def build_report(
         "operations_by_state": dict(sorted(by_state.items())),
         "uncertain_reasons": dict(uncertain),
         "rejected_reasons": dict(rejected),
+        "stalled_reasons": dict(stalled),
+        "uncertain_with_provider_job": sum(
+            1 for o in ops.values() if o.state == "uncertain" and jobs_by_op.get(o.operation_id)
+        ),
+        "reconciled": {k: int(acc.reconciled.get(k, 0)) for k in ("automatic", "by_person", "late_answer")},
+        "duplicate_creations": {
+            "provider": sum(max(0, len(js) - 1) for js in jobs_by_op.values()),
+            "recorded": acc.duplicate_creations,
+        },
+        "charges_total": {
+            "provider": _decimal_text(sum((_decimal(j.get("charge_amount")) for j in ended), Decimal(0))),
+            "recorded": _decimal_text(sum((_decimal(c.get("amount")) for c in acc.charges), Decimal(0))),
+        },
+        "refunds": {
+            "provider": sum(1 for j in ended if j.get("status") == "failed" and j.get("refund_id")),
+            "recorded": sum(int(r.get("refunds", 0)) for r in acc.refunds_settled),
+            "pending": acc.refunds_pending,
+        },
+        "gets_spent_on_stuck_operations": {
+            "operations": len(stuck_gets),
+            "total": sum(stuck_gets),
+            "max": max(stuck_gets, default=0),
+        },
         "max_jobs_per_operation": max((len(js) for js in jobs_by_op.values()), default=0),
         "orphan_jobs": orphan_jobs,
         "max_gets_in_flight_per_job": max(
@@ -167,6 +223,19 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
+def _decimal(value: Any) -> Decimal:
+    """A decimal amount given as text (exact), 0 when absent or unreadable."""
+    try:
+        amount = Decimal(str(value)) if value is not None else Decimal(0)
+    except InvalidOperation:
+        return Decimal(0)
+    return amount if amount.is_finite() else Decimal(0)
+
+
+def _decimal_text(value: Decimal) -> str:
+    return format(value.normalize(), "f") if value else "0"
+
+
 def _reason_kind(reason: str | None) -> str:
     """A short grouping key for a reason text (its first clause)."""
     if not reason:
@@ -193,7 +262,8 @@ def broken_promises(report: Mapping[str, Any], *, repeats_allowed: bool) -> list
     """The report's must-be-zero figures that are not zero (empty when the run kept every promise).
 
     ``repeats_allowed``: an output event repeated with the *same* event id is legitimate after a relay crash
-    (the soak kills workers); without faults (the main job) there must be none.
+    (the soak kills workers); without faults (the main job) there must be none. With lookup on (``lookup`` in
+    the report), no operation may stay ``uncertain`` when the provider created its job.
     """
     checks = {
         "operations_missing": report["operations_missing"],
@@ -207,4 +277,6 @@ def broken_promises(report: Mapping[str, Any], *, repeats_allowed: bool) -> list
     }
     if not repeats_allowed:
         checks["output_duplicates"] = report["output_duplicates"]
+    if report.get("lookup"):
+        checks["uncertain with a job the provider created (lookup on)"] = report["uncertain_with_provider_job"]
     return [f"{name}={value}" for name, value in checks.items() if value]

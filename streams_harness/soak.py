@@ -41,7 +41,14 @@ from streams.errors import StreamsError
 from streams.ledger import create_pool
 from streams.producer import SubmissionProducer
 from streams_harness.checkout import checkout_dir
-from streams_harness.mainjob import DEFAULT_FAULTS, collect_report, free_port, progress
+from streams_harness.mainjob import (
+    DEFAULT_FAULTS,
+    RUN_LOOKUP_LAG_S,
+    collect_report,
+    free_port,
+    progress,
+    run_settings_env,
+)
 from streams_harness.replay import replay_trace
 from streams_harness.report import FINAL_STATES, render_table
 from streams_harness.trace import read_trace
@@ -83,6 +90,11 @@ class SoakOptions:
     #: Reconciliation delay for ``submitting`` without outcome; must exceed the POST retry budget below.
     submitting_stale_after_s: float = 60.0
     submit_retry_deadline_s: float = 30.0
+    #: Reconcile uncertain operations by lookup of the client reference (the simulator offers it for the run);
+    #: the audit then requires no uncertain operation whose job the provider created.
+    lookup: bool = False
+    #: A job that never finishes stalls this long after its id was saved (outages can delay observations).
+    max_observation_age_s: float = 60.0
 
 
 class Fleet:
@@ -234,6 +246,7 @@ def _start_simulator(opts: SoakOptions, settings: Settings, port: int, log_dir: 
         }
     )
     env.update({f"SIM_{k.upper()}": str(v) for k, v in opts.sim_faults.items()})
+    env.update({k: v for k, v in run_settings_env(opts.lookup).items() if k.startswith("SIM_")})
     return subprocess.Popen(
         [str(Path(sys.executable).with_name("streams")), "simulator", "--port", str(port)],
         env=env,
@@ -284,6 +297,9 @@ async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
         kafka_heartbeat_interval_s=2.0,
         submitting_stale_after_s=opts.submitting_stale_after_s,
         submit_retry_deadline_s=opts.submit_retry_deadline_s,
+        max_observation_age_s=opts.max_observation_age_s,
+        lookup_enabled=opts.lookup,
+        lookup_lag_s=RUN_LOOKUP_LAG_S + 1.0,
         web_enabled=True,
     )
     await create_topics(settings)
@@ -327,7 +343,9 @@ async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
                         file=out,
                         flush=True,
                     )
-                    if replay.done() and chaos_task.done() and final >= len(rows) and not counts.get("outbox_pending"):
+                    settled = not opts.lookup or not counts.get("lookup_pending")
+                    done = replay.done() and chaos_task.done() and final >= len(rows) and settled
+                    if done and not counts.get("outbox_pending"):
                         break
                 if sim.poll() is not None:
                     raise SoakError(f"the simulator exited; see {log_dir / 'simulator.log'}")
@@ -352,6 +370,7 @@ async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
                 "compression": opts.compression,
                 "seed": opts.seed,
                 "faults": opts.sim_faults,
+                "lookup": opts.lookup,
                 "wall_clock_s": round(time.monotonic() - started, 1),
             },
         )

@@ -13,12 +13,16 @@ FROM operations o
 WHERE o.operation_id LIKE $1;
 
 -- name: run_progress
--- $1 operation id LIKE pattern. state -> count, plus unpublished outbox rows.
+-- $1 operation id LIKE pattern. state -> count, plus unpublished outbox rows and uncertain operations whose
+-- lookup is still to come (lookup_pending; meaningful only with lookup on).
 SELECT state::text AS state, count(*)::integer AS n
 FROM operations WHERE operation_id LIKE $1
 GROUP BY state
 UNION ALL
-SELECT 'outbox_pending', count(*)::integer FROM outbox WHERE operation_id LIKE $1 AND published_at IS NULL;
+SELECT 'outbox_pending', count(*)::integer FROM outbox WHERE operation_id LIKE $1 AND published_at IS NULL
+UNION ALL
+SELECT 'lookup_pending', count(*)::integer FROM operations
+WHERE operation_id LIKE $1 AND state = 'uncertain' AND lookup_gave_up_at IS NULL;
 
 -- name: try_main_job_lock
 -- One main job at a time per ledger: a session-level advisory lock, held until the connection closes.
@@ -30,3 +34,16 @@ SELECT operation_id, from_state::text AS from_state, to_state::text AS to_state
 FROM transitions
 WHERE operation_id LIKE $1
 ORDER BY operation_id, id;
+
+-- name: run_reconciled
+-- $1 operation id LIKE pattern. How uncertain operations left uncertain: adopted by the reconciler's lookup
+-- (automatic), adopted or abandoned by an operator (by_person), or the same POST's late answer (late_answer).
+SELECT count(*) FILTER (WHERE t.to_state = 'submitted' AND j.learned_via = 'lookup')::integer AS automatic,
+       count(*) FILTER (WHERE (t.to_state = 'submitted' AND j.learned_via = 'adopted')
+                           OR t.to_state = 'rejected')::integer AS by_person,
+       count(*) FILTER (WHERE t.to_state = 'submitted'
+                          AND j.learned_via IN ('post_2xx', 'post_502'))::integer AS late_answer
+FROM transitions t
+JOIN operations o USING (operation_id)
+LEFT JOIN remote_jobs j ON j.remote_job_id = o.remote_job_id
+WHERE t.operation_id LIKE $1 AND t.from_state = 'uncertain';

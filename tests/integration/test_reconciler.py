@@ -102,7 +102,7 @@ async def test_none_found_after_the_lag_is_left_for_a_person(
     await reconcile_until_claimed(reconciler)
     row = await operation(pool, "op-none")
     assert row["state"] == "uncertain" and row["lookup_gave_up_at"] is not None
-    assert row["reason"].startswith("not found by lookup ")
+    assert row["reason"].startswith("not found by lookup; looked up ")
     assert row["reason"].endswith("became uncertain: connection lost after send; a job may exist")
     assert row["fencing_token"] == fencing + 1
     assert await reconciler.tick() == 0  # looked up once after the lag; then it is a person's

@@ -93,3 +93,23 @@ def test_jitter_extremes() -> None:
     assert delay(3, None, rng=Fixed(1.0)) == 4.0
     assert delay(3, None, rng=Fixed(0.5)) == 3.0
     assert delay(100, None, rng=Fixed(1.0)) == CAP
+
+
+def test_hints_are_trusted_for_the_first_polls_then_a_capped_exponential_floor_applies() -> None:
+    # A provider answering "poll again in 50 ms" for a job that never finishes.
+    delays = [delay(n, 0.05, rng=random.Random(0), hints_trusted_polls=8) for n in range(20)]
+    assert delays[:8] == [0.05] * 8
+    assert delays[8:16] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert delays[16:] == [CAP] * 4
+    # A hint longer than the floor still wins.
+    assert delay(9, 5.0, hints_trusted_polls=8) == 5.0
+    # Without the setting, the hint wins forever.
+    assert delay(100, 0.05, hints_trusted_polls=None) == 0.05
+
+
+def test_gets_of_a_job_that_never_finishes_are_bounded_by_the_age_over_the_cap() -> None:
+    elapsed, gets, age_s = 0.0, 0, 86_400.0
+    while elapsed < age_s:
+        elapsed += delay(gets, 0.05, hints_trusted_polls=8)
+        gets += 1
+    assert gets <= 8 + 7 + age_s / CAP + 1  # trusted hints, the ramp, then one GET per cap

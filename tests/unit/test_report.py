@@ -1,0 +1,89 @@
+"""The run report's reconciliation and accounting figures, from hand-made independent records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streams_harness.report import LedgerAccounting, LedgerOperation, broken_promises, build_report
+
+
+def op(operation_id: str, state: str, reason: str | None = None) -> LedgerOperation:
+    return LedgerOperation(operation_id, state, reason, 1_000, 2_000, 1 if state == "succeeded" else 0)
+
+
+def job(operation_id: str, status: str, gets: int, charge: str = "0.5", **extra: Any) -> dict[str, Any]:
+    record = {
+        "client_reference": operation_id,
+        "job_id": f"job-{operation_id}-{gets}",
+        "status": status,
+        "gets": gets,
+        "max_gets_in_flight": 1,
+        "completed_at": 1.5,
+        "charge_amount": charge,
+        "refund_id": f"rf-{operation_id}" if status == "failed" else None,
+    }
+    record.update(extra)
+    return record
+
+
+def report(lookup: bool) -> dict[str, Any]:
+    ledger = [
+        op("a", "succeeded"),
+        op("b", "failed"),
+        op("c", "stalled", "a status this client does not know, 5 times in a row; remote job x, last answer: .."),
+        op("d", "stalled", "not found (404) more than 60 s after the job id was saved; remote job y may be lost"),
+        op("e", "uncertain", "not found by lookup; looked up 3 s after the outcome became unknown"),
+        op("f", "uncertain", "connection lost after send"),
+        op("g", "succeeded"),
+    ]
+    sim_jobs = [
+        job("a", "succeeded", 2),
+        job("b", "failed", 3, charge="0.25"),
+        job("c", "succeeded", 5),  # the provider finished it; the client never understood its status
+        job("d", "running", 9),
+        job("f", "succeeded", 0),  # created by the POST whose outcome was unknown
+        job("g", "succeeded", 2),
+        job("g", "succeeded", 0, charge="0.125"),  # a duplicate creation
+    ]
+    accounting = LedgerAccounting(
+        reconciled={"automatic": 1, "by_person": 2, "late_answer": 0},
+        duplicate_creations=1,
+        charges=[{"currency": "USD", "amount": "0.750", "jobs": 2}],
+        refunds_settled=[{"currency": "USD", "amount": "0.25", "refunds": 1}],
+        refunds_pending=0,
+    )
+    return build_report(
+        submitted_ids=[o.operation_id for o in ledger],
+        ledger=ledger,
+        sim_jobs=sim_jobs,
+        delivered=[],
+        meta={"lookup": lookup},
+        accounting=accounting,
+    )
+
+
+def test_reconciliation_and_accounting_figures() -> None:
+    r = report(lookup=False)
+    assert r["operations_by_state"] == {"failed": 1, "stalled": 2, "succeeded": 2, "uncertain": 2}
+    assert r["stalled_reasons"] == {
+        "a status this client does not know, 5 times in a row": 1,
+        "not found": 1,
+    }
+    assert r["uncertain_reasons"] == {"not found by lookup": 1, "connection lost after send": 1}
+    assert r["uncertain_with_provider_job"] == 1  # f: its job exists at the provider
+    assert r["reconciled"] == {"automatic": 1, "by_person": 2, "late_answer": 0}
+    assert r["duplicate_creations"] == {"provider": 1, "recorded": 1}
+    # provider: every job that ended (a, b, c, f, g twice); recorded: what the ledger's accounting learned
+    assert r["charges_total"] == {"provider": "2.375", "recorded": "0.75"}
+    assert r["refunds"] == {"provider": 1, "recorded": 1, "pending": 0}
+    assert r["gets_spent_on_stuck_operations"] == {"operations": 2, "total": 14, "max": 9}
+
+
+def test_zero_states_are_shown_and_lookup_makes_uncertain_with_a_job_a_broken_promise() -> None:
+    r = build_report(submitted_ids=[], ledger=[], sim_jobs=[], delivered=[], meta={"lookup": True})
+    assert r["operations_by_state"] == {"stalled": 0, "uncertain": 0}
+    assert r["charges_total"] == {"provider": "0", "recorded": "0"}
+    assert "uncertain with a job the provider created (lookup on)=1" in broken_promises(
+        report(lookup=True), repeats_allowed=True
+    )
+    assert not any("uncertain with a job" in p for p in broken_promises(report(lookup=False), repeats_allowed=True))
