@@ -107,7 +107,8 @@ async def test_trace_through_two_workers_with_faults(
     assert report["output_duplicates"] == 0
     assert report["outputs_undelivered"] == 0
     assert report["output_events"] == report["outputs_expected"] > 0
-    assert set(report["operations_by_state"]) <= {"succeeded", "failed", "uncertain", "rejected"}
+    assert set(report["operations_by_state"]) <= {"succeeded", "failed", "uncertain", "rejected", "stalled"}
+    assert report["operations_by_state"]["stalled"] == 0  # no GET-side fault in this run
     assert report["operations_by_state"]["succeeded"] > 200
     assert sum(report["faults_injected"].values()) > 0
 
@@ -137,3 +138,31 @@ async def test_trace_through_two_workers_with_faults(
         assert letters[key]["reason"] == reason
         assert base64.b64decode(letters[key]["original_base64"]) == original
     await delete_topics(settings)
+
+
+async def test_lookup_on_reconciles_every_uncertain_operation_whose_job_exists(tmp_path: Path) -> None:
+    """The main job with lookup on and many unknown POST outcomes: every operation whose job the provider
+    created is adopted and observed; the others stay uncertain, "not found by lookup"; nothing is POSTed twice."""
+    out = io.StringIO()
+    report = await run_main_job(
+        MainJobOptions(
+            rows=200,
+            compression=30.0,
+            workers=2,
+            partitions=4,
+            seed=5,
+            faults={"fault_5xx": 0.08, "fault_drop_after_create": 0.05, "fault_job_failed": 0.05},
+            report_path=tmp_path / "report.json",
+            timeout_s=300,
+            lookup=True,
+        ),
+        out=out,
+    )
+    assert report["operations_final"] == 200, out.getvalue()[-3000:]
+    assert report["uncertain_with_provider_job"] == 0
+    assert report["reconciled"]["automatic"] > 0
+    assert set(report["uncertain_reasons"]) <= {"not found by lookup"}
+    assert report["max_jobs_per_operation"] == 1 and report["orphan_jobs"] == 0
+    assert report["outputs_undelivered"] == 0 and report["state_regressions"] == 0
+    assert report["charges_total"]["provider"] == report["charges_total"]["recorded"]
+    assert report["refunds"]["provider"] == report["refunds"]["recorded"] > 0
