@@ -33,6 +33,9 @@ TOPIC_DEAD_LETTER = "generation.dead-letter"
 #: Prefix of every setting's environment variable.
 ENV_PREFIX = "STREAMS_"
 
+#: Redis connections beyond one per agent slot (see :attr:`Settings.redis_max_connections`).
+REDIS_SPARE_CONNECTIONS = 8
+
 #: What a masked password reads as.
 MASK = "***"
 
@@ -153,7 +156,16 @@ class Settings(BaseSettings):
     # Redis leases (seed: ``SET app:observe:operation-42 token NX PX 45000``).
     lease_key_prefix: str = "app"
     lease_ttl_ms: PositiveInt = 45_000
+    #: Seconds a Redis command waits for its answer before Redis counts as unavailable.
     redis_socket_timeout_s: Seconds = 1.0
+    #: Seconds to open one new pooled connection (TCP connect). Longer than the command timeout: connections are
+    #: opened in bursts (a worker starting with every agent slot busy opens them all at once), and on a loaded
+    #: machine a burst of 100 takes over a second, which is the worker's own load, not Redis being down.
+    redis_connect_timeout_s: Seconds = 5.0
+    #: Seconds a Redis command waits for a free pooled connection before it is reported "busy" (this worker's
+    #: own load: the lease counts as not taken, never as a Redis outage). The pool's size is derived, see
+    #: :attr:`redis_max_connections`.
+    redis_pool_timeout_s: Seconds = 5.0
 
     # Poll scheduling in PostgreSQL.
     visibility_timeout_s: Seconds = 60.0
@@ -187,20 +199,37 @@ class Settings(BaseSettings):
     relay_interval_s: Seconds = 0.05
     relay_batch_size: PositiveInt = 1000
 
-    # Remote API client timeouts (httpx) and POST retry budget.
+    # Remote calls and the lease that covers them. Every remote call (POST or GET) ends within
+    # ``remote_call_deadline_s`` as a whole (waiting for a pooled connection, connecting, sending and reading the
+    # entire answer), whatever the per-phase httpx timeouts below allow: a provider that trickles its answer
+    # a byte at a time cannot keep a call open past it. The lease held around the call is renewed right
+    # before it (and every third of its TTL during a GET) and must outlive it by ``lease_margin_s``:
+    # ``remote_call_deadline_s + lease_margin_s < lease TTL`` (checked below). A GET cut off after its
+    # request was sent may still be served by the provider: its lease is left to expire (not released) and the
+    # job's next poll waits a full lease TTL, so the provider has that long to notice the closed connection.
+    remote_call_deadline_s: Seconds = 30.0
+    lease_margin_s: Seconds = 10.0
+
+    # Per-phase timeouts of the remote API client (httpx, seconds) and the POST retry budget.
     http_connect_timeout_s: Seconds = 2.0
     http_read_timeout_s: Seconds = 10.0
     http_write_timeout_s: Seconds = 5.0
     http_pool_timeout_s: Seconds = 5.0
-    http_max_connections: PositiveInt = 200
     submit_retry_deadline_s: Seconds = 60.0
 
-    # PostgreSQL connections per worker process (statements are short; agents queue on the pool).
-    db_pool_max_size: PositiveInt = 10
-
-    # Agents.
+    # Concurrency and pool sizes, one place. The agents' concurrency is the input; each agent slot handles one
+    # event at a time and so holds at most one remote call, one Redis command and one PostgreSQL statement at
+    # once. The HTTP and Redis pools are derived from it (:attr:`http_max_connections`,
+    # :attr:`redis_max_connections`) so a worker's own load never exhausts them; when a pool is briefly short
+    # (background lease releases, health checks) callers wait for a connection, and a wait that runs out is
+    # "busy", never an outage. PostgreSQL is the exception: its connections are shared by every worker
+    # against the server's ``max_connections``, so ``db_pool_max_size`` is set per worker and agents queue on
+    # the pool (asyncpg waits for a free connection without a limit; statements are short). Size it so that
+    # workers x db_pool_max_size + other clients stays below the server's ``max_connections``.
     dispatcher_concurrency: PositiveInt = 32
     observer_concurrency: PositiveInt = 64
+    db_pool_max_size: PositiveInt = 10
+
     # Largest Kafka value read (bytes): a provider request with a long prompt fits (the trace's longest, 14,050
     # tokens, is ~68 KB of text); a dead letter carries up to 512 KiB of the original, so all of such a value.
     max_value_bytes: PositiveInt = 262_144
@@ -231,17 +260,21 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         """Refuse combinations that would break a worker at run time."""
-        post_budget_s = (
-            self.submit_retry_deadline_s
-            + self.http_connect_timeout_s
-            + self.http_write_timeout_s
-            + self.http_read_timeout_s
-        )
+        for name in ("remote_call_deadline_s", "redis_pool_timeout_s", "redis_connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"STREAMS_{name.upper()} must be more than 0 seconds")
+        if self.remote_call_deadline_s + self.lease_margin_s >= self.lease_ttl_s:
+            raise ValueError(
+                f"STREAMS_REMOTE_CALL_DEADLINE_S ({self.remote_call_deadline_s}) + STREAMS_LEASE_MARGIN_S "
+                f"({self.lease_margin_s}) must be less than the lease TTL ({self.lease_ttl_s} s), or a remote call "
+                "could outlive the lease that keeps a second call for the same job away"
+            )
+        post_budget_s = self.submit_retry_deadline_s + self.remote_call_deadline_s
         if self.submitting_stale_after_s <= post_budget_s:
             raise ValueError(
                 f"STREAMS_SUBMITTING_STALE_AFTER_S ({self.submitting_stale_after_s}) must exceed the POST budget "
-                f"({post_budget_s:.0f} s: retry deadline + HTTP timeouts), or a live dispatcher's operation would "
-                "be reconciled to uncertain while it still waits to retry"
+                f"({post_budget_s:.0f} s: retry deadline + remote call deadline), or a live dispatcher's operation "
+                "would be reconciled to uncertain while it still waits to retry"
             )
         if self.visibility_timeout_s * 1000 < self.lease_ttl_ms:
             raise ValueError(
@@ -267,6 +300,23 @@ class Settings(BaseSettings):
     def lease_ttl_s(self) -> float:
         """The lease TTL in seconds."""
         return self.lease_ttl_ms / 1000.0
+
+    @property
+    def agent_slots(self) -> int:
+        """Events a worker handles at once: dispatcher + observer concurrency."""
+        return self.dispatcher_concurrency + self.observer_concurrency
+
+    @property
+    def http_max_connections(self) -> int:
+        """Connections of the remote API client's pool: one per agent slot (a slot makes one call at a time),
+        so a worker's own load never waits for a connection."""
+        return self.agent_slots
+
+    @property
+    def redis_max_connections(self) -> int:
+        """Connections of the Redis pool: one per agent slot, plus :data:`REDIS_SPARE_CONNECTIONS` for the poll
+        scheduler's health check, the web health check and lease releases finishing in the background."""
+        return self.agent_slots + REDIS_SPARE_CONNECTIONS
 
     def topic(self, role: str) -> str:
         """The full topic name for ``role`` (``submissions``, ``polls``, ``outputs_delivered``, ...).

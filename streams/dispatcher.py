@@ -30,6 +30,7 @@ import tenacity
 from streams import contracts, exactjson, jsontext, metrics
 from streams.config import lease_key
 from streams.errors import (
+    CoordinationBusyError,
     CoordinationUnavailableError,
     InvalidEventError,
     LeaseLostError,
@@ -157,11 +158,21 @@ class Dispatcher:
 
     async def _ensure_lease(self, lease: Lease) -> Lease:
         """Renew the submit lease before a send; re-take it if it expired (we still hold the fencing value)."""
-        try:
-            await lease.renew()
-            return lease
-        except (LeaseLostError, CoordinationUnavailableError) as exc:
-            self.rt.log_outage("submit lease", exc)
+        while True:
+            try:
+                await lease.renew()
+                return lease
+            except CoordinationBusyError as exc:  # this worker's Redis pool was full: still ours, renew again
+                log.info("submit lease not renewed yet: %s", exc)
+                await asyncio.sleep(self.rt.settings.lease_busy_retry_s)
+            except LeaseLostError as exc:
+                metrics.LEASE_LOST.labels("submit").inc()
+                log.info("submit lease lost before a send, taking it again: %s", exc)
+                break
+            except CoordinationUnavailableError as exc:
+                metrics.COORDINATION_UNAVAILABLE.labels("submit").inc()
+                self.rt.log_outage("Redis", exc)
+                break
         while True:
             new = await self.rt.acquire_waiting(lease.key, "submit")
             if new is not None:

@@ -7,8 +7,11 @@
     ├── MissingResourceError         a file the package ships (schema, migration, query) is not installed
     ├── InvalidEventError            a Kafka value failed its JSON Schema or is not JSON (goes to the DLQ)
     ├── JsonValueError               JSON text that is not JSON or whose numbers cannot be carried exactly
+    ├── DeadLetterError              a dead letter could not be published for a reason that is not an outage
     ├── CoordinationError            Redis leases
     │   ├── CoordinationUnavailableError   Redis did not answer: make no claim, make no remote call
+    │   ├── CoordinationBusyError          no pooled Redis connection came free in time: this worker's own
+    │   │                                  load, not an outage; try again shortly
     │   └── LeaseLostError                 renewal/ownership check found another token (or none)
     ├── LedgerError                  PostgreSQL ledger
     │   ├── LedgerUnavailableError         PostgreSQL did not answer: wait and retry, never skip the write
@@ -27,7 +30,9 @@
         ├── RemoteJobNotFoundError         GET answered 404 for a saved remote job id
         ├── RemoteUnknownStatusError       GET answered 200 with a status the client does not know
         ├── RemoteContractError            a GET answer that breaks the API contract (e.g. output ids)
-        └── RemoteTransientError           a GET failed in a way worth retrying later (5xx, timeout, I/O)
+        └── RemoteTransientError           a GET failed in a way worth retrying later (5xx, not sent, ...)
+            └── RemoteAbandonedError       a GET cut off after its request was sent (deadline, timeout,
+                                           connection lost): the provider may still be serving it
 
 A POST is retried only on :class:`RemoteNotSentError` and :class:`RemoteRateLimitedError`; everything else that
 was sent is never re-sent (README.md, "How it keeps its promises").
@@ -81,6 +86,20 @@ class CoordinationError(StreamsError):
 
 class CoordinationUnavailableError(CoordinationError):
     """Redis did not answer (refused, timed out, reset). Workers make no new claims and no remote calls."""
+
+
+class CoordinationBusyError(CoordinationError):
+    """No connection of this worker's Redis pool came free within ``redis_pool_timeout_s``.
+
+    The worker's own load, not a Redis outage: the command was not sent; try again shortly. If it recurs, the
+    pool is smaller than the work sharing it (see ``Settings.redis_max_connections``).
+    """
+
+
+class DeadLetterError(StreamsError):
+    """A dead letter could not be published, and not because Kafka is down (e.g. the broker refused the record
+    as too large). Raised after a bounded number of attempts so the failure surfaces instead of looping: the
+    event is neither processed nor recorded; fix the cause and let the event be consumed again."""
 
 
 class LeaseLostError(CoordinationError):
@@ -221,3 +240,9 @@ class RemoteContractError(RemoteError):
 
 class RemoteTransientError(RemoteError):
     """An observation (GET) failed in a retryable way; the poll is rescheduled with backoff."""
+
+
+class RemoteAbandonedError(RemoteTransientError):
+    """A GET was cut off after its request was sent: the overall deadline, a read/write timeout, or the
+    connection lost before the whole answer arrived. The provider may still be serving it, so the job's next
+    GET must wait until it cannot be (the observer leaves the lease to expire and polls after it)."""

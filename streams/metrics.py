@@ -14,9 +14,31 @@ ORDER_REFUSALS = Counter(
     "Observations not saved because the operation is already at or past that state (e.g. late running).",
 )
 LEASE_BUSY = Counter("streams_lease_busy_total", "Lease held by another worker; work rescheduled.", ["action"])
-LEASE_LOST = Counter("streams_lease_lost_total", "Renewal found another owner token; work stopped.", ["action"])
+LEASE_LOST = Counter(
+    "streams_lease_lost_total", "Renewal found the key gone or another owner token; work stopped.", ["action"]
+)
 COORDINATION_UNAVAILABLE = Counter(
     "streams_coordination_unavailable_total", "Redis did not answer; no claim and no remote call made.", ["action"]
+)
+REDIS_POOL_BUSY = Counter(
+    "streams_redis_pool_busy_total",
+    "Redis commands not sent: no pooled connection came free within redis_pool_timeout_s (own load, not an outage).",
+    ["action"],
+)
+OUTAGE_WAITS = Counter(
+    "streams_outage_waits_total",
+    "Failures classified as an outage of a service (connection refused/lost, timeouts), waited out.",
+    ["service", "where"],
+)
+UNEXPECTED_ERRORS = Counter(
+    "streams_unexpected_errors_total",
+    "Failures that are not outages (programming errors, refusals that waiting cannot fix); logged with traceback.",
+    ["where"],
+)
+ABANDONED_CALLS = Counter(
+    "streams_remote_calls_abandoned_total",
+    "Remote calls cut off after sending (deadline, timeout, connection lost); the lease is left to expire.",
+    ["method"],
 )
 LEDGER_UNAVAILABLE = Counter("streams_ledger_unavailable_total", "PostgreSQL did not answer; retried.", ["what"])
 REMOTE_CALLS = Counter("streams_remote_calls_total", "Remote API calls by classified outcome.", ["method", "outcome"])

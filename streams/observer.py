@@ -1,8 +1,16 @@
 """The observer: one due-poll event -> Redis lease -> fenced claim -> GET -> renew -> fenced save -> release.
 
-* Lease not acquired: another worker is observing; the poll is rescheduled (same job id), no spin, no failure.
+* Lease not acquired: another worker is observing (or this worker's Redis pool was full); the poll is
+  rescheduled (same job id), no spin, no failure.
 * Redis unavailable: no claim and no GET; the poll comes back after its visibility timeout.
-* GET failed: classified, accounted, rescheduled with backoff (429 after its ``Retry-After``).
+* GET: at most one in flight per job. It runs under the client's overall deadline (shorter than the lease TTL
+  by the lease margin) while the lease is renewed every third of its TTL; a renewal that finds the lease lost
+  cancels it.
+* GET failed with a complete answer or before sending: classified, accounted, rescheduled with backoff (429
+  after its ``Retry-After``).
+* GET abandoned after sending (deadline, timeout, connection lost, lease lost, cancelled): the provider may
+  still be serving it, so the lease is left to expire (renewed to a full TTL, not released) and the next poll is
+  scheduled after it: the job's next GET starts only once the abandoned one has had a full TTL to end.
 * The job's answers stop making progress (404 past the grace window, an unknown status N times in a row, older
   than the maximum observation age): ``stalled``, polling stops (:mod:`streams.stalling`).
 * Renewal before the save fails (:class:`LeaseLostError`): no save and no further GET for this poll.
@@ -12,6 +20,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -19,10 +28,12 @@ from streams import contracts, hooks, metrics
 from streams.backoff import next_poll_delay_s
 from streams.config import lease_key
 from streams.errors import (
+    CoordinationBusyError,
     CoordinationUnavailableError,
     InvalidEventError,
     LeaseLostError,
     LedgerDataError,
+    RemoteAbandonedError,
     RemoteContractError,
     RemoteError,
     RemoteJobNotFoundError,
@@ -87,7 +98,7 @@ class Observer:
                 return
             await self._observe(operation_id, poll_claim_id, claim, lease)
         finally:
-            await lease.release()
+            await lease.release()  # a no-op when a GET was abandoned: the lease is then left to expire
 
     async def _not_claimed(self, message: RawMessage, operation_id: str) -> None:
         """A poll that claims nothing: stale (counted), or for an unknown operation (dead-lettered)."""
@@ -117,24 +128,33 @@ class Observer:
             hints_trusted_polls=s.poll_hint_trusted_polls,
         )
 
+    async def _renewed(self, lease: Lease, operation_id: str, what: str) -> bool:
+        """Renew ``lease`` before ``what``; False (logged and counted by cause) when it cannot be confirmed."""
+        try:
+            await lease.renew()
+            return True
+        except LeaseLostError as exc:
+            metrics.LEASE_LOST.labels("observe").inc()
+            log.warning("operation %s: %s: %s", operation_id, what, exc)
+        except CoordinationUnavailableError as exc:
+            metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
+            self.rt.log_outage("Redis", exc)
+        except CoordinationBusyError as exc:
+            log.info("operation %s: %s: %s", operation_id, what, exc)
+        return False
+
     async def _observe(self, operation_id: str, poll_claim_id: int, claim: ObserveClaim, lease: Lease) -> None:
         rt = self.rt
         poll_count = claim.poll_count
         claimed_at = time.monotonic()
-        try:
-            await lease.renew()  # the claim may have waited out a PostgreSQL outage: still ours before the GET?
-        except (LeaseLostError, CoordinationUnavailableError) as exc:
-            metrics.LEASE_LOST.labels("observe").inc()
-            log.warning("operation %s: no GET: %s", operation_id, exc)
+        # The claim may have waited out a PostgreSQL outage: still ours before the GET? (If not, the poll comes
+        # back after its visibility timeout.)
+        if not await self._renewed(lease, operation_id, "no GET"):
             return
-        snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim, claimed_at)
+        snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim, lease, claimed_at)
         if snapshot is None:
             return
-        try:
-            await lease.renew()
-        except (LeaseLostError, CoordinationUnavailableError) as exc:
-            metrics.LEASE_LOST.labels("observe").inc()
-            log.warning("operation %s: not saving the GET result: %s", operation_id, exc)
+        if not await self._renewed(lease, operation_id, "not saving the GET result"):
             return
         # A worker can be paused right here, after a successful renewal: only the fencing value protects the
         # save below. A test harness makes that pause happen on purpose here (streams/hooks.py).
@@ -169,14 +189,28 @@ class Observer:
             await self._reschedule(operation_id, poll_claim_id, delay)  # still pollable: poll again soon
 
     async def _get(
-        self, operation_id: str, poll_claim_id: int, poll_count: int, claim: ObserveClaim, claimed_at: float
+        self,
+        operation_id: str,
+        poll_claim_id: int,
+        poll_count: int,
+        claim: ObserveClaim,
+        lease: Lease,
+        claimed_at: float,
     ) -> JobSnapshot | None:
-        """GET the job; on a classified failure account it, reschedule (or stall), and return None."""
+        """GET the job under ``lease`` (renewed during the call); on a classified failure account it, reschedule
+        (or stall), and return None. An abandoned GET leaves the lease to expire and polls again only after it."""
         rt = self.rt
         job_id = claim.remote_job_id
         started = time.perf_counter()
         try:
-            snapshot = await rt.remote.observe(operation_id, job_id)
+            snapshot = await lease.renewing(rt.remote.observe(operation_id, job_id))
+        except (RemoteAbandonedError, LeaseLostError) as exc:
+            duration_ms = (time.perf_counter() - started) * 1000.0
+            await self._abandoned(operation_id, poll_claim_id, poll_count, claim, lease, exc, duration_ms, claimed_at)
+            return None
+        except asyncio.CancelledError:  # cancelled mid-GET (rebalance, shutdown): the GET may still be in flight
+            lease.keep_until_expiry()  # not released; the visibility timeout brings the poll back after it
+            raise
         except RemoteJobNotFoundError as exc:
             duration_ms = (time.perf_counter() - started) * 1000.0
             await rt.account(operation_id, "GET", 404, "job_not_found", job_id, duration_ms, claim.fencing_token)
@@ -208,3 +242,37 @@ class Observer:
         fencing, status = claim.fencing_token, snapshot.status
         await rt.account(operation_id, "GET", snapshot.status_code, status, job_id, snapshot.duration_ms, fencing)
         return snapshot
+
+    async def _abandoned(
+        self,
+        operation_id: str,
+        poll_claim_id: int,
+        poll_count: int,
+        claim: ObserveClaim,
+        lease: Lease,
+        exc: Exception,
+        duration_ms: float,
+        claimed_at: float,
+    ) -> None:
+        """A GET cut off after it was sent: keep other workers off the job (the lease, renewed to a full TTL, is
+        left to expire) and poll again only after the lease is gone (or stall it when it is too old to poll)."""
+        rt = self.rt
+        metrics.ABANDONED_CALLS.labels("GET").inc()
+        if isinstance(exc, LeaseLostError):
+            metrics.LEASE_LOST.labels("observe").inc()
+        quarantine_s = await lease.leave_to_expire()
+        status = exc.status_code if isinstance(exc, RemoteError) else None
+        job_id = claim.remote_job_id
+        await rt.account(operation_id, "GET", status, "abandoned", job_id, duration_ms, claim.fencing_token)
+        if self.stalls.too_old(claim, claimed_at):
+            await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
+            return
+        log.warning(
+            "operation %s: GET %s abandoned (%s); lease %s left to expire, next poll in %.1f s",
+            operation_id,
+            job_id,
+            exc,
+            lease.key,
+            quarantine_s,
+        )
+        await self._reschedule(operation_id, poll_claim_id, max(quarantine_s, self._delay(poll_count, None)))

@@ -66,8 +66,8 @@ class Reconciler:
                 delay = exc.retry_after_s
             else:
                 delay = self._delay(claim)
-                if isinstance(exc, RemoteRefusedError):
-                    rt.log_outage("lookup by client reference", exc)
+                if isinstance(exc, RemoteRefusedError):  # not an outage: waiting cannot fix it, say so loudly
+                    rt.report_failure("lookup by client reference", exc)
                 else:
                     log.info("operation %s: lookup failed, retrying in %.1f s: %s", op, delay, exc)
             await rt.until_ledger("reschedule lookup", lambda: rt.ledger.reschedule_lookup(claim, delay))

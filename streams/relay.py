@@ -41,8 +41,8 @@ class OutboxRelay:
         while True:
             try:
                 n = await self.rt.ledger.relay_outbox(self.rt.settings.relay_batch_size, self._publish)
-            except Exception as exc:  # Kafka or PostgreSQL down: nothing was marked; next tick retries
-                self.rt.log_outage("outbox relay", exc)
+            except Exception as exc:  # nothing was marked; the next tick retries (an outage is waited out there)
+                self.rt.report_failure("outbox relay", exc)
                 return total
             total += n
             if n < self.rt.settings.relay_batch_size:

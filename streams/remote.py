@@ -20,12 +20,21 @@ Answers are read with every number exact (:mod:`streams.exactjson`). A 2xx whose
 naming the field. ``Retry-After`` is read by :func:`parse_retry_after_s`, ``completed_at`` by
 :func:`read_completed_at_ms`.
 
+Every call (POST and GET) runs under one overall deadline, ``remote_call_deadline_s`` (``asyncio.timeout``
+around the whole request: pool wait, connect, send and the entire answer), on top of httpx's per-phase
+timeouts: a provider trickling its answer one byte per read timeout cannot keep a call open. Whether the
+deadline struck before or after the request was sent is read from httpcore's ``trace`` extension
+(``*.send_request_headers.started``): before -> not sent; after -> a POST's outcome is unknown, a GET is
+*abandoned* (:class:`RemoteAbandonedError`: the provider may still be serving it). With an injected transport
+that does not report the trace, a deadline always counts as "after" (never re-send on a guess).
+
 The ``httpx.AsyncClient`` is built in one factory, :func:`make_http_client`, so tests and benchmarks inject a
 transport instead of patching.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import email.utils
 import logging
@@ -43,6 +52,7 @@ from streams import contracts, exactjson, jsontext
 from streams.config import Settings
 from streams.errors import (
     JsonValueError,
+    RemoteAbandonedError,
     RemoteContractError,
     RemoteJobNotFoundError,
     RemoteNotSentError,
@@ -61,6 +71,25 @@ _DELTA_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
 
 #: httpx exceptions raised before any byte of the request was written.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
+
+
+class _SendProbe:
+    """httpcore ``trace`` callback: records whether writing the request started (headers, HTTP/1.1 or 2)."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if event.endswith(".send_request_headers.started"):
+            self.sent = True
+
+
+class _DeadlineExceeded(Exception):
+    """The overall deadline cut a call; ``sent`` tells whether the request may have reached the provider."""
+
+    def __init__(self, deadline_s: float, sent: bool) -> None:
+        super().__init__(f"no complete answer within the {deadline_s:g} s call deadline")
+        self.sent = sent
 
 
 def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
@@ -320,15 +349,47 @@ class RemoteClient:
     Args:
         http: the client from :func:`make_http_client` (owned by the caller, closed by :meth:`aclose`).
         model: the model name sent with each POST.
+        call_deadline_s: overall deadline of one call, seconds (``Settings.remote_call_deadline_s``).
+        traced: True when ``http`` uses httpx's own transport (httpcore), whose ``trace`` extension tells
+            whether a request was sent when the deadline struck; False for injected transports.
     """
 
-    def __init__(self, http: httpx.AsyncClient, model: str) -> None:
+    def __init__(self, http: httpx.AsyncClient, model: str, *, call_deadline_s: float, traced: bool = False) -> None:
         self.http = http
         self.model = model
+        self.call_deadline_s = call_deadline_s
+        self.traced = traced
+
+    @classmethod
+    def from_settings(cls, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> RemoteClient:
+        """The worker's client: :func:`make_http_client` plus the settings' model and call deadline."""
+        return cls(
+            make_http_client(settings, transport),
+            settings.remote_model,
+            call_deadline_s=settings.remote_call_deadline_s,
+            traced=transport is None,
+        )
 
     async def aclose(self) -> None:
         """Close the underlying HTTP client."""
         await self.http.aclose()
+
+    async def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        """``method url`` within :attr:`call_deadline_s`, the whole answer read.
+
+        Raises:
+            _DeadlineExceeded: the deadline struck (``sent`` as far as can be told; True when unknown).
+            httpx.HTTPError, httpx.InvalidURL: as httpx raised them.
+        """
+        probe = _SendProbe()
+        deadline = asyncio.timeout(self.call_deadline_s)
+        try:
+            async with deadline:
+                return await self.http.request(method, url, extensions={"trace": probe}, **kwargs)
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise
+            raise _DeadlineExceeded(self.call_deadline_s, probe.sent or not self.traced) from exc
 
     async def submit(self, operation_id: str, request_text: str) -> SubmitResult:
         """POST one generation; returns the created job or raises a classified :class:`RemoteError`.
@@ -346,9 +407,14 @@ class RemoteClient:
         body = provider_request_body(request_text, operation_id, self.model)
         started = time.perf_counter()
         try:
-            response = await self.http.post(
-                "/v1/generations", content=body, headers={"Content-Type": "application/json"}
+            response = await self._request(
+                "POST", "/v1/generations", content=body, headers={"Content-Type": "application/json"}
             )
+        except _DeadlineExceeded as exc:
+            if not exc.sent:
+                raise RemoteNotSentError(operation_id, f"POST not sent: {exc}") from exc
+            why = f"POST timed out after send ({exc}); a job may exist"
+            raise RemoteUnknownOutcomeError(operation_id, why) from exc
         except _NOT_SENT as exc:
             raise RemoteNotSentError(operation_id, f"POST not sent ({type(exc).__name__}: {exc})") from exc
         except httpx.TimeoutException as exc:
@@ -404,11 +470,23 @@ class RemoteClient:
             RemoteContractError: a 200 whose outputs break the contract (ids missing, not strings, repeated), or
                 with a value that cannot be carried exactly (``NaN``, ``Infinity``, a number too long), naming it.
             RemoteRateLimitedError: 429 (retry after its hint).
-            RemoteTransientError: any other failure (timeouts, I/O, 5xx, a body that is not JSON).
+            RemoteAbandonedError: cut off after the request was sent (deadline, timeout, connection lost): the
+                provider may still be serving it.
+            RemoteTransientError: any other failure (not sent, 5xx, a body that is not JSON).
         """
         started = time.perf_counter()
         try:
-            response = await self.http.get(f"/v1/generations/{quote(job_id, safe='')}")
+            response = await self._request("GET", f"/v1/generations/{quote(job_id, safe='')}")
+        except _DeadlineExceeded as exc:
+            if exc.sent:
+                raise RemoteAbandonedError(operation_id, f"GET {job_id} abandoned: {exc}") from exc
+            raise RemoteTransientError(operation_id, f"GET {job_id} not sent: {exc}") from exc
+        except _NOT_SENT as exc:
+            raise RemoteTransientError(operation_id, f"GET {job_id} not sent ({type(exc).__name__}: {exc})") from exc
+        except httpx.TransportError as exc:
+            raise RemoteAbandonedError(
+                operation_id, f"GET {job_id} abandoned after send ({type(exc).__name__}: {exc})"
+            ) from exc
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise RemoteTransientError(operation_id, f"GET {job_id} failed ({type(exc).__name__}: {exc})") from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
@@ -422,11 +500,11 @@ class RemoteClient:
             RemoteRateLimitedError: 429 (retry after its hint).
             RemoteRefusedError: another 4xx: the provider does not offer the lookup (turn it off) or refused it.
             RemoteContractError: a 200 whose ``data`` is not a list of objects with usable job ids.
-            RemoteTransientError: any other failure (timeouts, I/O, 5xx, unreadable body).
+            RemoteTransientError: any other failure (the call deadline, timeouts, I/O, 5xx, unreadable body).
         """
         try:
-            response = await self.http.get("/v1/generations", params={"client_reference": operation_id})
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            response = await self._request("GET", "/v1/generations", params={"client_reference": operation_id})
+        except (_DeadlineExceeded, httpx.HTTPError, httpx.InvalidURL) as exc:
             raise RemoteTransientError(operation_id, f"lookup failed ({type(exc).__name__}: {exc})") from exc
         status = response.status_code
         body, _ = _read_json(response)

@@ -19,10 +19,11 @@ import tenacity
 
 from streams import contracts, exactjson, metrics
 from streams.config import Settings
-from streams.errors import CoordinationUnavailableError, InvalidEventError, LedgerUnavailableError
+from streams.errors import CoordinationUnavailableError, DeadLetterError, InvalidEventError, LedgerUnavailableError
+from streams.failures import Failure, FailureKind, classify
 from streams.lease import Lease, LeaseManager, make_redis
 from streams.ledger import Ledger, create_pool
-from streams.remote import RemoteClient, make_http_client
+from streams.remote import RemoteClient
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,14 @@ T = TypeVar("T")
 
 #: Send one record and wait until Kafka acknowledged it: ``await send(topic, key, value)``.
 SendFn = Callable[[str, bytes, bytes], Awaitable[Any]]
+
+#: Attempts at publishing one dead letter when the failure is not an outage (e.g. the broker refuses the record
+#: as too large): waiting cannot fix it, so after these the failure surfaces as :class:`DeadLetterError`.
+#: Outages of Kafka are waited out without a limit (a dead letter is the event's only record).
+DEAD_LETTER_ATTEMPTS = 3
+
+#: Seconds between two log lines about the same ongoing outage.
+OUTAGE_LOG_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,14 @@ class Runtime:
         name = worker or worker_name()
         database_url = settings.database_url.get_secret_value()
         pool = await create_pool(database_url, min_size=2, max_size=settings.db_pool_max_size)
-        redis = make_redis(settings.redis_url.get_secret_value(), settings.redis_socket_timeout_s)
-        remote = RemoteClient(make_http_client(settings), settings.remote_model)
+        redis = make_redis(
+            settings.redis_url.get_secret_value(),
+            settings.redis_socket_timeout_s,
+            connect_timeout_s=settings.redis_connect_timeout_s,
+            max_connections=settings.redis_max_connections,
+            pool_timeout_s=settings.redis_pool_timeout_s,
+        )
+        remote = RemoteClient.from_settings(settings)
         return cls(settings, Ledger(pool, name), LeaseManager(redis, settings.lease_ttl_ms), remote, send, name)
 
     async def close(self) -> None:
@@ -84,12 +99,37 @@ class Runtime:
         await self.leases.client.aclose()
         await self.ledger.close()
 
-    def log_outage(self, what: str, exc: Exception) -> None:
-        """Log an outage at most once every 5 s per kind (it can last minutes)."""
+    def log_outage(self, service: str, exc: BaseException) -> None:
+        """Log an outage of ``service`` (``PostgreSQL``, ``Redis``, ``Kafka``) at most once every
+        :data:`OUTAGE_LOG_INTERVAL_S` per service (it can last minutes). Only for failures classified as an
+        outage (:func:`streams.failures.classify`); anything else goes through :meth:`report_failure`."""
         now = time.monotonic()
-        if now - self._last_outage_log.get(what, 0.0) >= 5.0:
-            self._last_outage_log[what] = now
-            log.warning("%s unavailable, waiting: %s", what, exc)
+        if now - self._last_outage_log.get(service, 0.0) >= OUTAGE_LOG_INTERVAL_S:
+            self._last_outage_log[service] = now
+            log.warning("%s unavailable, waiting: %s: %s", service, type(exc).__name__, exc)
+
+    def report_failure(self, where: str, exc: BaseException) -> Failure:
+        """Classify ``exc`` by type (:func:`streams.failures.classify`) and report it for the stage ``where``.
+
+        * outage: counted in ``streams_outage_waits_total{service,where}``, logged by :meth:`log_outage`; the
+          caller waits and tries again.
+        * busy (this worker's own pool): counted in ``streams_redis_pool_busy_total``, logged at INFO.
+        * anything else (a programming error, a refusal): logged at ERROR with its traceback and counted in
+          ``streams_unexpected_errors_total{where}``; never reported as an outage.
+
+        Returns the classification so the caller can decide (retry, bounded retry, raise).
+        """
+        failure = classify(exc)
+        if failure.kind is FailureKind.OUTAGE:
+            metrics.OUTAGE_WAITS.labels(failure.service, where).inc()
+            self.log_outage(failure.service, exc)
+        elif failure.kind is FailureKind.BUSY:
+            metrics.REDIS_POOL_BUSY.labels(where).inc()
+            log.info("%s: %s busy: %s", where, failure.service, exc)
+        else:
+            metrics.UNEXPECTED_ERRORS.labels(where).inc()
+            log.error("%s failed unexpectedly (not an outage): %s: %s", where, type(exc).__name__, exc, exc_info=exc)
+        return failure
 
     async def until_ledger(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         """Run ``fn`` until it does not raise :class:`LedgerUnavailableError` (PostgreSQL restarts).
@@ -153,12 +193,21 @@ class Runtime:
         )
         key = (message.key or b"").decode("utf-8", "replace")
         delay = 0.2
-        while True:  # a dead letter is the event's only record: never drop it, wait for Kafka instead
+        failed_attempts = 0
+        while True:  # a dead letter is the event's only record: never drop it; wait out Kafka outages
             try:
                 await self.publish("dead_letter", key, envelope)
                 return
             except Exception as exc:
-                self.log_outage("dead-letter topic", exc)
+                failure = self.report_failure("dead letter", exc)
+                if failure.kind is FailureKind.ERROR:
+                    failed_attempts += 1
+                    if failed_attempts >= DEAD_LETTER_ATTEMPTS:
+                        raise DeadLetterError(
+                            f"dead letter for {message.topic}[{message.partition}]@{message.offset} not published "
+                            f"after {failed_attempts} attempts ({type(exc).__name__}: {exc}); the event is "
+                            "neither processed nor recorded: fix the cause and consume it again"
+                        ) from exc
                 await asyncio.sleep(delay)
                 delay = min(self.settings.coordination_retry_cap_s, delay * 2)
 

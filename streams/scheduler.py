@@ -40,8 +40,8 @@ class PollScheduler:
         try:
             await self._maybe_reconcile()
             polls = await rt.ledger.claim_due_polls(rt.settings.poll_batch_size, rt.settings.visibility_timeout_s)
-        except Exception as exc:  # an outage: the next tick retries; claimed polls come back by themselves
-            rt.log_outage("PostgreSQL", exc)
+        except Exception as exc:  # classified by type: an outage waits for the next tick, a bug is logged loudly
+            rt.report_failure("poll scheduler", exc)
             return 0
         if not polls:
             return 0
@@ -64,6 +64,8 @@ class PollScheduler:
             return_exceptions=True,
         )
         failed = [r for r in results if isinstance(r, BaseException)]
+        for error in {type(r): r for r in failed}.values():  # each kind of failure reported once per tick
+            rt.report_failure("poll publish", error)
         if failed:
             log.warning(
                 "%d of %d polls not published (%s); they return after the visibility timeout",

@@ -28,6 +28,8 @@ def base_settings() -> Settings:
         app_id=f"streams-test-{SESSION_ID}",
         partitions=4,
         lease_ttl_ms=2000,
+        remote_call_deadline_s=1.4,
+        lease_margin_s=0.5,
         visibility_timeout_s=3.0,
         lease_busy_retry_s=0.2,
         poll_scheduler_interval_s=0.05,

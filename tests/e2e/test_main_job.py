@@ -76,6 +76,8 @@ async def test_trace_through_two_workers_with_faults(
         "STREAMS_APP_ID": settings.app_id,
         "STREAMS_HTTP_READ_TIMEOUT_S": "3",
         "STREAMS_LEASE_TTL_MS": "5000",
+        "STREAMS_REMOTE_CALL_DEADLINE_S": "3",
+        "STREAMS_LEASE_MARGIN_S": "1",
         "STREAMS_VISIBILITY_TIMEOUT_S": "8",
     }.items():
         monkeypatch.setenv(key, value)

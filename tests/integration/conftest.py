@@ -15,7 +15,7 @@ from streams.admin import create_topics, delete_topics, migrate
 from streams.config import Settings
 from streams.lease import LeaseManager, make_redis
 from streams.ledger import Ledger, create_pool
-from streams.remote import RemoteClient, make_http_client
+from streams.remote import RemoteClient
 from streams.runtime import Runtime
 from streams_harness.simulator import SimulatorConfig
 from tests.support import SimulatorServer as Simulator
@@ -88,13 +88,19 @@ async def ledger(pool: asyncpg.Pool) -> Ledger:
 
 @pytest.fixture
 async def leases(settings: Settings) -> AsyncIterator[LeaseManager]:
-    client = make_redis(settings.redis_url.get_secret_value(), settings.redis_socket_timeout_s)
+    client = make_redis(
+        settings.redis_url.get_secret_value(),
+        settings.redis_socket_timeout_s,
+        connect_timeout_s=settings.redis_connect_timeout_s,
+        max_connections=settings.redis_max_connections,
+        pool_timeout_s=settings.redis_pool_timeout_s,
+    )
     yield LeaseManager(client, settings.lease_ttl_ms)
     await client.aclose()
 
 
 @pytest.fixture
 async def remote(settings: Settings) -> AsyncIterator[RemoteClient]:
-    client = RemoteClient(make_http_client(settings), settings.remote_model)
+    client = RemoteClient.from_settings(settings)
     yield client
     await client.aclose()

@@ -51,6 +51,7 @@ def test_types_are_parsed() -> None:
             "STREAMS_HTTP_READ_TIMEOUT_S": "2.5",
             "STREAMS_POLL_BACKOFF_CAP_S": "12",
             "STREAMS_LEASE_TTL_MS": "30000",
+            "STREAMS_REMOTE_CALL_DEADLINE_S": "15",
             "STREAMS_WEB_ENABLED": "false",
             "STREAMS_REMOTE_BASE_URL": "http://remote:9000",
             "STREAMS_KAFKA_BOOTSTRAP": "k1:9092,k2:9092",
@@ -131,11 +132,46 @@ def test_visibility_timeout_below_lease_ttl(env: dict[str, str]) -> None:
     [
         {"STREAMS_VISIBILITY_TIMEOUT_S": "45"},
         {"STREAMS_LEASE_TTL_MS": "60000"},
-        {"STREAMS_LEASE_TTL_MS": "1000", "STREAMS_VISIBILITY_TIMEOUT_S": "1"},
+        {
+            "STREAMS_LEASE_TTL_MS": "1000",
+            "STREAMS_VISIBILITY_TIMEOUT_S": "1",
+            "STREAMS_REMOTE_CALL_DEADLINE_S": "0.5",
+            "STREAMS_LEASE_MARGIN_S": "0.2",
+        },
     ],
 )
 def test_visibility_timeout_equal_to_lease_ttl_is_fine(env: dict[str, str]) -> None:
     Settings.from_env(env)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"STREAMS_REMOTE_CALL_DEADLINE_S": "35"},  # 35 + 10 = the 45 s TTL: no margin left
+        {"STREAMS_LEASE_MARGIN_S": "15.001"},
+        {"STREAMS_LEASE_TTL_MS": "30000"},  # the default 30 s deadline is then as long as the lease
+        {"STREAMS_LEASE_TTL_MS": "2000", "STREAMS_REMOTE_CALL_DEADLINE_S": "1.5", "STREAMS_LEASE_MARGIN_S": "0.5"},
+    ],
+)
+def test_remote_call_deadline_must_end_before_the_lease_by_the_margin(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env(env)
+    assert "must be less than the lease TTL" in str(info.value)
+
+
+def test_remote_call_deadline_within_the_lease_and_positive() -> None:
+    s = Settings.from_env({"STREAMS_REMOTE_CALL_DEADLINE_S": "34.9"})
+    assert s.remote_call_deadline_s + s.lease_margin_s < s.lease_ttl_s
+    with pytest.raises(ConfigError, match="STREAMS_REMOTE_CALL_DEADLINE_S must be more than 0 seconds"):
+        Settings.from_env({"STREAMS_REMOTE_CALL_DEADLINE_S": "0"})
+
+
+def test_pool_sizes_are_derived_from_agent_concurrency() -> None:
+    s = Settings.from_env({"STREAMS_DISPATCHER_CONCURRENCY": "10", "STREAMS_OBSERVER_CONCURRENCY": "30"})
+    assert s.agent_slots == 40
+    assert s.http_max_connections == 40  # one remote call per agent slot at a time
+    assert s.redis_max_connections == 48  # one Redis command per slot, plus the spare connections
+    assert Settings().redis_max_connections == 96 + 8
 
 
 def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:

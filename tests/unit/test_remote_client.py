@@ -21,7 +21,7 @@ from streams.errors import (
     RemoteUnknownOutcomeError,
     RemoteUnknownStatusError,
 )
-from streams.remote import JobSnapshot, RemoteClient, SubmitResult, make_http_client, parse_retry_after_s
+from streams.remote import JobSnapshot, RemoteClient, SubmitResult, parse_retry_after_s
 from streams.states import OperationState
 
 OP = "operation-42"
@@ -71,9 +71,7 @@ async def make_client(settings: Settings) -> AsyncIterator[ClientFactory]:
 
     def factory(respond: Handler) -> tuple[RemoteClient, Recorder]:
         recorder = Recorder(respond)
-        client = RemoteClient(
-            make_http_client(settings, transport=httpx.MockTransport(recorder)), settings.remote_model
-        )
+        client = RemoteClient.from_settings(settings, transport=httpx.MockTransport(recorder))
         clients.append(client)
         return client, recorder
 
