@@ -1,0 +1,120 @@
+"""Misbehaving HTTP peers on real loopback sockets, for the remote client's deadline and pool tests.
+
+:class:`TricklingProxy` sits between a client and the simulator and counts, per remote job, the GETs it is
+serving (a GET is in flight from the arrival of its request until its whole answer was delivered or the client
+went away, noticed like a real server does: by a failing write). It can trickle chosen answers one byte at a
+time, each byte well within the client's read timeout, so only an overall deadline can end the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections import Counter
+
+_JOB_GET = re.compile(rb"^GET /v1/generations/([^ ?]+) ")
+_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:\s*(\d+)", re.IGNORECASE)
+
+
+class PeerGone(Exception):
+    """The other side closed the connection."""
+
+
+async def read_message(reader: asyncio.StreamReader) -> bytes | None:
+    """One HTTP/1.1 message (head and a ``Content-Length`` body), or None when the peer closed cleanly first."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise PeerGone() from exc
+        return None
+    match = _CONTENT_LENGTH.search(head)
+    body = await reader.readexactly(int(match.group(1))) if match else b""
+    return head + body
+
+
+class TricklingProxy:
+    """HTTP/1.1 proxy on a loopback port in front of ``upstream_port``.
+
+    ``trickle_get(job_id, times)`` makes the next ``times`` answers to GETs of that job arrive one byte every
+    ``byte_interval_s``; ``trickle_posts`` does that to every POST answer. ``max_in_flight[job_id]`` is the most
+    GETs of that job the proxy was serving at once; ``trickled`` lists the jobs whose answer was trickled.
+    """
+
+    def __init__(self, upstream_port: int, byte_interval_s: float) -> None:
+        self.upstream_port = upstream_port
+        self.byte_interval_s = byte_interval_s
+        self.trickle_posts = False
+        self.in_flight: Counter[str] = Counter()
+        self.max_in_flight: Counter[str] = Counter()
+        self.trickled: list[str] = []
+        self._trickle_next: Counter[str] = Counter()
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def trickle_get(self, job_id: str, times: int = 1) -> None:
+        self._trickle_next[job_id] += times
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        try:
+            while (request := await read_message(reader)) is not None:
+                match = _JOB_GET.match(request)
+                job = match.group(1).decode() if match else None
+                if job is not None:
+                    self.in_flight[job] += 1
+                    self.max_in_flight[job] = max(self.max_in_flight[job], self.in_flight[job])
+                try:
+                    up_writer.write(request)
+                    await up_writer.drain()
+                    answer = await read_message(up_reader)
+                    if answer is None:
+                        raise PeerGone()
+                    if (job is not None and self._trickle_next[job] > 0) or (
+                        job is None and self.trickle_posts and request.startswith(b"POST ")
+                    ):
+                        if job is not None:
+                            self._trickle_next[job] -= 1
+                            self.trickled.append(job)
+                        await self._trickle(writer, answer)
+                    else:
+                        writer.write(answer)
+                        await writer.drain()
+                finally:
+                    if job is not None:
+                        self.in_flight[job] -= 1
+        except (PeerGone, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._handlers.discard(task)
+            for w in (writer, up_writer):
+                w.close()
+                with contextlib.suppress(Exception):
+                    await w.wait_closed()
+
+    async def _trickle(self, writer: asyncio.StreamWriter, answer: bytes) -> None:
+        """Write ``answer`` one byte per interval; a failing write means the client left (as a server sees it)."""
+        for i in range(len(answer)):
+            writer.write(answer[i : i + 1])
+            await writer.drain()
+            await asyncio.sleep(self.byte_interval_s)
