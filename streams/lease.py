@@ -39,6 +39,8 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from streams import metrics
 from streams.errors import CoordinationBusyError, CoordinationUnavailableError, LeaseLostError
@@ -105,8 +107,11 @@ def make_redis(
     """A redis-py asyncio client with bounded connect/read timeouts (seconds) on a :class:`WaitingConnectionPool`
     of ``max_connections`` (``Settings.redis_max_connections``) that waits up to ``pool_timeout_s`` for a free one.
 
-    The timeouts make a port that accepts but never answers look like an outage instead of a hang; no command is
-    retried by redis-py (a failed one is reported as the outage it is).
+    The timeouts make a port that accepts but never answers look like an outage instead of a hang. A command
+    whose pooled connection turns out closed (Redis restarted since it was last used: redis-py 8 does not check
+    a pooled connection before reuse) is sent once more on a fresh connection; the lease commands are safe to
+    repeat (``SET NX`` then finds our own token and reports the lease busy; the scripts compare the token).
+    Timeouts are not repeated: a silent Redis is reported as unavailable after one socket timeout.
     """
     pool = WaitingConnectionPool.from_url(
         url,
@@ -115,6 +120,7 @@ def make_redis(
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s,
         health_check_interval=5,
+        retry=Retry(NoBackoff(), retries=1, supported_errors=(redis.exceptions.ConnectionError,)),
         decode_responses=False,
     )
     return aioredis.Redis.from_pool(pool)

@@ -103,8 +103,8 @@ class TricklingProxy:
                 finally:
                     if job is not None:
                         self.in_flight[job] -= 1
-        except (PeerGone, ConnectionError, asyncio.IncompleteReadError):
-            pass
+        except (PeerGone, ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the peer left, or the proxy is stopping
         finally:
             self._handlers.discard(task)
             for w in (writer, up_writer):

@@ -1,0 +1,219 @@
+"""The lease client against real Redis servers: its pool under a burst, and a lost script cache.
+
+Restarts use a PRIVATE ``redis-server`` started by the test on a free port (with and without persistence);
+the shared Redis on 6379 is only used for the pool burst, under the test's own key prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from streams import metrics
+from streams.config import Settings
+from streams.errors import CoordinationBusyError, CoordinationUnavailableError, LeaseLostError
+from streams.lease import Lease, LeaseManager, make_redis
+from streams.mainjob import free_port
+
+pytestmark = pytest.mark.integration
+
+
+# --- the pool: waiting is not an outage ----------------------------------------------------------------------
+
+
+async def test_thousand_concurrent_acquisitions_all_complete_without_an_outage(settings: Settings) -> None:
+    """1,000 acquisitions at once through the worker's own Redis client (pool sized from the agents'
+    concurrency): each one takes its lease or finds it busy; none is reported as Redis being unavailable."""
+    client = make_redis(
+        settings.redis_url,
+        settings.redis_socket_timeout_s,
+        max_connections=settings.redis_max_connections,
+        pool_timeout_s=settings.redis_pool_timeout_s,
+    )
+    manager = LeaseManager(client, 10_000)
+    keys = [f"{settings.lease_key_prefix}:burst:{i % 500}" for i in range(1000)]  # each key wanted twice
+    try:
+        started = time.monotonic()
+        results = await asyncio.gather(*(manager.acquire(k) for k in keys), return_exceptions=True)
+        elapsed = time.monotonic() - started
+        errors = [r for r in results if isinstance(r, BaseException)]
+        leases = [r for r in results if isinstance(r, Lease)]
+        assert errors == [], f"{len(errors)} of 1000 failed, first: {errors[:1]}"
+        assert len(leases) == 500 and results.count(None) == 500
+        assert {lease.key for lease in leases} == set(keys)
+        print(f"1000 concurrent acquisitions: 500 taken, 500 busy, 0 outages in {elapsed:.3f} s")
+        released = await asyncio.gather(*(lease.release() for lease in leases))
+        assert all(released)
+    finally:
+        await client.aclose()
+
+
+async def test_a_pool_wait_that_runs_out_is_busy_not_an_outage(settings: Settings) -> None:
+    """One pooled connection, held by a blocking command: a lease command waits ``pool_timeout_s`` for it and
+    is then "busy" (acquire -> None, renew -> CoordinationBusyError), never CoordinationUnavailableError; the
+    health check still says Redis is up. Pins redis-py's BlockingConnectionPool behaviour this relies on."""
+    client = make_redis(settings.redis_url, 5.0, max_connections=1, pool_timeout_s=0.3)
+    manager = LeaseManager(client, 10_000)
+    key = f"{settings.lease_key_prefix}:pool-busy"
+    lease = await manager.acquire(key)
+    assert lease is not None
+    busy = metrics.REDIS_POOL_BUSY.labels("acquire")._value.get()
+    holder = asyncio.create_task(client.blpop([f"{settings.lease_key_prefix}:never"], timeout=1.5))
+    try:
+        await asyncio.sleep(0.1)  # the BLPOP holds the only connection
+        started = time.monotonic()
+        assert await manager.acquire(f"{key}:other") is None
+        assert 0.25 < time.monotonic() - started < 1.0
+        assert metrics.REDIS_POOL_BUSY.labels("acquire")._value.get() == busy + 1
+        with pytest.raises(CoordinationBusyError):
+            await lease.renew()
+        assert await manager.healthy() is True
+    finally:
+        assert await holder is None
+    assert await manager.acquire(f"{key}:other") is not None  # the connection is back: works again
+    await lease.renew()
+    assert await lease.release() is True
+    await client.delete(f"{key}:other")
+    await client.aclose()
+
+
+# --- the script cache: NOSCRIPT is reloaded, never read as "lost" or "held" ------------------------------------
+
+
+class PrivateRedis:
+    """A ``redis-server`` of the test's own on a free loopback port; ``persistent`` = AOF with fsync always."""
+
+    def __init__(self, data_dir: Path, persistent: bool) -> None:
+        self.data_dir = data_dir
+        self.persistent = persistent
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir), "--save", ""]
+        args += ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
+        log = (self.data_dir / "redis.log").open("ab")
+        self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", *args], stdout=log, stderr=log)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    async def wait_ready(self) -> None:
+        probe = aioredis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 10
+        try:
+            while True:
+                try:
+                    if await probe.ping():
+                        return
+                except (OSError, ConnectionError, aioredis.ConnectionError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"private redis-server on {self.port} did not come up")
+                await asyncio.sleep(0.05)
+        finally:
+            await probe.aclose()
+
+    async def restart(self) -> None:
+        self.stop()
+        self.start()
+        await self.wait_ready()
+
+
+@pytest.fixture(params=[False, True], ids=["no-persistence", "aof-persistence"])
+async def private_redis(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (scripts/setup installs it)")
+    server = PrivateRedis(tmp_path, persistent=request.param)
+    server.start()
+    await server.wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_manager(private_redis: PrivateRedis) -> Iterator[LeaseManager]:
+    client = make_redis(private_redis.url, 1.0, max_connections=8, pool_timeout_s=1.0)
+    yield LeaseManager(client, 10_000)
+
+
+async def test_script_flush_between_acquisition_renewal_and_release(
+    private_redis: PrivateRedis, private_manager: LeaseManager
+) -> None:
+    client = private_manager.client
+    lease = await private_manager.acquire("lease:flush")
+    assert lease is not None
+    await lease.renew()  # the renewal script is now cached by Redis
+    await client.script_flush()
+    await client.pexpire("lease:flush", 3000)
+    await lease.renew()  # NOSCRIPT -> loaded again, ran: the TTL is back to 10 s
+    assert await client.pttl("lease:flush") > 9000
+    await client.script_flush()
+    other = await private_manager.acquire("lease:flush-other")
+    assert other is not None
+    await client.set("lease:flush-other", "someone-else", px=5000)
+    await client.script_flush()
+    with pytest.raises(LeaseLostError):  # a real mismatch after a flush is still "lost", not an error
+        await other.renew()
+    await client.script_flush()
+    assert await lease.release() is True
+    assert await client.exists("lease:flush") == 0  # deleted at once, not left to its TTL
+    await private_manager.client.aclose()
+
+
+async def test_restart_between_acquisition_and_renewal_and_release(
+    private_redis: PrivateRedis, private_manager: LeaseManager
+) -> None:
+    """Restarted without persistence the key is gone: renewal says "lost" (truthfully) and the lease can be
+    taken again. With AOF persistence the key survives with its expiry: renewal and release work at once
+    (the restarted Redis has no scripts cached)."""
+    client = private_manager.client
+    lease = await private_manager.acquire("lease:restart")
+    assert lease is not None
+    await lease.renew()
+    await private_redis.restart()
+    assert await client.script_exists(private_manager._renew.sha) == [False]
+    if private_redis.persistent:
+        assert await client.get("lease:restart") == lease.token.encode()
+        await lease.renew()
+        assert await client.pttl("lease:restart") > 9000
+        assert await lease.release() is True
+        assert await client.exists("lease:restart") == 0
+    else:
+        assert await client.exists("lease:restart") == 0
+        with pytest.raises(LeaseLostError):
+            await lease.renew()
+        assert await client.exists("lease:restart") == 0  # renewal never re-creates the key
+        again = await private_manager.acquire("lease:restart")
+        assert again is not None
+        await private_redis.restart()  # and once more between this acquisition and its release
+        assert await again.release() is False  # gone with the restart: nothing of ours to delete
+        third = await private_manager.acquire("lease:restart")
+        assert third is not None and await third.release() is True
+        assert await client.exists("lease:restart") == 0
+    await client.aclose()
+
+
+async def test_redis_down_is_unavailable_not_lost(private_redis: PrivateRedis, private_manager: LeaseManager) -> None:
+    lease = await private_manager.acquire("lease:down")
+    assert lease is not None
+    private_redis.stop()
+    with pytest.raises(CoordinationUnavailableError):
+        await lease.renew()
+    assert await lease.release() is False  # logged; the key expires by its TTL
+    private_redis.start()
+    await private_redis.wait_ready()
+    await private_manager.client.aclose()
