@@ -4,14 +4,22 @@
 serving (a GET is in flight from the arrival of its request until its whole answer was delivered or the client
 went away, noticed like a real server does: by a failing write). It can trickle chosen answers one byte at a
 time, each byte well within the client's read timeout, so only an overall deadline can end the call.
+
+:class:`FlakyProvider` is a minimal generation API that can turn slow and reset connections for a while.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
+import socket
+import struct
+import uuid
 from collections import Counter
+
+import orjson
 
 _JOB_GET = re.compile(rb"^GET /v1/generations/([^ ?]+) ")
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:\s*(\d+)", re.IGNORECASE)
@@ -118,3 +126,88 @@ class TricklingProxy:
             writer.write(answer[i : i + 1])
             await writer.drain()
             await asyncio.sleep(self.byte_interval_s)
+
+
+class FlakyProvider:
+    """A minimal generation API on a loopback port (raw asyncio, HTTP/1.1 keep-alive).
+
+    Healthy: ``POST /v1/generations`` answers 201 with a new job id, ``GET /v1/generations/{id}`` answers 200
+    ``running`` at once. During a storm (:meth:`storm_on` / :meth:`storm_off`) it still accepts connections
+    and reads requests, but resets ``reset_rate`` of them (RST, after up to ``reset_within_s``) and answers the
+    rest only after ``slow_s``. ``posts_seen`` holds the operation ids of every POST whose request it read,
+    ``received`` counts the requests read by method, ``served`` the answers by kind (ok, slow, reset).
+    """
+
+    def __init__(self, *, slow_s: float = 10.0, reset_rate: float = 0.2, reset_within_s: float = 1.0) -> None:
+        self.slow_s = slow_s
+        self.reset_rate = reset_rate
+        self.reset_within_s = reset_within_s
+        self.storm = False
+        self.posts_seen: set[str] = set()
+        self.received: Counter[str] = Counter()  # requests read, by method
+        self.served: Counter[str] = Counter()
+        self._random = random.Random(2026)
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, port: int = 0) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close_listener(self) -> None:
+        """Refuse new connections (the port is closed); connections already open stay."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def stop(self) -> None:
+        await self.close_listener()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            while (request := await read_message(reader)) is not None:
+                self.received[request.split(b" ", 1)[0].decode()] += 1
+                if request.startswith(b"POST "):
+                    body = orjson.loads(request.split(b"\r\n\r\n", 1)[1])
+                    self.posts_seen.add(str(body["metadata"]["operation_id"]))
+                if self.storm:
+                    if self._random.random() < self.reset_rate:
+                        await asyncio.sleep(self._random.uniform(0.0, self.reset_within_s))
+                        sock = writer.get_extra_info("socket")
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        writer.transport.abort()  # RST: the connection is reset under the client
+                        self.served["reset"] += 1
+                        return
+                    await asyncio.sleep(self.slow_s)
+                    self.served["slow"] += 1
+                else:
+                    self.served["ok"] += 1
+                writer.write(self._answer(request))
+                await writer.drain()
+        except (PeerGone, ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            self._handlers.discard(task)
+            writer.close()
+
+    def _answer(self, request: bytes) -> bytes:
+        if request.startswith(b"POST "):
+            status, body = "201 Created", {"id": f"job-{uuid.uuid4().hex[:12]}", "status": "queued"}
+        else:
+            job = request.split(b" ", 2)[1].rsplit(b"/", 1)[1].decode()
+            status, body = "200 OK", {"id": job, "status": "running", "outputs": [], "poll_after_ms": 100}
+        data = orjson.dumps(body)
+        head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        return head.encode() + data

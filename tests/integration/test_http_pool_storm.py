@@ -1,0 +1,138 @@
+"""The remote client's connection pool through a storm of slow answers, resets and cancellations.
+
+For 5 s the provider (a real socket server, :class:`tests.http_faults.FlakyProvider`) accepts connections but
+answers only after 10 s and resets 20% of them, while 30% of the GETs in flight are cancelled by their callers;
+then it recovers. The product's :class:`~streams.remote.RemoteClient` must come out with a working pool: no
+GET waiting for a connection in vain, at least 99% of GETs succeeding, and POSTs still classified by whether a
+byte was sent (checked against what the server actually received).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+
+from streams.config import Settings
+from streams.errors import RemoteAbandonedError, RemoteNotSentError, RemoteTransientError, RemoteUnknownOutcomeError
+from streams.remote import RemoteClient
+from tests.http_faults import FlakyProvider
+from tests.support import wait_for
+
+pytestmark = pytest.mark.integration
+
+STORM_S = 5.0
+CANCEL_RATE = 0.3
+RECOVERY_S = 3.0
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[FlakyProvider]:
+    p = FlakyProvider(slow_s=10.0, reset_rate=0.2)
+    await p.start()
+    yield p
+    await p.stop()
+
+
+async def get_outcome(client: RemoteClient, i: int, cancel_rate: float, rng: random.Random) -> str:
+    """One GET: ``ok``, ``cancelled`` (by its caller), ``abandoned`` (sent, cut off) or ``not_sent`` (no pooled
+    connection within the deadline: what a leaking pool would produce)."""
+    task = asyncio.create_task(client.observe(f"op-{i}", f"job-{i}"))
+    if rng.random() < cancel_rate:
+        asyncio.get_running_loop().call_later(rng.uniform(0.0, 1.0), task.cancel)
+    try:
+        await task
+        return "ok"
+    except asyncio.CancelledError:
+        if not task.cancelled():
+            raise
+        return "cancelled"
+    except RemoteAbandonedError:
+        return "abandoned"
+    except RemoteTransientError as exc:
+        assert "not sent" in str(exc), exc
+        return "not_sent"
+
+
+async def post_outcome(client: RemoteClient, op: str) -> str:
+    try:
+        await client.submit(op, {"context_tokens": 1, "generated_tokens": 1})
+        return "created"
+    except RemoteNotSentError:
+        return "not_sent"
+    except RemoteUnknownOutcomeError:
+        return "unknown"
+
+
+async def test_pool_recovers_after_slow_answers_resets_and_cancellations(
+    settings: Settings, provider: FlakyProvider
+) -> None:
+    settings = settings.replace(remote_base_url=provider.url, dispatcher_concurrency=4, observer_concurrency=16)
+    slots = settings.http_max_connections  # 20 connections, one per agent slot; as many callers
+    client = RemoteClient.from_settings(settings)
+    rng = random.Random(7)
+    storm: Counter[str] = Counter()
+    storm_posts: dict[str, str] = {}
+    counter = iter(range(1_000_000))
+
+    async def get_loop(until: float, cancel_rate: float, into: Counter[str]) -> None:
+        while time.monotonic() < until:
+            into[await get_outcome(client, next(counter), cancel_rate, rng)] += 1
+
+    async def post_loop(until: float) -> None:
+        while time.monotonic() < until:
+            op = f"storm-post-{next(counter)}"
+            storm_posts[op] = await post_outcome(client, op)
+            await asyncio.sleep(0.05)
+
+    try:
+        provider.storm = True
+        until = time.monotonic() + STORM_S
+        await asyncio.gather(*(get_loop(until, CANCEL_RATE, storm) for _ in range(slots)), post_loop(until))
+        provider.storm = False  # recovered; the loops above waited for their last GETs (deadline-bounded)
+
+        recovered: Counter[str] = Counter()
+        until = time.monotonic() + RECOVERY_S
+        await asyncio.gather(*(get_loop(until, 0.0, recovered) for _ in range(slots)))
+
+        post_counts = Counter(storm_posts.values())
+        print(
+            f"storm GETs {dict(storm)}; server {dict(provider.served)}; storm POSTs {dict(post_counts)}; "
+            f"after recovery {dict(recovered)}"
+        )
+        assert storm["cancelled"] > 0 and storm["abandoned"] > 0 and provider.served["reset"] > 0
+        total = sum(recovered.values())
+        assert total >= 500, recovered
+        assert recovered["not_sent"] == 0, f"GETs found no pooled connection after the storm: {recovered}"
+        assert recovered["ok"] / total >= 0.99, recovered
+        # "not sent" is only ever said of a POST the server never received
+        assert not {op for op, o in storm_posts.items() if o == "not_sent"} & provider.posts_seen
+
+        # POST taxonomy on the same client after the storm
+        assert await post_outcome(client, "after-created") == "created"
+        provider.storm, provider.reset_rate = True, 0.0  # sent, then no answer within the deadline
+        assert await post_outcome(client, "after-slow") == "unknown" and "after-slow" in provider.posts_seen
+        provider.reset_rate = 1.0  # sent, then the connection is reset
+        assert await post_outcome(client, "after-reset") == "unknown" and "after-reset" in provider.posts_seen
+        provider.reset_rate = 0.0
+        gets_before = provider.received["GET"]
+        holders = [asyncio.create_task(client.http.get(f"/v1/generations/hold-{i}")) for i in range(slots)]
+        try:
+
+            async def pool_full() -> bool:
+                return provider.received["GET"] == gets_before + slots
+
+            await wait_for(pool_full, 5, "GETs holding every pooled connection")
+            assert await post_outcome(client, "after-pool-full") == "not_sent"
+            assert "after-pool-full" not in provider.posts_seen
+        finally:
+            for h in holders:
+                h.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+    finally:
+        provider.storm = False
+        await client.aclose()
