@@ -201,7 +201,7 @@ async def test_lease_lost_during_a_long_get_cancels_it(
     poll = await claim_poll(runtime, "op-lost-mid")
     claim_id = orjson.loads(poll.value or b"")["poll_claim_id"]
     key = lease_key(runtime.settings, "observe", "op-lost-mid")
-    lease = await runtime.leases.acquire(key)
+    lease = await runtime.leases.acquire(key, ttl_ms=600)  # renewed every 0.2 s during the GET
     assert lease is not None
     claim = await runtime.ledger.claim_for_observe("op-lost-mid", claim_id)
     assert claim is not None
@@ -216,7 +216,7 @@ async def test_lease_lost_during_a_long_get_cancels_it(
     await runtime.leases.client.set(key, "someone-else", px=5000)  # the lease changes hands mid-GET
     await asyncio.wait_for(observing, 5)
     elapsed = time.monotonic() - started
-    assert elapsed < 1.2, f"the GET ran {elapsed:.2f} s: it was not cancelled when the renewal found it lost"
+    assert elapsed < 1.0, f"the GET ran {elapsed:.2f} s: it was not cancelled when the renewal found it lost"
     assert metrics.LEASE_LOST.labels("observe")._value.get() == lost_before + 1
     assert await pool.fetchval("SELECT poll_count FROM operations WHERE operation_id='op-lost-mid'") == 0
     assert await runtime.leases.client.get(key) == b"someone-else"
@@ -232,12 +232,12 @@ async def test_post_with_a_trickled_answer_ends_at_the_deadline_as_unknown_outco
     client = RemoteClient.from_settings(settings.replace(remote_base_url=proxy.url))
     started = time.monotonic()
     try:
-        async with asyncio.timeout(settings.remote_call_deadline_s + 1.0):
+        async with asyncio.timeout(settings.remote_call_deadline_s + 3.0):
             with pytest.raises(RemoteUnknownOutcomeError, match="POST timed out after send"):
                 await client.submit("op-post-trickle", {"context_tokens": 1, "generated_tokens": 1})
     finally:
         await client.aclose()
-    assert time.monotonic() - started < settings.remote_call_deadline_s + 0.5
+    assert time.monotonic() - started < settings.remote_call_deadline_s + 1.0
     assert len((await simulator.get("/_sim/operations/op-post-trickle"))["jobs"]) == 1
 
 
@@ -261,7 +261,7 @@ async def test_post_waiting_for_a_pooled_connection_past_the_deadline_was_not_se
         started = time.monotonic()
         with pytest.raises(RemoteNotSentError, match="POST not sent"):
             await client.submit("op-waiting", {"context_tokens": 1, "generated_tokens": 1})
-        assert time.monotonic() - started < settings.remote_call_deadline_s + 0.5
+        assert time.monotonic() - started < settings.remote_call_deadline_s + 1.0
     finally:
         for h in holders:
             h.cancel()

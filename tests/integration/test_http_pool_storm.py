@@ -106,7 +106,7 @@ async def test_pool_recovers_after_slow_answers_resets_and_cancellations(
         )
         assert storm["cancelled"] > 0 and storm["abandoned"] > 0 and provider.served["reset"] > 0
         total = sum(recovered.values())
-        assert total >= 500, recovered
+        assert total >= 200, recovered  # ~800-1800 here, depending on the load of the machine
         assert recovered["not_sent"] == 0, f"GETs found no pooled connection after the storm: {recovered}"
         assert recovered["ok"] / total >= 0.99, recovered
         # "not sent" is only ever said of a POST the server never received
@@ -120,7 +120,9 @@ async def test_pool_recovers_after_slow_answers_resets_and_cancellations(
         assert await post_outcome(client, "after-reset") == "unknown" and "after-reset" in provider.posts_seen
         provider.reset_rate = 0.0
         gets_before = provider.received["GET"]
-        holders = [asyncio.create_task(client.http.get(f"/v1/generations/hold-{i}")) for i in range(slots)]
+        holders = [  # no read timeout: they hold their connections until cancelled
+            asyncio.create_task(client.http.get(f"/v1/generations/hold-{i}", timeout=60)) for i in range(slots)
+        ]
         try:
 
             async def pool_full() -> bool:
