@@ -20,7 +20,7 @@ from streams import metrics
 from streams.config import Settings
 from streams.errors import CoordinationBusyError, CoordinationUnavailableError, LeaseLostError
 from streams.lease import Lease, LeaseManager, make_redis
-from streams.mainjob import free_port
+from streams_harness.mainjob import free_port
 
 pytestmark = pytest.mark.integration
 
