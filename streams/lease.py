@@ -102,10 +102,16 @@ class WaitingConnectionPool(aioredis.BlockingConnectionPool):
 
 
 def make_redis(
-    url: str, socket_timeout_s: float, *, max_connections: int = 100, pool_timeout_s: float = 5.0
+    url: str,
+    socket_timeout_s: float,
+    *,
+    connect_timeout_s: float | None = None,
+    max_connections: int = 100,
+    pool_timeout_s: float = 5.0,
 ) -> aioredis.Redis:
-    """A redis-py asyncio client with bounded connect/read timeouts (seconds) on a :class:`WaitingConnectionPool`
-    of ``max_connections`` (``Settings.redis_max_connections``) that waits up to ``pool_timeout_s`` for a free one.
+    """A redis-py asyncio client with bounded command and connect timeouts (seconds; ``connect_timeout_s``
+    defaults to ``socket_timeout_s``) on a :class:`WaitingConnectionPool` of ``max_connections``
+    (``Settings.redis_max_connections``) that waits up to ``pool_timeout_s`` for a free one.
 
     The timeouts make a port that accepts but never answers look like an outage instead of a hang. A command
     whose pooled connection turns out closed (Redis restarted since it was last used: redis-py 8 does not check
@@ -118,7 +124,7 @@ def make_redis(
         max_connections=max_connections,
         timeout=pool_timeout_s,
         socket_timeout=socket_timeout_s,
-        socket_connect_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s if connect_timeout_s is None else connect_timeout_s,
         health_check_interval=5,
         retry=Retry(NoBackoff(), retries=1, supported_errors=(redis.exceptions.ConnectionError,)),
         decode_responses=False,

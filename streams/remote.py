@@ -349,12 +349,20 @@ class RemoteClient:
     Args:
         http: the client from :func:`make_http_client` (owned by the caller, closed by :meth:`aclose`).
         model: the model name sent with each POST.
-        call_deadline_s: overall deadline of one call, seconds (``Settings.remote_call_deadline_s``).
+        call_deadline_s: overall deadline of one call, seconds (``Settings.remote_call_deadline_s``; the default
+            is that setting's default: a worker builds its client with :meth:`from_settings`).
         traced: True when ``http`` uses httpx's own transport (httpcore), whose ``trace`` extension tells
             whether a request was sent when the deadline struck; False for injected transports.
     """
 
-    def __init__(self, http: httpx.AsyncClient, model: str, *, call_deadline_s: float, traced: bool = False) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        model: str,
+        *,
+        call_deadline_s: float = Settings.remote_call_deadline_s,
+        traced: bool = False,
+    ) -> None:
         self.http = http
         self.model = model
         self.call_deadline_s = call_deadline_s

@@ -34,6 +34,7 @@ async def test_thousand_concurrent_acquisitions_all_complete_without_an_outage(s
     client = make_redis(
         settings.redis_url,
         settings.redis_socket_timeout_s,
+        connect_timeout_s=settings.redis_connect_timeout_s,
         max_connections=settings.redis_max_connections,
         pool_timeout_s=settings.redis_pool_timeout_s,
     )
