@@ -35,6 +35,10 @@ UNEXPECTED_ERRORS = Counter(
     "Failures that are not outages (programming errors, refusals that waiting cannot fix); logged with traceback.",
     ["where"],
 )
+HTTP_POOL_REPAIRS = Counter(
+    "streams_http_pool_repairs_total",
+    "HTTP pool connections orphaned by a cancelled remote call and reclaimed (see streams.remote._PoolRepair).",
+)
 ABANDONED_CALLS = Counter(
     "streams_remote_calls_abandoned_total",
     "Remote calls cut off after sending (deadline, timeout, connection lost); the lease is left to expire.",

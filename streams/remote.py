@@ -35,6 +35,7 @@ transport instead of patching.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import email.utils
 import logging
@@ -46,9 +47,10 @@ from decimal import Decimal
 from typing import Any
 from urllib.parse import quote
 
+import httpcore
 import httpx
 
-from streams import contracts, exactjson, jsontext
+from streams import contracts, exactjson, jsontext, metrics
 from streams.config import Settings
 from streams.errors import (
     JsonValueError,
@@ -82,6 +84,63 @@ class _SendProbe:
     async def __call__(self, event: str, info: dict[str, Any]) -> None:
         if event.endswith(".send_request_headers.started"):
             self.sent = True
+
+
+class _PoolRepair:
+    """Gives back the pool slots that httpcore 1.0.9 loses when a request is cancelled mid-way (upstream bug,
+    open and unreleased; httpx 0.28 gets no more releases).
+
+    httpcore's cleanup after a cancellation is not itself safe from an asyncio cancellation: a request cancelled
+    after the pool assigned it a new connection but before it connected leaves that connection "connecting"
+    forever (or HTTP/1.1 "NEW" when the cancellation falls between connecting and sending), and one cancelled
+    while its answer is being closed stays listed as active with its connection. Neither is idle, closed nor
+    available, so each holds a slot until every call fails with ``PoolTimeout`` against a healthy provider
+    (reproduced in about one second of cancelled calls on a pool of 2; ``tests/integration/
+    test_http_pool_storm.py``). Cancellations are routine in this worker: the call deadline, a lease lost
+    during a GET, rebalances.
+
+    :meth:`repair` runs (synchronously: nothing can interrupt it) after every call that did not return an answer:
+    it removes the call's own request if the pool still lists it, then every connection that no listed request
+    owns and that is neither idle nor closed (an orphan: with HTTP/1.1 a connection in use always belongs to a
+    listed request), hands the freed slots to queued requests and closes the orphans in the background. It
+    touches httpcore's private pool state, checked at start-up; without it, it does nothing.
+    """
+
+    _ATTRIBUTES = ("_requests", "_connections", "_optional_thread_lock", "_assign_requests_to_connections")
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        pool = getattr(getattr(http, "_transport", None), "_pool", None)
+        usable = isinstance(pool, httpcore.AsyncConnectionPool) and all(hasattr(pool, a) for a in self._ATTRIBUTES)
+        self.pool: Any = pool if usable else None
+        self._closing: set[asyncio.Future[None]] = set()
+
+    def repair(self, probe: _SendProbe) -> int:
+        """Free what the call traced by ``probe`` left behind; returns the orphaned connections reclaimed."""
+        pool = self.pool
+        if pool is None:
+            return 0
+        with pool._optional_thread_lock:
+            for leftover in [r for r in pool._requests if r.request.extensions.get("trace") is probe]:
+                pool._requests.remove(leftover)
+            owned = {id(r.connection) for r in pool._requests if r.connection is not None}
+            orphans = [c for c in pool._connections if id(c) not in owned and not c.is_idle() and not c.is_closed()]
+            for connection in orphans:
+                pool._connections.remove(connection)
+            closing = orphans + pool._assign_requests_to_connections()
+        if closing:
+            task = asyncio.ensure_future(self._close(closing))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        if orphans:
+            metrics.HTTP_POOL_REPAIRS.inc(len(orphans))
+            log.info("HTTP pool: %d connection(s) orphaned by a cancelled call reclaimed", len(orphans))
+        return len(orphans)
+
+    @staticmethod
+    async def _close(connections: list[Any]) -> None:
+        for connection in connections:
+            with contextlib.suppress(Exception):
+                await connection.aclose()
 
 
 class _DeadlineExceeded(Exception):
@@ -367,6 +426,7 @@ class RemoteClient:
         self.model = model
         self.call_deadline_s = call_deadline_s
         self.traced = traced
+        self._pool_repair = _PoolRepair(http)
 
     @classmethod
     def from_settings(cls, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> RemoteClient:
@@ -395,9 +455,13 @@ class RemoteClient:
             async with deadline:
                 return await self.http.request(method, url, extensions={"trace": probe}, **kwargs)
         except TimeoutError as exc:
+            self._pool_repair.repair(probe)
             if not deadline.expired():
                 raise
             raise _DeadlineExceeded(self.call_deadline_s, probe.sent or not self.traced) from exc
+        except BaseException:  # cancelled, or an httpx error: give back what the pool may have lost
+            self._pool_repair.repair(probe)
+            raise
 
     async def submit(self, operation_id: str, request_text: str) -> SubmitResult:
         """POST one generation; returns the created job or raises a classified :class:`RemoteError`.

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from streams import metrics
 from streams.config import Settings
 from streams.errors import RemoteAbandonedError, RemoteNotSentError, RemoteTransientError, RemoteUnknownOutcomeError
 from streams.remote import RemoteClient
@@ -155,3 +156,35 @@ async def test_pool_recovers_after_slow_answers_resets_and_cancellations(
     finally:
         provider.storm = False
         await client.aclose()
+
+
+async def test_calls_cancelled_under_contention_leave_no_pool_slot_behind(settings: Settings) -> None:
+    """Two pooled connections, eight callers at a time, each cancelled within 50 ms while answers take 20 ms:
+    cancellations land in every phase of a call (waiting for a slot, connecting, sending, reading). httpcore
+    1.0.9 alone lost both slots within ~20 rounds (connections stuck "connecting"/"NEW", requests listed as
+    active), after which every call failed with PoolTimeout against a healthy server."""
+    provider = FlakyProvider(slow_s=0.02, reset_rate=0.0)
+    await provider.start()
+    settings = settings.replace(
+        remote_base_url=provider.url, dispatcher_concurrency=1, observer_concurrency=1, http_pool_timeout_s=0.5
+    )
+    client = RemoteClient.from_settings(settings)
+    rng = random.Random(3)
+    repairs = metrics.HTTP_POOL_REPAIRS._value.get()
+    try:
+        provider.storm = True  # every answer after 20 ms
+        for _ in range(150):
+            calls = [asyncio.create_task(client.observe("op-churn", f"job-{i}")) for i in range(8)]
+            for call in calls:
+                asyncio.get_running_loop().call_later(rng.uniform(0.0, 0.05), call.cancel)
+            await asyncio.gather(*calls, return_exceptions=True)
+        provider.storm = False
+        pool = client.http._transport._pool  # httpcore's AsyncConnectionPool behind httpx's default transport
+        assert pool._requests == []
+        assert [c for c in pool.connections if not (c.is_idle() or c.is_closed())] == []
+        outcomes = Counter([await get_outcome(client, i, 0.0, rng) for i in range(20)])
+        assert outcomes == Counter(ok=20)
+        assert metrics.HTTP_POOL_REPAIRS._value.get() > repairs
+    finally:
+        await client.aclose()
+        await provider.stop()
