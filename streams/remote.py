@@ -75,6 +75,10 @@ _DELTA_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
 
 
+#: The default of ``Settings.remote_call_deadline_s`` (seconds), for clients built without settings.
+DEFAULT_CALL_DEADLINE_S: float = Settings.model_fields["remote_call_deadline_s"].default
+
+
 class _SendProbe:
     """httpcore ``trace`` callback: records whether writing the request started (headers, HTTP/1.1 or 2)."""
 
@@ -419,7 +423,7 @@ class RemoteClient:
         http: httpx.AsyncClient,
         model: str,
         *,
-        call_deadline_s: float = Settings.remote_call_deadline_s,
+        call_deadline_s: float = DEFAULT_CALL_DEADLINE_S,
         traced: bool = False,
     ) -> None:
         self.http = http

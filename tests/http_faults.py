@@ -134,8 +134,9 @@ class FlakyProvider:
     Healthy: ``POST /v1/generations`` answers 201 with a new job id, ``GET /v1/generations/{id}`` answers 200
     ``running`` at once. During a storm (:meth:`storm_on` / :meth:`storm_off`) it still accepts connections
     and reads requests, but resets ``reset_rate`` of them (RST, after up to ``reset_within_s``) and answers the
-    rest only after ``slow_s``. ``posts_seen`` holds the operation ids of every POST whose request it read,
-    ``received`` counts the requests read by method, ``served`` the answers by kind (ok, slow, reset).
+    rest only after ``slow_s``. ``posts_seen`` holds the operation ids (``metadata.client_reference``) of every
+    POST it read, ``received`` counts the requests read by method, ``served`` the answers by kind (ok, slow,
+    reset).
     """
 
     def __init__(self, *, slow_s: float = 10.0, reset_rate: float = 0.2, reset_within_s: float = 1.0) -> None:
@@ -181,7 +182,7 @@ class FlakyProvider:
                 self.received[request.split(b" ", 1)[0].decode()] += 1
                 if request.startswith(b"POST "):
                     body = orjson.loads(request.split(b"\r\n\r\n", 1)[1])
-                    self.posts_seen.add(str(body["metadata"]["operation_id"]))
+                    self.posts_seen.add(str(body["metadata"]["client_reference"]))
                 if self.storm:
                     if self._random.random() < self.reset_rate:
                         await asyncio.sleep(self._random.uniform(0.0, self.reset_within_s))

@@ -32,6 +32,9 @@ from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
+#: A provider request (JSON text) as a submission carries it.
+REQUEST = '{"input": {"prompt": "a short prompt", "max_tokens": 1}}'
+
 SendFn = Callable[[str, bytes, bytes], Awaitable[Any]]
 
 #: One byte of a trickled answer every this many seconds: well within the 2 s read timeout of the tests.
@@ -234,7 +237,7 @@ async def test_post_with_a_trickled_answer_ends_at_the_deadline_as_unknown_outco
     try:
         async with asyncio.timeout(settings.remote_call_deadline_s + 3.0):
             with pytest.raises(RemoteUnknownOutcomeError, match="POST timed out after send"):
-                await client.submit("op-post-trickle", {"context_tokens": 1, "generated_tokens": 1})
+                await client.submit("op-post-trickle", REQUEST)
     finally:
         await client.aclose()
     assert time.monotonic() - started < settings.remote_call_deadline_s + 1.0
@@ -249,7 +252,7 @@ async def test_post_waiting_for_a_pooled_connection_past_the_deadline_was_not_se
     settings = settings.replace(remote_base_url=proxy.url, dispatcher_concurrency=1, observer_concurrency=1)
     assert settings.http_max_connections == 2 and settings.http_pool_timeout_s > settings.remote_call_deadline_s
     client = RemoteClient.from_settings(settings)
-    created = await client.submit("op-holder", {"context_tokens": 1, "generated_tokens": 1})
+    created = await client.submit("op-holder", REQUEST)
     proxy.trickle_get(created.job_id, times=2)
     holders = [asyncio.create_task(client.http.get(f"/v1/generations/{created.job_id}")) for _ in range(2)]
     try:
@@ -260,7 +263,7 @@ async def test_post_waiting_for_a_pooled_connection_past_the_deadline_was_not_se
         await wait_for(pool_full, 5, "both pooled connections to be busy")
         started = time.monotonic()
         with pytest.raises(RemoteNotSentError, match="POST not sent"):
-            await client.submit("op-waiting", {"context_tokens": 1, "generated_tokens": 1})
+            await client.submit("op-waiting", REQUEST)
         assert time.monotonic() - started < settings.remote_call_deadline_s + 1.0
     finally:
         for h in holders:

@@ -26,6 +26,9 @@ from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
+#: A provider request (JSON text) as a submission carries it.
+REQUEST = '{"input": {"prompt": "a short prompt", "max_tokens": 1}}'
+
 STORM_S = 5.0
 CANCEL_RATE = 0.3
 RECOVERY_GETS_PER_CALLER = 25  # 500 GETs after the storm, 20 callers at once
@@ -61,7 +64,7 @@ async def get_outcome(client: RemoteClient, i: int, cancel_rate: float, rng: ran
 
 async def post_outcome(client: RemoteClient, op: str) -> str:
     try:
-        await client.submit(op, {"context_tokens": 1, "generated_tokens": 1})
+        await client.submit(op, REQUEST)
         return "created"
     except RemoteNotSentError:
         return "not_sent"

@@ -32,7 +32,7 @@ async def test_thousand_concurrent_acquisitions_all_complete_without_an_outage(s
     """1,000 acquisitions at once through the worker's own Redis client (pool sized from the agents'
     concurrency): each one takes its lease or finds it busy; none is reported as Redis being unavailable."""
     client = make_redis(
-        settings.redis_url,
+        settings.redis_url.get_secret_value(),
         settings.redis_socket_timeout_s,
         connect_timeout_s=settings.redis_connect_timeout_s,
         max_connections=settings.redis_max_connections,
@@ -60,7 +60,7 @@ async def test_a_pool_wait_that_runs_out_is_busy_not_an_outage(settings: Setting
     """One pooled connection, held by a blocking command: a lease command waits ``pool_timeout_s`` for it and
     is then "busy" (acquire -> None, renew -> CoordinationBusyError), never CoordinationUnavailableError; the
     health check still says Redis is up. Pins redis-py's BlockingConnectionPool behaviour this relies on."""
-    client = make_redis(settings.redis_url, 5.0, max_connections=1, pool_timeout_s=0.3)
+    client = make_redis(settings.redis_url.get_secret_value(), 5.0, max_connections=1, pool_timeout_s=0.3)
     manager = LeaseManager(client, 10_000)
     key = f"{settings.lease_key_prefix}:pool-busy"
     lease = await manager.acquire(key)
