@@ -28,6 +28,7 @@ from typing import Any
 import tenacity
 
 from streams import contracts, exactjson, jsontext, metrics
+from streams.codes import RemoteCallOutcome
 from streams.config import lease_key
 from streams.errors import (
     CoordinationBusyError,
@@ -246,13 +247,13 @@ class Dispatcher:
         try:
             result = await self.rt.remote.submit(operation_id, request_text)
         except RemoteError as exc:
-            outcome = type(exc).__name__.removeprefix("Remote").removesuffix("Error").lower()
+            outcome = exc.outcome
             duration_ms = (time.perf_counter() - started) * 1000.0
             await self.rt.account(operation_id, "POST", exc.status_code, outcome, None, duration_ms, fencing)
             if not isinstance(exc, RemoteRateLimitedError | RemoteNotSentError):
                 log.warning("operation %s: POST %s: %s", operation_id, outcome, exc)
             raise
-        outcome = "created_via_502" if result.via_error else "created"
+        outcome = RemoteCallOutcome.CREATED_VIA_502 if result.via_error else RemoteCallOutcome.CREATED
         await self.rt.account(
             operation_id, "POST", result.status_code, outcome, result.job_id, result.duration_ms, fencing
         )

@@ -40,6 +40,10 @@ was sent is never re-sent (README.md, "How it keeps its promises").
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from streams.codes import RemoteCallOutcome
+
 
 class StreamsError(Exception):
     """Root of every error this project raises on purpose."""
@@ -181,7 +185,10 @@ class OperatorActionRefusedError(LedgerError):
 
 
 class RemoteError(StreamsError):
-    """A call to the remote generation API failed; ``operation_id`` and ``status_code`` (if any) say where."""
+    """A call to the remote generation API failed; ``operation_id`` and ``status_code`` (if any) say where,
+    ``outcome`` (a class attribute) is what the ledger's accounting records for it."""
+
+    outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.TRANSIENT
 
     def __init__(self, operation_id: str, message: str, *, status_code: int | None = None) -> None:
         super().__init__(f"operation {operation_id}: {message}")
@@ -192,6 +199,8 @@ class RemoteError(StreamsError):
 class RemoteRefusedError(RemoteError):
     """The API refused with a definite answer that no job was created (4xx). The operation ends ``rejected``."""
 
+    outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.REFUSED
+
     def __init__(self, operation_id: str, message: str, *, status_code: int | None, code: str) -> None:
         super().__init__(operation_id, message, status_code=status_code)
         self.code = code
@@ -199,6 +208,8 @@ class RemoteRefusedError(RemoteError):
 
 class RemoteRateLimitedError(RemoteRefusedError):
     """HTTP 429: nothing was created; retry after ``retry_after_s`` seconds."""
+
+    outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.RATE_LIMITED
 
     def __init__(self, operation_id: str, retry_after_s: float) -> None:
         super().__init__(
@@ -210,14 +221,20 @@ class RemoteRateLimitedError(RemoteRefusedError):
 class RemoteNotSentError(RemoteError):
     """The connection was refused or never established: no byte of the request left this process."""
 
+    outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.NOT_SENT
+
 
 class RemoteUnknownOutcomeError(RemoteError):
     """The request was sent and its outcome is unknown; a job may exist. Never re-send: mark ``uncertain``."""
+
+    outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.UNKNOWN_OUTCOME
 
 
 class RemoteJobNotFoundError(RemoteError):
     """A GET for a saved remote job id answered 404; ``answer`` is the raw answer (status code and body text),
     kept if the operation stalls. Providers commonly answer 404 for a few seconds after creating a job."""
+
+    outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.JOB_NOT_FOUND
 
     def __init__(self, operation_id: str, message: str, *, answer: dict[str, object]) -> None:
         super().__init__(operation_id, message, status_code=404)
@@ -228,6 +245,8 @@ class RemoteUnknownStatusError(RemoteError):
     """A GET answered 200 with a ``status`` this client does not know (``aborted``, ``paused``, ``null``, ...);
     ``answer`` is the raw answer, kept if the operation stalls."""
 
+    outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.UNKNOWN_STATUS
+
     def __init__(self, operation_id: str, message: str, *, answer: dict[str, object]) -> None:
         super().__init__(operation_id, message, status_code=200)
         self.answer = answer
@@ -237,12 +256,18 @@ class RemoteContractError(RemoteError):
     """A response that breaks the API's contract (outputs without distinct string ids); the job ends ``failed``
     with this reason rather than delivering outputs that cannot be told apart."""
 
+    outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.CONTRACT_VIOLATION
+
 
 class RemoteTransientError(RemoteError):
     """An observation (GET) failed in a retryable way; the poll is rescheduled with backoff."""
+
+    outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.TRANSIENT
 
 
 class RemoteAbandonedError(RemoteTransientError):
     """A GET was cut off after its request was sent: the overall deadline, a read/write timeout, or the
     connection lost before the whole answer arrived. The provider may still be serving it, so the job's next
     GET must wait until it cannot be (the observer leaves the lease to expire and polls after it)."""
+
+    outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.ABANDONED

@@ -19,6 +19,7 @@ from typing import Any
 import asyncpg
 
 from streams import exactjson
+from streams.codes import RemoteCallOutcome
 from streams.errors import LedgerDataError, LedgerUnavailableError, OperatorActionRefusedError, UnknownOperationError
 from streams.remote import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.sql import ACCOUNTING, RECONCILE
@@ -413,7 +414,7 @@ class Ledger:
         operation_id: str,
         method: str,
         status_code: int | None,
-        outcome: str,
+        outcome: RemoteCallOutcome,
         remote_job_id: str | None,
         duration_ms: float,
         fencing_token: int | None,

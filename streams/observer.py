@@ -26,6 +26,7 @@ import time
 
 from streams import contracts, hooks, metrics
 from streams.backoff import next_poll_delay_s
+from streams.codes import RemoteCallOutcome
 from streams.config import lease_key
 from streams.errors import (
     CoordinationBusyError,
@@ -213,24 +214,30 @@ class Observer:
             raise
         except RemoteJobNotFoundError as exc:
             duration_ms = (time.perf_counter() - started) * 1000.0
-            await rt.account(operation_id, "GET", 404, "job_not_found", job_id, duration_ms, claim.fencing_token)
+            await rt.account(
+                operation_id, "GET", exc.status_code, exc.outcome, job_id, duration_ms, claim.fencing_token
+            )
             log.info("operation %s: %s", operation_id, exc)
             await self.stalls.not_found(operation_id, claim, exc, self._delay(poll_count, None))
             return None
         except RemoteUnknownStatusError as exc:
             duration_ms = (time.perf_counter() - started) * 1000.0
-            await rt.account(operation_id, "GET", 200, "unknown_status", job_id, duration_ms, claim.fencing_token)
+            await rt.account(
+                operation_id, "GET", exc.status_code, exc.outcome, job_id, duration_ms, claim.fencing_token
+            )
             log.warning("operation %s: %s", operation_id, exc)
             await self.stalls.unknown_status(operation_id, claim, exc, self._delay(poll_count, None))
             return None
         except RemoteContractError as exc:
             duration_ms = (time.perf_counter() - started) * 1000.0
-            await rt.account(operation_id, "GET", 200, "contract_violation", job_id, duration_ms, claim.fencing_token)
+            await rt.account(
+                operation_id, "GET", exc.status_code, exc.outcome, job_id, duration_ms, claim.fencing_token
+            )
             log.error("operation %s: %s; recording it as failed", operation_id, exc)
             return _failed(job_id, "contract_violation", str(exc))
         except RemoteError as exc:
             duration_ms = (time.perf_counter() - started) * 1000.0
-            outcome = type(exc).__name__.removeprefix("Remote").removesuffix("Error").lower()
+            outcome = exc.outcome
             await rt.account(operation_id, "GET", exc.status_code, outcome, job_id, duration_ms, claim.fencing_token)
             if self.stalls.too_old(claim, claimed_at):
                 await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
@@ -239,8 +246,9 @@ class Observer:
             log.info("operation %s: GET %s, retrying: %s", operation_id, outcome, exc)
             await self._reschedule(operation_id, poll_claim_id, self._delay(poll_count, hint))
             return None
-        fencing, status = claim.fencing_token, snapshot.status
-        await rt.account(operation_id, "GET", snapshot.status_code, status, job_id, snapshot.duration_ms, fencing)
+        answered = RemoteCallOutcome.answered(snapshot.state)
+        fencing = claim.fencing_token
+        await rt.account(operation_id, "GET", snapshot.status_code, answered, job_id, snapshot.duration_ms, fencing)
         return snapshot
 
     async def _abandoned(
@@ -263,7 +271,9 @@ class Observer:
         quarantine_s = await lease.leave_to_expire()
         status = exc.status_code if isinstance(exc, RemoteError) else None
         job_id = claim.remote_job_id
-        await rt.account(operation_id, "GET", status, "abandoned", job_id, duration_ms, claim.fencing_token)
+        await rt.account(
+            operation_id, "GET", status, RemoteCallOutcome.ABANDONED, job_id, duration_ms, claim.fencing_token
+        )
         if self.stalls.too_old(claim, claimed_at):
             await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
             return

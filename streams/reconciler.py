@@ -21,6 +21,7 @@ import time
 
 from streams import metrics
 from streams.backoff import next_poll_delay_s
+from streams.codes import RemoteCallOutcome
 from streams.errors import LedgerUnavailableError, RemoteError, RemoteRateLimitedError, RemoteRefusedError
 from streams.ledger import LookupClaim
 from streams.runtime import Runtime
@@ -59,7 +60,7 @@ class Reconciler:
             found = await rt.remote.lookup(op)
         except RemoteError as exc:
             duration_ms = (time.perf_counter() - started) * 1000.0
-            outcome = "lookup_" + type(exc).__name__.removeprefix("Remote").removesuffix("Error").lower()
+            outcome = RemoteCallOutcome.of_lookup(exc.outcome)
             await rt.account(op, "GET", exc.status_code, outcome, None, duration_ms, claim.fencing_token)
             metrics.LOOKUPS.labels("failed").inc()
             if isinstance(exc, RemoteRateLimitedError):
@@ -73,7 +74,9 @@ class Reconciler:
             await rt.until_ledger("reschedule lookup", lambda: rt.ledger.reschedule_lookup(claim, delay))
             return
         duration_ms = (time.perf_counter() - started) * 1000.0
-        await rt.account(op, "GET", 200, f"lookup_found_{min(len(found), 9)}", None, duration_ms, claim.fencing_token)
+        await rt.account(
+            op, "GET", 200, RemoteCallOutcome.lookup_found(len(found)), None, duration_ms, claim.fencing_token
+        )
         if not found:
             reason = (
                 f"not found by lookup; looked up {claim.uncertain_for_s:.0f} s after the outcome became unknown "

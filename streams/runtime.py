@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import tenacity
 
 from streams import contracts, exactjson, metrics
+from streams.codes import RemoteCallOutcome
 from streams.config import Settings
 from streams.errors import CoordinationUnavailableError, DeadLetterError, InvalidEventError, LedgerUnavailableError
 from streams.failures import Failure, FailureKind, classify
@@ -216,7 +217,7 @@ class Runtime:
         operation_id: str,
         method: str,
         status_code: int | None,
-        outcome: str,
+        outcome: RemoteCallOutcome,
         remote_job_id: str | None,
         duration_ms: float,
         fencing_token: int | None,

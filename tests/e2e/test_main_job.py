@@ -124,7 +124,7 @@ async def test_trace_through_two_workers_with_faults(
         assert all(r["reason"] for r in rows)
         posts = await pool.fetchval(
             "SELECT max(n) FROM (SELECT count(*) AS n FROM remote_calls WHERE method='POST' AND operation_id LIKE $1"
-            " AND outcome IN ('created', 'created_via_502', 'unknownoutcome') GROUP BY operation_id) c",
+            " AND outcome IN ('created', 'created_via_502', 'unknown_outcome') GROUP BY operation_id) c",
             f"{run_id}-%",
         )
         assert posts == 1  # no operation was sent twice

@@ -126,7 +126,7 @@ async def test_connection_refused_is_retried_and_exactly_one_job_exists(
         async def refused_attempts() -> int:
             return int(
                 await pool.fetchval(
-                    "SELECT count(*) FROM remote_calls WHERE operation_id='op-refused' AND outcome='notsent'"
+                    "SELECT count(*) FROM remote_calls WHERE operation_id='op-refused' AND outcome='not_sent'"
                 )
             )
 

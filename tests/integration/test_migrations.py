@@ -10,6 +10,7 @@ import pytest
 from yoyo import get_backend
 
 from streams.admin import create_run_database, drop_run_database, sql_migrations, yoyo_url
+from streams.codes import RemoteCallOutcome
 from streams.config import Settings
 from streams.states import OperationState, can_transition
 
@@ -29,6 +30,16 @@ async def test_transition_table_mirrors_python(pool: asyncpg.Pool) -> None:
     in_code = {(a.value, b.value) for a in OperationState for b in OperationState if can_transition(a, b)}
     assert in_db == in_code
     assert len(in_db) == 23
+
+
+async def test_remote_call_outcomes_mirror_python(pool: asyncpg.Pool) -> None:
+    in_db = {r["outcome"] for r in await pool.fetch("SELECT outcome FROM remote_call_outcomes")}
+    assert in_db == {o.value for o in RemoteCallOutcome}
+    with pytest.raises(asyncpg.ForeignKeyViolationError, match="remote_calls_outcome_known"):
+        await pool.execute(
+            "INSERT INTO remote_calls (operation_id, method, outcome, duration_ms, worker)"
+            " VALUES ('op-x', 'POST', 'notsent', 1.0, 'w')"
+        )
 
 
 async def test_every_migration_file_is_applied(pool: asyncpg.Pool) -> None:
@@ -132,7 +143,7 @@ async def test_stalled_keeps_its_reason_and_last_answer_and_is_never_polled(pool
 
 
 #: The migrations of the stalled state and reconciliation.
-OURS = ("0002.1.", "0002.2.")
+OURS = ("0002.1.", "0002.2.", "0003.")
 
 
 async def test_migrations_roll_back_and_apply_again(migrated: Settings) -> None:
@@ -178,6 +189,47 @@ async def test_migrations_roll_back_and_apply_again(migrated: Settings) -> None:
                 s.value for s in OperationState
             ]
             assert await conn.fetchval("SELECT transition_seq FROM operations WHERE operation_id = 'op-r'") == 4
+        finally:
+            await conn.close()
+    finally:
+        await drop_run_database(base_url, run_url)
+
+
+async def test_explicit_codes_rename_legacy_outcomes_and_roll_back(migrated: Settings) -> None:
+    """0003 renames the outcomes written before it (class-name spellings, raw status words) to the codes and
+    refuses unknown ones from then on; its rollback removes the reference table and keeps the rows."""
+    base_url = migrated.database_url.get_secret_value()
+    run_url = await create_run_database(base_url, f"mig{uuid.uuid4().hex[:8]}")
+    try:
+        backend = get_backend(yoyo_url(run_url))
+        migrations = sql_migrations(MIGRATIONS)
+        before = migrations.filter(lambda m: not m.id.startswith("0003."))
+        with backend.lock():
+            backend.apply_migrations(backend.to_apply(before))
+        conn = await asyncpg.connect(run_url)
+        legacy = ["notsent", "unknownoutcome", "ratelimited", "refused", "Completed", "pending", "lookup_transient"]
+        try:
+            await conn.executemany(
+                "INSERT INTO remote_calls (operation_id, method, outcome, duration_ms, worker)"
+                " VALUES ('op-m', 'GET', $1, 1.0, 'w')",
+                [(o,) for o in legacy],
+            )
+            with backend.lock():
+                backend.apply_migrations(backend.to_apply(migrations))
+            renamed = [r["outcome"] for r in await conn.fetch("SELECT outcome FROM remote_calls ORDER BY id")]
+            assert renamed == [
+                "not_sent",
+                "unknown_outcome",
+                "rate_limited",
+                "refused",
+                "succeeded",
+                "queued",
+                "lookup_transient",
+            ]
+            with backend.lock():
+                backend.rollback_migrations(backend.to_rollback(migrations.filter(lambda m: m.id.startswith("0003."))))
+            assert await conn.fetchval("SELECT to_regclass('remote_call_outcomes')") is None
+            assert await conn.fetchval("SELECT count(*) FROM remote_calls") == len(legacy)
         finally:
             await conn.close()
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
+from streams.codes import RemoteCallOutcome
 from streams.errors import OperatorActionRefusedError, UnknownOperationError
 from streams.ledger import Ledger
 from streams.remote import JobSnapshot
@@ -199,9 +200,9 @@ async def test_accounting_summary_counts_jobs_decisions_and_calls(ledger: Ledger
     await submitted(ledger, "op-1", "job-1")
     await uncertain(ledger, "op-2")
     await stalled(ledger, pool, "op-3", "job-3")
-    await ledger.record_remote_call("op-1", "POST", 201, "created", "job-1", 5.0, 1)
-    await ledger.record_remote_call("op-2", "POST", 503, "unknownoutcome", None, 5.0, 1)
-    await ledger.record_remote_call("op-2", "POST", 429, "ratelimited", None, 5.0, 1)
+    await ledger.record_remote_call("op-1", "POST", 201, RemoteCallOutcome.CREATED, "job-1", 5.0, 1)
+    await ledger.record_remote_call("op-2", "POST", 503, RemoteCallOutcome.UNKNOWN_OUTCOME, None, 5.0, 1)
+    await ledger.record_remote_call("op-2", "POST", 429, RemoteCallOutcome.RATE_LIMITED, None, 5.0, 1)
     summary = await ledger.accounting_summary()
     assert summary["needs_decision"]["uncertain"]["operations"] == 1
     assert summary["needs_decision"]["stalled"]["operations"] == 1
