@@ -1,6 +1,8 @@
 -- Explicit codes beside free text: the outcome of each remote call is one of a fixed list (mirrored by
 -- streams.codes.RemoteCallOutcome), kept in a reference table the accounting rows point to; values written
--- before are renamed to it (class-name spellings, raw provider status words).
+-- before are renamed to it (class-name spellings, raw provider status words). Likewise an operation's
+-- reason gets a machine code beside it (streams.codes.ReasonCode): both set or both empty; reasons written
+-- before carry 'unclassified'.
 -- depends: 0002.2.reconciliation
 
 CREATE TABLE remote_call_outcomes (
@@ -36,3 +38,17 @@ WHERE outcome NOT IN (SELECT outcome FROM remote_call_outcomes);
 
 ALTER TABLE remote_calls
     ADD CONSTRAINT remote_calls_outcome_known FOREIGN KEY (outcome) REFERENCES remote_call_outcomes (outcome);
+
+CREATE TABLE reason_codes (
+    reason_code text PRIMARY KEY
+);
+INSERT INTO reason_codes (reason_code) VALUES
+    ('unclassified'), ('job_id_via_error'), ('refused'), ('rate_limited'), ('not_sent'), ('unknown_outcome'),
+    ('job_id_not_saved'), ('no_outcome_saved'), ('not_found_by_lookup'), ('adopted_by_lookup'),
+    ('remote_job_failed'), ('max_age'), ('job_not_found'), ('unknown_status'),
+    ('adopted_by_operator'), ('abandoned_by_operator'), ('repolled_by_operator'), ('failed_by_operator');
+
+ALTER TABLE operations ADD COLUMN reason_code text REFERENCES reason_codes (reason_code);
+UPDATE operations SET reason_code = 'unclassified' WHERE reason IS NOT NULL;
+ALTER TABLE operations
+    ADD CONSTRAINT reason_code_with_reason CHECK ((reason IS NULL) = (reason_code IS NULL));

@@ -86,3 +86,28 @@ _LOOKUP_FAILURES = {
     RemoteCallOutcome.JOB_NOT_FOUND: RemoteCallOutcome.LOOKUP_TRANSIENT,
     RemoteCallOutcome.UNKNOWN_STATUS: RemoteCallOutcome.LOOKUP_TRANSIENT,
 }
+
+
+class ReasonCode(enum.StrEnum):
+    """Why an operation carries its reason (``operations.reason_code``, stored beside the text ``reason`` people
+    read; a report groups by it). The ledger keeps both set or both empty; rows written before the codes
+    existed carry :attr:`UNCLASSIFIED`."""
+
+    UNCLASSIFIED = "unclassified"  # written before reason codes existed
+    JOB_ID_VIA_ERROR = "job_id_via_error"  # submitted: the job id came from a 502's error.job_id
+    REFUSED = "refused"  # rejected: a definite 4xx
+    RATE_LIMITED = "rate_limited"  # rejected: still 429 at the submit retry deadline
+    NOT_SENT = "not_sent"  # rejected: never sent within the submit retry deadline
+    UNKNOWN_OUTCOME = "unknown_outcome"  # uncertain: sent, answer unknown
+    JOB_ID_NOT_SAVED = "job_id_not_saved"  # uncertain: a job was created but its id could not be saved
+    NO_OUTCOME_SAVED = "no_outcome_saved"  # uncertain: left in submitting (dispatcher died mid-POST)
+    NOT_FOUND_BY_LOOKUP = "not_found_by_lookup"  # uncertain: the reconciler's lookup found no job
+    ADOPTED_BY_LOOKUP = "adopted_by_lookup"  # submitted: the reconciler adopted the job it found
+    REMOTE_JOB_FAILED = "remote_job_failed"  # failed: the provider's error (or an unusable answer)
+    MAX_AGE = "max_age"  # stalled: observed too long without reaching a terminal state
+    JOB_NOT_FOUND = "job_not_found"  # stalled: 404 past the grace window
+    UNKNOWN_STATUS = "unknown_status"  # stalled: unknown statuses in a row
+    ADOPTED_BY_OPERATOR = "adopted_by_operator"
+    ABANDONED_BY_OPERATOR = "abandoned_by_operator"
+    REPOLLED_BY_OPERATOR = "repolled_by_operator"
+    FAILED_BY_OPERATOR = "failed_by_operator"

@@ -28,7 +28,7 @@ from typing import Any
 import tenacity
 
 from streams import contracts, exactjson, jsontext, metrics
-from streams.codes import RemoteCallOutcome
+from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.config import lease_key
 from streams.errors import (
     CoordinationBusyError,
@@ -203,14 +203,16 @@ class Dispatcher:
             log.warning("operation %s: left submitting while a retry waited; not sending again", operation_id)
             return
         except RemoteRefusedError as exc:  # includes 429 past the deadline: nothing was created
-            await self._finish_without_job(operation_id, fencing, OperationState.REJECTED, str(exc))
+            code = ReasonCode.RATE_LIMITED if isinstance(exc, RemoteRateLimitedError) else ReasonCode.REFUSED
+            await self._finish_without_job(operation_id, fencing, OperationState.REJECTED, str(exc), code)
             return
         except RemoteNotSentError as exc:
             why = f"never sent within {settings.submit_retry_deadline_s:.0f} s (nothing created): {exc}"
-            await self._finish_without_job(operation_id, fencing, OperationState.REJECTED, why)
+            await self._finish_without_job(operation_id, fencing, OperationState.REJECTED, why, ReasonCode.NOT_SENT)
             return
         except RemoteUnknownOutcomeError as exc:
-            await self._finish_without_job(operation_id, fencing, OperationState.UNCERTAIN, str(exc))
+            code = ReasonCode.UNKNOWN_OUTCOME
+            await self._finish_without_job(operation_id, fencing, OperationState.UNCERTAIN, str(exc), code)
             return
         finally:
             await holder[0].release()
@@ -224,7 +226,8 @@ class Dispatcher:
         except LedgerDataError as exc:  # e.g. the API returned a job id another operation already holds
             log.error("operation %s: job %s created but its id cannot be saved: %s", operation_id, result.job_id, exc)
             why = f"remote job {result.job_id} was created but its id could not be saved ({exc}); reconcile by hand"
-            await self._finish_without_job(operation_id, fencing, OperationState.UNCERTAIN, why)
+            code = ReasonCode.JOB_ID_NOT_SAVED
+            await self._finish_without_job(operation_id, fencing, OperationState.UNCERTAIN, why, code)
             return
         if saved:
             metrics.SUBMISSIONS.labels("submitted").inc()
@@ -259,10 +262,12 @@ class Dispatcher:
         )
         return result
 
-    async def _finish_without_job(self, operation_id: str, fencing: int, state: OperationState, reason: str) -> None:
+    async def _finish_without_job(
+        self, operation_id: str, fencing: int, state: OperationState, reason: str, code: ReasonCode
+    ) -> None:
         saved = await self.rt.until_ledger(
             f"save {state}",
-            lambda: self.rt.ledger.save_submission_without_job(operation_id, fencing, state, reason),
+            lambda: self.rt.ledger.save_submission_without_job(operation_id, fencing, state, reason, code),
         )
         if saved:
             metrics.SUBMISSIONS.labels(state.value).inc()

@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 
 from streams import exactjson
-from streams.codes import RemoteCallOutcome
+from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.errors import LedgerDataError, LedgerUnavailableError, OperatorActionRefusedError, UnknownOperationError
 from streams.remote import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.sql import ACCOUNTING, RECONCILE
@@ -205,14 +205,21 @@ class Ledger:
         return saved is not None
 
     async def save_submission_without_job(
-        self, operation_id: str, fencing_token: int, state: OperationState, reason: str
+        self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode
     ) -> bool:
-        """Fenced: ``submitting -> rejected|uncertain`` with ``reason``; False when refused."""
+        """Fenced: ``submitting -> rejected|uncertain`` with ``reason`` and its ``reason_code``; False when
+        refused."""
         if state not in (OperationState.REJECTED, OperationState.UNCERTAIN):
             raise ValueError(f"a submission without a job ends rejected or uncertain, not {state}")
         async with _guard(f"save {state} for {operation_id}"):
             saved = await self.pool.fetchval(
-                Q.save_submission_without_job, operation_id, fencing_token, state.value, clean_text(reason), self.worker
+                Q.save_submission_without_job,
+                operation_id,
+                fencing_token,
+                state.value,
+                clean_text(reason),
+                self.worker,
+                reason_code,
             )
         return saved is not None
 

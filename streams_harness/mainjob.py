@@ -385,7 +385,9 @@ async def collect_report(
     """Gather the independent records (ledger, simulator, Kafka read-back) and build the report."""
     rows = await pool.fetch(REPORT.run_operations, pattern)
     ledger = [
-        LedgerOperation(r["operation_id"], r["state"], r["reason"], r["accepted_at_ms"], r["final_at_ms"], r["outputs"])
+        LedgerOperation(
+            r["operation_id"], r["state"], r["reason_code"], r["accepted_at_ms"], r["final_at_ms"], r["outputs"]
+        )
         for r in rows
     ]
     async with httpx.AsyncClient(timeout=30.0) as client:

@@ -48,11 +48,12 @@ class LedgerAccounting:
 
 @dataclass(frozen=True)
 class LedgerOperation:
-    """One operation as the ledger holds it."""
+    """One operation as the ledger holds it; ``reason_code`` is its :class:`streams.codes.ReasonCode` value (None
+    when it has no reason)."""
 
     operation_id: str
     state: str
-    reason: str | None
+    reason_code: str | None
     accepted_at_ms: int
     final_at_ms: int | None
     outputs: int
@@ -152,9 +153,9 @@ def build_report(
         first = min(o.accepted_at_ms for o in ops.values())
         last = max(o.final_at_ms or o.accepted_at_ms for o in final)
         span_s = max(0.001, (last - first) / 1000.0)
-    uncertain = Counter(_reason_kind(o.reason) for o in ops.values() if o.state == "uncertain")
-    rejected = Counter(_reason_kind(o.reason) for o in ops.values() if o.state == "rejected")
-    stalled = Counter(_reason_kind(o.reason) for o in ops.values() if o.state == "stalled")
+    uncertain = Counter(o.reason_code or "unknown" for o in ops.values() if o.state == "uncertain")
+    rejected = Counter(o.reason_code or "unknown" for o in ops.values() if o.state == "rejected")
+    stalled = Counter(o.reason_code or "unknown" for o in ops.values() if o.state == "stalled")
     for state in ALWAYS_SHOWN_STATES:
         by_state.setdefault(state, 0)
     stuck_gets = [
@@ -234,14 +235,6 @@ def _decimal(value: Any) -> Decimal:
 
 def _decimal_text(value: Decimal) -> str:
     return format(value.normalize(), "f") if value else "0"
-
-
-def _reason_kind(reason: str | None) -> str:
-    """A short grouping key for a reason text (its first clause)."""
-    if not reason:
-        return "unknown"
-    text = reason.split(": ", 1)[1] if reason.startswith("operation ") and ": " in reason else reason
-    return text.split(";")[0].split("(")[0].strip()[:80]
 
 
 def render_table(report: Mapping[str, Any]) -> str:

@@ -34,6 +34,7 @@ WITH saved AS (
     SET state = 'submitted',
         remote_job_id = $3,
         reason = $5,
+        reason_code = CASE WHEN $5::text IS NULL THEN NULL ELSE 'job_id_via_error' END,
         next_poll_at = now() + make_interval(secs => $4),
         next_lookup_at = NULL,
         updated_by = $6
@@ -52,10 +53,10 @@ SELECT operation_id FROM saved;
 
 -- name: save_submission_without_job
 -- Fenced: submitting -> rejected (definite refusal) or uncertain (unknown outcome), with its reason.
--- $1 operation_id, $2 fencing_token, $3 new state ('rejected' | 'uncertain'), $4 reason, $5 worker.
--- Returns operation_id, or no row when refused by the fencing value or the state.
+-- $1 operation_id, $2 fencing_token, $3 new state ('rejected' | 'uncertain'), $4 reason, $5 worker,
+-- $6 reason code. Returns operation_id, or no row when refused by the fencing value or the state.
 UPDATE operations
-SET state = $3::operation_state, reason = $4, updated_by = $5
+SET state = $3::operation_state, reason = $4, reason_code = $6, updated_by = $5
 WHERE operation_id = $1 AND fencing_token = $2 AND state = 'submitting'
 RETURNING operation_id;
 
@@ -68,6 +69,7 @@ UPDATE operations AS o
 SET state = 'uncertain',
     reason = 'no outcome saved within ' || $1::text || ' s of submitting (dispatcher died or lost contact '
              'mid-flight); the POST may have created a job: reconcile, never resubmit automatically',
+    reason_code = 'no_outcome_saved',
     updated_by = $3
 FROM (SELECT operation_id FROM operations
       WHERE state = 'submitting' AND updated_at < now() - make_interval(secs => $1)
@@ -136,6 +138,7 @@ WITH saved AS (
                             ELSE now() + make_interval(secs => $5::double precision) END,
         remote_completed_at = COALESCE(to_timestamp($6::double precision / 1000.0), o.remote_completed_at),
         reason = $7,
+        reason_code = CASE WHEN $7::text IS NULL THEN NULL ELSE 'remote_job_failed' END,
         updated_by = $10
     WHERE o.operation_id = $1
       AND o.fencing_token = $2
@@ -201,6 +204,7 @@ WITH stalled AS (
     UPDATE operations
     SET state = 'stalled',
         reason = $3,
+        reason_code = 'max_age',
         last_observation = $4::jsonb,
         last_observed_at = now(),
         next_poll_at = NULL,
@@ -225,6 +229,8 @@ UPDATE operations AS o
 SET state = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN 'stalled'
                  ELSE o.state END,
     reason = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN $5 ELSE o.reason END,
+    reason_code = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN 'job_not_found'
+                       ELSE o.reason_code END,
     last_observation = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN $6::jsonb
                             ELSE o.last_observation END,
     next_poll_at = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN NULL
@@ -243,6 +249,7 @@ RETURNING o.state::text AS state;
 UPDATE operations AS o
 SET state = CASE WHEN o.unknown_status_count + 1 >= $3 THEN 'stalled' ELSE o.state END,
     reason = CASE WHEN o.unknown_status_count + 1 >= $3 THEN $5 ELSE o.reason END,
+    reason_code = CASE WHEN o.unknown_status_count + 1 >= $3 THEN 'unknown_status' ELSE o.reason_code END,
     last_observation = $6::jsonb,
     next_poll_at = CASE WHEN o.unknown_status_count + 1 >= $3 THEN NULL
                         ELSE now() + make_interval(secs => $4) END,

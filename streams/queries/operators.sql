@@ -14,6 +14,7 @@ WITH adopted AS (
     SET state = 'submitted',
         remote_job_id = $2,
         reason = $3,
+        reason_code = 'adopted_by_operator',
         fencing_token = fencing_token + 1,
         next_poll_at = now(),
         next_lookup_at = NULL,
@@ -33,6 +34,7 @@ SELECT transition_seq, fencing_token FROM adopted;
 UPDATE operations
 SET state = 'rejected',
     reason = $2,
+    reason_code = 'abandoned_by_operator',
     fencing_token = fencing_token + 1,
     next_lookup_at = NULL,
     updated_by = $3
@@ -46,6 +48,7 @@ RETURNING transition_seq, fencing_token;
 UPDATE operations
 SET state = 'submitted',
     reason = $2,
+    reason_code = 'repolled_by_operator',
     fencing_token = fencing_token + 1,
     next_poll_at = now(),
     observing_since = now(),
@@ -61,6 +64,7 @@ RETURNING transition_seq, fencing_token;
 UPDATE operations
 SET state = 'failed',
     reason = $2,
+    reason_code = 'failed_by_operator',
     fencing_token = fencing_token + 1,
     updated_by = $3
 WHERE operation_id = $1 AND state = 'stalled'

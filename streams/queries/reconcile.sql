@@ -37,6 +37,7 @@ WITH adopted AS (
     SET state = 'submitted',
         remote_job_id = $3,
         reason = $4,
+        reason_code = 'adopted_by_lookup',
         next_poll_at = now() + make_interval(secs => $5),
         next_lookup_at = NULL,
         updated_by = $7
@@ -60,6 +61,7 @@ UPDATE operations
 SET lookup_gave_up_at = now(),
     next_lookup_at = NULL,
     reason = left($3 || '; became uncertain: ' || reason, 2000),
+    reason_code = 'not_found_by_lookup',
     updated_by = $4
 WHERE operation_id = $1 AND fencing_token = $2 AND state = 'uncertain'
 RETURNING operation_id;

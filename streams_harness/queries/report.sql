@@ -1,10 +1,11 @@
 -- Named queries for reports and progress (read-only).
 
 -- name: run_operations
--- $1 operation id LIKE pattern. One row per operation with its final-transition time and output count.
+-- $1 operation id LIKE pattern. One row per operation with its reason code, final-transition time and output
+-- count.
 SELECT o.operation_id,
        o.state::text AS state,
-       o.reason,
+       o.reason_code,
        floor(extract(epoch FROM o.accepted_at) * 1000)::bigint AS accepted_at_ms,
        (SELECT floor(extract(epoch FROM max(t.at)) * 1000)::bigint
         FROM transitions t WHERE t.operation_id = o.operation_id) AS final_at_ms,

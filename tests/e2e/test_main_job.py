@@ -163,7 +163,7 @@ async def test_lookup_on_reconciles_every_uncertain_operation_whose_job_exists(t
     assert report["operations_final"] == 200, out.getvalue()[-3000:]
     assert report["uncertain_with_provider_job"] == 0
     assert report["reconciled"]["automatic"] > 0
-    assert set(report["uncertain_reasons"]) <= {"not found by lookup"}
+    assert set(report["uncertain_reasons"]) <= {"not_found_by_lookup"}
     assert report["max_jobs_per_operation"] == 1 and report["orphan_jobs"] == 0
     assert report["outputs_undelivered"] == 0 and report["state_regressions"] == 0
     assert report["charges_total"]["provider"] == report["charges_total"]["recorded"]

@@ -40,7 +40,7 @@ def submission(op: str, generated: int = 20, request: str | None = None) -> RawM
 
 async def op_row(pool: asyncpg.Pool, op: str) -> asyncpg.Record:
     row = await pool.fetchrow(
-        "SELECT state::text AS state, remote_job_id, reason FROM operations WHERE operation_id=$1", op
+        "SELECT state::text AS state, remote_job_id, reason, reason_code FROM operations WHERE operation_id=$1", op
     )
     assert row is not None
     return row
@@ -72,6 +72,7 @@ async def test_502_with_job_id_saves_that_job(runtime: Runtime, pool: asyncpg.Po
     row = await op_row(pool, "op-502")
     assert record["posts"] == 1
     assert row["state"] == "submitted" and row["remote_job_id"] == record["jobs"][0]["job_id"]
+    assert row["reason_code"] == "job_id_via_error" and row["reason"] == "job id from HTTP 502 error.job_id"
 
 
 @pytest.mark.parametrize(
@@ -89,7 +90,7 @@ async def test_unknown_outcomes_end_uncertain_without_second_post(
     await Dispatcher(runtime).handle(submission("op-u"))
     row = await op_row(pool, "op-u")
     assert row["state"] == "uncertain"
-    assert reason_part in row["reason"]
+    assert reason_part in row["reason"] and row["reason_code"] == "unknown_outcome"
     assert (await simulator.get("/_sim/operations/op-u"))["posts"] == 1
 
 
@@ -148,6 +149,7 @@ async def test_definite_refusal_ends_rejected(runtime: Runtime, pool: asyncpg.Po
     await Dispatcher(runtime).handle(submission("op-400", generated=0))
     row = await op_row(pool, "op-400")
     assert row["state"] == "rejected" and "HTTP 400 invalid_request" in row["reason"]
+    assert row["reason_code"] == "refused"
     assert "max_tokens" in row["reason"]
     record = await simulator.get("/_sim/operations/op-400")
     assert (record["post_statuses"], record["jobs"]) == ([400], [])

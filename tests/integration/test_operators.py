@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from streams.codes import RemoteCallOutcome
+from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.errors import OperatorActionRefusedError, UnknownOperationError
 from streams.ledger import Ledger
 from streams.remote import JobSnapshot
@@ -23,7 +23,9 @@ async def uncertain(ledger: Ledger, op: str) -> int:
     assert await ledger.accept(op, REQUEST, submitted_at_ms=0)
     fencing = await ledger.claim_for_submit(op)
     assert fencing is not None
-    assert await ledger.save_submission_without_job(op, fencing, S.UNCERTAIN, "connection lost after send")
+    assert await ledger.save_submission_without_job(
+        op, fencing, S.UNCERTAIN, "connection lost after send", ReasonCode.UNKNOWN_OUTCOME
+    )
     return fencing
 
 
@@ -38,7 +40,8 @@ async def submitted(ledger: Ledger, op: str, job: str) -> int:
 async def stalled(ledger: Ledger, pool: asyncpg.Pool, op: str, job: str) -> None:
     await submitted(ledger, op, job)
     await pool.execute(
-        "UPDATE operations SET state = 'stalled', reason = 'status aborted 5 times', next_poll_at = NULL,"
+        "UPDATE operations SET state = 'stalled', reason = 'status aborted 5 times', reason_code = 'unknown_status',"
+        " next_poll_at = NULL,"
         ' last_observation = \'{"http_status": 200, "body": "{}"}\', unknown_status_count = 5'
         " WHERE operation_id = $1",
         op,
@@ -104,7 +107,7 @@ async def test_adopt_and_abandon_refuse_every_state_but_uncertain(
         }[state]
         for step in path:
             await pool.execute(
-                "UPDATE operations SET state = $2::operation_state, reason = 'r',"
+                "UPDATE operations SET state = $2::operation_state, reason = 'r', reason_code = 'unclassified',"
                 " remote_job_id = CASE WHEN $2 IN ('submitted', 'succeeded') THEN 'job-x' END"
                 " WHERE operation_id = $1",
                 op,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
+from streams.codes import ReasonCode
 from streams.downstream import read_topic_to_end
 from streams.reconciler import Reconciler
 from streams.relay import OutboxRelay
@@ -29,7 +30,11 @@ async def uncertain_operation(runtime: Runtime, op: str, posts: int) -> list[str
     assert fencing is not None
     jobs = [(await runtime.remote.submit(op, REQUEST)).job_id for _ in range(posts)]
     assert await runtime.ledger.save_submission_without_job(
-        op, fencing, OperationState.UNCERTAIN, "connection lost after send; a job may exist"
+        op,
+        fencing,
+        OperationState.UNCERTAIN,
+        "connection lost after send; a job may exist",
+        ReasonCode.UNKNOWN_OUTCOME,
     )
     return jobs
 
@@ -69,6 +74,7 @@ async def test_one_job_found_is_adopted_then_observed_as_usual_and_published(
     row = await operation(pool, "op-one")
     assert (row["state"], row["remote_job_id"]) == ("submitted", job)
     assert row["reason"] == f"adopted job {job} found by lookup of the client reference"
+    assert row["reason_code"] == "adopted_by_lookup"
     assert (await transitions(pool, "op-one"))[-1] == (4, "uncertain", "submitted")
     assert await accounting(pool, "op-one") == [(job, "lookup")]
 
@@ -102,7 +108,7 @@ async def test_none_found_after_the_lag_is_left_for_a_person(
     await reconcile_until_claimed(reconciler)
     row = await operation(pool, "op-none")
     assert row["state"] == "uncertain" and row["lookup_gave_up_at"] is not None
-    assert row["reason"].startswith("not found by lookup; looked up ")
+    assert row["reason"].startswith("not found by lookup; looked up ") and row["reason_code"] == "not_found_by_lookup"
     assert row["reason"].endswith("became uncertain: connection lost after send; a job may exist")
     assert row["fencing_token"] == fencing + 1
     assert await reconciler.tick() == 0  # looked up once after the lag; then it is a person's

@@ -73,6 +73,7 @@ async def test_404_past_the_grace_window_stalls_with_reason_and_raw_answer_and_s
     assert await poll_now(runtime, pool, "op-404-out")
     row = await operation(pool, "op-404-out")
     assert row["state"] == "stalled" and row["next_poll_at"] is None
+    assert row["reason_code"] == "job_not_found"
     assert row["reason"].startswith("not found (404) more than 0 s after the job id was saved; remote job job_")
     assert row["last_observation"]["http_status"] == 404
     assert orjson.loads(row["last_observation"]["body"])["error"]["code"] == "not_found"
@@ -100,6 +101,7 @@ async def test_an_unknown_status_n_times_in_a_row_stalls_after_exactly_n_gets(
     row = await operation(pool, op)
     answered = orjson.loads(row["last_observation"]["body"])["status"]
     assert answered == job["unknown_status"] and answered in ("aborted", "paused", None)
+    assert row["reason_code"] == "unknown_status"
     assert row["reason"].startswith(f"a status this client does not know, {limit} times in a row; remote job job_")
 
 
@@ -132,6 +134,7 @@ async def test_a_job_that_never_finishes_stalls_at_the_maximum_age_with_gets_bou
 
     await wait_for(stalled, 10, "the job to stall at the maximum observation age")
     row = await operation(pool, "op-forever")
+    assert row["reason_code"] == "max_age"
     assert row["reason"].startswith("observed for more than 1 s without becoming terminal; remote job job_")
     assert row["last_observation"]["status"] == "running"  # the last answer, kept
     gets = (await sim_job(simulator, "op-forever"))["gets"]

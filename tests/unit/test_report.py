@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from streams.codes import ReasonCode
 from streams_harness.report import LedgerAccounting, LedgerOperation, broken_promises, build_report
 
 
-def op(operation_id: str, state: str, reason: str | None = None) -> LedgerOperation:
-    return LedgerOperation(operation_id, state, reason, 1_000, 2_000, 1 if state == "succeeded" else 0)
+def op(operation_id: str, state: str, reason_code: ReasonCode | None = None) -> LedgerOperation:
+    return LedgerOperation(operation_id, state, reason_code, 1_000, 2_000, 1 if state == "succeeded" else 0)
 
 
 def job(operation_id: str, status: str, gets: int, charge: str = "0.5", **extra: Any) -> dict[str, Any]:
@@ -30,10 +31,10 @@ def report(lookup: bool) -> dict[str, Any]:
     ledger = [
         op("a", "succeeded"),
         op("b", "failed"),
-        op("c", "stalled", "a status this client does not know, 5 times in a row; remote job x, last answer: .."),
-        op("d", "stalled", "not found (404) more than 60 s after the job id was saved; remote job y may be lost"),
-        op("e", "uncertain", "not found by lookup; looked up 3 s after the outcome became unknown"),
-        op("f", "uncertain", "connection lost after send"),
+        op("c", "stalled", ReasonCode.UNKNOWN_STATUS),
+        op("d", "stalled", ReasonCode.JOB_NOT_FOUND),
+        op("e", "uncertain", ReasonCode.NOT_FOUND_BY_LOOKUP),
+        op("f", "uncertain", ReasonCode.UNKNOWN_OUTCOME),
         op("g", "succeeded"),
     ]
     sim_jobs = [
@@ -65,11 +66,8 @@ def report(lookup: bool) -> dict[str, Any]:
 def test_reconciliation_and_accounting_figures() -> None:
     r = report(lookup=False)
     assert r["operations_by_state"] == {"failed": 1, "stalled": 2, "succeeded": 2, "uncertain": 2}
-    assert r["stalled_reasons"] == {
-        "a status this client does not know, 5 times in a row": 1,
-        "not found": 1,
-    }
-    assert r["uncertain_reasons"] == {"not found by lookup": 1, "connection lost after send": 1}
+    assert r["stalled_reasons"] == {"unknown_status": 1, "job_not_found": 1}
+    assert r["uncertain_reasons"] == {"not_found_by_lookup": 1, "unknown_outcome": 1}
     assert r["uncertain_with_provider_job"] == 1  # f: its job exists at the provider
     assert r["reconciled"] == {"automatic": 1, "by_person": 2, "late_answer": 0}
     assert r["duplicate_creations"] == {"provider": 1, "recorded": 1}

@@ -83,7 +83,7 @@ EXPECTED_ARITY = {
     "accept_operation": 5,
     "claim_for_submit": 2,
     "save_submitted": 6,
-    "save_submission_without_job": 5,
+    "save_submission_without_job": 6,
     "reconcile_stale_submitting": 3,
     "claim_due_polls": 2,
     "get_operation": 1,
