@@ -29,7 +29,6 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
     KafkaConnectionError,
     KafkaError,
-    KafkaTimeoutError,
     TopicAlreadyExistsError,
     UnknownTopicOrPartitionError,
     for_code,
@@ -40,6 +39,7 @@ from yoyo.migrations import MigrationList
 
 from streams.config import Settings, mask_url
 from streams.errors import KafkaAdminError, MissingResourceError
+from streams.failures import is_outage
 
 log = logging.getLogger(__name__)
 
@@ -101,21 +101,6 @@ ADMIN_RETRY_MAX_S = 2.0
 ADMIN_RETRY_JITTER_S = 0.1
 
 
-def is_retriable_kafka_error(exc: BaseException) -> bool:
-    """True when retrying the same Kafka admin call can succeed.
-
-    Retriable: errors aiokafka marks ``retriable`` (among them group coordinator not available, not coordinator,
-    coordinator load in progress, leader not available, not controller, request timed out, connection errors,
-    node not ready), aiokafka's client-side timeout, and the OS-level connection errors and timeouts under them.
-    Everything else is a definite answer (invalid topic name, policy violation, authorization) that retrying
-    cannot change. Source of the rule: the ``retriable`` flag of the Kafka protocol's error codes, as aiokafka
-    carries it.
-    """
-    if isinstance(exc, KafkaError):
-        return bool(exc.retriable) or isinstance(exc, KafkaTimeoutError)
-    return isinstance(exc, OSError | TimeoutError)
-
-
 def _raise_for_code(error_code: int, message: str) -> None:
     """Raise the aiokafka error of a non-zero Kafka protocol ``error_code`` (responses carry them unraised)."""
     if error_code:
@@ -140,7 +125,7 @@ class KafkaAdmin:
     """A Kafka admin client whose every call retries the broker's retriable errors within a deadline.
 
     Use ``async with KafkaAdmin(settings) as admin``. Each call may take up to ``deadline_s`` seconds (default
-    ``settings.kafka_admin_deadline_s``), including connecting; :func:`is_retriable_kafka_error` decides what is
+    ``settings.kafka_admin_deadline_s``), including connecting; :func:`streams.failures.is_outage` decides what is
     retried (exponential backoff with jitter, 0.1 s up to 2 s). A connection error drops the client, so the next
     attempt bootstraps afresh.
 
@@ -205,7 +190,7 @@ class KafkaAdmin:
                 raise
 
         retrying = AsyncRetrying(
-            retry=retry_if_exception(is_retriable_kafka_error),
+            retry=retry_if_exception(is_outage),
             stop=stop_after_delay(budget_s),
             wait=wait_exponential(multiplier=ADMIN_RETRY_INITIAL_S, max=ADMIN_RETRY_MAX_S)
             + wait_random(0, ADMIN_RETRY_JITTER_S),

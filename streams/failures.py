@@ -4,7 +4,8 @@
 exception (or, for a wrapper, the exception it chains)      kind      what the caller does
 =========================================================== ========= ==================================
 ``LedgerUnavailableError``; asyncpg connection errors,      OUTAGE    wait it out (log at most every 5 s
-``InterfaceError``, class 53/57 (too many connections,                per service, count it)
+``InterfaceError``, ``InternalClientError``, class 53/57              per service, count it)
+(too many connections,
 shutdown, cannot connect now)
 ``CoordinationUnavailableError``; redis ``ConnectionError``, OUTAGE
 ``TimeoutError``, ``BusyLoadingError``
@@ -65,6 +66,9 @@ POSTGRES_OUTAGE: tuple[type[BaseException], ...] = (
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
+    # raised when a connection broke mid-operation and its protocol state is left inconsistent
+    asyncpg.InternalClientError,
+    # class 53: too many connections, out of memory or disk; transient from a worker's point of view
     asyncpg.InsufficientResourcesError,
 )
 REDIS_OUTAGE: tuple[type[BaseException], ...] = (
@@ -93,6 +97,12 @@ def classify(exc: BaseException) -> Failure:
             break
         exc = cause
     return Failure(FailureKind.ERROR)
+
+
+def is_outage(exc: BaseException) -> bool:
+    """True when ``exc`` is an outage (:attr:`FailureKind.OUTAGE` by :func:`classify`): retrying the same call
+    later can succeed. The one rule the ledger, the readiness checks and the Kafka admin calls retry by."""
+    return classify(exc).kind is FailureKind.OUTAGE
 
 
 def _classify_one(exc: BaseException) -> Failure | None:

@@ -9,7 +9,6 @@ trigger; the ``operations_log_transition`` trigger writes the transition log and
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import enum
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,35 +20,24 @@ import asyncpg
 from streams import exactjson
 from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.errors import LedgerDataError, LedgerUnavailableError, OperatorActionRefusedError, UnknownOperationError
+from streams.failures import is_outage
 from streams.remote import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.sql import ACCOUNTING, RECONCILE
 from streams.sql import LEDGER as Q
 from streams.sql import OPERATORS as OPS
 from streams.states import POLLABLE, OperationState, can_transition, is_terminal
 
-_UNAVAILABLE = (
-    OSError,
-    asyncio.TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.AdminShutdownError,
-    asyncpg.CrashShutdownError,
-    # raised when a connection broke mid-operation and its protocol state is left inconsistent
-    asyncpg.InternalClientError,
-    # class 53: too many connections, out of memory or disk; transient from a worker's point of view
-    asyncpg.InsufficientResourcesError,
-)
-
 
 @contextlib.asynccontextmanager
 async def _guard(what: str) -> AsyncIterator[None]:
     try:
         yield
-    except _UNAVAILABLE as exc:
-        raise LedgerUnavailableError(f"PostgreSQL unavailable during {what}: {type(exc).__name__}: {exc}") from exc
     except (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError) as exc:
         raise LedgerDataError(f"PostgreSQL refused the values of {what}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        if is_outage(exc):  # streams.failures: connection errors, shutdown, too many connections, timeouts
+            raise LedgerUnavailableError(f"PostgreSQL unavailable during {what}: {type(exc).__name__}: {exc}") from exc
+        raise
 
 
 def _encode_json(value: Any) -> str:

@@ -23,11 +23,12 @@ from pathlib import Path
 import asyncpg
 import redis.asyncio as aioredis
 import redis.exceptions
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential, wait_random
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
 
 from streams.admin import KafkaAdmin
 from streams.config import Settings
 from streams.errors import KafkaAdminError, ServiceNotReadyError
+from streams.failures import is_outage
 
 SERVICES = ("postgres", "redis", "kafka")
 #: Redis key of a readiness probe (one per check, expires by itself).
@@ -40,21 +41,10 @@ RETRY_JITTER_S = 0.05
 #: How often a watched server process is checked for having exited (seconds).
 PID_CHECK_INTERVAL_S = 0.2
 
-_TRANSIENT_POSTGRES = (OSError, TimeoutError, asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError)
-_TRANSIENT_REDIS = (
-    OSError,
-    TimeoutError,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.BusyLoadingError,
-)
 
-
-async def _retry_transient(
-    check: Callable[[], Awaitable[str]], transient: tuple[type[BaseException], ...], deadline_s: float
-) -> str:
+async def _retry_transient(check: Callable[[], Awaitable[str]], deadline_s: float) -> str:
     retrying = AsyncRetrying(
-        retry=retry_if_exception_type(transient),
+        retry=retry_if_exception(is_outage),
         stop=stop_after_delay(deadline_s),
         wait=wait_exponential(multiplier=RETRY_INITIAL_S, max=RETRY_MAX_S) + wait_random(0, RETRY_JITTER_S),
         reraise=True,
@@ -62,9 +52,9 @@ async def _retry_transient(
     return await retrying(check)
 
 
-def _failure(what: str, exc: BaseException, transient: tuple[type[BaseException], ...], deadline_s: float) -> str:
-    """``what`` failed: still transient at the deadline, or a definite refusal (not retried)."""
-    if isinstance(exc, transient):
+def _failure(what: str, exc: BaseException, deadline_s: float) -> str:
+    """``what`` failed: still an outage at the deadline, or a definite refusal (not retried)."""
+    if is_outage(exc):
         return f"{what} within {deadline_s:.0f} s (last error: {type(exc).__name__}: {exc})"
     return f"{what}: refused with {type(exc).__name__}: {exc}"
 
@@ -86,17 +76,13 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
             await conn.close()
 
     try:
-        return await _retry_transient(check, _TRANSIENT_POSTGRES, deadline_s)
-    except (*_TRANSIENT_POSTGRES, asyncpg.PostgresError) as exc:
+        return await _retry_transient(check, deadline_s)
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         where = settings.database_url.get_secret_value().rpartition("@")[2]  # host, port, database
         raise ServiceNotReadyError(
             "postgres",
-            _failure(f"{where} did not answer a query", exc, _TRANSIENT_POSTGRES, deadline_s)
-            + (
-                ""
-                if isinstance(exc, _TRANSIENT_POSTGRES)
-                else "; `scripts/services up` (as root) creates the role and databases"
-            ),
+            _failure(f"{where} did not answer a query", exc, deadline_s)
+            + ("" if is_outage(exc) else "; `scripts/services up` (as root) creates the role and databases"),
         ) from exc
 
 
@@ -122,11 +108,12 @@ async def check_redis(settings: Settings, deadline_s: float) -> str:
             await client.aclose()
 
     try:
-        return await _retry_transient(check, _TRANSIENT_REDIS, deadline_s)
-    except (*_TRANSIENT_REDIS, redis.exceptions.RedisError) as exc:
+        return await _retry_transient(check, deadline_s)
+    except (OSError, TimeoutError, redis.exceptions.RedisError) as exc:
         raise ServiceNotReadyError(
             # a SecretUrl formats with its password masked
-            "redis", _failure(f"{settings.redis_url} did not answer SET/GET", exc, _TRANSIENT_REDIS, deadline_s),
+            "redis",
+            _failure(f"{settings.redis_url} did not answer SET/GET", exc, deadline_s),
         ) from exc
 
 

@@ -10,9 +10,10 @@ from typing import Any
 import aiokafka.errors as ke
 import pytest
 
-from streams.admin import KafkaAdmin, is_retriable_kafka_error
+from streams.admin import KafkaAdmin
 from streams.config import Settings
 from streams.errors import KafkaAdminError, StreamsError
+from streams.failures import is_outage
 
 
 @pytest.mark.parametrize(
@@ -36,7 +37,7 @@ from streams.errors import KafkaAdminError, StreamsError
     ids=lambda exc: type(exc).__name__,
 )
 def test_retriable(exc: BaseException) -> None:
-    assert is_retriable_kafka_error(exc) is True
+    assert is_outage(exc) is True
 
 
 @pytest.mark.parametrize(
@@ -53,7 +54,7 @@ def test_retriable(exc: BaseException) -> None:
     ids=lambda exc: type(exc).__name__,
 )
 def test_definite(exc: BaseException) -> None:
-    assert is_retriable_kafka_error(exc) is False
+    assert is_outage(exc) is False
 
 
 class ScriptedAdmin(KafkaAdmin):
