@@ -1,0 +1,604 @@
+"""Fakes for the fast unit tier: an in-memory ledger, leases on an in-process Redis, a provider behind
+``httpx.MockTransport``, and a :class:`~streams.runtime.Runtime` built from them.
+
+:class:`InMemoryLedger` implements the methods of :class:`streams.ledger.Ledger` that the dispatcher, the observer
+(with its stall rules), the poll scheduler, the reconciler and the outbox relay call, with the same rules as the
+SQL in ``streams/queries`` and the triggers of the migrations:
+
+* every state change must be legal (:func:`streams.states.can_transition`; the ``operations_guard`` trigger);
+* a fenced save names the fencing value of its claim and touches nothing when a newer claim took another one;
+* the fencing value never goes back; a saved job id never changes and belongs to one operation;
+* every state change writes one transition (``seq`` numbered) and its outbox event, as
+  ``operations_log_transition`` does; a ``succeeded`` observation writes one outbox row per output.
+
+Time is the ledger's own clock: real monotonic time plus :meth:`InMemoryLedger.advance`, so a unit test can
+skip a stale-after window or a grace window without waiting, and an integration test can run the fake on real
+time side by side with the real ledger (``tests/integration/test_fake_ledger_contract.py`` compares them).
+Not modelled: the accounting tables (``remote_jobs``, refunds, summaries) beyond the list of remote calls, and
+operators' decisions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import fakeredis
+import httpx
+
+from streams import exactjson
+from streams.config import Settings
+from streams.errors import LedgerDataError, LedgerUnavailableError
+from streams.lease import LeaseManager
+from streams.ledger import DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
+from streams.remote import JobSnapshot, LookupJob, RemoteClient, clean_text, make_http_client
+from streams.runtime import Runtime
+from streams.states import POLLABLE, OperationState, can_transition, is_terminal
+
+S = OperationState
+
+
+@dataclass
+class Operation:
+    """One row of ``operations`` (the columns the pipeline reads or its rules depend on; times in seconds of
+    the ledger's clock)."""
+
+    operation_id: str
+    request: str
+    submitted_at_ms: int
+    source: str | None
+    accepted_at: float
+    updated_by: str
+    state: OperationState = S.ACCEPTED
+    fencing_token: int = 0
+    transition_seq: int = 1
+    remote_job_id: str | None = None
+    poll_claim_id: int = 0
+    next_poll_at: float | None = None
+    poll_count: int = 0
+    reason: str | None = None
+    last_observation: dict[str, Any] | None = None
+    remote_completed_at_ms: int | None = None
+    updated_at: float = 0.0
+    state_entered_at: float = 0.0
+    remote_job_id_saved_at: float | None = None
+    observing_since: float | None = None
+    unknown_status_count: int = 0
+    next_lookup_at: float | None = None
+    lookup_count: int = 0
+    lookup_gave_up_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One row of the transition log."""
+
+    operation_id: str
+    seq: int
+    from_state: OperationState | None
+    to_state: OperationState
+    fencing_token: int
+    reason: str | None
+
+
+@dataclass
+class OutboxRow:
+    """One outbox row; ``payload`` is the event's JSON value."""
+
+    id: int
+    event_id: str
+    topic_role: str
+    operation_id: str
+    output_id: str | None
+    payload: dict[str, Any]
+    published: bool = False
+
+
+@dataclass(frozen=True)
+class RemoteCall:
+    """One accounting row of a remote call attempt."""
+
+    operation_id: str
+    method: str
+    status_code: int | None
+    outcome: str
+    remote_job_id: str | None
+    fencing_token: int | None
+
+
+@dataclass
+class InMemoryLedger:
+    """The ledger in memory (see module docstring). ``worker`` is written as ``updated_by``.
+
+    Set ``unavailable_calls`` to make the next N calls raise :class:`LedgerUnavailableError` (PostgreSQL down).
+    """
+
+    worker: str = "fake-worker"
+    operations: dict[str, Operation] = field(default_factory=dict)
+    transitions: list[Transition] = field(default_factory=list)
+    outbox: list[OutboxRow] = field(default_factory=list)
+    remote_calls: list[RemoteCall] = field(default_factory=list)
+    unavailable_calls: int = 0
+    _offset_s: float = 0.0
+    _t: float = 0.0
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    # --- the clock and the rules -----------------------------------------------------------------------------
+
+    def now(self) -> float:
+        """The ledger's clock (s): monotonic time plus what :meth:`advance` added."""
+        return time.monotonic() + self._offset_s
+
+    def advance(self, seconds: float) -> None:
+        """Move the ledger's clock forward (a window passes without waiting for it)."""
+        self._offset_s += seconds
+
+    def _call(self, what: str) -> None:
+        """Start one statement: its time is fixed (PostgreSQL's ``now()`` is the transaction's time)."""
+        self._t = self.now()
+        if self.unavailable_calls > 0:
+            self.unavailable_calls -= 1
+            raise LedgerUnavailableError(f"PostgreSQL unavailable during {what}: fake outage")
+
+    def _write(self, op: Operation, **changes: Any) -> None:
+        """One UPDATE of ``op`` through the rules of ``operations_guard`` and ``operations_log_transition``."""
+        new = replace(op, **changes)
+        if new.state != op.state and not can_transition(op.state, new.state):
+            raise LedgerDataError(f"illegal transition {op.state} -> {new.state} for operation {op.operation_id}")
+        if new.fencing_token < op.fencing_token:
+            raise LedgerDataError(f"fencing token of operation {op.operation_id} would go back")
+        if op.remote_job_id is not None and new.remote_job_id != op.remote_job_id:
+            raise LedgerDataError(f"remote job id of operation {op.operation_id} is saved and never changes")
+        if op.remote_job_id is None and new.remote_job_id is not None:
+            if any(o.remote_job_id == new.remote_job_id for o in self.operations.values()):
+                raise LedgerDataError(f"remote job id {new.remote_job_id} is already saved for another operation")
+            new.remote_job_id_saved_at = new.observing_since = self._t
+        if new.next_poll_at is not None and new.state not in POLLABLE:
+            raise LedgerDataError(f"operation {op.operation_id}: a poll is scheduled only while pollable")
+        if new.state in (S.UNCERTAIN, S.REJECTED) and new.reason is None:
+            raise LedgerDataError(f"operation {op.operation_id}: {new.state} needs a reason")
+        new.updated_at = self._t
+        changed = new.state != op.state
+        if changed:
+            new.transition_seq = op.transition_seq + 1
+            new.state_entered_at = new.updated_at
+        self.operations[op.operation_id] = new
+        if changed:
+            self._log_transition(new, op.state)
+
+    def _log_transition(self, op: Operation, previous: OperationState | None) -> None:
+        event_id = f"transition:{op.operation_id}:{op.transition_seq}:{op.state}"
+        self.transitions.append(
+            Transition(op.operation_id, op.transition_seq, previous, op.state, op.fencing_token, op.reason)
+        )
+        payload = {
+            "event_id": event_id,
+            "operation_id": op.operation_id,
+            "seq": op.transition_seq,
+            "from_state": None if previous is None else previous.value,
+            "to_state": op.state.value,
+            "fencing_token": op.fencing_token,
+            "remote_job_id": op.remote_job_id,
+            "reason": op.reason,
+            "at_ms": int(time.time() * 1000),
+        }
+        self.outbox.append(OutboxRow(next(self._ids), event_id, "transitions", op.operation_id, None, payload))
+
+    def _fenced(self, operation_id: str, fencing_token: int, states: frozenset[OperationState]) -> Operation | None:
+        op = self.operations.get(operation_id)
+        if op is None or op.fencing_token != fencing_token or op.state not in states:
+            return None
+        return op
+
+    def state(self, operation_id: str) -> OperationState:
+        """The operation's state (test helper)."""
+        return self.operations[operation_id].state
+
+    # --- the ledger's interface ------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Nothing to close."""
+
+    async def accept(
+        self, operation_id: str, request_text: str, *, submitted_at_ms: int, source_text: str | None = None
+    ) -> bool:
+        self._call(f"accept {operation_id}")
+        if operation_id in self.operations:
+            return False
+        now = self._t
+        op = Operation(
+            operation_id,
+            request_text,
+            submitted_at_ms,
+            source_text,
+            accepted_at=now,
+            updated_by=self.worker,
+            updated_at=now,
+            state_entered_at=now,
+        )
+        self.operations[operation_id] = op
+        self._log_transition(op, None)
+        return True
+
+    async def get_operation(self, operation_id: str) -> dict[str, Any] | None:
+        self._call(f"read {operation_id}")
+        op = self.operations.get(operation_id)
+        if op is None:
+            return None
+        return {
+            "operation_id": op.operation_id,
+            "state": op.state.value,
+            "remote_job_id": op.remote_job_id,
+            "fencing_token": op.fencing_token,
+            "poll_claim_id": op.poll_claim_id,
+            "next_poll_at": op.next_poll_at,
+            "poll_count": op.poll_count,
+            "reason": op.reason,
+            "last_observation": op.last_observation,
+            "request": op.request,
+        }
+
+    async def claim_for_submit(self, operation_id: str) -> int | None:
+        self._call(f"claim {operation_id}")
+        op = self.operations.get(operation_id)
+        if op is None or op.state is not S.ACCEPTED:
+            return None
+        self._write(op, state=S.SUBMITTING, fencing_token=op.fencing_token + 1, updated_by=self.worker)
+        return op.fencing_token + 1
+
+    async def save_submitted(
+        self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
+    ) -> bool:
+        self._call(f"save job id of {operation_id}")
+        op = self._fenced(operation_id, fencing_token, frozenset({S.SUBMITTING, S.UNCERTAIN}))
+        if op is None or op.remote_job_id is not None:
+            return False
+        self._write(
+            op,
+            state=S.SUBMITTED,
+            remote_job_id=remote_job_id,
+            reason=reason,
+            next_poll_at=self._t + first_poll_delay_s,
+            next_lookup_at=None,
+            updated_by=self.worker,
+        )
+        return True
+
+    async def save_submission_without_job(
+        self, operation_id: str, fencing_token: int, state: OperationState, reason: str
+    ) -> bool:
+        if state not in (S.REJECTED, S.UNCERTAIN):
+            raise ValueError(f"a submission without a job ends rejected or uncertain, not {state}")
+        self._call(f"save {state} for {operation_id}")
+        op = self._fenced(operation_id, fencing_token, frozenset({S.SUBMITTING}))
+        if op is None:
+            return False
+        self._write(op, state=state, reason=clean_text(reason), updated_by=self.worker)
+        return True
+
+    async def reconcile_stale_submitting(self, stale_after_s: float, batch_size: int) -> list[str]:
+        self._call("reconcile submitting")
+        now = self._t
+        stale = sorted(
+            (o for o in self.operations.values() if o.state is S.SUBMITTING and o.updated_at < now - stale_after_s),
+            key=lambda o: o.updated_at,
+        )[:batch_size]
+        reason = (
+            f"no outcome saved within {stale_after_s:g} s of submitting (dispatcher died or lost contact "
+            "mid-flight); the POST may have created a job: reconcile, never resubmit automatically"
+        )
+        for op in stale:
+            self._write(op, state=S.UNCERTAIN, reason=reason, updated_by=self.worker)
+        return [op.operation_id for op in stale]
+
+    async def claim_due_polls(self, batch_size: int, visibility_timeout_s: float) -> list[DuePoll]:
+        self._call("claim due polls")
+        now = self._t
+        due = sorted(
+            (
+                o
+                for o in self.operations.values()
+                if o.state in POLLABLE and o.next_poll_at is not None and o.next_poll_at <= now
+            ),
+            key=lambda o: o.next_poll_at or 0.0,
+        )[:batch_size]
+        polls = []
+        for op in due:
+            assert op.remote_job_id is not None
+            self._write(op, next_poll_at=now + visibility_timeout_s, poll_claim_id=op.poll_claim_id + 1)
+            polls.append(DuePoll(op.operation_id, op.remote_job_id, op.poll_claim_id + 1))
+        return polls
+
+    async def claim_for_observe(self, operation_id: str, poll_claim_id: int) -> ObserveClaim | None:
+        self._call(f"claim observe {operation_id}")
+        op = self.operations.get(operation_id)
+        if op is None or op.poll_claim_id != poll_claim_id or op.state not in POLLABLE:
+            return None
+        assert op.remote_job_id is not None
+        self._write(op, fencing_token=op.fencing_token + 1, updated_by=self.worker)
+        since = op.observing_since if op.observing_since is not None else op.accepted_at
+        return ObserveClaim(op.fencing_token + 1, op.remote_job_id, op.state, op.poll_count, self._t - since)
+
+    async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
+        self._call(f"reschedule {operation_id}")
+        op = self.operations.get(operation_id)
+        if op is None or op.poll_claim_id != poll_claim_id or op.state not in POLLABLE:
+            return False
+        self._write(op, next_poll_at=self._t + delay_s)
+        return True
+
+    async def save_observation(
+        self, operation_id: str, fencing_token: int, snapshot: JobSnapshot, next_poll_delay_s: float | None
+    ) -> SaveOutcome:
+        self._call(f"save observation of {operation_id}")
+        new = snapshot.state
+        terminal = is_terminal(new)
+        reason = None
+        if new is S.FAILED and snapshot.error:
+            reason = clean_text(f"remote job failed: {exactjson.dumps(snapshot.error).decode()}")
+        outputs = [{"output_id": str(o["id"]), "position": i, "payload": o} for i, o in enumerate(snapshot.outputs)]
+        if "\\u0000" in exactjson.dumps([snapshot.as_observation(), outputs]).decode():
+            raise LedgerDataError(f"PostgreSQL refused the values of save observation of {operation_id}: NUL in jsonb")
+        op = self.operations.get(operation_id)
+        allowed = frozenset(OperationState(s) for s in sources_for(new))
+        if op is None or op.fencing_token != fencing_token or op.state not in allowed:
+            if op is not None and op.fencing_token != fencing_token:
+                return SaveOutcome.REFUSED_FENCING
+            return SaveOutcome.REFUSED_ORDER
+        self._write(
+            op,
+            state=new,
+            last_observation=snapshot.as_observation(),
+            poll_count=op.poll_count + 1,
+            unknown_status_count=0,
+            next_poll_at=None if terminal or next_poll_delay_s is None else self._t + next_poll_delay_s,
+            remote_completed_at_ms=snapshot.completed_at_ms if terminal else op.remote_completed_at_ms,
+            reason=reason,
+            updated_by=self.worker,
+        )
+        if new is S.SUCCEEDED:
+            taken = {r.output_id for r in self.outbox if r.operation_id == operation_id}
+            for out in outputs:
+                if out["output_id"] in taken:
+                    continue
+                event_id = f"output:{operation_id}:{out['output_id']}"
+                payload = {
+                    "event_id": event_id,
+                    "operation_id": operation_id,
+                    "output_id": out["output_id"],
+                    "position": out["position"],
+                    "remote_job_id": op.remote_job_id,
+                    "output": out["payload"],
+                    "remote_completed_at_ms": snapshot.completed_at_ms,
+                    "recorded_at_ms": int(time.time() * 1000),
+                }
+                row = OutboxRow(next(self._ids), event_id, "outputs_delivered", operation_id, out["output_id"], payload)
+                self.outbox.append(row)
+        return SaveOutcome.SAVED
+
+    async def save_stalled(
+        self, operation_id: str, fencing_token: int, reason: str, last_answer: dict[str, Any]
+    ) -> bool:
+        self._call(f"save stalled for {operation_id}")
+        op = self._fenced(operation_id, fencing_token, POLLABLE)
+        if op is None:
+            return False
+        self._write(
+            op,
+            state=S.STALLED,
+            reason=clean_text(reason),
+            last_observation=last_answer,
+            next_poll_at=None,
+            updated_by=self.worker,
+        )
+        return True
+
+    async def note_not_found(
+        self,
+        operation_id: str,
+        fencing_token: int,
+        grace_s: float,
+        next_poll_delay_s: float,
+        reason: str,
+        answer: dict[str, Any],
+    ) -> OperationState | None:
+        self._call(f"note 404 for {operation_id}")
+        op = self._fenced(operation_id, fencing_token, POLLABLE)
+        if op is None:
+            return None
+        now = self._t
+        past_grace = op.remote_job_id_saved_at is not None and op.remote_job_id_saved_at < now - grace_s
+        if past_grace:
+            changes: dict[str, Any] = {
+                "state": S.STALLED,
+                "reason": clean_text(reason),
+                "last_observation": answer,
+                "next_poll_at": None,
+            }
+        else:
+            changes = {"next_poll_at": now + next_poll_delay_s}
+        self._write(op, poll_count=op.poll_count + 1, updated_by=self.worker, **changes)
+        return self.operations[operation_id].state
+
+    async def note_unknown_status(
+        self,
+        operation_id: str,
+        fencing_token: int,
+        limit: int,
+        next_poll_delay_s: float,
+        reason: str,
+        answer: dict[str, Any],
+    ) -> tuple[OperationState, int] | None:
+        self._call(f"note unknown status for {operation_id}")
+        op = self._fenced(operation_id, fencing_token, POLLABLE)
+        if op is None:
+            return None
+        count = op.unknown_status_count + 1
+        if count >= limit:
+            changes: dict[str, Any] = {"state": S.STALLED, "reason": clean_text(reason), "next_poll_at": None}
+        else:
+            changes = {"next_poll_at": self._t + next_poll_delay_s}
+        self._write(
+            op,
+            last_observation=answer,
+            unknown_status_count=count,
+            poll_count=op.poll_count + 1,
+            updated_by=self.worker,
+            **changes,
+        )
+        return self.operations[operation_id].state, count
+
+    async def claim_due_lookups(self, batch_size: int, lag_s: float, visibility_timeout_s: float) -> list[LookupClaim]:
+        self._call("claim due lookups")
+        now = self._t
+
+        def due_at(o: Operation) -> float:
+            return o.next_lookup_at if o.next_lookup_at is not None else o.state_entered_at + lag_s
+
+        due = sorted(
+            (
+                o
+                for o in self.operations.values()
+                if o.state is S.UNCERTAIN and o.lookup_gave_up_at is None and due_at(o) <= now
+            ),
+            key=lambda o: o.next_lookup_at if o.next_lookup_at is not None else o.state_entered_at,
+        )[:batch_size]
+        claims = []
+        for op in due:
+            self._write(
+                op,
+                fencing_token=op.fencing_token + 1,
+                next_lookup_at=now + visibility_timeout_s,
+                lookup_count=op.lookup_count + 1,
+                updated_by=self.worker,
+            )
+            claims.append(
+                LookupClaim(op.operation_id, op.fencing_token + 1, now - op.state_entered_at, op.lookup_count + 1)
+            )
+        return claims
+
+    async def adopt_found_job(
+        self, claim: LookupClaim, found: list[LookupJob], reason: str, first_poll_delay_s: float
+    ) -> bool:
+        if not found:
+            raise ValueError("adopt_found_job needs at least one job")
+        self._call(f"adopt found job for {claim.operation_id}")
+        op = self._fenced(claim.operation_id, claim.fencing_token, frozenset({S.UNCERTAIN}))
+        if op is None or op.remote_job_id is not None:
+            return False
+        self._write(
+            op,
+            state=S.SUBMITTED,
+            remote_job_id=found[0].job_id,
+            reason=clean_text(reason),
+            next_poll_at=self._t + first_poll_delay_s,
+            next_lookup_at=None,
+            updated_by=self.worker,
+        )
+        return True
+
+    async def give_up_lookup(self, claim: LookupClaim, reason: str) -> bool:
+        self._call(f"give up lookup for {claim.operation_id}")
+        op = self._fenced(claim.operation_id, claim.fencing_token, frozenset({S.UNCERTAIN}))
+        if op is None:
+            return False
+        self._write(
+            op,
+            lookup_gave_up_at=self._t,
+            next_lookup_at=None,
+            reason=f"{clean_text(reason)}; became uncertain: {op.reason}"[:2000],
+            updated_by=self.worker,
+        )
+        return True
+
+    async def reschedule_lookup(self, claim: LookupClaim, delay_s: float) -> bool:
+        self._call(f"reschedule lookup for {claim.operation_id}")
+        op = self._fenced(claim.operation_id, claim.fencing_token, frozenset({S.UNCERTAIN}))
+        if op is None:
+            return False
+        self._write(op, next_lookup_at=self._t + delay_s)
+        return True
+
+    async def record_remote_call(
+        self,
+        operation_id: str,
+        method: str,
+        status_code: int | None,
+        outcome: str,
+        remote_job_id: str | None,
+        duration_ms: float,
+        fencing_token: int | None,
+    ) -> None:
+        self._call(f"account {method} for {operation_id}")
+        self.remote_calls.append(RemoteCall(operation_id, method, status_code, outcome, remote_job_id, fencing_token))
+
+    async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
+        self._call("relay outbox")
+        batch = [r for r in self.outbox if not r.published][:batch_size]
+        if not batch:
+            return 0
+        await publish(
+            [
+                {
+                    "id": r.id,
+                    "event_id": r.event_id,
+                    "topic_role": r.topic_role,
+                    "operation_id": r.operation_id,
+                    "payload": exactjson.dumps(r.payload).decode(),
+                }
+                for r in batch
+            ]
+        )
+        for r in batch:
+            r.published = True
+        return len(batch)
+
+
+@dataclass
+class Sent:
+    """The runtime's ``send``: records every Kafka record instead of sending it; ``fail`` makes it raise."""
+
+    records: list[tuple[str, bytes, bytes]] = field(default_factory=list)
+    fail: Exception | None = None
+
+    async def __call__(self, topic: str, key: bytes, value: bytes) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.records.append((topic, key, value))
+
+    def values(self, topic: str) -> list[Any]:
+        """The JSON values sent to ``topic``, in order."""
+        return [exactjson.loads(v) for t, _, v in self.records if t == topic]
+
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]
+
+
+def fake_leases(settings: Settings, server: fakeredis.FakeServer | None = None) -> LeaseManager:
+    """The real :class:`LeaseManager` (its Lua scripts run) on an in-process Redis (``fakeredis``); set
+    ``server.connected = False`` to make Redis unreachable."""
+    client = fakeredis.FakeAsyncRedis(server=server or fakeredis.FakeServer())
+    return LeaseManager(client, settings.lease_ttl_ms)
+
+
+def mock_remote(settings: Settings, handler: Handler) -> RemoteClient:
+    """The real :class:`RemoteClient` whose HTTP calls are answered by ``handler`` (``httpx.MockTransport``)."""
+    return RemoteClient(make_http_client(settings, transport=httpx.MockTransport(handler)), settings.remote_model)
+
+
+def fake_runtime(
+    settings: Settings, handler: Handler, ledger: Any | None = None, leases: LeaseManager | None = None
+) -> Runtime:
+    """A :class:`Runtime` over the in-memory ledger (or ``ledger``), fake leases and the mock provider; its
+    ``send`` is a :class:`Sent`."""
+    return Runtime(
+        settings,
+        ledger if ledger is not None else InMemoryLedger(),
+        leases if leases is not None else fake_leases(settings),
+        mock_remote(settings, handler),
+        Sent(),
+        "fake-worker",
+    )
