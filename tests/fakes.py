@@ -143,8 +143,12 @@ class InMemoryLedger:
             self.unavailable_calls -= 1
             raise LedgerUnavailableError(f"PostgreSQL unavailable during {what}: fake outage")
 
-    def _write(self, op: Operation, **changes: Any) -> None:
-        """One UPDATE of ``op`` through the rules of ``operations_guard`` and ``operations_log_transition``."""
+    def _write(self, op: Operation, also: Callable[[Operation], None] | None = None, **changes: Any) -> None:
+        """One UPDATE of ``op`` through the rules of ``operations_guard`` and ``operations_log_transition``.
+
+        ``also`` writes the rest of the statement: it runs after the checks and before the transition is logged
+        (the logging trigger fires at the end of the statement, after the statement's own outbox rows).
+        """
         new = replace(op, **changes)
         if new.state != op.state and not can_transition(op.state, new.state):
             raise LedgerDataError(f"illegal transition {op.state} -> {new.state} for operation {op.operation_id}")
@@ -166,6 +170,8 @@ class InMemoryLedger:
             new.transition_seq = op.transition_seq + 1
             new.state_entered_at = new.updated_at
         self.operations[op.operation_id] = new
+        if also is not None:
+            also(new)
         if changed:
             self._log_transition(new, op.state)
 
@@ -348,18 +354,10 @@ class InMemoryLedger:
             if op is not None and op.fencing_token != fencing_token:
                 return SaveOutcome.REFUSED_FENCING
             return SaveOutcome.REFUSED_ORDER
-        self._write(
-            op,
-            state=new,
-            last_observation=snapshot.as_observation(),
-            poll_count=op.poll_count + 1,
-            unknown_status_count=0,
-            next_poll_at=None if terminal or next_poll_delay_s is None else self._t + next_poll_delay_s,
-            remote_completed_at_ms=snapshot.completed_at_ms if terminal else op.remote_completed_at_ms,
-            reason=reason,
-            updated_by=self.worker,
-        )
-        if new is S.SUCCEEDED:
+
+        def write_outputs(saved: Operation) -> None:
+            if new is not S.SUCCEEDED:
+                return
             taken = {r.output_id for r in self.outbox if r.operation_id == operation_id}
             for out in outputs:
                 if out["output_id"] in taken:
@@ -370,13 +368,26 @@ class InMemoryLedger:
                     "operation_id": operation_id,
                     "output_id": out["output_id"],
                     "position": out["position"],
-                    "remote_job_id": op.remote_job_id,
+                    "remote_job_id": saved.remote_job_id,
                     "output": out["payload"],
                     "remote_completed_at_ms": snapshot.completed_at_ms,
                     "recorded_at_ms": int(time.time() * 1000),
                 }
                 row = OutboxRow(next(self._ids), event_id, "outputs_delivered", operation_id, out["output_id"], payload)
                 self.outbox.append(row)
+
+        self._write(
+            op,
+            also=write_outputs,
+            state=new,
+            last_observation=snapshot.as_observation(),
+            poll_count=op.poll_count + 1,
+            unknown_status_count=0,
+            next_poll_at=None if terminal or next_poll_delay_s is None else self._t + next_poll_delay_s,
+            remote_completed_at_ms=snapshot.completed_at_ms if terminal else op.remote_completed_at_ms,
+            reason=reason,
+            updated_by=self.worker,
+        )
         return SaveOutcome.SAVED
 
     async def save_stalled(

@@ -1,0 +1,243 @@
+"""The unit tier's in-memory ledger (:mod:`tests.fakes`) against the real one: the same scenario through the real
+dispatcher, scheduler, observer, reconciler and relay on both, and every state, transition, outbox event and
+accounting row compared. A rule changed in the SQL and not in the fake (or the other way round) fails here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import httpx
+import orjson
+import pytest
+
+from streams.config import Settings
+from streams.dispatcher import Dispatcher
+from streams.ledger import Ledger
+from streams.observer import Observer
+from streams.reconciler import Reconciler
+from streams.relay import OutboxRelay
+from streams.runtime import RawMessage, Runtime
+from streams.scheduler import PollScheduler
+from streams.states import POLLABLE, OperationState
+from tests.fakes import InMemoryLedger, Sent, fake_leases, mock_remote
+
+pytestmark = pytest.mark.integration
+
+REQUEST = '{"input": {"prompt": "hello", "max_tokens": 4}}'
+
+
+def created(job_id: str) -> httpx.Response:
+    return httpx.Response(201, json={"id": job_id, "status": "queued", "poll_after_ms": 0})
+
+
+def job(job_id: str, status: str | None, outputs: int = 0) -> httpx.Response:
+    body: dict[str, Any] = {"id": job_id, "status": status, "poll_after_ms": 0}
+    if status == "succeeded":
+        body["outputs"] = [{"id": f"out_{i}", "index": i, "text": f"t{i}"} for i in range(outputs)]
+        body["completed_at"] = 1_700_000_000.25
+    return httpx.Response(200, json=body)
+
+
+#: Per operation: the job id its POST or lookup yields, the POST's answers, then the GET answers of its job (the
+#: last answer repeats). ``op-fenced`` comes last: its poll stays claimed, and no later round may observe it.
+SCENARIO: dict[str, tuple[str, list[httpx.Response | Exception], list[httpx.Response]]] = {
+    "op-ok": (
+        "job-ok",
+        [created("job-ok")],
+        [job("job-ok", "queued"), job("job-ok", "running"), job("job-ok", "succeeded", 2)],
+    ),
+    "op-back": (
+        "job-back",
+        [created("job-back")],
+        [job("job-back", "running"), job("job-back", "queued"), job("job-back", "failed")],
+    ),
+    "op-502": (
+        "job-502",
+        [httpx.Response(502, json={"error": {"job_id": "job-502"}})],
+        [job("job-502", "succeeded", 1)],
+    ),
+    "op-400": ("-", [httpx.Response(400, json={"error": {"code": "invalid_request", "message": "no"}})], []),
+    "op-429": (
+        "job-429",
+        [httpx.Response(429, headers={"Retry-After": "0"}), created("job-429")],
+        [job("job-429", "canceled")],
+    ),
+    "op-timeout": ("-", [httpx.ReadTimeout("slow")], []),
+    "op-lookup": ("job-lookup", [httpx.Response(503, json={})], [job("job-lookup", "succeeded", 1)]),
+    "op-unknown": ("job-unknown", [created("job-unknown")], [job("job-unknown", "paused")]),
+    "op-404": ("job-404", [created("job-404")], [httpx.Response(404, json={"error": {"code": "not_found"}})]),
+    "op-fenced": ("job-fenced", [created("job-fenced")], [job("job-fenced", "succeeded", 1)]),
+}
+#: What a lookup by client reference finds, per operation.
+LOOKUPS = {"op-lookup": ["job-lookup"], "op-timeout": []}
+
+
+class ScriptedProvider:
+    """Answers each POST by the operation it carries, each GET by its job id and each lookup from
+    :data:`SCENARIO` and :data:`LOOKUPS`; ``during_get`` runs inside a GET, before its answer."""
+
+    def __init__(self) -> None:
+        self.posts = {op: list(posts) for op, (_, posts, _) in SCENARIO.items()}
+        self.gets = {job_id: list(gets) for _, (job_id, _, gets) in SCENARIO.items()}
+        self.during_get: Callable[[str], Awaitable[None]] | None = None
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            queue: list[Any] = self.posts[orjson.loads(request.content)["metadata"]["client_reference"]]
+        elif "client_reference" in request.url.params:
+            ids = LOOKUPS[request.url.params["client_reference"]]
+            return httpx.Response(200, json={"data": [{"id": j, "status": "running", "created_at": 1} for j in ids]})
+        else:
+            job_id = request.url.path.rsplit("/", 1)[1]
+            if self.during_get is not None:
+                await self.during_get(job_id)
+            queue = self.gets[job_id]
+        answer = queue.pop(0) if len(queue) > 1 else queue[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+async def run_scenario(settings: Settings, ledger: Any) -> dict[str, Any]:
+    """Every operation of :data:`SCENARIO`, one after the other, to the end; returns what each stage sent."""
+    provider = ScriptedProvider()
+    sent = Sent()
+    rt = Runtime(settings, ledger, fake_leases(settings), mock_remote(settings, provider), sent, "contract")
+    dispatcher, observer = Dispatcher(rt), Observer(rt)
+    scheduler, reconciler = PollScheduler(rt), Reconciler(rt)
+
+    async def newer_claim(job_id: str) -> None:  # a second observer claims op-fenced while the first GETs
+        if job_id == "job-fenced":
+            provider.during_get = None
+            row = await ledger.get_operation("op-fenced")
+            assert await ledger.claim_for_observe("op-fenced", row["poll_claim_id"]) is not None
+
+    async def observe_round() -> None:
+        before = len(sent.records)
+        await scheduler.tick()
+        for topic, key, value in sent.records[before:]:
+            if topic == settings.topic("polls"):
+                await observer.handle(RawMessage(topic, 0, 0, key, value))
+
+    for op in SCENARIO:
+        value = f'{{"operation_id": "{op}", "request": {REQUEST}, "submitted_at_ms": 1700000000000}}'
+        await dispatcher.handle(RawMessage("generation.submissions", 0, 0, op.encode(), value.encode()))
+        if (await ledger.get_operation(op))["state"] == "uncertain":
+            assert await reconciler.tick() == 1
+        if op == "op-fenced":
+            provider.during_get = newer_claim
+            await observe_round()  # the save is refused; the poll comes back only after the visibility timeout
+            continue
+        for _ in range(20):
+            if OperationState((await ledger.get_operation(op))["state"]) not in POLLABLE:
+                break
+            await observe_round()
+        else:
+            raise AssertionError(f"{op} still pollable after 20 rounds")
+    await ledger.reconcile_stale_submitting(0.0, 100)  # nothing left in submitting
+    relay = OutboxRelay(rt)
+    await relay.tick()
+    published = [
+        (topic, key.decode(), orjson.loads(value)["event_id"])
+        for topic, key, value in sent.records
+        if topic != settings.topic("polls")
+    ]
+    await rt.remote.aclose()
+    return {"published": published}
+
+
+async def real_records(pool: asyncpg.Pool) -> dict[str, Any]:
+    ops = await pool.fetch(
+        "SELECT operation_id, state::text AS state, remote_job_id, fencing_token, reason, poll_count, "
+        "unknown_status_count, lookup_count FROM operations ORDER BY operation_id"
+    )
+    transitions = await pool.fetch(
+        "SELECT operation_id, seq, from_state::text AS from_state, to_state::text AS to_state, fencing_token, reason "
+        "FROM transitions ORDER BY operation_id, seq"
+    )
+    outbox = await pool.fetch(
+        "SELECT event_id, topic_role, published_at IS NOT NULL AS published FROM outbox ORDER BY operation_id, id"
+    )
+    calls = await pool.fetch(
+        "SELECT operation_id, method, status_code, outcome, remote_job_id, fencing_token FROM remote_calls "
+        "ORDER BY operation_id, id"
+    )
+    return {
+        "operations": [tuple(r) for r in ops],
+        "transitions": [tuple(r) for r in transitions],
+        "outbox": [tuple(r) for r in outbox],
+        "calls": [tuple(r) for r in calls],
+    }
+
+
+def fake_records(ledger: InMemoryLedger) -> dict[str, Any]:
+    ops = sorted(ledger.operations.values(), key=lambda o: o.operation_id)
+    transitions = sorted(ledger.transitions, key=lambda t: (t.operation_id, t.seq))
+    return {
+        "operations": [
+            (
+                o.operation_id,
+                o.state.value,
+                o.remote_job_id,
+                o.fencing_token,
+                o.reason,
+                o.poll_count,
+                o.unknown_status_count,
+                o.lookup_count,
+            )
+            for o in ops
+        ],
+        "transitions": [
+            (t.operation_id, t.seq, t.from_state and t.from_state.value, t.to_state.value, t.fencing_token, t.reason)
+            for t in transitions
+        ],
+        "outbox": [
+            (r.event_id, r.topic_role, r.published) for r in sorted(ledger.outbox, key=lambda r: (r.operation_id, r.id))
+        ],
+        "calls": [
+            (c.operation_id, c.method, c.status_code, c.outcome, c.remote_job_id, c.fencing_token)
+            for c in sorted(ledger.remote_calls, key=lambda c: c.operation_id)
+        ],
+    }
+
+
+async def test_the_fake_ledger_decides_as_the_real_one(migrated: Settings, pool: asyncpg.Pool) -> None:
+    settings = migrated.replace(
+        remote_base_url="http://provider.test",
+        poll_min_delay_s=0.0,
+        poll_backoff_base_s=0.0,
+        not_found_grace_s=0.0,
+        unknown_status_limit=2,
+        lookup_enabled=True,
+        lookup_lag_s=0.0,
+        coordination_retry_cap_s=0.05,
+        visibility_timeout_s=600.0,
+    )
+    fake = InMemoryLedger()
+    fake_sent = await run_scenario(settings, fake)
+    real_sent = await run_scenario(settings, Ledger(pool, "contract"))
+    real, faked = await real_records(pool), fake_records(fake)
+    for table in ("operations", "transitions", "outbox", "calls"):
+        assert faked[table] == real[table], table
+    assert fake_sent == real_sent
+    states = {row[0]: row[1] for row in real["operations"]}
+    assert states == {
+        "op-ok": "succeeded",
+        "op-back": "failed",
+        "op-502": "succeeded",
+        "op-400": "rejected",
+        "op-429": "canceled",
+        "op-timeout": "uncertain",
+        "op-lookup": "succeeded",
+        "op-unknown": "stalled",
+        "op-404": "stalled",
+        "op-fenced": "submitted",
+    }
+    fenced = [row for row in real["calls"] if row[0] == "op-fenced"]
+    assert [(c[1], c[3], c[5]) for c in fenced] == [("POST", "created", 1), ("GET", "succeeded", 2)]
+    assert [row[1:] for row in real["operations"] if row[0] == "op-fenced"] == [
+        ("submitted", "job-fenced", 3, None, 0, 0, 0)
+    ]
