@@ -3,6 +3,8 @@ fenced, logged with its outbox event, refuses every other state with a clear err
 
 from __future__ import annotations
 
+import time
+
 import asyncpg
 import pytest
 
@@ -203,13 +205,17 @@ async def test_accounting_summary_counts_jobs_decisions_and_calls(ledger: Ledger
     await submitted(ledger, "op-1", "job-1")
     await uncertain(ledger, "op-2")
     await stalled(ledger, pool, "op-3", "job-3")
+    # stalled 90 s ago, by the database's clock (the summary rounds ages to 0.1 s)
+    await pool.execute("UPDATE operations SET state_entered_at = now() - interval '90 s' WHERE operation_id = 'op-3'")
+    after_update = time.monotonic()
     await ledger.record_remote_call("op-1", "POST", 201, RemoteCallOutcome.CREATED, "job-1", 5.0, 1)
     await ledger.record_remote_call("op-2", "POST", 503, RemoteCallOutcome.UNKNOWN_OUTCOME, None, 5.0, 1)
     await ledger.record_remote_call("op-2", "POST", 429, RemoteCallOutcome.RATE_LIMITED, None, 5.0, 1)
     summary = await ledger.accounting_summary()
+    since_update_s = time.monotonic() - after_update
     assert summary["needs_decision"]["uncertain"]["operations"] == 1
     assert summary["needs_decision"]["stalled"]["operations"] == 1
-    assert summary["needs_decision"]["stalled"]["oldest_age_s"] >= 0
+    assert 90.0 <= summary["needs_decision"]["stalled"]["oldest_age_s"] <= 90.0 + since_update_s + 0.05
     assert summary["posts_per_operation"] == {"operations": 2, "mean": 1.5, "max": 2}
     assert summary["duplicate_creations"] == 0
     assert summary["charges"] == [] and summary["refunds_settled"] == [] and summary["refunds_pending"] == 0

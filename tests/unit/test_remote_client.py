@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -85,10 +86,12 @@ async def make_client(settings: Settings) -> AsyncIterator[ClientFactory]:
 
 async def test_submit_201_with_id(make_client: ClientFactory) -> None:
     client, rec = make_client(answer(201, {"id": "job-1", "status": "queued", "poll_after_ms": 250}))
+    started = time.perf_counter()
     result = await client.submit(OP, REQUEST)
+    around_ms = (time.perf_counter() - started) * 1000.0
     assert isinstance(result, SubmitResult)
     assert (result.job_id, result.status_code, result.via_error, result.poll_after_s) == ("job-1", 201, False, 0.25)
-    assert result.duration_ms >= 0.0
+    assert 0.0 < result.duration_ms <= around_ms  # milliseconds of this call, measured inside it
     assert len(rec.requests) == 1
 
 

@@ -112,14 +112,15 @@ async def test_lifecycle_queued_running_succeeded(start_sim: Factory) -> None:
 
     running, seen_before_running = await _wait_for_status(client, job_id, {"running", "succeeded", "failed"})
     assert running["status"] == "running"
-    assert running["started_at"] == pytest.approx(created["created_at"] + 0.1)
+    # compare durations, not timestamps: approx's relative tolerance on a Unix time would accept ~30 minutes
+    assert running["started_at"] - created["created_at"] == pytest.approx(0.1, abs=1e-6)
     assert running["completed_at"] is None
     assert 50 <= running["poll_after_ms"] <= 200
 
     done, seen = await _wait_for_status(client, job_id, {"succeeded", "failed"})
     assert done["status"] == "succeeded"
     assert seen[-1] == "succeeded" and "failed" not in seen
-    assert done["completed_at"] == pytest.approx(created["created_at"] + 0.3)
+    assert done["completed_at"] - created["created_at"] == pytest.approx(0.3, abs=1e-6)
     assert time.time() >= done["completed_at"]
     assert done["outputs"] == [
         {"id": "out_0", "index": 0, "tokens": 16, "text": f"simulated output 0 of {job_id} (16 tokens)"}
