@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import uuid
+from collections.abc import Awaitable, Callable
 
 import asyncpg
 import pytest
@@ -73,10 +74,21 @@ async def test_rebalance_under_load(
     fleet.start("a")
     fleet.start("b")
     await fleet.wait_ready()
-    load = asyncio.create_task(trickle(producer, f"reb{uuid.uuid4().hex[:6]}", 300, 60.0))
-    await asyncio.sleep(1.5)
+    prefix = f"reb{uuid.uuid4().hex[:6]}"
+    load = asyncio.create_task(trickle(producer, prefix, 300, 60.0))
+
+    def accepted(n: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            count = await ledger_pool.fetchval(
+                "SELECT count(*) FROM operations WHERE operation_id LIKE $1", prefix + "%"
+            )
+            return int(count) >= n
+
+        return check
+
+    await wait_for(accepted(90), 60, "90 operations accepted before the third worker joins")
     fleet.start("c")
-    await asyncio.sleep(1.5)
+    await wait_for(accepted(180), 60, "180 operations accepted before a worker is killed")
     fleet.workers["a"].signal(signal.SIGKILL)
     ids = await load
     await check_promises(ledger_pool, sim, ids, 120)

@@ -19,6 +19,7 @@ from streams.runtime import RawMessage, Runtime
 from streams_harness.simulator import SimulatorConfig
 from streams_harness.simulator.model import prompt_tokens
 from tests.support import SimulatorServer as Simulator
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -103,8 +104,7 @@ async def test_429_is_retried_after_retry_after_and_creates_one_job(
     async def posted() -> bool:
         return (await simulator.get("/_sim/operations/op-429"))["posts"] >= 1
 
-    while not await posted():
-        await asyncio.sleep(0.02)
+    await wait_for(posted, 10, "the first POST (answered 429)")
     await simulator.configure(fault_429=0.0)
     await asyncio.wait_for(task, 10)
     record = await simulator.get("/_sim/operations/op-429")
@@ -131,8 +131,10 @@ async def test_connection_refused_is_retried_and_exactly_one_job_exists(
                 )
             )
 
-        while await refused_attempts() < 2:
-            await asyncio.sleep(0.05)
+        async def refused_twice() -> bool:
+            return await refused_attempts() >= 2
+
+        await wait_for(refused_twice, 10, "two refused connection attempts")
         await late.start(SimulatorConfig(port=port, compression=100.0))
         await asyncio.wait_for(task, 15)
         record = await late.get("/_sim/operations/op-refused")

@@ -4,13 +4,20 @@ newer holder is never touched), cancellation, outages."""
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 
 from streams.errors import CoordinationUnavailableError, LeaseLostError
 from streams.lease import LeaseManager, make_redis
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
+
+
+async def gone(leases: LeaseManager, key: str) -> bool:
+    """True once ``key`` no longer exists in Redis (released, or expired by its TTL)."""
+    return await leases.client.exists(key) == 0
 
 
 async def test_acquire_is_exclusive_with_fresh_tokens(leases: LeaseManager) -> None:
@@ -35,8 +42,7 @@ async def test_renewal_after_ownership_change_fails_and_never_recreates(leases: 
     key = "lease-test:renew"
     old = await leases.acquire(key, ttl_ms=100)
     assert old is not None
-    await asyncio.sleep(0.2)  # let the TTL run out (the point of the test is real expiry)
-    assert await leases.client.exists(key) == 0
+    await wait_for(lambda: gone(leases, key), 5, "the TTL to run out in Redis (real expiry is the point)")
     with pytest.raises(LeaseLostError):
         await old.renew()
     assert await leases.client.exists(key) == 0  # renewal never re-creates a missing key
@@ -52,7 +58,7 @@ async def test_delayed_release_with_old_token_keeps_newer_holder(leases: LeaseMa
     key = "lease-test:release"
     old = await leases.acquire(key, ttl_ms=100)
     assert old is not None
-    await asyncio.sleep(0.2)
+    await wait_for(lambda: gone(leases, key), 5, "the old lease to expire in Redis")
     new = await leases.acquire(key, ttl_ms=30_000)
     assert new is not None
     ttl_before = await leases.client.pttl(key)
@@ -70,16 +76,14 @@ async def test_cancelled_release_completes_or_leaves_expiry(leases: LeaseManager
         lease = await leases.acquire(key, ttl_ms=2000)
         assert lease is not None
         task = asyncio.create_task(lease.release())
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop: the release starts, then is cancelled mid-way
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         # the shielded release finishes in the background; in every case the key has an expiry or is gone
         pttl = await leases.client.pttl(key)
         assert pttl == -2 or pttl > 0
-        deadline = asyncio.get_running_loop().time() + 2.0
-        while await leases.client.exists(key) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_for(functools.partial(gone, leases, key), 5, f"{key} released or expired")
         assert await leases.acquire(key) is not None
 
 
@@ -95,7 +99,7 @@ async def test_redis_unreachable_raises_coordination_unavailable() -> None:
 async def test_redis_accepting_but_silent_times_out() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(1 << 16)
-        await asyncio.sleep(10)
+        await asyncio.Event().wait()  # never answers
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

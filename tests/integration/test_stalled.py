@@ -4,8 +4,6 @@ back (never regresses the saved state)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import asyncpg
 import orjson
 import pytest
@@ -26,6 +24,19 @@ from tests.integration.stuck import (
 )
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for
+
+
+async def grace_passed(pool: asyncpg.Pool, op: str, grace_s: float) -> bool:
+    """True once more than ``grace_s`` passed since the job id of ``op`` was saved, by the database's clock
+    (the one the 404 rule reads)."""
+    return bool(
+        await pool.fetchval(
+            "SELECT remote_job_id_saved_at < now() - make_interval(secs => $2) FROM operations WHERE operation_id = $1",
+            op,
+            grace_s,
+        )
+    )
+
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +80,7 @@ async def test_404_past_the_grace_window_stalls_with_reason_and_raw_answer_and_s
     await submitted_operation(runtime, "op-404-out")
     assert await poll_now(runtime, pool, "op-404-out")
     assert (await operation(pool, "op-404-out"))["state"] == "submitted"  # still inside the window
-    await asyncio.sleep(0.35)  # the grace window is a duration: let it pass
+    await wait_for(lambda: grace_passed(pool, "op-404-out", 0.3), 5, "the 0.3 s grace window to pass")
     assert await poll_now(runtime, pool, "op-404-out")
     row = await operation(pool, "op-404-out")
     assert row["state"] == "stalled" and row["next_poll_at"] is None

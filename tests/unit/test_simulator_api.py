@@ -445,7 +445,7 @@ async def test_not_found_window_answers_404_then_the_job(start_sim: Factory) -> 
     job_id = (await client.post("/v1/generations", json=_ref_body("op-nf"), headers=AUTH)).json()["id"]
     r = await client.get(f"/v1/generations/{job_id}")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-    await asyncio.sleep(0.35)
+    await asyncio.sleep(0.35)  # the 0.3 s window must really pass (polling it would add GETs to the count below)
     r = await client.get(f"/v1/generations/{job_id}")
     assert r.status_code == 200
     [job] = (await _operation(client, "op-nf"))["jobs"]
@@ -512,7 +512,7 @@ async def test_lookup_lists_jobs_by_client_reference_after_the_lag(start_sim: Fa
     await client.post("/v1/generations", json=_ref_body("op-c", "ref-2"), headers=AUTH)
     r = await client.get("/v1/generations", params={"client_reference": "ref-1"}, headers=AUTH)
     assert r.status_code == 200 and r.json() == {"data": []}  # inside the consistency lag
-    await asyncio.sleep(0.35)
+    await asyncio.sleep(0.35)  # the 0.3 s lag must really pass (polling it would add lookups to the count below)
     data = (await client.get("/v1/generations", params={"client_reference": "ref-1"}, headers=AUTH)).json()["data"]
     assert [d["id"] for d in data] == [first, second]
     assert all(d["status"] in ("queued", "running", "succeeded") and d["created_at"] > 0 for d in data)
