@@ -13,7 +13,7 @@ from streams.ledger import SaveOutcome
 from streams.relay import OutboxRelay
 from streams.remote import JobSnapshot
 from streams.runtime import Runtime
-from streams.states import OperationState, can_transition
+from streams.states import OperationState
 from tests.integration.stuck import (
     operation,
     poll_now,
@@ -171,8 +171,13 @@ async def test_a_status_that_goes_back_never_regresses_the_saved_state(
     assert job["regressed_gets"] >= 1  # the simulator did answer queued after running
     assert "running" in saved_states
     assert "queued" not in saved_states[saved_states.index("running") :]
-    steps = await transitions(pool, "op-regress")
-    assert all(can_transition(OperationState(a), OperationState(b)) for _, a, b in steps if a is not None), steps
+    # the transition log: forward only, queued (if seen at all) before running, never after it (the trigger would
+    # refuse an illegal step outright; this checks which legal steps were taken)
+    to_states = [b for _, _, b in await transitions(pool, "op-regress")]
+    assert to_states in (
+        ["accepted", "submitting", "submitted", "running", "succeeded"],
+        ["accepted", "submitting", "submitted", "queued", "running", "succeeded"],
+    ), to_states
 
 
 async def test_a_state_entered_twice_reaches_generation_transitions_with_distinct_event_ids(
