@@ -300,6 +300,14 @@ class InMemoryLedger:
             self._write(op, state=S.UNCERTAIN, reason=reason, updated_by=self.worker)
         return [op.operation_id for op in stale]
 
+    async def stale_accepted(self, stale_after_s: float, batch_size: int) -> list[tuple[str, str]]:
+        self._call("find stale accepted")
+        stale = sorted(
+            (o for o in self.operations.values() if o.state is S.ACCEPTED and o.updated_at < self._t - stale_after_s),
+            key=lambda o: o.updated_at,
+        )[:batch_size]
+        return [(o.operation_id, o.request) for o in stale]
+
     async def claim_due_polls(self, batch_size: int, visibility_timeout_s: float) -> list[DuePoll]:
         self._call("claim due polls")
         now = self._t
