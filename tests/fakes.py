@@ -34,7 +34,7 @@ from streams.config import Settings
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.lease import LeaseManager
 from streams.ledger import DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
-from streams.remote import JobSnapshot, LookupJob, RemoteClient, clean_text, make_http_client
+from streams.remote import JobSnapshot, LookupJob, RemoteClient, clean_text
 from streams.runtime import Runtime
 from streams.states import POLLABLE, OperationState, can_transition, is_terminal
 
@@ -604,8 +604,9 @@ def fake_leases(settings: Settings, server: fakeredis.FakeServer | None = None) 
 
 
 def mock_remote(settings: Settings, handler: Handler) -> RemoteClient:
-    """The real :class:`RemoteClient` whose HTTP calls are answered by ``handler`` (``httpx.MockTransport``)."""
-    return RemoteClient(make_http_client(settings, transport=httpx.MockTransport(handler)), settings.remote_model)
+    """The worker's :class:`RemoteClient` (as :meth:`RemoteClient.from_settings` builds it) whose HTTP calls are
+    answered by ``handler`` (``httpx.MockTransport``)."""
+    return RemoteClient.from_settings(settings, transport=httpx.MockTransport(handler))
 
 
 def fake_runtime(
