@@ -21,6 +21,7 @@ from streams.config import Settings
 from streams.errors import CoordinationBusyError, CoordinationUnavailableError, LeaseLostError
 from streams.lease import Lease, LeaseManager, make_redis
 from streams_harness.mainjob import free_port
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,11 @@ async def test_a_pool_wait_that_runs_out_is_busy_not_an_outage(settings: Setting
     busy = metrics.REDIS_POOL_BUSY.labels("acquire")._value.get()
     holder = asyncio.create_task(client.blpop([f"{settings.lease_key_prefix}:never"], timeout=1.5))
     try:
-        await asyncio.sleep(0.1)  # the BLPOP holds the only connection
+
+        async def held() -> bool:
+            return not client.connection_pool.can_get_connection()
+
+        await wait_for(held, 5, "the BLPOP to hold the only pooled connection")
         started = time.monotonic()
         assert await manager.acquire(f"{key}:other") is None
         assert 0.25 < time.monotonic() - started < 1.0
