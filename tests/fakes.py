@@ -30,6 +30,7 @@ import fakeredis
 import httpx
 
 from streams import exactjson
+from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.config import Settings
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.lease import LeaseManager
@@ -39,6 +40,8 @@ from streams.runtime import Runtime
 from streams.states import POLLABLE, OperationState, can_transition, is_terminal
 
 S = OperationState
+_REASON_CODES = frozenset(c.value for c in ReasonCode)
+_OUTCOMES = frozenset(c.value for c in RemoteCallOutcome)
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Operation:
     next_poll_at: float | None = None
     poll_count: int = 0
     reason: str | None = None
+    reason_code: ReasonCode | None = None
     last_observation: dict[str, Any] | None = None
     remote_completed_at_ms: int | None = None
     updated_at: float = 0.0
@@ -104,7 +108,7 @@ class RemoteCall:
     operation_id: str
     method: str
     status_code: int | None
-    outcome: str
+    outcome: RemoteCallOutcome
     remote_job_id: str | None
     fencing_token: int | None
 
@@ -164,6 +168,10 @@ class InMemoryLedger:
             raise LedgerDataError(f"operation {op.operation_id}: a poll is scheduled only while pollable")
         if new.state in (S.UNCERTAIN, S.REJECTED) and new.reason is None:
             raise LedgerDataError(f"operation {op.operation_id}: {new.state} needs a reason")
+        if (new.reason is None) != (new.reason_code is None):
+            raise LedgerDataError(f"operation {op.operation_id}: a reason and its code are both set or both empty")
+        if new.reason_code is not None and new.reason_code not in _REASON_CODES:  # the reference table's rule
+            raise LedgerDataError(f"operation {op.operation_id}: unknown reason code {new.reason_code!r}")
         new.updated_at = self._t
         changed = new.state != op.state
         if changed:
@@ -267,6 +275,7 @@ class InMemoryLedger:
             state=S.SUBMITTED,
             remote_job_id=remote_job_id,
             reason=reason,
+            reason_code=None if reason is None else ReasonCode.JOB_ID_VIA_ERROR,
             next_poll_at=self._t + first_poll_delay_s,
             next_lookup_at=None,
             updated_by=self.worker,
@@ -274,7 +283,7 @@ class InMemoryLedger:
         return True
 
     async def save_submission_without_job(
-        self, operation_id: str, fencing_token: int, state: OperationState, reason: str
+        self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode
     ) -> bool:
         if state not in (S.REJECTED, S.UNCERTAIN):
             raise ValueError(f"a submission without a job ends rejected or uncertain, not {state}")
@@ -282,7 +291,7 @@ class InMemoryLedger:
         op = self._fenced(operation_id, fencing_token, frozenset({S.SUBMITTING}))
         if op is None:
             return False
-        self._write(op, state=state, reason=clean_text(reason), updated_by=self.worker)
+        self._write(op, state=state, reason=clean_text(reason), reason_code=reason_code, updated_by=self.worker)
         return True
 
     async def reconcile_stale_submitting(self, stale_after_s: float, batch_size: int) -> list[str]:
@@ -297,7 +306,9 @@ class InMemoryLedger:
             "mid-flight); the POST may have created a job: reconcile, never resubmit automatically"
         )
         for op in stale:
-            self._write(op, state=S.UNCERTAIN, reason=reason, updated_by=self.worker)
+            self._write(
+                op, state=S.UNCERTAIN, reason=reason, reason_code=ReasonCode.NO_OUTCOME_SAVED, updated_by=self.worker
+            )
         return [op.operation_id for op in stale]
 
     async def stale_accepted(self, stale_after_s: float, batch_size: int) -> list[tuple[str, str]]:
@@ -394,6 +405,7 @@ class InMemoryLedger:
             next_poll_at=None if terminal or next_poll_delay_s is None else self._t + next_poll_delay_s,
             remote_completed_at_ms=snapshot.completed_at_ms if terminal else op.remote_completed_at_ms,
             reason=reason,
+            reason_code=None if reason is None else ReasonCode.REMOTE_JOB_FAILED,
             updated_by=self.worker,
         )
         return SaveOutcome.SAVED
@@ -409,6 +421,7 @@ class InMemoryLedger:
             op,
             state=S.STALLED,
             reason=clean_text(reason),
+            reason_code=ReasonCode.MAX_AGE,
             last_observation=last_answer,
             next_poll_at=None,
             updated_by=self.worker,
@@ -434,6 +447,7 @@ class InMemoryLedger:
             changes: dict[str, Any] = {
                 "state": S.STALLED,
                 "reason": clean_text(reason),
+                "reason_code": ReasonCode.JOB_NOT_FOUND,
                 "last_observation": answer,
                 "next_poll_at": None,
             }
@@ -457,7 +471,12 @@ class InMemoryLedger:
             return None
         count = op.unknown_status_count + 1
         if count >= limit:
-            changes: dict[str, Any] = {"state": S.STALLED, "reason": clean_text(reason), "next_poll_at": None}
+            changes: dict[str, Any] = {
+                "state": S.STALLED,
+                "reason": clean_text(reason),
+                "reason_code": ReasonCode.UNKNOWN_STATUS,
+                "next_poll_at": None,
+            }
         else:
             changes = {"next_poll_at": self._t + next_poll_delay_s}
         self._write(
@@ -513,6 +532,7 @@ class InMemoryLedger:
             state=S.SUBMITTED,
             remote_job_id=found[0].job_id,
             reason=clean_text(reason),
+            reason_code=ReasonCode.ADOPTED_BY_LOOKUP,
             next_poll_at=self._t + first_poll_delay_s,
             next_lookup_at=None,
             updated_by=self.worker,
@@ -529,6 +549,7 @@ class InMemoryLedger:
             lookup_gave_up_at=self._t,
             next_lookup_at=None,
             reason=f"{clean_text(reason)}; became uncertain: {op.reason}"[:2000],
+            reason_code=ReasonCode.NOT_FOUND_BY_LOOKUP,
             updated_by=self.worker,
         )
         return True
@@ -546,12 +567,14 @@ class InMemoryLedger:
         operation_id: str,
         method: str,
         status_code: int | None,
-        outcome: str,
+        outcome: RemoteCallOutcome,
         remote_job_id: str | None,
         duration_ms: float,
         fencing_token: int | None,
     ) -> None:
         self._call(f"account {method} for {operation_id}")
+        if outcome not in _OUTCOMES:  # the reference table's rule
+            raise LedgerDataError(f"unknown remote call outcome {outcome!r} for {operation_id}")
         self.remote_calls.append(RemoteCall(operation_id, method, status_code, outcome, remote_job_id, fencing_token))
 
     async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:

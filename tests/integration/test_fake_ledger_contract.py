@@ -151,7 +151,7 @@ async def run_scenario(settings: Settings, ledger: Any) -> dict[str, Any]:
 
 async def real_records(pool: asyncpg.Pool) -> dict[str, Any]:
     ops = await pool.fetch(
-        "SELECT operation_id, state::text AS state, remote_job_id, fencing_token, reason, poll_count, "
+        "SELECT operation_id, state::text AS state, remote_job_id, fencing_token, reason, reason_code, poll_count, "
         "unknown_status_count, lookup_count FROM operations ORDER BY operation_id"
     )
     transitions = await pool.fetch(
@@ -184,6 +184,7 @@ def fake_records(ledger: InMemoryLedger) -> dict[str, Any]:
                 o.remote_job_id,
                 o.fencing_token,
                 o.reason,
+                o.reason_code,
                 o.poll_count,
                 o.unknown_status_count,
                 o.lookup_count,
@@ -239,5 +240,5 @@ async def test_the_fake_ledger_decides_as_the_real_one(migrated: Settings, pool:
     fenced = [row for row in real["calls"] if row[0] == "op-fenced"]
     assert [(c[1], c[3], c[5]) for c in fenced] == [("POST", "created", 1), ("GET", "succeeded", 2)]
     assert [row[1:] for row in real["operations"] if row[0] == "op-fenced"] == [
-        ("submitted", "job-fenced", 3, None, 0, 0, 0)
+        ("submitted", "job-fenced", 3, None, None, 0, 0, 0)
     ]

@@ -20,6 +20,7 @@ import orjson
 import pytest
 from prometheus_client import REGISTRY
 
+from streams.codes import ReasonCode
 from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.errors import LedgerDataError
@@ -33,6 +34,7 @@ from tests.fakes import InMemoryLedger, Sent, fake_leases, fake_runtime
 from tests.support import wait_for
 
 S = OperationState
+R = ReasonCode
 OP = "op-1"
 JOB = "job_1"
 REQUEST = '{"input": {"prompt": "hello", "max_tokens": 4}}'
@@ -178,23 +180,23 @@ async def test_created_job_is_saved_and_a_replay_posts_nothing(pipeline: Callabl
 
 
 @pytest.mark.parametrize(
-    ("answer", "state", "reason_part"),
+    ("answer", "state", "code", "reason_part"),
     [
-        (httpx.Response(502, json={"error": {"job_id": "job_502"}}), S.SUBMITTED, "job id from HTTP 502"),
-        (httpx.Response(503, json={"error": {"code": "x"}}), S.UNCERTAIN, "HTTP 503 without error.job_id"),
-        (httpx.ReadTimeout("slow"), S.UNCERTAIN, "POST timed out after send"),
-        (httpx.RemoteProtocolError("dropped"), S.UNCERTAIN, "connection lost after send"),
-        (httpx.Response(400, json={"error": {"code": "invalid_request", "message": "no"}}), S.REJECTED, "HTTP 400"),
-        (httpx.Response(201, json={"id": "bad id!"}), S.UNCERTAIN, "without a usable job id"),
+        (httpx.Response(502, json={"error": {"job_id": "job_502"}}), S.SUBMITTED, R.JOB_ID_VIA_ERROR, "HTTP 502"),
+        (httpx.Response(503, json={"error": {"code": "x"}}), S.UNCERTAIN, R.UNKNOWN_OUTCOME, "HTTP 503 without"),
+        (httpx.ReadTimeout("slow"), S.UNCERTAIN, R.UNKNOWN_OUTCOME, "POST timed out after send"),
+        (httpx.RemoteProtocolError("dropped"), S.UNCERTAIN, R.UNKNOWN_OUTCOME, "connection lost after send"),
+        (httpx.Response(400, json={"error": {"code": "invalid_request"}}), S.REJECTED, R.REFUSED, "HTTP 400"),
+        (httpx.Response(201, json={"id": "bad id!"}), S.UNCERTAIN, R.UNKNOWN_OUTCOME, "without a usable job id"),
     ],
 )
 async def test_each_post_answer_decides_the_next_state_with_one_post(
-    pipeline: Callable[..., Pipeline], answer: Answer, state: OperationState, reason_part: str
+    pipeline: Callable[..., Pipeline], answer: Answer, state: OperationState, code: ReasonCode, reason_part: str
 ) -> None:
     p = pipeline(Provider(posts=[answer]))
     await p.dispatcher.handle(submission())
     op = p.ledger.operations[OP]
-    assert op.state is state
+    assert (op.state, op.reason_code) == (state, code)
     assert op.reason is not None and reason_part in op.reason
     assert p.provider.count("POST") == 1
     assert p.states() == [S.ACCEPTED, S.SUBMITTING, state]
@@ -212,7 +214,7 @@ async def test_rate_limited_or_not_sent_is_retried_into_one_job(
     await p.dispatcher.handle(submission())
     assert p.ledger.state(OP) is S.SUBMITTED
     assert p.provider.count("POST") == 2
-    first_outcome = "ratelimited" if isinstance(first, httpx.Response) else "notsent"
+    first_outcome = "rate_limited" if isinstance(first, httpx.Response) else "not_sent"
     assert [c.outcome for c in p.ledger.remote_calls] == [first_outcome, "created"]
 
 
@@ -277,7 +279,7 @@ async def test_a_save_with_an_older_fencing_value_touches_nothing(pipeline: Call
     assert claim.fencing_token == 2
     before = p.ledger.operations[OP]
     assert not await p.ledger.save_submitted(OP, old, JOB, 0.0, None)
-    assert not await p.ledger.save_submission_without_job(OP, old, S.REJECTED, "late")
+    assert not await p.ledger.save_submission_without_job(OP, old, S.REJECTED, "late", ReasonCode.REFUSED)
     assert p.ledger.operations[OP] == before
 
 
