@@ -242,3 +242,26 @@ async def test_the_fake_ledger_decides_as_the_real_one(migrated: Settings, pool:
     assert [row[1:] for row in real["operations"] if row[0] == "op-fenced"] == [
         ("submitted", "job-fenced", 3, None, None, 0, 0, 0)
     ]
+
+
+@pytest.mark.skipif(
+    not hasattr(Dispatcher, "redispatch"), reason="re-dispatch of operations left accepted is not in this tree"
+)
+async def test_an_operation_left_accepted_is_found_and_dispatched_again_alike(
+    migrated: Settings, pool: asyncpg.Pool
+) -> None:
+    """An operation whose dispatcher died after accepting it: ``stale_accepted`` finds it on both ledgers and the
+    re-dispatch leaves the same records."""
+    settings = migrated.replace(remote_base_url="http://provider.test", coordination_retry_cap_s=0.05)
+    fake = InMemoryLedger()
+    for ledger in (fake, Ledger(pool, "contract")):
+        provider = ScriptedProvider()
+        rt = Runtime(settings, ledger, fake_leases(settings), mock_remote(settings, provider), Sent(), "contract")
+        assert await ledger.accept("op-ok", REQUEST, submitted_at_ms=1700000000000)
+        assert await ledger.stale_accepted(0.0, 100) == [("op-ok", REQUEST)]
+        assert await Dispatcher(rt).redispatch("op-ok", REQUEST) is True
+        assert await ledger.stale_accepted(0.0, 100) == []
+        await rt.remote.aclose()
+    real, faked = await real_records(pool), fake_records(fake)
+    assert faked == real
+    assert [row[1:3] for row in real["operations"]] == [("submitted", "job-ok")]

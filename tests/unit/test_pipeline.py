@@ -324,6 +324,47 @@ async def test_stale_submitting_becomes_uncertain_only_past_the_window(pipeline:
     assert p.provider.count("POST") == 0  # never resubmitted
 
 
+#: Re-dispatch of operations left ``accepted`` comes with the scheduler's ``stale_accepted`` round.
+needs_redispatch = pytest.mark.skipif(
+    not hasattr(Dispatcher, "redispatch"), reason="re-dispatch of operations left accepted is not in this tree"
+)
+
+
+@needs_redispatch
+async def test_an_operation_left_accepted_is_dispatched_again_once_past_the_window(
+    pipeline: Callable[..., Pipeline],
+) -> None:
+    p = pipeline()
+    await p.ledger.accept(OP, REQUEST, submitted_at_ms=1)  # its dispatcher died before the claim
+    await PollScheduler(p.rt).tick()
+    assert p.ledger.state(OP) is S.ACCEPTED  # inside the window: left to the dispatcher handling it
+    p.ledger.advance(p.rt.settings.accepted_stale_after_s + 0.1)
+    scheduler = PollScheduler(p.rt)
+    await scheduler.tick()
+    assert await asyncio.gather(*scheduler.redispatching.values()) == [True]
+    assert p.states() == [S.ACCEPTED, S.SUBMITTING, S.SUBMITTED]
+    assert p.provider.count("POST") == 1
+    body = orjson.loads(p.provider.requests[0].content)
+    assert body == {
+        "input": {"prompt": "hello", "max_tokens": 4},
+        "metadata": {"client_reference": OP},
+        "model": p.rt.settings.remote_model,
+    }
+
+
+@needs_redispatch
+async def test_no_redispatch_while_a_dispatcher_holds_the_submit_lease(pipeline: Callable[..., Pipeline]) -> None:
+    p = pipeline()
+    await p.ledger.accept(OP, REQUEST, submitted_at_ms=1)
+    live = await p.rt.leases.acquire(f"{p.rt.settings.lease_key_prefix}:submit:{OP}")
+    assert live is not None
+    p.ledger.advance(p.rt.settings.accepted_stale_after_s + 0.1)
+    scheduler = PollScheduler(p.rt)
+    await scheduler.tick()
+    assert await asyncio.gather(*scheduler.redispatching.values()) == [False]
+    assert p.ledger.state(OP) is S.ACCEPTED and p.provider.count("POST") == 0
+
+
 # --- observer ------------------------------------------------------------------------------------------------
 
 
