@@ -475,9 +475,10 @@ async def test_never_finishes_stays_running(start_sim: Factory) -> None:
 
 
 async def test_status_regression_answers_queued_while_running_never_after_the_end(start_sim: Factory) -> None:
-    client = await start_sim(fault_status_regression=1.0, compression=20.0)  # ~1 s running with gen=40
+    # a running window long enough (~0.5 s with gen=40 at 2x) for several GETs even on a loaded machine
+    client = await start_sim(fault_status_regression=1.0, compression=2.0)
     job_id = (await client.post("/v1/generations", json=_ref_body("op-rg", gen=40), headers=AUTH)).json()["id"]
-    done, seen = await _wait_for_status(client, job_id, {"succeeded"})
+    done, seen = await _wait_for_status(client, job_id, {"succeeded"}, deadline_s=30.0)
     first_running = seen.index("running")
     assert "queued" in seen[first_running:]  # went back
     assert done["status"] == "succeeded"
