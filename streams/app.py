@@ -6,11 +6,21 @@ module only wires them to Kafka.
 
 * ``dispatch`` agent: ``generation.submissions`` -> :class:`~streams.dispatcher.Dispatcher`.
 * ``observe`` agent: ``generation.polls`` -> :class:`~streams.observer.Observer`.
-* ``schedule_polls`` task: :class:`~streams.scheduler.PollScheduler` (due polls, reconciliation), in a loop.
+* ``schedule_polls`` task: :class:`~streams.scheduler.PollScheduler` (due polls, reconciliation, re-dispatch
+  of forgotten ``accepted`` operations), in a loop.
 * ``relay_outbox`` task: :class:`~streams.relay.OutboxRelay`, in a loop.
 * ``reconcile_lookups`` task (only with ``lookup_enabled``): :class:`~streams.reconciler.Reconciler`, in a loop
   of its own, so a slow lookup never delays poll scheduling.
 * Web: ``GET /metrics`` (Prometheus text) and ``GET /healthz``.
+
+Offsets (see :mod:`streams.inflight`): each agent has one actor per worker, reading a ``noack`` stream, so
+faust never acknowledges an event by itself (a plain stream acknowledges the event it yielded when the actor
+moves on, raises or is cancelled; ``take()`` acknowledges its whole batch in a ``finally``). Each event is
+handled in its own task, up to ``dispatcher_concurrency`` / ``observer_concurrency`` at once, and
+acknowledged only when it and every earlier event of its partition are handled: the committed offset never
+passes an event whose handling has not finished, and a worker killed at any moment leaves its unfinished
+events to the next owner of the partition. Behind an event that stays in flight, later events are still
+handled (their acknowledgements wait), up to :data:`UNACKED_PER_SLOT` per slot; then intake pauses.
 
 An unexpected exception while handling an event never stops the partition: the event is retried
 (:data:`HANDLER_ATTEMPTS`), then goes to the dead-letter topic with reason ``processing_error`` and its
@@ -31,6 +41,7 @@ from prometheus_client import generate_latest
 from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.errors import InvalidEventError
+from streams.inflight import InOrderAcks, Ticket
 from streams.observer import Observer
 from streams.reconciler import Reconciler
 from streams.relay import OutboxRelay
@@ -46,6 +57,11 @@ HANDLER_ATTEMPTS = 5
 
 #: Pause of the reconciler's loop when no lookup was due (s).
 RECONCILER_IDLE_S = 1.0
+
+#: Events received and not yet acknowledged, per handling slot, before an agent stops taking new ones. Behind
+#: an event that stays in flight the later ones are handled but cannot be acknowledged; this bounds the memory
+#: they hold and what the next owner of the partition reads again after a crash.
+UNACKED_PER_SLOT = 16
 
 
 async def handle_with_retries(rt: Runtime, handle: Callable[[RawMessage], Awaitable[None]], raw: RawMessage) -> None:
@@ -71,6 +87,68 @@ async def handle_with_retries(rt: Runtime, handle: Callable[[RawMessage], Awaita
         await rt.dead_letter(raw, InvalidEventError("processing_error", f"{type(exc).__name__}: {exc}"))
 
 
+class Intake:
+    """The in-flight state of one agent in this worker; it outlives a restart of the agent's actor.
+
+    Args:
+        concurrency: events handled at once (``dispatcher_concurrency`` / ``observer_concurrency``).
+    """
+
+    def __init__(self, concurrency: int) -> None:
+        self.acks: InOrderAcks[Any] = InOrderAcks()
+        self.slots = asyncio.Semaphore(concurrency)
+        self.unacked = asyncio.Semaphore(concurrency * UNACKED_PER_SLOT)
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def reserve(self) -> None:
+        """Wait for room for one more event: a handling slot and an unacknowledged place."""
+        await self.unacked.acquire()
+        try:
+            await self.slots.acquire()
+        except BaseException:
+            self.unacked.release()
+            raise
+
+    def unreserve(self) -> None:
+        """Give back a reservation that received no event."""
+        self.slots.release()
+        self.unacked.release()
+
+    async def run(self, ticket: Ticket[Any], handle: Callable[[RawMessage], Awaitable[None]], rt: Runtime) -> None:
+        """Handle one event; once handled, acknowledge every event this releases (in offset order).
+
+        A cancelled handling (the worker stopping) acknowledges nothing: its event is read again by the next
+        owner of the partition, and so is every later event of the partition.
+        """
+        m = ticket.event.message
+        try:
+            await handle_with_retries(rt, handle, RawMessage(m.topic, m.partition, m.offset, m.key, m.value))
+        finally:
+            self.slots.release()
+        for event in self.acks.finish(ticket):
+            event.ack()
+            self.unacked.release()
+
+    async def consume(self, stream: Any, handle: Callable[[RawMessage], Awaitable[None]], rt: Runtime) -> None:
+        """Read ``stream`` without faust's acknowledgements; start a task per event as room allows."""
+        events = stream.noack().events().__aiter__()
+        while True:
+            await self.reserve()
+            try:
+                event = await events.__anext__()
+            except StopAsyncIteration:
+                self.unreserve()
+                return
+            except BaseException:
+                self.unreserve()
+                raise
+            # No await between receiving the event and tracking it: a cancellation cannot lose it here.
+            ticket = self.acks.track(event.message.tp, event)
+            task = asyncio.create_task(self.run(ticket, handle, rt))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+
 def create_app(settings: Settings) -> faust.App:
     """Build the Faust app for ``settings`` (consumer group = ``settings.app_id``)."""
     app = faust.App(
@@ -85,8 +163,9 @@ def create_app(settings: Settings) -> faust.App:
         producer_linger_ms=2,
         broker_session_timeout=settings.kafka_session_timeout_s,
         broker_heartbeat_interval=settings.kafka_heartbeat_interval_s,
-        # Wait for events in flight before a rebalance (Faust's default). With False, a rebalance during a
-        # PostgreSQL restart lost submissions in 2 of 3 runs (tests/e2e/test_faults_under_load.py).
+        # Wait for events in flight (acknowledged only when handled, see Intake) before a rebalance and before
+        # stopping. With False, a rebalance during a PostgreSQL restart lost submissions in 2 of 3 runs
+        # (tests/e2e/test_faults_under_load.py).
         stream_wait_empty=True,
         autodiscover=False,
         store="memory://",
@@ -112,20 +191,19 @@ def create_app(settings: Settings) -> faust.App:
     def topic(role: str) -> Any:
         return app.topic(settings.topic(role), key_type=bytes, value_type=bytes, partitions=settings.partitions)
 
-    async def consume(stream: Any, handler: Callable[[Runtime], Callable[[RawMessage], Awaitable[None]]]) -> None:
-        rt = await runtime()
-        handle = handler(rt)
-        async for event in stream.events():
-            m = event.message
-            await handle_with_retries(rt, handle, RawMessage(m.topic, m.partition, m.offset, m.key, m.value))
+    submissions = Intake(settings.dispatcher_concurrency)
+    polls = Intake(settings.observer_concurrency)
 
-    @app.agent(topic("submissions"), concurrency=settings.dispatcher_concurrency)
+    # One actor per agent (concurrency 1): it only reads; handling runs in the Intake's tasks.
+    @app.agent(topic("submissions"))
     async def dispatch(stream: Any) -> None:
-        await consume(stream, lambda rt: Dispatcher(rt).handle)
+        rt = await runtime()
+        await submissions.consume(stream, Dispatcher(rt).handle, rt)
 
-    @app.agent(topic("polls"), concurrency=settings.observer_concurrency)
+    @app.agent(topic("polls"))
     async def observe(stream: Any) -> None:
-        await consume(stream, lambda rt: Observer(rt).handle)
+        rt = await runtime()
+        await polls.consume(stream, Observer(rt).handle, rt)
 
     async def run_forever(tick: Callable[[], Awaitable[int]], idle_s: float) -> None:
         """Run ``tick`` back to back while it finds work, sleeping ``idle_s`` when it finds none."""
