@@ -179,6 +179,8 @@ class Settings(BaseSettings):
     poll_hint_trusted_polls: Count = 8
     lease_busy_retry_s: Seconds = 1.0
     submitting_stale_after_s: Seconds = 120.0
+    # An operation still 'accepted' this long after its last change is dispatched again from the ledger.
+    accepted_stale_after_s: Seconds = 60.0
 
     # When a known job stops making progress, polling stops (state ``stalled``) until an operator acts:
     # a GET answering 404 longer than this after the job id was saved (inside it, a 404 only reschedules) ...

@@ -15,6 +15,16 @@ POST body (:func:`streams.remote.provider_request_body` adds ``metadata.client_r
 
 A submit lease (Redis) is held around the claim and the POST: with Redis down no claim and no POST happen;
 the event waits (its offset is not committed) and resumes by itself.
+
+From the claim to the saved outcome the work runs in its own task, shielded from the cancellation of the
+handler (a worker stopping, an actor restarted): once ``submitting`` is written, the POST is sent and its
+answer saved even if the event's handler is cancelled before the request, between request and answer, or
+between answer and save. Only the death of the process leaves ``submitting`` without an outcome, which the
+reconciler turns into ``uncertain`` after ``submitting_stale_after_s``.
+
+:meth:`Dispatcher.redispatch` dispatches an operation found still ``accepted`` long after it was accepted
+(see :mod:`streams.scheduler`): nothing was sent for it, and it goes through the same submit lease and the
+same fenced claim (``accepted -> submitting``), so a live dispatcher and a re-dispatch never both POST.
 """
 
 from __future__ import annotations
@@ -50,6 +60,16 @@ from streams.states import OperationState
 log = logging.getLogger(__name__)
 
 SUBMISSIONS_TOPIC = "generation.submissions"
+
+#: Claims and POSTs running shielded from their handler's cancellation (strong references: asyncio keeps
+#: only weak ones to tasks).
+_SHIELDED: set[asyncio.Task[bool]] = set()
+
+
+def _log_failure(task: asyncio.Task[bool]) -> None:
+    _SHIELDED.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a shielded submission ended with an error", exc_info=task.exception())
 
 
 def _wait_for_retry(base: tenacity.wait.wait_base, budget_s: float) -> tenacity.wait.wait_base:
@@ -126,6 +146,46 @@ class Dispatcher:
         if lease is None:
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
             return
+        await self._claim_and_submit_shielded(operation_id, request_text, lease)
+
+    async def redispatch(self, operation_id: str, request_text: str) -> bool:
+        """Dispatch an operation left ``accepted`` (its event was handled by a worker that died before the claim,
+        or was never read again); ``request_text`` is the ledger's ``request`` (JSON text as submitted).
+
+        Takes the submit lease without waiting (held: someone is dispatching it, returns False), then makes
+        the same fenced claim as :meth:`handle` (already past ``accepted``: returns False). Returns True when
+        this call claimed the operation and submitted it.
+        """
+        key = lease_key(self.rt.settings, "submit", operation_id)
+        try:
+            lease = await self.rt.leases.acquire(key)
+        except CoordinationUnavailableError as exc:
+            metrics.COORDINATION_UNAVAILABLE.labels("submit").inc()
+            self.rt.log_outage("Redis", exc)
+            return False
+        if lease is None:
+            metrics.LEASE_BUSY.labels("submit").inc()
+            return False
+        claimed = await self._claim_and_submit_shielded(operation_id, request_text, lease)
+        if claimed:
+            metrics.SUBMISSIONS.labels("redispatched").inc()
+            log.warning(
+                "operation %s: found still accepted after %.0f s; dispatched again from the ledger",
+                operation_id,
+                self.rt.settings.accepted_stale_after_s,
+            )
+        return claimed
+
+    async def _claim_and_submit_shielded(self, operation_id: str, request_text: str, lease: Lease) -> bool:
+        """Claim (``accepted -> submitting``), POST and save in a task the caller's cancellation does not
+        cancel; the caller still sees its own ``CancelledError``. Returns False when the claim found the
+        operation past ``accepted``. Releases ``lease`` in every case."""
+        task = asyncio.ensure_future(self._claim_and_submit(operation_id, request_text, lease))
+        _SHIELDED.add(task)
+        task.add_done_callback(_log_failure)
+        return await asyncio.shield(task)
+
+    async def _claim_and_submit(self, operation_id: str, request_text: str, lease: Lease) -> bool:
         try:
             fencing = await self.rt.until_ledger("claim submit", lambda: self.rt.ledger.claim_for_submit(operation_id))
         except BaseException:
@@ -134,8 +194,9 @@ class Dispatcher:
         if fencing is None:
             await lease.release()
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
-            return
+            return False
         await self._submit(operation_id, request_text, fencing, lease)
+        return True
 
     async def _reject_input(self, message: RawMessage, reason: str, text: str) -> None:
         metrics.SUBMISSIONS.labels("dead_letter").inc()

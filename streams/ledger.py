@@ -217,6 +217,14 @@ class Ledger:
             rows = await self.pool.fetch(Q.reconcile_stale_submitting, stale_after_s, batch_size, self.worker)
         return [row["operation_id"] for row in rows]
 
+    async def stale_accepted(self, stale_after_s: float, batch_size: int) -> list[tuple[str, str]]:
+        """Operations still ``accepted`` ``stale_after_s`` seconds after their last change, oldest first, as
+        ``(operation_id, request JSON text)``; at most ``batch_size``. Reading claims nothing (see
+        ``claim_for_submit``)."""
+        async with _guard("find stale accepted"):
+            rows = await self.pool.fetch(Q.stale_accepted, stale_after_s, batch_size)
+        return [(row["operation_id"], row["request"]) for row in rows]
+
     async def claim_due_polls(self, batch_size: int, visibility_timeout_s: float) -> list[DuePoll]:
         """Claim due polls; each comes back by itself after ``visibility_timeout_s`` unless saved sooner."""
         async with _guard("claim due polls"):

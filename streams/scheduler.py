@@ -9,6 +9,10 @@
   ``uncertain`` with a reason; it is never resubmitted automatically. ``uncertain`` operations are then looked
   up at the provider by :class:`~streams.reconciler.Reconciler` (its own task, when ``lookup_enabled``) or
   decided by an operator.
+* Re-dispatch: an operation left in ``accepted`` longer than ``accepted_stale_after_s`` (nothing was sent
+  for it) is dispatched again (:meth:`~streams.dispatcher.Dispatcher.redispatch`), in the background, through
+  the dispatcher's submit lease and fenced claim. Defence in depth: the submission event of an operation is
+  acknowledged only once handled (:mod:`streams.inflight`), so its next reader dispatches it anyway.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import time
 
 from streams import metrics
+from streams.dispatcher import Dispatcher
 from streams.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -29,6 +34,9 @@ class PollScheduler:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self._last_reconcile = 0.0
+        self._dispatcher = Dispatcher(runtime)
+        #: Re-dispatches running in this worker, by operation id.
+        self.redispatching: dict[str, asyncio.Task[bool]] = {}
 
     async def tick(self) -> int:
         """One scheduling round; returns the number of polls published. Never raises for outages."""
@@ -85,3 +93,21 @@ class PollScheduler:
         if ids:
             metrics.RECONCILED_UNCERTAIN.inc(len(ids))
             log.warning("reconciliation: %d operation(s) stuck in submitting marked uncertain: %s", len(ids), ids[:10])
+        room = s.dispatcher_concurrency - len(self.redispatching)
+        if room > 0:
+            for operation_id, request_text in await self.rt.ledger.stale_accepted(s.accepted_stale_after_s, room):
+                if operation_id not in self.redispatching:
+                    self._start_redispatch(operation_id, request_text)
+
+    def _start_redispatch(self, operation_id: str, request_text: str) -> None:
+        task = asyncio.create_task(self._dispatcher.redispatch(operation_id, request_text))
+        self.redispatching[operation_id] = task
+
+        def done(t: asyncio.Task[bool]) -> None:
+            self.redispatching.pop(operation_id, None)
+            if not t.cancelled() and t.exception() is not None:
+                log.error(
+                    "re-dispatch of operation %s failed; retried next round", operation_id, exc_info=t.exception()
+                )
+
+        task.add_done_callback(done)

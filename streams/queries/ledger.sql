@@ -293,3 +293,16 @@ FOR UPDATE SKIP LOCKED;
 -- name: mark_outbox_published
 -- $1 ids (bigint[]).
 UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[]);
+
+-- name: stale_accepted
+-- Defence in depth: operations still 'accepted' more than $1 seconds after their last change. A dispatcher
+-- claims an operation milliseconds after accepting it; one left here had its event handled by a worker that
+-- died before the claim (or never read again). Nothing was sent for it, so it may be dispatched again,
+-- through the dispatcher's own submit lease and fenced claim (accepted -> submitting): whoever claims first
+-- POSTs, the other finds it past 'accepted'.
+-- $1 stale-after (s), $2 batch size. Returns operation_id, request (the JSON text as submitted), oldest first.
+SELECT operation_id, request::text AS request
+FROM operations
+WHERE state = 'accepted' AND updated_at < now() - make_interval(secs => $1)
+ORDER BY updated_at
+LIMIT $2;

@@ -76,6 +76,7 @@ EXPECTED_LEDGER = [
     "try_relay_lock",
     "lock_unpublished_outbox",
     "mark_outbox_published",
+    "stale_accepted",
 ]
 
 #: Number of parameters each query takes (from its documentation comment).
@@ -97,6 +98,7 @@ EXPECTED_ARITY = {
     "try_relay_lock": 0,
     "lock_unpublished_outbox": 1,
     "mark_outbox_published": 1,
+    "stale_accepted": 2,
 }
 
 
