@@ -3,6 +3,10 @@
 Each ``(operation_id, output_id)`` has exactly one outbox row (unique key) and is published once; a crash
 between publishing and marking republishes it with the same deterministic ``event_id`` (header and value),
 which downstream drops (:mod:`streams.downstream`).
+
+Each round selects every unpublished row (``published_at IS NULL``), in id order, never the ids above the
+last one published: a transaction takes its outbox id before it commits, so a lower id can become visible
+after a higher one was published, and it is published the next round.
 """
 
 from __future__ import annotations

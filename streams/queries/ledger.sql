@@ -282,6 +282,9 @@ ON CONFLICT (remote_job_id) DO NOTHING;
 SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'));
 
 -- name: lock_unpublished_outbox
+-- Every unpublished row, never "ids above the last one published": an id is taken when its transaction
+-- writes the row, so a lower id can commit after a higher one was published; it is picked up next round.
+-- Rows of one operation are written under its row lock, so their ids follow their commit order.
 -- $1 batch size. Returns id, event_id, topic_role, operation_id, payload (text) in id order.
 SELECT id, event_id, topic_role, operation_id, payload::text AS payload
 FROM outbox
