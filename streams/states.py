@@ -7,7 +7,8 @@ ledger refuses any transition the table does not hold.
 Who moves work out of each state:
 
 ============== ==============================================================================
-accepted       dispatcher: claims it (``submitting``, written *before* the POST)
+accepted       dispatcher: claims it (``submitting``, written *before* the POST); the scheduler's re-dispatch
+               when it is left there past ``accepted_stale_after_s`` (same lease, same fenced claim)
 submitting     dispatcher: saves the POST outcome (``submitted``/``rejected``/``uncertain``);
                reconciler (poll scheduler): a stale ``submitting`` with no outcome -> ``uncertain``
 submitted      observer: saves GET snapshots (``queued``/``running``/terminal), or ``stalled`` when the
