@@ -92,9 +92,11 @@ class Intake:
 
     Args:
         concurrency: events handled at once (``dispatcher_concurrency`` / ``observer_concurrency``).
+        generation: the consumer group generation now (``app.consumer_generation_id``).
     """
 
-    def __init__(self, concurrency: int) -> None:
+    def __init__(self, concurrency: int, generation: Callable[[], int]) -> None:
+        self.generation = generation
         self.acks: InOrderAcks[Any] = InOrderAcks()
         self.slots = asyncio.Semaphore(concurrency)
         self.unacked = asyncio.Semaphore(concurrency * UNACKED_PER_SLOT)
@@ -118,7 +120,10 @@ class Intake:
         """Handle one event; once handled, acknowledge every event this releases (in offset order).
 
         A cancelled handling (the worker stopping) acknowledges nothing: its event is read again by the next
-        owner of the partition, and so is every later event of the partition.
+        owner of the partition, and so is every later event of the partition. An event received before the
+        latest rebalance is not acknowledged either (rebalances wait for events in flight, so this only
+        happens when that wait was cut short): its partition was sought back to the committed offset, which
+        such a late acknowledgement could otherwise carry past events read again and not yet handled.
         """
         m = ticket.event.message
         try:
@@ -126,7 +131,8 @@ class Intake:
         finally:
             self.slots.release()
         for event in self.acks.finish(ticket):
-            event.ack()
+            if event.message.generation_id == self.generation():
+                event.ack()
             self.unacked.release()
 
     async def consume(self, stream: Any, handle: Callable[[RawMessage], Awaitable[None]], rt: Runtime) -> None:
@@ -191,8 +197,8 @@ def create_app(settings: Settings) -> faust.App:
     def topic(role: str) -> Any:
         return app.topic(settings.topic(role), key_type=bytes, value_type=bytes, partitions=settings.partitions)
 
-    submissions = Intake(settings.dispatcher_concurrency)
-    polls = Intake(settings.observer_concurrency)
+    submissions = Intake(settings.dispatcher_concurrency, lambda: int(app.consumer_generation_id))
+    polls = Intake(settings.observer_concurrency, lambda: int(app.consumer_generation_id))
 
     # One actor per agent (concurrency 1): it only reads; handling runs in the Intake's tasks.
     @app.agent(topic("submissions"))
