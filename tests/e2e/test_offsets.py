@@ -189,8 +189,12 @@ async def test_worker_killed_while_head_event_in_flight_loses_nothing(
 ) -> None:
     """SIGKILL the worker while the third submission is held (INSERT blocked, or submit lease held elsewhere)
     and the others are done; a replacement worker brings every submission to a final state with exactly one
-    remote job each (the simulator's record)."""
-    a = fleet.start("a")
+    remote job each (the simulator's record).
+
+    The re-dispatch of operations left ``accepted`` is kept out of it (a stale time of an hour): the killed
+    worker's blocked INSERT still completes in its orphaned PostgreSQL backend once the blocker rolls back,
+    and re-dispatch would then rescue the operation even with offsets committed past it."""
+    a = fleet.start("a", accepted_stale_after_s=3600.0)
     await fleet.wait_ready("a")
     prefix = f"kil{uuid.uuid4().hex[:6]}"
     ids = [f"{prefix}-{i}" for i in range(5)]
@@ -206,7 +210,7 @@ async def test_worker_killed_while_head_event_in_flight_loses_nothing(
         a.signal(signal.SIGKILL)
         a.proc.wait()
     print("committed offset samples before the kill:", offsets.runs())
-    fleet.start("b")
+    fleet.start("b", accepted_stale_after_s=3600.0)
     await fleet.wait_ready("b")
 
     async def all_final() -> bool:
