@@ -100,8 +100,7 @@ async def test_concurrent_writers_with_random_commit_delays_lose_no_outbox_row(
     # The scenario happened: rows were committed after a higher id had already been published.
     assert ids_out_of_commit_order > 0
     inserted = [
-        r["event_id"]
-        for r in await pool.fetch("SELECT event_id FROM outbox WHERE operation_id LIKE $1", prefix + "-%")
+        r["event_id"] for r in await pool.fetch("SELECT event_id FROM outbox WHERE operation_id LIKE $1", prefix + "-%")
     ]
     assert len(inserted) == writers * per_writer
     assert await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
