@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
-import orjson
 import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -25,7 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from streams.config import Settings, lease_key
 from streams.lease import LeaseManager, make_redis
 from streams.producer import submission
-from tests.support import Fleet, SimulatorServer, wait_for
+from tests.support import Fleet, SimulatorServer, provider_request, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -88,7 +87,7 @@ async def produce_to_one_partition(settings: Settings, ids: list[str]) -> list[i
     try:
         offsets = []
         for op in ids:
-            value = orjson.dumps(submission(op, {"context_tokens": 100, "generated_tokens": 20}))
+            value = submission(op, provider_request(100, 20))
             meta = await producer.send_and_wait(
                 settings.topic("submissions"), value, key=op.encode(), partition=PARTITION
             )
@@ -101,7 +100,7 @@ async def produce_to_one_partition(settings: Settings, ids: list[str]) -> list[i
 @contextlib.asynccontextmanager
 async def insert_blocked(settings: Settings, operation_id: str) -> AsyncIterator[None]:
     """Hold an uncommitted row with ``operation_id``: a worker's ``INSERT`` of it waits until we roll back."""
-    conn = await asyncpg.connect(settings.database_url)
+    conn = await asyncpg.connect(settings.database_url.get_secret_value())
     tx = conn.transaction()
     await tx.start()
     try:
@@ -118,7 +117,7 @@ async def insert_blocked(settings: Settings, operation_id: str) -> AsyncIterator
 @contextlib.asynccontextmanager
 async def submit_lease_held(settings: Settings, operation_id: str) -> AsyncIterator[None]:
     """Hold the operation's Redis submit lease (2 minutes) until the block ends."""
-    client = make_redis(settings.redis_url, settings.redis_socket_timeout_s)
+    client = make_redis(settings.redis_url.get_secret_value(), settings.redis_socket_timeout_s)
     lease = await LeaseManager(client, settings.lease_ttl_ms).acquire(
         lease_key(settings, "submit", operation_id), ttl_ms=120_000
     )

@@ -19,13 +19,11 @@ from streams.config import lease_key
 from streams.dispatcher import Dispatcher
 from streams.runtime import Runtime
 from streams.scheduler import PollScheduler
-from tests.integration.test_dispatcher import submission
+from tests.integration.test_dispatcher import request_text, submission
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
-
-REQUEST = {"context_tokens": 100, "generated_tokens": 20}
 
 
 async def state_of(pool: asyncpg.Pool, op: str) -> str | None:
@@ -103,7 +101,7 @@ async def test_operation_left_accepted_is_dispatched_once_from_the_ledger(
     older than ``accepted_stale_after_s``: one POST, saved."""
     runtime.settings = runtime.settings.replace(accepted_stale_after_s=0.5)
     op = "op-left-accepted"
-    assert await runtime.ledger.accept(op, dict(REQUEST, submitted_at_ms=1))
+    assert await runtime.ledger.accept(op, request_text(), submitted_at_ms=1)
     assert await runtime.ledger.stale_accepted(0.5, 10) == []  # too young yet
     scheduler = PollScheduler(runtime)
 
@@ -124,7 +122,7 @@ async def test_redispatch_leaves_an_operation_whose_submit_lease_is_held(
     once the lease is released it dispatches the operation."""
     runtime.settings = runtime.settings.replace(accepted_stale_after_s=0.0)
     op = "op-lease-held"
-    assert await runtime.ledger.accept(op, dict(REQUEST, submitted_at_ms=1))
+    assert await runtime.ledger.accept(op, request_text(), submitted_at_ms=1)
     [(found, stored)] = await runtime.ledger.stale_accepted(0.0, 10)
     assert found == op
     lease = await runtime.leases.acquire(lease_key(runtime.settings, "submit", op), ttl_ms=60_000)
@@ -146,7 +144,7 @@ async def test_live_dispatcher_and_redispatch_racing_post_once(
     runtime.settings = runtime.settings.replace(accepted_stale_after_s=0.0)
     ops = [f"op-race-{i:02d}" for i in range(30)]
     for op in ops:
-        assert await runtime.ledger.accept(op, dict(REQUEST, submitted_at_ms=1))
+        assert await runtime.ledger.accept(op, request_text(), submitted_at_ms=1)
     stale = dict(await runtime.ledger.stale_accepted(0.0, 100))
     assert set(stale) == set(ops)
     live, again = Dispatcher(runtime), Dispatcher(runtime)
