@@ -27,9 +27,14 @@ from streams.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
+#: Re-dispatches a worker runs at once. A safety net for rare leftovers, kept small: they run beside the agents'
+#: slots, from which the HTTP and Redis pool sizes are derived, so they use the Redis pool's spare connections.
+REDISPATCH_AT_ONCE = 2
+
 
 class PollScheduler:
-    """Claims due polls and publishes them; reconciles stale ``submitting`` operations."""
+    """Claims due polls and publishes them; reconciles stale ``submitting`` operations; re-dispatches operations
+    left ``accepted``."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -93,7 +98,7 @@ class PollScheduler:
         if ids:
             metrics.RECONCILED_UNCERTAIN.inc(len(ids))
             log.warning("reconciliation: %d operation(s) stuck in submitting marked uncertain: %s", len(ids), ids[:10])
-        room = s.dispatcher_concurrency - len(self.redispatching)
+        room = REDISPATCH_AT_ONCE - len(self.redispatching)
         if room > 0:
             for operation_id, request_text in await self.rt.ledger.stale_accepted(s.accepted_stale_after_s, room):
                 if operation_id not in self.redispatching:
