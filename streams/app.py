@@ -11,7 +11,7 @@ module only wires them to Kafka.
 * ``relay_outbox`` task: :class:`~streams.relay.OutboxRelay`, in a loop.
 * ``reconcile_lookups`` task (only with ``lookup_enabled``): :class:`~streams.reconciler.Reconciler`, in a loop
   of its own, so a slow lookup never delays poll scheduling.
-* Web: ``GET /metrics`` (Prometheus text) and ``GET /healthz``.
+* Web: ``GET /metrics`` (Prometheus text), ``GET /healthz``, and the live view (:mod:`streams.web`).
 
 Offsets (see :mod:`streams.inflight`): each agent has one actor per worker, reading a ``noack`` stream, so
 faust never acknowledges an event by itself (a plain stream acknowledges the event it yielded when the actor
@@ -47,6 +47,7 @@ from streams.reconciler import Reconciler
 from streams.relay import OutboxRelay
 from streams.runtime import RawMessage, Runtime
 from streams.scheduler import PollScheduler
+from streams.web import register_pages
 
 log = logging.getLogger(__name__)
 
@@ -245,4 +246,5 @@ def create_app(settings: Settings) -> faust.App:
         redis_ok = await rt.leases.healthy()
         return web.json({"worker": rt.worker, "redis": redis_ok})
 
+    register_pages(app, runtime)  # the live view: / and /operations/{operation_id} (streams.web)
     return app

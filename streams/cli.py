@@ -7,6 +7,12 @@
     streams worker [--web-port N]    run one Faust worker process (dispatcher, observer, scheduler, relay)
     streams submit FILE.jsonl        publish submissions from JSONL (one {"operation_id", "request"} a line)
     streams follow                   print delivered outputs, each once
+    streams operations list|show     operations by state and age; one operation in full (read-only)
+    streams operations adopt|abandon|repoll|fail
+                                     an operator's fenced decision on an uncertain or stalled operation
+
+Logs: ``--log-format json|text`` (or ``STREAMS_LOG_FORMAT``); ``streams worker`` writes JSON lines to stdout by
+default, the other commands readable lines to stderr (:mod:`streams.logs`).
 
 Installed packages add commands through the ``streams.commands`` entry-point group, loaded only when one of
 them is invoked (or listed by ``--help``): the harness (``generation-streams[harness]``) adds ``streams run``,
@@ -17,15 +23,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import logging.config
 import sys
+from collections.abc import Awaitable, Callable
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from streams import exactjson
+from streams import exactjson, logs
 from streams.config import Settings
 from streams.errors import ConfigError, StreamsError
+from streams.states import OperationState
+
+if TYPE_CHECKING:
+    import asyncpg
+
+T = TypeVar("T")
 
 #: Entry-point group through which installed packages add commands to ``streams``.
 COMMANDS_GROUP = "streams.commands"
@@ -95,11 +110,25 @@ def _settings() -> Settings:
 
 @click.group(cls=PluginGroup)
 @click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
-def main(log_level: str) -> None:
+@click.option(
+    "--log-format",
+    type=click.Choice(logs.FORMATS),
+    envvar=logs.FORMAT_ENV,
+    default=None,
+    help="json (one object a line, with operation id, job id and fencing value) or text; "
+    f"default json for 'worker', text otherwise [env {logs.FORMAT_ENV}].",
+)
+@click.pass_context
+def main(ctx: click.Context, log_level: str, log_format: str | None) -> None:
     """Generation operations through Kafka, Redis and PostgreSQL."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "aiokafka"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    worker_process = ctx.invoked_subcommand == "worker"
+    fmt = log_format or ("json" if worker_process else "text")
+    try:
+        config = logs.dict_config(fmt, log_level, "ext://sys.stdout" if worker_process else "ext://sys.stderr")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--log-level") from exc
+    logging.config.dictConfig(config)
+    ctx.obj = {"log_format": fmt, "log_level": log_level}
 
 
 @main.command()
@@ -156,9 +185,18 @@ def ready(services: tuple[str, ...], timeout_s: float, pids: tuple[str, ...]) ->
 
 
 @main.command()
-@click.option("--web-port", type=int, default=None, help="Port of /metrics and /healthz (default STREAMS_WEB_PORT).")
-def worker(web_port: int | None) -> None:
-    """Run one worker process (Faust): dispatcher and observer agents, poll scheduler and outbox relay timers."""
+@click.option(
+    "--web-port",
+    type=int,
+    default=None,
+    help="Port of the live view, /metrics and /healthz (default STREAMS_WEB_PORT).",
+)
+@click.pass_obj
+def worker(obj: dict[str, str], web_port: int | None) -> None:
+    """Run one worker process (Faust): dispatcher and observer agents, poll scheduler and outbox relay timers,
+    and a web server with the live view (/), one operation (/operations/OP), /metrics and /healthz.
+
+    Logs are JSON lines on stdout unless --log-format text."""
     import faust
 
     from streams.app import create_app
@@ -167,7 +205,12 @@ def worker(web_port: int | None) -> None:
     if web_port is not None:
         settings = settings.replace(web_port=web_port)
     app = create_app(settings)
-    faust.Worker(app, loglevel=logging.getLevelName(logging.getLogger().level)).execute_from_commandline()
+    faust.Worker(
+        app,
+        loglevel=logging.getLevelName(logging.getLogger().level),
+        # mode's Worker replaces the logging set-up; give it ours (a fresh dict: dictConfig consumes it)
+        logging_config=logs.dict_config(obj["log_format"], obj["log_level"], "ext://sys.stdout"),
+    ).execute_from_commandline()
 
 
 @main.command()
@@ -227,3 +270,133 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None, operat
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
+
+
+# --- operators' commands -----------------------------------------------------------------------------------------
+
+#: Exit statuses of the operators' commands (1 is click's for other errors, 2 for bad usage).
+EXIT_REFUSED = 3  # the decision does not apply to the operation in its current state; nothing written
+EXIT_UNKNOWN_OPERATION = 4  # the ledger does not hold the operation
+EXIT_UNAVAILABLE = 5  # PostgreSQL did not answer
+
+
+class Duration(click.ParamType):
+    """A duration such as ``30s``, ``5m``, ``2h``, ``1d`` or ``1h30m`` (:func:`streams.operators.parse_duration`),
+    converted to seconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            return value
+        from streams.operators import parse_duration
+
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class CommandExit(click.ClickException):
+    """A command's failure with its own exit status (message on stderr, as click prints it)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
+    """Run ``work(pool)`` on a small pool of the ledger; PostgreSQL not answering exits with EXIT_UNAVAILABLE."""
+    from streams.errors import LedgerUnavailableError
+    from streams.ledger import create_pool
+
+    try:
+        pool = await create_pool(settings.database_url, min_size=1, max_size=2)
+        try:
+            return await work(pool)
+        finally:
+            await pool.close()
+    except LedgerUnavailableError as exc:
+        raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
+
+
+def _echo_json(value: Any) -> None:
+    from streams.operators import to_json
+
+    click.echo(to_json(value))
+
+
+_JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+
+
+@main.group()
+def operations() -> None:
+    """Read the ledger's operations and take an operator's decision on one.
+
+    \b
+    Exit statuses: 0 done; 2 bad usage; 3 the decision does not apply to the operation's state (nothing
+    written); 4 no such operation; 5 PostgreSQL did not answer; 1 any other error.
+    """
+
+
+@operations.command("list")
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    type=click.Choice([s.value for s in OperationState]),
+    help="Only operations in this state (repeatable).",
+)
+@click.option(
+    "--older-than",
+    type=Duration(),
+    default=None,
+    help="Only operations in their state longer than this (30s, 5m, 2h, 1d, 1h30m).",
+)
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True, help="At most this many rows.")
+@_JSON_OPTION
+def list_operations(states: tuple[str, ...], older_than: float | None, limit: int, as_json: bool) -> None:
+    """Operations, oldest in their state first: id, state, age in that state, job id, fencing value, reason.
+
+    \b
+    streams operations list --state uncertain --older-than 10m
+    """
+    from streams import operators
+
+    result = asyncio.run(
+        _with_pool(
+            _settings(),
+            lambda pool: operators.list_operations(pool, states=states, older_than_s=older_than, limit=limit),
+        )
+    )
+    if as_json:
+        _echo_json({"matched": result.matched, "operations": result.rows})
+    else:
+        click.echo(operators.format_list(result))
+
+
+@operations.command("show")
+@click.argument("operation_id")
+@_JSON_OPTION
+def show_operation(operation_id: str, as_json: bool) -> None:
+    """One operation in full: state, job id, fencing value, transition history, outputs with their outbox rows,
+    remote calls, and the Redis leases held on it now (owner token, TTL left)."""
+    from streams import operators
+    from streams.lease import make_redis
+
+    settings = _settings()
+
+    async def read(pool: asyncpg.Pool) -> dict[str, Any] | None:
+        redis = make_redis(settings.redis_url, settings.redis_socket_timeout_s)
+        try:
+            return await operators.operation_detail(pool, redis, settings, operation_id)
+        finally:
+            await redis.aclose()
+
+    detail = asyncio.run(_with_pool(settings, read))
+    if detail is None:
+        raise CommandExit(f"operation {operation_id!r} is not in the ledger", EXIT_UNKNOWN_OPERATION)
+    if as_json:
+        _echo_json(detail)
+    else:
+        click.echo(operators.format_detail(detail))

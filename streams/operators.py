@@ -1,0 +1,442 @@
+"""What the people who run the system read: operations by state, one operation in full, the on-call overview.
+
+Read-only queries of ``queries/inspect.sql`` and the Redis lease keys, plus the text formatting shared by the
+command line (``streams operations ...``) and the worker's live view (:mod:`streams.web`). The operators'
+decisions themselves (adopt, abandon, repoll, fail) are fenced ledger statements (:class:`streams.ledger.Ledger`);
+nothing here writes, and nothing here calls the remote API.
+
+Ages are seconds since the operation entered its current state, from the transition log, on the database's
+clock.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
+
+from streams import exactjson
+from streams.config import Settings, lease_key
+from streams.lease import REDIS_UNAVAILABLE
+from streams.ledger import _guard as ledger_guard  # PostgreSQL errors -> LedgerUnavailableError/LedgerDataError
+from streams.sql import Queries
+from streams.states import OperationState, is_terminal
+
+INSPECT = Queries("inspect.sql")
+
+#: Lease actions whose keys :func:`lease_holders` reads (``streams.config.lease_key``).
+LEASE_ACTIONS = ("submit", "observe")
+
+#: States in which work waits for the reconciler or a person (``stalled`` once the ledger has it).
+DECISION_STATES = ("uncertain", "stalled")
+
+#: Prometheus counters the live view shows, by section (this worker's values since it started).
+CONTENTION_METRICS = (
+    "streams_lease_busy_total",
+    "streams_lease_lost_total",
+    "streams_coordination_unavailable_total",
+    "streams_fencing_refusals_total",
+    "streams_order_refusals_total",
+    "streams_stale_polls_total",
+)
+DEAD_LETTER_METRICS = ("streams_dead_letters_total",)
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``30s``, ``5m``, ``2h``, ``1d``, ``1.5h`` or ``1h30m`` (units s, m, h, d,
+    largest first, each at most once).
+
+    Raises:
+        ValueError: the text is not such a duration, or it is zero.
+    """
+    raw = text.strip().lower()
+    pos, total, units = 0, 0.0, []
+    for match in _DURATION.finditer(raw):
+        if match.start() != pos:
+            break
+        units.append(match.group(2))
+        total += float(match.group(1)) * _UNIT_S[match.group(2)]
+        pos = match.end()
+    order = "dhms"
+    if not units or pos != len(raw) or units != sorted(set(units), key=order.index):
+        raise ValueError(f"{text!r} is not a duration: write a number and a unit (s, m, h, d), e.g. 30s, 5m, 1h30m")
+    if total <= 0:
+        raise ValueError(f"{text!r} is not a positive duration")
+    return total
+
+
+def format_age(seconds: float | None) -> str:
+    """A short age: ``42.0s``, ``3m15s``, ``2h03m``, ``1d04h``; ``-`` for None."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{max(seconds, 0.0):.1f}s"
+    s = int(seconds)
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def format_time(value: dt.datetime | None) -> str:
+    """UTC, ISO 8601 to the millisecond (``2026-05-02T10:00:00.123Z``); ``-`` for None."""
+    if value is None:
+        return "-"
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def actor_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """Who runs an operator's command: ``STREAMS_ACTOR``, else ``USER``/``LOGNAME``, else the login name.
+
+    Returns an empty string when none is known (the ledger refuses a decision without an actor).
+    """
+    env = os.environ if environ is None else environ
+    for var in ("STREAMS_ACTOR", "USER", "LOGNAME"):
+        if env.get(var, "").strip():
+            return env[var].strip()
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return ""
+
+
+def to_json(value: Any) -> str:
+    """Compact JSON text of query results: numbers exact (:mod:`streams.exactjson`, as the ledger stores them),
+    datetimes as RFC 3339.
+
+    Raises:
+        TypeError: a value JSON cannot hold.
+    """
+    return exactjson.dumps(value).decode()
+
+
+# --- queries ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OperationList:
+    """Rows of ``list_operations`` (dicts: operation_id, state, state_age_s, reason, remote_job_id,
+    fencing_token) and how many matched before the limit."""
+
+    rows: list[dict[str, Any]]
+    matched: int
+
+
+async def list_operations(
+    pool: asyncpg.Pool, *, states: Sequence[str] | None, older_than_s: float | None, limit: int
+) -> OperationList:
+    """Operations in ``states`` (None: all) for longer than ``older_than_s`` (None: any), oldest first, at most
+    ``limit`` (>= 1).
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not answer.
+    """
+    async with ledger_guard("list operations"):
+        rows = await pool.fetch(INSPECT.list_operations, list(states) if states else None, older_than_s, limit)
+    matched = rows[0]["matched"] if rows else 0
+    return OperationList([{k: v for k, v in dict(r).items() if k != "matched"} for r in rows], matched)
+
+
+async def lease_holders(redis: aioredis.Redis, settings: Settings, operation_id: str) -> list[dict[str, Any]]:
+    """The Redis leases held on the operation now: ``[{action, key, owner_token, ttl_ms}]`` (empty when none).
+
+    The owner token is random per acquisition (it names no worker). Raises the redis-py error when Redis does
+    not answer (see :data:`streams.lease.REDIS_UNAVAILABLE`).
+    """
+    held = []
+    for action in LEASE_ACTIONS:
+        key = lease_key(settings, action, operation_id)
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.get(key)
+            pipe.pttl(key)
+            token, ttl_ms = await pipe.execute()
+        if token is not None and ttl_ms >= 0:
+            owner = token.decode(errors="replace") if isinstance(token, bytes) else str(token)
+            held.append({"action": action, "key": key, "owner_token": owner, "ttl_ms": int(ttl_ms)})
+    return held
+
+
+async def operation_detail(
+    pool: asyncpg.Pool, redis: aioredis.Redis | None, settings: Settings, operation_id: str
+) -> dict[str, Any] | None:
+    """Everything about one operation, or None when the ledger does not hold it.
+
+    Returns ``{operation, transitions, outputs, remote_calls, leases, leases_error}``: the operation's row
+    (with ``state_age_s``), its transition log, its outputs with their outbox rows, its remote calls, and the
+    Redis leases held on it now (``leases_error`` says why they could not be read, else None).
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not answer (Redis not answering is reported in ``leases_error``).
+    """
+    async with ledger_guard(f"read {operation_id}"):
+        row = await pool.fetchrow(INSPECT.operation_row, operation_id)
+        if row is None:
+            return None
+        transitions = await pool.fetch(INSPECT.operation_transitions, operation_id)
+        outputs = await pool.fetch(INSPECT.operation_outputs, operation_id)
+        calls = await pool.fetch(INSPECT.operation_remote_calls, operation_id)
+    leases: list[dict[str, Any]] = []
+    leases_error = None
+    if redis is None:
+        leases_error = "Redis not consulted"
+    else:
+        try:
+            leases = await lease_holders(redis, settings, operation_id)
+        except REDIS_UNAVAILABLE as exc:
+            leases_error = f"Redis unavailable: {type(exc).__name__}: {exc}"
+    return {
+        "operation": dict(row),
+        "transitions": [dict(r) for r in transitions],
+        "outputs": [dict(r) for r in outputs],
+        "remote_calls": [dict(r) for r in calls],
+        "leases": leases,
+        "leases_error": leases_error,
+    }
+
+
+async def overview(pool: asyncpg.Pool, *, window_min: int, queue_limit: int) -> dict[str, Any]:
+    """The on-call overview from the ledger.
+
+    Returns ``{now, states, throughput, queues, outbox}``:
+
+    * ``states``: {state: operations} for every state (0 when none);
+    * ``throughput``: ``{window_min, minutes: [{minute, accepted, finished, by_state}], finished,
+      finished_per_s}`` over the last ``window_min`` minutes (the current minute included; ``finished`` counts
+      transitions into terminal states);
+    * ``queues``: {state: {matched, oldest_age_s, rows}} for :data:`DECISION_STATES`, at most ``queue_limit``
+      rows each, oldest first;
+    * ``outbox``: ``{unpublished, oldest_age_s, by_topic_role: {role: {unpublished, oldest_age_s}}}``.
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not answer.
+    """
+    async with ledger_guard("read the overview"):
+        return await _overview(pool, window_min, queue_limit)
+
+
+async def _overview(pool: asyncpg.Pool, window_min: int, queue_limit: int) -> dict[str, Any]:
+    now: dt.datetime = await pool.fetchval(INSPECT.database_now)
+    counts = {r["state"]: r["operations"] for r in await pool.fetch(INSPECT.state_counts)}
+    states = {s.value: counts.pop(s.value, 0) for s in OperationState}
+    states.update(counts)  # a state the database has and this code does not (a newer migration)
+    per_minute = await pool.fetch(INSPECT.transitions_per_minute, window_min)
+    queues = {}
+    for state in DECISION_STATES:
+        rows = [dict(r) for r in await pool.fetch(INSPECT.state_queue, state, queue_limit)]
+        queues[state] = {
+            "matched": rows[0]["matched"] if rows else 0,
+            "oldest_age_s": rows[0]["state_age_s"] if rows else None,
+            "rows": [{k: v for k, v in r.items() if k != "matched"} for r in rows],
+        }
+    backlog = {
+        r["topic_role"]: {"unpublished": r["unpublished"], "oldest_age_s": r["oldest_age_s"]}
+        for r in await pool.fetch(INSPECT.outbox_backlog)
+    }
+    ages = [b["oldest_age_s"] for b in backlog.values()]
+    return {
+        "now": now,
+        "states": states,
+        "throughput": _throughput(now, window_min, per_minute),
+        "queues": queues,
+        "outbox": {
+            "unpublished": sum(b["unpublished"] for b in backlog.values()),
+            "oldest_age_s": max(ages) if ages else None,
+            "by_topic_role": backlog,
+        },
+    }
+
+
+def _throughput(now: dt.datetime, window_min: int, rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    start = now.replace(second=0, microsecond=0) - dt.timedelta(minutes=window_min - 1)
+    minutes: dict[dt.datetime, dict[str, Any]] = {
+        start + dt.timedelta(minutes=i): {"accepted": 0, "finished": 0, "by_state": {}} for i in range(window_min)
+    }
+    for r in rows:
+        slot = minutes.setdefault(r["minute"], {"accepted": 0, "finished": 0, "by_state": {}})
+        slot["by_state"][r["to_state"]] = r["transitions"]
+        if r["to_state"] == OperationState.ACCEPTED.value:
+            slot["accepted"] += r["transitions"]
+        elif _is_terminal(r["to_state"]):
+            slot["finished"] += r["transitions"]
+    finished = sum(m["finished"] for m in minutes.values())
+    elapsed_s = (now - start).total_seconds()
+    return {
+        "window_min": window_min,
+        "minutes": [{"minute": k, **v} for k, v in sorted(minutes.items())],
+        "finished": finished,
+        "finished_per_s": finished / elapsed_s if elapsed_s > 0 else 0.0,
+    }
+
+
+def _is_terminal(state: str) -> bool:
+    try:
+        return is_terminal(OperationState(state))
+    except ValueError:
+        return False
+
+
+def worker_counters(names: Iterable[str]) -> list[dict[str, Any]]:
+    """This process's Prometheus counter samples named ``names`` (``<name>`` or ``<name>_total``):
+    ``[{name, labels, value}]``, in registry order."""
+    wanted = set(names)
+    samples = []
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name in wanted:
+                samples.append({"name": sample.name, "labels": dict(sample.labels), "value": sample.value})
+    return samples
+
+
+# --- text ------------------------------------------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A plain text table: columns left-aligned, two spaces apart, values shown as ``str`` (None as ``-``)."""
+    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def compact_json(value: Any) -> str:
+    """One-line JSON of ``value``; ``-`` for None."""
+    return "-" if value is None else to_json(value)
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    text = value if isinstance(value, str) else compact_json(value)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def format_list(result: OperationList) -> str:
+    """``streams operations list`` as text: one line per operation, and how many more matched."""
+    if not result.rows:
+        return "no operations match"
+    body = table(
+        ["OPERATION", "STATE", "AGE", "JOB ID", "FENCING", "REASON"],
+        (
+            [
+                r["operation_id"],
+                r["state"],
+                format_age(r["state_age_s"]),
+                r["remote_job_id"],
+                r["fencing_token"],
+                _short(r["reason"]) if r["reason"] else None,
+            ]
+            for r in result.rows
+        ),
+    )
+    more = result.matched - len(result.rows)
+    return body + (f"\n... {more} more (raise --limit)" if more > 0 else "")
+
+
+def format_detail(detail: Mapping[str, Any]) -> str:
+    """``streams operations show`` as text."""
+    op = detail["operation"]
+    lines = [
+        f"operation        {op['operation_id']}",
+        f"state            {op['state']} (for {format_age(op['state_age_s'])})",
+        f"reason           {op['reason'] or '-'}",
+        f"remote job id    {op['remote_job_id'] or '-'}",
+        f"fencing value    {op['fencing_token']}",
+        f"accepted at      {format_time(op['accepted_at'])}",
+        f"last change      {format_time(op['updated_at'])} by {op['updated_by']}",
+        f"polls            {op['poll_count']} (next due {format_time(op['next_poll_at'])})",
+        f"last observed    {format_time(op['last_observed_at'])}"
+        + (f": {_short(op['last_observation'], 200)}" if op["last_observation"] is not None else ""),
+        f"remote completed {format_time(op['remote_completed_at'])}",
+        f"request          {_short(op['request'], 200)}",
+        "",
+        f"transitions ({len(detail['transitions'])})",
+        _indent(
+            table(
+                ["AT", "FROM", "TO", "FENCING", "BY", "REASON"],
+                (
+                    [
+                        format_time(t["at"]),
+                        t["from_state"],
+                        t["to_state"],
+                        t["fencing_token"],
+                        t["worker"],
+                        _short(t["reason"]) if t["reason"] else None,
+                    ]
+                    for t in detail["transitions"]
+                ),
+            )
+        ),
+        "",
+        f"outputs ({len(detail['outputs'])})",
+    ]
+    if detail["outputs"]:
+        lines.append(
+            _indent(
+                table(
+                    ["POSITION", "OUTPUT ID", "RECORDED", "OUTBOX EVENT", "PUBLISHED"],
+                    (
+                        [
+                            o["position"],
+                            o["output_id"],
+                            format_time(o["recorded_at"]),
+                            o["event_id"],
+                            format_time(o["published_at"]) if o["event_id"] else "no outbox row",
+                        ]
+                        for o in detail["outputs"]
+                    ),
+                )
+            )
+        )
+    lines += ["", f"remote calls ({len(detail['remote_calls'])})"]
+    if detail["remote_calls"]:
+        lines.append(
+            _indent(
+                table(
+                    ["AT", "METHOD", "STATUS", "OUTCOME", "JOB ID", "FENCING", "MS", "WORKER"],
+                    (
+                        [
+                            format_time(c["at"]),
+                            c["method"],
+                            c["status_code"],
+                            c["outcome"],
+                            c["remote_job_id"],
+                            c["fencing_token"],
+                            f"{c['duration_ms']:.1f}",
+                            c["worker"],
+                        ]
+                        for c in detail["remote_calls"]
+                    ),
+                )
+            )
+        )
+    lines += ["", "leases"]
+    if detail["leases_error"]:
+        lines.append(f"  {detail['leases_error']}")
+    elif not detail["leases"]:
+        lines.append("  none held")
+    else:
+        lines.append(
+            _indent(
+                table(
+                    ["ACTION", "KEY", "OWNER TOKEN", "TTL LEFT"],
+                    ([x["action"], x["key"], x["owner_token"], f"{x['ttl_ms']} ms"] for x in detail["leases"]),
+                )
+            )
+        )
+    return "\n".join(lines)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
