@@ -38,6 +38,7 @@ import faust
 import tenacity
 from prometheus_client import generate_latest
 
+from streams import logs
 from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.errors import InvalidEventError
@@ -76,6 +77,7 @@ async def handle_with_retries(rt: Runtime, handle: Callable[[RawMessage], Awaita
     try:
         async for attempt in retrying:
             with attempt:
+                logs.clear()  # log lines carry this event's operation fields only (streams.logs)
                 await handle(raw)
     except Exception as exc:
         log.exception(

@@ -37,7 +37,7 @@ from typing import Any
 
 import tenacity
 
-from streams import contracts, exactjson, jsontext, metrics
+from streams import contracts, exactjson, jsontext, logs, metrics
 from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.config import lease_key
 from streams.errors import (
@@ -113,6 +113,7 @@ class Dispatcher:
             await self.rt.dead_letter(message, exc)
             return
         operation_id: str = event["operation_id"]
+        logs.bind(operation_id=operation_id)
         if message.key != operation_id.encode():
             await self._reject_input(
                 message,
@@ -156,6 +157,7 @@ class Dispatcher:
         the same fenced claim as :meth:`handle` (already past ``accepted``: returns False). Returns True when
         this call claimed the operation and submitted it.
         """
+        logs.bind(operation_id=operation_id)  # this re-dispatch's own task (the scheduler starts one per operation)
         key = lease_key(self.rt.settings, "submit", operation_id)
         try:
             lease = await self.rt.leases.acquire(key)
@@ -195,6 +197,7 @@ class Dispatcher:
             await lease.release()
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
             return False
+        logs.bind(fencing_token=fencing)
         await self._submit(operation_id, request_text, fencing, lease)
         return True
 
@@ -277,6 +280,7 @@ class Dispatcher:
             return
         finally:
             await holder[0].release()
+        logs.bind(remote_job_id=result.job_id)
         reason = f"job id from HTTP {result.status_code} error.job_id" if result.via_error else None
         first_poll_s = result.poll_after_s if result.poll_after_s is not None else settings.poll_backoff_base_s
         try:

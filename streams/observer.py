@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 
-from streams import contracts, hooks, metrics
+from streams import contracts, hooks, logs, metrics
 from streams.backoff import next_poll_delay_s
 from streams.codes import RemoteCallOutcome
 from streams.config import lease_key
@@ -79,6 +79,7 @@ class Observer:
             await rt.dead_letter(message, exc)
             return
         operation_id: str = event["operation_id"]
+        logs.bind(operation_id=operation_id)
         poll_claim_id: int = event["poll_claim_id"]
         try:
             lease = await rt.leases.acquire(lease_key(rt.settings, "observe", operation_id))
@@ -97,6 +98,7 @@ class Observer:
             if claim is None:
                 await self._not_claimed(message, operation_id)
                 return
+            logs.bind(fencing_token=claim.fencing_token, remote_job_id=claim.remote_job_id)
             await self._observe(operation_id, poll_claim_id, claim, lease)
         finally:
             await lease.release()  # a no-op when a GET was abandoned: the lease is then left to expire

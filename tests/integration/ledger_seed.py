@@ -1,0 +1,93 @@
+"""A ledger seeded through the product's own ledger statements (no hand-written rows), for the operators' tests.
+
+Nothing seeded here is due for any worker: no operation is left ``submitting``, submitted jobs are next polled in
+an hour, and no submission is on Kafka.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from streams.ledger import Ledger
+from streams.remote import JobSnapshot
+from streams.states import OperationState
+
+#: A reason with markup and quotes: pages must show it as text.
+HOSTILE_REASON = 'HTTP 503 without error.job_id <script>document.title="owned"</script> & <b>bold</b>'
+
+REQUEST = {"context_tokens": 10, "generated_tokens": 3}
+
+
+@dataclass
+class Seeded:
+    """Operation ids by state, and the job id of each operation that has one."""
+
+    by_state: dict[str, list[str]] = field(default_factory=dict)
+    job_ids: dict[str, str] = field(default_factory=dict)
+
+    def add(self, state: OperationState, op: str) -> None:
+        self.by_state.setdefault(state.value, []).append(op)
+
+
+async def _submitting(ledger: Ledger, op: str) -> int:
+    assert await ledger.accept(op, dict(REQUEST))
+    fencing = await ledger.claim_for_submit(op)
+    assert fencing is not None
+    return fencing
+
+
+async def _submitted(ledger: Ledger, seeded: Seeded, op: str) -> None:
+    fencing = await _submitting(ledger, op)
+    job_id = f"job-{op}"
+    await ledger.record_remote_call(op, "POST", 201, "created", job_id, 12.5, fencing)
+    assert await ledger.save_submitted(op, fencing, job_id, 3600.0, None)
+    seeded.job_ids[op] = job_id
+
+
+async def _observed(ledger: Ledger, op: str, snapshot: JobSnapshot) -> None:
+    claim = await ledger.claim_for_observe(op, 0)
+    assert claim is not None
+    await ledger.record_remote_call(op, "GET", 200, snapshot.status, claim.remote_job_id, 3.0, claim.fencing_token)
+    assert (await ledger.save_observation(op, claim.fencing_token, snapshot, None)).value == "saved"
+
+
+async def seed_ledger(ledger: Ledger, prefix: str) -> Seeded:
+    """Operations in accepted (1), submitted (2), succeeded (3, two outputs each), failed (1), uncertain (2, one
+    with :data:`HOSTILE_REASON`) and rejected (1), ids ``<prefix>-<state>-<n>``."""
+    seeded = Seeded()
+    op = f"{prefix}-accepted-0"
+    assert await ledger.accept(op, dict(REQUEST))
+    seeded.add(OperationState.ACCEPTED, op)
+    for n in range(2):
+        op = f"{prefix}-submitted-{n}"
+        await _submitted(ledger, seeded, op)
+        seeded.add(OperationState.SUBMITTED, op)
+    for n in range(3):
+        op = f"{prefix}-succeeded-{n}"
+        await _submitted(ledger, seeded, op)
+        outputs = [{"id": f"out-{i}", "text": f"output {i} of {op}"} for i in range(2)]
+        snapshot = JobSnapshot(
+            seeded.job_ids[op],
+            "succeeded",
+            OperationState.SUCCEEDED,
+            outputs=outputs,
+            completed_at_ms=1_700_000_000_000,
+        )
+        await _observed(ledger, op, snapshot)
+        seeded.add(OperationState.SUCCEEDED, op)
+    op = f"{prefix}-failed-0"
+    await _submitted(ledger, seeded, op)
+    failed = JobSnapshot(seeded.job_ids[op], "failed", OperationState.FAILED, error={"code": "boom", "message": "no"})
+    await _observed(ledger, op, failed)
+    seeded.add(OperationState.FAILED, op)
+    for n, reason in enumerate([HOSTILE_REASON, "POST timed out after send (ReadTimeout); a job may exist"]):
+        op = f"{prefix}-uncertain-{n}"
+        fencing = await _submitting(ledger, op)
+        await ledger.record_remote_call(op, "POST", 503, "unknownoutcome", None, 20.0, fencing)
+        assert await ledger.save_submission_without_job(op, fencing, OperationState.UNCERTAIN, reason)
+        seeded.add(OperationState.UNCERTAIN, op)
+    op = f"{prefix}-rejected-0"
+    fencing = await _submitting(ledger, op)
+    assert await ledger.save_submission_without_job(op, fencing, OperationState.REJECTED, "HTTP 422: bad request")
+    seeded.add(OperationState.REJECTED, op)
+    return seeded

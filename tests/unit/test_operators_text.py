@@ -1,0 +1,150 @@
+"""The operators' pure helpers: durations, ages, actor, text tables, and the live view's escaping."""
+
+from __future__ import annotations
+
+import datetime as dt
+import html.parser
+
+import pytest
+
+from streams import operators, web
+from streams.operators import OperationList, actor_from_env, format_age, parse_duration
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30s", 30),
+        ("5m", 300),
+        ("2h", 7200),
+        ("1d", 86400),
+        ("1.5h", 5400),
+        ("1h30m", 5400),
+        (" 2D ", 172800),
+        ("1d2h3m4s", 93784),
+        ("0.5s", 0.5),
+    ],
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "30", "s", "5 m", "5min", "1m1h", "1h1h", "-5m", "5m!", "0s", "1e3s"])
+def test_not_durations(text: str) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (None, "-"),
+        (-0.2, "0.0s"),
+        (0.04, "0.0s"),
+        (42.06, "42.1s"),
+        (59.94, "59.9s"),
+        (60, "1m00s"),
+        (195.9, "3m15s"),
+        (3600, "1h00m"),
+        (7380, "2h03m"),
+        (86400, "1d00h"),
+        (100800, "1d04h"),
+    ],
+)
+def test_ages(seconds: float | None, text: str) -> None:
+    assert format_age(seconds) == text
+
+
+def test_actor_from_env_order() -> None:
+    assert actor_from_env({"STREAMS_ACTOR": " alice ", "USER": "root"}) == "alice"
+    assert actor_from_env({"STREAMS_ACTOR": " ", "USER": "bob", "LOGNAME": "x"}) == "bob"
+    assert actor_from_env({"LOGNAME": "carol"}) == "carol"
+
+
+def test_table_and_list_text() -> None:
+    assert operators.table(["A", "LONGER"], [["x", None], ["yyyy", 3]]) == "A     LONGER\nx     -\nyyyy  3"
+    rows = [
+        {
+            "operation_id": "op-1",
+            "state": "uncertain",
+            "state_age_s": 125.0,
+            "reason": "r " * 80,
+            "remote_job_id": None,
+            "fencing_token": 1,
+        }
+    ]
+    text = operators.format_list(OperationList(rows, matched=3))
+    header, line, more = text.splitlines()
+    assert header.split() == ["OPERATION", "STATE", "AGE", "JOB", "ID", "FENCING", "REASON"]
+    assert line.split()[:5] == ["op-1", "uncertain", "2m05s", "-", "1"] and line.endswith("...")
+    assert more == "... 2 more (raise --limit)"
+    assert operators.format_list(OperationList([], 0)) == "no operations match"
+
+
+class _Text(html.parser.HTMLParser):
+    """Visible text and tag names of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+HOSTILE = '<script>alert("x")</script> & <b>bold</b>'
+
+
+def _overview() -> dict[str, object]:
+    now = dt.datetime(2026, 5, 2, 10, 0, 30, tzinfo=dt.UTC)
+    return {
+        "now": now,
+        "states": {"uncertain": 1, "succeeded": 4},
+        "throughput": operators._throughput(now, 3, []),
+        "queues": {
+            "uncertain": {
+                "matched": 1,
+                "oldest_age_s": 61.0,
+                "rows": [{"operation_id": 'op<1>"', "remote_job_id": None, "reason": HOSTILE, "state_age_s": 61.0}],
+            },
+            "stalled": {"matched": 0, "oldest_age_s": None, "rows": []},
+        },
+        "outbox": {"unpublished": 0, "oldest_age_s": None, "by_topic_role": {}},
+    }
+
+
+def test_overview_escapes_every_value() -> None:
+    page = web.render_overview(
+        _overview(),
+        worker="w<1>",
+        counters=[{"name": "streams_dead_letters_total", "labels": {"reason": "<i>x</i>", "topic": "t"}, "value": 2.0}],
+    )
+    parser = _Text()
+    parser.feed(page)
+    assert "script" not in parser.tags and "b" not in parser.tags and "i" not in parser.tags
+    text = "".join(parser.text)
+    assert HOSTILE in text and "w<1>" in text and "reason=<i>x</i>" in text
+    assert 'href="/operations/op%3C1%3E%22"' in page
+
+
+def test_throughput_minutes_are_the_window() -> None:
+    now = dt.datetime(2026, 5, 2, 10, 0, 30, tzinfo=dt.UTC)
+    minute = dt.datetime(2026, 5, 2, 9, 59, tzinfo=dt.UTC)
+    rows = [
+        {"minute": minute, "to_state": "accepted", "transitions": 5},
+        {"minute": minute, "to_state": "succeeded", "transitions": 3},
+        {"minute": minute, "to_state": "rejected", "transitions": 1},
+        {"minute": minute, "to_state": "submitted", "transitions": 4},
+    ]
+    tp = operators._throughput(now, 3, rows)
+    assert [m["minute"].strftime("%H:%M") for m in tp["minutes"]] == ["09:58", "09:59", "10:00"]
+    assert [(m["accepted"], m["finished"]) for m in tp["minutes"]] == [(0, 0), (5, 4), (0, 0)]
+    assert tp["finished"] == 4 and tp["finished_per_s"] == pytest.approx(4 / 150)
+
+
+def test_operation_path_encodes_the_id() -> None:
+    assert web.operation_path("run-1:conv/000001") == "/operations/run-1%3Aconv%2F000001"
