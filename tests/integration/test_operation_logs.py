@@ -1,0 +1,97 @@
+"""Log lines of the dispatcher and observer on the real services carry the operation id, the remote job id and the
+fencing value in force, and nothing of the event handled before."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import asyncpg
+import orjson
+import pytest
+
+from streams import logs
+from streams.app import handle_with_retries
+from streams.dispatcher import Dispatcher
+from streams.observer import Observer
+from streams.runtime import RawMessage, Runtime
+from tests.support import SimulatorServer as Simulator
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def json_lines() -> Iterator[io.StringIO]:
+    """Everything the ``streams`` loggers write while the test runs, as JSON lines."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logs.JsonFormatter())
+    logger = logging.getLogger("streams")
+    saved = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield stream
+    logger.removeHandler(handler)
+    logger.setLevel(saved)
+
+
+def records(stream: io.StringIO, name: str) -> list[dict[str, Any]]:
+    return [r for r in map(json.loads, stream.getvalue().splitlines()) if r["logger"] == name]
+
+
+def submission(op: str) -> RawMessage:
+    value = {"operation_id": op, "request": {"context_tokens": 10, "generated_tokens": 5}, "submitted_at_ms": 1}
+    return RawMessage("generation.submissions", 0, 1, op.encode(), orjson.dumps(value))
+
+
+async def test_dispatcher_lines_name_operation_and_fencing_value(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator, json_lines: io.StringIO
+) -> None:
+    await simulator.configure(fault_5xx=1.0)
+    dispatcher = Dispatcher(runtime)
+    await handle_with_retries(runtime, dispatcher.handle, submission("op-log-1"))
+    # then bad input: its dead-letter line must not carry the previous event's operation
+    bad = RawMessage("generation.submissions", 0, 2, b"k", b"not json")
+    await handle_with_retries(runtime, dispatcher.handle, bad)
+
+    fencing = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id = 'op-log-1'")
+    (post,) = records(json_lines, "streams.dispatcher")
+    assert "POST unknownoutcome" in post["message"]
+    assert (post["operation_id"], post["fencing_token"]) == ("op-log-1", fencing) and "remote_job_id" not in post
+    (dead,) = records(json_lines, "streams.runtime")
+    assert "dead-letter" in dead["message"] and not {"operation_id", "fencing_token"} & set(dead)
+
+
+async def test_observer_lines_name_operation_job_and_fencing_value(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator, json_lines: io.StringIO
+) -> None:
+    op = "op-log-2"
+    assert await runtime.ledger.accept(op, {"context_tokens": 1, "generated_tokens": 1})
+    fencing = await runtime.ledger.claim_for_submit(op)
+    assert fencing is not None
+    assert await runtime.ledger.save_submitted(op, fencing, "job-unknown-to-provider", 0.0, None)
+    (poll,) = [p for p in await runtime.ledger.claim_due_polls(10, 3.0) if p.operation_id == op]
+    value = {
+        "operation_id": op,
+        "remote_job_id": poll.remote_job_id,
+        "poll_claim_id": poll.poll_claim_id,
+        "claimed_at_ms": int(time.time() * 1000),
+    }
+    await handle_with_retries(
+        runtime, Observer(runtime).handle, RawMessage("generation.polls", 0, 0, op.encode(), orjson.dumps(value))
+    )
+
+    claimed = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id = $1", op)
+    assert claimed == fencing + 1
+    lines = records(json_lines, "streams.observer")
+    assert lines, "the 404 is logged"
+    for line in lines:
+        assert (line["operation_id"], line["remote_job_id"], line["fencing_token"]) == (
+            op,
+            "job-unknown-to-provider",
+            claimed,
+        )
