@@ -1,0 +1,282 @@
+"""The live view in a real browser: a real ``streams worker`` on the real services with a seeded ledger, its page
+opened in Chromium (Debian's ``chromium`` package driven by Playwright), the figures read off the page compared
+with the ledger (SQL) and the worker's own /metrics, an operation's link followed to its page. Screenshots are
+kept under ``reports/live-view/<session>/`` (the path is printed).
+
+Also: a worker's log is JSON lines by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from streams.admin import create_topics, delete_topics
+from streams.config import Settings, lease_key
+from streams.lease import LeaseManager, make_redis
+from streams.ledger import Ledger
+from streams_harness.mainjob import free_port
+from tests.conftest import SESSION_ID
+from tests.integration.ledger_seed import HOSTILE_REASON, Seeded, seed_ledger
+from tests.support import ROOT, STREAMS, wait_for
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = Path("/usr/bin/chromium")
+TERMINAL = ("succeeded", "failed", "canceled", "rejected")
+#: The relay's advisory lock (streams/queries/ledger.sql, try_relay_lock): holding it keeps the outbox still.
+RELAY_LOCK = "SELECT pg_advisory_xact_lock(hashtext('generation-streams:outbox-relay'))"
+
+
+@dataclass
+class LiveWorker:
+    settings: Settings
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture
+async def worker_settings(migrated: Settings) -> AsyncIterator[Settings]:
+    """Settings of one worker with its own topics, consumer group and lease keys; no remote API (nothing seeded
+    is due for a POST or a GET)."""
+    tag = uuid.uuid4().hex[:8]
+    settings = migrated.replace(
+        topic_prefix=f"test-{SESSION_ID}-{tag}.",
+        app_id=f"streams-live-{tag}",
+        lease_key_prefix=f"t{tag}",
+        remote_base_url="http://127.0.0.1:1",
+        web_enabled=True,
+        web_port=free_port(),
+    )
+    await create_topics(settings)
+    yield settings
+    await delete_topics(settings)
+
+
+def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``streams worker`` with ``settings`` and its default log format; output to ``log_path``."""
+    env = {**os.environ, **settings.to_env()}
+    env.pop("STREAMS_LOG_FORMAT", None)
+    return subprocess.Popen(
+        [STREAMS, "worker", "--web-port", str(settings.web_port)],
+        env=env,
+        cwd=ROOT,
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+@contextlib.asynccontextmanager
+async def live_worker(settings: Settings, log_path: Path) -> AsyncIterator[LiveWorker]:
+    """A ``streams worker`` process with ``settings``, ready (its /healthz answers), stopped on exit."""
+    proc = start_worker(settings, log_path)
+    worker = LiveWorker(settings, f"http://127.0.0.1:{settings.web_port}", proc, log_path)
+
+    async def ready() -> bool:
+        assert proc.poll() is None, f"worker exited with {proc.returncode}; see {log_path}"
+        try:
+            async with httpx.AsyncClient(timeout=2) as c:
+                return (await c.get(worker.url + "/healthz")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        await wait_for(ready, 90, "the worker's web server")
+        yield worker
+    finally:
+        worker.stop()
+
+
+async def metric(url: str, name: str, labels: dict[str, str]) -> float:
+    async with httpx.AsyncClient(timeout=5) as c:
+        text = (await c.get(url + "/metrics")).text
+    wanted = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+    for line in text.splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_worker_log_is_json_lines(worker_settings: Settings, tmp_path: Path) -> None:
+    log_path = tmp_path / "worker.log"
+    async with live_worker(worker_settings, log_path) as worker:
+        async with httpx.AsyncClient(timeout=10) as c:
+            assert (await c.get(worker.url + "/")).status_code == 200
+    lines = [line for line in log_path.read_text().splitlines() if line.strip()]
+    assert len(lines) > 10
+    records = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
+    assert any(r["logger"] == "streams.app" and r["message"].startswith("worker ") for r in records)
+
+
+@pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason=f"{CHROMIUM} is absent: install Debian's chromium package (apt-get install -y chromium)",
+)
+async def test_live_view_in_chromium(
+    worker_settings: Settings, pool: asyncpg.Pool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from playwright.async_api import async_playwright
+
+    seeded: Seeded = await seed_ledger(Ledger(pool, "seed-worker"), "live")
+    old = seeded.by_state["uncertain"][1]
+    await pool.execute("UPDATE transitions SET at = at - interval '2 hours 5 minutes' WHERE operation_id = $1", old)
+    # Lease contention: one submitted job due now whose observe lease another holder keeps.
+    contended = seeded.by_state["submitted"][0]
+    redis = make_redis(worker_settings.redis_url, 1.0)
+    lease = await LeaseManager(redis, 60_000).acquire(lease_key(worker_settings, "observe", contended))
+    assert lease is not None
+    await pool.execute("UPDATE operations SET next_poll_at = now() WHERE operation_id = $1", contended)
+    # A dead letter: bytes that are not JSON on the submissions topic.
+    producer = AIOKafkaProducer(bootstrap_servers=worker_settings.kafka_bootstrap, acks="all")
+    await producer.start()
+    await producer.send_and_wait(worker_settings.topic("submissions"), b"not json", key=b"x")
+    await producer.stop()
+    # The outbox stays as it is while this connection holds the relay's lock.
+    relay_lock = await pool.acquire()
+    hold = relay_lock.transaction()
+    await hold.start()
+    await relay_lock.execute(RELAY_LOCK)
+
+    shots = ROOT / "reports" / "live-view" / SESSION_ID
+    shots.mkdir(parents=True, exist_ok=True)
+    try:
+        async with live_worker(worker_settings, tmp_path / "worker.log") as worker, async_playwright() as pw:
+            busy_labels = {"action": "observe"}
+            dead_labels = {"topic": worker_settings.topic("submissions"), "reason": "not_json"}
+
+            async def met_the_lease() -> bool:
+                return await metric(worker.url, "streams_lease_busy_total", busy_labels) > 0
+
+            async def dead_lettered() -> bool:
+                return await metric(worker.url, "streams_dead_letters_total", dead_labels) > 0
+
+            await wait_for(met_the_lease, 60, "the worker to meet the held lease")
+            await wait_for(dead_lettered, 60, "the bad record to be dead-lettered")
+            browser = await pw.chromium.launch(executable_path=str(CHROMIUM))
+            page = await browser.new_page(viewport={"width": 1300, "height": 900})
+            await page.goto(worker.url + "/")
+
+            # Operations by state, against the ledger.
+            shown = {}
+            for span in await page.locator("#states span.count").all():
+                shown[await span.get_attribute("data-state")] = int(await span.inner_text())
+            counts = {
+                r["state"]: r["n"]
+                for r in await pool.fetch("SELECT state::text AS state, count(*)::int AS n FROM operations GROUP BY 1")
+            }
+            assert {s: n for s, n in shown.items() if n} == counts
+            assert int(await page.locator("#total").inner_text()) == sum(counts.values()) == 10
+
+            # Throughput over the window, against the transition log.
+            window = "at >= date_trunc('minute', now()) - interval '9 minutes'"
+            finished = await pool.fetchval(
+                f"SELECT count(*) FROM transitions WHERE {window} AND to_state::text = ANY($1::text[])", list(TERMINAL)
+            )
+            accepted = await pool.fetchval(f"SELECT count(*) FROM transitions WHERE {window} AND to_state='accepted'")
+            assert int(await page.locator("#finished").inner_text()) == finished == 5  # 3 succeeded, failed, rejected
+            per_minute = [int(x) for x in await page.locator("[data-minute-accepted]").all_inner_texts()]
+            assert len(per_minute) == 10 and sum(per_minute) == accepted
+
+            # The uncertain queue: oldest first, ages and reasons as the ledger has them, markup shown as text.
+            queue = page.locator("#queue-uncertain")
+            assert int(await queue.locator(".queue-count").inner_text()) == 2
+            assert await queue.locator("a.op").all_inner_texts() == [old, seeded.by_state["uncertain"][0]]
+            ages = [
+                float(a or 0)
+                for a in [await s.get_attribute("data-age-s") for s in await queue.locator("[data-age-s]").all()]
+            ]
+            sql_age = await pool.fetchval(
+                "SELECT extract(epoch FROM now() - max(at)) FROM transitions WHERE operation_id=$1", old
+            )
+            assert 7500 <= ages[0] <= float(sql_age) and ages[1] < 120
+            assert (await queue.locator(".reason").all_inner_texts())[1] == HOSTILE_REASON
+            assert await queue.locator(".reason b, .reason script").count() == 0
+            assert await page.title() == "generation-streams: live view"  # no script of the reason ran
+            assert int(await page.locator("#queue-stalled .queue-count").inner_text()) == 0
+
+            # Outbox backlog while the relay is held, against the ledger.
+            backlog = await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            assert backlog > 0 and int(await page.locator("#outbox-unpublished").inner_text()) == backlog
+
+            # This worker's counters, against its /metrics (read after the page: counters only grow).
+            busy_row = page.locator("#contention tr", has_text="streams_lease_busy_total")
+            busy_on_page = int((await busy_row.locator("td").all_inner_texts())[-1])
+            busy_now = await metric(worker.url, "streams_lease_busy_total", busy_labels)
+            assert 1 <= busy_on_page <= busy_now
+            dead_row = page.locator("#outbox tr", has_text="reason=not_json")
+            assert (await dead_row.locator("td").all_inner_texts())[-1] == "1"
+            await page.screenshot(path=str(shots / "overview.png"), full_page=True)
+
+            # Follow the hostile operation's link to its page: the same data as `streams operations show`.
+            hostile = seeded.by_state["uncertain"][0]
+            await queue.locator("a.op", has_text=hostile).click()
+            await page.wait_for_url(f"**/operations/{hostile}")
+            row = await pool.fetchrow(
+                "SELECT state::text AS state, fencing_token FROM operations WHERE operation_id=$1", hostile
+            )
+            assert await page.locator("#state").inner_text() == row["state"] == "uncertain"
+            assert int(await page.locator("#fencing-token").inner_text()) == row["fencing_token"]
+            assert await page.locator("#reason").inner_text() == HOSTILE_REASON
+            transitions = await pool.fetch(
+                "SELECT to_state::text FROM transitions WHERE operation_id=$1 ORDER BY id", hostile
+            )
+            assert await page.locator("#transitions tbody tr td:nth-child(3)").all_inner_texts() == [
+                t["to_state"] for t in transitions
+            ]
+            assert await page.locator("#remote-calls tbody tr").count() == 1
+            await page.screenshot(path=str(shots / "uncertain-operation.png"), full_page=True)
+
+            # The contended operation's page names the lease holder's token and its TTL.
+            await page.goto(worker.url + "/operations/" + contended)
+            lease_cells = await page.locator("#leases tbody tr td").all_inner_texts()
+            assert lease_cells[:3] == ["observe", lease.key, lease.token] and 0 < int(lease_cells[3]) <= 60_000
+
+            # Release the relay: the backlog drains, and the page says so.
+            await hold.rollback()
+            await pool.release(relay_lock)
+            relay_lock = None
+
+            async def drained() -> bool:
+                return await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
+
+            await wait_for(drained, 30, "the relay to publish the backlog")
+            await page.goto(worker.url + "/")
+            assert int(await page.locator("#outbox-unpublished").inner_text()) == 0
+            succeeded = seeded.by_state["succeeded"][0]
+            await page.goto(worker.url + "/operations/" + succeeded)
+            outputs = await page.locator("#outputs tbody tr td:nth-child(4)").all_inner_texts()
+            assert outputs == [f"output:{succeeded}:out-{i}" for i in range(2)]
+            assert "-" not in await page.locator("#outputs tbody tr td:nth-child(5)").all_inner_texts()  # published
+            await page.screenshot(path=str(shots / "succeeded-operation.png"), full_page=True)
+            await browser.close()
+    finally:
+        if relay_lock is not None:
+            await hold.rollback()
+            await pool.release(relay_lock)
+        await lease.release()
+        await redis.aclose()
+    with capsys.disabled():
+        print(f"\nlive view screenshots: {shots}/overview.png, uncertain-operation.png, succeeded-operation.png")
