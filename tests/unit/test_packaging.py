@@ -74,11 +74,11 @@ PROBE = """
 import importlib, json, pkgutil, sys
 import streams, streams.cli
 from streams.cli import main
-for name in ("worker", "migrate", "submit", "follow"):
+for args in (["worker"], ["migrate"], ["submit"], ["follow"], ["operations", "list"], ["operations", "show"]):
     try:
-        main([name, "--help"], prog_name="streams")
+        main([*args, "--help"], prog_name="streams")
     except SystemExit as exc:
-        assert exc.code == 0, (name, exc.code)
+        assert exc.code == 0, (args, exc.code)
 for info in pkgutil.walk_packages(streams.__path__, "streams."):
     if info.name != "streams.__main__":  # runs the command line
         importlib.import_module(info.name)
@@ -104,10 +104,11 @@ def test_harness_commands_are_offered_through_the_entry_point_group() -> None:
     group = cli.main
     assert isinstance(group, cli.PluginGroup)
     assert set(group.plugin_entry_points()) == {"run", "soak", "simulator", "replay"}
-    assert set(group.commands) == {"migrate", "ready", "worker", "submit", "follow"}  # the product's own
+    product = {"migrate", "ready", "worker", "submit", "follow", "operations"}
+    assert set(group.commands) == product  # the product's own
     result = CliRunner().invoke(group, ["--help"])
     assert result.exit_code == 0
-    for name in ("run", "soak", "simulator", "replay", "migrate", "ready", "worker", "submit", "follow"):
+    for name in ("run", "soak", "simulator", "replay", *product):
         assert f"\n  {name} " in result.output
 
 
