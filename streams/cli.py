@@ -311,7 +311,7 @@ async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitabl
     from streams.ledger import create_pool
 
     try:
-        pool = await create_pool(settings.database_url, min_size=1, max_size=2)
+        pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
         try:
             return await work(pool)
         finally:
@@ -387,7 +387,7 @@ def show_operation(operation_id: str, as_json: bool) -> None:
     settings = _settings()
 
     async def read(pool: asyncpg.Pool) -> dict[str, Any] | None:
-        redis = make_redis(settings.redis_url, settings.redis_socket_timeout_s)
+        redis = make_redis(settings.redis_url.get_secret_value(), settings.redis_socket_timeout_s)
         try:
             return await operators.operation_detail(pool, redis, settings, operation_id)
         finally:

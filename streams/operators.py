@@ -360,6 +360,8 @@ def format_detail(detail: Mapping[str, Any]) -> str:
         + (f": {_short(op['last_observation'], 200)}" if op["last_observation"] is not None else ""),
         f"remote completed {format_time(op['remote_completed_at'])}",
         f"request          {_short(op['request'], 200)}",
+        f"submitted        {op['submitted_at_ms'] if op['submitted_at_ms'] is not None else '-'} (epoch ms, by the "
+        f"application); source {_short(op['source'], 120) if op['source'] is not None else '-'}",
         "",
         f"transitions ({len(detail['transitions'])})",
         _indent(

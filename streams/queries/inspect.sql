@@ -25,7 +25,7 @@ LIMIT $3;
 -- $1 operation_id. One row or none: the operation's columns an operator reads, and how long it has been in its
 -- state (state_age_s).
 SELECT o.operation_id, o.state::text AS state, o.remote_job_id, o.fencing_token, o.reason, o.request,
-       o.poll_count, o.next_poll_at, o.last_observation, o.last_observed_at, o.remote_completed_at,
+       o.submitted_at_ms, o.source, o.poll_count, o.next_poll_at, o.last_observation, o.last_observed_at, o.remote_completed_at,
        o.accepted_at, o.updated_at, o.updated_by,
        extract(epoch FROM now() - COALESCE(
            (SELECT max(t.at) FROM transitions t WHERE t.operation_id = o.operation_id), o.accepted_at))::float8

@@ -15,7 +15,8 @@ from streams.states import OperationState
 #: A reason with markup and quotes: pages must show it as text.
 HOSTILE_REASON = 'HTTP 503 without error.job_id <script>document.title="owned"</script> & <b>bold</b>'
 
-REQUEST = {"context_tokens": 10, "generated_tokens": 3}
+REQUEST = '{"input": {"prompt": "hi", "max_tokens": 3}}'
+SUBMITTED_AT_MS = 1_700_000_000_000
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Seeded:
 
 
 async def _submitting(ledger: Ledger, op: str) -> int:
-    assert await ledger.accept(op, dict(REQUEST))
+    assert await ledger.accept(op, REQUEST, submitted_at_ms=SUBMITTED_AT_MS)
     fencing = await ledger.claim_for_submit(op)
     assert fencing is not None
     return fencing
@@ -56,7 +57,7 @@ async def seed_ledger(ledger: Ledger, prefix: str) -> Seeded:
     with :data:`HOSTILE_REASON`) and rejected (1), ids ``<prefix>-<state>-<n>``."""
     seeded = Seeded()
     op = f"{prefix}-accepted-0"
-    assert await ledger.accept(op, dict(REQUEST))
+    assert await ledger.accept(op, REQUEST, submitted_at_ms=SUBMITTED_AT_MS)
     seeded.add(OperationState.ACCEPTED, op)
     for n in range(2):
         op = f"{prefix}-submitted-{n}"

@@ -145,7 +145,7 @@ async def test_live_view_in_chromium(
     await pool.execute("UPDATE transitions SET at = at - interval '2 hours 5 minutes' WHERE operation_id = $1", old)
     # Lease contention: one submitted job due now whose observe lease another holder keeps.
     contended = seeded.by_state["submitted"][0]
-    redis = make_redis(worker_settings.redis_url, 1.0)
+    redis = make_redis(worker_settings.redis_url.get_secret_value(), 1.0)
     lease = await LeaseManager(redis, 60_000).acquire(lease_key(worker_settings, "observe", contended))
     assert lease is not None
     await pool.execute("UPDATE operations SET next_poll_at = now() WHERE operation_id = $1", contended)

@@ -44,7 +44,7 @@ def records(stream: io.StringIO, name: str) -> list[dict[str, Any]]:
 
 
 def submission(op: str) -> RawMessage:
-    value = {"operation_id": op, "request": {"context_tokens": 10, "generated_tokens": 5}, "submitted_at_ms": 1}
+    value = {"operation_id": op, "request": {"input": {"prompt": "hello", "max_tokens": 5}}, "submitted_at_ms": 1}
     return RawMessage("generation.submissions", 0, 1, op.encode(), orjson.dumps(value))
 
 
@@ -70,7 +70,7 @@ async def test_observer_lines_name_operation_job_and_fencing_value(
     runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator, json_lines: io.StringIO
 ) -> None:
     op = "op-log-2"
-    assert await runtime.ledger.accept(op, {"context_tokens": 1, "generated_tokens": 1})
+    assert await runtime.ledger.accept(op, '{"input": {"prompt": "hi", "max_tokens": 1}}', submitted_at_ms=1)
     fencing = await runtime.ledger.claim_for_submit(op)
     assert fencing is not None
     assert await runtime.ledger.save_submitted(op, fencing, "job-unknown-to-provider", 0.0, None)

@@ -55,7 +55,7 @@ async def seeded(pool: asyncpg.Pool) -> Seeded:
 
 @pytest.fixture
 async def leases(cli_settings: Settings) -> AsyncIterator[LeaseManager]:
-    client = make_redis(cli_settings.redis_url, cli_settings.redis_socket_timeout_s)
+    client = make_redis(cli_settings.redis_url.get_secret_value(), cli_settings.redis_socket_timeout_s)
     yield LeaseManager(client, 30_000)
     await client.aclose()
 
