@@ -97,6 +97,16 @@ def format_time(value: dt.datetime | None) -> str:
     return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
+def format_epoch_ms(value: int | None) -> str:
+    """An epoch time in milliseconds as :func:`format_time` shows it; the number itself when out of range."""
+    if value is None:
+        return "-"
+    try:
+        return format_time(dt.datetime.fromtimestamp(value / 1000, dt.UTC))
+    except (OverflowError, OSError, ValueError):
+        return f"{value} ms since the epoch"
+
+
 def actor_from_env(environ: Mapping[str, str] | None = None) -> str:
     """Who runs an operator's command: ``STREAMS_ACTOR``, else ``USER``/``LOGNAME``, else the login name.
 
@@ -360,8 +370,8 @@ def format_detail(detail: Mapping[str, Any]) -> str:
         + (f": {_short(op['last_observation'], 200)}" if op["last_observation"] is not None else ""),
         f"remote completed {format_time(op['remote_completed_at'])}",
         f"request          {_short(op['request'], 200)}",
-        f"submitted        {op['submitted_at_ms'] if op['submitted_at_ms'] is not None else '-'} (epoch ms, by the "
-        f"application); source {_short(op['source'], 120) if op['source'] is not None else '-'}",
+        f"submitted at     {format_epoch_ms(op['submitted_at_ms'])} (the application's clock)",
+        f"source           {_short(op['source'], 120) if op['source'] is not None else '-'}",
         "",
         f"transitions ({len(detail['transitions'])})",
         _indent(

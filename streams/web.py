@@ -189,7 +189,7 @@ def render_operation(detail: Mapping[str, Any]) -> str:
         ("last observation", f"<code>{esc(operators.compact_json(op['last_observation']))}</code>"),
         ("remote completed", esc(format_time(op["remote_completed_at"]))),
         ("request", f"<code>{esc(operators.compact_json(op['request']))}</code>"),
-        ("submitted at (ms)", esc(op["submitted_at_ms"])),
+        ("submitted at", esc(operators.format_epoch_ms(op["submitted_at_ms"]))),
         ("source", f"<code>{esc(operators.compact_json(op['source']))}</code>"),
     ]
     fact_rows = "".join(f"<tr><th>{esc(k)}</th><td>{v}</td></tr>" for k, v in facts)

@@ -55,6 +55,12 @@ def test_ages(seconds: float | None, text: str) -> None:
     assert format_age(seconds) == text
 
 
+def test_epoch_ms() -> None:
+    assert operators.format_epoch_ms(None) == "-"
+    assert operators.format_epoch_ms(1_700_000_000_123) == "2023-11-14T22:13:20.123Z"
+    assert operators.format_epoch_ms(10**20) == "100000000000000000000 ms since the epoch"
+
+
 def test_actor_from_env_order() -> None:
     assert actor_from_env({"STREAMS_ACTOR": " alice ", "USER": "root"}) == "alice"
     assert actor_from_env({"STREAMS_ACTOR": " ", "USER": "bob", "LOGNAME": "x"}) == "bob"
