@@ -11,6 +11,7 @@ clock.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import getpass
 import os
@@ -21,6 +22,9 @@ from typing import Any
 
 import asyncpg
 import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 from prometheus_client import REGISTRY
 
 from streams import exactjson
@@ -295,6 +299,39 @@ def _is_terminal(state: str) -> bool:
         return is_terminal(OperationState(state))
     except ValueError:
         return False
+
+
+async def dead_letter_topic(settings: Settings, *, timeout_s: float = 3.0) -> dict[str, Any]:
+    """What the dead-letter topic holds now, from Kafka's offsets (every worker's dead letters, retained ones):
+    ``{topic, retained, by_partition: {partition: records}, error}``; ``error`` says why Kafka could not be read
+    within ``timeout_s`` (then ``retained`` is None). Never raises for an unreachable broker."""
+    topic = settings.topic("dead_letter")
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, request_timeout_ms=int(timeout_s * 1000))
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, request_timeout_ms=int(timeout_s * 1000)
+    )
+
+    async def read() -> dict[int, int]:
+        await admin.start()
+        if topic not in await admin.list_topics():
+            return {}  # asked first: a metadata request naming a missing topic may have the broker create it
+        (described,) = await admin.describe_topics([topic])
+        tps = [
+            TopicPartition(topic, p["partition"]) for p in sorted(described["partitions"], key=lambda p: p["partition"])
+        ]
+        await consumer.start()
+        first = await consumer.beginning_offsets(tps)
+        end = await consumer.end_offsets(tps)
+        return {tp.partition: end[tp] - first[tp] for tp in tps}
+
+    try:
+        by_partition = await asyncio.wait_for(read(), timeout_s)
+    except (KafkaError, OSError, TimeoutError) as exc:
+        return {"topic": topic, "retained": None, "by_partition": {}, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        await consumer.stop()
+        await admin.close()
+    return {"topic": topic, "retained": sum(by_partition.values()), "by_partition": by_partition, "error": None}
 
 
 def worker_counters(names: Iterable[str]) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 * ``GET /`` — operations by state, throughput over the last minutes (from the transition log), the
   ``uncertain`` and ``stalled`` queues with their ages and reasons, lease contention (this worker's counters),
-  the outbox backlog and dead letters; every operation links to its page. ``?minutes=N`` (1..120, default 10)
+  the outbox backlog, the dead-letter topic's records (Kafka's offsets) and this worker's dead letters by reason;
+  every operation links to its page. ``?minutes=N`` (1..120, default 10)
   sets the throughput window. Refreshes itself every :data:`REFRESH_S` seconds.
 * ``GET /operations/{operation_id}`` — one operation, the same data as ``streams operations show``.
 
@@ -77,8 +78,14 @@ def _page(title: str, body: str, *, refresh_s: int | None = None) -> str:
     )
 
 
-def render_overview(data: Mapping[str, Any], worker: str, counters: Sequence[Mapping[str, Any]]) -> str:
-    """The overview page from :func:`streams.operators.overview` data and this worker's counter samples."""
+def render_overview(
+    data: Mapping[str, Any],
+    worker: str,
+    counters: Sequence[Mapping[str, Any]],
+    dead_letters: Mapping[str, Any],
+) -> str:
+    """The overview page from :func:`streams.operators.overview` data, this worker's counter samples and
+    :func:`streams.operators.dead_letter_topic`."""
     states = data["states"]
     state_rows = (
         [f'<span class="mono">{esc(s)}</span>', f'<span class="count" data-state="{esc(s)}">{esc(n)}</span>']
@@ -132,7 +139,9 @@ transition log:</p>
 <p><span id="outbox-unpublished">{esc(outbox["unpublished"])}</span> rows not yet published
 (oldest {esc(format_age(outbox["oldest_age_s"]))})</p>
 {_table(["topic role", "unpublished", "oldest"], backlog_rows, numeric=[1]) if outbox["by_topic_role"] else ""}
-<h2>Dead letters (this worker, since it started)</h2>
+<h2>Dead letters</h2>
+{_dead_letter_topic(dead_letters)}
+<p>Sent by this worker since it started, by reason:</p>
 {_counters(dead, "none sent")}</section>
 """
     return _page("generation-streams: live view", body, refresh_s=REFRESH_S)
@@ -156,6 +165,15 @@ def _queue_section(state: str, queue: Mapping[str, Any]) -> str:
         f'<section id="queue-{esc(state)}"><h2 class="{"warn" if shown else ""}">{esc(state)}: '
         f'<span class="queue-count">{esc(queue["matched"])}</span> waiting for a decision'
         f"{f' (oldest {esc(oldest)})' if shown else ''}</h2>{table}{more}</section>"
+    )
+
+
+def _dead_letter_topic(topic: Mapping[str, Any]) -> str:
+    if topic["error"]:
+        return f'<p class="warn">Kafka did not answer for {esc(topic["topic"])}: {esc(topic["error"])}</p>'
+    return (
+        f'<p><span id="dead-letters-retained">{esc(topic["retained"])}</span> records on '
+        f'<span class="mono">{esc(topic["topic"])}</span> (every worker\'s, as retained by Kafka)</p>'
     )
 
 
@@ -289,10 +307,11 @@ def register_pages(app: Any, runtime: RuntimeFn) -> None:
             message = str(exc)
             return web.html(_error_page("ledger unavailable", message), status=503)
         counters = operators.worker_counters((*operators.CONTENTION_METRICS, *operators.DEAD_LETTER_METRICS))
+        dead_letters = await operators.dead_letter_topic(rt.settings)
         if wants_json(request):
-            payload = {**data, "worker": rt.worker, "counters": counters}
+            payload = {**data, "worker": rt.worker, "counters": counters, "dead_letter_topic": dead_letters}
             return web.bytes(operators.to_json(payload).encode(), content_type="application/json")
-        return web.html(render_overview(data, rt.worker, counters))
+        return web.html(render_overview(data, rt.worker, counters, dead_letters))
 
     async def operation_page(web: Any, request: Any, operation_id: str) -> Any:
         rt = await runtime()

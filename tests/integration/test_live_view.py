@@ -25,6 +25,7 @@ from aiokafka import AIOKafkaProducer
 
 from streams.admin import create_topics, delete_topics
 from streams.config import Settings, lease_key
+from streams.downstream import read_topic_to_end
 from streams.lease import LeaseManager, make_redis
 from streams.ledger import Ledger
 from streams_harness.mainjob import free_port
@@ -228,6 +229,11 @@ async def test_live_view_in_chromium(
             assert 1 <= busy_on_page <= busy_now
             dead_row = page.locator("#outbox tr", has_text="reason=not_json")
             assert (await dead_row.locator("td").all_inner_texts())[-1] == "1"
+            # The dead-letter topic, against Kafka's own offsets read here.
+            dead_topic = worker_settings.topic("dead_letter")
+            retained = len(await read_topic_to_end(worker_settings, "dead_letter"))
+            assert int(await page.locator("#dead-letters-retained").inner_text()) == retained == 1
+            assert dead_topic in await page.locator("#outbox").inner_text()
             await page.screenshot(path=str(shots / "overview.png"), full_page=True)
 
             # Follow the hostile operation's link to its page: the same data as `streams operations show`.

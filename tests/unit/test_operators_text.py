@@ -128,13 +128,18 @@ def test_overview_escapes_every_value() -> None:
         _overview(),
         worker="w<1>",
         counters=[{"name": "streams_dead_letters_total", "labels": {"reason": "<i>x</i>", "topic": "t"}, "value": 2.0}],
+        dead_letters={"topic": "<u>dl</u>", "retained": 3, "by_partition": {0: 3}, "error": None},
     )
     parser = _Text()
     parser.feed(page)
     assert "script" not in parser.tags and "b" not in parser.tags and "i" not in parser.tags
     text = "".join(parser.text)
-    assert HOSTILE in text and "w<1>" in text and "reason=<i>x</i>" in text
+    assert HOSTILE in text and "w<1>" in text and "reason=<i>x</i>" in text and "3 records on <u>dl</u>" in text
+    assert "u" not in parser.tags
     assert 'href="/operations/op%3C1%3E%22"' in page
+    unreachable = {"topic": "t", "retained": None, "by_partition": {}, "error": "KafkaConnectionError: <down>"}
+    page = web.render_overview(_overview(), worker="w", counters=[], dead_letters=unreachable)
+    assert "Kafka did not answer for t: KafkaConnectionError: &lt;down&gt;" in page
 
 
 def test_throughput_minutes_are_the_window() -> None:
