@@ -22,6 +22,7 @@ them is invoked (or listed by ``--help``): the harness (``generation-streams[har
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import logging.config
 import sys
@@ -39,6 +40,8 @@ from streams.states import OperationState
 
 if TYPE_CHECKING:
     import asyncpg
+
+    from streams.ledger import Ledger, OperatorMove
 
 T = TypeVar("T")
 
@@ -307,6 +310,8 @@ class CommandExit(click.ClickException):
 
 async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
     """Run ``work(pool)`` on a small pool of the ledger; PostgreSQL not answering exits with EXIT_UNAVAILABLE."""
+    from asyncpg import exceptions as asyncpg_errors
+
     from streams.errors import LedgerUnavailableError
     from streams.ledger import create_pool
 
@@ -318,6 +323,10 @@ async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitabl
             await pool.close()
     except LedgerUnavailableError as exc:
         raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
+    except (asyncpg_errors.UndefinedTableError, asyncpg_errors.UndefinedColumnError) as exc:
+        raise click.ClickException(
+            f"the ledger's schema does not match this version ({exc}); apply the migrations: streams migrate"
+        ) from exc
 
 
 def _echo_json(value: Any) -> None:
@@ -339,7 +348,7 @@ def operations() -> None:
     """
 
 
-@operations.command("list")
+@operations.command("list", short_help="Operations by state and age, oldest first.")
 @click.option(
     "--state",
     "states",
@@ -375,7 +384,7 @@ def list_operations(states: tuple[str, ...], older_than: float | None, limit: in
         click.echo(operators.format_list(result))
 
 
-@operations.command("show")
+@operations.command("show", short_help="One operation in full, with its leases.")
 @click.argument("operation_id")
 @_JSON_OPTION
 def show_operation(operation_id: str, as_json: bool) -> None:
@@ -400,3 +409,106 @@ def show_operation(operation_id: str, as_json: bool) -> None:
         _echo_json(detail)
     else:
         click.echo(operators.format_detail(detail))
+
+
+_ACTOR_OPTION = click.option(
+    "--actor",
+    default=None,
+    help="Who decides, recorded in the transition log (default: STREAMS_ACTOR, else USER or LOGNAME).",
+)
+
+
+def _decide(decide: Callable[[Ledger, str], Awaitable[OperatorMove]], actor: str | None, as_json: bool) -> None:
+    """Run one operator's decision (a fenced ledger statement) and print what was written; a refusal exits with
+    EXIT_REFUSED, an unknown operation with EXIT_UNKNOWN_OPERATION. Never calls the remote API."""
+    from streams import operators
+    from streams.errors import OperatorActionRefusedError, UnknownOperationError
+    from streams.ledger import Ledger
+
+    who = (actor if actor is not None else operators.actor_from_env()).strip()
+
+    async def run(pool: asyncpg.Pool) -> OperatorMove:
+        return await decide(Ledger(pool, who), who)
+
+    try:
+        move = asyncio.run(_with_pool(_settings(), run))
+    except UnknownOperationError as exc:
+        raise CommandExit(str(exc), EXIT_UNKNOWN_OPERATION) from exc
+    except OperatorActionRefusedError as exc:
+        raise CommandExit(f"{exc}; nothing was written", EXIT_REFUSED) from exc
+    if as_json:
+        _echo_json({**dataclasses.asdict(move), "actor": who})
+    else:
+        click.echo(f"{operators.format_move(move)}, by {who}")
+
+
+@operations.command("adopt", short_help="uncertain -> submitted with the job found.")
+@click.argument("operation_id")
+@click.argument("job_id")
+@click.option("--reason", required=True, help="Why, e.g. where the job was found (recorded).")
+@_ACTOR_OPTION
+@_JSON_OPTION
+def adopt(operation_id: str, job_id: str, reason: str, actor: str | None, as_json: bool) -> None:
+    """An uncertain operation's job was found at the provider: uncertain -> submitted with JOB_ID, observed from
+    now on. Refused (exit 3) in any other state, or when JOB_ID belongs to another operation."""
+    _decide(lambda ledger, who: ledger.adopt(operation_id, job_id, reason, who), actor, as_json)
+
+
+@operations.command("abandon", short_help="uncertain -> rejected: checked, no job.")
+@click.argument("operation_id")
+@click.option("--reason", required=True, help="How it was checked that no job exists (recorded).")
+@_ACTOR_OPTION
+@_JSON_OPTION
+def abandon(operation_id: str, reason: str, actor: str | None, as_json: bool) -> None:
+    """The provider created no job for an uncertain operation (checked by a person): uncertain -> rejected.
+    Refused (exit 3) in any other state. Nothing is resubmitted."""
+    _decide(lambda ledger, who: ledger.abandon(operation_id, reason, who), actor, as_json)
+
+
+@operations.command("repoll", short_help="stalled -> submitted: observe it again.")
+@click.argument("operation_id")
+@click.option("--reason", default="observe again", show_default=True, help="Why (recorded).")
+@_ACTOR_OPTION
+@_JSON_OPTION
+def repoll(operation_id: str, reason: str, actor: str | None, as_json: bool) -> None:
+    """Observe a stalled operation's job again: stalled -> submitted, polled from now on with a fresh observation
+    window. Refused (exit 3) in any other state."""
+    _decide(lambda ledger, who: ledger.repoll(operation_id, who, reason), actor, as_json)
+
+
+@operations.command("fail", short_help="stalled -> failed: give it up.")
+@click.argument("operation_id")
+@click.option("--reason", required=True, help="Why it is given up (recorded).")
+@_ACTOR_OPTION
+@_JSON_OPTION
+def fail(operation_id: str, reason: str, actor: str | None, as_json: bool) -> None:
+    """Give up a stalled operation: stalled -> failed with the reason. Refused (exit 3) in any other state."""
+    _decide(lambda ledger, who: ledger.fail(operation_id, reason, who), actor, as_json)
+
+
+@main.group()
+def accounting() -> None:
+    """What the provider was asked, what it created, what it charged and refunded (from the ledger)."""
+
+
+@accounting.command("report", short_help="Jobs, charges, refunds, calls per operation.")
+@click.option("--operation-prefix", default="", help="Only operations whose id starts with this (e.g. a run id).")
+@_JSON_OPTION
+def accounting_report(operation_prefix: str, as_json: bool) -> None:
+    """Remote jobs by outcome and by how they were learned (only through a 502, duplicates), charges, refunds
+    settled and pending, operations uncertain and stalled with the oldest age, POSTs per operation (at most one
+    that may have created a job) and GETs per completed operation."""
+    from streams import operators
+    from streams.ledger import Ledger
+
+    pattern = operation_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+    async def run(pool: asyncpg.Pool) -> dict[str, Any]:
+        summary = await Ledger(pool, "accounting-report").accounting_summary(pattern)
+        return await operators.accounting(pool, summary, pattern, operation_prefix)
+
+    report = asyncio.run(_with_pool(_settings(), run))
+    if as_json:
+        _echo_json(report)
+    else:
+        click.echo(operators.format_accounting(report))

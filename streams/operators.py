@@ -5,8 +5,8 @@ command line (``streams operations ...``) and the worker's live view (:mod:`stre
 decisions themselves (adopt, abandon, repoll, fail) are fenced ledger statements (:class:`streams.ledger.Ledger`);
 nothing here writes, and nothing here calls the remote API.
 
-Ages are seconds since the operation entered its current state, from the transition log, on the database's
-clock.
+Ages are seconds since the operation entered its current state (``operations.state_entered_at``), on the
+database's clock.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from prometheus_client import REGISTRY
 from streams import exactjson
 from streams.config import Settings, lease_key
 from streams.lease import REDIS_UNAVAILABLE
+from streams.ledger import OperatorMove
 from streams.ledger import _guard as ledger_guard  # PostgreSQL errors -> LedgerUnavailableError/LedgerDataError
 from streams.sql import Queries
 from streams.states import OperationState, is_terminal
@@ -187,9 +188,10 @@ async def operation_detail(
 ) -> dict[str, Any] | None:
     """Everything about one operation, or None when the ledger does not hold it.
 
-    Returns ``{operation, transitions, outputs, remote_calls, leases, leases_error}``: the operation's row
-    (with ``state_age_s``), its transition log, its outputs with their outbox rows, its remote calls, and the
-    Redis leases held on it now (``leases_error`` says why they could not be read, else None).
+    Returns ``{operation, transitions, outputs, remote_calls, remote_jobs, leases, leases_error}``: the
+    operation's row (with ``state_age_s``), its transition log, its outputs with their outbox rows, its remote
+    calls, the accounting records of its remote jobs (with their refunds), and the Redis leases held on it now
+    (``leases_error`` says why they could not be read, else None).
 
     Raises:
         LedgerUnavailableError: PostgreSQL did not answer (Redis not answering is reported in ``leases_error``).
@@ -201,6 +203,7 @@ async def operation_detail(
         transitions = await pool.fetch(INSPECT.operation_transitions, operation_id)
         outputs = await pool.fetch(INSPECT.operation_outputs, operation_id)
         calls = await pool.fetch(INSPECT.operation_remote_calls, operation_id)
+        jobs = await pool.fetch(INSPECT.operation_remote_jobs, operation_id)
     leases: list[dict[str, Any]] = []
     leases_error = None
     if redis is None:
@@ -215,6 +218,7 @@ async def operation_detail(
         "transitions": [dict(r) for r in transitions],
         "outputs": [dict(r) for r in outputs],
         "remote_calls": [dict(r) for r in calls],
+        "remote_jobs": [dict(r) for r in jobs],
         "leases": leases,
         "leases_error": leases_error,
     }
@@ -346,6 +350,24 @@ def worker_counters(names: Iterable[str]) -> list[dict[str, Any]]:
     return samples
 
 
+async def accounting(
+    pool: asyncpg.Pool, ledger_summary: Mapping[str, Any], operation_pattern: str, operation_prefix: str
+) -> dict[str, Any]:
+    """The accounting report of the operations whose id starts with ``operation_prefix`` (``operation_pattern``,
+    its SQL ``LIKE`` pattern): ``ledger_summary`` (:meth:`streams.ledger.Ledger.accounting_summary`), plus
+    ``post_attempts`` (query ``posts_per_operation``: every attempt, and ``max_sent``, the most POSTs that may
+    have created a job for one operation, which must be at most 1), ``operation_prefix`` and the database clock
+    ``now``.
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not answer.
+    """
+    async with ledger_guard("read the POSTs per operation"):
+        row = await pool.fetchrow(INSPECT.posts_per_operation, operation_pattern)
+        now = await pool.fetchval(INSPECT.database_now)
+    return {"now": now, "operation_prefix": operation_prefix, **ledger_summary, "post_attempts": dict(row)}
+
+
 # --- text ------------------------------------------------------------------------------------------------------
 
 
@@ -391,85 +413,101 @@ def format_list(result: OperationList) -> str:
     return body + (f"\n... {more} more (raise --limit)" if more > 0 else "")
 
 
+def _section(title: str, headers: Sequence[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["", f"{title} ({len(rows)})"]
+    if rows:
+        lines.append(_indent(table(headers, rows)))
+    return lines
+
+
 def format_detail(detail: Mapping[str, Any]) -> str:
     """``streams operations show`` as text."""
     op = detail["operation"]
+    observed = format_time(op["last_observed_at"])
+    if op["last_observation"] is not None:
+        observed += f": {_short(op['last_observation'], 200)}"
     lines = [
         f"operation        {op['operation_id']}",
-        f"state            {op['state']} (for {format_age(op['state_age_s'])})",
+        f"state            {op['state']} (for {format_age(op['state_age_s'])}, transition {op['transition_seq']})",
         f"reason           {op['reason'] or '-'}",
         f"remote job id    {op['remote_job_id'] or '-'}",
         f"fencing value    {op['fencing_token']}",
         f"accepted at      {format_time(op['accepted_at'])}",
         f"last change      {format_time(op['updated_at'])} by {op['updated_by']}",
-        f"polls            {op['poll_count']} (next due {format_time(op['next_poll_at'])})",
-        f"last observed    {format_time(op['last_observed_at'])}"
-        + (f": {_short(op['last_observation'], 200)}" if op["last_observation"] is not None else ""),
+        f"polls            {op['poll_count']} (next due {format_time(op['next_poll_at'])}; observing since "
+        f"{format_time(op['observing_since'])}; unknown statuses in a row {op['unknown_status_count']})",
+        f"lookups          {op['lookup_count']} (next due {format_time(op['next_lookup_at'])}; gave up "
+        f"{format_time(op['lookup_gave_up_at'])})",
+        f"last observed    {observed}",
         f"remote completed {format_time(op['remote_completed_at'])}",
         f"request          {_short(op['request'], 200)}",
         f"submitted at     {format_epoch_ms(op['submitted_at_ms'])} (the application's clock)",
         f"source           {_short(op['source'], 120) if op['source'] is not None else '-'}",
-        "",
-        f"transitions ({len(detail['transitions'])})",
-        _indent(
-            table(
-                ["AT", "FROM", "TO", "FENCING", "BY", "REASON"],
-                (
-                    [
-                        format_time(t["at"]),
-                        t["from_state"],
-                        t["to_state"],
-                        t["fencing_token"],
-                        t["worker"],
-                        _short(t["reason"]) if t["reason"] else None,
-                    ]
-                    for t in detail["transitions"]
-                ),
-            )
-        ),
-        "",
-        f"outputs ({len(detail['outputs'])})",
     ]
-    if detail["outputs"]:
-        lines.append(
-            _indent(
-                table(
-                    ["POSITION", "OUTPUT ID", "RECORDED", "OUTBOX EVENT", "PUBLISHED"],
-                    (
-                        [
-                            o["position"],
-                            o["output_id"],
-                            format_time(o["recorded_at"]),
-                            o["event_id"],
-                            format_time(o["published_at"]) if o["event_id"] else "no outbox row",
-                        ]
-                        for o in detail["outputs"]
-                    ),
-                )
-            )
-        )
-    lines += ["", f"remote calls ({len(detail['remote_calls'])})"]
-    if detail["remote_calls"]:
-        lines.append(
-            _indent(
-                table(
-                    ["AT", "METHOD", "STATUS", "OUTCOME", "JOB ID", "FENCING", "MS", "WORKER"],
-                    (
-                        [
-                            format_time(c["at"]),
-                            c["method"],
-                            c["status_code"],
-                            c["outcome"],
-                            c["remote_job_id"],
-                            c["fencing_token"],
-                            f"{c['duration_ms']:.1f}",
-                            c["worker"],
-                        ]
-                        for c in detail["remote_calls"]
-                    ),
-                )
-            )
-        )
+    lines += _section(
+        "transitions",
+        ["#", "AT", "FROM", "TO", "FENCING", "BY", "REASON"],
+        [
+            [
+                t["seq"],
+                format_time(t["at"]),
+                t["from_state"],
+                t["to_state"],
+                t["fencing_token"],
+                t["worker"],
+                _short(t["reason"]) if t["reason"] else None,
+            ]
+            for t in detail["transitions"]
+        ],
+    )
+    lines += _section(
+        "outputs",
+        ["POSITION", "OUTPUT ID", "RECORDED", "OUTBOX EVENT", "PUBLISHED"],
+        [
+            [
+                o["position"],
+                o["output_id"],
+                format_time(o["recorded_at"]),
+                o["event_id"],
+                format_time(o["published_at"]) if o["event_id"] else "no outbox row",
+            ]
+            for o in detail["outputs"]
+        ],
+    )
+    lines += _section(
+        "remote calls",
+        ["AT", "METHOD", "STATUS", "OUTCOME", "JOB ID", "FENCING", "MS", "WORKER"],
+        [
+            [
+                format_time(c["at"]),
+                c["method"],
+                c["status_code"],
+                c["outcome"],
+                c["remote_job_id"],
+                c["fencing_token"],
+                f"{c['duration_ms']:.1f}",
+                c["worker"],
+            ]
+            for c in detail["remote_calls"]
+        ],
+    )
+    lines += _section(
+        "remote jobs (accounting)",
+        ["JOB ID", "LEARNED VIA", "BY", "AT", "LAST STATUS", "OUTCOME", "CHARGE", "REFUNDS"],
+        [
+            [
+                j["remote_job_id"],
+                j["learned_via"],
+                j["learned_by"],
+                format_time(j["learned_at"]),
+                j["last_status"],
+                j["outcome"],
+                compact_json(j["charge"]),
+                compact_json(j["refunds"]) if j["refunds"] else None,
+            ]
+            for j in detail["remote_jobs"]
+        ],
+    )
     lines += ["", "leases"]
     if detail["leases_error"]:
         lines.append(f"  {detail['leases_error']}")
@@ -489,3 +527,59 @@ def format_detail(detail: Mapping[str, Any]) -> str:
 
 def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
+
+
+def _counts(mapping: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(mapping.items())) or "none"
+
+
+def _amounts(items: Sequence[Mapping[str, Any]], what: str) -> str:
+    return "; ".join(f"{i['currency']} {i['amount']} ({i[what]} {what})" for i in items) or "none"
+
+
+def _stats(figures: Mapping[str, Any]) -> str:
+    if not figures["operations"]:
+        return "no operations"
+    return f"mean {float(figures['mean']):.3f}, max {figures['max']} over {figures['operations']} operations"
+
+
+def _scope(prefix: str) -> str:
+    return f"operations {prefix}*" if prefix else "all operations"
+
+
+def format_accounting(report: Mapping[str, Any]) -> str:
+    """``streams accounting report`` as text."""
+    jobs = report["jobs_by_outcome"]
+    posts, attempts = report["posts_per_operation"], report["post_attempts"]
+    gets = report["gets_per_completed_operation"]
+    waiting = ", ".join(
+        f"{state} {d['operations']}" + (f" (oldest {format_age(d['oldest_age_s'])})" if d["operations"] else "")
+        for state, d in report["needs_decision"].items()
+    )
+    sent_ok = attempts["max_sent"] <= 1
+    lines = [
+        f"accounting of {_scope(report['operation_prefix'])} at {format_time(report['now'])}",
+        f"remote jobs learned of             {sum(jobs.values())}",
+        f"  by outcome                       {_counts(jobs)}",
+        f"  by how they were learned         {_counts(report['jobs_by_learned_via'])}",
+        f"  learned only through a 502       {report['learned_only_via_502']}",
+        f"  duplicate creations              {report['duplicate_creations']}",
+        f"charges                            {_amounts(report['charges'], 'jobs')}",
+        f"refunds settled                    {_amounts(report['refunds_settled'], 'refunds')}",
+        f"refunds pending                    {report['refunds_pending']} (failed or canceled jobs charged, no refund)",
+        f"waiting for a decision             {waiting}",
+        f"POSTs per operation                {_stats(posts)} (every attempt, 429 and never-sent retries included)",
+        f"  that may have created a job      max {attempts['max_sent']} (must be 1"
+        + ("" if sent_ok else f"; BROKEN for {attempts['operations_sent_twice']} operations")
+        + ")",
+        f"GETs per completed operation       {_stats(gets)}",
+    ]
+    return "\n".join(lines)
+
+
+def format_move(move: OperatorMove) -> str:
+    """One line for an operator's decision written (:class:`streams.ledger.OperatorMove`)."""
+    return (
+        f"{move.action}: operation {move.operation_id} {move.from_state} -> {move.to_state} "
+        f"(transition {move.transition_seq}, fencing value {move.fencing_token})"
+    )

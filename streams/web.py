@@ -196,13 +196,26 @@ def render_operation(detail: Mapping[str, Any]) -> str:
     op = detail["operation"]
     facts = [
         ("operation", f'<span class="mono" id="operation-id">{esc(op["operation_id"])}</span>'),
-        ("state", f'<span id="state">{esc(op["state"])}</span> (for {esc(format_age(op["state_age_s"]))})'),
+        (
+            "state",
+            f'<span id="state">{esc(op["state"])}</span> (for {esc(format_age(op["state_age_s"]))}, '
+            f"transition {esc(op['transition_seq'])})",
+        ),
         ("reason", f'<span id="reason" class="reason">{esc(op["reason"])}</span>'),
         ("remote job id", f'<span class="mono" id="remote-job-id">{esc(op["remote_job_id"])}</span>'),
         ("fencing value", f'<span id="fencing-token">{esc(op["fencing_token"])}</span>'),
         ("accepted at", esc(format_time(op["accepted_at"]))),
         ("last change", f"{esc(format_time(op['updated_at']))} by {esc(op['updated_by'])}"),
-        ("polls", f"{esc(op['poll_count'])} (next due {esc(format_time(op['next_poll_at']))})"),
+        (
+            "polls",
+            f"{esc(op['poll_count'])} (next due {esc(format_time(op['next_poll_at']))}; observing since "
+            f"{esc(format_time(op['observing_since']))}; unknown statuses in a row {esc(op['unknown_status_count'])})",
+        ),
+        (
+            "lookups",
+            f"{esc(op['lookup_count'])} (next due {esc(format_time(op['next_lookup_at']))}; gave up "
+            f"{esc(format_time(op['lookup_gave_up_at']))})",
+        ),
         ("last observed", esc(format_time(op["last_observed_at"]))),
         ("last observation", f"<code>{esc(operators.compact_json(op['last_observation']))}</code>"),
         ("remote completed", esc(format_time(op["remote_completed_at"]))),
@@ -212,9 +225,10 @@ def render_operation(detail: Mapping[str, Any]) -> str:
     ]
     fact_rows = "".join(f"<tr><th>{esc(k)}</th><td>{v}</td></tr>" for k, v in facts)
     transitions = _table(
-        ["at", "from", "to", "fencing", "by", "reason"],
+        ["#", "at", "from", "to", "fencing", "by", "reason"],
         (
             [
+                esc(t["seq"]),
                 esc(format_time(t["at"])),
                 esc(t["from_state"]),
                 esc(t["to_state"]),
@@ -224,7 +238,7 @@ def render_operation(detail: Mapping[str, Any]) -> str:
             ]
             for t in detail["transitions"]
         ),
-        numeric=[3],
+        numeric=[0, 4],
         id="transitions",
     )
     outputs = _table(
@@ -260,6 +274,23 @@ def render_operation(detail: Mapping[str, Any]) -> str:
         numeric=[2, 5, 6],
         id="remote-calls",
     )
+    jobs = _table(
+        ["job id", "learned via", "by", "at", "last status", "outcome", "charge", "refunds"],
+        (
+            [
+                f'<span class="mono">{esc(j["remote_job_id"])}</span>',
+                esc(j["learned_via"]),
+                f'<span class="mono">{esc(j["learned_by"])}</span>',
+                esc(format_time(j["learned_at"])),
+                esc(j["last_status"]),
+                esc(j["outcome"]),
+                f"<code>{esc(operators.compact_json(j['charge']))}</code>",
+                f"<code>{esc(operators.compact_json(j['refunds']) if j['refunds'] else None)}</code>",
+            ]
+            for j in detail["remote_jobs"]
+        ),
+        id="remote-jobs",
+    )
     if detail["leases_error"]:
         leases = f'<p class="warn">{esc(detail["leases_error"])}</p>'
     elif not detail["leases"]:
@@ -278,6 +309,7 @@ def render_operation(detail: Mapping[str, Any]) -> str:
 <h2>Transitions ({esc(len(detail["transitions"]))})</h2>{transitions}
 <h2>Outputs ({esc(len(detail["outputs"]))})</h2>{outputs}
 <h2>Remote calls ({esc(len(detail["remote_calls"]))})</h2>{calls}
+<h2>Remote jobs, accounting ({esc(len(detail["remote_jobs"]))})</h2>{jobs}
 <h2>Redis leases</h2>{leases}
 """
     return _page(f"operation {op['operation_id']}", body)

@@ -1,42 +1,35 @@
 -- Named queries that read the ledger for the people who run it: `streams operations list|show` and the live
 -- view of each worker's web server (streams.operators, streams.web). Read-only: none of them writes.
--- Loaded by streams.sql.Queries. Ages are seconds (float8) since the operation entered its current state, taken
--- from the transition log (the newest row of the operation), so they do not move when a claim touches the row.
+-- Loaded by streams.sql.Queries. Ages are seconds (float8) since the operation entered its current state
+-- (operations.state_entered_at, kept by the operations_guard trigger), on the database's clock.
 
 -- name: list_operations
 -- Operations, oldest in their state first.
 -- $1 states (text[], NULL for all), $2 in that state for longer than (s, float8, NULL for any), $3 limit.
 -- Returns operation_id, state, state_age_s, reason, remote_job_id, fencing_token, matched (rows before LIMIT).
-WITH entered AS (
-    SELECT o.operation_id, o.state::text AS state, o.reason, o.remote_job_id, o.fencing_token,
-           COALESCE((SELECT max(t.at) FROM transitions t WHERE t.operation_id = o.operation_id), o.accepted_at)
-               AS entered_at
-    FROM operations o
-    WHERE $1::text[] IS NULL OR o.state::text = ANY($1::text[])
-)
-SELECT operation_id, state, extract(epoch FROM now() - entered_at)::float8 AS state_age_s, reason, remote_job_id,
-       fencing_token, count(*) OVER ()::integer AS matched
-FROM entered
-WHERE $2::float8 IS NULL OR entered_at < now() - make_interval(secs => $2::float8)
-ORDER BY entered_at, operation_id
+SELECT operation_id, state::text AS state, extract(epoch FROM now() - state_entered_at)::float8 AS state_age_s,
+       reason, remote_job_id, fencing_token, count(*) OVER ()::integer AS matched
+FROM operations
+WHERE ($1::text[] IS NULL OR state::text = ANY($1::text[]))
+  AND ($2::float8 IS NULL OR state_entered_at < now() - make_interval(secs => $2::float8))
+ORDER BY state_entered_at, operation_id
 LIMIT $3;
 
 -- name: operation_row
 -- $1 operation_id. One row or none: the operation's columns an operator reads, and how long it has been in its
 -- state (state_age_s).
 SELECT o.operation_id, o.state::text AS state, o.remote_job_id, o.fencing_token, o.reason, o.request,
-       o.submitted_at_ms, o.source, o.poll_count, o.next_poll_at, o.last_observation, o.last_observed_at, o.remote_completed_at,
-       o.accepted_at, o.updated_at, o.updated_by,
-       extract(epoch FROM now() - COALESCE(
-           (SELECT max(t.at) FROM transitions t WHERE t.operation_id = o.operation_id), o.accepted_at))::float8
-           AS state_age_s
+       o.submitted_at_ms, o.source, o.poll_count, o.next_poll_at, o.last_observation, o.last_observed_at,
+       o.remote_completed_at, o.accepted_at, o.updated_at, o.updated_by, o.transition_seq, o.state_entered_at, o.observing_since,
+       o.unknown_status_count, o.next_lookup_at, o.lookup_count, o.lookup_gave_up_at,
+       extract(epoch FROM now() - o.state_entered_at)::float8 AS state_age_s
 FROM operations o
 WHERE o.operation_id = $1;
 
 -- name: operation_transitions
--- $1 operation_id. The transition log of the operation, in order: from_state (NULL for the first), to_state,
--- fencing_token, reason, worker (or the operator who decided), at.
-SELECT id, from_state::text AS from_state, to_state::text AS to_state, fencing_token, reason, worker, at
+-- $1 operation_id. The transition log of the operation, in order: seq, from_state (NULL for the first),
+-- to_state, fencing_token, reason, worker (or the operator who decided), at.
+SELECT id, seq, from_state::text AS from_state, to_state::text AS to_state, fencing_token, reason, worker, at
 FROM transitions
 WHERE operation_id = $1
 ORDER BY id;
@@ -57,6 +50,16 @@ FROM remote_calls
 WHERE operation_id = $1
 ORDER BY id;
 
+-- name: operation_remote_jobs
+-- $1 operation_id. The accounting records of the remote jobs learned of for the operation (how, by whom, when,
+-- last status, outcome, charge) with the refunds recorded for each (jsonb array, empty when none).
+SELECT j.remote_job_id, j.learned_via, j.learned_by, j.learned_at, j.last_status, j.outcome, j.outcome_at,
+       j.charge, COALESCE((SELECT jsonb_agg(r.refund ORDER BY r.recorded_at) FROM refunds r
+                           WHERE r.remote_job_id = j.remote_job_id), '[]'::jsonb) AS refunds
+FROM remote_jobs j
+WHERE j.operation_id = $1
+ORDER BY j.learned_at, j.remote_job_id;
+
 -- name: state_counts
 -- Operations by state (states without operations are absent). Returns state, operations.
 SELECT state::text AS state, count(*)::integer AS operations
@@ -66,17 +69,11 @@ GROUP BY 1;
 -- name: state_queue
 -- Operations in one state, oldest first, for an on-call queue.
 -- $1 state (text), $2 limit. Returns operation_id, remote_job_id, reason, state_age_s, matched.
-WITH entered AS (
-    SELECT o.operation_id, o.remote_job_id, o.reason,
-           COALESCE((SELECT max(t.at) FROM transitions t WHERE t.operation_id = o.operation_id), o.accepted_at)
-               AS entered_at
-    FROM operations o
-    WHERE o.state::text = $1
-)
-SELECT operation_id, remote_job_id, reason, extract(epoch FROM now() - entered_at)::float8 AS state_age_s,
+SELECT operation_id, remote_job_id, reason, extract(epoch FROM now() - state_entered_at)::float8 AS state_age_s,
        count(*) OVER ()::integer AS matched
-FROM entered
-ORDER BY entered_at, operation_id
+FROM operations
+WHERE state::text = $1
+ORDER BY state_entered_at, operation_id
 LIMIT $2;
 
 -- name: transitions_per_minute
@@ -101,3 +98,23 @@ ORDER BY 1;
 -- name: database_now
 -- The database's clock (timestamptz): the reference of every age shown.
 SELECT now();
+
+-- name: posts_per_operation
+-- POST attempts per operation, of the operations matching $1 (LIKE pattern): every attempt (429 and never-sent
+-- retries included) and those that may have created a job (everything but 'ratelimited', 'notsent' and
+-- 'refused': the provider said no job, or nothing reached it). The second must never exceed 1.
+-- Returns operations, mean_attempts, max_attempts, max_sent, operations_sent_twice.
+WITH per_op AS (
+    SELECT operation_id,
+           count(*) AS attempts,
+           count(*) FILTER (WHERE outcome NOT IN ('ratelimited', 'notsent', 'refused')) AS sent
+    FROM remote_calls
+    WHERE method = 'POST' AND operation_id LIKE $1
+    GROUP BY operation_id
+)
+SELECT count(*)::integer AS operations,
+       round(avg(attempts), 3)::float8 AS mean_attempts,
+       COALESCE(max(attempts), 0)::integer AS max_attempts,
+       COALESCE(max(sent), 0)::integer AS max_sent,
+       count(*) FILTER (WHERE sent > 1)::integer AS operations_sent_twice
+FROM per_op;

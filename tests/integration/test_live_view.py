@@ -30,7 +30,7 @@ from streams.lease import LeaseManager, make_redis
 from streams.ledger import Ledger
 from streams_harness.mainjob import free_port
 from tests.conftest import SESSION_ID
-from tests.integration.ledger_seed import HOSTILE_REASON, Seeded, seed_ledger
+from tests.integration.operators_support import HOSTILE_REASON, STALLED_REASON, Seeded, backdate, seed_ledger
 from tests.support import ROOT, STREAMS, wait_for
 
 pytestmark = pytest.mark.integration
@@ -143,7 +143,7 @@ async def test_live_view_in_chromium(
 
     seeded: Seeded = await seed_ledger(Ledger(pool, "seed-worker"), "live")
     old = seeded.by_state["uncertain"][1]
-    await pool.execute("UPDATE transitions SET at = at - interval '2 hours 5 minutes' WHERE operation_id = $1", old)
+    await backdate(pool, old, "2 hours 5 minutes")
     # Lease contention: one submitted job due now whose observe lease another holder keeps.
     contended = seeded.by_state["submitted"][0]
     redis = make_redis(worker_settings.redis_url.get_secret_value(), 1.0)
@@ -189,7 +189,7 @@ async def test_live_view_in_chromium(
                 for r in await pool.fetch("SELECT state::text AS state, count(*)::int AS n FROM operations GROUP BY 1")
             }
             assert {s: n for s, n in shown.items() if n} == counts
-            assert int(await page.locator("#total").inner_text()) == sum(counts.values()) == 10
+            assert int(await page.locator("#total").inner_text()) == sum(counts.values()) == 11
 
             # Throughput over the window, against the transition log.
             window = "at >= date_trunc('minute', now()) - interval '9 minutes'"
@@ -210,13 +210,18 @@ async def test_live_view_in_chromium(
                 for a in [await s.get_attribute("data-age-s") for s in await queue.locator("[data-age-s]").all()]
             ]
             sql_age = await pool.fetchval(
-                "SELECT extract(epoch FROM now() - max(at)) FROM transitions WHERE operation_id=$1", old
+                "SELECT extract(epoch FROM now() - state_entered_at) FROM operations WHERE operation_id=$1", old
             )
             assert 7500 <= ages[0] <= float(sql_age) and ages[1] < 120
             assert (await queue.locator(".reason").all_inner_texts())[1] == HOSTILE_REASON
             assert await queue.locator(".reason b, .reason script").count() == 0
             assert await page.title() == "generation-streams: live view"  # no script of the reason ran
-            assert int(await page.locator("#queue-stalled .queue-count").inner_text()) == 0
+            stalled = page.locator("#queue-stalled")
+            assert int(await stalled.locator(".queue-count").inner_text()) == 1
+            assert await stalled.locator("a.op").all_inner_texts() == seeded.by_state["stalled"]
+            assert await stalled.locator(".reason").all_inner_texts() == [STALLED_REASON]
+            job_cells = await stalled.locator("tbody td:nth-child(3)").all_inner_texts()
+            assert job_cells == [seeded.job_ids[seeded.by_state["stalled"][0]]]
 
             # Outbox backlog while the relay is held, against the ledger.
             backlog = await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
@@ -249,7 +254,7 @@ async def test_live_view_in_chromium(
             transitions = await pool.fetch(
                 "SELECT to_state::text FROM transitions WHERE operation_id=$1 ORDER BY id", hostile
             )
-            assert await page.locator("#transitions tbody tr td:nth-child(3)").all_inner_texts() == [
+            assert await page.locator("#transitions tbody tr td:nth-child(4)").all_inner_texts() == [
                 t["to_state"] for t in transitions
             ]
             assert await page.locator("#remote-calls tbody tr").count() == 1

@@ -3,12 +3,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import asyncpg
 import pytest
@@ -16,31 +12,9 @@ import pytest
 from streams.config import Settings, lease_key
 from streams.lease import LeaseManager, make_redis
 from streams.ledger import Ledger
-from tests.integration.ledger_seed import HOSTILE_REASON, Seeded, seed_ledger
-from tests.support import ROOT, STREAMS
+from tests.integration.operators_support import HOSTILE_REASON, Seeded, backdate, seed_ledger, streams_cli
 
 pytestmark = pytest.mark.integration
-
-
-@dataclass
-class Result:
-    exit_code: int
-    stdout: str
-    stderr: str
-
-    def json(self) -> dict:  # type: ignore[type-arg]
-        return json.loads(self.stdout)  # type: ignore[no-any-return]
-
-
-async def streams_cli(settings: Settings, *args: str, env: dict[str, str] | None = None) -> Result:
-    """Run ``streams ARGS`` with ``settings`` in its environment; wait at most 60 s."""
-    full_env = {**os.environ, **settings.to_env(), **(env or {})}
-    proc = await asyncio.create_subprocess_exec(
-        STREAMS, *args, env=full_env, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    return Result(proc.returncode, out.decode(), err.decode())
 
 
 @pytest.fixture
@@ -63,7 +37,7 @@ async def leases(cli_settings: Settings) -> AsyncIterator[LeaseManager]:
 async def test_list_all_then_by_state(cli_settings: Settings, pool: asyncpg.Pool, seeded: Seeded) -> None:
     everything = (await streams_cli(cli_settings, "operations", "list", "--json")).json()
     rows = await pool.fetch("SELECT operation_id, state::text AS state, fencing_token, remote_job_id FROM operations")
-    assert everything["matched"] == len(rows) == 10
+    assert everything["matched"] == len(rows) == 11
     expected = {r["operation_id"]: (r["state"], r["fencing_token"], r["remote_job_id"]) for r in rows}
     listed = {o["operation_id"]: (o["state"], o["fencing_token"], o["remote_job_id"]) for o in everything["operations"]}
     assert listed == expected
@@ -85,7 +59,7 @@ async def test_list_all_then_by_state(cli_settings: Settings, pool: asyncpg.Pool
 
 async def test_list_older_than_and_limit(cli_settings: Settings, pool: asyncpg.Pool, seeded: Seeded) -> None:
     old = seeded.by_state["uncertain"][1]
-    await pool.execute("UPDATE transitions SET at = at - interval '2 hours 5 minutes' WHERE operation_id = $1", old)
+    await backdate(pool, old, "2 hours 5 minutes")
     older = await streams_cli(cli_settings, "operations", "list", "--state", "uncertain", "--older-than", "2h")
     _header, line = older.stdout.splitlines()
     assert line.split()[:3] == [old, "uncertain", "2h05m"]
@@ -100,7 +74,7 @@ async def test_list_older_than_and_limit(cli_settings: Settings, pool: asyncpg.P
 
     limited = await streams_cli(cli_settings, "operations", "list", "--limit", "3")
     assert limited.stdout.splitlines()[1].split()[0] == old  # oldest in its state first
-    assert limited.stdout.splitlines()[-1] == "... 7 more (raise --limit)"
+    assert limited.stdout.splitlines()[-1] == "... 8 more (raise --limit)"
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,8 @@ PROBE = """
 import importlib, json, pkgutil, sys
 import streams, streams.cli
 from streams.cli import main
-for args in (["worker"], ["migrate"], ["submit"], ["follow"], ["operations", "list"], ["operations", "show"]):
+for args in (["worker"], ["migrate"], ["submit"], ["follow"], ["operations", "list"], ["operations", "show"],
+             ["operations", "adopt"], ["accounting", "report"]):
     try:
         main([*args, "--help"], prog_name="streams")
     except SystemExit as exc:
@@ -104,7 +105,7 @@ def test_harness_commands_are_offered_through_the_entry_point_group() -> None:
     group = cli.main
     assert isinstance(group, cli.PluginGroup)
     assert set(group.plugin_entry_points()) == {"run", "soak", "simulator", "replay"}
-    product = {"migrate", "ready", "worker", "submit", "follow", "operations"}
+    product = {"migrate", "ready", "worker", "submit", "follow", "operations", "accounting"}
     assert set(group.commands) == product  # the product's own
     result = CliRunner().invoke(group, ["--help"])
     assert result.exit_code == 0

@@ -1,19 +1,30 @@
-"""A ledger seeded through the product's own ledger statements (no hand-written rows), for the operators' tests.
+"""For the operators' tests: a seeded ledger, and the ``streams`` command line run as a person runs it.
 
-Nothing seeded here is due for any worker: no operation is left ``submitting``, submitted jobs are next polled in
-an hour, and no submission is on Kafka.
+The ledger is seeded through the product's own ledger statements (the one ``stalled`` operation excepted, moved by
+SQL as the observer would). Nothing seeded is due for any worker: no operation is left ``submitting``, submitted
+jobs are next polled in an hour, and no submission is on Kafka.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
+import asyncpg
+
+from streams.config import Settings
 from streams.ledger import Ledger
 from streams.remote import JobSnapshot
 from streams.states import OperationState
+from tests.support import ROOT, STREAMS
 
 #: A reason with markup and quotes: pages must show it as text.
 HOSTILE_REASON = 'HTTP 503 without error.job_id <script>document.title="owned"</script> & <b>bold</b>'
+
+STALLED_REASON = "unknown status 'paused' 5 times in a row"
 
 REQUEST = '{"input": {"prompt": "hi", "max_tokens": 3}}'
 SUBMITTED_AT_MS = 1_700_000_000_000
@@ -54,7 +65,7 @@ async def _observed(ledger: Ledger, op: str, snapshot: JobSnapshot) -> None:
 
 async def seed_ledger(ledger: Ledger, prefix: str) -> Seeded:
     """Operations in accepted (1), submitted (2), succeeded (3, two outputs each), failed (1), uncertain (2, one
-    with :data:`HOSTILE_REASON`) and rejected (1), ids ``<prefix>-<state>-<n>``."""
+    with :data:`HOSTILE_REASON`), stalled (1) and rejected (1), ids ``<prefix>-<state>-<n>``: 11 in all."""
     seeded = Seeded()
     op = f"{prefix}-accepted-0"
     assert await ledger.accept(op, REQUEST, submitted_at_ms=SUBMITTED_AT_MS)
@@ -87,8 +98,52 @@ async def seed_ledger(ledger: Ledger, prefix: str) -> Seeded:
         await ledger.record_remote_call(op, "POST", 503, "unknownoutcome", None, 20.0, fencing)
         assert await ledger.save_submission_without_job(op, fencing, OperationState.UNCERTAIN, reason)
         seeded.add(OperationState.UNCERTAIN, op)
+    op = f"{prefix}-stalled-0"
+    await _submitted(ledger, seeded, op)
+    # The observer stalls a job whose answers stop making progress; the same row change here, by SQL.
+    await ledger.pool.execute(
+        "UPDATE operations SET state = 'stalled', reason = $2, next_poll_at = NULL, updated_by = 'seed-observer',"
+        " last_observation = $3::jsonb WHERE operation_id = $1",
+        op,
+        STALLED_REASON,
+        {"http_status": 200, "body": '{"status": "paused"}'},
+    )
+    seeded.add(OperationState.STALLED, op)
     op = f"{prefix}-rejected-0"
     fencing = await _submitting(ledger, op)
     assert await ledger.save_submission_without_job(op, fencing, OperationState.REJECTED, "HTTP 422: bad request")
     seeded.add(OperationState.REJECTED, op)
     return seeded
+
+
+@dataclass
+class Result:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+async def streams_cli(settings: Settings, *args: str, env: dict[str, str] | None = None) -> Result:
+    """Run ``streams ARGS`` with ``settings`` in its environment; wait at most 60 s."""
+    full_env = {**os.environ, **settings.to_env(), **(env or {})}
+    proc = await asyncio.create_subprocess_exec(
+        STREAMS, *args, env=full_env, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return Result(proc.returncode, out.decode(), err.decode())
+
+
+async def backdate(pool: asyncpg.Pool, operation_id: str, interval: str) -> None:
+    """Make ``operation_id`` look as if it entered its state (and made its transitions) ``interval`` earlier."""
+    await pool.execute(
+        "UPDATE transitions SET at = at - $2::text::interval WHERE operation_id = $1", operation_id, interval
+    )
+    await pool.execute(
+        "UPDATE operations SET state_entered_at = state_entered_at - $2::text::interval WHERE operation_id = $1",
+        operation_id,
+        interval,
+    )
