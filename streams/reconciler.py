@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 
-from streams import metrics
+from streams import logs, metrics
 from streams.backoff import next_poll_delay_s
 from streams.codes import RemoteCallOutcome
 from streams.errors import LedgerUnavailableError, RemoteError, RemoteRateLimitedError, RemoteRefusedError
@@ -55,6 +55,7 @@ class Reconciler:
         """Look one claimed operation up and save the result, fenced (see module docstring)."""
         rt = self.rt
         op = claim.operation_id
+        logs.bind(operation_id=op, fencing_token=claim.fencing_token)  # this task's lines (gather gives each its own)
         started = time.perf_counter()
         try:
             found = await rt.remote.lookup(op)
@@ -90,6 +91,7 @@ class Reconciler:
                 metrics.FENCING_REFUSALS.labels("reconcile").inc()
             return
         adopted, duplicates = found[0], found[1:]
+        logs.bind(remote_job_id=adopted.job_id)
         reason = f"adopted job {adopted.job_id} found by lookup of the client reference"
         if duplicates:
             reason += f"; {len(duplicates)} further job(s) recorded as duplicate creations: " + ", ".join(

@@ -1,5 +1,5 @@
-"""Log lines of the dispatcher and observer on the real services carry the operation id, the remote job id and the
-fencing value in force, and nothing of the event handled before."""
+"""Log lines of the dispatcher, observer and reconciler on the real services carry the operation id, the remote
+job id and the fencing value in force, and nothing of the event handled before."""
 
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ from streams import logs
 from streams.app import handle_with_retries
 from streams.dispatcher import Dispatcher
 from streams.observer import Observer
+from streams.reconciler import Reconciler
 from streams.runtime import RawMessage, Runtime
+from streams.states import OperationState
 from tests.support import SimulatorServer as Simulator
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -95,3 +98,32 @@ async def test_observer_lines_name_operation_job_and_fencing_value(
             "job-unknown-to-provider",
             claimed,
         )
+
+
+async def test_reconciler_lines_name_operation_job_and_fencing_value(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator, json_lines: io.StringIO
+) -> None:
+    request = '{"input": {"prompt": "hi", "max_tokens": 1}}'
+    for op, posts in (("op-log-3", 1), ("op-log-4", 0)):  # one job to adopt, one operation with none
+        assert await runtime.ledger.accept(op, request, submitted_at_ms=1)
+        fencing = await runtime.ledger.claim_for_submit(op)
+        assert fencing is not None
+        for _ in range(posts):
+            await runtime.remote.submit(op, request)
+        assert await runtime.ledger.save_submission_without_job(op, fencing, OperationState.UNCERTAIN, "lost")
+    await simulator.configure(lookup_enabled=True, lookup_lag_s=0.05)
+    runtime.settings = runtime.settings.replace(lookup_enabled=True, lookup_lag_s=0.2)
+    reconciler = Reconciler(runtime)
+
+    async def both_looked_up() -> bool:
+        await reconciler.tick()
+        return len(records(json_lines, "streams.reconciler")) == 2
+
+    await wait_for(both_looked_up, 15, "both lookups to be logged")
+    lines = {line["operation_id"]: line for line in records(json_lines, "streams.reconciler")}
+    adopted = await pool.fetchrow("SELECT remote_job_id, fencing_token FROM operations WHERE operation_id='op-log-3'")
+    assert "adopted job" in lines["op-log-3"]["message"]
+    assert (lines["op-log-3"]["remote_job_id"], lines["op-log-3"]["fencing_token"]) == tuple(adopted.values())
+    left = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id='op-log-4'")
+    assert "not found by lookup" in lines["op-log-4"]["message"] and "remote_job_id" not in lines["op-log-4"]
+    assert lines["op-log-4"]["fencing_token"] == left
