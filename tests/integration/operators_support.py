@@ -1,8 +1,7 @@
 """For the operators' tests: a seeded ledger, and the ``streams`` command line run as a person runs it.
 
-The ledger is seeded through the product's own ledger statements (the one ``stalled`` operation excepted, moved by
-SQL as the observer would). Nothing seeded is due for any worker: no operation is left ``submitting``, submitted
-jobs are next polled in an hour, and no submission is on Kafka.
+The ledger is seeded through the product's own ledger statements. Nothing seeded is due for any worker: no
+operation is left ``submitting``, submitted jobs are next polled in an hour, and no submission is on Kafka.
 """
 
 from __future__ import annotations
@@ -48,24 +47,35 @@ async def _submitting(ledger: Ledger, op: str) -> int:
     return fencing
 
 
-async def _submitted(ledger: Ledger, seeded: Seeded, op: str) -> None:
+async def _submitted(ledger: Ledger, seeded: Seeded, op: str, *, via_502: bool = False) -> None:
     fencing = await _submitting(ledger, op)
     job_id = f"job-{op}"
-    await ledger.record_remote_call(op, "POST", 201, "created", job_id, 12.5, fencing)
-    assert await ledger.save_submitted(op, fencing, job_id, 3600.0, None)
+    status, outcome = (502, "created_via_502") if via_502 else (201, "created")
+    await ledger.record_remote_call(op, "POST", status, outcome, job_id, 12.5, fencing)
+    reason = "job id from HTTP 502 error.job_id" if via_502 else None
+    assert await ledger.save_submitted(op, fencing, job_id, 3600.0, reason)
     seeded.job_ids[op] = job_id
 
 
-async def _observed(ledger: Ledger, op: str, snapshot: JobSnapshot) -> None:
+async def _claimed(ledger: Ledger, op: str, status: str) -> int:
+    """The observer's claim and one GET answered with ``status``; returns the fencing value."""
     claim = await ledger.claim_for_observe(op, 0)
     assert claim is not None
-    await ledger.record_remote_call(op, "GET", 200, snapshot.status, claim.remote_job_id, 3.0, claim.fencing_token)
-    assert (await ledger.save_observation(op, claim.fencing_token, snapshot, None)).value == "saved"
+    await ledger.record_remote_call(op, "GET", 200, status, claim.remote_job_id, 3.0, claim.fencing_token)
+    return claim.fencing_token
+
+
+async def _observed(ledger: Ledger, op: str, snapshot: JobSnapshot) -> None:
+    fencing = await _claimed(ledger, op, snapshot.status)
+    assert (await ledger.save_observation(op, fencing, snapshot, None)).value == "saved"
 
 
 async def seed_ledger(ledger: Ledger, prefix: str) -> Seeded:
     """Operations in accepted (1), submitted (2), succeeded (3, two outputs each), failed (1), uncertain (2, one
-    with :data:`HOSTILE_REASON`), stalled (1) and rejected (1), ids ``<prefix>-<state>-<n>``: 11 in all."""
+    with :data:`HOSTILE_REASON`), stalled (1) and rejected (1), ids ``<prefix>-<state>-<n>``: 11 in all.
+
+    Accounting as the pipeline keeps it: 7 remote jobs, the last succeeded one learned through a 502; the first
+    succeeded job charged USD 0.25 and refunded, the failed one charged USD 1.50 without refund."""
     seeded = Seeded()
     op = f"{prefix}-accepted-0"
     assert await ledger.accept(op, REQUEST, submitted_at_ms=SUBMITTED_AT_MS)
@@ -76,7 +86,7 @@ async def seed_ledger(ledger: Ledger, prefix: str) -> Seeded:
         seeded.add(OperationState.SUBMITTED, op)
     for n in range(3):
         op = f"{prefix}-succeeded-{n}"
-        await _submitted(ledger, seeded, op)
+        await _submitted(ledger, seeded, op, via_502=n == 2)
         outputs = [{"id": f"out-{i}", "text": f"output {i} of {op}"} for i in range(2)]
         snapshot = JobSnapshot(
             seeded.job_ids[op],
@@ -84,12 +94,20 @@ async def seed_ledger(ledger: Ledger, prefix: str) -> Seeded:
             OperationState.SUCCEEDED,
             outputs=outputs,
             completed_at_ms=1_700_000_000_000,
+            charge={"id": f"ch-{op}", "amount": "0.25", "currency": "USD"} if n == 0 else None,
+            refund={"id": f"rf-{op}", "amount": "0.25", "currency": "USD"} if n == 0 else None,
         )
         await _observed(ledger, op, snapshot)
         seeded.add(OperationState.SUCCEEDED, op)
     op = f"{prefix}-failed-0"
     await _submitted(ledger, seeded, op)
-    failed = JobSnapshot(seeded.job_ids[op], "failed", OperationState.FAILED, error={"code": "boom", "message": "no"})
+    failed = JobSnapshot(
+        seeded.job_ids[op],
+        "failed",
+        OperationState.FAILED,
+        error={"code": "boom", "message": "no"},
+        charge={"id": f"ch-{op}", "amount": "1.50", "currency": "USD"},
+    )
     await _observed(ledger, op, failed)
     seeded.add(OperationState.FAILED, op)
     for n, reason in enumerate([HOSTILE_REASON, "POST timed out after send (ReadTimeout); a job may exist"]):
@@ -100,14 +118,8 @@ async def seed_ledger(ledger: Ledger, prefix: str) -> Seeded:
         seeded.add(OperationState.UNCERTAIN, op)
     op = f"{prefix}-stalled-0"
     await _submitted(ledger, seeded, op)
-    # The observer stalls a job whose answers stop making progress; the same row change here, by SQL.
-    await ledger.pool.execute(
-        "UPDATE operations SET state = 'stalled', reason = $2, next_poll_at = NULL, updated_by = 'seed-observer',"
-        " last_observation = $3::jsonb WHERE operation_id = $1",
-        op,
-        STALLED_REASON,
-        {"http_status": 200, "body": '{"status": "paused"}'},
-    )
+    fencing = await _claimed(ledger, op, "paused")
+    assert await ledger.save_stalled(op, fencing, STALLED_REASON, {"http_status": 200, "body": '{"status": "paused"}'})
     seeded.add(OperationState.STALLED, op)
     op = f"{prefix}-rejected-0"
     fencing = await _submitting(ledger, op)

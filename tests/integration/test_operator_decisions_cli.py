@@ -222,45 +222,18 @@ async def test_decision_help(cli: Settings, command: str) -> None:
 # --- accounting ---------------------------------------------------------------------------------------------------
 
 
-async def record_jobs(pool: asyncpg.Pool, seeded: Seeded) -> None:
-    """Accounting records as the pipeline keeps them: every job id saved (one learned through a 502), a duplicate
-    found by lookup, charges on two jobs and a refund on one of them, and a failed job charged without refund."""
-    for op, job in seeded.job_ids.items():
-        via = "post_502" if op == seeded.by_state["succeeded"][2] else "post_2xx"
-        state = await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = $1", op)
-        outcome = state if state in ("succeeded", "failed") else None
-        await pool.execute(
-            "INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by, outcome) "
-            "VALUES ($1, $2, $3, 'seed', $4)",
-            job,
-            op,
-            via,
-            outcome,
-        )
+async def record_duplicate(pool: asyncpg.Pool, op: str) -> None:
+    """A further job found by the reconciler's lookup for ``op``, recorded as a duplicate creation (the row the
+    reconciler writes)."""
     await pool.execute(
-        "INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by) VALUES ('job-dup', $1, "
-        "'duplicate', 'seed')",
-        seeded.by_state["uncertain"][0],
-    )
-    charged = [seeded.job_ids[seeded.by_state["succeeded"][0]], seeded.job_ids[seeded.by_state["failed"][0]]]
-    for job, amount in zip(charged, ["0.25", "1.50"], strict=True):
-        await pool.execute(
-            "UPDATE remote_jobs SET charge = $2::jsonb, charge_amount = $3::numeric, charge_currency = 'USD' "
-            "WHERE remote_job_id = $1",
-            job,
-            {"amount": amount, "currency": "USD"},
-            amount,
-        )
-    await pool.execute(
-        "INSERT INTO refunds (refund_id, remote_job_id, refund, amount, currency) VALUES ('r1', $1, $2::jsonb, "
-        "0.25, 'USD')",
-        charged[0],
-        {"id": "r1", "amount": "0.25", "currency": "USD"},
+        "INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by) "
+        "VALUES ('job-dup', $1, 'duplicate', 'reconciler')",
+        op,
     )
 
 
 async def test_accounting_report_against_the_ledger(cli: Settings, pool: asyncpg.Pool, seeded: Seeded) -> None:
-    await record_jobs(pool, seeded)
+    await record_duplicate(pool, seeded.by_state["uncertain"][0])
     await backdate(pool, seeded.by_state["stalled"][0], "3 hours")
     report = (await streams_cli(cli, "accounting", "report", "--json")).json()
     by_outcome = {
@@ -270,7 +243,10 @@ async def test_accounting_report_against_the_ledger(cli: Settings, pool: asyncpg
         )
     }
     assert report["jobs_by_outcome"] == by_outcome == {"succeeded": 3, "failed": 1, "not_terminal": 4}
-    assert report["jobs_by_learned_via"] == {"post_2xx": 6, "post_502": 1, "duplicate": 1}
+    by_via = {
+        r["v"]: r["n"] for r in await pool.fetch("SELECT learned_via v, count(*)::int n FROM remote_jobs GROUP BY 1")
+    }
+    assert report["jobs_by_learned_via"] == by_via == {"post_2xx": 6, "post_502": 1, "duplicate": 1}
     assert (report["learned_only_via_502"], report["duplicate_creations"]) == (1, 1)
     assert report["charges"] == [{"currency": "USD", "amount": "1.75", "jobs": 2}]
     assert report["refunds_settled"] == [{"currency": "USD", "amount": "0.25", "refunds": 1}]

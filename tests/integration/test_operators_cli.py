@@ -127,12 +127,21 @@ async def test_show_against_the_ledger(cli_settings: Settings, pool: asyncpg.Poo
         ("POST", 201, "created"),
         ("GET", 200, "succeeded"),
     ]
+    jobs = await pool.fetch("SELECT remote_job_id, learned_via, outcome FROM remote_jobs WHERE operation_id=$1", op)
+    assert (
+        [(j["remote_job_id"], j["learned_via"], j["outcome"]) for j in detail["remote_jobs"]]
+        == [tuple(j.values()) for j in jobs]
+        == [(row["remote_job_id"], "post_2xx", "succeeded")]
+    )
+    assert detail["remote_jobs"][0]["charge"] == {"id": f"ch-{op}", "amount": "0.25", "currency": "USD"}
+    assert detail["remote_jobs"][0]["refunds"] == [{"id": f"rf-{op}", "amount": "0.25", "currency": "USD"}]
     assert detail["leases"] == [] and detail["leases_error"] is None
 
     text = (await streams_cli(cli_settings, "operations", "show", op)).stdout
     assert "state            succeeded (for " in text and f"fencing value    {row['fencing_token']}" in text
     assert "transitions (4)" in text and "outputs (2)" in text and "remote calls (2)" in text
     assert f"output:{op}:out-1" in text and "leases\n  none held" in text
+    assert "remote jobs (accounting) (1)" in text and f'{{"id":"rf-{op}","amount":"0.25","currency":"USD"}}' in text
 
 
 async def test_show_names_the_lease_holder_and_its_ttl(
