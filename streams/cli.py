@@ -396,7 +396,11 @@ def show_operation(operation_id: str, as_json: bool) -> None:
     settings = _settings()
 
     async def read(pool: asyncpg.Pool) -> dict[str, Any] | None:
-        redis = make_redis(settings.redis_url.get_secret_value(), settings.redis_socket_timeout_s)
+        redis = make_redis(
+            settings.redis_url.get_secret_value(),
+            settings.redis_socket_timeout_s,
+            connect_timeout_s=settings.redis_connect_timeout_s,
+        )
         try:
             return await operators.operation_detail(pool, redis, settings, operation_id)
         finally:

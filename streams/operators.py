@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY
 
 from streams import exactjson
 from streams.config import Settings, lease_key
-from streams.lease import REDIS_UNAVAILABLE
+from streams.lease import REDIS_POOL_EXHAUSTED, REDIS_UNAVAILABLE
 from streams.ledger import OperatorMove
 from streams.ledger import _guard as ledger_guard  # PostgreSQL errors -> LedgerUnavailableError/LedgerDataError
 from streams.sql import Queries
@@ -213,6 +213,8 @@ async def operation_detail(
             leases = await lease_holders(redis, settings, operation_id)
         except REDIS_UNAVAILABLE as exc:
             leases_error = f"Redis unavailable: {type(exc).__name__}: {exc}"
+        except REDIS_POOL_EXHAUSTED as exc:
+            leases_error = f"no Redis connection free in this process's pool: {exc}"
     return {
         "operation": dict(row),
         "transitions": [dict(r) for r in transitions],
