@@ -309,7 +309,8 @@ def _is_terminal(state: str) -> bool:
 
 async def dead_letter_topic(settings: Settings, *, timeout_s: float = 3.0) -> dict[str, Any]:
     """What the dead-letter topic holds now, from Kafka's offsets (every worker's dead letters, retained ones):
-    ``{topic, retained, by_partition: {partition: records}, error}``; ``error`` says why Kafka could not be read
+    ``{topic, retained, by_partition: {partition (text): records}, error}``; ``error`` says why Kafka could not be
+    read
     within ``timeout_s`` (then ``retained`` is None). Never raises for an unreachable broker."""
     topic = settings.topic("dead_letter")
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, request_timeout_ms=int(timeout_s * 1000))
@@ -317,7 +318,7 @@ async def dead_letter_topic(settings: Settings, *, timeout_s: float = 3.0) -> di
         bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, request_timeout_ms=int(timeout_s * 1000)
     )
 
-    async def read() -> dict[int, int]:
+    async def read() -> dict[str, int]:
         await admin.start()
         if topic not in await admin.list_topics():
             return {}  # asked first: a metadata request naming a missing topic may have the broker create it
@@ -328,7 +329,7 @@ async def dead_letter_topic(settings: Settings, *, timeout_s: float = 3.0) -> di
         await consumer.start()
         first = await consumer.beginning_offsets(tps)
         end = await consumer.end_offsets(tps)
-        return {tp.partition: end[tp] - first[tp] for tp in tps}
+        return {str(tp.partition): end[tp] - first[tp] for tp in tps}  # JSON keys are text
 
     try:
         by_partition = await asyncio.wait_for(read(), timeout_s)

@@ -202,6 +202,7 @@ async def test_live_view_in_chromium(
             assert len(per_minute) == 10 and sum(per_minute) == accepted
 
             # The uncertain queue: oldest first, ages and reasons as the ledger has them, markup shown as text.
+            hostile_op = seeded.by_state["uncertain"][0]
             queue = page.locator("#queue-uncertain")
             assert int(await queue.locator(".queue-count").inner_text()) == 2
             assert await queue.locator("a.op").all_inner_texts() == [old, seeded.by_state["uncertain"][0]]
@@ -241,8 +242,18 @@ async def test_live_view_in_chromium(
             assert dead_topic in await page.locator("#outbox").inner_text()
             await page.screenshot(path=str(shots / "overview.png"), full_page=True)
 
+            # The same figures as JSON, for programs.
+            async with httpx.AsyncClient(timeout=10) as c:
+                as_json = (await c.get(worker.url + "/?format=json")).json()
+                detail_json = (await c.get(f"{worker.url}/operations/{old}?format=json")).json()
+            assert {s: n for s, n in as_json["states"].items() if n} == counts
+            assert as_json["outbox"]["unpublished"] == backlog and as_json["throughput"]["finished"] == finished
+            assert as_json["dead_letter_topic"]["retained"] == retained and as_json["worker"]
+            assert [r["operation_id"] for r in as_json["queues"]["uncertain"]["rows"]] == [old, hostile_op]
+            assert detail_json["operation"]["state"] == "uncertain" and len(detail_json["transitions"]) == 3
+
             # Follow the hostile operation's link to its page: the same data as `streams operations show`.
-            hostile = seeded.by_state["uncertain"][0]
+            hostile = hostile_op
             await queue.locator("a.op", has_text=hostile).click()
             await page.wait_for_url(f"**/operations/{hostile}")
             row = await pool.fetchrow(
