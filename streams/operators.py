@@ -28,6 +28,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client import REGISTRY
 
 from streams import exactjson
+from streams.codes import RemoteCallOutcome
 from streams.config import Settings, lease_key
 from streams.lease import REDIS_POOL_EXHAUSTED, REDIS_UNAVAILABLE
 from streams.ledger import OperatorMove
@@ -42,6 +43,9 @@ LEASE_ACTIONS = ("submit", "observe")
 
 #: States in which work waits for the reconciler or a person (``stalled`` once the ledger has it).
 DECISION_STATES = ("uncertain", "stalled")
+
+#: POST outcomes that tell no job was created: the provider refused, or nothing reached it.
+NOTHING_CREATED = (RemoteCallOutcome.REFUSED, RemoteCallOutcome.RATE_LIMITED, RemoteCallOutcome.NOT_SENT)
 
 #: Prometheus counters the live view shows, by section (this worker's values since it started).
 CONTENTION_METRICS = (
@@ -359,14 +363,14 @@ async def accounting(
     """The accounting report of the operations whose id starts with ``operation_prefix`` (``operation_pattern``,
     its SQL ``LIKE`` pattern): ``ledger_summary`` (:meth:`streams.ledger.Ledger.accounting_summary`), plus
     ``post_attempts`` (query ``posts_per_operation``: every attempt, and ``max_sent``, the most POSTs that may
-    have created a job for one operation, which must be at most 1), ``operation_prefix`` and the database clock
-    ``now``.
+    have created a job for one operation, i.e. with an outcome not in :data:`NOTHING_CREATED`; it must be at
+    most 1), ``operation_prefix`` and the database clock ``now``.
 
     Raises:
         LedgerUnavailableError: PostgreSQL did not answer.
     """
     async with ledger_guard("read the POSTs per operation"):
-        row = await pool.fetchrow(INSPECT.posts_per_operation, operation_pattern)
+        row = await pool.fetchrow(INSPECT.posts_per_operation, operation_pattern, list(NOTHING_CREATED))
         now = await pool.fetchval(INSPECT.database_now)
     return {"now": now, "operation_prefix": operation_prefix, **ledger_summary, "post_attempts": dict(row)}
 
@@ -432,7 +436,7 @@ def format_detail(detail: Mapping[str, Any]) -> str:
     lines = [
         f"operation        {op['operation_id']}",
         f"state            {op['state']} (for {format_age(op['state_age_s'])}, transition {op['transition_seq']})",
-        f"reason           {op['reason'] or '-'}",
+        f"reason           {op['reason'] or '-'}" + (f" [{op['reason_code']}]" if op["reason_code"] else ""),
         f"remote job id    {op['remote_job_id'] or '-'}",
         f"fencing value    {op['fencing_token']}",
         f"accepted at      {format_time(op['accepted_at'])}",

@@ -201,7 +201,11 @@ def render_operation(detail: Mapping[str, Any]) -> str:
             f'<span id="state">{esc(op["state"])}</span> (for {esc(format_age(op["state_age_s"]))}, '
             f"transition {esc(op['transition_seq'])})",
         ),
-        ("reason", f'<span id="reason" class="reason">{esc(op["reason"])}</span>'),
+        (
+            "reason",
+            f'<span id="reason" class="reason">{esc(op["reason"])}</span> '
+            f'<span class="mono muted" id="reason-code">{esc(op["reason_code"])}</span>',
+        ),
         ("remote job id", f'<span class="mono" id="remote-job-id">{esc(op["remote_job_id"])}</span>'),
         ("fencing value", f'<span id="fencing-token">{esc(op["fencing_token"])}</span>'),
         ("accepted at", esc(format_time(op["accepted_at"]))),

@@ -6,9 +6,10 @@
 -- name: list_operations
 -- Operations, oldest in their state first.
 -- $1 states (text[], NULL for all), $2 in that state for longer than (s, float8, NULL for any), $3 limit.
--- Returns operation_id, state, state_age_s, reason, remote_job_id, fencing_token, matched (rows before LIMIT).
+-- Returns operation_id, state, state_age_s, reason, reason_code, remote_job_id, fencing_token, matched (rows
+-- before LIMIT).
 SELECT operation_id, state::text AS state, extract(epoch FROM now() - state_entered_at)::float8 AS state_age_s,
-       reason, remote_job_id, fencing_token, count(*) OVER ()::integer AS matched
+       reason, reason_code, remote_job_id, fencing_token, count(*) OVER ()::integer AS matched
 FROM operations
 WHERE ($1::text[] IS NULL OR state::text = ANY($1::text[]))
   AND ($2::float8 IS NULL OR state_entered_at < now() - make_interval(secs => $2::float8))
@@ -18,10 +19,11 @@ LIMIT $3;
 -- name: operation_row
 -- $1 operation_id. One row or none: the operation's columns an operator reads, and how long it has been in its
 -- state (state_age_s).
-SELECT o.operation_id, o.state::text AS state, o.remote_job_id, o.fencing_token, o.reason, o.request,
-       o.submitted_at_ms, o.source, o.poll_count, o.next_poll_at, o.last_observation, o.last_observed_at,
-       o.remote_completed_at, o.accepted_at, o.updated_at, o.updated_by, o.transition_seq, o.state_entered_at, o.observing_since,
-       o.unknown_status_count, o.next_lookup_at, o.lookup_count, o.lookup_gave_up_at,
+SELECT o.operation_id, o.state::text AS state, o.remote_job_id, o.fencing_token, o.reason, o.reason_code,
+       o.request, o.submitted_at_ms, o.source, o.poll_count, o.next_poll_at, o.last_observation,
+       o.last_observed_at, o.remote_completed_at, o.accepted_at, o.updated_at, o.updated_by, o.transition_seq,
+       o.state_entered_at, o.observing_since, o.unknown_status_count, o.next_lookup_at, o.lookup_count,
+       o.lookup_gave_up_at,
        extract(epoch FROM now() - o.state_entered_at)::float8 AS state_age_s
 FROM operations o
 WHERE o.operation_id = $1;
@@ -68,8 +70,8 @@ GROUP BY 1;
 
 -- name: state_queue
 -- Operations in one state, oldest first, for an on-call queue.
--- $1 state (text), $2 limit. Returns operation_id, remote_job_id, reason, state_age_s, matched.
-SELECT operation_id, remote_job_id, reason, extract(epoch FROM now() - state_entered_at)::float8 AS state_age_s,
+-- $1 state (text), $2 limit. Returns operation_id, remote_job_id, reason, reason_code, state_age_s, matched.
+SELECT operation_id, remote_job_id, reason, reason_code, extract(epoch FROM now() - state_entered_at)::float8 AS state_age_s,
        count(*) OVER ()::integer AS matched
 FROM operations
 WHERE state::text = $1
@@ -101,13 +103,13 @@ SELECT now();
 
 -- name: posts_per_operation
 -- POST attempts per operation, of the operations matching $1 (LIKE pattern): every attempt (429 and never-sent
--- retries included) and those that may have created a job (everything but 'ratelimited', 'notsent' and
--- 'refused': the provider said no job, or nothing reached it). The second must never exceed 1.
+-- retries included) and those that may have created a job (every outcome but those of $2, text[]: the provider
+-- said no job, or nothing reached it). The second must never exceed 1.
 -- Returns operations, mean_attempts, max_attempts, max_sent, operations_sent_twice.
 WITH per_op AS (
     SELECT operation_id,
            count(*) AS attempts,
-           count(*) FILTER (WHERE outcome NOT IN ('ratelimited', 'notsent', 'refused')) AS sent
+           count(*) FILTER (WHERE outcome <> ALL($2::text[])) AS sent
     FROM remote_calls
     WHERE method = 'POST' AND operation_id LIKE $1
     GROUP BY operation_id

@@ -14,6 +14,8 @@ from typing import Any
 
 import asyncpg
 
+from streams.codes import ReasonCode
+from streams.codes import RemoteCallOutcome as Outcome
 from streams.config import Settings
 from streams.ledger import Ledger
 from streams.remote import JobSnapshot
@@ -50,23 +52,23 @@ async def _submitting(ledger: Ledger, op: str) -> int:
 async def _submitted(ledger: Ledger, seeded: Seeded, op: str, *, via_502: bool = False) -> None:
     fencing = await _submitting(ledger, op)
     job_id = f"job-{op}"
-    status, outcome = (502, "created_via_502") if via_502 else (201, "created")
+    status, outcome = (502, Outcome.CREATED_VIA_502) if via_502 else (201, Outcome.CREATED)
     await ledger.record_remote_call(op, "POST", status, outcome, job_id, 12.5, fencing)
     reason = "job id from HTTP 502 error.job_id" if via_502 else None
     assert await ledger.save_submitted(op, fencing, job_id, 3600.0, reason)
     seeded.job_ids[op] = job_id
 
 
-async def _claimed(ledger: Ledger, op: str, status: str) -> int:
-    """The observer's claim and one GET answered with ``status``; returns the fencing value."""
+async def _claimed(ledger: Ledger, op: str, outcome: Outcome) -> int:
+    """The observer's claim and one GET with ``outcome``; returns the fencing value."""
     claim = await ledger.claim_for_observe(op, 0)
     assert claim is not None
-    await ledger.record_remote_call(op, "GET", 200, status, claim.remote_job_id, 3.0, claim.fencing_token)
+    await ledger.record_remote_call(op, "GET", 200, outcome, claim.remote_job_id, 3.0, claim.fencing_token)
     return claim.fencing_token
 
 
 async def _observed(ledger: Ledger, op: str, snapshot: JobSnapshot) -> None:
-    fencing = await _claimed(ledger, op, snapshot.status)
+    fencing = await _claimed(ledger, op, Outcome.answered(snapshot.state))
     assert (await ledger.save_observation(op, fencing, snapshot, None)).value == "saved"
 
 
@@ -113,17 +115,21 @@ async def seed_ledger(ledger: Ledger, prefix: str) -> Seeded:
     for n, reason in enumerate([HOSTILE_REASON, "POST timed out after send (ReadTimeout); a job may exist"]):
         op = f"{prefix}-uncertain-{n}"
         fencing = await _submitting(ledger, op)
-        await ledger.record_remote_call(op, "POST", 503, "unknownoutcome", None, 20.0, fencing)
-        assert await ledger.save_submission_without_job(op, fencing, OperationState.UNCERTAIN, reason)
+        await ledger.record_remote_call(op, "POST", 503, Outcome.UNKNOWN_OUTCOME, None, 20.0, fencing)
+        assert await ledger.save_submission_without_job(
+            op, fencing, OperationState.UNCERTAIN, reason, ReasonCode.UNKNOWN_OUTCOME
+        )
         seeded.add(OperationState.UNCERTAIN, op)
     op = f"{prefix}-stalled-0"
     await _submitted(ledger, seeded, op)
-    fencing = await _claimed(ledger, op, "paused")
+    fencing = await _claimed(ledger, op, Outcome.UNKNOWN_STATUS)
     assert await ledger.save_stalled(op, fencing, STALLED_REASON, {"http_status": 200, "body": '{"status": "paused"}'})
     seeded.add(OperationState.STALLED, op)
     op = f"{prefix}-rejected-0"
     fencing = await _submitting(ledger, op)
-    assert await ledger.save_submission_without_job(op, fencing, OperationState.REJECTED, "HTTP 422: bad request")
+    assert await ledger.save_submission_without_job(
+        op, fencing, OperationState.REJECTED, "HTTP 422: bad request", ReasonCode.REFUSED
+    )
     seeded.add(OperationState.REJECTED, op)
     return seeded
 

@@ -262,6 +262,7 @@ async def test_live_view_in_chromium(
             assert await page.locator("#state").inner_text() == row["state"] == "uncertain"
             assert int(await page.locator("#fencing-token").inner_text()) == row["fencing_token"]
             assert await page.locator("#reason").inner_text() == HOSTILE_REASON
+            assert await page.locator("#reason-code").inner_text() == "unknown_outcome"
             transitions = await pool.fetch(
                 "SELECT to_state::text FROM transitions WHERE operation_id=$1 ORDER BY id", hostile
             )

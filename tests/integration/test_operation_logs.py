@@ -16,6 +16,7 @@ import pytest
 
 from streams import logs
 from streams.app import handle_with_retries
+from streams.codes import ReasonCode
 from streams.dispatcher import Dispatcher
 from streams.observer import Observer
 from streams.reconciler import Reconciler
@@ -63,7 +64,7 @@ async def test_dispatcher_lines_name_operation_and_fencing_value(
 
     fencing = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id = 'op-log-1'")
     (post,) = records(json_lines, "streams.dispatcher")
-    assert "POST unknownoutcome" in post["message"]
+    assert "POST unknown_outcome" in post["message"]
     assert (post["operation_id"], post["fencing_token"]) == ("op-log-1", fencing) and "remote_job_id" not in post
     (dead,) = records(json_lines, "streams.runtime")
     assert "dead-letter" in dead["message"] and not {"operation_id", "fencing_token"} & set(dead)
@@ -110,7 +111,9 @@ async def test_reconciler_lines_name_operation_job_and_fencing_value(
         assert fencing is not None
         for _ in range(posts):
             await runtime.remote.submit(op, request)
-        assert await runtime.ledger.save_submission_without_job(op, fencing, OperationState.UNCERTAIN, "lost")
+        assert await runtime.ledger.save_submission_without_job(
+            op, fencing, OperationState.UNCERTAIN, "lost", ReasonCode.UNKNOWN_OUTCOME
+        )
     await simulator.configure(lookup_enabled=True, lookup_lag_s=0.05)
     runtime.settings = runtime.settings.replace(lookup_enabled=True, lookup_lag_s=0.2)
     reconciler = Reconciler(runtime)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
+from streams.codes import RemoteCallOutcome
 from streams.config import Settings
 from streams.ledger import Ledger
 from tests.integration.operators_support import Seeded, backdate, seed_ledger, streams_cli
@@ -282,10 +283,12 @@ async def test_accounting_report_flags_a_second_post_that_may_have_created_a_job
 ) -> None:
     op = seeded.by_state["uncertain"][1]
     ledger = Ledger(pool, "seed-worker")
-    await ledger.record_remote_call(op, "POST", 429, "ratelimited", None, 1.0, 1)  # nothing created: not counted
+    await ledger.record_remote_call(
+        op, "POST", 429, RemoteCallOutcome.RATE_LIMITED, None, 1.0, 1
+    )  # nothing created: not counted
     only_429 = (await streams_cli(cli, "accounting", "report", "--json")).json()["post_attempts"]
     assert (only_429["max_attempts"], only_429["max_sent"]) == (2, 1)
-    await ledger.record_remote_call(op, "POST", None, "unknownoutcome", None, 1.0, 1)
+    await ledger.record_remote_call(op, "POST", None, RemoteCallOutcome.UNKNOWN_OUTCOME, None, 1.0, 1)
     report = await streams_cli(cli, "accounting", "report", "--operation-prefix", "ops-uncertain-")
     assert "  that may have created a job      max 2 (must be 1; BROKEN for 1 operations)" in report.stdout
     assert report.stdout.startswith("accounting of operations ops-uncertain-* at ")

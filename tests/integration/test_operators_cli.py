@@ -45,6 +45,7 @@ async def test_list_all_then_by_state(cli_settings: Settings, pool: asyncpg.Pool
     uncertain = (await streams_cli(cli_settings, "operations", "list", "--state", "uncertain", "--json")).json()
     assert [o["operation_id"] for o in uncertain["operations"]] == seeded.by_state["uncertain"]  # oldest first
     assert uncertain["operations"][0]["reason"] == HOSTILE_REASON
+    assert {o["reason_code"] for o in uncertain["operations"]} == {"unknown_outcome"}
     assert all(0 <= o["state_age_s"] < 60 for o in uncertain["operations"])
 
     two = await streams_cli(cli_settings, "operations", "list", "--state", "rejected", "--state", "failed", "--json")
