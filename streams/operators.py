@@ -403,7 +403,7 @@ def format_list(result: OperationList) -> str:
     if not result.rows:
         return "no operations match"
     body = table(
-        ["OPERATION", "STATE", "AGE", "JOB ID", "FENCING", "REASON"],
+        ["OPERATION", "STATE", "AGE", "JOB ID", "FENCING", "CODE", "REASON"],
         (
             [
                 r["operation_id"],
@@ -411,7 +411,8 @@ def format_list(result: OperationList) -> str:
                 format_age(r["state_age_s"]),
                 r["remote_job_id"],
                 r["fencing_token"],
-                _short(r["reason"]) if r["reason"] else None,
+                r["reason_code"],
+                _short(r["reason"], 80) if r["reason"] else None,
             ]
             for r in result.rows
         ),

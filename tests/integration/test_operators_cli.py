@@ -53,7 +53,7 @@ async def test_list_all_then_by_state(cli_settings: Settings, pool: asyncpg.Pool
 
     text = await streams_cli(cli_settings, "operations", "list", "--state", "submitted")
     header, *lines = text.stdout.splitlines()
-    assert header.split() == ["OPERATION", "STATE", "AGE", "JOB", "ID", "FENCING", "REASON"]
+    assert header.split() == ["OPERATION", "STATE", "AGE", "JOB", "ID", "FENCING", "CODE", "REASON"]
     assert [line.split()[0] for line in lines] == seeded.by_state["submitted"]
     assert [line.split()[3] for line in lines] == [seeded.job_ids[op] for op in seeded.by_state["submitted"]]
 

@@ -77,12 +77,13 @@ def test_table_and_list_text() -> None:
             "reason": "r " * 80,
             "remote_job_id": None,
             "fencing_token": 1,
+            "reason_code": "unknown_outcome",
         }
     ]
     text = operators.format_list(OperationList(rows, matched=3))
     header, line, more = text.splitlines()
-    assert header.split() == ["OPERATION", "STATE", "AGE", "JOB", "ID", "FENCING", "REASON"]
-    assert line.split()[:5] == ["op-1", "uncertain", "2m05s", "-", "1"] and line.endswith("...")
+    assert header.split() == ["OPERATION", "STATE", "AGE", "JOB", "ID", "FENCING", "CODE", "REASON"]
+    assert line.split()[:6] == ["op-1", "uncertain", "2m05s", "-", "1", "unknown_outcome"] and line.endswith("...")
     assert more == "... 2 more (raise --limit)"
     assert operators.format_list(OperationList([], 0)) == "no operations match"
 
