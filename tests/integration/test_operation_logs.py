@@ -3,6 +3,7 @@ job id and the fencing value in force, and nothing of the event handled before."
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -130,3 +131,18 @@ async def test_reconciler_lines_name_operation_job_and_fencing_value(
     left = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id='op-log-4'")
     assert "not found by lookup" in lines["op-log-4"]["message"] and "remote_job_id" not in lines["op-log-4"]
     assert lines["op-log-4"]["fencing_token"] == left
+
+
+async def test_redispatch_lines_name_the_operation(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator, json_lines: io.StringIO
+) -> None:
+    request = '{"input": {"prompt": "hi", "max_tokens": 1}}'
+    assert await runtime.ledger.accept("op-log-5", request, submitted_at_ms=1)  # left accepted
+    await simulator.configure(fault_5xx=1.0)
+    # The scheduler starts one task per operation to re-dispatch; nothing is bound in the task that starts it.
+    assert await asyncio.create_task(Dispatcher(runtime).redispatch("op-log-5", request))
+    fencing = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id = 'op-log-5'")
+    lines = records(json_lines, "streams.dispatcher")
+    assert len(lines) == 2 and all(line["operation_id"] == "op-log-5" for line in lines)
+    (post,) = [line for line in lines if "POST unknown_outcome" in line["message"]]
+    assert post["fencing_token"] == fencing
