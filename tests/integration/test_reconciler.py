@@ -39,7 +39,8 @@ async def uncertain_operation(runtime: Runtime, op: str, posts: int) -> list[str
     return jobs
 
 
-async def lookups_on(runtime: Runtime, simulator: Simulator, lag_s: float = 0.2) -> Reconciler:
+async def lookups_on(runtime: Runtime, simulator: Simulator, lag_s: float = 2.0) -> Reconciler:
+    # the lag is long enough that the first tick falls inside it even on a loaded machine
     await simulator.configure(lookup_enabled=True, lookup_lag_s=0.05)
     runtime.settings = runtime.settings.replace(lookup_enabled=True, lookup_lag_s=lag_s)
     return Reconciler(runtime)
