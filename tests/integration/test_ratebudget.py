@@ -1,0 +1,219 @@
+"""The rate budget's Lua script against the real Redis: rate, burst, kinds apart, the 429 pause, giving back,
+many tasks of several "workers" (clients) at once, and Redis unavailable."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from streams import metrics
+from streams.config import Settings, budget_key
+from streams.errors import CoordinationUnavailableError, LeaseLostError, RateBudgetDeadlineError
+from streams.lease import make_redis
+from streams.ratebudget import BudgetKind, Pace, RateBudget
+from streams_harness.mainjob import free_port
+from tests.support import wait_for
+
+pytestmark = pytest.mark.integration
+
+#: Slack for the Redis round trips between two takes of one test (s).
+RTT_S = 0.02
+
+
+@pytest.fixture
+async def client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
+    c = make_redis(settings.redis_url.get_secret_value(), settings.redis_socket_timeout_s)
+    yield c
+    await c.aclose()
+
+
+def budget(client: aioredis.Redis, settings: Settings, **rates: Any) -> RateBudget:
+    return RateBudget(client, settings.replace(**rates))
+
+
+async def test_grants_follow_the_rate(client: aioredis.Redis, settings: Settings) -> None:
+    b = budget(client, settings, remote_post_rate_per_s=20.0, remote_post_burst=1)
+    started = time.monotonic()
+    grants = [(await b.take(BudgetKind.POST), time.monotonic() - started) for _ in range(25)]
+    # Unit k may go k * 50 ms after the first; only those within the 1 s horizon are granted (k <= 20).
+    for k, (grant, elapsed) in enumerate(grants[:21]):
+        assert grant.granted == 1 and not grant.paused
+        assert k * 0.05 - elapsed - RTT_S <= grant.wait_s <= k * 0.05 + 0.001, (k, grant, elapsed)
+    refused, elapsed = grants[21]
+    assert refused.granted == 0 and not refused.paused
+    assert 0.05 - elapsed - RTT_S <= refused.wait_s <= 0.05 + 0.001  # when unit 21 comes within the horizon
+    assert all(g.granted == 0 for g, _ in grants[22:])
+
+
+async def test_burst_then_pace_and_the_burst_comes_back_when_idle(client: aioredis.Redis, settings: Settings) -> None:
+    b = budget(client, settings, remote_get_rate_per_s=20.0, remote_get_burst=4)
+    first = [await b.take(BudgetKind.GET) for _ in range(5)]
+    assert [g.wait_s for g in first[:4]] == [0.0] * 4
+    assert 0.05 - RTT_S <= first[4].wait_s <= 0.05
+    tat_key = budget_key(b.settings, "GET", "tat")
+    ttl_ms = await client.pttl(tat_key)
+    assert 0 < ttl_ms <= 251  # the state lives only until the budget is full again (5 units * 50 ms)
+
+    async def idle() -> bool:
+        return bool(await client.exists(tat_key) == 0)
+
+    await wait_for(idle, 2, "the budget's state to expire")
+    assert [(await b.take(BudgetKind.GET)).wait_s for _ in range(4)] == [0.0] * 4
+
+
+async def test_batch_grant_within_the_horizon_and_giving_back(client: aioredis.Redis, settings: Settings) -> None:
+    b = budget(client, settings, remote_get_rate_per_s=10.0, remote_get_burst=1)
+    grant = await b.take(BudgetKind.CLAIMS, 50, horizon_s=0.5)
+    assert (grant.granted, grant.wait_s) == (6, 0.0)  # units at 0, 100, ..., 500 ms
+    assert (await b.take(BudgetKind.CLAIMS, 50, horizon_s=0.5)).granted <= 1
+    await b.refund(BudgetKind.CLAIMS, 50)  # more than was taken: back to idle, never below
+    again = await b.take(BudgetKind.CLAIMS, 50, horizon_s=0.5)
+    assert (again.granted, again.wait_s) == (6, 0.0)
+
+
+async def test_kinds_are_budgeted_apart(client: aioredis.Redis, settings: Settings) -> None:
+    b = budget(
+        client,
+        settings,
+        remote_post_rate_per_s=1.0,
+        remote_get_rate_per_s=1.0,
+    )
+    assert (await b.take(BudgetKind.POST)).wait_s == 0.0
+    assert (await b.take(BudgetKind.POST, horizon_s=0.0)).granted == 0  # the POST budget is spent for 1 s
+    assert (await b.take(BudgetKind.GET)).wait_s == 0.0  # GETs are not
+    assert (await b.take(BudgetKind.CLAIMS)).wait_s == 0.0  # nor the scheduler's claims (their own state)
+    assert (await b.take(BudgetKind.GET, horizon_s=0.0)).granted == 0
+
+
+async def test_a_429_pauses_its_kind_for_retry_after(client: aioredis.Redis, settings: Settings) -> None:
+    b = budget(client, settings, remote_post_rate_per_s=10.0, remote_post_burst=3, remote_get_rate_per_s=10.0)
+    paused_at = time.monotonic()
+    assert await b.pause(BudgetKind.POST, 0.4) == pytest.approx(0.4)
+    pause_key = budget_key(b.settings, "POST", "pause")
+    assert 300 < await client.pttl(pause_key) <= 400  # stored with a PX expiry
+    assert await b.pause(BudgetKind.POST, 0.1) == pytest.approx(0.4, abs=RTT_S)  # a shorter one never shortens it
+    refused = await b.take(BudgetKind.POST)
+    assert (refused.granted, refused.paused) == (0, True) and 0.4 - 2 * RTT_S <= refused.wait_s <= 0.4
+    assert (await b.check(BudgetKind.POST)).granted == 0
+    assert (await b.take(BudgetKind.GET)).wait_s == 0.0  # GETs go on
+    assert (await b.take(BudgetKind.CLAIMS)).granted == 1  # claims are stopped only by a GET's pause
+
+    await b.wait_for_slot(BudgetKind.POST)
+    assert time.monotonic() - paused_at >= 0.4 - 0.002  # not before the pause ends (Redis rounds to 1 ms)
+    after = await b.take(BudgetKind.POST)
+    assert 0.1 - RTT_S <= after.wait_s <= 0.1  # the pace restarts without a burst
+
+    await b.pause(BudgetKind.GET, 0.3)
+    claims = await b.take(BudgetKind.CLAIMS, 10)
+    assert (claims.granted, claims.paused) == (0, True)  # the scheduler claims no polls while GETs are paused
+
+
+async def test_a_reservation_made_before_a_pause_waits_for_the_pause(
+    client: aioredis.Redis, settings: Settings
+) -> None:
+    b = budget(client, settings, remote_post_rate_per_s=5.0)
+    assert (await b.take(BudgetKind.POST)).wait_s == 0.0
+    started = time.monotonic()
+    waiter = asyncio.create_task(b.wait_for_slot(BudgetKind.POST))  # reserves the slot 200 ms ahead
+
+    async def reserved() -> bool:
+        tat = await client.get(budget_key(b.settings, "POST", "tat"))
+        return tat is not None and (await client.pttl(budget_key(b.settings, "POST", "tat"))) > 250
+
+    await wait_for(reserved, 2, "the waiter's reservation")
+    await b.pause(BudgetKind.POST, 0.6)
+    await waiter
+    assert time.monotonic() - started >= 0.6 - 0.002  # the reservation at +200 ms did not go during the pause
+
+
+async def test_an_unpaced_kind_still_honours_a_pause(client: aioredis.Redis, settings: Settings) -> None:
+    b = budget(client, settings)  # rates 0: no pacing
+    assert [(await b.take(BudgetKind.GET)).wait_s for _ in range(50)] == [0.0] * 50
+    assert not await client.exists(budget_key(b.settings, "GET", "tat"))  # no state kept without a pace
+    await b.pause(BudgetKind.GET, 0.3)
+    assert (await b.take(BudgetKind.GET)).paused
+
+
+async def test_wait_keeps_the_caller_alive_and_stops_when_it_is_lost(
+    client: aioredis.Redis, settings: Settings
+) -> None:
+    b = budget(client, settings, remote_post_rate_per_s=2.0)
+    assert (await b.take(BudgetKind.POST)).wait_s == 0.0
+    renewals: list[float] = []
+
+    async def renew() -> None:
+        renewals.append(time.monotonic())
+
+    waits_before = metrics.BUDGET_WAITS.labels("POST")._value.get()
+    waited_s = await b.wait_for_slot(BudgetKind.POST, keep_alive=renew, keep_alive_every_s=0.1)
+    assert 0.5 - RTT_S <= waited_s < 0.5 + 0.2
+    assert len(renewals) >= 3  # about every 0.1 s of the 0.5 s wait
+    assert metrics.BUDGET_WAITS.labels("POST")._value.get() == waits_before + 1
+
+    async def lost() -> None:
+        raise LeaseLostError("k")
+
+    with pytest.raises(LeaseLostError):
+        await b.wait_for_slot(BudgetKind.POST, keep_alive=lost, keep_alive_every_s=0.1)
+
+
+async def test_no_slot_before_the_deadline(client: aioredis.Redis, settings: Settings) -> None:
+    b = budget(client, settings, remote_post_rate_per_s=1.0)
+    assert (await b.take(BudgetKind.POST)).wait_s == 0.0
+    started = time.monotonic()
+    with pytest.raises(RateBudgetDeadlineError, match="POST slot of the rate budget of account 'default'"):
+        await b.wait_for_slot(BudgetKind.POST, deadline=time.monotonic() + 0.3)
+    assert time.monotonic() - started < 0.1  # known at once, not after waiting
+
+
+async def test_redis_unavailable_means_no_slot() -> None:
+    dead = make_redis(f"redis://127.0.0.1:{free_port()}/0", 0.5)
+    b = RateBudget(dead, Settings().replace(remote_post_rate_per_s=5.0))
+    try:
+        with pytest.raises(CoordinationUnavailableError, match="Redis unavailable for the POST rate budget"):
+            await b.wait_for_slot(BudgetKind.POST)
+        with pytest.raises(CoordinationUnavailableError):
+            await b.take(BudgetKind.GET)  # even unpaced: the pause cannot be read
+    finally:
+        await dead.aclose()
+
+
+def most_in_window(times: list[float], window_s: float) -> int:
+    """The largest number of ``times`` (sorted) in any closed window of ``window_s`` seconds."""
+    return max(bisect.bisect_right(times, t + window_s) - i for i, t in enumerate(times))
+
+
+async def test_many_tasks_of_several_workers_never_exceed_the_budget(settings: Settings) -> None:
+    rate, burst, run_s = 40.0, 4, 3.0
+    clients = [make_redis(settings.redis_url.get_secret_value(), 2.0) for _ in range(3)]  # three "workers"
+    budgets = [budget(c, settings, remote_get_rate_per_s=rate, remote_get_burst=burst) for c in clients]
+    sent: list[float] = []
+    started = time.monotonic()
+
+    async def caller(b: RateBudget) -> None:
+        while time.monotonic() - started < run_s:
+            await b.wait_for_slot(BudgetKind.GET)
+            sent.append(time.monotonic())
+
+    try:
+        await asyncio.gather(*(caller(b) for b in budgets for _ in range(40)))  # 120 tasks
+    finally:
+        for c in clients:
+            await c.aclose()
+    sent.sort()
+    pace = Pace.from_rate(rate, burst)
+    # A call goes when its task wakes, never before its slot; a late wake-up (a loaded machine) can bring it
+    # closer to the next one, by at most LATE_S here: the bound of a window W is then that of W + LATE_S.
+    late_s = 0.05
+    for window_s in (0.1, 0.25, 0.5, 1.0, 2.0):
+        bound = pace.window_bound(window_s + late_s)
+        assert bound is not None and most_in_window(sent, window_s) <= bound, (window_s, most_in_window(sent, window_s))
+    # ... and the budget is used, not starved: about rate * time after the first burst.
+    assert len(sent) >= 0.9 * rate * (sent[-1] - sent[0])
+    assert len(sent) <= (pace.window_bound(sent[-1] - sent[0] + late_s) or 0)
