@@ -71,9 +71,11 @@ log = logging.getLogger(__name__)
 
 SUBMISSIONS_TOPIC = "generation.submissions"
 
-#: A POST slot of the rate budget is used at most this long after it was granted (s); an older one (the claim
-#: waited out a PostgreSQL outage) is dropped and a new one waited for, so delayed POSTs do not bunch up.
-SLOT_VALID_S = 0.25
+#: A POST slot of the rate budget is used at most this long after it was granted (s). Between the slot and the
+#: POST lie the claim and a lease renewal (milliseconds; a few hundred on a starved machine); an older slot means
+#: the claim waited out an outage, as did every other dispatcher's: it is dropped and a new one waited for, so the
+#: delayed POSTs do not all go at once. Shorter would spend two slots on one POST whenever the machine is slow.
+SLOT_VALID_S = 1.0
 
 #: Claims and POSTs running shielded from their handler's cancellation (strong references: asyncio keeps
 #: only weak ones to tasks).
@@ -351,6 +353,12 @@ class Dispatcher:
                         raise _NoLongerOurs()
                     holder[0] = await self._ensure_lease(holder[0])
                     if slot_at is None or time.monotonic() - slot_at > SLOT_VALID_S:
+                        if slot_at is not None:
+                            log.info(
+                                "operation %s: POST slot %.3f s old, waiting for another",
+                                operation_id,
+                                time.monotonic() - slot_at,
+                            )
                         await self._post_slot_in_claim(holder, deadline)
                     slot_at = None
                     result = await self._post_once(operation_id, request_text, fencing)

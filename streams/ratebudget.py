@@ -322,6 +322,7 @@ class RateBudget:
             Anything ``keep_alive`` raises (e.g. :class:`~streams.errors.LeaseLostError`): the wait is abandoned.
         """
         started = time.monotonic()
+        sleeper = _KeptAliveSleep(keep_alive, keep_alive_every_s)
         waited = False
         try:
             while True:
@@ -337,7 +338,7 @@ class RateBudget:
                     why = f"next slot in {grant.wait_s:.3f} s, deadline in {deadline - time.monotonic():.3f} s"
                     raise RateBudgetDeadlineError(kind.value, self.settings.remote_account, why)
                 waited = True
-                await _sleep(delay, keep_alive, keep_alive_every_s)
+                await sleeper.sleep(delay)
                 if grant.granted and (await self.check(kind)).granted:
                     return time.monotonic() - started
                 # Not granted yet, or paused by a 429 after the reservation (it is void): ask again.
@@ -347,13 +348,22 @@ class RateBudget:
                 metrics.BUDGET_WAIT_SECONDS.labels(kind.value).inc(time.monotonic() - started)
 
 
-async def _sleep(delay_s: float, keep_alive: KeepAlive | None, every_s: float) -> None:
-    """Sleep ``delay_s`` seconds, calling ``keep_alive`` every ``every_s`` seconds meanwhile."""
-    end = time.monotonic() + delay_s
-    while (remaining := end - time.monotonic()) > 0:
-        if keep_alive is None:
-            await asyncio.sleep(remaining)
-            return
-        await asyncio.sleep(min(remaining, every_s))
-        if time.monotonic() < end:
-            await keep_alive()
+class _KeptAliveSleep:
+    """Sleeps of one wait, calling ``keep_alive`` every ``every_s`` seconds of the whole wait (not of each sleep:
+    a wait made of many short sleeps keeps the caller alive too)."""
+
+    def __init__(self, keep_alive: KeepAlive | None, every_s: float) -> None:
+        self.keep_alive = keep_alive
+        self.every_s = every_s
+        self.due = time.monotonic() + every_s
+
+    async def sleep(self, delay_s: float) -> None:
+        end = time.monotonic() + delay_s
+        while (remaining := end - time.monotonic()) > 0:
+            if self.keep_alive is None:
+                await asyncio.sleep(remaining)
+                return
+            await asyncio.sleep(min(remaining, max(0.0, self.due - time.monotonic())))
+            if time.monotonic() >= self.due:
+                await self.keep_alive()
+                self.due = time.monotonic() + self.every_s

@@ -163,6 +163,28 @@ async def test_wait_keeps_the_caller_alive_and_stops_when_it_is_lost(
         await b.wait_for_slot(BudgetKind.POST, keep_alive=lost, keep_alive_every_s=0.1)
 
 
+async def test_a_wait_of_many_short_sleeps_keeps_the_caller_alive(client: aioredis.Redis, settings: Settings) -> None:
+    b = budget(client, settings)
+    renewals: list[float] = []
+
+    async def renew() -> None:
+        renewals.append(time.monotonic())
+
+    async def pause_again_and_again() -> None:  # pauses of 0.15 s, each set before the last ends
+        for _ in range(8):
+            await b.pause(BudgetKind.POST, 0.15)
+            await asyncio.sleep(0.1)
+
+    pauser = asyncio.create_task(pause_again_and_again())
+    await wait_for(lambda: client.exists(budget_key(b.settings, "POST", "pause")), 2, "the first pause")
+    started = time.monotonic()
+    await b.wait_for_slot(BudgetKind.POST, keep_alive=renew, keep_alive_every_s=0.3)
+    await pauser
+    waited_s = time.monotonic() - started
+    assert waited_s >= 0.7  # through the 8 pauses
+    assert len(renewals) >= int(waited_s / 0.3) - 1  # every 0.3 s of the whole wait, though no sleep was that long
+
+
 async def test_no_slot_before_the_deadline(client: aioredis.Redis, settings: Settings) -> None:
     b = budget(client, settings, remote_post_rate_per_s=1.0)
     assert (await b.take(BudgetKind.POST)).wait_s == 0.0
