@@ -539,6 +539,9 @@ async def list_generations(request: web.Request) -> web.Response:
         return _error(404, "not_found", "no such endpoint")
     if not _authorized(request):
         return _error(401, "unauthorized", "missing or empty bearer token")
+    limited = _over_limit(sim, request, "GET")  # a lookup is one of the account's GETs
+    if limited is not None:
+        return limited
     reference = request.query.get("client_reference")
     if not reference:
         return _error(400, "invalid_request", "client_reference is required")

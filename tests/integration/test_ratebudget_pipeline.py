@@ -18,12 +18,14 @@ from streams.config import Settings, budget_key
 from streams.dispatcher import Dispatcher
 from streams.lease import make_redis
 from streams.observer import Observer
-from streams.ratebudget import RateBudget
+from streams.ratebudget import BudgetKind, Pace, RateBudget
+from streams.reconciler import Reconciler
 from streams.runtime import Runtime
 from streams.scheduler import PollScheduler
 from streams_harness.mainjob import free_port
 from tests.integration.test_dispatcher import submission
 from tests.integration.test_observer import claim_poll, submitted_operation
+from tests.integration.test_reconciler import uncertain_operation
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for
 
@@ -195,3 +197,27 @@ async def test_no_call_without_redis_for_the_budget_then_resume(
     record = await simulator.get("/_sim/operations/op-r")
     assert (record["posts"], len(record["jobs"])) == (1, 1)
     assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = 'op-r'") == "submitted"
+
+
+async def test_a_lookup_is_one_of_the_accounts_gets(
+    runtimes: Callable[..., Awaitable[Runtime]], pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    rt = await runtimes(remote_get_rate_per_s=2.0, lookup_enabled=True, lookup_lag_s=0.0)
+    await simulator.configure(lookup_enabled=True, lookup_lag_s=0.0)
+    for op in ("op-l1", "op-l2"):
+        await uncertain_operation(rt, op, posts=1)
+    started = time.monotonic()
+    assert await Reconciler(rt).tick() == 2  # two lookups: the second waits for its GET slot (0.5 s)
+    assert time.monotonic() - started >= 0.5 - 0.01
+    states = await pool.fetch("SELECT state::text AS state FROM operations WHERE operation_id IN ('op-l1', 'op-l2')")
+    assert [r["state"] for r in states] == ["submitted", "submitted"]  # both adopted
+
+    pauses = counter(metrics.BUDGET_PAUSES, "GET")
+    await simulator.configure(rate_limit_get_per_s=0.2, rate_limit_burst=1)
+    await uncertain_operation(rt, "op-l3", posts=1)
+    await uncertain_operation(rt, "op-l4", posts=1)
+    rt.budget.paces[BudgetKind.GET] = Pace.from_rate(0.0, 1)  # no pace of our own: only the provider's limit acts
+    assert await Reconciler(rt).tick() == 2  # one lookup answered, the other 429 (Retry-After 5)
+    assert (await simulator.get("/_sim/summary"))["rate_limit_429s"]["GET"] == 1
+    assert counter(metrics.BUDGET_PAUSES, "GET") == pauses + 1
+    assert 4000 < await rt.leases.client.pttl(budget_key(rt.settings, "GET", "pause")) <= 5000
