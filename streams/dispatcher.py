@@ -267,10 +267,11 @@ class Dispatcher:
         try:
             while True:
                 try:
-                    await self.rt.budget.wait_for_slot(
+                    waited_s = await self.rt.budget.wait_for_slot(
                         BudgetKind.POST, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000
                     )
-                    await lease.renew()  # still ours right before the claim
+                    if waited_s > 0:
+                        await lease.renew()  # still ours right before the claim (just taken when no wait)
                     return time.monotonic()
                 except LeaseLostError as exc:
                     metrics.LEASE_LOST.labels("submit").inc()

@@ -330,7 +330,7 @@ class RateBudget:
                     raise RateBudgetDeadlineError(kind.value, self.settings.remote_account, "it passed while waiting")
                 grant = await self.take(kind)
                 if grant.granted and grant.wait_s == 0:
-                    return time.monotonic() - started
+                    return time.monotonic() - started if waited else 0.0
                 delay = grant.wait_s
                 if not grant.granted and not grant.paused:  # beyond the horizon: spread the waiters' next asks
                     delay += random.uniform(0, WAITER_JITTER_S)
