@@ -279,6 +279,8 @@ class Dispatcher:
                     await lease.release()
                     return None
                 except (CoordinationUnavailableError, CoordinationBusyError) as exc:
+                    if isinstance(exc, CoordinationUnavailableError):
+                        metrics.COORDINATION_UNAVAILABLE.labels("submit").inc()
                     self.rt.report_failure("rate budget", exc)  # an outage, or this worker's pool full
                     await asyncio.sleep(delay)
                     delay = min(self.rt.settings.coordination_retry_cap_s, delay * 2)

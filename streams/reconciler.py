@@ -28,6 +28,7 @@ from streams import logs, metrics
 from streams.backoff import next_poll_delay_s
 from streams.codes import RemoteCallOutcome
 from streams.errors import (
+    CoordinationBusyError,
     CoordinationUnavailableError,
     LedgerUnavailableError,
     RateBudgetDeadlineError,
@@ -72,7 +73,7 @@ class Reconciler:
         try:
             deadline = time.monotonic() + rt.settings.visibility_timeout_s / 2  # well before the claim comes back
             await rt.budget.wait_for_slot(BudgetKind.GET, deadline=deadline)
-        except (CoordinationUnavailableError, RateBudgetDeadlineError) as exc:
+        except (CoordinationUnavailableError, CoordinationBusyError, RateBudgetDeadlineError) as exc:
             log.info("operation %s: no lookup now (%s)", op, exc)
             await rt.until_ledger("reschedule lookup", lambda: rt.ledger.reschedule_lookup(claim, self._delay(claim)))
             return
