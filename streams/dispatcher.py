@@ -267,10 +267,10 @@ class Dispatcher:
         try:
             while True:
                 try:
-                    waited_s = await self.rt.budget.wait_for_slot(
+                    slot = await self.rt.budget.wait_for_slot(
                         BudgetKind.POST, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000
                     )
-                    if waited_s > 0:
+                    if slot.waited_s > 0:
                         await lease.renew()  # still ours right before the claim (just taken when no wait)
                     return time.monotonic()
                 except LeaseLostError as exc:

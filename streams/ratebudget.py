@@ -68,10 +68,10 @@ WAITER_JITTER_S = 0.1
 #:   ARGV[3] burst (>= 1). ARGV[4] count: units wanted (``take``) or given back (``refund``).
 #:   ARGV[5] horizon in microseconds (``take``: grant only units that may be sent within it). ARGV[6] pause in
 #:   milliseconds (``pause``; a pause never shortens one already set).
-#: * Returns ``{granted, wait_us, paused}``. ``take``: ``granted`` units (0..count) with the first one's send
-#:   time ``wait_us`` from now (0 = now); or 0 and the time after which asking again can succeed. ``check``:
+#: * Returns ``{granted, wait_us, paused, at_us}``. ``take``: ``granted`` units (0..count) with the first one's
+#:   send time ``wait_us`` from now (0 = now); or 0 and the time after which asking again can succeed. ``check``:
 #:   1 when not paused, else 0 and the pause's rest. ``pause``: 0 and the pause in force. ``refund``: count.
-#:   ``paused`` is 1 when a pause decided the answer.
+#:   ``paused`` is 1 when a pause decided the answer; ``at_us`` is now + ``wait_us`` on the Redis clock.
 #:
 #: Unit ``i`` (1-based) of a take may be sent at ``max(now, tat + (i - 1) * T - tau)`` with ``tau = (burst - 1)
 #: * T``; a grant moves the TAT by ``granted * T``. After a pause the TAT is at least its end plus ``tau``, so
@@ -114,32 +114,33 @@ if op == 'pause' then
       end
     end
   end
-  return {0, pause_ms * 1000, 1}
+  return {0, pause_ms * 1000, 1, now + pause_ms * 1000}
 end
 if op == 'refund' then
   if interval > 0 then
     store_tat(math.max(now, load_tat() - tonumber(ARGV[4]) * interval))
   end
-  return {tonumber(ARGV[4]), 0, 0}
+  return {tonumber(ARGV[4]), 0, 0, now}
 end
 if pause_ms > 0 then
-  return {0, pause_ms * 1000, 1}
+  return {0, pause_ms * 1000, 1, now + pause_ms * 1000}
 end
 if op == 'check' then
-  return {1, 0, 0}
+  return {1, 0, 0, now}
 end
 local wanted = tonumber(ARGV[4])
 if interval == 0 then
-  return {wanted, 0, 0}
+  return {wanted, 0, 0, now}
 end
 local tat = load_tat()
 local room = now + tonumber(ARGV[5]) + tau - tat
 if room < 0 then
-  return {0, -room, 0}
+  return {0, -room, 0, now - room}
 end
 local granted = math.min(wanted, math.floor(room / interval) + 1)
 store_tat(tat + granted * interval)
-return {granted, math.max(0, tat - tau - now), 0}
+local first = math.max(now, tat - tau)
+return {granted, first - now, 0, first}
 """
 
 
@@ -183,17 +184,27 @@ class Pace:
         not paced. (GCRA: the ``m``-th grant after one is at least ``(m - burst + 1) * T`` later.)"""
         if not self.paced:
             return None
-        return math.floor(window_s * 1_000_000 / self.interval_us) + self.burst
+        return round(window_s * 1_000_000) // self.interval_us + self.burst  # in whole microseconds, as the script
 
 
 @dataclass(frozen=True)
 class Grant:
     """One answer of the script: ``granted`` units, ``wait_s`` (see :data:`BUDGET_LUA`), ``paused`` when a 429's
-    pause decided it."""
+    pause decided it, and ``at_us``: when the wait ends, in microseconds of the Redis clock (``TIME``)."""
 
     granted: int
     wait_s: float
     paused: bool
+    at_us: int
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A slot waited for: ``waited_s`` seconds of waiting (0.0: at once) for the send time ``at_us``
+    (microseconds of the Redis clock), the same clock for every worker."""
+
+    waited_s: float
+    at_us: int
 
 
 #: Renews whatever the caller holds (its lease) while it waits; raises when that is lost.
@@ -236,7 +247,7 @@ class RateBudget:
             math.ceil(pause_s * 1000),
         ]
         try:
-            granted, wait_us, paused = await self._script(keys=self._keys(kind), args=args)
+            granted, wait_us, paused, at_us = await self._script(keys=self._keys(kind), args=args)
         except REDIS_POOL_EXHAUSTED as exc:  # before REDIS_UNAVAILABLE: a subclass of ConnectionError
             metrics.REDIS_POOL_BUSY.labels("rate budget").inc()
             raise CoordinationBusyError(
@@ -246,7 +257,7 @@ class RateBudget:
             raise CoordinationUnavailableError(
                 f"Redis unavailable for the {kind} rate budget of account {self.settings.remote_account!r}: {exc}"
             ) from exc
-        return Grant(int(granted), int(wait_us) / 1_000_000, bool(int(paused)))
+        return Grant(int(granted), int(wait_us) / 1_000_000, bool(int(paused)), int(at_us))
 
     async def take(self, kind: BudgetKind, count: int = 1, horizon_s: float = RESERVE_HORIZON_S) -> Grant:
         """Ask for ``count`` (>= 1) units of ``kind`` whose send times fall within ``horizon_s`` seconds.
@@ -305,8 +316,9 @@ class RateBudget:
         keep_alive: KeepAlive | None = None,
         keep_alive_every_s: float = 1.0,
         deadline: float | None = None,
-    ) -> float:
-        """Wait until one call of ``kind`` may be sent now; returns the seconds waited (0.0: at once).
+    ) -> Slot:
+        """Wait until one call of ``kind`` may be sent now; returns the :class:`Slot` (seconds waited, 0.0 when at
+        once, and its send time on the Redis clock).
 
         While waiting, ``keep_alive`` (the caller's lease renewal) runs every ``keep_alive_every_s`` seconds. A
         reservation is checked against a 429's pause before returning. Waits are counted in
@@ -330,7 +342,7 @@ class RateBudget:
                     raise RateBudgetDeadlineError(kind.value, self.settings.remote_account, "it passed while waiting")
                 grant = await self.take(kind)
                 if grant.granted and grant.wait_s == 0:
-                    return time.monotonic() - started if waited else 0.0
+                    return Slot(time.monotonic() - started if waited else 0.0, grant.at_us)
                 delay = grant.wait_s
                 if not grant.granted and not grant.paused:  # beyond the horizon: spread the waiters' next asks
                     delay += random.uniform(0, WAITER_JITTER_S)
@@ -340,7 +352,7 @@ class RateBudget:
                 waited = True
                 await sleeper.sleep(delay)
                 if grant.granted and (await self.check(kind)).granted:
-                    return time.monotonic() - started
+                    return Slot(time.monotonic() - started, grant.at_us)
                 # Not granted yet, or paused by a 429 after the reservation (it is void): ask again.
         finally:
             if waited:
