@@ -332,11 +332,12 @@ class Dispatcher:
             await asyncio.sleep(self.rt.settings.lease_busy_retry_s)
 
     async def _submit(
-        self, operation_id: str, request_text: str, fencing: int, lease: Lease, slot_at: float | None
+        self, operation_id: str, request_text: str, fencing: int, lease: Lease, slot_at: float | None = None
     ) -> None:
         """POST (with the allowed retries) and save the outcome; releases the submit lease when done.
 
-        ``slot_at``: ``time.monotonic()`` of a POST slot of the rate budget granted before the claim (None: none).
+        ``slot_at``: ``time.monotonic()`` of a POST slot of the rate budget granted before the claim (None: none;
+        one is then waited for inside the claim, within the retry deadline).
         """
         settings = self.rt.settings
         holder = [lease]
@@ -370,7 +371,7 @@ class Dispatcher:
             return
         except RateBudgetDeadlineError as exc:
             why = f"never sent within {settings.submit_retry_deadline_s:.0f} s (nothing created): {exc}"
-            await self._finish_without_job(operation_id, fencing, OperationState.REJECTED, why)
+            await self._finish_without_job(operation_id, fencing, OperationState.REJECTED, why, ReasonCode.NOT_SENT)
             return
         except RemoteRefusedError as exc:  # includes 429 past the deadline: nothing was created
             code = ReasonCode.RATE_LIMITED if isinstance(exc, RemoteRateLimitedError) else ReasonCode.REFUSED

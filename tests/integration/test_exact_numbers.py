@@ -130,8 +130,11 @@ async def test_numbers_that_cannot_be_carried_are_dead_lettered_with_their_reaso
 ) -> None:
     tag = uuid.uuid4().hex[:6]
     cases: list[tuple[bytes, str, str]] = [
-        (b', "submitted_at_ms": 18446744073709551616', "schema",
-         "at submitted_at_ms: 18446744073709551616 is greater than the maximum of 253402300799999"),
+        (
+            b', "submitted_at_ms": 18446744073709551616',
+            "schema",
+            "at submitted_at_ms: 18446744073709551616 is greater than the maximum of 253402300799999",
+        ),
         (b', "submitted_at_ms": 1, "source": {"n": NaN}', "not_json", "at source/n: NaN is not a JSON number"),
         (b', "submitted_at_ms": 1, "source": {"n": Infinity}', "not_json", "at source/n: Infinity is not a JSON"),
         (b', "submitted_at_ms": 1, "source": {"n": 1e5000}', "number_out_of_range", "at source/n: 1e5000 has 5001"),

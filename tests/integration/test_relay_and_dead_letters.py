@@ -93,12 +93,7 @@ async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
     runtime: Runtime, pool: asyncpg.Pool, settings: Settings
 ) -> None:
     tag = uuid.uuid4().hex[:6]
-    oversized = (
-        submission_bytes(f"big-{tag}")[:-1]
-        + b', "pad": "'
-        + (b"x" * settings.max_value_bytes)
-        + b'"}'
-    )
+    oversized = submission_bytes(f"big-{tag}")[:-1] + b', "pad": "' + (b"x" * settings.max_value_bytes) + b'"}'
     cases: list[tuple[str, bytes, str, str]] = [
         ("submissions", b"\xff\xfenot json", "not_json", "not JSON"),
         ("submissions", orjson.dumps({"operation_id": f"m-{tag}", "submitted_at_ms": 1}), "schema", "request"),
