@@ -101,6 +101,8 @@ PositiveInt = Annotated[int, BeforeValidator(_int_text), Field(ge=0), AfterValid
 Count = Annotated[int, BeforeValidator(_int_text), Field(ge=0)]
 Seconds = Annotated[float, Field(ge=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
+#: A provider account's name as this project writes it into Redis keys (never the API key).
+AccountName = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 
 
 class _EnvironSource(EnvSettingsSource):
@@ -153,7 +155,8 @@ class Settings(BaseSettings):
     # Kafka admin calls (topics, consumer-group look-ups) retry the broker's retriable errors this long.
     kafka_admin_deadline_s: Seconds = 60.0
 
-    # Redis leases (seed: ``SET app:observe:operation-42 token NX PX 45000``).
+    # Redis leases (seed: ``SET app:observe:operation-42 token NX PX 45000``). The prefix starts every Redis key
+    # of the product (leases, the rate budget).
     lease_key_prefix: str = "app"
     lease_ttl_ms: PositiveInt = 45_000
     #: Seconds a Redis command waits for its answer before Redis counts as unavailable.
@@ -218,6 +221,17 @@ class Settings(BaseSettings):
     http_write_timeout_s: Seconds = 5.0
     http_pool_timeout_s: Seconds = 5.0
     submit_retry_deadline_s: Seconds = 60.0
+
+    # Rate budget of the provider account, shared by every worker process through Redis (streams/ratebudget.py,
+    # README "Rate budget"). Rates in requests per second, POSTs and GETs apart; 0 = no pacing (a 429's
+    # Retry-After still pauses every worker's calls of that kind). Bursts in requests: how many may go at once
+    # after a quiet spell. Workers on the same Redis with the same key prefix and account share one budget;
+    # set the rates a little below the provider's limits (network jitter bunches requests on the way).
+    remote_account: AccountName = "default"
+    remote_post_rate_per_s: NonNegativeFloat = 0.0
+    remote_post_burst: PositiveInt = 1
+    remote_get_rate_per_s: NonNegativeFloat = 0.0
+    remote_get_burst: PositiveInt = 1
 
     # Concurrency and pool sizes, one place. The agents' concurrency is the input; each agent slot handles one
     # event at a time and so holds at most one remote call, one Redis command and one PostgreSQL statement at
@@ -388,6 +402,20 @@ def _explain(exc: ValidationError) -> str:
                 message = "not a finite number"
             lines.append(f"{var}={raw!r} is not a valid {type_name}: {message}")
     return "; ".join(lines)
+
+
+#: Segment of every rate budget key (:func:`budget_key`).
+BUDGET_KEY_SEGMENT = "budget"
+
+
+def budget_key(settings: Settings, kind: str, part: str) -> str:
+    """The Redis key of one part (``tat``: the budget's state, ``pause``: a 429's pause) of the rate budget of
+    ``kind`` (``POST``, ``GET``, ``claims``) of the provider account :attr:`Settings.remote_account`.
+
+    Shape: ``<prefix>:budget:{<account>}:<kind>:<part>``, e.g. ``app:budget:{default}:POST:tat``; the braces
+    are a Redis Cluster hash tag: every key of one account's budget lives in one slot, as a script needs.
+    """
+    return f"{settings.lease_key_prefix}:{BUDGET_KEY_SEGMENT}:{{{settings.remote_account}}}:{kind}:{part}"
 
 
 def lease_key(settings: Settings, action: str, operation_id: str) -> str:

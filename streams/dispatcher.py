@@ -25,6 +25,14 @@ reconciler turns into ``uncertain`` after ``submitting_stale_after_s``.
 :meth:`Dispatcher.redispatch` dispatches an operation found still ``accepted`` long after it was accepted
 (see :mod:`streams.scheduler`): nothing was sent for it, and it goes through the same submit lease and the
 same fenced claim (``accepted -> submitting``), so a live dispatcher and a re-dispatch never both POST.
+
+Rate budget (:mod:`streams.ratebudget`): the first POST's slot is waited for under the submit lease (renewed
+meanwhile) *before* the claim, so a long wait leaves the operation ``accepted`` (nothing to reconcile) and the
+event simply waits; the claim follows at once and the POST right after it. A slot older than
+:data:`SLOT_VALID_S` by then (the claim waited out PostgreSQL), and every retry's slot, is waited for inside the
+claim within the retry deadline; past it the operation ends ``rejected`` (nothing was sent). No wait ever
+follows a POST: waits come first, then the call and its deadline. A 429 pauses every worker's POSTs for its
+``Retry-After``.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from streams.errors import (
     InvalidEventError,
     LeaseLostError,
     LedgerDataError,
+    RateBudgetDeadlineError,
     RemoteError,
     RemoteNotSentError,
     RemoteRateLimitedError,
@@ -53,6 +62,7 @@ from streams.errors import (
     RemoteUnknownOutcomeError,
 )
 from streams.lease import Lease
+from streams.ratebudget import BudgetKind
 from streams.remote import SubmitResult
 from streams.runtime import RawMessage, Runtime
 from streams.states import OperationState
@@ -60,6 +70,12 @@ from streams.states import OperationState
 log = logging.getLogger(__name__)
 
 SUBMISSIONS_TOPIC = "generation.submissions"
+
+#: A POST slot of the rate budget is used at most this long after it was granted (s). Between the slot and the
+#: POST lie the claim and a lease renewal (milliseconds; a few hundred on a starved machine); an older slot means
+#: the claim waited out an outage, as did every other dispatcher's: it is dropped and a new one waited for, so the
+#: delayed POSTs do not all go at once. Shorter would spend two slots on one POST whenever the machine is slow.
+SLOT_VALID_S = 1.0
 
 #: Claims and POSTs running shielded from their handler's cancellation (strong references: asyncio keeps
 #: only weak ones to tasks).
@@ -143,19 +159,21 @@ class Dispatcher:
                     "a different request needs a new operation id",
                 )
                 return
-        lease = await self._take_submit_lease(operation_id)
-        if lease is None:
+        ready = await self._lease_and_post_slot(operation_id)
+        if ready is None:
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
             return
-        await self._claim_and_submit_shielded(operation_id, request_text, lease)
+        lease, slot_at = ready
+        await self._claim_and_submit_shielded(operation_id, request_text, lease, slot_at)
 
     async def redispatch(self, operation_id: str, request_text: str) -> bool:
         """Dispatch an operation left ``accepted`` (its event was handled by a worker that died before the claim,
         or was never read again); ``request_text`` is the ledger's ``request`` (JSON text as submitted).
 
-        Takes the submit lease without waiting (held: someone is dispatching it, returns False), then makes
-        the same fenced claim as :meth:`handle` (already past ``accepted``: returns False). Returns True when
-        this call claimed the operation and submitted it.
+        Takes the submit lease without waiting (held: someone is dispatching it, returns False), waits for a POST
+        slot of the rate budget under it (lease lost meanwhile: returns False), then makes the same fenced claim
+        as :meth:`handle` (already past ``accepted``: returns False). Returns True when this call claimed the
+        operation and submitted it.
         """
         logs.bind(operation_id=operation_id)  # this re-dispatch's own task (the scheduler starts one per operation)
         key = lease_key(self.rt.settings, "submit", operation_id)
@@ -168,7 +186,10 @@ class Dispatcher:
         if lease is None:
             metrics.LEASE_BUSY.labels("submit").inc()
             return False
-        claimed = await self._claim_and_submit_shielded(operation_id, request_text, lease)
+        slot_at = await self._post_slot_before_claim(operation_id, lease)  # the rate budget, before the claim
+        if slot_at is None:  # the lease was lost while waiting: someone else may dispatch it
+            return False
+        claimed = await self._claim_and_submit_shielded(operation_id, request_text, lease, slot_at)
         if claimed:
             metrics.SUBMISSIONS.labels("redispatched").inc()
             log.warning(
@@ -178,16 +199,20 @@ class Dispatcher:
             )
         return claimed
 
-    async def _claim_and_submit_shielded(self, operation_id: str, request_text: str, lease: Lease) -> bool:
+    async def _claim_and_submit_shielded(
+        self, operation_id: str, request_text: str, lease: Lease, slot_at: float | None = None
+    ) -> bool:
         """Claim (``accepted -> submitting``), POST and save in a task the caller's cancellation does not
         cancel; the caller still sees its own ``CancelledError``. Returns False when the claim found the
         operation past ``accepted``. Releases ``lease`` in every case."""
-        task = asyncio.ensure_future(self._claim_and_submit(operation_id, request_text, lease))
+        task = asyncio.ensure_future(self._claim_and_submit(operation_id, request_text, lease, slot_at))
         _SHIELDED.add(task)
         task.add_done_callback(_log_failure)
         return await asyncio.shield(task)
 
-    async def _claim_and_submit(self, operation_id: str, request_text: str, lease: Lease) -> bool:
+    async def _claim_and_submit(
+        self, operation_id: str, request_text: str, lease: Lease, slot_at: float | None = None
+    ) -> bool:
         try:
             fencing = await self.rt.until_ledger("claim submit", lambda: self.rt.ledger.claim_for_submit(operation_id))
         except BaseException:
@@ -198,7 +223,7 @@ class Dispatcher:
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
             return False
         logs.bind(fencing_token=fencing)
-        await self._submit(operation_id, request_text, fencing, lease)
+        await self._submit(operation_id, request_text, fencing, lease, slot_at)
         return True
 
     async def _reject_input(self, message: RawMessage, reason: str, text: str) -> None:
@@ -220,6 +245,68 @@ class Dispatcher:
             if row is None or row["state"] != OperationState.ACCEPTED:
                 return None
             await asyncio.sleep(self.rt.settings.lease_busy_retry_s)
+
+    async def _lease_and_post_slot(self, operation_id: str) -> tuple[Lease, float] | None:
+        """The submit lease and a POST slot of the rate budget taken under it (its ``time.monotonic()``), or None
+        once the operation is past ``accepted`` (someone else dispatched it)."""
+        while True:
+            lease = await self._take_submit_lease(operation_id)
+            if lease is None:
+                return None
+            slot_at = await self._post_slot_before_claim(operation_id, lease)
+            if slot_at is not None:
+                return lease, slot_at
+
+    async def _post_slot_before_claim(self, operation_id: str, lease: Lease) -> float | None:
+        """Wait for a POST slot of the rate budget under ``lease`` (renewed meanwhile), before any claim.
+
+        Returns the ``time.monotonic()`` of the slot with the lease just renewed, or None when the lease was lost
+        while waiting (released; nothing claimed, nothing sent: take it again). Redis unavailable: wait and retry.
+        """
+        delay = 0.1
+        try:
+            while True:
+                try:
+                    slot = await self.rt.budget.wait_for_slot(
+                        BudgetKind.POST, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000
+                    )
+                    if slot.waited_s > 0:
+                        await lease.renew()  # still ours right before the claim (just taken when no wait)
+                    return time.monotonic()
+                except LeaseLostError as exc:
+                    metrics.LEASE_LOST.labels("submit").inc()
+                    log.info("operation %s: submit lease lost while waiting for the rate budget: %s", operation_id, exc)
+                    await lease.release()
+                    return None
+                except (CoordinationUnavailableError, CoordinationBusyError) as exc:
+                    if isinstance(exc, CoordinationUnavailableError):
+                        metrics.COORDINATION_UNAVAILABLE.labels("submit").inc()
+                    self.rt.report_failure("rate budget", exc)  # an outage, or this worker's pool full
+                    await asyncio.sleep(delay)
+                    delay = min(self.rt.settings.coordination_retry_cap_s, delay * 2)
+        except BaseException:
+            await lease.release()
+            raise
+
+    async def _post_slot_in_claim(self, holder: list[Lease], deadline: float) -> None:
+        """Wait for a POST slot of the rate budget inside the claim, keeping the submit lease in ``holder[0]``
+        renewed (re-taken if lost: the fencing value is ours), until ``deadline`` (``time.monotonic()``).
+
+        Raises:
+            RateBudgetDeadlineError: no slot before ``deadline``; nothing was sent.
+        """
+        while True:
+            lease = holder[0]
+            try:
+                await self.rt.budget.wait_for_slot(
+                    BudgetKind.POST, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000, deadline=deadline
+                )
+            except (LeaseLostError, CoordinationUnavailableError, CoordinationBusyError) as exc:
+                log.info("POST slot wait interrupted (%s); renewing or re-taking the submit lease", exc)
+                holder[0] = await self._ensure_lease(lease)  # waits out Redis; re-takes a lost lease
+                continue
+            holder[0] = await self._ensure_lease(lease)
+            return
 
     async def _ensure_lease(self, lease: Lease) -> Lease:
         """Renew the submit lease before a send; re-take it if it expired (we still hold the fencing value)."""
@@ -244,10 +331,17 @@ class Dispatcher:
                 return new
             await asyncio.sleep(self.rt.settings.lease_busy_retry_s)
 
-    async def _submit(self, operation_id: str, request_text: str, fencing: int, lease: Lease) -> None:
-        """POST (with the allowed retries) and save the outcome; releases the submit lease when done."""
+    async def _submit(
+        self, operation_id: str, request_text: str, fencing: int, lease: Lease, slot_at: float | None = None
+    ) -> None:
+        """POST (with the allowed retries) and save the outcome; releases the submit lease when done.
+
+        ``slot_at``: ``time.monotonic()`` of a POST slot of the rate budget granted before the claim (None: none;
+        one is then waited for inside the claim, within the retry deadline).
+        """
         settings = self.rt.settings
         holder = [lease]
+        deadline = time.monotonic() + settings.submit_retry_deadline_s
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception_type((RemoteRateLimitedError, RemoteNotSentError)),
             wait=_wait_for_retry(
@@ -262,9 +356,22 @@ class Dispatcher:
                     if attempt.retry_state.attempt_number > 1 and not await self._still_ours(operation_id, fencing):
                         raise _NoLongerOurs()
                     holder[0] = await self._ensure_lease(holder[0])
+                    if slot_at is None or time.monotonic() - slot_at > SLOT_VALID_S:
+                        if slot_at is not None:
+                            log.info(
+                                "operation %s: POST slot %.3f s old, waiting for another",
+                                operation_id,
+                                time.monotonic() - slot_at,
+                            )
+                        await self._post_slot_in_claim(holder, deadline)
+                    slot_at = None
                     result = await self._post_once(operation_id, request_text, fencing)
         except _NoLongerOurs:
             log.warning("operation %s: left submitting while a retry waited; not sending again", operation_id)
+            return
+        except RateBudgetDeadlineError as exc:
+            why = f"never sent within {settings.submit_retry_deadline_s:.0f} s (nothing created): {exc}"
+            await self._finish_without_job(operation_id, fencing, OperationState.REJECTED, why, ReasonCode.NOT_SENT)
             return
         except RemoteRefusedError as exc:  # includes 429 past the deadline: nothing was created
             code = ReasonCode.RATE_LIMITED if isinstance(exc, RemoteRateLimitedError) else ReasonCode.REFUSED
@@ -318,6 +425,8 @@ class Dispatcher:
             outcome = exc.outcome
             duration_ms = (time.perf_counter() - started) * 1000.0
             await self.rt.account(operation_id, "POST", exc.status_code, outcome, None, duration_ms, fencing)
+            if isinstance(exc, RemoteRateLimitedError):
+                await self.rt.budget.note_rate_limited(BudgetKind.POST, exc.retry_after_s)
             if not isinstance(exc, RemoteRateLimitedError | RemoteNotSentError):
                 log.warning("operation %s: POST %s: %s", operation_id, outcome, exc)
             raise

@@ -12,7 +12,9 @@
     │   ├── CoordinationUnavailableError   Redis did not answer: make no claim, make no remote call
     │   ├── CoordinationBusyError          no pooled Redis connection came free in time: this worker's own
     │   │                                  load, not an outage; try again shortly
-    │   └── LeaseLostError                 renewal/ownership check found another token (or none)
+    │   ├── LeaseLostError                 renewal/ownership check found another token (or none)
+    │   └── RateBudgetDeadlineError        the account's rate budget had no slot before the caller's deadline:
+    │                                      nothing was sent
     ├── LedgerError                  PostgreSQL ledger
     │   ├── LedgerUnavailableError         PostgreSQL did not answer: wait and retry, never skip the write
     │   ├── LedgerDataError                PostgreSQL refused a value (class 22/23): retrying cannot help
@@ -118,6 +120,15 @@ class LeaseLostError(CoordinationError):
             "stop work on this operation: the ledger's fencing value decides who may save"
         )
         self.key = key
+
+
+class RateBudgetDeadlineError(CoordinationError):
+    """The provider account's rate budget (:mod:`streams.ratebudget`) had no slot for this call before the
+    caller's deadline (budget spent, or a 429's pause lasting past it). Nothing was sent."""
+
+    def __init__(self, kind: str, account: str, detail: str) -> None:
+        super().__init__(f"no {kind} slot of the rate budget of account {account!r} before the deadline ({detail})")
+        self.kind = kind
 
 
 class LedgerError(StreamsError):

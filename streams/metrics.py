@@ -66,3 +66,17 @@ LOOKUPS = Counter(
 DUPLICATE_CREATIONS = Counter(
     "streams_duplicate_creations_total", "Further jobs the provider created for one operation, found by lookup."
 )
+BUDGET_WAITS = Counter(
+    "streams_rate_budget_waits_total",
+    "Remote calls (kind POST, GET) that waited for the account's rate budget; for kind claims, scheduler rounds "
+    "that claimed fewer due polls than due because of it.",
+    ["kind"],
+)
+BUDGET_WAIT_SECONDS = Counter(
+    "streams_rate_budget_wait_seconds_total", "Seconds remote calls waited for the account's rate budget.", ["kind"]
+)
+BUDGET_PAUSES = Counter(
+    "streams_rate_budget_pauses_total",
+    "429 answers whose Retry-After paused every worker's calls of that kind (POST, GET).",
+    ["kind"],
+)

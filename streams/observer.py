@@ -3,11 +3,14 @@
 * Lease not acquired: another worker is observing (or this worker's Redis pool was full); the poll is
   rescheduled (same job id), no spin, no failure.
 * Redis unavailable: no claim and no GET; the poll comes back after its visibility timeout.
+* Rate budget (:mod:`streams.ratebudget`): after the claim, the GET waits for a slot of the account's GET
+  budget, renewing the lease meanwhile; lease lost or Redis unavailable while waiting: no GET (the poll comes
+  back after its visibility timeout). The lease is renewed again right before the GET.
 * GET: at most one in flight per job. It runs under the client's overall deadline (shorter than the lease TTL
   by the lease margin) while the lease is renewed every third of its TTL; a renewal that finds the lease lost
   cancels it.
 * GET failed with a complete answer or before sending: classified, accounted, rescheduled with backoff (429
-  after its ``Retry-After``).
+  after its ``Retry-After``, which also pauses every worker's GETs).
 * GET abandoned after sending (deadline, timeout, connection lost, lease lost, cancelled): the provider may
   still be serving it, so the lease is left to expire (renewed to a full TTL, not released) and the next poll is
   scheduled after it: the job's next GET starts only once the abandoned one has had a full TTL to end.
@@ -43,6 +46,7 @@ from streams.errors import (
 )
 from streams.lease import Lease
 from streams.ledger import ObserveClaim, SaveOutcome
+from streams.ratebudget import BudgetKind
 from streams.remote import JobSnapshot, clean_text
 from streams.runtime import RawMessage, Runtime
 from streams.stalling import StallGuard
@@ -150,6 +154,8 @@ class Observer:
         rt = self.rt
         poll_count = claim.poll_count
         claimed_at = time.monotonic()
+        if not await self._get_slot(operation_id, lease):
+            return
         # The claim may have waited out a PostgreSQL outage: still ours before the GET? (If not, the poll comes
         # back after its visibility timeout.)
         if not await self._renewed(lease, operation_id, "no GET"):
@@ -190,6 +196,25 @@ class Observer:
             metrics.ORDER_REFUSALS.inc()
             log.info("operation %s: %s not saved over a later state", operation_id, snapshot.status)
             await self._reschedule(operation_id, poll_claim_id, delay)  # still pollable: poll again soon
+
+    async def _get_slot(self, operation_id: str, lease: Lease) -> bool:
+        """Wait for a GET slot of the account's rate budget, renewing ``lease`` meanwhile. False (counted, logged)
+        when the lease was lost, Redis did not answer or this worker's Redis pool was full: then no GET (the poll
+        comes back after its visibility timeout)."""
+        try:
+            await self.rt.budget.wait_for_slot(
+                BudgetKind.GET, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000
+            )
+            return True
+        except LeaseLostError as exc:
+            metrics.LEASE_LOST.labels("observe").inc()
+            log.warning("operation %s: no GET (lease lost waiting for the rate budget): %s", operation_id, exc)
+        except CoordinationUnavailableError as exc:
+            metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
+            self.rt.log_outage("Redis", exc)
+        except CoordinationBusyError as exc:
+            log.info("operation %s: no GET (rate budget not asked: %s)", operation_id, exc)
+        return False
 
     async def _get(
         self,
@@ -245,6 +270,8 @@ class Observer:
                 await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
                 return None
             hint = exc.retry_after_s if isinstance(exc, RemoteRateLimitedError) else None
+            if hint is not None:
+                await rt.budget.note_rate_limited(BudgetKind.GET, hint)
             log.info("operation %s: GET %s, retrying: %s", operation_id, outcome, exc)
             await self._reschedule(operation_id, poll_claim_id, self._delay(poll_count, hint))
             return None

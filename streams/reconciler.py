@@ -8,7 +8,12 @@ observation; first claim ``lookup_lag_s`` after the operation became uncertain, 
 * several found: the first by creation time is adopted; the others are recorded as duplicate creations in the
   accounting (the provider created them and may charge for them: nobody may hide them);
 * none found: the operation stays ``uncertain``, left for a person with the reason "not found by lookup";
-* the lookup failed: tried again later with capped backoff (after ``Retry-After`` on 429).
+* the lookup failed: tried again later with capped backoff (after ``Retry-After`` on 429, which also pauses
+  every worker's GETs).
+
+A lookup is a GET of the provider account: it waits for a slot of the account's GET budget
+(:mod:`streams.ratebudget`) first; no slot within half the visibility timeout, or Redis unavailable: no lookup,
+tried again later.
 
 The client reference is not an idempotency key: nothing here assumes the provider created at most one job.
 """
@@ -22,8 +27,17 @@ import time
 from streams import logs, metrics
 from streams.backoff import next_poll_delay_s
 from streams.codes import RemoteCallOutcome
-from streams.errors import LedgerUnavailableError, RemoteError, RemoteRateLimitedError, RemoteRefusedError
+from streams.errors import (
+    CoordinationBusyError,
+    CoordinationUnavailableError,
+    LedgerUnavailableError,
+    RateBudgetDeadlineError,
+    RemoteError,
+    RemoteRateLimitedError,
+    RemoteRefusedError,
+)
 from streams.ledger import LookupClaim
+from streams.ratebudget import BudgetKind
 from streams.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -56,6 +70,13 @@ class Reconciler:
         rt = self.rt
         op = claim.operation_id
         logs.bind(operation_id=op, fencing_token=claim.fencing_token)  # this task's lines (gather gives each its own)
+        try:
+            deadline = time.monotonic() + rt.settings.visibility_timeout_s / 2  # well before the claim comes back
+            await rt.budget.wait_for_slot(BudgetKind.GET, deadline=deadline)
+        except (CoordinationUnavailableError, CoordinationBusyError, RateBudgetDeadlineError) as exc:
+            log.info("operation %s: no lookup now (%s)", op, exc)
+            await rt.until_ledger("reschedule lookup", lambda: rt.ledger.reschedule_lookup(claim, self._delay(claim)))
+            return
         started = time.perf_counter()
         try:
             found = await rt.remote.lookup(op)
@@ -66,6 +87,7 @@ class Reconciler:
             metrics.LOOKUPS.labels("failed").inc()
             if isinstance(exc, RemoteRateLimitedError):
                 delay = exc.retry_after_s
+                await rt.budget.note_rate_limited(BudgetKind.GET, delay)
             else:
                 delay = self._delay(claim)
                 if isinstance(exc, RemoteRefusedError):  # not an outage: waiting cannot fix it, say so loudly

@@ -1,7 +1,8 @@
 """A worker's shared resources and the waiting/retrying helpers the pipeline stages use.
 
-One :class:`Runtime` per worker process: one asyncpg pool (the ledger), one Redis client (leases), one
-``httpx.AsyncClient`` (the remote API) and one Kafka producer (through a :data:`SendFn`).
+One :class:`Runtime` per worker process: one asyncpg pool (the ledger), one Redis client (leases and the
+account's rate budget), one ``httpx.AsyncClient`` (the remote API) and one Kafka producer (through a
+:data:`SendFn`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from streams.errors import CoordinationUnavailableError, DeadLetterError, Invali
 from streams.failures import Failure, FailureKind, classify
 from streams.lease import Lease, LeaseManager, make_redis
 from streams.ledger import Ledger, create_pool
+from streams.ratebudget import RateBudget
 from streams.remote import RemoteClient
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class Runtime:
         self.remote = remote
         self.send = send
         self.worker = worker
+        self.budget = RateBudget(leases.client, settings)  # the provider account's rate budget, on the same Redis
         self._last_outage_log: dict[str, float] = {}
 
     @classmethod

@@ -5,6 +5,10 @@
   now + visibility timeout, and one event per claim goes to ``generation.polls`` keyed by operation id.
   A poll lost with a crashed worker comes back when its visibility timeout passes.
 * Redis unreachable: no new claims (a poll without a lease would only be dropped by the observer).
+* Rate budget: a round claims no more due polls than the account's ``claims`` budget (the GET rate and burst,
+  shared by every worker, stopped by a GET's 429 pause) grants for the next round, and gives back what it did
+  not use (:mod:`streams.ratebudget`). Polls thus slow down before the GET budget runs out: due polls wait in
+  PostgreSQL, oldest first, rather than at observers.
 * Reconciliation: an operation left in ``submitting`` longer than ``submitting_stale_after_s`` becomes
   ``uncertain`` with a reason; it is never resubmitted automatically. ``uncertain`` operations are then looked
   up at the provider by :class:`~streams.reconciler.Reconciler` (its own task, when ``lookup_enabled``) or
@@ -23,6 +27,7 @@ import time
 
 from streams import metrics
 from streams.dispatcher import Dispatcher
+from streams.ratebudget import BudgetKind
 from streams.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -52,7 +57,9 @@ class PollScheduler:
             return 0
         try:
             await self._maybe_reconcile()
-            polls = await rt.ledger.claim_due_polls(rt.settings.poll_batch_size, rt.settings.visibility_timeout_s)
+            limit = await self._claim_limit()
+            polls = await rt.ledger.claim_due_polls(limit, rt.settings.visibility_timeout_s) if limit else []
+            await rt.budget.refund(BudgetKind.CLAIMS, limit - len(polls))  # a no-op when not paced or all used
         except Exception as exc:  # classified by type: an outage waits for the next tick, a bug is logged loudly
             rt.report_failure("poll scheduler", exc)
             return 0
@@ -87,6 +94,18 @@ class PollScheduler:
                 failed[0],
             )
         return len(polls) - len(failed)
+
+    async def _claim_limit(self) -> int:
+        """How many due polls this round may claim: the batch size, or what the ``claims`` budget grants for the
+        next round when the GET rate is set (a round that gets none counts in
+        ``streams_rate_budget_waits_total{kind="claims"}``)."""
+        s = self.rt.settings
+        if not self.rt.budget.paces[BudgetKind.CLAIMS].paced:
+            return s.poll_batch_size
+        grant = await self.rt.budget.take(BudgetKind.CLAIMS, s.poll_batch_size, s.poll_scheduler_interval_s)
+        if grant.granted == 0:
+            metrics.BUDGET_WAITS.labels(BudgetKind.CLAIMS.value).inc()
+        return grant.granted
 
     async def _maybe_reconcile(self) -> None:
         now = time.monotonic()

@@ -259,6 +259,7 @@ async def run_main_job(opts: MainJobOptions, out: Any = sys.stdout) -> dict[str,
         settings = settings.replace(
             topic_prefix=f"{base.topic_prefix}{run_id}.",
             app_id=f"{base.app_id}-{run_id}",
+            remote_account=run_id,  # the run's own simulator is its own provider account: its own rate budget
             database_url=await create_run_database(base.database_url.get_secret_value(), run_id),
         )
         try:

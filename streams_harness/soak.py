@@ -290,6 +290,7 @@ async def run_soak(opts: SoakOptions, out: Any = sys.stdout) -> dict[str, Any]:
         database_url=run_db,
         topic_prefix=f"{base.topic_prefix}{run_id}.",
         app_id=f"{base.app_id}-{run_id}",
+        remote_account=run_id,  # the run's own simulator is its own provider account: its own rate budget
         remote_base_url=f"http://127.0.0.1:{proxy_port}",
         lease_ttl_ms=opts.lease_ttl_ms,
         remote_call_deadline_s=0.5 * opts.lease_ttl_ms / 1000.0,

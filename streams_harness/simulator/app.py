@@ -37,6 +37,7 @@ from streams_harness.simulator.model import (
     read_request,
     status_at,
 )
+from streams_harness.simulator.ratelimit import AccountLimiter, retry_after_header
 
 logger = logging.getLogger("streams_harness.simulator")
 
@@ -255,11 +256,13 @@ class Simulator:
         self.config = config
         self.decider = FaultDecider(config.seed)
         self.registry = JobRegistry()
+        self.limiter = AccountLimiter()
         self.stopping = asyncio.Event()
 
     def reset(self) -> None:
-        """Clear all records and restart the RNG from ``config.seed``."""
+        """Clear all records (and the per-account limit's buckets) and restart the RNG from ``config.seed``."""
         self.registry.clear()
+        self.limiter.clear()
         self.decider.reseed(self.config.seed)
 
 
@@ -327,6 +330,27 @@ def _authorized(request: web.Request) -> bool:
     return scheme.lower() == "bearer" and bool(token.strip())
 
 
+def _account(request: web.Request) -> str:
+    """The account a request is counted against: its bearer token ("" without one)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _over_limit(sim: Simulator, request: web.Request, method: str) -> web.Response | None:
+    """The 429 for a request over its account's limit of ``method`` requests (counted), or None (under it, or
+    no limit set)."""
+    cfg = sim.config
+    rate = cfg.rate_limit_post_per_s if method == "POST" else cfg.rate_limit_get_per_s
+    wait_s = sim.limiter.check(_account(request), method, rate, cfg.rate_limit_burst, time.monotonic())
+    if wait_s is None:
+        return None
+    return _json(
+        {"error": {"code": "rate_limited", "message": f"account limit of {rate:g} {method} requests/s exceeded"}},
+        status=429,
+        headers={"Retry-After": retry_after_header(wait_s)},
+    )
+
+
 def _outputs(job: JobRecord, extra_json: str = "") -> list[Any]:
     """The job's outputs; ``extra_json`` (raw object text) is spliced into each one verbatim, so an answer can
     carry numbers no Python float or orjson int holds (``2**64``, ``NaN``) exactly as written."""
@@ -359,6 +383,10 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
     if not _authorized(request):
         reg.note_post_outcome(reference, 401, kept)
         return _error(401, "unauthorized", "missing or empty bearer token")
+    limited = _over_limit(sim, request, "POST")
+    if limited is not None:
+        reg.note_post_outcome(reference, 429, kept)
+        return limited
     error = parse_error or _validate(body)
     if error is not None:
         reg.note_post_outcome(reference, 400, kept)
@@ -445,6 +473,9 @@ async def get_generation(request: web.Request) -> web.Response:
     reg = sim.registry
     latency_s = sim.config.get_latency_ms / 1000.0
     reg.gets += 1
+    limited = _over_limit(sim, request, "GET")
+    if limited is not None:
+        return limited
     job = reg.jobs.get(request.match_info["job_id"])
     if job is None:
         reg.gets_not_found += 1
@@ -508,6 +539,9 @@ async def list_generations(request: web.Request) -> web.Response:
         return _error(404, "not_found", "no such endpoint")
     if not _authorized(request):
         return _error(401, "unauthorized", "missing or empty bearer token")
+    limited = _over_limit(sim, request, "GET")  # a lookup is one of the account's GETs
+    if limited is not None:
+        return limited
     reference = request.query.get("client_reference")
     if not reference:
         return _error(400, "invalid_request", "client_reference is required")
@@ -523,8 +557,10 @@ async def list_generations(request: web.Request) -> web.Response:
 
 
 async def sim_summary(request: web.Request) -> web.Response:
-    """``GET /_sim/summary``."""
-    return _json(request.app[SIMULATOR_KEY].registry.summary(time.time()))
+    """``GET /_sim/summary`` (with ``rate_limit_429s``: the 429s the per-account limit answered, per method)."""
+    sim = request.app[SIMULATOR_KEY]
+    refused = sim.limiter.refused
+    return _json({**sim.registry.summary(time.time()), "rate_limit_429s": {m: refused[m] for m in ("POST", "GET")}})
 
 
 async def sim_jobs(request: web.Request) -> web.Response:

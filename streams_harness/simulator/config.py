@@ -94,6 +94,13 @@ class SimulatorConfig(BaseSettings):
     get_latency_ms: float = _f(5.0, "Simulated work of every GET /v1/generations/{id}, ms.")
     poll_min_ms: int = _f(50, "Lower clamp of poll_after_ms.")
     poll_max_ms: int = _f(5000, "Upper clamp of poll_after_ms.")
+    rate_limit_post_per_s: float = _f(
+        0.0, "Per-account limit of POSTs per second (0 = off); over it: 429 with Retry-After, counted."
+    )
+    rate_limit_get_per_s: float = _f(
+        0.0, "Per-account limit of GETs per second (0 = off); over it: 429 with Retry-After, counted."
+    )
+    rate_limit_burst: int = _f(1, "Requests of one kind an account may send at once under the limit (>= 1).")
     access_log: bool = _f(False, "Log every request (slows the server down).")
     record_bodies: bool = _f(False, "Keep every POST body, shown per client reference (tests of what arrived).")
 
@@ -127,9 +134,13 @@ class SimulatorConfig(BaseSettings):
             "retry_after_s",
             "not_found_window_s",
             "lookup_lag_s",
+            "rate_limit_post_per_s",
+            "rate_limit_get_per_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.rate_limit_burst < 1:
+            raise ValueError("rate_limit_burst must be >= 1")
         if not 0 <= self.poll_min_ms <= self.poll_max_ms:
             raise ValueError("need 0 <= poll_min_ms <= poll_max_ms")
         if not 0 <= self.port <= 65535:

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from streams.codes import ReasonCode
-from streams.config import Settings
+from streams.config import Settings, budget_key
 from streams.dispatcher import Dispatcher
 from streams.errors import LedgerDataError
 from streams.observer import Observer
@@ -534,7 +534,10 @@ async def test_a_failed_lookup_is_tried_again_later(pipeline: Callable[..., Pipe
     op = p.ledger.operations[OP]
     assert op.state is S.UNCERTAIN
     assert op.next_lookup_at is not None and op.next_lookup_at - op.updated_at == pytest.approx(7.0, abs=1e-6)
+    pause_key = budget_key(p.rt.settings, "GET", "pause")  # the 429 paused every worker's GETs for 7 s too
+    assert 6000 < await p.rt.leases.client.pttl(pause_key) <= 7000
     p.ledger.advance(7.0)
+    await p.rt.leases.client.delete(pause_key)  # the 7 s pass for Redis too
     assert await p.reconciler.tick() == 1
     assert p.ledger.operations[OP].remote_job_id == JOB
 

@@ -541,3 +541,28 @@ def test_prices_must_be_decimals() -> None:
         SimulatorConfig(price_per_context_token="cheap")
     with pytest.raises(ValueError, match="finite decimal >= 0"):
         SimulatorConfig(price_per_generated_token="-1")
+async def test_per_account_limit_answers_429_with_retry_after_and_counts_them(start_sim: Factory) -> None:
+    client = await start_sim(rate_limit_post_per_s=2.0, rate_limit_get_per_s=1.0, rate_limit_burst=2)
+    posts = [await client.post("/v1/generations", json=_body(f"op-l{i}"), headers=AUTH) for i in range(3)]
+    assert [r.status_code for r in posts] == [201, 201, 429]
+    assert posts[2].headers["Retry-After"] == "1" and posts[2].json()["error"]["code"] == "rate_limited"
+    other = {"Authorization": "Bearer other-account"}
+    assert (await client.post("/v1/generations", json=_body("op-o"), headers=other)).status_code == 201
+    job_id = posts[0].json()["id"]
+    gets = [(await client.get(f"/v1/generations/{job_id}", headers=AUTH)).status_code for _ in range(3)]
+    assert gets == [200, 200, 429]
+    s = await _summary(client)
+    assert s["rate_limit_429s"] == {"POST": 1, "GET": 1}
+    assert (s["posts"], s["jobs_created"], s["gets"]) == (4, 3, 3)
+    assert (await _operation(client, "op-l2"))["post_statuses"] == [429]
+    await client.post("/_sim/reset")
+    assert (await _summary(client))["rate_limit_429s"] == {"POST": 0, "GET": 0}
+
+
+async def test_per_account_limit_is_off_by_default(start_sim: Factory) -> None:
+    client = await start_sim()
+    codes = [
+        (await client.post("/v1/generations", json=_body(f"op-n{i}"), headers=AUTH)).status_code for i in range(20)
+    ]
+    assert codes == [201] * 20
+    assert (await _summary(client))["rate_limit_429s"] == {"POST": 0, "GET": 0}

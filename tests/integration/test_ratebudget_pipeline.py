@@ -1,0 +1,223 @@
+"""The rate budget in the pipeline, on the real services: the dispatcher waits for a POST slot before its claim,
+a 429 pauses every worker's calls of its kind, the scheduler claims no more polls than the GET budget grants,
+and without Redis no call is made (the calls resume when it answers)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+
+from streams import metrics
+from streams.config import Settings, budget_key
+from streams.dispatcher import Dispatcher
+from streams.lease import make_redis
+from streams.observer import Observer
+from streams.ratebudget import BudgetKind, Pace, RateBudget
+from streams.reconciler import Reconciler
+from streams.runtime import Runtime
+from streams.scheduler import PollScheduler
+from streams_harness.mainjob import free_port
+from tests.integration.test_dispatcher import submission
+from tests.integration.test_observer import claim_poll, submitted_operation
+from tests.integration.test_reconciler import uncertain_operation
+from tests.support import SimulatorServer as Simulator
+from tests.support import wait_for
+
+pytestmark = pytest.mark.integration
+
+Send = Callable[[str, bytes, bytes], Awaitable[Any]]
+
+#: Time from a POST's slot to its arrival at the provider (claim, lease renewal, the request) on a loaded
+#: machine, at most (s).
+LATENCY_S = 0.2
+
+
+@pytest.fixture
+async def runtimes(
+    settings: Settings, pool: asyncpg.Pool, kafka_send: Send
+) -> AsyncIterator[Callable[..., Awaitable[Runtime]]]:
+    """Makes worker runtimes with budget settings (same account and key prefix: one shared budget)."""
+    made: list[Runtime] = []
+
+    async def make(**budget: Any) -> Runtime:
+        rt = await Runtime.create(settings.replace(**budget), kafka_send, worker=f"w{len(made)}")
+        made.append(rt)
+        return rt
+
+    yield make
+    for rt in made:
+        await rt.close()
+
+
+def counter(metric: Any, *labels: str) -> float:
+    return float(metric.labels(*labels)._value.get())
+
+
+async def test_post_slots_are_waited_for_before_the_claim(
+    runtimes: Callable[..., Awaitable[Runtime]], pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    rt = await runtimes(remote_post_rate_per_s=2.0)
+    dispatcher = Dispatcher(rt)
+    ops = [f"op-b{i}" for i in range(3)]
+    tasks = [asyncio.create_task(dispatcher.handle(submission(op))) for op in ops]
+
+    async def first_job() -> bool:
+        return bool((await simulator.get("/_sim/summary"))["jobs_created"] >= 1)
+
+    await wait_for(first_job, 5, "the first POST")
+    rows = await pool.fetch("SELECT state::text AS state FROM operations WHERE operation_id = ANY($1)", ops)
+    # The others wait for their slots (0.5 s and 1 s later) still accepted: not claimed, nothing to reconcile.
+    assert sum(r["state"] == "accepted" for r in rows) >= 1
+    await asyncio.gather(*tasks)
+    created = sorted(j["created_at"] for j in (await simulator.get("/_sim/jobs"))["jobs"])
+    assert len(created) == 3
+    # Slots 0.5 s apart; a POST reaches the provider after the claim and the request's own latency (the first
+    # one opens its connections), which may bring two closer by that much (LATENCY_S).
+    assert all(b - a >= 0.5 - LATENCY_S for a, b in itertools.pairwise(created)), created
+    assert created[2] - created[0] >= 1.0 - LATENCY_S
+    for op in ops:
+        record = await simulator.get(f"/_sim/operations/{op}")
+        assert (record["posts"], len(record["jobs"])) == (1, 1)
+    states = await pool.fetch("SELECT state::text AS state FROM operations WHERE operation_id = ANY($1)", ops)
+    assert [r["state"] for r in states] == ["submitted"] * 3
+
+
+async def test_a_429_to_one_worker_pauses_every_workers_posts(
+    runtimes: Callable[..., Awaitable[Runtime]], pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    worker_a, worker_b = await runtimes(), await runtimes()  # no pace: only the pause acts
+    pauses = counter(metrics.BUDGET_PAUSES, "POST")
+    await simulator.configure(fault_429=1.0, retry_after_s=1)
+    task_a = asyncio.create_task(Dispatcher(worker_a).handle(submission("op-pa")))
+
+    async def refused() -> bool:
+        return bool((await simulator.get("/_sim/operations/op-pa"))["posts"] >= 1)
+
+    await wait_for(refused, 5, "worker A's POST answered 429")
+    await simulator.configure(fault_429=0.0)
+    pause_key = budget_key(worker_a.settings, "POST", "pause")
+
+    async def paused() -> bool:
+        return bool(await worker_a.leases.client.exists(pause_key))
+
+    await wait_for(paused, 5, "the pause in Redis")
+    before = time.time()
+    pause_ms = await worker_a.leases.client.pttl(pause_key)
+    assert 300 < pause_ms <= 1000  # Retry-After: 1, still in force when worker B starts
+    await Dispatcher(worker_b).handle(submission("op-pb"))  # worker B waits for the pause, then POSTs
+    job_b = (await simulator.get("/_sim/operations/op-pb"))["jobs"][0]
+    assert job_b["created_at"] >= before + pause_ms / 1000 - 0.005  # not before the pause ended
+    await task_a
+    record_a = await simulator.get("/_sim/operations/op-pa")
+    assert record_a["post_statuses"] == [429, 201] and len(record_a["jobs"]) == 1
+    assert counter(metrics.BUDGET_PAUSES, "POST") == pauses + 1
+
+
+async def test_a_429_to_a_get_pauses_the_gets(
+    runtimes: Callable[..., Awaitable[Runtime]], pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    rt = await runtimes()
+    await submitted_operation(rt, "op-g", generated=2000)  # runs for a while: it stays pollable
+    await simulator.configure(rate_limit_get_per_s=0.5, rate_limit_burst=1)
+    observer = Observer(rt)
+    due = "UPDATE operations SET next_poll_at = now() WHERE operation_id = 'op-g'"
+    await observer.handle(await claim_poll(rt, "op-g"))  # GET 200: the account's one token
+    await pool.execute(due)
+    await observer.handle(await claim_poll(rt, "op-g"))  # GET 429, Retry-After: 2
+    assert (await simulator.get("/_sim/summary"))["rate_limit_429s"]["GET"] == 1
+    client = rt.leases.client
+    assert 1000 < await client.pttl(budget_key(rt.settings, "GET", "pause")) <= 2000
+    await pool.execute(due)
+    started = time.monotonic()
+    await observer.handle(await claim_poll(rt, "op-g"))  # waits out the pause, then GETs (200)
+    assert time.monotonic() - started >= 1.0
+    summary = await simulator.get("/_sim/summary")
+    assert summary["rate_limit_429s"]["GET"] == 1 and summary["gets"] == 3
+
+
+async def test_the_scheduler_claims_no_more_than_the_get_budget(
+    runtimes: Callable[..., Awaitable[Runtime]], pool: asyncpg.Pool
+) -> None:
+    rt = await runtimes(remote_get_rate_per_s=10.0, remote_get_burst=2)
+    scheduler = PollScheduler(rt)
+    for _ in range(10):  # rounds with nothing due give their grants back
+        assert await scheduler.tick() == 0
+    for i in range(40):
+        op = f"op-s{i}"
+        assert await rt.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+        fencing = await rt.ledger.claim_for_submit(op)
+        assert fencing is not None
+        assert await rt.ledger.save_submitted(op, fencing, f"job_s{i}", 0.0, None)
+    # Interval 0.05 s: a round may claim the burst plus what falls within the round, 2 units here.
+    assert await scheduler.tick() == 2
+    started = time.monotonic()
+    claimed = 2
+    while time.monotonic() - started < 1.0:
+        claimed += await scheduler.tick()
+        await asyncio.sleep(0.01)
+    elapsed = time.monotonic() - started
+    # At most burst + rate * (elapsed + the last round's horizon), and the budget is used.
+    assert 0.8 * 10.0 * elapsed <= claimed <= 2 + 10.0 * (elapsed + 0.05) + 1, (claimed, elapsed)
+    assert counter(metrics.BUDGET_WAITS, "claims") > 0
+
+
+async def test_no_call_without_redis_for_the_budget_then_resume(
+    runtimes: Callable[..., Awaitable[Runtime]], pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    rt = await runtimes(remote_post_rate_per_s=5.0)
+    working = rt.budget
+    dead = make_redis(f"redis://127.0.0.1:{free_port()}/0", 0.5)
+    rt.budget = RateBudget(dead, rt.settings)  # the budget's Redis refuses; the leases' still answers
+    try:
+        unavailable = counter(metrics.COORDINATION_UNAVAILABLE, "submit")
+        task = asyncio.create_task(Dispatcher(rt).handle(submission("op-r")))
+
+        async def retrying() -> bool:
+            return counter(metrics.COORDINATION_UNAVAILABLE, "submit") >= unavailable + 2
+
+        await wait_for(retrying, 5, "the dispatcher to wait for Redis")
+        assert (await simulator.get("/_sim/operations/op-r"))["posts"] == 0
+        state = await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = 'op-r'")
+        assert state == "accepted"  # not claimed either
+
+        await submitted_operation(rt, "op-o", generated=2000)
+        gets_before = (await simulator.get("/_sim/summary"))["gets"]
+        await Observer(rt).handle(await claim_poll(rt, "op-o"))  # no GET without the budget
+        assert (await simulator.get("/_sim/summary"))["gets"] == gets_before
+    finally:
+        rt.budget = working
+        await dead.aclose()
+    await task  # Redis answers again: the POST goes, once
+    record = await simulator.get("/_sim/operations/op-r")
+    assert (record["posts"], len(record["jobs"])) == (1, 1)
+    assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = 'op-r'") == "submitted"
+
+
+async def test_a_lookup_is_one_of_the_accounts_gets(
+    runtimes: Callable[..., Awaitable[Runtime]], pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    rt = await runtimes(remote_get_rate_per_s=2.0, lookup_enabled=True, lookup_lag_s=0.0)
+    await simulator.configure(lookup_enabled=True, lookup_lag_s=0.0)
+    for op in ("op-l1", "op-l2"):
+        await uncertain_operation(rt, op, posts=1)
+    started = time.monotonic()
+    assert await Reconciler(rt).tick() == 2  # two lookups: the second waits for its GET slot (0.5 s)
+    assert time.monotonic() - started >= 0.5 - 0.01
+    states = await pool.fetch("SELECT state::text AS state FROM operations WHERE operation_id IN ('op-l1', 'op-l2')")
+    assert [r["state"] for r in states] == ["submitted", "submitted"]  # both adopted
+
+    pauses = counter(metrics.BUDGET_PAUSES, "GET")
+    await simulator.configure(rate_limit_get_per_s=0.2, rate_limit_burst=1)
+    await uncertain_operation(rt, "op-l3", posts=1)
+    await uncertain_operation(rt, "op-l4", posts=1)
+    rt.budget.paces[BudgetKind.GET] = Pace.from_rate(0.0, 1)  # no pace of our own: only the provider's limit acts
+    assert await Reconciler(rt).tick() == 2  # one lookup answered, the other 429 (Retry-After 5)
+    assert (await simulator.get("/_sim/summary"))["rate_limit_429s"]["GET"] == 1
+    assert counter(metrics.BUDGET_PAUSES, "GET") == pauses + 1
+    assert 4000 < await rt.leases.client.pttl(budget_key(rt.settings, "GET", "pause")) <= 5000
