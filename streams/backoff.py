@@ -1,4 +1,4 @@
-"""Delay before the next poll of a remote job (ARCHITECTURE.md, "Leases and polls").
+"""Delay before the next poll of a remote job (docs/design.md, "Leases, polls and the rate budget").
 
 The API's hint (``Retry-After`` or ``poll_after_ms``, read by :mod:`streams.remote`) wins when usable,
 clamped to ``[min_s, cap_s]``; otherwise a capped exponential with "equal jitter" (half fixed, half random; AWS

@@ -1,6 +1,6 @@
 """The remote generation API client: one place for timeouts, auth, status mapping and error taxonomy.
 
-Classification (ARCHITECTURE.md, "Contracts at the edges"):
+Classification (docs/design.md, "Contracts at the edges"):
 
 =============================================== ================================== =====================
 what happened                                   result                             POST retried?
