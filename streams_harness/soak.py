@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import signal
 import subprocess
@@ -41,6 +40,7 @@ from streams.errors import StreamsError
 from streams.ledger import create_pool
 from streams.producer import SubmissionProducer
 from streams_harness.checkout import checkout_dir
+from streams_harness.fleet import Fleet, start_simulator
 from streams_harness.mainjob import (
     DEFAULT_FAULTS,
     RUN_LOOKUP_LAG_S,
@@ -95,50 +95,6 @@ class SoakOptions:
     lookup: bool = False
     #: A job that never finishes stalls this long after its id was saved (outages can delay observations).
     max_observation_age_s: float = 60.0
-
-
-class Fleet:
-    """Worker processes of the soak, each started with ``settings`` in its environment."""
-
-    def __init__(self, settings: Settings, log_dir: Path) -> None:
-        self.settings = settings
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._n = 0
-
-    def start(self) -> str:
-        self._n += 1
-        name = f"w{self._n}"
-        env = dict(os.environ)
-        env.update(self.settings.replace(web_port=free_port()).to_env())
-        log = (self.log_dir / f"worker-{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen(
-            [str(Path(sys.executable).with_name("streams")), "worker"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=checkout_dir(),
-        )
-        return name
-
-    def live(self) -> list[str]:
-        return [n for n, p in self.procs.items() if p.poll() is None]
-
-    def signal(self, name: str, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.procs[name].send_signal(sig)
-
-    def stop_all(self) -> None:
-        for p in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 class Chaos:
@@ -237,22 +193,14 @@ class Chaos:
 
 
 def _start_simulator(opts: SoakOptions, settings: Settings, port: int, log_dir: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "SIM_SEED": str(opts.seed),
-            "SIM_COMPRESSION": str(opts.compression),
-            "SIM_SLOW_RESPONSE_S": str(settings.http_read_timeout_s + 2),
-        }
-    )
-    env.update({f"SIM_{k.upper()}": str(v) for k, v in opts.sim_faults.items()})
-    env.update({k: v for k, v in run_settings_env(opts.lookup).items() if k.startswith("SIM_")})
-    return subprocess.Popen(
-        [str(Path(sys.executable).with_name("streams")), "simulator", "--port", str(port)],
-        env=env,
-        stdout=(log_dir / "simulator.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    sim_env = {
+        "SIM_SEED": str(opts.seed),
+        "SIM_COMPRESSION": str(opts.compression),
+        "SIM_SLOW_RESPONSE_S": str(settings.http_read_timeout_s + 2),
+    }
+    sim_env.update({f"SIM_{k.upper()}": str(v) for k, v in opts.sim_faults.items()})
+    sim_env.update({k: v for k, v in run_settings_env(opts.lookup).items() if k.startswith("SIM_")})
+    return start_simulator(port, log_dir / "simulator.log", sim_env)
 
 
 async def _toxiproxy(run_id: str, upstream_port: int) -> tuple[str, int]:
