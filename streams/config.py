@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import AfterValidator, BeforeValidator, Field, SecretStr, ValidationError, model_validator
@@ -32,6 +32,10 @@ TOPIC_DEAD_LETTER = "generation.dead-letter"
 
 #: Prefix of every setting's environment variable.
 ENV_PREFIX = "STREAMS_"
+
+#: Values of ``STREAMS_HTTP_TRANSPORT`` (see :func:`streams.remote.make_http_client`).
+HTTP_TRANSPORTS = ("aiohttp", "httpx")
+HttpTransport = Literal["aiohttp", "httpx"]
 
 #: Redis connections beyond one per agent slot (see :attr:`Settings.redis_max_connections`).
 REDIS_SPARE_CONNECTIONS = 8
@@ -221,6 +225,9 @@ class Settings(BaseSettings):
     http_write_timeout_s: Seconds = 5.0
     http_pool_timeout_s: Seconds = 5.0
     submit_retry_deadline_s: Seconds = 60.0
+    #: What carries the remote client's requests: ``aiohttp`` (:mod:`streams.transport`, the default: about a
+    #: fifth of httpx's own CPU per request) or ``httpx`` (httpx's own httpcore pool).
+    http_transport: HttpTransport = "aiohttp"
 
     # Rate budget of the provider account, shared by every worker process through Redis (streams/ratebudget.py,
     # README "Rate budget"). Rates in requests per second, POSTs and GETs apart; 0 = no pacing (a 429's

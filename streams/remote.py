@@ -65,6 +65,7 @@ from streams.errors import (
     RemoteUnknownStatusError,
 )
 from streams.states import OperationState, state_for_remote_status
+from streams.transport import AiohttpTransport
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +160,16 @@ def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | N
     """The worker's single ``httpx.AsyncClient`` for the remote API.
 
     Timeouts (seconds) come from ``settings.http_*_timeout_s``; auth is ``Authorization: Bearer <key>``.
-    ``transport`` replaces httpx's default pool (tests, alternative transports).
+    Requests go through ``transport`` when given (tests, benchmarks), else the one ``settings.http_transport``
+    names: ``aiohttp`` (:class:`streams.transport.AiohttpTransport`, whose exception mapping keeps the taxonomy
+    above) or ``httpx`` (httpcore's pool); both hold at most ``settings.http_max_connections`` connections.
     """
+    limits = httpx.Limits(
+        max_connections=settings.http_max_connections,
+        max_keepalive_connections=settings.http_max_connections,
+    )
+    if transport is None and settings.http_transport == "aiohttp":
+        transport = AiohttpTransport(max_connections=settings.http_max_connections)
     return httpx.AsyncClient(
         base_url=settings.remote_base_url.get_secret_value(),
         headers={
@@ -173,10 +182,7 @@ def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | N
             write=settings.http_write_timeout_s,
             pool=settings.http_pool_timeout_s,
         ),
-        limits=httpx.Limits(
-            max_connections=settings.http_max_connections,
-            max_keepalive_connections=settings.http_max_connections,
-        ),
+        limits=limits,
         transport=transport,
     )
 

@@ -24,8 +24,8 @@ from streams.errors import MissingResourceError
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ROOT / "streams"
 HARNESS_MODULES = ("streams_harness",)
-#: Distributions only the harness depends on (``pyproject.toml``, extra ``harness``); aiohttp is not listed:
-#: faust-streaming's web server imports it in the product too.
+#: Distributions only the harness depends on (``pyproject.toml``, extra ``harness``); aiohttp is not listed: the
+#: product's HTTP transport (``streams/transport.py``) and faust-streaming's web server use it too.
 HARNESS_ONLY_IMPORTS = ("honcho",)
 
 

@@ -1,0 +1,259 @@
+"""The aiohttp transport under the remote client, over real loopback sockets: each way a request can fail ends on
+the side of the taxonomy it belongs to (not sent: retried; maybe sent: never re-sent), and a good answer reads
+exactly as it does through httpx's own transport."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import httpx
+import orjson
+import pytest
+
+from streams.config import Settings
+from streams.errors import RemoteNotSentError, RemoteTransientError, RemoteUnknownOutcomeError
+from streams.remote import RemoteClient, make_http_client
+from streams.transport import AiohttpTransport
+
+pytestmark = pytest.mark.integration
+
+OP = "operation-42"
+REQUEST = {"context_tokens": 10, "generated_tokens": 2}
+CREATED = b'HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n{"id":"job1"}'
+
+#: What the scripted server does once it has read one request: gets (reader, writer), returns nothing.
+Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class ScriptedServer:
+    """A loopback HTTP/1.1 server that answers request number ``i`` with ``behaviours[i]`` (the last repeats)
+    and records each request's head and body."""
+
+    def __init__(self, *behaviours: Behaviour) -> None:
+        self.behaviours = behaviours
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aenter__(self) -> ScriptedServer:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length) if length else b""
+                self.requests.append((head, body))
+                behaviour = self.behaviours[min(len(self.requests), len(self.behaviours)) - 1]
+                await behaviour(reader, writer)
+                if writer.is_closing():
+                    return
+        finally:
+            writer.close()
+
+    def posts(self) -> int:
+        return sum(1 for head, _ in self.requests if head.startswith(b"POST "))
+
+
+def answer(raw: bytes) -> Behaviour:
+    async def behave(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(raw)
+        await writer.drain()
+
+    return behave
+
+
+async def close_silently(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
+async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await asyncio.sleep(30)
+
+
+def settings_for(url: str, **changes: object) -> Settings:
+    values: dict[str, object] = {"http_read_timeout_s": 0.5, **changes}
+    return Settings(remote_base_url=url, http_transport="aiohttp", **values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def clients() -> AsyncIterator[Callable[[Settings], RemoteClient]]:
+    made: list[RemoteClient] = []
+
+    def make(settings: Settings) -> RemoteClient:
+        client = RemoteClient(make_http_client(settings), settings.remote_model)
+        assert isinstance(client.http._transport, AiohttpTransport)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        await client.aclose()
+
+
+def free_closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_connection_refused_is_not_sent(clients: Callable[[Settings], RemoteClient]) -> None:
+    client = clients(settings_for(f"http://127.0.0.1:{free_closed_port()}"))
+    with pytest.raises(RemoteNotSentError) as info:
+        await client.submit(OP, REQUEST)
+    assert isinstance(info.value.__cause__, httpx.ConnectError)
+    assert isinstance(info.value.__cause__.__cause__, aiohttp.ClientConnectorError)
+
+
+async def test_no_free_pooled_connection_is_not_sent(clients: Callable[[Settings], RemoteClient]) -> None:
+    async with ScriptedServer(never_answer) as server:
+        client = clients(
+            settings_for(server.url, http_max_connections=1, http_pool_timeout_s=0.2, http_read_timeout_s=5.0)
+        )
+        first = asyncio.create_task(client.submit("op-first", REQUEST))
+        while not server.requests:
+            await asyncio.sleep(0.01)
+        with pytest.raises(RemoteNotSentError) as info:
+            await client.submit(OP, REQUEST)
+        assert isinstance(info.value.__cause__, httpx.ConnectTimeout)
+        assert isinstance(info.value.__cause__.__cause__, aiohttp.ConnectionTimeoutError)
+        assert server.posts() == 1  # only the first one reached the server
+        first.cancel()
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh-connection", "kept-alive-connection"])
+async def test_connection_closed_after_the_post_is_unknown_and_sent_once(
+    clients: Callable[[Settings], RemoteClient], reuse: bool
+) -> None:
+    warm = answer(b'HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n{"status":"running"}')
+    behaviours = (warm, close_silently) if reuse else (close_silently,)
+    async with ScriptedServer(*behaviours) as server:
+        client = clients(settings_for(server.url))
+        if reuse:
+            await client.observe(OP, "job1")
+        with pytest.raises(RemoteUnknownOutcomeError, match="connection lost after send") as info:
+            await client.submit(OP, REQUEST)
+        assert isinstance(info.value.__cause__, httpx.RemoteProtocolError)
+        assert isinstance(info.value.__cause__.__cause__, aiohttp.ServerDisconnectedError)
+        await asyncio.sleep(0.2)
+        assert server.posts() == 1  # aiohttp does not re-send a POST
+        assert server.connections == 1
+
+
+async def test_connection_reset_after_the_post_is_unknown(clients: Callable[[Settings], RemoteClient]) -> None:
+    async with ScriptedServer(reset) as server:
+        client = clients(settings_for(server.url))
+        with pytest.raises(RemoteUnknownOutcomeError) as info:
+            await client.submit(OP, REQUEST)
+        assert not isinstance(info.value, RemoteNotSentError)
+        assert isinstance(info.value.__cause__, httpx.TransportError)
+        assert server.posts() == 1
+
+
+async def test_no_answer_within_the_read_timeout_is_unknown(clients: Callable[[Settings], RemoteClient]) -> None:
+    async with ScriptedServer(never_answer) as server:
+        client = clients(settings_for(server.url))
+        with pytest.raises(RemoteUnknownOutcomeError, match="timed out after send") as info:
+            await client.submit(OP, REQUEST)
+        assert isinstance(info.value.__cause__, httpx.ReadTimeout)
+        assert isinstance(info.value.__cause__.__cause__, aiohttp.SocketTimeoutError)
+
+
+async def test_body_cut_short_is_unknown(clients: Callable[[Settings], RemoteClient]) -> None:
+    cut = b'HTTP/1.1 201 Created\r\nContent-Length: 100\r\n\r\n{"id":"jo'
+    async with ScriptedServer(lambda r, w: _then_close(w, cut)) as server:
+        client = clients(settings_for(server.url))
+        with pytest.raises(RemoteUnknownOutcomeError) as info:
+            await client.submit(OP, REQUEST)
+        assert isinstance(info.value.__cause__, httpx.ReadError)
+        assert isinstance(info.value.__cause__.__cause__, aiohttp.ClientPayloadError)
+
+
+async def test_garbage_instead_of_http_is_unknown(clients: Callable[[Settings], RemoteClient]) -> None:
+    async with ScriptedServer(lambda r, w: _then_close(w, b"SSH-2.0-OpenSSH_9.2\r\n\r\n")) as server:
+        client = clients(settings_for(server.url))
+        with pytest.raises(RemoteUnknownOutcomeError) as info:
+            await client.submit(OP, REQUEST)
+        assert isinstance(info.value.__cause__, httpx.RemoteProtocolError)
+
+
+async def test_get_failures_are_transient(clients: Callable[[Settings], RemoteClient]) -> None:
+    async with ScriptedServer(close_silently) as server:
+        client = clients(settings_for(server.url))
+        with pytest.raises(RemoteTransientError):
+            await client.observe(OP, "job1")
+    client = clients(settings_for(f"http://127.0.0.1:{free_closed_port()}"))
+    with pytest.raises(RemoteTransientError):
+        await client.observe(OP, "job1")
+
+
+async def _then_close(writer: asyncio.StreamWriter, raw: bytes) -> None:
+    writer.write(raw)
+    await writer.drain()
+    writer.close()
+
+
+async def test_a_good_answer_reads_as_through_httpx(clients: Callable[[Settings], RemoteClient]) -> None:
+    body = gzip.compress(orjson.dumps({"status": "succeeded", "outputs": [{"id": "o1"}], "completed_at": 1.5}))
+    raw = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nRetry-After: 3\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    async with ScriptedServer(answer(CREATED), answer(raw)) as server:
+        host = server.url.removeprefix("http://").encode()
+        client = clients(settings_for(server.url))
+        created = await client.submit(OP, REQUEST)
+        snapshot = await client.observe(OP, "a/../b?x=1#")
+    assert (created.job_id, created.status_code, created.via_error) == ("job1", 201, False)
+    assert snapshot.outputs == [{"id": "o1"}] and snapshot.completed_at_ms == 1500 and snapshot.poll_after_s == 3.0
+    (post_head, post_body), (get_head, _) = server.requests
+    assert post_head.startswith(b"POST /v1/generations HTTP/1.1\r\n")
+    assert orjson.loads(post_body)["metadata"] == {"operation_id": OP}
+    headers = {
+        k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in post_head.split(b"\r\n")[1:]) if k
+    }
+    assert headers[b"authorization"] == b"Bearer dev-key"
+    assert headers[b"content-type"] == b"application/json"
+    assert headers[b"user-agent"] == b"generation-streams/0.1"
+    assert headers[b"host"] == host
+    assert get_head.startswith(b"GET /v1/generations/a%2F..%2Fb%3Fx%3D1%23 HTTP/1.1\r\n")
+    assert server.connections == 1  # kept alive between the two requests
+
+
+async def test_the_httpx_setting_keeps_httpcore(clients: Callable[[Settings], RemoteClient]) -> None:
+    http = make_http_client(Settings(http_transport="httpx"))
+    try:
+        assert not isinstance(http._transport, AiohttpTransport)
+    finally:
+        await http.aclose()
