@@ -197,6 +197,14 @@ def create_app(settings: Settings) -> faust.App:
                 log.info("worker %s ready (settings: %s)", holder["rt"].worker, settings)
             return holder["rt"]
 
+    @app.on_before_shutdown.connect  # type: ignore[arg-type]  # mode types receivers as sync-or-awaitable unions
+    async def close_runtime(sender: Any, **kwargs: Any) -> None:
+        # Sent once the consumer stopped and in-flight events finished: close the pool, Redis and the HTTP
+        # transport's pooled connections (aiohttp logs every session left open at exit as an error).
+        rt = holder.pop("rt", None)
+        if rt is not None:
+            await rt.close()
+
     def topic(role: str) -> Any:
         return app.topic(settings.topic(role), key_type=bytes, value_type=bytes, partitions=settings.partitions)
 

@@ -4,6 +4,7 @@ entry-point group (``pyproject.toml``; ``streams simulator`` is :data:`streams_h
     streams replay [--trace conv]    publish trace rows as submissions, time-compressed
     streams run [...]                the main job: simulator, workers, trace replay, report
     streams soak [...]               random faults under load, then an audit
+    streams bench [...]              the pipeline against the floor and a naive peer, with a profile
 """
 
 from __future__ import annotations
@@ -224,3 +225,92 @@ def soak_command(
     problems = broken_promises(_run_job(run_soak(opts)), repeats_allowed=True)
     if problems:
         raise click.ClickException("the soak broke a promise: " + ", ".join(problems))
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        items = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated integers, e.g. 1,2,4") from None
+    if not items or min(items) < 1:
+        raise click.BadParameter(f"{value!r}: expected at least one integer, each at least 1")
+    return items
+
+
+def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    from streams.config import HTTP_TRANSPORTS
+
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not items or any(v not in HTTP_TRANSPORTS for v in items):
+        raise click.BadParameter(f"{value!r}: expected a comma-separated list of {', '.join(HTTP_TRANSPORTS)}")
+    return items
+
+
+@click.command("bench")
+@click.option("--operations", default=3000, show_default=True, type=click.IntRange(min=10), help="Per run.")
+@click.option("--workers", default="1,2,4", show_default=True, callback=_int_list, help="Worker counts.")
+@click.option("--partitions", default="4,16", show_default=True, callback=_int_list, help="Partition counts.")
+@click.option(
+    "--transports",
+    default="aiohttp",
+    show_default=True,
+    callback=_transport_list,
+    help="STREAMS_HTTP_TRANSPORT values to compare, e.g. aiohttp,httpx.",
+)
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 20), help="Runs per configuration.")
+@click.option("--naive-processes", default=2, show_default=True, type=click.IntRange(1, 16))
+@click.option("--floor/--no-floor", default=True, show_default=True, help="Run the floor.")
+@click.option("--naive/--no-naive", default=True, show_default=True, help="Run the naive peer.")
+@click.option("--sim-latency-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Per GET.")
+@click.option(
+    "--job-duration-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Creation to completion."
+)
+@click.option("--profile/--no-profile", default=True, show_default=True, help="py-spy one worker under load.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--chart", "chart_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--run-timeout-s", default=300.0, show_default=True, help="Give up on one run after this long.")
+@click.option("--keep", is_flag=True, help="Keep each run's database and topics.")
+def bench_command(
+    operations: int,
+    workers: tuple[int, ...],
+    partitions: tuple[int, ...],
+    transports: tuple[str, ...],
+    repeats: int,
+    naive_processes: int,
+    floor: bool,
+    naive: bool,
+    sim_latency_ms: float,
+    job_duration_ms: float,
+    profile: bool,
+    report_path: Path | None,
+    chart_path: Path | None,
+    run_timeout_s: float,
+    keep: bool,
+) -> None:
+    """The benchmark: the pipeline (1, 2, 4 workers; two partition counts) against the floor (the same calls,
+    batched, no logic) and a naive peer (several processes polling PostgreSQL, no lease), N operations submitted
+    at once per run; a JSON report, a PNG chart and a profile of one worker (README, "Benchmark")."""
+    from streams_harness.bench import BenchOptions, run_bench
+
+    opts = BenchOptions(
+        operations=operations,
+        workers=workers,
+        partitions=partitions,
+        transports=transports,
+        repeats=repeats,
+        naive_processes=naive_processes,
+        floor=floor,
+        naive=naive,
+        sim_get_latency_ms=sim_latency_ms,
+        job_duration_ms=job_duration_ms,
+        profile=profile,
+        report_path=report_path,
+        chart_path=chart_path,
+        run_timeout_s=run_timeout_s,
+        keep=keep,
+    )
+    report = _run_job(run_bench(opts))
+    broken = {label: s["broken_promises"] for label, s in report["summary"].items() if s["kind"] == "pipeline"}
+    broken = {label: problems for label, problems in broken.items() if problems}
+    if broken:
+        raise click.ClickException(f"the pipeline broke a promise: {broken}")

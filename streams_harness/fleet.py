@@ -55,11 +55,16 @@ async def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen[bytes]
 
 class Fleet:
     """Worker processes sharing one consumer group, each started with ``settings`` in its environment and its
-    own web port (``/healthz``, ``/metrics``); logs in ``log_dir/worker-<name>.log``."""
+    own web port (``/healthz``, ``/metrics``); logs in ``log_dir/worker-<name>.log``.
 
-    def __init__(self, settings: Settings, log_dir: Path) -> None:
+    ``command`` replaces ``streams worker`` (the benchmark runs its reference programs this way; they serve no
+    ``/healthz``).
+    """
+
+    def __init__(self, settings: Settings, log_dir: Path, command: list[str] | None = None) -> None:
         self.settings = settings
         self.log_dir = log_dir
+        self.command = command or [STREAMS, "worker"]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.web_ports: dict[str, int] = {}
         self._n = 0
@@ -73,7 +78,7 @@ class Fleet:
         env.update(self.settings.replace(web_port=port, web_enabled=True).to_env())
         log = (self.log_dir / f"worker-{name}.log").open("wb")
         self.procs[name] = subprocess.Popen(
-            [STREAMS, "worker"], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=checkout_dir()
+            self.command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=checkout_dir()
         )
         self.web_ports[name] = port
         return name
@@ -88,6 +93,10 @@ class Fleet:
             log_path = self.log_dir / f"worker-{name}.log"
             url = f"http://127.0.0.1:{self.web_ports[name]}/healthz"
             await wait_healthy(url, timeout_s, self.procs[name], log_path)
+
+    def pid(self, name: str) -> int:
+        """The process id of worker ``name``."""
+        return self.procs[name].pid
 
     def live(self) -> list[str]:
         """Names of the workers still running."""

@@ -1,0 +1,269 @@
+"""The floor: the pipeline's calls to Kafka, Redis, PostgreSQL and the remote API for each operation, with no
+logic and batched as far as each call allows, in one process. What the services and the network cost at
+least; the benchmark divides the pipeline's throughput by it (``ratio_to_floor``).
+
+Per batch of submissions: Redis ``SET NX PX`` (submit lease), ``PEXPIRE`` (renewal before the POST), ``DEL``,
+each pipelined into one round trip; PostgreSQL accept, claim, save of the job ids and the accounting, one
+statement each for the whole batch; the POSTs concurrently. Per batch of polls: Redis ``SET NX PX``, two
+``PEXPIRE``, ``DEL``, pipelined; PostgreSQL claim, save of the answers with outputs and outbox rows, accounting,
+one statement each; the GETs concurrently. Due polls are claimed and published, and the outbox relayed, with the
+ledger's own batch queries. No schema validation, no outcome classification, no retries: every call is
+expected to succeed (the benchmark's workload). The ledger's triggers still write the transition log and
+outbox events, as for the pipeline.
+
+Run by the benchmark: ``python -m streams_harness.bench.floor --operations N --ready-file PATH`` with the run's
+``STREAMS_*`` settings in the environment; exits once N outputs are published and the outbox is empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from streams.config import Settings, lease_key
+from streams.lease import make_redis
+from streams.ledger import Ledger, create_pool
+from streams.states import is_terminal, state_for_remote_status
+from streams_harness.bench.counters import BENCH
+
+WORKER = "floor"
+BATCH = 1000
+#: Batches processed at once (their HTTP calls and statements overlap).
+BATCHES_IN_FLIGHT = 4
+
+
+class Floor:
+    """The floor's connections and its steps (see the module docstring)."""
+
+    def __init__(self, settings: Settings, ledger: Ledger, http: aiohttp.ClientSession) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.pool = ledger.pool
+        self.redis = make_redis(settings.redis_url, 5.0)
+        self.http = http
+        self.headers = {"Authorization": f"Bearer {settings.remote_api_key}", "Content-Type": "application/json"}
+        self.producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all", linger_ms=2)
+        self.outputs_published = 0
+        self.last_relay = -1
+
+    async def _leases(self, command: str, ids: list[str], action: str, times: int = 1) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for _ in range(times):
+                for op in ids:
+                    key = lease_key(self.settings, action, op)
+                    if command == "set":
+                        pipe.set(key, "floor", nx=True, px=self.settings.lease_ttl_ms)
+                    elif command == "renew":
+                        pipe.pexpire(key, self.settings.lease_ttl_ms)
+                    else:
+                        pipe.delete(key)
+            await pipe.execute()
+
+    async def _account(self, calls: list[tuple[str, str, int, str, str | None, float, int]]) -> None:
+        columns = list(zip(*calls, strict=True))
+        await self.pool.execute(BENCH.floor_record_calls_many, *(list(c) for c in columns), WORKER)
+
+    async def submit(self, events: list[dict[str, Any]]) -> None:
+        ids = [e["operation_id"] for e in events]
+        await self._leases("set", ids, "submit")
+        requests = [orjson.dumps(e["request"]).decode() for e in events]
+        await self.pool.execute(BENCH.floor_accept_many, ids, requests, WORKER)
+        claimed = {
+            r["operation_id"]: r["fencing_token"]
+            for r in await self.pool.fetch(BENCH.floor_claim_submit_many, ids, WORKER)
+        }
+        await self._leases("renew", ids, "submit")
+
+        async def post(event: dict[str, Any]) -> tuple[str, int, str, float]:
+            request = event["request"]
+            body = {
+                "model": request.get("model", self.settings.remote_model),
+                "input": {"context_tokens": request["context_tokens"], "generated_tokens": request["generated_tokens"]},
+                "metadata": {"operation_id": event["operation_id"]},
+            }
+            started = time.perf_counter()
+            async with self.http.post("/v1/generations", data=orjson.dumps(body), headers=self.headers) as r:
+                answer = orjson.loads(await r.read())
+                status = r.status
+            return answer["id"], status, answer.get("poll_after_ms", 0) / 1000.0, (time.perf_counter() - started) * 1e3
+
+        todo = [e for e in events if e["operation_id"] in claimed]
+        results = await asyncio.gather(*(post(e) for e in todo))
+        done = [e["operation_id"] for e in todo]
+        await self.pool.execute(
+            BENCH.floor_save_submitted_many, done, [r[0] for r in results], [r[2] for r in results], WORKER
+        )
+        await self._account(
+            [(op, "POST", r[1], "created", r[0], r[3], claimed[op]) for op, r in zip(done, results, strict=True)]
+        )
+        await self._leases("delete", ids, "submit")
+
+    async def observe(self, events: list[dict[str, Any]]) -> None:
+        ids = [e["operation_id"] for e in events]
+        await self._leases("set", ids, "observe")
+        rows = await self.pool.fetch(BENCH.floor_claim_observe_many, ids, [e["poll_claim_id"] for e in events], WORKER)
+
+        async def get(job_id: str) -> tuple[dict[str, Any], int, float]:
+            started = time.perf_counter()
+            async with self.http.get(f"/v1/generations/{job_id}", headers=self.headers) as r:
+                return orjson.loads(await r.read()), r.status, (time.perf_counter() - started) * 1e3
+
+        answers = await asyncio.gather(*(get(r["remote_job_id"]) for r in rows))
+        await self._leases("renew", ids, "observe", times=2)
+        states, delays, completed, outputs, observations = [], [], [], [], []
+        for body, _, _ in answers:
+            state = state_for_remote_status(body["status"])
+            assert state is not None, body
+            terminal = is_terminal(state)
+            states.append(state.value)
+            delays.append(None if terminal else body.get("poll_after_ms", 0) / 1000.0)
+            completed.append(int(body["completed_at"] * 1000) if body.get("completed_at") else None)
+            outputs.append(orjson.dumps(body.get("outputs") or []).decode())
+            observations.append(orjson.dumps({"job_id": body["id"], "status": body["status"]}).decode())
+        await self.pool.execute(
+            BENCH.floor_save_observations_many,
+            [r["operation_id"] for r in rows],
+            [r["fencing_token"] for r in rows],
+            states,
+            observations,
+            delays,
+            completed,
+            outputs,
+            WORKER,
+        )
+        await self._account(
+            [
+                (r["operation_id"], "GET", a[1], a[0]["status"], r["remote_job_id"], a[2], r["fencing_token"])
+                for r, a in zip(rows, answers, strict=True)
+            ]
+        )
+        await self._leases("delete", ids, "observe")
+
+    async def schedule(self) -> int:
+        """Claim due polls and publish them; returns how many."""
+        polls = await self.ledger.claim_due_polls(BATCH, self.settings.visibility_timeout_s)
+        now_ms = int(time.time() * 1000)
+        futures = [
+            await self.producer.send(
+                self.settings.topic("polls"),
+                orjson.dumps(
+                    {
+                        "operation_id": p.operation_id,
+                        "remote_job_id": p.remote_job_id,
+                        "poll_claim_id": p.poll_claim_id,
+                        "claimed_at_ms": now_ms,
+                    }
+                ),
+                key=p.operation_id.encode(),
+            )
+            for p in polls
+        ]
+        await asyncio.gather(*futures)
+        return len(polls)
+
+    async def relay(self) -> int:
+        """Publish one batch of the outbox; returns how many rows."""
+
+        async def publish(rows: list[dict[str, Any]]) -> None:
+            futures = [
+                await self.producer.send(
+                    self.settings.topic(row["topic_role"]), row["payload"].encode(), key=row["operation_id"].encode()
+                )
+                for row in rows
+            ]
+            await asyncio.gather(*futures)
+            self.outputs_published += sum(1 for row in rows if row["topic_role"] == "outputs_delivered")
+
+        self.last_relay = await self.ledger.relay_outbox(BATCH, publish)
+        return self.last_relay
+
+    async def consume(self, consumer: AIOKafkaConsumer) -> None:
+        """Hand each fetched batch of submissions and of polls to its step, several batches at a time."""
+        in_flight = asyncio.Semaphore(BATCHES_IN_FLIGHT)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def step(work: Any) -> None:
+            try:
+                await work
+            finally:
+                in_flight.release()
+
+        submissions = self.settings.topic("submissions")
+        while True:
+            batches = await consumer.getmany(timeout_ms=20, max_records=BATCH)
+            events: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+            for tp, messages in batches.items():
+                events[tp.topic == submissions].extend(orjson.loads(m.value) for m in messages)
+            for is_submission, batch in events.items():
+                if batch:
+                    await in_flight.acquire()
+                    task = asyncio.create_task(step(self.submit(batch) if is_submission else self.observe(batch)))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+
+    async def repeat(self, tick: Any) -> None:
+        """Run ``tick`` back to back, pausing 5 ms whenever it finds nothing."""
+        while True:
+            if not await tick():
+                await asyncio.sleep(0.005)
+
+
+async def run(settings: Settings, operations: int, ready_file: Path | None) -> None:
+    """Run the floor until ``operations`` outputs are published (see the module docstring)."""
+    pool = await create_pool(settings.database_url, min_size=4, max_size=10)
+    connector = aiohttp.TCPConnector(limit=settings.http_max_connections)
+    async with aiohttp.ClientSession(settings.remote_base_url, connector=connector) as http:
+        floor = Floor(settings, Ledger(pool, WORKER), http)
+        consumer = AIOKafkaConsumer(
+            settings.topic("submissions"),
+            settings.topic("polls"),
+            bootstrap_servers=settings.kafka_bootstrap,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )
+        await floor.producer.start()
+        await consumer.start()
+        try:
+            while not consumer.assignment():
+                await asyncio.sleep(0.05)
+            if ready_file is not None:
+                await asyncio.to_thread(ready_file.write_text, "ready")
+            loops = [
+                asyncio.create_task(floor.consume(consumer)),
+                asyncio.create_task(floor.repeat(floor.schedule)),
+                asyncio.create_task(floor.repeat(floor.relay)),
+            ]
+            try:
+                while floor.outputs_published < operations or floor.last_relay != 0:
+                    done = [t for t in loops if t.done()]
+                    if done:
+                        done[0].result()  # a loop failed: raise its error
+                    await asyncio.sleep(0.01)
+            finally:
+                for task in loops:
+                    task.cancel()
+        finally:
+            await consumer.stop()
+            await floor.producer.stop()
+            await floor.redis.aclose()
+            await pool.close()
+
+
+def main() -> None:
+    """Command line: ``--operations N [--ready-file PATH]``; settings from ``STREAMS_*``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--operations", type=int, required=True)
+    parser.add_argument("--ready-file", type=Path, default=None)
+    args = parser.parse_args()
+    asyncio.run(run(Settings.from_env(), args.operations, args.ready_file))
+
+
+if __name__ == "__main__":
+    main()

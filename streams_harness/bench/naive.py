@@ -1,0 +1,146 @@
+"""The naive peer: what a team writes first. Several copies of this process share the submissions through a
+Kafka consumer group; each inserts the operation, marks it submitting, POSTs and saves the job id; and each
+polls *every* unfinished job straight from PostgreSQL on a timer, GETs it and saves the answer, publishing the
+outputs it sees as succeeded directly to Kafka. No lease, no fencing value, no outbox: copies poll the same jobs
+(the GETs a lease saves) and may publish an output more than once.
+
+It uses the product's remote client (the same HTTP transport as the pipeline) and the ledger's tables, so
+only the coordination differs.
+
+Run by the benchmark: ``python -m streams_harness.bench.naive`` with the run's ``STREAMS_*`` settings (its
+consumer group is ``STREAMS_APP_ID``); runs until stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from typing import Any
+
+import asyncpg
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from streams.config import Settings
+from streams.errors import RemoteError
+from streams.ledger import Ledger, create_pool
+from streams.remote import RemoteClient, make_http_client
+from streams.states import OperationState
+from streams_harness.bench.counters import BENCH
+
+WORKER = f"naive:{socket.gethostname()}:{os.getpid()}"
+
+
+class NaivePeer:
+    """One copy of the naive peer (see the module docstring)."""
+
+    def __init__(self, settings: Settings, pool: asyncpg.Pool, remote: RemoteClient, producer: AIOKafkaProducer):
+        self.settings = settings
+        self.pool = pool
+        self.ledger = Ledger(pool, WORKER)
+        self.remote = remote
+        self.producer = producer
+
+    async def submit(self, event: dict[str, Any]) -> None:
+        operation_id = event["operation_id"]
+        await self.ledger.accept(operation_id, event["request"])
+        await self.pool.execute(BENCH.naive_mark_submitting, operation_id, WORKER)
+        try:
+            result = await self.remote.submit(operation_id, event["request"])
+        except RemoteError:
+            return
+        await self.pool.execute(BENCH.naive_save_job, operation_id, result.job_id, WORKER)
+
+    async def consume(self, consumer: AIOKafkaConsumer) -> None:
+        slots = asyncio.Semaphore(self.settings.dispatcher_concurrency)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(value: bytes) -> None:
+            async with slots:
+                with contextlib.suppress(Exception):
+                    await self.submit(orjson.loads(value))
+
+        async for message in consumer:
+            await slots.acquire()
+            slots.release()
+            task = asyncio.create_task(one(message.value))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def observe(self, operation_id: str, job_id: str) -> None:
+        try:
+            snapshot = await self.remote.observe(operation_id, job_id)
+        except RemoteError:
+            return
+        observation = orjson.dumps(snapshot.as_observation()).decode()
+        with contextlib.suppress(asyncpg.PostgresError):  # e.g. the ledger's trigger refused a step backwards
+            await self.pool.execute(
+                BENCH.naive_save_state,
+                operation_id,
+                snapshot.state.value,
+                observation,
+                snapshot.completed_at_ms,
+                WORKER,
+            )
+        if snapshot.state is not OperationState.SUCCEEDED:
+            return
+        rows = await self.pool.fetch(BENCH.naive_save_outputs, operation_id, snapshot.outputs)
+        for row in rows:
+            value = {
+                "event_id": f"output:{operation_id}:{row['output_id']}",
+                "operation_id": operation_id,
+                "output_id": row["output_id"],
+                "position": row["position"],
+                "remote_job_id": job_id,
+                "output": orjson.loads(row["payload"]),
+                "remote_completed_at_ms": snapshot.completed_at_ms,
+            }
+            await self.producer.send_and_wait(
+                self.settings.topic("outputs_delivered"), orjson.dumps(value), key=operation_id.encode()
+            )
+
+    async def poll_forever(self) -> None:
+        slots = asyncio.Semaphore(self.settings.observer_concurrency)
+
+        async def one(operation_id: str, job_id: str) -> None:
+            async with slots:
+                await self.observe(operation_id, job_id)
+
+        while True:
+            rows = await self.pool.fetch(BENCH.naive_pollable, self.settings.poll_batch_size)
+            await asyncio.gather(*(one(r["operation_id"], r["remote_job_id"]) for r in rows))
+            await asyncio.sleep(self.settings.poll_scheduler_interval_s)
+
+
+async def run(settings: Settings) -> None:
+    """Run one copy until cancelled."""
+    pool = await create_pool(settings.database_url, min_size=2, max_size=settings.db_pool_max_size)
+    remote = RemoteClient(make_http_client(settings), settings.remote_model)
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all", linger_ms=2)
+    consumer = AIOKafkaConsumer(
+        settings.topic("submissions"),
+        bootstrap_servers=settings.kafka_bootstrap,
+        group_id=settings.app_id,
+        auto_offset_reset="earliest",
+    )
+    await producer.start()
+    await consumer.start()
+    peer = NaivePeer(settings, pool, remote, producer)
+    try:
+        await asyncio.gather(peer.consume(consumer), peer.poll_forever())
+    finally:
+        await consumer.stop()
+        await producer.stop()
+        await remote.aclose()
+        await pool.close()
+
+
+def main() -> None:
+    """Run one copy with the ``STREAMS_*`` settings of the environment."""
+    asyncio.run(run(Settings.from_env()))
+
+
+if __name__ == "__main__":
+    main()

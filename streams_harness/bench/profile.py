@@ -1,0 +1,165 @@
+"""A CPU profile of one process under load: py-spy (``py-spy record --pid``, sampling from outside, no change to
+the process) writes collapsed stacks; :func:`summarize` says which component the samples were spent in.
+
+A sample is charged to the innermost frame that belongs to a third-party package or to the project
+(``streams``), among the frames the event loop called (below its innermost ``_run_once``: the callback or task
+step it was running); samples with no such frame are the event loop's and the interpreter's own
+(``event loop + stdlib``: waiting in ``select``, scheduling, socket writes of its own). So time a library spends
+inside ``asyncio`` or ``ssl`` counts for that library, and the loop is not charged to whoever started it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+#: Packages reported under one component name (a library and the packages it is built on).
+COMPONENTS: dict[str, str] = {
+    "httpx": "httpx",
+    "httpcore": "httpx",
+    "h11": "httpx",
+    "anyio": "httpx",
+    "sniffio": "httpx",
+    "aiohttp": "aiohttp",
+    "yarl": "aiohttp",
+    "multidict": "aiohttp",
+    "aiohappyeyeballs": "aiohttp",
+    "propcache": "aiohttp",
+    "faust": "faust",
+    "mode": "faust",
+    "venusian": "faust",
+    "croniter": "faust",
+    "jsonschema": "jsonschema",
+    "referencing": "jsonschema",
+    "rpds": "jsonschema",
+    "jsonschema_specifications": "jsonschema",
+    "redis": "redis",
+    "asyncpg": "asyncpg",
+    "aiokafka": "aiokafka",
+    "kafka": "aiokafka",
+    "tenacity": "tenacity",
+    "prometheus_client": "prometheus_client",
+    "streams": "streams (own code)",
+}
+
+EVENT_LOOP = "event loop + stdlib"
+
+_FRAME = re.compile(r"^(?P<function>.*) \((?P<path>[^()]*?)(?::(?P<line>\d+))?\)$")
+_SITE = re.compile(r"[/\\]site-packages[/\\](?P<package>[A-Za-z0-9_]+)")
+_LOOP_STEP = re.compile(r"^(?:\w+\.)?_run_once \(")
+_OWN = re.compile(r"(?:^|[/\\])streams[/\\][^/\\]+\.py$")
+
+
+def py_spy() -> str | None:
+    """The ``py-spy`` executable (next to this interpreter, else on PATH), or None when not installed."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+class Profiler:
+    """``py-spy record`` of one process into ``path`` (collapsed stacks) until :meth:`stop`."""
+
+    def __init__(self, pid: int, path: Path, rate_hz: int = 100) -> None:
+        self.pid = pid
+        self.path = path
+        self.rate_hz = rate_hz
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = path.with_suffix(".log")
+
+    def start(self) -> bool:
+        """Start sampling; False when py-spy is not installed (nothing is recorded then)."""
+        binary = py_spy()
+        if binary is None:
+            return False
+        command = [binary, "record", "--pid", str(self.pid), "--rate", str(self.rate_hz), "--format", "raw"]
+        self.proc = subprocess.Popen(
+            [*command, "--full-filenames", "--output", str(self.path)],
+            stdout=self.log_path.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        return True
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop sampling (SIGINT: py-spy writes its file); True when the file was written."""
+        if self.proc is None:
+            return False
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.path.exists() and self.path.stat().st_size > 0
+
+
+def component_of(frame: str) -> str | None:
+    """The component of one collapsed-stack frame ``function (path:line)``; None for the standard library."""
+    match = _FRAME.match(frame)
+    path = match.group("path") if match else frame
+    site = _SITE.search(path)
+    if site is not None:
+        package = site.group("package")
+        return COMPONENTS.get(package, package)
+    if _OWN.search(path):
+        return COMPONENTS["streams"]
+    return None
+
+
+def _short(frame: str) -> str:
+    match = _FRAME.match(frame)
+    if match is None:
+        return frame
+    path = match.group("path")
+    site = _SITE.search(path)
+    where = path[site.start() + len("/site-packages/") :] if site else Path(path).name
+    return f"{match.group('function')} ({where})"
+
+
+def summarize(path: Path, top: int = 15) -> dict[str, Any]:
+    """Read py-spy's collapsed stacks at ``path`` (``frame;frame;...;leaf count`` per line).
+
+    Returns ``samples``, ``by_component`` (component -> percent of samples, see the module docstring),
+    ``top_functions`` (the ``top`` leaf frames by percent of samples, "self" time) and
+    ``top_own_functions`` (the project's frames by percent of samples spent in them or below, "total" time).
+    """
+    by_component: Counter[str] = Counter()
+    leaves: Counter[str] = Counter()
+    own_total: Counter[str] = Counter()
+    samples = 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        samples += count
+        loop_at = max((i for i, frame in enumerate(frames) if _LOOP_STEP.match(frame)), default=-1)
+        called = frames[loop_at + 1 :]
+        charged = EVENT_LOOP
+        for frame in reversed(called):
+            component = component_of(frame)
+            if component is not None:
+                charged = component
+                break
+        by_component[charged] += count
+        leaves[_short(frames[-1])] += count
+        for frame in set(called):
+            if component_of(frame) == COMPONENTS["streams"]:
+                own_total[_short(frame)] += count
+
+    def percent(counter: Counter[str], n: int | None = None) -> dict[str, float]:
+        return {k: round(100.0 * v / samples, 1) for k, v in counter.most_common(n)} if samples else {}
+
+    return {
+        "samples": samples,
+        "by_component": percent(by_component),
+        "top_functions": percent(leaves, top),
+        "top_own_functions": percent(own_total, top),
+    }

@@ -1,0 +1,459 @@
+"""The benchmark's runs: the pipeline (worker processes), the floor and the naive peer, each on the same
+closed-loop workload, each measured from independent records, then summarized (medians per configuration).
+
+One run: its own ledger database and topics (created empty), the simulator's record reset, its processes
+started and (for consumer groups) stable; the counters read; N submissions published at once; wait until every
+operation is final and the outbox drained; the processes stopped; the counters read again; the report of the
+main job (:func:`streams_harness.mainjob.collect_report`) computed from the ledger, the simulator and Kafka.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import orjson
+from aiokafka.admin import AIOKafkaAdminClient
+
+from streams.admin import (
+    create_run_database,
+    create_topics,
+    delete_topics,
+    drop_run_database,
+    migrate,
+    wait_group_stable,
+)
+from streams.config import Settings
+from streams.ledger import create_pool
+from streams.producer import SubmissionProducer
+from streams_harness.bench.counters import (
+    Counters,
+    PrivateRedis,
+    database_name,
+    kafka_messages,
+    redis_counters,
+    redis_reading_cost,
+    settled_postgres_transactions,
+)
+from streams_harness.bench.profile import Profiler, summarize
+from streams_harness.checkout import checkout_dir
+from streams_harness.fleet import Fleet, ProcessError, start_simulator, wait_healthy
+from streams_harness.mainjob import collect_report, free_port
+from streams_harness.replay import trace_request
+from streams_harness.report import FINAL_STATES, REPORT, broken_promises
+from streams_harness.trace import read_trace
+
+PIPELINE, FLOOR, NAIVE = "pipeline", "floor", "naive"
+
+
+@dataclass
+class BenchOptions:
+    """Options of ``streams bench`` (see its ``--help``)."""
+
+    operations: int = 3000
+    workers: tuple[int, ...] = (1, 2, 4)
+    partitions: tuple[int, ...] = (4, 16)
+    transports: tuple[str, ...] = ("aiohttp",)
+    repeats: int = 1
+    naive_processes: int = 2
+    floor: bool = True
+    naive: bool = True
+    sim_get_latency_ms: float = 0.0
+    job_duration_ms: float = 0.0
+    profile: bool = True
+    report_path: Path | None = None
+    chart_path: Path | None = None
+    run_timeout_s: float = 300.0
+    keep: bool = False
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the plan: what runs (``kind``), with how many processes and partitions, which transport."""
+
+    kind: str
+    processes: int
+    partitions: int
+    transport: str
+    repeat: int
+    profile: bool = False
+
+    @property
+    def label(self) -> str:
+        """The configuration's name (runs of one label are repeats of each other)."""
+        if self.kind == FLOOR:
+            return "floor"
+        if self.kind == NAIVE:
+            return f"naive x{self.processes} p{self.partitions} {self.transport}"
+        return f"pipeline w{self.processes} p{self.partitions} {self.transport}"
+
+
+def plan(opts: BenchOptions) -> list[RunSpec]:
+    """The runs, repeat after repeat; every other repeat in reverse order (slow drifts of a shared machine
+    then weigh on every configuration alike). The first repeat profiles the first pipeline configuration with
+    the fewest workers, once per transport."""
+    runs: list[RunSpec] = []
+    for repeat in range(opts.repeats):
+        batch: list[RunSpec] = []
+        if opts.floor:
+            batch.append(RunSpec(FLOOR, 1, opts.partitions[0], "aiohttp", repeat))
+        if opts.naive:
+            batch.append(RunSpec(NAIVE, opts.naive_processes, opts.partitions[0], opts.transports[0], repeat))
+        for transport in opts.transports:
+            for workers in opts.workers:
+                for partitions in opts.partitions:
+                    profile = (
+                        opts.profile
+                        and repeat == 0
+                        and workers == min(opts.workers)
+                        and partitions == opts.partitions[0]
+                    )
+                    batch.append(RunSpec(PIPELINE, workers, partitions, transport, repeat, profile))
+        runs.extend(batch if repeat % 2 == 0 else reversed(batch))
+    return runs
+
+
+class Bench:
+    """The benchmark's shared pieces (private Redis, simulator) and its runs."""
+
+    def __init__(self, opts: BenchOptions, out: Any = sys.stdout) -> None:
+        self.opts = opts
+        self.out = out
+        self.base = Settings.from_env()
+        self.bench_id = f"bench{int(time.time())}"
+        self.dir = checkout_dir() / "reports" / self.bench_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.redis = PrivateRedis(self.base.redis_url, self.dir / "redis.log")
+        self.sim_url = ""
+        self.reading_cost = Counters(0, {}, 0)
+        self.rows = read_trace("conv", start=0, rows=opts.operations)
+        self._seq = 0
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    async def run(self) -> list[dict[str, Any]]:
+        """Run the plan; returns one record per run (see :meth:`run_one`)."""
+        await self.redis.start()
+        self.reading_cost = await redis_reading_cost(self.redis.url)
+        sim_port = free_port()
+        self.sim_url = f"http://127.0.0.1:{sim_port}"
+        sim_env = {
+            "SIM_SEED": "7",
+            "SIM_COMPRESSION": "1",
+            "SIM_QUEUE_MS": str(self.opts.job_duration_ms),
+            "SIM_PREFILL_MS_PER_TOKEN": "0",
+            "SIM_DECODE_MS_PER_TOKEN": "0",
+            "SIM_GET_LATENCY_MS": str(self.opts.sim_get_latency_ms),
+            "SIM_MULTI_OUTPUT_RATE": "0",
+        }
+        sim = start_simulator(sim_port, self.dir / "simulator.log", sim_env)
+        records: list[dict[str, Any]] = []
+        try:
+            await wait_healthy(f"{self.sim_url}/healthz", 60, sim, self.dir / "simulator.log")
+            specs = plan(self.opts)
+            for i, spec in enumerate(specs, 1):
+                self.say(f"[{i}/{len(specs)}] {spec.label} (repeat {spec.repeat + 1})")
+                record = await self.run_one(spec)
+                records.append(record)
+                self.say(
+                    f"        {record['operations_per_s']:8.1f} ops/s  {record['gets_per_operation']:.2f} GET/op  "
+                    f"{record['wall_clock_s']:.0f} s"
+                    + (
+                        f"  TIMED OUT ({record['operations_final']}/{record['operations']} final)"
+                        if record["timed_out"]
+                        else ""
+                    )
+                )
+        finally:
+            sim.terminate()
+            sim.wait(10)
+            self.redis.stop()
+        return records
+
+    def _settings(self, spec: RunSpec, run_id: str, database_url: str) -> Settings:
+        app_id = f"{self.base.app_id}-{run_id}" + ("-naive" if spec.kind == NAIVE else "")
+        return self.base.replace(
+            database_url=database_url,
+            topic_prefix=f"{self.base.topic_prefix}{run_id}.",
+            app_id=app_id,
+            lease_key_prefix=run_id,
+            partitions=spec.partitions,
+            redis_url=self.redis.url,
+            remote_base_url=self.sim_url,
+            http_transport=spec.transport,
+        )
+
+    async def run_one(self, spec: RunSpec) -> dict[str, Any]:
+        """One run (see the module docstring); returns its record of figures."""
+        self._seq += 1
+        run_id = f"{self.bench_id}r{self._seq}"
+        log_dir = self.dir / f"{self._seq:02d}-{spec.label.replace(' ', '-')}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        database_url = await create_run_database(self.base.database_url, run_id)
+        settings = self._settings(spec, run_id, database_url)
+        try:
+            migrate(database_url)
+            await create_topics(settings)
+            async with httpx.AsyncClient(base_url=self.sim_url, timeout=30) as sim:
+                (await sim.post("/_sim/reset")).raise_for_status()
+            return await self._measure(spec, settings, run_id, log_dir)
+        finally:
+            if not self.opts.keep:
+                await drop_run_database(self.base.database_url, database_url)
+                await delete_topics(settings)
+                await _delete_internal_topics(settings)
+
+    async def _start(self, spec: RunSpec, settings: Settings, log_dir: Path) -> Fleet:
+        python = sys.executable
+        if spec.kind == PIPELINE:
+            fleet = Fleet(settings, log_dir)
+            for _ in range(spec.processes):
+                fleet.start()
+            await fleet.wait_ready()
+            await wait_group_stable(settings, spec.processes, 60)
+        elif spec.kind == NAIVE:
+            fleet = Fleet(settings, log_dir, command=[python, "-m", "streams_harness.bench.naive"])
+            for _ in range(spec.processes):
+                fleet.start()
+            await wait_group_stable(settings, spec.processes, 60)
+        else:
+            ready = log_dir / "ready"
+            command = [python, "-m", "streams_harness.bench.floor", "--operations", str(self.opts.operations)]
+            fleet = Fleet(settings, log_dir, command=[*command, "--ready-file", str(ready)])
+            name = fleet.start()
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                if fleet.procs[name].poll() is not None or time.monotonic() > deadline:
+                    raise ProcessError(f"the floor did not start; see {log_dir}")
+                await asyncio.sleep(0.1)
+        return fleet
+
+    async def _counters(self, settings: Settings) -> Counters:
+        reads, calls = await redis_counters(self.redis.url)
+        transactions = await settled_postgres_transactions(self.base.database_url, database_name(settings.database_url))
+        return Counters(reads, calls, transactions, await kafka_messages(settings))
+
+    async def _measure(self, spec: RunSpec, settings: Settings, run_id: str, log_dir: Path) -> dict[str, Any]:
+        n = self.opts.operations
+        pattern = f"{run_id}-%"
+        started = time.monotonic()
+        fleet = await self._start(spec, settings, log_dir)
+        profiler: Profiler | None = None
+        progress_queries = 0
+        timed_out = False
+        try:
+            before = await self._counters(settings)
+            if spec.profile:
+                profiler = Profiler(fleet.pid(fleet.live()[0]), log_dir / "profile.txt")
+                if not profiler.start():
+                    self.say("        (py-spy is not installed: no profile)")
+                    profiler = None
+            ids = await self._submit(settings, run_id)
+            conn = await asyncpg.connect(settings.database_url)
+            try:
+                deadline = time.monotonic() + self.opts.run_timeout_s
+                while True:
+                    await asyncio.sleep(0.25)
+                    exited = not fleet.live()  # the floor exits by itself once done: look at the ledger after
+                    progress_queries += 1
+                    counts = {r["state"]: r["n"] for r in await conn.fetch(REPORT.run_progress, pattern)}
+                    final = sum(v for k, v in counts.items() if k in FINAL_STATES)
+                    drained = spec.kind == NAIVE or counts.get("outbox_pending", 0) == 0
+                    if final >= n and drained:
+                        break
+                    if exited:
+                        raise ProcessError(f"the processes of {spec.label} exited; see {log_dir}")
+                    if time.monotonic() > deadline:
+                        timed_out = True
+                        break
+            finally:
+                await conn.close()
+        finally:
+            if profiler is not None:
+                profiler.stop()
+            fleet.stop_all()
+        after = await self._counters(settings)
+        cost = after.minus(before, self.reading_cost)
+        # the progress queries: one transaction each, and one more for preparing the statement
+        cost = Counters(
+            cost.redis_reads, cost.redis_calls, cost.postgres_transactions - progress_queries - 1, cost.kafka_messages
+        )
+        pool = await create_pool(settings.database_url, min_size=1, max_size=2)
+        try:
+            report = await collect_report(settings, pool, pattern, ids, {"run_id": run_id})
+        finally:
+            await pool.close()
+        async with httpx.AsyncClient(base_url=self.sim_url, timeout=30) as sim:
+            summary = (await sim.get("/_sim/summary")).json()
+        record = figures(spec, report, summary, cost, n)
+        record.update({"run_id": run_id, "timed_out": timed_out, "wall_clock_s": round(time.monotonic() - started, 1)})
+        if profiler is not None and profiler.path.exists():
+            record["profile"] = {"path": str(profiler.path), **summarize(profiler.path)}
+        return record
+
+    async def _submit(self, settings: Settings, run_id: str) -> list[str]:
+        ids: list[str] = []
+        async with SubmissionProducer(settings) as producer:
+            futures = []
+            for i, row in enumerate(self.rows):
+                operation_id = f"{run_id}-{i:06d}"
+                request = trace_request(row, settings.remote_model)
+                futures.append(await producer.submit(operation_id, request, {"bench": run_id, "row": row.row}))
+                ids.append(operation_id)
+            await asyncio.gather(*futures)
+        return ids
+
+
+async def _delete_internal_topics(settings: Settings) -> None:
+    """Delete the topics Faust created for the run's consumer group (``<app id>-__assignor-__leader``)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        doomed = [t for t in await admin.list_topics() if t.startswith(f"{settings.app_id}-")]
+        if doomed:
+            with contextlib.suppress(Exception):
+                await admin.delete_topics(doomed)
+    finally:
+        await admin.close()
+
+
+def figures(spec: RunSpec, report: dict[str, Any], sim: dict[str, Any], cost: Counters, n: int) -> dict[str, Any]:
+    """A run's record: throughput from the ledger, calls per operation from the simulator's record and the
+    services' counters (field names in README, "Benchmark")."""
+    throughput = float(report["throughput_ops_per_s"])
+    final = int(report["operations_final"])
+    span_s = final / throughput if throughput else 0.0
+    gets = int(sim["gets"])
+    observations = max(1, gets)
+    kafka_total = sum(cost.kafka_messages.values())
+    return {
+        "label": spec.label,
+        "kind": spec.kind,
+        "processes": spec.processes,
+        "partitions": spec.partitions,
+        "transport": spec.transport,
+        "repeat": spec.repeat,
+        "profiled": spec.profile,
+        "operations": n,
+        "operations_final": final,
+        "operations_per_s": round(throughput, 1),
+        "observations_per_s": round(gets / span_s, 1) if span_s else 0.0,
+        "completion_to_delivery_ms": report["completion_to_delivery_ms"],
+        "posts_per_operation": round(int(sim["posts"]) / n, 3),
+        "gets_per_operation": round(gets / n, 3),
+        "max_gets_in_flight_per_job": int(sim["max_gets_in_flight_per_job"]),
+        "max_jobs_per_operation": int(sim["max_jobs_per_operation"]),
+        "output_duplicates": report["output_duplicates"],
+        "redis_round_trips_per_observation": round(cost.redis_reads / observations, 2),
+        "redis_calls_per_observation": {k: round(v / observations, 2) for k, v in sorted(cost.redis_calls.items())},
+        "postgres_round_trips_per_operation": round(cost.postgres_transactions / n, 2),
+        "kafka_messages_per_operation": round(kafka_total / n, 2),
+        "kafka_messages_by_topic": cost.kafka_messages,
+        "broken_promises": broken_promises(report, repeats_allowed=False),
+    }
+
+
+#: Figures summarized as medians over a configuration's repeats.
+MEDIAN_FIELDS = (
+    "operations_per_s",
+    "observations_per_s",
+    "posts_per_operation",
+    "gets_per_operation",
+    "max_gets_in_flight_per_job",
+    "redis_round_trips_per_observation",
+    "postgres_round_trips_per_operation",
+    "kafka_messages_per_operation",
+)
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 2)
+
+
+def summarize_runs(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Label -> medians of :data:`MEDIAN_FIELDS` and of the delivery percentiles over the label's runs, with
+    ``runs`` (how many), ``operations_per_s_runs`` (each run's figure) and ``profiled`` (any run profiled)."""
+    by_label: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_label.setdefault(record["label"], []).append(record)
+    summary: dict[str, dict[str, Any]] = {}
+    for label, runs in by_label.items():
+        entry: dict[str, Any] = {k: runs[0][k] for k in ("kind", "processes", "partitions", "transport")}
+        entry["runs"] = len(runs)
+        entry["operations_per_s_runs"] = [r["operations_per_s"] for r in runs]
+        for name in MEDIAN_FIELDS:
+            entry[name] = _median([float(r[name]) for r in runs])
+        for pct in ("p50", "p99"):
+            values = [
+                float(r["completion_to_delivery_ms"][pct])
+                for r in runs
+                if r["completion_to_delivery_ms"][pct] is not None
+            ]
+            entry.setdefault("completion_to_delivery_ms", {})[pct] = _median(values) if values else None
+        entry["broken_promises"] = sorted({p for r in runs for p in r["broken_promises"]})
+        summary[label] = entry
+    return summary
+
+
+@dataclass
+class Comparison:
+    """The headline ratios (see :func:`compare`)."""
+
+    ratio_to_floor: dict[str, float] = field(default_factory=dict)
+    gets_ratio_to_naive: dict[str, float] = field(default_factory=dict)
+
+
+def compare(summary: dict[str, dict[str, Any]]) -> Comparison:
+    """Each pipeline configuration's median throughput over the floor's, and its GETs per operation over the naive
+    peer's (below 1: the GETs the lease saves)."""
+    result = Comparison()
+    floor = next((s for s in summary.values() if s["kind"] == FLOOR), None)
+    naive = next((s for s in summary.values() if s["kind"] == NAIVE), None)
+    for label, entry in summary.items():
+        if entry["kind"] != PIPELINE:
+            continue
+        if floor is not None and floor["operations_per_s"]:
+            result.ratio_to_floor[label] = round(entry["operations_per_s"] / floor["operations_per_s"], 3)
+        if naive is not None and naive["gets_per_operation"]:
+            result.gets_ratio_to_naive[label] = round(entry["gets_per_operation"] / naive["gets_per_operation"], 3)
+    return result
+
+
+def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -> str:
+    """The summary as a fixed-width table (terminal and README)."""
+    header = (
+        f"{'configuration':<28} {'ops/s':>7} {'obs/s':>7} {'c2d p50':>8} {'c2d p99':>8} {'POST/op':>7} {'GET/op':>7} "
+        f"{'GETs||':>6} {'Redis RT/obs':>12} {'PG RT/op':>8} {'Kafka/op':>8} {'x floor':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for label, s in summary.items():
+        c2d = s["completion_to_delivery_ms"]
+        ratio = comparison.ratio_to_floor.get(label)
+        lines.append(
+            f"{label:<28} {s['operations_per_s']:>7.1f} {s['observations_per_s']:>7.1f} "
+            f"{_ms(c2d['p50']):>8} {_ms(c2d['p99']):>8} "
+            f"{s['posts_per_operation']:>7.2f} {s['gets_per_operation']:>7.2f} "
+            f"{s['max_gets_in_flight_per_job']:>6.0f} {s['redis_round_trips_per_observation']:>12.2f} "
+            f"{s['postgres_round_trips_per_operation']:>8.2f} {s['kafka_messages_per_operation']:>8.2f} "
+            f"{'' if ratio is None else f'{ratio:.3f}':>7}"
+        )
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """Write the report as indented JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

@@ -1,0 +1,157 @@
+"""The benchmark's pure pieces: the plan of runs, the counters' differences, the summary and its ratios, and the
+profile's attribution of samples to components."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from streams_harness.bench.counters import Counters
+from streams_harness.bench.profile import EVENT_LOOP, component_of, summarize
+from streams_harness.bench.runner import (
+    FLOOR,
+    NAIVE,
+    PIPELINE,
+    BenchOptions,
+    RunSpec,
+    compare,
+    plan,
+    render_summary,
+    summarize_runs,
+)
+
+SITE = "/venv/lib/python3.11/site-packages"
+STDLIB = "/usr/lib/python3.11"
+
+
+def test_plan_alternates_repeats_and_profiles_the_smallest_pipeline_once_per_transport() -> None:
+    opts = BenchOptions(workers=(1, 2), partitions=(4, 16), transports=("aiohttp", "httpx"), repeats=2)
+    runs = plan(opts)
+    first, second = runs[: len(runs) // 2], runs[len(runs) // 2 :]
+    assert [r.label for r in first] == [r.label for r in reversed(second)]
+    assert [r.kind for r in first[:2]] == [FLOOR, NAIVE]
+    assert {r.label for r in runs if r.profile} == {"pipeline w1 p4 aiohttp", "pipeline w1 p4 httpx"}
+    assert all(r.repeat == 0 for r in runs if r.profile)
+    assert len([r for r in first if r.kind == PIPELINE]) == 2 * 2 * 2
+
+
+def test_plan_without_references() -> None:
+    runs = plan(BenchOptions(workers=(4,), partitions=(8,), floor=False, naive=False, profile=False))
+    assert [(r.label, r.profile) for r in runs] == [("pipeline w4 p8 aiohttp", False)]
+
+
+def test_counter_differences_leave_out_what_readings_add() -> None:
+    before = Counters(100, {"set": 10, "info": 4, "hello": 2}, 50, {"polls": 0, "submissions": 5})
+    after = Counters(180, {"set": 40, "info": 6, "hello": 3, "evalsha": 20}, 120, {"polls": 30, "submissions": 35})
+    reading = Counters(5, {"info": 2, "hello": 1}, 0)
+    cost = after.minus(before, reading)
+    assert cost.redis_reads == 75
+    assert cost.redis_calls == {"set": 30, "evalsha": 20}
+    assert cost.postgres_transactions == 70
+    assert cost.kafka_messages == {"polls": 30, "submissions": 30}
+
+
+def record(label: str, kind: str, ops: float, gets: float, p50: float | None = 100.0, **extra: Any) -> dict[str, Any]:
+    return {
+        "label": label,
+        "kind": kind,
+        "processes": extra.get("processes", 1),
+        "partitions": 4,
+        "transport": "aiohttp",
+        "operations_per_s": ops,
+        "observations_per_s": ops * gets,
+        "posts_per_operation": 1.0,
+        "gets_per_operation": gets,
+        "max_gets_in_flight_per_job": 1,
+        "redis_round_trips_per_observation": 7.0,
+        "postgres_round_trips_per_operation": 7.0,
+        "kafka_messages_per_operation": 7.0,
+        "completion_to_delivery_ms": {"p50": p50, "p99": None if p50 is None else 2 * p50},
+        "broken_promises": extra.get("broken", []),
+    }
+
+
+def test_summary_takes_medians_and_ratios_compare_with_floor_and_naive() -> None:
+    records = [
+        record("floor", FLOOR, 1000.0, 1.0),
+        record("floor", FLOOR, 1200.0, 1.0),
+        record("floor", FLOOR, 900.0, 1.0),
+        record("naive x2 p4 aiohttp", NAIVE, 100.0, 2.0, processes=2),
+        record("pipeline w1 p4 aiohttp", PIPELINE, 150.0, 1.0),
+        record("pipeline w1 p4 aiohttp", PIPELINE, 250.0, 1.0, p50=None),
+        record("pipeline w1 p4 aiohttp", PIPELINE, 200.0, 1.0, p50=300.0, broken=["orphan_jobs=1"]),
+    ]
+    summary = summarize_runs(records)
+    assert summary["floor"]["operations_per_s"] == 1000.0
+    pipeline = summary["pipeline w1 p4 aiohttp"]
+    assert (pipeline["runs"], pipeline["operations_per_s"], pipeline["operations_per_s_runs"]) == (
+        3,
+        200.0,
+        [150, 250, 200],
+    )
+    assert pipeline["completion_to_delivery_ms"] == {"p50": 200.0, "p99": 400.0}  # the run without figures left out
+    assert pipeline["broken_promises"] == ["orphan_jobs=1"]
+    comparison = compare(summary)
+    assert comparison.ratio_to_floor == {"pipeline w1 p4 aiohttp": 0.2}
+    assert comparison.gets_ratio_to_naive == {"pipeline w1 p4 aiohttp": 0.5}
+    table = render_summary(summary, comparison)
+    assert table.splitlines()[3].startswith("naive x2 p4 aiohttp")
+    assert table.splitlines()[4].split()[-1] == "0.200"
+
+
+def test_run_labels() -> None:
+    assert RunSpec(FLOOR, 1, 4, "aiohttp", 0).label == "floor"
+    assert RunSpec(NAIVE, 3, 4, "httpx", 0).label == "naive x3 p4 httpx"
+    assert RunSpec(PIPELINE, 2, 16, "aiohttp", 1).label == "pipeline w2 p16 aiohttp"
+
+
+def frame(function: str, path: str, line: int = 1) -> str:
+    return f"{function} ({path}:{line})"
+
+
+def test_components_of_frames() -> None:
+    assert component_of(frame("AsyncClient.send", f"{SITE}/httpx/_client.py")) == "httpx"
+    assert component_of(frame("AsyncConnectionPool.handle", f"{SITE}/httpcore/_async/pool.py")) == "httpx"
+    assert component_of(frame("Connection.fetchval", f"{SITE}/asyncpg/connection.py")) == "asyncpg"
+    assert component_of(frame("Observer.handle", "/work/repo/streams/observer.py")) == "streams (own code)"
+    assert component_of(frame("Something.run", f"{SITE}/unknownpkg/x.py")) == "unknownpkg"
+    assert component_of(frame("BaseEventLoop._run_once", f"{STDLIB}/asyncio/base_events.py")) is None
+    assert component_of(frame("worker", "/work/repo/streams_harness/cli.py")) is None
+
+
+def test_samples_are_charged_below_the_event_loop(tmp_path: Path) -> None:
+    outer = ";".join(
+        [
+            frame("worker", "/work/repo/streams/cli.py"),
+            frame("Worker.execute_from_commandline", f"{SITE}/mode/worker.py"),
+            frame("BaseEventLoop.run_forever", f"{STDLIB}/asyncio/base_events.py"),
+            frame("BaseEventLoop._run_once", f"{STDLIB}/asyncio/base_events.py"),
+        ]
+    )
+    select = outer + ";" + frame("EpollSelector.select", f"{STDLIB}/selectors.py")
+    task = (
+        outer
+        + ";"
+        + ";".join(
+            [
+                frame("Handle._run", f"{STDLIB}/asyncio/events.py"),
+                frame("Observer.handle", "/work/repo/streams/observer.py"),
+                frame("Redis.execute_command", f"{SITE}/redis/asyncio/client.py"),
+                frame("_SelectorSocketTransport.write", f"{STDLIB}/asyncio/selector_events.py"),
+            ]
+        )
+    )
+    own = (
+        outer
+        + ";"
+        + frame("Handle._run", f"{STDLIB}/asyncio/events.py")
+        + ";"
+        + frame("Observer._delay", "/work/repo/streams/observer.py")
+    )
+    path = tmp_path / "profile.txt"
+    path.write_text(f"{select} 30\n{task} 60\n{own} 10\nnot a sample line\n")
+    result = summarize(path)
+    assert result["samples"] == 100
+    assert result["by_component"] == {"redis": 60.0, EVENT_LOOP: 30.0, "streams (own code)": 10.0}
+    assert result["top_functions"]["_SelectorSocketTransport.write (selector_events.py)"] == 60.0
+    assert result["top_own_functions"] == {"Observer.handle (observer.py)": 60.0, "Observer._delay (observer.py)": 10.0}
