@@ -11,8 +11,8 @@ ledger's own batch queries. No schema validation, no outcome classification, no 
 expected to succeed (the benchmark's workload). The ledger's triggers still write the transition log and
 outbox events, as for the pipeline.
 
-Run by the benchmark: ``python -m streams_harness.bench.floor --operations N --ready-file PATH`` with the run's
-``STREAMS_*`` settings in the environment; exits once N outputs are published and the outbox is empty.
+Run by the benchmark: ``python -m streams_harness.bench.floor --ready-file PATH`` with the run's
+``STREAMS_*`` settings in the environment; runs until stopped.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ class Floor:
         self.http = http
         self.headers = {"Authorization": f"Bearer {settings.remote_api_key}", "Content-Type": "application/json"}
         self.producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all", linger_ms=2)
-        self.outputs_published = 0
-        self.last_relay = -1
 
     async def _leases(self, command: str, ids: list[str], action: str, times: int = 1) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -179,10 +177,8 @@ class Floor:
                 for row in rows
             ]
             await asyncio.gather(*futures)
-            self.outputs_published += sum(1 for row in rows if row["topic_role"] == "outputs_delivered")
 
-        self.last_relay = await self.ledger.relay_outbox(BATCH, publish)
-        return self.last_relay
+        return await self.ledger.relay_outbox(BATCH, publish)
 
     async def consume(self, consumer: AIOKafkaConsumer) -> None:
         """Hand each fetched batch of submissions and of polls to its step, several batches at a time."""
@@ -215,8 +211,8 @@ class Floor:
                 await asyncio.sleep(0.005)
 
 
-async def run(settings: Settings, operations: int, ready_file: Path | None) -> None:
-    """Run the floor until ``operations`` outputs are published (see the module docstring)."""
+async def run(settings: Settings, ready_file: Path | None) -> None:
+    """Run the floor until cancelled (see the module docstring); ``ready_file`` is written once it consumes."""
     pool = await create_pool(settings.database_url, min_size=4, max_size=10)
     connector = aiohttp.TCPConnector(limit=settings.http_max_connections)
     async with aiohttp.ClientSession(settings.remote_base_url, connector=connector) as http:
@@ -235,20 +231,8 @@ async def run(settings: Settings, operations: int, ready_file: Path | None) -> N
                 await asyncio.sleep(0.05)
             if ready_file is not None:
                 await asyncio.to_thread(ready_file.write_text, "ready")
-            loops = [
-                asyncio.create_task(floor.consume(consumer)),
-                asyncio.create_task(floor.repeat(floor.schedule)),
-                asyncio.create_task(floor.repeat(floor.relay)),
-            ]
-            try:
-                while floor.outputs_published < operations or floor.last_relay != 0:
-                    done = [t for t in loops if t.done()]
-                    if done:
-                        done[0].result()  # a loop failed: raise its error
-                    await asyncio.sleep(0.01)
-            finally:
-                for task in loops:
-                    task.cancel()
+            # runs until stopped, like a worker: the benchmark watches the ledger to know when it is done
+            await asyncio.gather(floor.consume(consumer), floor.repeat(floor.schedule), floor.repeat(floor.relay))
         finally:
             await consumer.stop()
             await floor.producer.stop()
@@ -257,12 +241,11 @@ async def run(settings: Settings, operations: int, ready_file: Path | None) -> N
 
 
 def main() -> None:
-    """Command line: ``--operations N [--ready-file PATH]``; settings from ``STREAMS_*``."""
+    """Command line: ``[--ready-file PATH]``; settings from ``STREAMS_*``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--operations", type=int, required=True)
     parser.add_argument("--ready-file", type=Path, default=None)
     args = parser.parse_args()
-    asyncio.run(run(Settings.from_env(), args.operations, args.ready_file))
+    asyncio.run(run(Settings.from_env(), args.ready_file))
 
 
 if __name__ == "__main__":

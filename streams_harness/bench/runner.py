@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -52,6 +53,9 @@ from streams_harness.report import FINAL_STATES, REPORT, broken_promises
 from streams_harness.trace import read_trace
 
 PIPELINE, FLOOR, NAIVE = "pipeline", "floor", "naive"
+
+#: Seconds the started processes are watched idle before the submissions, for ``idle_cpu_percent``.
+IDLE_WINDOW_S = 3.0
 
 
 @dataclass
@@ -136,6 +140,7 @@ class Bench:
         self.reading_cost = Counters(0, {}, 0)
         self.rows = read_trace("conv", start=0, rows=opts.operations)
         self._seq = 0
+        self.sim_pid = 0
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -156,6 +161,7 @@ class Bench:
             "SIM_MULTI_OUTPUT_RATE": "0",
         }
         sim = start_simulator(sim_port, self.dir / "simulator.log", sim_env)
+        self.sim_pid = sim.pid
         records: list[dict[str, Any]] = []
         try:
             await wait_healthy(f"{self.sim_url}/healthz", 60, sim, self.dir / "simulator.log")
@@ -227,8 +233,8 @@ class Bench:
             await wait_group_stable(settings, spec.processes, 60)
         else:
             ready = log_dir / "ready"
-            command = [python, "-m", "streams_harness.bench.floor", "--operations", str(self.opts.operations)]
-            fleet = Fleet(settings, log_dir, command=[*command, "--ready-file", str(ready)])
+            command = [python, "-m", "streams_harness.bench.floor", "--ready-file", str(ready)]
+            fleet = Fleet(settings, log_dir, command=command)
             name = fleet.start()
             deadline = time.monotonic() + 60
             while not ready.exists():
@@ -257,26 +263,33 @@ class Bench:
                 if not profiler.start():
                     self.say("        (py-spy is not installed: no profile)")
                     profiler = None
+            pids = [fleet.pid(name) for name in fleet.live()]
+            idle_from = (time.monotonic(), sum(process_cpu_s(pid) for pid in pids))
+            await asyncio.sleep(IDLE_WINDOW_S)  # what the processes spend with nothing to do (timers, heartbeats)
+            cpu_before = sum(process_cpu_s(pid) for pid in pids)
+            idle_cpu_percent = 100.0 * (cpu_before - idle_from[1]) / (time.monotonic() - idle_from[0])
+            sim_cpu_before = process_cpu_s(self.sim_pid)
             ids = await self._submit(settings, run_id)
             conn = await asyncpg.connect(settings.database_url)
             try:
                 deadline = time.monotonic() + self.opts.run_timeout_s
                 while True:
                     await asyncio.sleep(0.25)
-                    exited = not fleet.live()  # the floor exits by itself once done: look at the ledger after
                     progress_queries += 1
                     counts = {r["state"]: r["n"] for r in await conn.fetch(REPORT.run_progress, pattern)}
                     final = sum(v for k, v in counts.items() if k in FINAL_STATES)
                     drained = spec.kind == NAIVE or counts.get("outbox_pending", 0) == 0
                     if final >= n and drained:
                         break
-                    if exited:
+                    if not fleet.live():
                         raise ProcessError(f"the processes of {spec.label} exited; see {log_dir}")
                     if time.monotonic() > deadline:
                         timed_out = True
                         break
             finally:
                 await conn.close()
+            cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
+            sim_cpu_s = process_cpu_s(self.sim_pid) - sim_cpu_before
         finally:
             if profiler is not None:
                 profiler.stop()
@@ -295,6 +308,9 @@ class Bench:
         async with httpx.AsyncClient(base_url=self.sim_url, timeout=30) as sim:
             summary = (await sim.get("/_sim/summary")).json()
         record = figures(spec, report, summary, cost, n)
+        record["cpu_ms_per_operation"] = round(1000.0 * cpu_s / n, 3)
+        record["idle_cpu_percent"] = round(idle_cpu_percent, 1)
+        record["simulator_cpu_ms_per_operation"] = round(1000.0 * sim_cpu_s / n, 3)
         record.update({"run_id": run_id, "timed_out": timed_out, "wall_clock_s": round(time.monotonic() - started, 1)})
         if profiler is not None and profiler.path.exists():
             record["profile"] = {"path": str(profiler.path), **summarize(profiler.path)}
@@ -311,6 +327,15 @@ class Bench:
                 ids.append(operation_id)
             await asyncio.gather(*futures)
         return ids
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far; 0.0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _delete_internal_topics(settings: Settings) -> None:
@@ -365,6 +390,9 @@ def figures(spec: RunSpec, report: dict[str, Any], sim: dict[str, Any], cost: Co
 #: Figures summarized as medians over a configuration's repeats.
 MEDIAN_FIELDS = (
     "operations_per_s",
+    "cpu_ms_per_operation",
+    "idle_cpu_percent",
+    "simulator_cpu_ms_per_operation",
     "observations_per_s",
     "posts_per_operation",
     "gets_per_operation",
@@ -430,21 +458,43 @@ def compare(summary: dict[str, dict[str, Any]]) -> Comparison:
 
 def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -> str:
     """The summary as a fixed-width table (terminal and README)."""
-    header = (
-        f"{'configuration':<28} {'ops/s':>7} {'obs/s':>7} {'c2d p50':>8} {'c2d p99':>8} {'POST/op':>7} {'GET/op':>7} "
-        f"{'GETs||':>6} {'Redis RT/obs':>12} {'PG RT/op':>8} {'Kafka/op':>8} {'x floor':>7}"
+    columns = (
+        ("ops/s", 7),
+        ("CPU ms/op", 9),
+        ("idle CPU%", 9),
+        ("obs/s", 7),
+        ("c2d p50", 8),
+        ("c2d p99", 8),
+        ("POST/op", 7),
+        ("GET/op", 7),
+        ("GETs||", 6),
+        ("Redis RT/obs", 12),
+        ("PG RT/op", 8),
+        ("Kafka/op", 8),
+        ("x floor", 7),
     )
+    header = f"{'configuration':<28} " + " ".join(f"{name:>{width}}" for name, width in columns)
     lines = [header, "-" * len(header)]
     for label, s in summary.items():
         c2d = s["completion_to_delivery_ms"]
         ratio = comparison.ratio_to_floor.get(label)
+        cells = (
+            f"{s['operations_per_s']:.1f}",
+            f"{s['cpu_ms_per_operation']:.2f}",
+            f"{s['idle_cpu_percent']:.1f}",
+            f"{s['observations_per_s']:.1f}",
+            _ms(c2d["p50"]),
+            _ms(c2d["p99"]),
+            f"{s['posts_per_operation']:.2f}",
+            f"{s['gets_per_operation']:.2f}",
+            f"{s['max_gets_in_flight_per_job']:.0f}",
+            f"{s['redis_round_trips_per_observation']:.2f}",
+            f"{s['postgres_round_trips_per_operation']:.2f}",
+            f"{s['kafka_messages_per_operation']:.2f}",
+            "" if ratio is None else f"{ratio:.3f}",
+        )
         lines.append(
-            f"{label:<28} {s['operations_per_s']:>7.1f} {s['observations_per_s']:>7.1f} "
-            f"{_ms(c2d['p50']):>8} {_ms(c2d['p99']):>8} "
-            f"{s['posts_per_operation']:>7.2f} {s['gets_per_operation']:>7.2f} "
-            f"{s['max_gets_in_flight_per_job']:>6.0f} {s['redis_round_trips_per_observation']:>12.2f} "
-            f"{s['postgres_round_trips_per_operation']:>8.2f} {s['kafka_messages_per_operation']:>8.2f} "
-            f"{'' if ratio is None else f'{ratio:.3f}':>7}"
+            f"{label:<28} " + " ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns, strict=True))
         )
     return "\n".join(lines)
 
