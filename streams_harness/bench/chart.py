@@ -54,6 +54,7 @@ def draw(summary: dict[str, dict[str, Any]], comparison: Any, path: Path, title:
         ("redis_round_trips_per_observation", "Redis\nround trips\nper observation"),
         ("postgres_round_trips_per_operation", "PostgreSQL\nround trips\nper operation"),
         ("kafka_messages_per_operation", "Kafka\nmessages\nper operation"),
+        ("cpu_ms_per_operation", "CPU ms\nper operation\n(its processes)"),
     ]
     picked = _representatives(summary)
     width = 0.8 / max(1, len(picked))

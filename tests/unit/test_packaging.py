@@ -104,12 +104,12 @@ def test_product_commands_and_the_worker_import_path_load_no_harness_module() ->
 def test_harness_commands_are_offered_through_the_entry_point_group() -> None:
     group = cli.main
     assert isinstance(group, cli.PluginGroup)
-    assert set(group.plugin_entry_points()) == {"run", "soak", "simulator", "replay"}
+    assert set(group.plugin_entry_points()) == {"run", "soak", "bench", "simulator", "replay"}
     product = {"migrate", "ready", "worker", "submit", "follow", "operations", "accounting"}
     assert set(group.commands) == product  # the product's own
     result = CliRunner().invoke(group, ["--help"])
     assert result.exit_code == 0
-    for name in ("run", "soak", "simulator", "replay", *product):
+    for name in ("run", "soak", "bench", "simulator", "replay", *product):
         assert f"\n  {name} " in result.output
 
 
