@@ -29,6 +29,12 @@ after sending look unsent, and the dispatcher would POST it again (a second remo
 aiohttp itself never re-sends a POST: it retries a request once on a broken keep-alive connection only for
 idempotent methods (``GET`` here, sequentially: still at most one GET in flight per job).
 
+httpcore's ``trace`` request extension is honoured as far as the remote client needs it: the callback gets
+``http11.send_request_headers.started`` as soon as aiohttp holds a connection for the request (new or reused),
+just before it writes the request. So a call cut off by the client's overall deadline counts as "not sent"
+only while it waited for a connection, and as maybe sent from then on (a connection acquired but not yet
+written to counts as sent: never re-send on a guess).
+
 Timeouts (``httpx.Timeout``, seconds) become ``aiohttp.ClientTimeout``: ``pool + connect`` bounds getting a
 connection (aiohttp's ``connect`` covers waiting for the pool and connecting), ``connect`` the TCP connect,
 ``read`` each socket read (aiohttp starts it when the request is handed to the connection, so it also bounds the
@@ -75,6 +81,24 @@ def httpx_error_for(exc: BaseException, request: httpx.Request) -> httpx.Transpo
     return None
 
 
+#: The trace event httpcore sends when it starts writing a request (the one the remote client watches).
+SEND_STARTED = "http11.send_request_headers.started"
+
+
+async def _connection_acquired(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
+    trace = getattr(context, "trace_request_ctx", None)
+    if trace is not None:
+        await trace(SEND_STARTED, {})
+
+
+def _trace_config() -> aiohttp.TraceConfig:
+    config = aiohttp.TraceConfig()
+    config.on_connection_create_end.append(_connection_acquired)
+    config.on_connection_reuseconn.append(_connection_acquired)
+    config.freeze()
+    return config
+
+
 def _client_timeout(timeout: dict[str, float | None]) -> aiohttp.ClientTimeout:
     connect, pool = timeout.get("connect"), timeout.get("pool")
     acquire = None if connect is None or pool is None else connect + pool
@@ -110,6 +134,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 auto_decompress=False,
                 trust_env=False,
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+                trace_configs=[_trace_config()],
             )
         return self._session
 
@@ -130,6 +155,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 allow_redirects=False,
                 compress=None,
                 timeout=_client_timeout(extensions.get("timeout", {})),
+                trace_request_ctx=extensions.get("trace"),
             ) as answer:
                 content = await answer.read()
         except BaseException as exc:

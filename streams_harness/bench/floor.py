@@ -46,9 +46,12 @@ class Floor:
         self.settings = settings
         self.ledger = ledger
         self.pool = ledger.pool
-        self.redis = make_redis(settings.redis_url, 5.0)
+        self.redis = make_redis(settings.redis_url.get_secret_value(), 5.0)
         self.http = http
-        self.headers = {"Authorization": f"Bearer {settings.remote_api_key}", "Content-Type": "application/json"}
+        self.headers = {
+            "Authorization": f"Bearer {settings.remote_api_key.get_secret_value()}",
+            "Content-Type": "application/json",
+        }
         self.producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all", linger_ms=2)
 
     async def _leases(self, command: str, ids: list[str], action: str, times: int = 1) -> None:
@@ -72,7 +75,8 @@ class Floor:
         ids = [e["operation_id"] for e in events]
         await self._leases("set", ids, "submit")
         requests = [orjson.dumps(e["request"]).decode() for e in events]
-        await self.pool.execute(BENCH.floor_accept_many, ids, requests, WORKER)
+        submitted = [e["submitted_at_ms"] for e in events]
+        await self.pool.execute(BENCH.floor_accept_many, ids, requests, submitted, WORKER)
         claimed = {
             r["operation_id"]: r["fencing_token"]
             for r in await self.pool.fetch(BENCH.floor_claim_submit_many, ids, WORKER)
@@ -81,11 +85,8 @@ class Floor:
 
         async def post(event: dict[str, Any]) -> tuple[str, int, str, float]:
             request = event["request"]
-            body = {
-                "model": request.get("model", self.settings.remote_model),
-                "input": {"context_tokens": request["context_tokens"], "generated_tokens": request["generated_tokens"]},
-                "metadata": {"operation_id": event["operation_id"]},
-            }
+            body = {"model": self.settings.remote_model, **request}
+            body["metadata"] = {**request.get("metadata", {}), "client_reference": event["operation_id"]}
             started = time.perf_counter()
             async with self.http.post("/v1/generations", data=orjson.dumps(body), headers=self.headers) as r:
                 answer = orjson.loads(await r.read())
@@ -205,17 +206,17 @@ class Floor:
                     task.add_done_callback(tasks.discard)
 
     async def repeat(self, tick: Any) -> None:
-        """Run ``tick`` back to back, pausing 5 ms whenever it finds nothing."""
+        """Run ``tick`` back to back, pausing 20 ms whenever it finds nothing."""
         while True:
             if not await tick():
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.02)
 
 
 async def run(settings: Settings, ready_file: Path | None) -> None:
     """Run the floor until cancelled (see the module docstring); ``ready_file`` is written once it consumes."""
-    pool = await create_pool(settings.database_url, min_size=4, max_size=10)
+    pool = await create_pool(settings.database_url.get_secret_value(), min_size=4, max_size=10)
     connector = aiohttp.TCPConnector(limit=settings.http_max_connections)
-    async with aiohttp.ClientSession(settings.remote_base_url, connector=connector) as http:
+    async with aiohttp.ClientSession(settings.remote_base_url.get_secret_value(), connector=connector) as http:
         floor = Floor(settings, Ledger(pool, WORKER), http)
         consumer = AIOKafkaConsumer(
             settings.topic("submissions"),

@@ -26,7 +26,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from streams.config import Settings
 from streams.errors import RemoteError
 from streams.ledger import Ledger, create_pool
-from streams.remote import RemoteClient, make_http_client
+from streams.remote import RemoteClient
 from streams.states import OperationState
 from streams_harness.bench.counters import BENCH
 
@@ -45,10 +45,11 @@ class NaivePeer:
 
     async def submit(self, event: dict[str, Any]) -> None:
         operation_id = event["operation_id"]
-        await self.ledger.accept(operation_id, event["request"])
+        request_text = orjson.dumps(event["request"]).decode()
+        await self.ledger.accept(operation_id, request_text, submitted_at_ms=event["submitted_at_ms"])
         await self.pool.execute(BENCH.naive_mark_submitting, operation_id, WORKER)
         try:
-            result = await self.remote.submit(operation_id, event["request"])
+            result = await self.remote.submit(operation_id, request_text)
         except RemoteError:
             return
         await self.pool.execute(BENCH.naive_save_job, operation_id, result.job_id, WORKER)
@@ -116,8 +117,8 @@ class NaivePeer:
 
 async def run(settings: Settings) -> None:
     """Run one copy until cancelled."""
-    pool = await create_pool(settings.database_url, min_size=2, max_size=settings.db_pool_max_size)
-    remote = RemoteClient(make_http_client(settings), settings.remote_model)
+    pool = await create_pool(settings.database_url.get_secret_value(), min_size=2, max_size=settings.db_pool_max_size)
+    remote = RemoteClient.from_settings(settings)
     producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all", linger_ms=2)
     consumer = AIOKafkaConsumer(
         settings.topic("submissions"),

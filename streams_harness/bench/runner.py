@@ -135,7 +135,7 @@ class Bench:
         self.bench_id = f"bench{int(time.time())}"
         self.dir = checkout_dir() / "reports" / self.bench_id
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.redis = PrivateRedis(self.base.redis_url, self.dir / "redis.log")
+        self.redis = PrivateRedis(self.base.redis_url.get_secret_value(), self.dir / "redis.log")
         self.sim_url = ""
         self.reading_cost = Counters(0, {}, 0)
         self.rows = read_trace("conv", start=0, rows=opts.operations)
@@ -204,7 +204,8 @@ class Bench:
         run_id = f"{self.bench_id}r{self._seq}"
         log_dir = self.dir / f"{self._seq:02d}-{spec.label.replace(' ', '-')}"
         log_dir.mkdir(parents=True, exist_ok=True)
-        database_url = await create_run_database(self.base.database_url, run_id)
+        admin_url = self.base.database_url.get_secret_value()
+        database_url = await create_run_database(admin_url, run_id)
         settings = self._settings(spec, run_id, database_url)
         try:
             migrate(database_url)
@@ -214,7 +215,7 @@ class Bench:
             return await self._measure(spec, settings, run_id, log_dir)
         finally:
             if not self.opts.keep:
-                await drop_run_database(self.base.database_url, database_url)
+                await drop_run_database(admin_url, database_url)
                 await delete_topics(settings)
                 await _delete_internal_topics(settings)
 
@@ -245,7 +246,10 @@ class Bench:
 
     async def _counters(self, settings: Settings) -> Counters:
         reads, calls = await redis_counters(self.redis.url)
-        transactions = await settled_postgres_transactions(self.base.database_url, database_name(settings.database_url))
+        database_url = settings.database_url.get_secret_value()
+        transactions = await settled_postgres_transactions(
+            self.base.database_url.get_secret_value(), database_name(database_url)
+        )
         return Counters(reads, calls, transactions, await kafka_messages(settings))
 
     async def _measure(self, spec: RunSpec, settings: Settings, run_id: str, log_dir: Path) -> dict[str, Any]:
@@ -270,7 +274,7 @@ class Bench:
             idle_cpu_percent = 100.0 * (cpu_before - idle_from[1]) / (time.monotonic() - idle_from[0])
             sim_cpu_before = process_cpu_s(self.sim_pid)
             ids = await self._submit(settings, run_id)
-            conn = await asyncpg.connect(settings.database_url)
+            conn = await asyncpg.connect(settings.database_url.get_secret_value())
             try:
                 deadline = time.monotonic() + self.opts.run_timeout_s
                 while True:
@@ -300,7 +304,7 @@ class Bench:
         cost = Counters(
             cost.redis_reads, cost.redis_calls, cost.postgres_transactions - progress_queries - 1, cost.kafka_messages
         )
-        pool = await create_pool(settings.database_url, min_size=1, max_size=2)
+        pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
         try:
             report = await collect_report(settings, pool, pattern, ids, {"run_id": run_id})
         finally:

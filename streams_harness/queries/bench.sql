@@ -3,10 +3,11 @@
 -- statement, no lease, no fencing). Both write the ledger's own tables, so its triggers do the same work.
 
 -- name: floor_accept_many
--- $1 operation ids (text[]), $2 requests as JSON texts (text[]), $3 worker. Inserts the new ones as 'accepted'.
-INSERT INTO operations (operation_id, request, updated_by)
-SELECT x.operation_id, x.request::jsonb, $3
-FROM unnest($1::text[], $2::text[]) AS x(operation_id, request)
+-- $1 operation ids (text[]), $2 provider requests as JSON texts (text[]), $3 submitted_at_ms (bigint[]),
+-- $4 worker. Inserts the new ones as 'accepted'.
+INSERT INTO operations (operation_id, request, submitted_at_ms, updated_by)
+SELECT x.operation_id, x.request::json, x.submitted_at_ms, $4
+FROM unnest($1::text[], $2::text[], $3::bigint[]) AS x(operation_id, request, submitted_at_ms)
 ON CONFLICT (operation_id) DO NOTHING;
 
 -- name: floor_claim_submit_many
@@ -17,12 +18,19 @@ WHERE operation_id = ANY($1::text[]) AND state = 'accepted'
 RETURNING operation_id, fencing_token;
 
 -- name: floor_save_submitted_many
--- $1 operation ids (text[]), $2 remote job ids (text[]), $3 first poll delays in s (float8[]), $4 worker.
-UPDATE operations AS o
-SET state = 'submitted', remote_job_id = x.remote_job_id,
-    next_poll_at = now() + make_interval(secs => x.delay_s), updated_by = $4
-FROM unnest($1::text[], $2::text[], $3::float8[]) AS x(operation_id, remote_job_id, delay_s)
-WHERE o.operation_id = x.operation_id AND o.state = 'submitting';
+-- $1 operation ids (text[]), $2 remote job ids (text[]), $3 first poll delays in s (float8[]), $4 worker. With
+-- the jobs' accounting records, as save_submitted of the ledger does for one.
+WITH saved AS (
+    UPDATE operations AS o
+    SET state = 'submitted', remote_job_id = x.remote_job_id,
+        next_poll_at = now() + make_interval(secs => x.delay_s), updated_by = $4
+    FROM unnest($1::text[], $2::text[], $3::float8[]) AS x(operation_id, remote_job_id, delay_s)
+    WHERE o.operation_id = x.operation_id AND o.state = 'submitting'
+    RETURNING o.operation_id, o.remote_job_id
+)
+INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
+SELECT remote_job_id, operation_id, 'post_2xx', $4 FROM saved
+ON CONFLICT (remote_job_id) DO NOTHING;
 
 -- name: floor_claim_observe_many
 -- $1 operation ids (text[]), $2 poll claim ids (bigint[]), $3 worker. A new fencing value per claimed poll;
@@ -80,18 +88,30 @@ WITH x AS (
     FROM outs JOIN saved USING (operation_id)
     ON CONFLICT DO NOTHING
     RETURNING 1
+), account AS (
+    UPDATE remote_jobs AS j
+    SET outcome = saved.state::text, outcome_at = now()
+    FROM saved
+    WHERE j.remote_job_id = saved.remote_job_id AND saved.state IN ('succeeded', 'failed', 'canceled')
 )
 SELECT count(*)::integer FROM saved;
 
 -- name: floor_record_calls_many
 -- Accounting for a batch of remote calls. $1 operation ids (text[]), $2 methods (text[]), $3 status codes
 -- (int[]), $4 outcomes (text[]), $5 remote job ids (text[]), $6 durations in ms (float8[]), $7 fencing tokens
--- (bigint[]), $8 worker.
-INSERT INTO remote_calls (operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token,
-                          worker)
-SELECT x.*, $8
-FROM unnest($1::text[], $2::text[], $3::integer[], $4::text[], $5::text[], $6::float8[], $7::bigint[])
-    AS x(operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token);
+-- (bigint[]), $8 worker. POSTs that created a job also give it its accounting record (record_remote_call).
+WITH x AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::integer[], $4::text[], $5::text[], $6::float8[], $7::bigint[])
+        AS x(operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token)
+), calls AS (
+    INSERT INTO remote_calls (operation_id, method, status_code, outcome, remote_job_id, duration_ms,
+                              fencing_token, worker)
+    SELECT x.*, $8 FROM x
+)
+INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
+SELECT remote_job_id, operation_id, 'post_2xx', $8 FROM x
+WHERE method = 'POST' AND remote_job_id IS NOT NULL AND outcome = 'created'
+ON CONFLICT (remote_job_id) DO NOTHING;
 
 -- name: naive_mark_submitting
 -- The naive peer: no state check, no fencing value. $1 operation_id, $2 worker.

@@ -72,10 +72,29 @@ async def post_outcome(client: RemoteClient, op: str) -> str:
         return "unknown"
 
 
+def assert_no_connection_held(client: RemoteClient, transport: str, slots: int) -> None:
+    """Every pooled connection idle or closed once the callers are done, whichever transport."""
+    if transport == "httpx":
+        pool = client.http._transport._pool  # type: ignore[attr-defined]  # httpcore's AsyncConnectionPool
+        assert pool._requests == []
+        assert len(pool.connections) <= slots
+        assert [c for c in pool.connections if not (c.is_idle() or c.is_closed())] == []
+    else:
+        connector = client.http._transport._session.connector  # type: ignore[attr-defined]  # aiohttp's
+        assert len(connector._acquired) == 0  # connections handed out and never given back
+
+
+@pytest.fixture(params=["aiohttp", "httpx"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """The HTTP transport under the remote client (``STREAMS_HTTP_TRANSPORT``)."""
+    return str(request.param)
+
+
 async def test_pool_recovers_after_slow_answers_resets_and_cancellations(
-    settings: Settings, provider: FlakyProvider
+    settings: Settings, provider: FlakyProvider, transport: str
 ) -> None:
     settings = settings.replace(
+        http_transport=transport,
         remote_base_url=provider.url,
         dispatcher_concurrency=4,
         observer_concurrency=16,
@@ -127,9 +146,7 @@ async def test_pool_recovers_after_slow_answers_resets_and_cancellations(
         assert recovered["not_sent"] == 0, f"GETs found no pooled connection after the storm: {recovered}"
         assert recovered["ok"] / total >= 0.99, recovered
         # and nothing is left held in the pool: every connection idle (or closed) once the callers are done
-        pool = client.http._transport._pool  # httpcore's AsyncConnectionPool behind httpx's default transport
-        assert len(pool.connections) <= slots
-        assert [c for c in pool.connections if not (c.is_idle() or c.is_closed())] == []
+        assert_no_connection_held(client, transport, slots)
         # "not sent" is only ever said of a POST the server never received
         assert not {op for op, o in storm_posts.items() if o == "not_sent"} & provider.posts_seen
 
@@ -161,15 +178,20 @@ async def test_pool_recovers_after_slow_answers_resets_and_cancellations(
         await client.aclose()
 
 
-async def test_calls_cancelled_under_contention_leave_no_pool_slot_behind(settings: Settings) -> None:
+async def test_calls_cancelled_under_contention_leave_no_pool_slot_behind(settings: Settings, transport: str) -> None:
     """Two pooled connections, eight callers at a time, each cancelled within 50 ms while answers take 20 ms:
     cancellations land in every phase of a call (waiting for a slot, connecting, sending, reading). httpcore
     1.0.9 alone lost both slots within ~20 rounds (connections stuck "connecting"/"NEW", requests listed as
-    active), after which every call failed with PoolTimeout against a healthy server."""
+    active), after which every call failed with PoolTimeout against a healthy server; aiohttp's connector gives
+    every connection back by itself."""
     provider = FlakyProvider(slow_s=0.02, reset_rate=0.0)
     await provider.start()
     settings = settings.replace(
-        remote_base_url=provider.url, dispatcher_concurrency=1, observer_concurrency=1, http_pool_timeout_s=0.5
+        http_transport=transport,
+        remote_base_url=provider.url,
+        dispatcher_concurrency=1,
+        observer_concurrency=1,
+        http_pool_timeout_s=0.5,
     )
     client = RemoteClient.from_settings(settings)
     rng = random.Random(3)
@@ -182,12 +204,11 @@ async def test_calls_cancelled_under_contention_leave_no_pool_slot_behind(settin
                 asyncio.get_running_loop().call_later(rng.uniform(0.0, 0.05), call.cancel)
             await asyncio.gather(*calls, return_exceptions=True)
         provider.storm = False
-        pool = client.http._transport._pool  # httpcore's AsyncConnectionPool behind httpx's default transport
-        assert pool._requests == []
-        assert [c for c in pool.connections if not (c.is_idle() or c.is_closed())] == []
+        assert_no_connection_held(client, transport, settings.http_max_connections)
         outcomes = Counter([await get_outcome(client, i, 0.0, rng) for i in range(20)])
         assert outcomes == Counter(ok=20)
-        assert metrics.HTTP_POOL_REPAIRS._value.get() > repairs
+        if transport == "httpx":  # the repair is httpcore's alone
+            assert metrics.HTTP_POOL_REPAIRS._value.get() > repairs
     finally:
         await client.aclose()
         await provider.stop()

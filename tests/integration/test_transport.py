@@ -23,7 +23,8 @@ from streams.transport import AiohttpTransport
 pytestmark = pytest.mark.integration
 
 OP = "operation-42"
-REQUEST = {"context_tokens": 10, "generated_tokens": 2}
+#: A provider request (JSON text) as a submission carries it.
+REQUEST = '{"input": {"prompt": "a short prompt", "max_tokens": 2}}'
 CREATED = b'HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n{"id":"job1"}'
 
 #: What the scripted server does once it has read one request: gets (reader, writer), returns nothing.
@@ -111,7 +112,7 @@ async def clients() -> AsyncIterator[Callable[[Settings], RemoteClient]]:
     made: list[RemoteClient] = []
 
     def make(settings: Settings) -> RemoteClient:
-        client = RemoteClient(make_http_client(settings), settings.remote_model)
+        client = RemoteClient.from_settings(settings)
         assert isinstance(client.http._transport, AiohttpTransport)
         made.append(client)
         return client
@@ -138,17 +139,24 @@ async def test_connection_refused_is_not_sent(clients: Callable[[Settings], Remo
 async def test_no_free_pooled_connection_is_not_sent(clients: Callable[[Settings], RemoteClient]) -> None:
     async with ScriptedServer(never_answer) as server:
         client = clients(
-            settings_for(server.url, http_max_connections=1, http_pool_timeout_s=0.2, http_read_timeout_s=5.0)
+            settings_for(
+                server.url,
+                dispatcher_concurrency=1,
+                observer_concurrency=1,  # a pool of 2 connections
+                http_pool_timeout_s=0.2,
+                http_read_timeout_s=5.0,
+            )
         )
-        first = asyncio.create_task(client.submit("op-first", REQUEST))
-        while not server.requests:
+        first = [asyncio.create_task(client.submit(f"op-first-{i}", REQUEST)) for i in range(2)]
+        while len(server.requests) < 2:
             await asyncio.sleep(0.01)
         with pytest.raises(RemoteNotSentError) as info:
             await client.submit(OP, REQUEST)
         assert isinstance(info.value.__cause__, httpx.ConnectTimeout)
         assert isinstance(info.value.__cause__.__cause__, aiohttp.ConnectionTimeoutError)
-        assert server.posts() == 1  # only the first one reached the server
-        first.cancel()
+        assert server.posts() == 2  # only the first two reached the server
+        for task in first:
+            task.cancel()
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["fresh-connection", "kept-alive-connection"])
@@ -207,6 +215,39 @@ async def test_garbage_instead_of_http_is_unknown(clients: Callable[[Settings], 
         assert isinstance(info.value.__cause__, httpx.RemoteProtocolError)
 
 
+async def test_call_deadline_while_waiting_for_a_connection_is_not_sent(
+    clients: Callable[[Settings], RemoteClient],
+) -> None:
+    async with ScriptedServer(never_answer) as server:
+        client = clients(
+            settings_for(
+                server.url,
+                dispatcher_concurrency=1,
+                observer_concurrency=1,
+                http_pool_timeout_s=10.0,
+                http_read_timeout_s=10.0,
+                remote_call_deadline_s=0.5,
+            )
+        )
+        # both pooled connections held by unanswered GETs (made below the client's deadline)
+        busy = [asyncio.create_task(client.http.get("/v1/generations/job1")) for _ in range(2)]
+        while len(server.requests) < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(RemoteNotSentError, match="deadline"):
+            await client.submit(OP, REQUEST)
+        assert server.posts() == 0
+        for task in busy:
+            task.cancel()
+
+
+async def test_call_deadline_after_sending_is_unknown(clients: Callable[[Settings], RemoteClient]) -> None:
+    async with ScriptedServer(never_answer) as server:
+        client = clients(settings_for(server.url, http_read_timeout_s=10.0, remote_call_deadline_s=0.5))
+        with pytest.raises(RemoteUnknownOutcomeError, match="timed out after send"):
+            await client.submit(OP, REQUEST)
+        assert server.posts() == 1
+
+
 async def test_get_failures_are_transient(clients: Callable[[Settings], RemoteClient]) -> None:
     async with ScriptedServer(close_silently) as server:
         client = clients(settings_for(server.url))
@@ -239,7 +280,7 @@ async def test_a_good_answer_reads_as_through_httpx(clients: Callable[[Settings]
     assert snapshot.outputs == [{"id": "o1"}] and snapshot.completed_at_ms == 1500 and snapshot.poll_after_s == 3.0
     (post_head, post_body), (get_head, _) = server.requests
     assert post_head.startswith(b"POST /v1/generations HTTP/1.1\r\n")
-    assert orjson.loads(post_body)["metadata"] == {"operation_id": OP}
+    assert orjson.loads(post_body)["metadata"] == {"client_reference": OP}
     headers = {
         k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in post_head.split(b"\r\n")[1:]) if k
     }

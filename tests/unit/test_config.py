@@ -105,7 +105,10 @@ def test_partitions_must_be_positive(raw: str, message: str) -> None:
         ({"STREAMS_RELAY_BATCH_SIZE": "-1"}, "must not be negative"),
         ({"STREAMS_WEB_ENABLED": "flase"}, "expected one of"),
         ({"STREAMS_SUBMIT_RETRY_DEADLINE_S": "300"}, "must exceed the POST budget"),
-        ({"STREAMS_HTTP_TRANSPORT": "curl"}, "STREAMS_HTTP_TRANSPORT='curl': expected one of aiohttp, httpx"),
+        (
+            {"STREAMS_HTTP_TRANSPORT": "curl"},
+            "STREAMS_HTTP_TRANSPORT='curl' is not a valid Literal: Input should be 'aiohttp' or 'httpx'",
+        ),
     ],
 )
 def test_values_that_would_break_a_worker_are_refused(env: dict[str, str], message: str) -> None:
