@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from streams.producer import SubmissionProducer
-from tests.support import Fleet, wait_for
+from tests.support import Fleet, provider_request, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,7 @@ async def test_sigterm_after_work_leaves_nothing_unclosed(
     await fleet.wait_ready("a")
     prefix = f"stop{uuid.uuid4().hex[:6]}"
     for i in range(3):
-        await (await producer.submit(f"{prefix}-{i}", {"context_tokens": 10, "generated_tokens": 5}))
+        await (await producer.submit(f"{prefix}-{i}", provider_request(10, 5)))
 
     async def done() -> bool:
         n = await ledger_pool.fetchval(
