@@ -46,6 +46,12 @@ ABANDONED_CALLS = Counter(
 )
 LEDGER_UNAVAILABLE = Counter("streams_ledger_unavailable_total", "PostgreSQL did not answer; retried.", ["what"])
 REMOTE_CALLS = Counter("streams_remote_calls_total", "Remote API calls by classified outcome.", ["method", "outcome"])
+BATCH_SIZE = Histogram(
+    "streams_batch_size",
+    "Requests sent in one round trip by a coalescing stage (streams.coalesce).",
+    ["stage"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
 REMOTE_CALL_SECONDS = Histogram("streams_remote_call_seconds", "Remote API call duration.", ["method"])
 DEAD_LETTERS = Counter("streams_dead_letters_total", "Inputs sent to the dead-letter topic.", ["topic", "reason"])
 STALE_POLLS = Counter("streams_stale_polls_total", "Poll events dropped because a newer claim or state exists.")

@@ -1,0 +1,137 @@
+"""Automatic batching of round trips ("group commit" for Redis commands and ledger statements).
+
+Each event is handled in its own task (:mod:`streams.app`), so at any moment many tasks of one worker are
+at the same stage: acquiring a lease, claiming an operation, saving an observation. A :class:`Coalescer`
+gathers the requests those tasks make of one kind and sends them as one batch: every request made before the
+loop gets back to it joins the batch, and while ``max_in_flight`` batches are on the wire new requests wait
+and go out together in the next one. Under load a round trip then carries many operations; at low load a
+batch holds one request and costs one pass of the event loop.
+
+Each caller still gets its own result or its own exception (the flush function returns one per request), so
+the per-operation logic, its fault handling and its tests stay as they are. A failure of the whole batch (the
+service did not answer) is raised to every caller of that batch.
+
+Cancellation: a caller cancelled while its request waits in the queue takes it out (nothing is sent); one
+cancelled while its batch is on the wire only stops waiting: the batch runs to its end. A request that must
+complete whatever happens to its caller is submitted from a shielded task (:meth:`streams.lease.Lease.release`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from streams import metrics
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Res = TypeVar("Res")
+
+#: One flush: the requests of a batch, in order -> one result (or exception) per request, in the same order.
+Flush = Callable[[list[Req]], Awaitable[Sequence[Res | BaseException]]]
+
+
+@dataclass(eq=False)
+class _Pending(Generic[Req, Res]):
+    request: Req
+    future: asyncio.Future[Res] = field(repr=False)
+
+
+class Coalescer(Generic[Req, Res]):
+    """Sends the requests of many tasks as batches through one ``flush`` function.
+
+    Args:
+        name: the stage, as a label of ``streams_batch_size`` (e.g. ``"redis"``, ``"claim_observe"``).
+        flush: ``async (requests) -> results``: one result or exception per request, same order and length
+            (a length mismatch is a programming error, raised to every caller). Raising fails the whole batch.
+        max_batch: most requests in one batch.
+        max_in_flight: most batches on the wire at once; further requests queue for the next batch.
+
+    Errors: whatever ``flush`` raises or returns for a request is raised to that request's caller.
+    """
+
+    def __init__(self, name: str, flush: Flush[Req, Res], *, max_batch: int = 256, max_in_flight: int = 2) -> None:
+        if max_batch < 1 or max_in_flight < 1:
+            raise ValueError("max_batch and max_in_flight must be at least 1")
+        self.name = name
+        self._flush = flush
+        self.max_batch = max_batch
+        self.max_in_flight = max_in_flight
+        self._queue: list[_Pending[Req, Res]] = []
+        self._in_flight = 0
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._batch_size = metrics.BATCH_SIZE.labels(name)
+
+    async def submit(self, request: Req) -> Res:
+        """Send ``request`` in the next batch and return its result.
+
+        Raises:
+            whatever the flush raised for the batch or returned for this request.
+        """
+        loop = asyncio.get_running_loop()
+        pending: _Pending[Req, Res] = _Pending(request, loop.create_future())
+        self._queue.append(pending)
+        self._schedule(loop)
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            if pending in self._queue:  # not sent yet: take it out
+                self._queue.remove(pending)
+            raise
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._scheduled and self._in_flight < self.max_in_flight:
+            self._scheduled = True
+            loop.call_soon(self._start)  # the tasks already ready in this pass join the batch first
+
+    def _start(self) -> None:
+        self._scheduled = False
+        while self._queue and self._in_flight < self.max_in_flight:
+            batch = self._queue[: self.max_batch]
+            del self._queue[: self.max_batch]
+            self._in_flight += 1
+            task = asyncio.ensure_future(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list[_Pending[Req, Res]]) -> None:
+        self._batch_size.observe(len(batch))
+        try:
+            try:
+                results = await self._flush([p.request for p in batch])
+                if len(results) != len(batch):
+                    raise RuntimeError(f"{self.name}: flush returned {len(results)} results for {len(batch)} requests")
+            except BaseException as exc:  # handed to every caller of the batch
+                for p in batch:
+                    if not p.future.done():
+                        if isinstance(exc, asyncio.CancelledError):
+                            p.future.cancel()
+                        else:
+                            p.future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            for p, result in zip(batch, results, strict=True):
+                if p.future.done():  # the caller went away
+                    continue
+                if isinstance(result, BaseException):
+                    p.future.set_exception(result)
+                else:
+                    p.future.set_result(result)
+        finally:
+            self._in_flight -= 1
+            if self._queue:
+                self._schedule(asyncio.get_running_loop())
+
+    async def drain(self) -> None:
+        """Wait for every batch on the wire (and those queued behind them) to finish; for shutdown."""
+        while self._tasks or self._queue:
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            else:
+                await asyncio.sleep(0)

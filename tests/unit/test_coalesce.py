@@ -1,0 +1,116 @@
+"""The coalescer: requests of concurrent tasks share batches; each caller gets its own result or error."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streams.coalesce import Coalescer
+
+
+class Recorder:
+    """A flush that records its batches and can be held on the wire."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def flush(self, requests: list[int]) -> list[int | BaseException]:
+        self.batches.append(list(requests))
+        await self.gate.wait()
+        return [ValueError(f"odd {r}") if r % 2 else r * 10 for r in requests]
+
+
+async def test_concurrent_requests_share_one_batch_and_get_their_own_results() -> None:
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush)
+    results = await asyncio.gather(*(c.submit(i) for i in (2, 4, 6, 3)), return_exceptions=True)
+    assert rec.batches == [[2, 4, 6, 3]]
+    assert results[:3] == [20, 40, 60]
+    assert isinstance(results[3], ValueError) and str(results[3]) == "odd 3"
+
+
+async def test_requests_made_while_batches_are_on_the_wire_go_out_together_next() -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1)
+    first = asyncio.ensure_future(c.submit(0))
+    while not rec.batches:
+        await asyncio.sleep(0)
+    later = [asyncio.ensure_future(c.submit(i)) for i in (2, 4, 8)]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert rec.batches == [[0]]  # the second batch waits for the first
+    rec.gate.set()
+    assert await first == 0
+    assert await asyncio.gather(*later) == [20, 40, 80]
+    assert rec.batches == [[0], [2, 4, 8]]
+
+
+async def test_max_batch_splits_a_queue() -> None:
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_batch=2, max_in_flight=4)
+    assert await asyncio.gather(*(c.submit(i) for i in (2, 4, 6, 8, 10))) == [20, 40, 60, 80, 100]
+    assert rec.batches == [[2, 4], [6, 8], [10]]
+
+
+async def test_a_failed_flush_fails_every_caller_of_its_batch_only() -> None:
+    calls: list[list[int]] = []
+
+    async def flush(requests: list[int]) -> list[int | BaseException]:
+        calls.append(list(requests))
+        if len(calls) == 1:
+            raise ConnectionError("service down")
+        return list(requests)
+
+    c: Coalescer[int, int] = Coalescer("test", flush)
+    results = await asyncio.gather(c.submit(1), c.submit(2), return_exceptions=True)
+    assert [type(r) for r in results] == [ConnectionError, ConnectionError]
+    assert await c.submit(3) == 3
+    assert calls == [[1, 2], [3]]
+
+
+async def test_a_wrong_number_of_results_is_raised_not_misassigned() -> None:
+    async def flush(requests: list[int]) -> list[int | BaseException]:
+        return [1]
+
+    c: Coalescer[int, int] = Coalescer("test", flush)
+    results = await asyncio.gather(c.submit(1), c.submit(2), return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) and "1 results for 2 requests" in str(r) for r in results)
+
+
+async def test_a_caller_cancelled_before_sending_takes_its_request_out() -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1)
+    first = asyncio.ensure_future(c.submit(0))
+    while not rec.batches:
+        await asyncio.sleep(0)
+    queued = asyncio.ensure_future(c.submit(2))
+    kept = asyncio.ensure_future(c.submit(4))
+    await asyncio.sleep(0)
+    queued.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    rec.gate.set()
+    assert (await first, await kept) == (0, 40)
+    assert rec.batches == [[0], [4]]
+
+
+async def test_a_caller_cancelled_on_the_wire_does_not_stop_its_batch() -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush)
+    gone = asyncio.ensure_future(c.submit(2))
+    stays = asyncio.ensure_future(c.submit(4))
+    while not rec.batches:
+        await asyncio.sleep(0)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    rec.gate.set()
+    assert await stays == 40
+    await c.drain()
+    assert rec.batches == [[2, 4]]
