@@ -270,6 +270,16 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 @click.option("--chart", "chart_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--run-timeout-s", default=300.0, show_default=True, help="Give up on one run after this long.")
 @click.option("--keep", is_flag=True, help="Keep each run's database and topics.")
+@click.option(
+    "--paced-rate",
+    "paced_rate_per_s",
+    default=50.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Also run 2 workers at this many submissions a second (open loop, delivery latency while not "
+    "saturated); 0: no paced run.",
+)
+@click.option("--paced-operations", default=1000, show_default=True, type=click.IntRange(min=10))
 def bench_command(
     operations: int,
     workers: tuple[int, ...],
@@ -286,6 +296,8 @@ def bench_command(
     chart_path: Path | None,
     run_timeout_s: float,
     keep: bool,
+    paced_rate_per_s: float,
+    paced_operations: int,
 ) -> None:
     """The benchmark: the pipeline (1, 2, 4 workers; two partition counts) against the floor (the same calls,
     batched, no logic) and a naive peer (several processes polling PostgreSQL, no lease), N operations submitted
@@ -308,9 +320,13 @@ def bench_command(
         chart_path=chart_path,
         run_timeout_s=run_timeout_s,
         keep=keep,
+        paced_rate_per_s=paced_rate_per_s,
+        paced_operations=paced_operations,
     )
     report = _run_job(run_bench(opts))
-    broken = {label: s["broken_promises"] for label, s in report["summary"].items() if s["kind"] == "pipeline"}
+    broken = {
+        label: s["broken_promises"] for label, s in report["summary"].items() if s["kind"] in ("pipeline", "paced")
+    }
     broken = {label: problems for label, problems in broken.items() if problems}
     if broken:
         raise click.ClickException(f"the pipeline broke a promise: {broken}")

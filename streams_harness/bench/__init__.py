@@ -33,7 +33,7 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     records = await bench.run()
     summary = summarize_runs(records)
     comparison = compare(summary)
-    pipelines = {k: v for k, v in summary.items() if v["kind"] == "pipeline"}
+    pipelines = {k: v for k, v in summary.items() if v["kind"] == "pipeline"}  # closed loop: paced runs excluded
     best = max(pipelines, key=lambda k: pipelines[k]["operations_per_s"], default=None)
     same_size = next(
         (
@@ -48,6 +48,7 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     cpus = os.cpu_count()
     title = (
         f"streams bench {bench.bench_id}: {opts.operations} operations per run, closed loop, {opts.repeats} repeat(s), "
+        f"paced {opts.paced_operations} at {opts.paced_rate_per_s:g}/s; "
         f"GET latency {opts.sim_get_latency_ms:g} ms, job duration {opts.job_duration_ms:g} ms; {cpus} CPUs shared "
         "with every service"
     )

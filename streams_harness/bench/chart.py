@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # files only, no display
 
 import matplotlib.pyplot as plt
 
-COLOURS = {"floor": "#4c956c", "naive": "#d1495b", "pipeline": "#2e86ab"}
+COLOURS = {"floor": "#4c956c", "naive": "#d1495b", "pipeline": "#2e86ab", "paced": "#8d99ae"}
 
 
 def draw(summary: dict[str, dict[str, Any]], comparison: Any, path: Path, title: str) -> Path:

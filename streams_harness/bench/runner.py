@@ -52,7 +52,7 @@ from streams_harness.replay import trace_request
 from streams_harness.report import FINAL_STATES, REPORT, broken_promises
 from streams_harness.trace import read_trace
 
-PIPELINE, FLOOR, NAIVE = "pipeline", "floor", "naive"
+PIPELINE, FLOOR, NAIVE, PACED = "pipeline", "floor", "naive", "paced"
 
 #: Seconds the started processes are watched idle before the submissions, for ``idle_cpu_percent``.
 IDLE_WINDOW_S = 3.0
@@ -77,6 +77,8 @@ class BenchOptions:
     chart_path: Path | None = None
     run_timeout_s: float = 300.0
     keep: bool = False
+    paced_rate_per_s: float = 50.0
+    paced_operations: int = 1000
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class RunSpec:
     transport: str
     repeat: int
     profile: bool = False
+    rate_per_s: float = 0.0  # PACED only: submissions per second (open loop)
 
     @property
     def label(self) -> str:
@@ -97,6 +100,8 @@ class RunSpec:
             return "floor"
         if self.kind == NAIVE:
             return f"naive x{self.processes} p{self.partitions} {self.transport}"
+        if self.kind == PACED:
+            return f"paced {self.rate_per_s:g}/s w{self.processes} p{self.partitions}"
         return f"pipeline w{self.processes} p{self.partitions} {self.transport}"
 
 
@@ -121,6 +126,13 @@ def plan(opts: BenchOptions) -> list[RunSpec]:
                         and partitions == opts.partitions[0]
                     )
                     batch.append(RunSpec(PIPELINE, workers, partitions, transport, repeat, profile))
+        if opts.paced_rate_per_s > 0:  # delivery latency while not saturated: an open loop below capacity
+            workers = 2 if 2 in opts.workers else max(opts.workers)
+            batch.append(
+                RunSpec(
+                    PACED, workers, opts.partitions[0], opts.transports[0], repeat, rate_per_s=opts.paced_rate_per_s
+                )
+            )
         runs.extend(batch if repeat % 2 == 0 else reversed(batch))
     return runs
 
@@ -138,7 +150,7 @@ class Bench:
         self.redis = PrivateRedis(self.base.redis_url.get_secret_value(), self.dir / "redis.log")
         self.sim_url = ""
         self.reading_cost = Counters(0, {}, 0)
-        self.rows = read_trace("conv", start=0, rows=opts.operations)
+        self.rows = read_trace("conv", start=0, rows=max(opts.operations, opts.paced_operations))
         self._seq = 0
         self.sim_pid = 0
 
@@ -221,7 +233,7 @@ class Bench:
 
     async def _start(self, spec: RunSpec, settings: Settings, log_dir: Path) -> Fleet:
         python = sys.executable
-        if spec.kind == PIPELINE:
+        if spec.kind in (PIPELINE, PACED):
             fleet = Fleet(settings, log_dir)
             for _ in range(spec.processes):
                 fleet.start()
@@ -253,7 +265,7 @@ class Bench:
         return Counters(reads, calls, transactions, await kafka_messages(settings))
 
     async def _measure(self, spec: RunSpec, settings: Settings, run_id: str, log_dir: Path) -> dict[str, Any]:
-        n = self.opts.operations
+        n = self._operations(spec)
         pattern = f"{run_id}-%"
         started = time.monotonic()
         fleet = await self._start(spec, settings, log_dir)
@@ -273,7 +285,7 @@ class Bench:
             cpu_before = sum(process_cpu_s(pid) for pid in pids)
             idle_cpu_percent = 100.0 * (cpu_before - idle_from[1]) / (time.monotonic() - idle_from[0])
             sim_cpu_before = process_cpu_s(self.sim_pid)
-            ids = await self._submit(settings, run_id)
+            ids = await self._submit(settings, run_id, n, spec.rate_per_s)
             conn = await asyncpg.connect(settings.database_url.get_secret_value())
             try:
                 deadline = time.monotonic() + self.opts.run_timeout_s
@@ -312,6 +324,7 @@ class Bench:
         async with httpx.AsyncClient(base_url=self.sim_url, timeout=30) as sim:
             summary = (await sim.get("/_sim/summary")).json()
         record = figures(spec, report, summary, cost, n)
+        record["rate_per_s"] = spec.rate_per_s
         record["cpu_ms_per_operation"] = round(1000.0 * cpu_s / n, 3)
         record["idle_cpu_percent"] = round(idle_cpu_percent, 1)
         record["simulator_cpu_ms_per_operation"] = round(1000.0 * sim_cpu_s / n, 3)
@@ -320,11 +333,18 @@ class Bench:
             record["profile"] = {"path": str(profiler.path), **summarize(profiler.path)}
         return record
 
-    async def _submit(self, settings: Settings, run_id: str) -> list[str]:
+    def _operations(self, spec: RunSpec) -> int:
+        return self.opts.paced_operations if spec.kind == PACED else self.opts.operations
+
+    async def _submit(self, settings: Settings, run_id: str, n: int, rate_per_s: float) -> list[str]:
+        """Submit the first ``n`` trace rows: all at once (closed loop), or ``rate_per_s`` a second (open loop)."""
         ids: list[str] = []
+        started = time.monotonic()
         async with SubmissionProducer(settings) as producer:
             futures = []
-            for i, row in enumerate(self.rows):
+            for i, row in enumerate(self.rows[:n]):
+                if rate_per_s > 0:
+                    await asyncio.sleep(max(0.0, started + i / rate_per_s - time.monotonic()))
                 operation_id = f"{run_id}-{i:06d}"
                 request = trace_request(row, settings.remote_model)
                 futures.append(await producer.submit(operation_id, request, {"bench": run_id, "row": row.row}))

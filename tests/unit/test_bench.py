@@ -11,6 +11,7 @@ from streams_harness.bench.profile import EVENT_LOOP, component_of, summarize
 from streams_harness.bench.runner import (
     FLOOR,
     NAIVE,
+    PACED,
     PIPELINE,
     BenchOptions,
     RunSpec,
@@ -33,11 +34,19 @@ def test_plan_alternates_repeats_and_profiles_the_smallest_pipeline_once_per_tra
     assert {r.label for r in runs if r.profile} == {"pipeline w1 p4 aiohttp", "pipeline w1 p4 httpx"}
     assert all(r.repeat == 0 for r in runs if r.profile)
     assert len([r for r in first if r.kind == PIPELINE]) == 2 * 2 * 2
+    paced = [r for r in first if r.kind == PACED]
+    assert [(r.label, r.processes, r.rate_per_s, r.profile) for r in paced] == [("paced 50/s w2 p4", 2, 50.0, False)]
 
 
 def test_plan_without_references() -> None:
-    runs = plan(BenchOptions(workers=(4,), partitions=(8,), floor=False, naive=False, profile=False))
+    opts = BenchOptions(workers=(4,), partitions=(8,), floor=False, naive=False, profile=False, paced_rate_per_s=0)
+    runs = plan(opts)
     assert [(r.label, r.profile) for r in runs] == [("pipeline w4 p8 aiohttp", False)]
+
+
+def test_paced_run_uses_the_largest_worker_count_without_two() -> None:
+    runs = plan(BenchOptions(workers=(1, 4), partitions=(8,), floor=False, naive=False, paced_rate_per_s=120))
+    assert [r.label for r in runs if r.kind == PACED] == ["paced 120/s w4 p8"]
 
 
 def test_counter_differences_leave_out_what_readings_add() -> None:

@@ -541,6 +541,8 @@ def test_prices_must_be_decimals() -> None:
         SimulatorConfig(price_per_context_token="cheap")
     with pytest.raises(ValueError, match="finite decimal >= 0"):
         SimulatorConfig(price_per_generated_token="-1")
+
+
 async def test_per_account_limit_answers_429_with_retry_after_and_counts_them(start_sim: Factory) -> None:
     client = await start_sim(rate_limit_post_per_s=2.0, rate_limit_get_per_s=1.0, rate_limit_burst=2)
     posts = [await client.post("/v1/generations", json=_body(f"op-l{i}"), headers=AUTH) for i in range(3)]
