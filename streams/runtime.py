@@ -7,7 +7,6 @@ account's rate budget), one ``httpx.AsyncClient`` (the remote API) and one Kafka
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -42,6 +41,14 @@ DEAD_LETTER_ATTEMPTS = 3
 
 #: Seconds between two log lines about the same ongoing outage.
 OUTAGE_LOG_INTERVAL_S = 5.0
+
+#: Seconds :meth:`Runtime.until_ledger` waits out a PostgreSQL outage before it gives up.
+LEDGER_OUTAGE_DEADLINE_S = 600.0
+
+#: First wait (s) after Redis did not answer a lease acquisition, and after a dead letter was not published;
+#: each next wait doubles, up to ``Settings.coordination_retry_cap_s``.
+REDIS_RETRY_FIRST_WAIT_S = 0.1
+DEAD_LETTER_RETRY_FIRST_WAIT_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -138,8 +145,13 @@ class Runtime:
     async def until_ledger(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         """Run ``fn`` until it does not raise :class:`LedgerUnavailableError` (PostgreSQL restarts).
 
-        Waits with capped exponential backoff and jitter (tenacity); gives up only after 10 minutes, raising
-        the last :class:`LedgerUnavailableError`.
+        The first attempt runs outside tenacity (its machinery costs tens of µs a call, paid only once PostgreSQL
+        failed); its failure is counted in ``streams_ledger_unavailable_total{what}`` and logged
+        (:meth:`log_outage`) like every failed attempt after it, and the second attempt follows at once (a
+        connection the restart broke is replaced by a fresh one). From then on tenacity waits with capped
+        exponential backoff and jitter (0.1 s doubling, plus up to 1 s, at most ``coordination_retry_cap_s``);
+        it gives up :data:`LEDGER_OUTAGE_DEADLINE_S` (10 minutes) after the second attempt, raising the last
+        :class:`LedgerUnavailableError`. Any other exception is raised at once.
         """
         try:
             return await fn()  # the fast path: no retry machinery unless PostgreSQL is actually down
@@ -148,9 +160,9 @@ class Runtime:
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception_type(LedgerUnavailableError),
             wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=self.settings.coordination_retry_cap_s),
-            stop=tenacity.stop_after_delay(600),
+            stop=tenacity.stop_after_delay(LEDGER_OUTAGE_DEADLINE_S),
             reraise=True,
-            before_sleep=lambda rs: self._on_ledger_retry(what, rs.outcome.exception() if rs.outcome else None),
+            before_sleep=lambda rs: self._on_ledger_retry(what, _failure_of(rs)),
         )
         async for attempt in retrying:
             with attempt:
@@ -162,19 +174,29 @@ class Runtime:
         self.log_outage("PostgreSQL", exc if isinstance(exc, Exception) else Exception(what))
 
     async def acquire_waiting(self, key: str, action: str) -> Lease | None:
-        """Try to take lease ``key``; while Redis is down, wait (no claim, no remote call) and retry.
+        """Try to take lease ``key``; while Redis is down, wait (no claim, no remote call) and retry, without a
+        deadline: every failed attempt is counted in ``streams_coordination_unavailable_total{action}`` and
+        logged (:meth:`log_outage`), then waited after (tenacity: 0.1 s doubling, at most
+        ``coordination_retry_cap_s``). Any other exception is raised at once.
 
         Returns the lease, or None when another owner holds it.
         """
-        delay = 0.1
-        while True:
-            try:
-                return await self.leases.acquire(key)
-            except CoordinationUnavailableError as exc:
-                metrics.COORDINATION_UNAVAILABLE.labels(action).inc()
-                self.log_outage("Redis", exc)
-                await asyncio.sleep(delay)
-                delay = min(self.settings.coordination_retry_cap_s, delay * 2)
+        try:
+            return await self.leases.acquire(key)  # the fast path: no retry machinery while Redis answers
+        except CoordinationUnavailableError as exc:
+            first_failure = exc
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(CoordinationUnavailableError),
+            wait=tenacity.wait_exponential(
+                multiplier=REDIS_RETRY_FIRST_WAIT_S, max=self.settings.coordination_retry_cap_s
+            ),
+            before_sleep=lambda rs: self._on_redis_retry(action, _failure_of(rs)),
+        )
+        return await _go_on_retrying(retrying, first_failure, lambda: self.leases.acquire(key))
+
+    def _on_redis_retry(self, action: str, exc: BaseException | None) -> None:
+        metrics.COORDINATION_UNAVAILABLE.labels(action).inc()
+        self.log_outage("Redis", exc if isinstance(exc, Exception) else Exception(action))
 
     async def publish(self, role: str, key: str, value: dict[str, Any]) -> None:
         """Send ``value`` as JSON (numbers exact) to the topic of ``role`` keyed by ``key``; returns once acked."""
@@ -196,24 +218,31 @@ class Runtime:
             "dead-lettered %s[%s]@%s: %s (%s)", message.topic, message.partition, message.offset, error.reason, error
         )
         key = (message.key or b"").decode("utf-8", "replace")
-        delay = 0.2
-        failed_attempts = 0
-        while True:  # a dead letter is the event's only record: never drop it; wait out Kafka outages
-            try:
-                await self.publish("dead_letter", key, envelope)
-                return
-            except Exception as exc:
-                failure = self.report_failure("dead letter", exc)
-                if failure.kind is FailureKind.ERROR:
-                    failed_attempts += 1
-                    if failed_attempts >= DEAD_LETTER_ATTEMPTS:
-                        raise DeadLetterError(
-                            f"dead letter for {message.topic}[{message.partition}]@{message.offset} not published "
-                            f"after {failed_attempts} attempts ({type(exc).__name__}: {exc}); the event is "
-                            "neither processed nor recorded: fix the cause and consume it again"
-                        ) from exc
-                await asyncio.sleep(delay)
-                delay = min(self.settings.coordination_retry_cap_s, delay * 2)
+        # A dead letter is the event's only record: never drop it. Every failed attempt is reported
+        # (:meth:`report_failure`) and waited after (tenacity: 0.2 s doubling, at most coordination_retry_cap_s);
+        # outages are waited out without a limit, other failures end it at the DEAD_LETTER_ATTEMPTS-th.
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(Exception),
+            after=self._on_dead_letter_failure,
+            wait=tenacity.wait_exponential(
+                multiplier=DEAD_LETTER_RETRY_FIRST_WAIT_S, max=self.settings.coordination_retry_cap_s
+            ),
+            stop=_StopAfterErrors(DEAD_LETTER_ATTEMPTS),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await self.publish("dead_letter", key, envelope)
+        except Exception as exc:  # only a failure that is not an outage stops the retrying
+            raise DeadLetterError(
+                f"dead letter for {message.topic}[{message.partition}]@{message.offset} not published "
+                f"after {DEAD_LETTER_ATTEMPTS} attempts ({type(exc).__name__}: {exc}); the event is "
+                "neither processed nor recorded: fix the cause and consume it again"
+            ) from exc
+
+    def _on_dead_letter_failure(self, retry_state: tenacity.RetryCallState) -> None:
+        self.report_failure("dead letter", _failure_of(retry_state) or Exception("dead letter"))
 
     async def account(
         self,
@@ -234,3 +263,39 @@ class Runtime:
                 operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token
             ),
         )
+
+
+def _failure_of(state: tenacity.RetryCallState) -> BaseException | None:
+    """The exception the attempt behind ``state`` raised (None if it returned)."""
+    return state.outcome.exception() if state.outcome is not None else None
+
+
+class _StopAfterErrors(tenacity.stop.stop_base):
+    """Stop retrying at the ``limit``-th failure classified :attr:`FailureKind.ERROR` (a refusal or a bug that
+    waiting cannot fix); outages and busy pools never stop it. One instance per retried call (it counts)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.errors = 0
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        failure = _failure_of(retry_state)
+        if failure is not None and classify(failure).kind is FailureKind.ERROR:
+            self.errors += 1
+        return self.errors >= self.limit
+
+
+async def _go_on_retrying(
+    retrying: tenacity.AsyncRetrying, first_failure: BaseException, fn: Callable[[], Awaitable[T]]
+) -> T:
+    """Go on with ``fn`` under ``retrying`` after its first attempt, made outside tenacity (whose machinery costs
+    tens of µs a call: only a call that failed pays it), raised ``first_failure``. That failure is the policy's
+    first attempt (reported and waited after like any other), so ``fn`` is called again only after the first
+    wait, as if tenacity had made every attempt."""
+    pending = [first_failure]
+    async for attempt in retrying:
+        with attempt:
+            if pending:
+                raise pending.pop()
+            return await fn()
+    raise AssertionError("unreachable")  # pragma: no cover

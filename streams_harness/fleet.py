@@ -1,30 +1,59 @@
-"""Processes the soak and the benchmark run: worker processes (``streams worker``) and the provider simulator,
-each a child process with its own log file. (The main job runs the same two through honcho and the Procfile.)"""
+"""Processes the harness runs: worker processes (``streams worker``) and the provider simulator, each a child
+process with its own log file (the soak and the benchmark; the main job runs the same two through honcho and the
+Procfile), with what every run needs to start them: free loopback ports and the wait for a health URL."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+import tenacity
 
 from streams.config import Settings
 from streams.errors import StreamsError
 from streams_harness.checkout import checkout_dir
-from streams_harness.mainjob import free_port
 
 #: The ``streams`` script of the running virtualenv.
 STREAMS = str(Path(sys.executable).with_name("streams"))
 
+#: Seconds between two health probes of a starting process.
+HEALTH_PROBE_INTERVAL_S = 0.2
+
 
 class ProcessError(StreamsError):
-    """A child process exited or did not become ready; the message names its log file."""
+    """A child process could not start, exited, or did not become ready; the message names its log file."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now, below Linux's ephemeral range (see free_port_block)."""
+    return free_port_block([0])
+
+
+def free_port_block(offsets: list[int], low: int = 20000, high: int = 32000) -> int:
+    """A base port whose ``base + offset`` ports are all free now, below Linux's ephemeral range (32768+), so
+    outgoing connections' local ports cannot take them meanwhile.
+
+    Raises:
+        ProcessError: no such block found after 200 tries.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(low, high - max(offsets))
+        try:
+            for offset in offsets:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        return base
+    raise ProcessError(f"no free block of ports {offsets} between {low} and {high}")
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -35,22 +64,40 @@ def tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+class _NotHealthy(Exception):
+    """The probed URL answered, but not 200."""
+
+
 async def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    """Wait until ``url`` answers 200 while ``proc`` runs.
+    """Wait until ``url`` answers 200 while ``proc`` runs: probed every :data:`HEALTH_PROBE_INTERVAL_S` (tenacity)
+    while it refuses, fails or answers another status.
 
     Raises:
-        ProcessError: ``proc`` exited, or ``url`` did not answer within ``timeout_s`` (the message shows the log).
+        ProcessError: ``proc`` exited (at the next probe), or ``url`` did not answer 200 within ``timeout_s`` (the
+            message shows the end of ``log_path``, or names it).
     """
-    deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=2.0) as client:
-        while time.monotonic() < deadline:
+
+        async def probe() -> None:
             if proc.poll() is not None:
                 raise ProcessError(f"process exited with {proc.returncode}; end of {log_path}:\n{tail(log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(url)).status_code == 200:
-                    return
-            await asyncio.sleep(0.2)
-    raise ProcessError(f"{url} did not answer within {timeout_s:.0f} s; see {log_path}")
+            answer = await client.get(url)
+            if answer.status_code != 200:
+                raise _NotHealthy(f"HTTP {answer.status_code}")
+
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type((httpx.HTTPError, _NotHealthy)),
+            wait=tenacity.wait_fixed(HEALTH_PROBE_INTERVAL_S),
+            stop=tenacity.stop_after_delay(timeout_s),
+        )
+        try:
+            await retrying(probe)
+        except tenacity.RetryError as exc:
+            last = exc.last_attempt.exception()
+            raise ProcessError(
+                f"{url} did not answer 200 within {timeout_s:.0f} s (last: {type(last).__name__}: {last}); "
+                f"see {log_path}"
+            ) from last
 
 
 class Fleet:

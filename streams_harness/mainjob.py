@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +36,7 @@ from streams.errors import StreamsError
 from streams.ledger import Ledger, create_pool
 from streams.producer import SubmissionProducer
 from streams_harness.checkout import checkout_dir
+from streams_harness.fleet import free_port, free_port_block, tail, wait_healthy
 from streams_harness.replay import replay_trace
 from streams_harness.report import (
     FINAL_STATES,
@@ -113,31 +112,6 @@ class MainJobOptions:
     lookup: bool = False
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now, below Linux's ephemeral range (see free_port_block)."""
-    return free_port_block([0])
-
-
-def free_port_block(offsets: list[int], low: int = 20000, high: int = 32000) -> int:
-    """A base port whose ``base + offset`` ports are all free now, below Linux's ephemeral range (32768+), so
-    outgoing connections' local ports cannot take them meanwhile.
-
-    Raises:
-        MainJobError: no such block found after 200 tries.
-    """
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(low, high - max(offsets))
-        try:
-            for offset in offsets:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + offset))
-        except OSError:
-            continue
-        return base
-    raise MainJobError(f"no free block of ports {offsets} between {low} and {high}")
-
-
 class Processes:
     """The simulator and the workers, run by honcho from the Procfile in their own process group."""
 
@@ -148,8 +122,9 @@ class Processes:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        """Start ``honcho start`` with ``simulator=1,worker=N``; output goes to ``log_path``."""
+    def start(self) -> subprocess.Popen[bytes]:
+        """Start ``honcho start`` with ``simulator=1,worker=N``; output goes to ``log_path``. Returns honcho's
+        process."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         honcho = str(Path(sys.executable).with_name("honcho"))
@@ -172,6 +147,7 @@ class Processes:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        return self.proc
 
     def worker_ports(self) -> list[int]:
         """Web ports of the workers (honcho: base + 100 per process type + instance)."""
@@ -189,31 +165,6 @@ class Processes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-
-async def wait_http(url: str, timeout_s: float, proc: Processes) -> None:
-    """Wait until ``url`` answers 200.
-
-    Raises:
-        RuntimeError: the processes exited or the time ran out (the message names the log file).
-    """
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if proc.proc is not None and proc.proc.poll() is not None:
-                raise MainJobError(f"processes exited early; see the end of {proc.log_path}:\n{_tail(proc.log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(url)).status_code == 200:
-                    return
-            await asyncio.sleep(0.2)
-    raise MainJobError(f"{url} did not answer within {timeout_s:.0f} s; see {proc.log_path}")
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 async def progress(pool: asyncpg.Pool, pattern: str) -> dict[str, int]:
@@ -310,14 +261,14 @@ async def _run(
     log_path = checkout_dir() / "reports" / run_id / "processes.log"
     base_port = opts.base_port or free_port_block([0, *(100 + i for i in range(opts.workers))])
     procs = Processes(env, opts.workers, base_port, log_path)
-    procs.start()
+    honcho = procs.start()
     print(f"processes started (honcho, logs: {log_path})", file=out)
     pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
     pattern = f"{run_id}-%"
     try:
-        await wait_http(f"{settings.remote_base_url.get_secret_value()}/healthz", 60, procs)
+        await wait_healthy(f"{settings.remote_base_url.get_secret_value()}/healthz", 60, honcho, log_path)
         for port in procs.worker_ports():
-            await wait_http(f"http://127.0.0.1:{port}/healthz", 120, procs)
+            await wait_healthy(f"http://127.0.0.1:{port}/healthz", 120, honcho, log_path)
         # Measure the steady state: start the replay once every worker has its partitions (no start-up rebalance).
         if not await wait_group_stable(settings, opts.workers, 60):
             print("warning: the consumer group did not settle within 60 s; replaying anyway", file=out)
@@ -345,7 +296,7 @@ async def _run(
                 if replay.done() and final >= len(rows) and settled and counts.get("outbox_pending", 0) == 0:
                     break
                 if procs.proc is not None and procs.proc.poll() is not None:
-                    raise MainJobError(f"worker processes exited; see the end of {log_path}:\n{_tail(log_path)}")
+                    raise MainJobError(f"worker processes exited; see the end of {log_path}:\n{tail(log_path)}")
                 if time.monotonic() > deadline:
                     print(f"timeout after {opts.timeout_s:.0f} s: reporting what is there", file=out)
                     break

@@ -40,12 +40,11 @@ from streams.errors import StreamsError
 from streams.ledger import create_pool
 from streams.producer import SubmissionProducer
 from streams_harness.checkout import checkout_dir
-from streams_harness.fleet import Fleet, start_simulator
+from streams_harness.fleet import Fleet, free_port, start_simulator
 from streams_harness.mainjob import (
     DEFAULT_FAULTS,
     RUN_LOOKUP_LAG_S,
     collect_report,
-    free_port,
     progress,
     run_settings_env,
 )

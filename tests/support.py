@@ -23,7 +23,7 @@ import httpx
 from aiohttp import web
 
 from streams.config import Settings
-from streams_harness.mainjob import free_port, free_port_block
+from streams_harness.fleet import free_port, free_port_block
 from streams_harness.replay import trace_request
 from streams_harness.simulator import SimulatorConfig, make_app
 from streams_harness.trace import TraceRow

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -25,11 +24,16 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
 from streams.config import Settings
+from streams.errors import ServiceNotReadyError
+from streams.readiness import wait_ready
 from streams.sql import Queries
-from streams_harness.mainjob import free_port
+from streams_harness.fleet import free_port
 
 #: The benchmark's named queries (``streams_harness/queries/bench.sql``).
 BENCH = Queries("bench.sql", package="streams_harness")
+
+#: Seconds the benchmark's own redis-server has to answer after it was started.
+START_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,8 @@ class PrivateRedis:
         return self.proc is not None
 
     async def start(self) -> None:
-        """Start the server (or keep the fallback) and wait until it answers PING (10 s at most).
+        """Start the server (or keep the fallback) and wait until it answers SET/GET (:func:`streams.readiness.
+        wait_ready`, :data:`START_TIMEOUT_S` at most).
 
         Raises:
             RuntimeError: the server did not answer.
@@ -86,16 +91,10 @@ class PrivateRedis:
         port = free_port()
         self.proc = _start_redis_server(binary, port, self.log_path)
         self.url = f"redis://127.0.0.1:{port}/0"
-        client = aioredis.Redis.from_url(self.url)
-        try:
-            for _ in range(100):
-                with contextlib.suppress(OSError, aioredis.ConnectionError):
-                    if await client.ping():
-                        return
-                await asyncio.sleep(0.1)
-        finally:
-            await client.aclose()
-        raise RuntimeError(f"the benchmark's redis-server did not answer on {self.url}; see {self.log_path}")
+        try:  # the product's readiness check: retried with tenacity, fails at once if the server exits
+            await wait_ready(Settings(redis_url=self.url), ["redis"], START_TIMEOUT_S, pids={"redis": self.proc.pid})
+        except ServiceNotReadyError as exc:
+            raise RuntimeError(f"the benchmark's redis-server did not answer: {exc}; see {self.log_path}") from exc
 
     def stop(self) -> None:
         """Stop the server (nothing is kept)."""

@@ -46,8 +46,8 @@ from streams_harness.bench.counters import (
 )
 from streams_harness.bench.profile import Profiler, summarize
 from streams_harness.checkout import checkout_dir
-from streams_harness.fleet import Fleet, ProcessError, start_simulator, wait_healthy
-from streams_harness.mainjob import collect_report, free_port
+from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulator, wait_healthy
+from streams_harness.mainjob import collect_report
 from streams_harness.replay import trace_request
 from streams_harness.report import FINAL_STATES, REPORT, broken_promises
 from streams_harness.trace import read_trace

@@ -14,7 +14,7 @@ from streams.admin import KafkaAdmin, create_topics, delete_topics, wait_group_s
 from streams.config import Settings
 from streams.errors import KafkaAdminError, ServiceNotReadyError
 from streams.readiness import wait_ready
-from streams_harness.mainjob import free_port
+from streams_harness.fleet import free_port
 from tests.support import unique_settings
 
 pytestmark = pytest.mark.integration

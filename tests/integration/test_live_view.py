@@ -28,7 +28,7 @@ from streams.config import Settings, lease_key
 from streams.downstream import read_topic_to_end
 from streams.lease import LeaseManager, make_redis
 from streams.ledger import Ledger
-from streams_harness.mainjob import free_port
+from streams_harness.fleet import free_port
 from tests.conftest import SESSION_ID
 from tests.integration.operators_support import HOSTILE_REASON, STALLED_REASON, Seeded, backdate, seed_ledger
 from tests.support import ROOT, STREAMS, wait_for

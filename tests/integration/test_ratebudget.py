@@ -17,7 +17,7 @@ from streams.config import Settings, budget_key
 from streams.errors import CoordinationUnavailableError, LeaseLostError, RateBudgetDeadlineError
 from streams.lease import make_redis
 from streams.ratebudget import BudgetKind, Pace, RateBudget
-from streams_harness.mainjob import free_port
+from streams_harness.fleet import free_port
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,7 @@ from streams.ratebudget import BudgetKind, Pace, RateBudget
 from streams.reconciler import Reconciler
 from streams.runtime import Runtime
 from streams.scheduler import PollScheduler
-from streams_harness.mainjob import free_port
+from streams_harness.fleet import free_port
 from tests.integration.test_dispatcher import submission
 from tests.integration.test_observer import claim_poll, submitted_operation
 from tests.integration.test_reconciler import uncertain_operation

@@ -20,7 +20,7 @@ from streams import metrics
 from streams.config import Settings
 from streams.errors import CoordinationBusyError, CoordinationUnavailableError, LeaseLostError
 from streams.lease import Lease, LeaseManager, make_redis
-from streams_harness.mainjob import free_port
+from streams_harness.fleet import free_port
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
