@@ -37,7 +37,10 @@ def replay(trace: str, start: int, rows: int, compression: float, run_id: str | 
     from streams_harness.trace import read_trace
 
     settings = Settings.from_env()
-    selected = read_trace(trace, start=start, rows=rows)
+    try:
+        selected = read_trace(trace, start=start, rows=rows)
+    except (FileNotFoundError, StreamsError) as exc:
+        raise click.ClickException(str(exc)) from exc
     rid = run_id or f"r{int(time.time())}"
 
     async def run() -> list[str]:
