@@ -127,7 +127,25 @@ def env_values(settings_cls: type[BaseSettings], environ: Mapping[str, str] | No
     return _EnvironSource(settings_cls, os.environ if environ is None else environ)()
 
 
-class Settings(BaseSettings):
+class ExplicitSettings(BaseSettings):
+    """A pydantic-settings model whose construction takes only the values given: the environment is read by its
+    ``from_env`` alone, through :func:`env_values` (the worker's :class:`Settings` and the simulator's
+    configuration, which derives from this class too)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only the values passed to the constructor (pydantic-settings' hook)."""
+        return (init_settings,)
+
+
+class Settings(ExplicitSettings):
     """Runtime configuration of workers, CLI and tests (immutable, validated on construction).
 
     ``Settings(**values)`` is the defaults with ``values``; :meth:`from_env` reads ``STREAMS_*`` variables;
@@ -267,18 +285,6 @@ class Settings(BaseSettings):
             super().__init__(**values)
         except ValidationError as exc:
             raise ConfigError(_explain(exc)) from None
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Construction takes only the values given: the environment is read by :meth:`from_env` alone."""
-        return (init_settings,)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

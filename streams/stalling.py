@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from streams import metrics
@@ -48,12 +49,17 @@ class StallGuard:
 
     async def stall_too_old(self, operation_id: str, claim: ObserveClaim, last_answer: dict[str, Any]) -> bool:
         """Fenced: ``stalled`` because the job is older than the maximum observation age. False when refused."""
-        s = self.rt.settings
+        rt = self.rt
         reason = (
-            f"observed for more than {s.max_observation_age_s:.0f} s without becoming terminal; remote job "
+            f"observed for more than {rt.settings.max_observation_age_s:.0f} s without becoming terminal; remote job "
             f"{claim.remote_job_id}, last answer: {_short(last_answer)}; repoll or fail it"
         )
-        return await self._stall(operation_id, claim, "max_age", reason, last_answer)
+
+        async def save() -> OperationState | None:
+            saved = await rt.ledger.save_stalled(operation_id, claim.fencing_token, reason, last_answer)
+            return OperationState.STALLED if saved else None
+
+        return await self._decide(operation_id, "max_age", reason, "save stalled", save) is not None
 
     async def not_found(
         self, operation_id: str, claim: ObserveClaim, exc: RemoteJobNotFoundError, next_poll_delay_s: float
@@ -68,14 +74,15 @@ class StallGuard:
             f"not found (404) more than {grace_s:.0f} s after the job id was saved; remote job "
             f"{claim.remote_job_id} may be lost at the provider; repoll or fail it"
         )
-        state = await rt.until_ledger(
+        return await self._decide(
+            operation_id,
+            "not_found",
+            reason,
             "note 404",
             lambda: rt.ledger.note_not_found(
                 operation_id, claim.fencing_token, grace_s, next_poll_delay_s, reason, exc.answer
             ),
         )
-        self._report(operation_id, state, "not_found", reason)
-        return state
 
     async def unknown_status(
         self, operation_id: str, claim: ObserveClaim, exc: RemoteUnknownStatusError, next_poll_delay_s: float
@@ -90,25 +97,28 @@ class StallGuard:
             f"a status this client does not know, {limit} times in a row; remote job {claim.remote_job_id}, "
             f"last answer: {_short(exc.answer)}; repoll or fail it"
         )
-        noted = await rt.until_ledger(
-            "note unknown status",
-            lambda: rt.ledger.note_unknown_status(
-                operation_id, claim.fencing_token, limit, next_poll_delay_s, reason, exc.answer
-            ),
-        )
-        state = None if noted is None else noted[0]
-        self._report(operation_id, state, "unknown_status", reason)
-        return state
 
-    async def _stall(
-        self, operation_id: str, claim: ObserveClaim, kind: str, reason: str, last_answer: dict[str, Any]
-    ) -> bool:
-        rt = self.rt
-        saved = await rt.until_ledger(
-            "save stalled", lambda: rt.ledger.save_stalled(operation_id, claim.fencing_token, reason, last_answer)
-        )
-        self._report(operation_id, OperationState.STALLED if saved else None, kind, reason)
-        return saved
+        async def note() -> OperationState | None:
+            noted = await rt.ledger.note_unknown_status(
+                operation_id, claim.fencing_token, limit, next_poll_delay_s, reason, exc.answer
+            )
+            return None if noted is None else noted[0]
+
+        return await self._decide(operation_id, "unknown_status", reason, "note unknown status", note)
+
+    async def _decide(
+        self,
+        operation_id: str,
+        kind: str,
+        reason: str,
+        what: str,
+        decide: Callable[[], Awaitable[OperationState | None]],
+    ) -> OperationState | None:
+        """Run the fenced statement ``decide`` (waiting out PostgreSQL as ``what``) and report its outcome for the
+        sign ``kind`` (``max_age``, ``not_found``, ``unknown_status``): the state afterwards, None when refused."""
+        state = await self.rt.until_ledger(what, decide)
+        self._report(operation_id, state, kind, reason)
+        return state
 
     def _report(self, operation_id: str, state: OperationState | None, kind: str, reason: str) -> None:
         if state is None:

@@ -3,6 +3,8 @@
 * :mod:`streams_harness.simulator` - the provider simulator (the remote generation API, with faults);
 * :mod:`streams_harness.mainjob` - the main job (simulator + workers + trace replay + report);
 * :mod:`streams_harness.soak` - random faults under load, then an audit;
+* :mod:`streams_harness.run` - the steps the main job and the soak share (isolation, replay, report);
+* :mod:`streams_harness.fleet`, :mod:`streams_harness.toxiproxy` - child processes, ports, the fault proxy;
 * :mod:`streams_harness.replay`, :mod:`streams_harness.trace` - the real trace and its replay;
 * :mod:`streams_harness.report` - the run report from independent records;
 * :mod:`streams_harness.faults` - fault-injection hooks for worker processes.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,8 +24,12 @@ from streams.errors import StreamsError
 T = TypeVar("T")
 
 
+#: Help of every ``--trace`` option.
+TRACE_HELP = "conv, code, or a CSV path with the same columns."
+
+
 @click.command("replay")
-@click.option("--trace", default="conv", show_default=True, help="conv, code, or a CSV path.")
+@click.option("--trace", default="conv", show_default=True, help=TRACE_HELP)
 @click.option("--start", default=0, show_default=True, help="First data row.")
 @click.option("--rows", default=100, show_default=True, help="Number of rows.")
 @click.option("--compression", default=60.0, show_default=True, help="Replay speed-up of the arrival times.")
@@ -85,21 +89,61 @@ def _run_job(coro: Coroutine[Any, Any, T]) -> T:
         raise click.ClickException(str(exc)) from exc
 
 
+def _run_options(
+    *, rows: int, workers: int, min_workers: int, seed: int, seed_help: str, timeout_s: float, lookup_help: str
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The options of every harness run (:class:`streams_harness.run.RunOptions`'s fields), with the command's
+    defaults; the main job and the soak add their own."""
+    options = [
+        click.option("--trace", default="conv", show_default=True, callback=_check_trace, help=TRACE_HELP),
+        click.option("--start", default=0, show_default=True, type=click.IntRange(min=0), help="First data row."),
+        click.option("--rows", default=rows, show_default=True, type=click.IntRange(min=1), help="Rows to replay."),
+        click.option(
+            "--compression",
+            default=15.0,
+            show_default=True,
+            type=click.FloatRange(min=0.001),
+            help="Speed-up of arrivals and job durations.",
+        ),
+        click.option(
+            "--workers",
+            default=workers,
+            show_default=True,
+            type=click.IntRange(min_workers, 16),
+            help="Worker processes.",
+        ),
+        click.option("--seed", default=seed, show_default=True, help=seed_help),
+        click.option("--keep", is_flag=True, help="Keep the run's database and topics (removed after the report)."),
+        click.option("--lookup/--no-lookup", default=False, show_default=True, help=lookup_help),
+        click.option(
+            "--report",
+            "report_path",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help="Write the JSON report here (default reports/<run id>/report.json).",
+        ),
+        click.option("--timeout-s", default=timeout_s, show_default=True, help="Give up waiting after this long."),
+    ]
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
 @click.command("run")
-@click.option("--trace", default="conv", show_default=True, callback=_check_trace, help="conv, code, or a CSV path.")
-@click.option("--start", default=0, show_default=True, type=click.IntRange(min=0), help="First data row.")
-@click.option("--rows", default=2000, show_default=True, type=click.IntRange(min=1), help="Rows in the slice.")
-@click.option(
-    "--compression",
-    default=15.0,
-    show_default=True,
-    type=click.FloatRange(min=0.001),
-    help="Speed-up of arrivals and job durations.",
+@_run_options(
+    rows=2000,
+    workers=2,
+    min_workers=1,
+    seed=7,
+    seed_help="Seed of the simulator's fault decisions.",
+    timeout_s=900.0,
+    lookup_help="Reconcile uncertain operations by lookup of the client reference (the simulator offers it).",
 )
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 16), help="Worker processes.")
 @click.option("--partitions", default=8, show_default=True, type=click.IntRange(1, 256), help="Partitions per topic.")
-@click.option("--keep", is_flag=True, help="Keep the run's database and topics (removed after the report).")
-@click.option("--seed", default=7, show_default=True, help="Seed of the simulator's fault decisions.")
 @click.option("--faults/--no-faults", default=True, show_default=True, help="Inject the default fault rates.")
 @click.option(
     "--fault",
@@ -109,38 +153,11 @@ def _run_job(coro: Coroutine[Any, Any, T]) -> T:
     help="Override one fault rate, e.g. --fault 429=0.05 (names: 429, 502_job_id, 5xx, drop_after_create, slow, "
     "job_failed, not_found, unknown_status, never_finishes, status_regression).",
 )
-@click.option(
-    "--lookup/--no-lookup",
-    default=False,
-    show_default=True,
-    help="Reconcile uncertain operations by lookup of the client reference (the simulator offers it).",
-)
-@click.option(
-    "--report",
-    "report_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the JSON report here (default reports/<run id>/report.json).",
-)
-@click.option("--timeout-s", default=900.0, show_default=True, help="Give up waiting after this long.")
-def run_command(
-    trace: str,
-    start: int,
-    rows: int,
-    compression: float,
-    workers: int,
-    partitions: int,
-    seed: int,
-    faults: bool,
-    fault_overrides: tuple[str, ...],
-    report_path: Path | None,
-    timeout_s: float,
-    keep: bool,
-    lookup: bool,
-) -> None:
+def run_command(faults: bool, fault_overrides: tuple[str, ...], **options: Any) -> None:
     """The main job: simulator + workers, trace replay, progress, and the report (terminal and JSON)."""
-    from streams_harness.mainjob import DEFAULT_FAULTS, MainJobOptions, run_main_job
+    from streams_harness.mainjob import MainJobOptions, run_main_job
     from streams_harness.report import broken_promises
+    from streams_harness.run import DEFAULT_FAULTS
 
     rates = dict(DEFAULT_FAULTS) if faults else {}
     for item in fault_overrides:
@@ -158,74 +175,29 @@ def run_command(
         if not 0.0 <= rate <= 1.0:
             raise click.BadParameter(f"{item!r}: RATE must be a number from 0 to 1", param_hint="--fault")
         rates[key] = rate
-    opts = MainJobOptions(
-        trace=trace,
-        start=start,
-        rows=rows,
-        compression=compression,
-        workers=workers,
-        partitions=partitions,
-        seed=seed,
-        faults=rates,
-        report_path=report_path,
-        timeout_s=timeout_s,
-        keep=keep,
-        lookup=lookup,
-    )
-    report = _run_job(run_main_job(opts))
+    report = _run_job(run_main_job(MainJobOptions(faults=rates, **options)))
     problems = broken_promises(report, repeats_allowed=False)
     if problems:
         raise click.ClickException("the run broke a promise: " + ", ".join(problems))
 
 
 @click.command("soak")
-@click.option("--trace", default="conv", show_default=True, callback=_check_trace, help="conv, code, or a CSV path.")
-@click.option("--start", default=0, show_default=True, type=click.IntRange(min=0), help="First data row.")
-@click.option("--rows", default=10_000, show_default=True, type=click.IntRange(min=1), help="Rows to replay.")
-@click.option("--compression", default=15.0, show_default=True, type=click.FloatRange(min=0.001))
-@click.option("--workers", default=3, show_default=True, type=click.IntRange(2, 16), help="Worker processes.")
-@click.option("--faults", default=20, show_default=True, type=click.IntRange(min=0), help="Faults to inject.")
-@click.option("--seed", default=1, show_default=True, help="Seed of the fault plan and the simulator.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-@click.option("--timeout-s", default=1800.0, show_default=True)
-@click.option("--keep", is_flag=True, help="Keep the run's database and topics (removed after the report).")
-@click.option(
-    "--lookup/--no-lookup",
-    default=False,
-    show_default=True,
-    help="Reconcile uncertain operations by lookup; the audit then requires none left whose job exists.",
+@_run_options(
+    rows=10_000,
+    workers=3,
+    min_workers=2,
+    seed=1,
+    seed_help="Seed of the fault plan and the simulator.",
+    timeout_s=1800.0,
+    lookup_help="Reconcile uncertain operations by lookup; the audit then requires none left whose job exists.",
 )
-def soak_command(
-    trace: str,
-    start: int,
-    rows: int,
-    compression: float,
-    workers: int,
-    faults: int,
-    seed: int,
-    report_path: Path | None,
-    timeout_s: float,
-    keep: bool,
-    lookup: bool,
-) -> None:
+@click.option("--faults", default=20, show_default=True, type=click.IntRange(min=0), help="Faults to inject.")
+def soak_command(**options: Any) -> None:
     """Replay trace rows through several workers while injecting seeded random faults, then audit."""
     from streams_harness.report import broken_promises
     from streams_harness.soak import SoakOptions, run_soak
 
-    opts = SoakOptions(
-        trace=trace,
-        start=start,
-        rows=rows,
-        compression=compression,
-        workers=workers,
-        faults=faults,
-        seed=seed,
-        report_path=report_path,
-        timeout_s=timeout_s,
-        keep=keep,
-        lookup=lookup,
-    )
-    problems = broken_promises(_run_job(run_soak(opts)), repeats_allowed=True)
+    problems = broken_promises(_run_job(run_soak(SoakOptions(**options))), repeats_allowed=True)
     if problems:
         raise click.ClickException("the soak broke a promise: " + ", ".join(problems))
 
@@ -264,7 +236,14 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 @click.option("--naive-processes", default=2, show_default=True, type=click.IntRange(1, 16))
 @click.option("--floor/--no-floor", default=True, show_default=True, help="Run the floor.")
 @click.option("--naive/--no-naive", default=True, show_default=True, help="Run the naive peer.")
-@click.option("--sim-latency-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Per GET.")
+@click.option(
+    "--sim-latency-ms",
+    "sim_get_latency_ms",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Per GET.",
+)
 @click.option(
     "--job-duration-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Creation to completion."
 )
@@ -283,49 +262,13 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
     "saturated); 0: no paced run.",
 )
 @click.option("--paced-operations", default=1000, show_default=True, type=click.IntRange(min=10))
-def bench_command(
-    operations: int,
-    workers: tuple[int, ...],
-    partitions: tuple[int, ...],
-    transports: tuple[str, ...],
-    repeats: int,
-    naive_processes: int,
-    floor: bool,
-    naive: bool,
-    sim_latency_ms: float,
-    job_duration_ms: float,
-    profile: bool,
-    report_path: Path | None,
-    chart_path: Path | None,
-    run_timeout_s: float,
-    keep: bool,
-    paced_rate_per_s: float,
-    paced_operations: int,
-) -> None:
+def bench_command(**options: Any) -> None:
     """The benchmark: the pipeline (1, 2, 4 workers; two partition counts) against the floor (the same calls,
     batched, no logic) and a naive peer (several processes polling PostgreSQL, no lease), N operations submitted
     at once per run; a JSON report, a PNG chart and a profile of one worker (README, "Benchmark")."""
     from streams_harness.bench import BenchOptions, run_bench
 
-    opts = BenchOptions(
-        operations=operations,
-        workers=workers,
-        partitions=partitions,
-        transports=transports,
-        repeats=repeats,
-        naive_processes=naive_processes,
-        floor=floor,
-        naive=naive,
-        sim_get_latency_ms=sim_latency_ms,
-        job_duration_ms=job_duration_ms,
-        profile=profile,
-        report_path=report_path,
-        chart_path=chart_path,
-        run_timeout_s=run_timeout_s,
-        keep=keep,
-        paced_rate_per_s=paced_rate_per_s,
-        paced_operations=paced_operations,
-    )
+    opts = BenchOptions(**options)
     report = _run_job(run_bench(opts))
     broken = {
         label: s["broken_promises"] for label, s in report["summary"].items() if s["kind"] in ("pipeline", "paced")

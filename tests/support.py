@@ -184,52 +184,6 @@ def unique_settings(base: Settings, **overrides: Any) -> Settings:
     return base.replace(topic_prefix=f"f{run}.", app_id=f"streams-f{run}", lease_key_prefix=f"f{run}", **overrides)
 
 
-class Toxiproxy:
-    """Client of the Toxiproxy REST API (127.0.0.1:8474), started by ``scripts/toxiproxy up``."""
-
-    API = "http://127.0.0.1:8474"
-
-    @staticmethod
-    def ensure_running() -> None:
-        subprocess.run([str(ROOT / "scripts" / "toxiproxy"), "up"], check=True, cwd=ROOT)
-
-    async def _call(self, method: str, path: str, json: Any = None) -> Any:
-        async with httpx.AsyncClient(base_url=self.API, timeout=10) as c:
-            r = await c.request(method, path, json=json)
-            r.raise_for_status()
-            return r.json() if r.content else None
-
-    async def create(self, name: str, upstream: str) -> int:
-        """Create (or replace) proxy ``name`` to ``upstream`` on a free port; returns the port."""
-        with contextlib.suppress(httpx.HTTPStatusError):
-            await self._call("DELETE", f"/proxies/{name}")
-        port = free_port()
-        await self._call(
-            "POST", "/proxies", {"name": name, "listen": f"127.0.0.1:{port}", "upstream": upstream, "enabled": True}
-        )
-        return port
-
-    async def enable(self, name: str, enabled: bool) -> None:
-        """Disabled: the listener is closed and connections are refused/reset."""
-        await self._call("POST", f"/proxies/{name}", {"enabled": enabled})
-
-    async def blackhole(self, name: str, on: bool) -> None:
-        """On: the port accepts connections but nothing is ever answered (``timeout`` toxic, timeout 0)."""
-        if on:
-            await self._call(
-                "POST",
-                f"/proxies/{name}/toxics",
-                {"name": "blackhole", "type": "timeout", "stream": "upstream", "attributes": {"timeout": 0}},
-            )
-        else:
-            with contextlib.suppress(httpx.HTTPStatusError):
-                await self._call("DELETE", f"/proxies/{name}/toxics/blackhole")
-
-    async def delete(self, name: str) -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            await self._call("DELETE", f"/proxies/{name}")
-
-
 def services(*args: str) -> None:
     """Run ``scripts/services <args>`` (stop/start/restart of a service this project manages)."""
     subprocess.run([str(ROOT / "scripts" / "services"), *args], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -4,7 +4,7 @@ closed-loop workload, each measured from independent records, then summarized (m
 One run: its own ledger database and topics (created empty), the simulator's record reset, its processes
 started and (for consumer groups) stable; the counters read; N submissions published at once; wait until every
 operation is final and the outbox drained; the processes stopped; the counters read again; the report of the
-main job (:func:`streams_harness.mainjob.collect_report`) computed from the ledger, the simulator and Kafka.
+main job (:func:`streams_harness.run.collect_report`) computed from the ledger, the simulator and Kafka.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from streams_harness.bench.counters import (
 from streams_harness.bench.profile import Profiler, summarize
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulator, wait_healthy
-from streams_harness.mainjob import collect_report
 from streams_harness.replay import trace_request
-from streams_harness.report import FINAL_STATES, REPORT, broken_promises
+from streams_harness.report import broken_promises
+from streams_harness.run import collect_report, progress, settled
 from streams_harness.trace import read_trace
 
 PIPELINE, FLOOR, NAIVE, PACED = "pipeline", "floor", "naive", "paced"
@@ -292,10 +292,7 @@ class Bench:
                 while True:
                     await asyncio.sleep(0.25)
                     progress_queries += 1
-                    counts = {r["state"]: r["n"] for r in await conn.fetch(REPORT.run_progress, pattern)}
-                    final = sum(v for k, v in counts.items() if k in FINAL_STATES)
-                    drained = spec.kind == NAIVE or counts.get("outbox_pending", 0) == 0
-                    if final >= n and drained:
+                    if settled(await progress(conn, pattern), n, lookup=False, outbox=spec.kind != NAIVE):
                         break
                     if not fleet.live():
                         raise ProcessError(f"the processes of {spec.label} exited; see {log_dir}")

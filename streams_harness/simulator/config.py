@@ -1,6 +1,6 @@
-"""Configuration of the provider simulator: a pydantic-settings model read from ``SIM_<FIELD>`` variables
-(:func:`streams.config.env_values`, the project's one environment loader), CLI options and
-``POST /_sim/config``."""
+"""Configuration of the provider simulator: a pydantic-settings model (:class:`streams.config.ExplicitSettings`)
+read from ``SIM_<FIELD>`` variables (:func:`streams.config.env_values`, the project's one environment loader), CLI
+options and ``POST /_sim/config``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
 from pydantic import Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from streams.config import env_values
+from streams.config import ExplicitSettings, env_values
 from streams_harness.simulator.faults import FaultRates
 from streams_harness.simulator.model import (
     DEFAULT_DECODE_MS_PER_TOKEN,
@@ -45,7 +45,7 @@ def _f(default: Any, help_text: str) -> Any:
     return Field(default=default, description=help_text)
 
 
-class SimulatorConfig(BaseSettings):
+class SimulatorConfig(ExplicitSettings):
     """All settings of the simulator (immutable, validated on construction: ``ValueError`` on a bad value).
 
     Every field is a CLI option ``--field-name`` and an env var ``SIM_FIELD_NAME``.
@@ -103,18 +103,6 @@ class SimulatorConfig(BaseSettings):
     rate_limit_burst: int = _f(1, "Requests of one kind an account may send at once under the limit (>= 1).")
     access_log: bool = _f(False, "Log every request (slows the server down).")
     record_bodies: bool = _f(False, "Keep every POST body, shown per client reference (tests of what arrived).")
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Construction takes only the values given: the environment is read by :meth:`from_env` alone."""
-        return (init_settings,)
 
     @model_validator(mode="after")
     def _check(self) -> SimulatorConfig:

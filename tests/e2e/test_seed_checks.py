@@ -14,7 +14,8 @@ import pytest
 from streams.config import Settings
 from streams.producer import SubmissionProducer
 from streams_harness import faults
-from tests.support import Fleet, SimulatorServer, Toxiproxy, provider_request, services, wait_for
+from streams_harness.toxiproxy import Toxiproxy
+from tests.support import Fleet, SimulatorServer, provider_request, services, wait_for
 
 pytestmark = pytest.mark.e2e
 

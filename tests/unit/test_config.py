@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from streams.config import ConfigError, Settings, lease_key, mask_url
+from streams.config import ConfigError, ExplicitSettings, Settings, lease_key, mask_url
+from streams_harness.simulator.config import SimulatorConfig
 
 DEFAULT_TOPICS = {
     "submissions": "generation.submissions",
@@ -184,6 +185,16 @@ def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     s = Settings.from_env()
     assert s.partitions == 5
     assert s.topic("dead_letter") == "env-generation.dead-letter"
+
+
+def test_construction_reads_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings and the simulator's configuration share one base: only ``from_env`` reads variables."""
+    monkeypatch.setenv("STREAMS_PARTITIONS", "5")
+    monkeypatch.setenv("SIM_SEED", "99")
+    assert (Settings().partitions, Settings(topic_prefix="x.").partitions) == (8, 8)
+    assert (SimulatorConfig().seed, SimulatorConfig(port=0).seed) == (0, 0)
+    assert (Settings.from_env().partitions, SimulatorConfig.from_env().seed) == (5, 99)
+    assert issubclass(Settings, ExplicitSettings) and issubclass(SimulatorConfig, ExplicitSettings)
 
 
 def test_replace_recomputes_topics() -> None:

@@ -1,0 +1,344 @@
+"""What the harness's runs share: the main job (:mod:`streams_harness.mainjob`) and the soak
+(:mod:`streams_harness.soak`) run the same steps around their own processes and faults, and the benchmark gathers
+its report the same way.
+
+* a run's isolation on the shared services (:func:`isolated_run`): its own ledger database, topics, consumer
+  group and provider account, removed afterwards;
+* its simulator's and workers' settings (:func:`simulator_env`, :func:`worker_settings`);
+* the replay of the trace with progress until every operation is final and the outbox drained
+  (:func:`replay_until_final`);
+* the report from independent records (:func:`collect_report`) and its output (:func:`write_report`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import asyncpg
+import httpx
+import orjson
+
+from streams.admin import create_run_database, create_topics, delete_topics, drop_run_database, migrate
+from streams.config import Settings
+from streams.downstream import read_topic_to_end
+from streams.failures import is_outage
+from streams.ledger import Ledger
+from streams.producer import SubmissionProducer
+from streams_harness.checkout import checkout_dir
+from streams_harness.replay import replay_trace
+from streams_harness.report import (
+    FINAL_STATES,
+    REPORT,
+    LedgerAccounting,
+    LedgerOperation,
+    build_report,
+    render_table,
+)
+from streams_harness.trace import TraceRow
+
+#: Fault rates of the simulator when a run has its faults on (the main job's default, the soak's always).
+DEFAULT_FAULTS: dict[str, float] = {
+    "fault_429": 0.01,
+    "fault_502_job_id": 0.01,
+    "fault_5xx": 0.005,
+    "fault_drop_after_create": 0.005,
+    "fault_slow": 0.002,
+    "fault_job_failed": 0.01,
+    "fault_not_found": 0.005,
+    "fault_unknown_status": 0.002,
+    "fault_never_finishes": 0.002,
+    "fault_status_regression": 0.01,
+}
+
+#: Maximum observation age of a harness run's workers (s): a job that never finishes stalls this long after its
+#: id was saved (the product's default, 24 h, would outlast the run); far beyond any job of the traces.
+RUN_MAX_OBSERVATION_AGE_S = 30.0
+
+#: The simulator's lookup consistency lag in a run with lookup on (s); the workers wait one more second.
+RUN_LOOKUP_LAG_S = 1.0
+
+
+@dataclass
+class RunOptions:
+    """Options every harness run has; :class:`~streams_harness.mainjob.MainJobOptions` and
+    :class:`~streams_harness.soak.SoakOptions` add their own (and their defaults)."""
+
+    trace: str = "conv"
+    start: int = 0
+    rows: int = 2000
+    compression: float = 15.0
+    workers: int = 2
+    #: Seed of the simulator's fault decisions (and of the soak's fault plan).
+    seed: int = 7
+    report_path: Path | None = None
+    timeout_s: float = 900.0
+    #: Keep the run's database and topics after the report (isolated runs).
+    keep: bool = False
+    #: Reconcile uncertain operations by lookup of the client reference (the simulator offers it for the run).
+    lookup: bool = False
+
+    @property
+    def trace_name(self) -> str:
+        """The trace's short name (``conv``, ``code`` or a CSV file's stem), part of every operation id."""
+        return Path(self.trace).stem
+
+    def report_file(self, run_id: str) -> Path:
+        """Where the JSON report goes: ``report_path``, else ``reports/<run id>/report.json`` of the clone."""
+        return self.report_path or run_dir(run_id) / "report.json"
+
+
+def run_dir(run_id: str) -> Path:
+    """``reports/<run id>`` of the clone: the run's logs and report."""
+    return checkout_dir() / "reports" / run_id
+
+
+def worker_settings(
+    settings: Settings, *, lookup: bool, max_observation_age_s: float = RUN_MAX_OBSERVATION_AGE_S
+) -> Settings:
+    """``settings`` for a run's workers: jobs stall ``max_observation_age_s`` after their id was saved, and
+    uncertain operations are looked up (``lookup``) one second after the simulator lists a job."""
+    return settings.replace(
+        max_observation_age_s=max_observation_age_s, lookup_enabled=lookup, lookup_lag_s=RUN_LOOKUP_LAG_S + 1.0
+    )
+
+
+def simulator_env(opts: RunOptions, settings: Settings, faults: Mapping[str, float]) -> dict[str, str]:
+    """``SIM_*`` variables of a run's simulator: the seed, the compression, a slow POST answered 2 s after the
+    workers' read timeout, the fault rates ``faults`` (``fault_429``, ...) and the lookup (``opts.lookup``,
+    :data:`RUN_LOOKUP_LAG_S`)."""
+    env = {
+        "SIM_SEED": str(opts.seed),
+        "SIM_COMPRESSION": str(opts.compression),
+        "SIM_SLOW_RESPONSE_S": str(settings.http_read_timeout_s + 2),
+        "SIM_LOOKUP_ENABLED": "true" if opts.lookup else "false",
+        "SIM_LOOKUP_LAG_S": str(RUN_LOOKUP_LAG_S),
+    }
+    env.update({f"SIM_{name.upper()}": str(rate) for name, rate in faults.items()})
+    return env
+
+
+def isolate(settings: Settings, run_id: str, database_url: str) -> Settings:
+    """``settings`` of the run ``run_id``: the ledger ``database_url``, topics ``<prefix><run id>.generation.*``,
+    consumer group ``<app id>-<run id>`` and provider account ``run_id`` (the run's simulator is an account of its
+    own: its own rate budget)."""
+    return settings.replace(
+        database_url=database_url,
+        topic_prefix=f"{settings.topic_prefix}{run_id}.",
+        app_id=f"{settings.app_id}-{run_id}",
+        remote_account=run_id,
+    )
+
+
+@contextlib.asynccontextmanager
+async def isolated_run(settings: Settings, run_id: str, *, keep: bool, out: TextIO) -> AsyncIterator[Settings]:
+    """The run ``run_id`` isolated on the services of ``settings`` (:func:`isolate`): its ledger database created
+    and migrated, its topics created (``settings.partitions``); yields the run's settings. Afterwards the topics
+    and the database are removed unless ``keep``; a removal that fails is printed to ``out`` (the services may
+    just have been restarted), never raised over the run's own outcome.
+
+    Raises:
+        asyncpg.PostgresError: the role may not create databases.
+    """
+    database_url = settings.database_url.get_secret_value()
+    run = isolate(settings, run_id, await create_run_database(database_url, run_id))
+    try:
+        migrate(run.database_url.get_secret_value())
+        await create_topics(run)
+        yield run
+    finally:
+        if not keep:
+            await _remove(f"topics {run.topic_prefix}*", lambda: delete_topics(run), out)
+            await _remove(
+                f"database {run.database_url}",
+                lambda: drop_run_database(database_url, run.database_url.get_secret_value()),
+                out,
+            )
+
+
+async def _remove(what: str, remove: Callable[[], Awaitable[Any]], out: TextIO) -> None:
+    try:
+        await remove()
+    except Exception as exc:
+        print(f"warning: the run's {what} not removed ({type(exc).__name__}: {exc}); remove it by hand", file=out)
+
+
+async def progress(db: asyncpg.Pool | asyncpg.Connection, pattern: str) -> dict[str, int]:
+    """Operation counts by state (plus ``outbox_pending`` and ``lookup_pending``) of the operations whose id
+    matches ``pattern`` (SQL ``LIKE``), read through ``db`` (a pool or a connection)."""
+    rows = await db.fetch(REPORT.run_progress, pattern)
+    return {r["state"]: r["n"] for r in rows}
+
+
+def final_count(counts: Mapping[str, int]) -> int:
+    """Operations in a final state (:data:`~streams_harness.report.FINAL_STATES`) among ``counts``."""
+    return sum(n for state, n in counts.items() if state in FINAL_STATES)
+
+
+def settled(counts: Mapping[str, int], total: int, *, lookup: bool, outbox: bool = True) -> bool:
+    """True when ``total`` operations are final, no lookup is pending (``lookup``) and the outbox is drained
+    (``outbox``: a program without one has nothing to drain)."""
+    return (
+        final_count(counts) >= total
+        and not (lookup and counts.get("lookup_pending", 0))
+        and not (outbox and counts.get("outbox_pending", 0))
+    )
+
+
+def progress_line(counts: Mapping[str, int], sent: int, total: int, elapsed_s: float, lookup: bool) -> str:
+    """One progress line: elapsed time, submissions sent, final operations and their rate, outbox backlog and the
+    operations by state."""
+    final = final_count(counts)
+    states = " ".join(
+        f"{s}={n}" for s, n in sorted(counts.items()) if s not in ("outbox_pending", "lookup_pending") and n
+    )
+    if lookup and counts.get("lookup_pending"):
+        states += f" (lookups pending {counts['lookup_pending']})"
+    return (
+        f"[{elapsed_s:6.1f}s] submitted {sent}/{total}  final {final}/{total}  "
+        f"({final / max(0.001, elapsed_s):.0f} ops/s)  outbox pending {counts.get('outbox_pending', 0)}  | {states}"
+    )
+
+
+def _nothing() -> None:
+    return None
+
+
+async def replay_until_final(
+    settings: Settings,
+    pool: asyncpg.Pool,
+    rows: list[TraceRow],
+    opts: RunOptions,
+    run_id: str,
+    *,
+    out: TextIO,
+    interval_s: float,
+    check: Callable[[], None] = _nothing,
+    busy: Callable[[], bool] = lambda: False,
+    extra: Callable[[], str] = lambda: "",
+) -> tuple[list[str], float]:
+    """Publish ``rows`` as submissions at their arrival times divided by ``opts.compression`` (operation ids
+    ``<run id>-<trace>-<row>``) and print a progress line (:func:`progress_line`, then ``extra()``) every
+    ``interval_s`` until the replay is done, every operation :func:`settled` and ``busy()`` false (the soak's
+    faults still running), or ``opts.timeout_s`` has passed (said so; what is there gets reported).
+
+    A progress read that fails with an outage (PostgreSQL restarting under the soak) is said and skipped.
+
+    Returns:
+        The submitted operation ids, and the seconds from the start of the replay to the end of the wait.
+
+    Raises:
+        Whatever ``check()`` raises (it checks the run's processes), a failed replay's error, and a progress read's
+        error that is not an outage.
+    """
+    pattern = f"{run_id}-%"
+    started = time.monotonic()
+    sent = [0]
+    async with SubmissionProducer(settings) as producer:
+        replay = asyncio.create_task(
+            replay_trace(
+                producer,
+                rows,
+                trace=opts.trace_name,
+                run_id=run_id,
+                compression=opts.compression,
+                model=settings.remote_model,
+                on_sent=lambda n: sent.__setitem__(0, n),
+            )
+        )
+        try:
+            while True:
+                await asyncio.sleep(interval_s)
+                elapsed_s = time.monotonic() - started
+                ids = replay.result() if replay.done() else None  # a failed replay raises here
+                try:
+                    counts = await progress(pool, pattern)
+                except Exception as exc:
+                    if not is_outage(exc):
+                        raise
+                    print(f"[{elapsed_s:6.1f}s] progress not read: {type(exc).__name__}: {exc}", file=out, flush=True)
+                else:
+                    line = progress_line(counts, sent[0], len(rows), elapsed_s, opts.lookup)
+                    print(f"{line}{extra()}", file=out, flush=True)
+                    if ids is not None and not busy() and settled(counts, len(rows), lookup=opts.lookup):
+                        break
+                check()
+                if elapsed_s > opts.timeout_s:
+                    print(f"timeout after {opts.timeout_s:.0f} s: reporting what is there", file=out)
+                    break
+            ids = await replay
+        finally:
+            replay.cancel()  # when the wait failed: the producer closes next
+    return ids, time.monotonic() - started
+
+
+def run_meta(
+    opts: RunOptions, run_id: str, *, partitions: int, rows: int, faults: Mapping[str, float], elapsed_s: float
+) -> dict[str, Any]:
+    """The report's fields that describe the run (README, "Report fields")."""
+    return {
+        "run_id": run_id,
+        "workers": opts.workers,
+        "partitions": partitions,
+        "trace": opts.trace_name,
+        "rows": rows,
+        "start_row": opts.start,
+        "compression": opts.compression,
+        "seed": opts.seed,
+        "faults": dict(faults),
+        "lookup": opts.lookup,
+        "wall_clock_s": round(elapsed_s, 1),
+    }
+
+
+async def collect_report(
+    settings: Settings, pool: asyncpg.Pool, pattern: str, ids: list[str], meta: dict[str, Any]
+) -> dict[str, Any]:
+    """Gather the independent records (ledger, simulator, Kafka read-back) of the operations matching ``pattern``
+    and build the report (:func:`streams_harness.report.build_report`) with ``meta``."""
+    rows = await pool.fetch(REPORT.run_operations, pattern)
+    ledger = [
+        LedgerOperation(
+            r["operation_id"], r["state"], r["reason_code"], r["accepted_at_ms"], r["final_at_ms"], r["outputs"]
+        )
+        for r in rows
+    ]
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        sim = (await client.get(f"{settings.remote_base_url.get_secret_value()}/_sim/jobs")).json()["jobs"]
+        summary = (await client.get(f"{settings.remote_base_url.get_secret_value()}/_sim/summary")).json()
+    delivered = await read_topic_to_end(settings, "outputs_delivered")
+    transitions = [
+        (r["operation_id"], r["from_state"], r["to_state"]) for r in await pool.fetch(REPORT.run_transitions, pattern)
+    ]
+    accounting = await Ledger(pool, "report").accounting_summary(pattern)
+    reconciled = await pool.fetchrow(REPORT.run_reconciled, pattern)
+    meta = dict(meta)
+    meta["faults_injected"] = summary.get("faults_injected", {})
+    return build_report(
+        submitted_ids=ids,
+        ledger=ledger,
+        sim_jobs=sim,
+        delivered=[(d.value, d.timestamp_ms) for d in delivered],
+        meta=meta,
+        transitions=transitions,
+        accounting=LedgerAccounting(
+            reconciled=dict(reconciled) if reconciled is not None else {},
+            duplicate_creations=accounting["duplicate_creations"],
+            charges=accounting["charges"],
+            refunds_settled=accounting["refunds_settled"],
+            refunds_pending=accounting["refunds_pending"],
+        ),
+    )
+
+
+def write_report(report: Mapping[str, Any], path: Path, out: TextIO) -> None:
+    """Print ``report`` as a table to ``out`` and write it as JSON to ``path``."""
+    print(render_table(report), file=out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    print(f"report written to {path}", file=out)

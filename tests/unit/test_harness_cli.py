@@ -1,0 +1,79 @@
+"""The harness's commands hand every option to their job's options as given (``streams run``, ``soak``,
+``bench``); the jobs themselves are replaced here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from streams_harness import bench, cli, mainjob, report, soak
+from streams_harness.bench import BenchOptions
+from streams_harness.mainjob import MainJobOptions
+from streams_harness.run import DEFAULT_FAULTS
+from streams_harness.soak import SoakOptions
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The options each job was started with (the job itself does not run)."""
+    options: list[Any] = []
+
+    def job(opts: Any) -> Any:
+        options.append(opts)
+        return opts
+
+    for module, name in ((mainjob, "run_main_job"), (soak, "run_soak"), (bench, "run_bench")):
+        monkeypatch.setattr(module, name, job)
+    monkeypatch.setattr(cli, "_run_job", lambda coro: {"summary": {}})
+    monkeypatch.setattr(report, "broken_promises", lambda report, repeats_allowed: [])
+    return options
+
+
+def test_run_options(started: list[Any], tmp_path: Path) -> None:
+    args = ["--trace", "code", "--start", "3", "--rows", "5", "--compression", "2", "--workers", "3"]
+    args += ["--seed", "2", "--keep", "--lookup", "--report", str(tmp_path / "r.json"), "--timeout-s", "10"]
+    args += ["--partitions", "4", "--no-faults", "--fault", "429=0.5"]
+    result = CliRunner().invoke(cli.run_command, args)
+    assert result.exit_code == 0, result.output
+    assert started == [
+        MainJobOptions(
+            trace="code",
+            start=3,
+            rows=5,
+            compression=2.0,
+            workers=3,
+            seed=2,
+            keep=True,
+            lookup=True,
+            report_path=tmp_path / "r.json",
+            timeout_s=10.0,
+            partitions=4,
+            faults={"fault_429": 0.5},
+        )
+    ]
+
+
+def test_run_defaults(started: list[Any]) -> None:
+    assert CliRunner().invoke(cli.run_command, []).exit_code == 0
+    assert started == [MainJobOptions(faults=dict(DEFAULT_FAULTS))]
+
+
+def test_soak_options_and_defaults(started: list[Any]) -> None:
+    assert CliRunner().invoke(cli.soak_command, []).exit_code == 0
+    args = ["--rows", "300", "--workers", "2", "--faults", "7", "--seed", "5", "--compression", "10", "--lookup"]
+    result = CliRunner().invoke(cli.soak_command, args)
+    assert result.exit_code == 0, result.output
+    assert started == [
+        SoakOptions(),
+        SoakOptions(rows=300, workers=2, faults=7, seed=5, compression=10.0, lookup=True),
+    ]
+
+
+def test_bench_options(started: list[Any]) -> None:
+    args = ["--operations", "50", "--workers", "1,2", "--sim-latency-ms", "5", "--no-profile"]
+    result = CliRunner().invoke(cli.bench_command, args)
+    assert result.exit_code == 0, result.output
+    assert started == [BenchOptions(operations=50, workers=(1, 2), sim_get_latency_ms=5.0, profile=False)]
