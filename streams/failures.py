@@ -21,17 +21,21 @@ integrity error, ...                                                  never repo
 
 A wrapper that does not classify itself (faust's ``ProducerSendError``, a ``RuntimeError`` raised ``from`` a
 socket error) is classified by the exception it chains as its ``__cause__``.
+
+faust is not imported here: it costs the operators' commands, which import this module through the ledger, and
+run no faust. Its ``NotReady`` is looked up among the loaded modules (:func:`_faust_outages`): an exception of a
+faust class exists only once faust has been imported.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import sys
 from dataclasses import dataclass
 
 import aiokafka.errors
 import asyncpg
-import faust.exceptions
 import redis.exceptions
 
 from streams.errors import (
@@ -80,8 +84,9 @@ REDIS_BUSY: tuple[type[BaseException], ...] = (CoordinationBusyError, redis.exce
 KAFKA_OUTAGE: tuple[type[BaseException], ...] = (
     aiokafka.errors.KafkaConnectionError,
     aiokafka.errors.KafkaTimeoutError,
-    faust.exceptions.NotReady,
 )
+#: faust's exceptions that are Kafka outages, by module and class name (see the module docstring).
+FAUST_KAFKA_OUTAGE = (("faust.exceptions", "NotReady"),)
 
 _WRAPPER_DEPTH = 5
 
@@ -112,10 +117,19 @@ def _classify_one(exc: BaseException) -> Failure | None:
         return Failure(FailureKind.OUTAGE, "PostgreSQL")
     if isinstance(exc, REDIS_OUTAGE):
         return Failure(FailureKind.OUTAGE, "Redis")
-    if isinstance(exc, KAFKA_OUTAGE) or (isinstance(exc, aiokafka.errors.KafkaError) and exc.retriable):
+    if (
+        isinstance(exc, KAFKA_OUTAGE)
+        or (isinstance(exc, aiokafka.errors.KafkaError) and exc.retriable)
+        or isinstance(exc, _faust_outages())
+    ):
         return Failure(FailureKind.OUTAGE, "Kafka")
     if isinstance(exc, aiokafka.errors.KafkaError | StreamsError):
         return Failure(FailureKind.ERROR)  # classified on purpose: a refusal or a bug, not an outage
     if isinstance(exc, OSError | asyncio.TimeoutError):
         return Failure(FailureKind.OUTAGE, "network")
     return None
+
+
+def _faust_outages() -> tuple[type[BaseException], ...]:
+    """The classes of :data:`FAUST_KAFKA_OUTAGE` whose module is loaded (none before faust is imported)."""
+    return tuple(getattr(sys.modules[module], name) for module, name in FAUST_KAFKA_OUTAGE if module in sys.modules)

@@ -18,10 +18,10 @@ from typing import Any
 import asyncpg
 
 from streams import exactjson
+from streams.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.errors import LedgerDataError, LedgerUnavailableError, OperatorActionRefusedError, UnknownOperationError
 from streams.failures import is_outage
-from streams.remote import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.sql import ACCOUNTING, RECONCILE
 from streams.sql import LEDGER as Q
 from streams.sql import OPERATORS as OPS

@@ -28,6 +28,7 @@ import logging
 import time
 
 from streams import contracts, hooks, logs, metrics
+from streams.answers import JobSnapshot, clean_text
 from streams.backoff import next_poll_delay_s
 from streams.codes import RemoteCallOutcome
 from streams.config import lease_key
@@ -47,7 +48,6 @@ from streams.errors import (
 from streams.lease import Lease
 from streams.ledger import ObserveClaim, SaveOutcome
 from streams.ratebudget import BudgetKind
-from streams.remote import JobSnapshot, clean_text
 from streams.runtime import RawMessage, Runtime
 from streams.stalling import StallGuard
 from streams.states import OperationState, is_terminal

@@ -42,7 +42,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 from urllib.parse import quote
@@ -51,6 +51,7 @@ import httpcore
 import httpx
 
 from streams import contracts, exactjson, jsontext, metrics
+from streams.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.config import Settings
 from streams.errors import (
     JsonValueError,
@@ -64,7 +65,7 @@ from streams.errors import (
     RemoteUnknownOutcomeError,
     RemoteUnknownStatusError,
 )
-from streams.states import OperationState, state_for_remote_status
+from streams.states import state_for_remote_status
 from streams.transport import AiohttpTransport
 
 log = logging.getLogger(__name__)
@@ -202,61 +203,6 @@ class SubmitResult:
     duration_ms: float
 
 
-@dataclass(frozen=True)
-class LookupJob:
-    """One job a lookup by client reference found: its id, the provider's status word and creation time
-    (epoch ms, None when the answer did not carry a readable one)."""
-
-    job_id: str
-    status: str | None
-    created_at_ms: int | None
-
-    def as_record(self) -> dict[str, Any]:
-        """JSON-ready ``{"job_id", "status", "created_at_ms"}``."""
-        return {"job_id": self.job_id, "status": self.status, "created_at_ms": self.created_at_ms}
-
-
-@dataclass(frozen=True)
-class JobSnapshot:
-    """One GET of a remote job.
-
-    ``state`` is the operation state the remote ``status`` maps to; ``outputs`` is a list of dicts with at
-    least an ``id``, every number exact (:mod:`streams.exactjson`); ``completed_at_ms`` is the remote completion
-    time (epoch ms) when terminal and readable, else None with ``completed_at_problem`` saying why
-    (:func:`read_completed_at_ms`). ``charge`` and ``refund`` are the provider's objects as it sent them
-    (``{"id", "amount", "currency"}`` in the simulator's dialect), or None; the ledger's accounting records
-    them, nothing else interprets them.
-    """
-
-    job_id: str
-    status: str
-    state: OperationState
-    outputs: list[dict[str, Any]] = field(default_factory=list)
-    poll_after_s: float | None = None
-    completed_at_ms: int | None = None
-    error: dict[str, Any] | None = None
-    status_code: int = 200
-    duration_ms: float = 0.0
-    completed_at_problem: str | None = None
-    charge: dict[str, Any] | None = None
-    refund: dict[str, Any] | None = None
-
-    def as_observation(self) -> dict[str, Any]:
-        """The JSON saved as the operation's ``last_observation`` (with ``completed_at_problem`` when set)."""
-        observation = {
-            "job_id": self.job_id,
-            "status": self.status,
-            "outputs": len(self.outputs),
-            "completed_at_ms": self.completed_at_ms,
-            "error": self.error,
-            "charge": self.charge,
-            "refund": self.refund,
-        }
-        if self.completed_at_problem is not None:
-            observation["completed_at_problem"] = self.completed_at_problem
-        return observation
-
-
 #: Upper bound of any poll hint from the API (s): a broken or hostile hint cannot park a job for years.
 MAX_POLL_HINT_S = 3600.0
 
@@ -267,9 +213,6 @@ RATE_LIMITED_FALLBACK_S = 1.0
 MAX_EPOCH_MS = 253_402_300_799_999
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-
-#: Job ids this client accepts: they go into a URL path and the ledger (at most 256 characters).
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,255}")
 
 
 def parse_retry_after_s(
@@ -368,11 +311,6 @@ def read_completed_at_ms(value: Any) -> tuple[int | None, str | None]:
 def _shown(value: Any, limit: int = 80) -> str:
     """``value`` as short text for a reason (numbers exactly as they came: ``JsonDecimal`` shows its JSON)."""
     return clean_text(repr(value), limit)
-
-
-def clean_text(text: str, limit: int = 2000) -> str:
-    """``text`` made storable in PostgreSQL text/jsonb (no NUL) and at most ``limit`` characters."""
-    return text.replace("\x00", "\\0")[:limit]
 
 
 def provider_request_body(request_text: str, operation_id: str, default_model: str) -> bytes:

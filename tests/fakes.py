@@ -30,12 +30,13 @@ import fakeredis
 import httpx
 
 from streams import exactjson
+from streams.answers import JobSnapshot, LookupJob, clean_text
 from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.config import Settings
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.lease import LeaseManager
 from streams.ledger import DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
-from streams.remote import JobSnapshot, LookupJob, RemoteClient, clean_text
+from streams.remote import RemoteClient
 from streams.runtime import Runtime
 from streams.states import POLLABLE, OperationState, can_transition, is_terminal
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import asyncpg
 
+from streams.answers import JobSnapshot
 from streams.codes import ReasonCode
 from streams.codes import RemoteCallOutcome as Outcome
 from streams.config import Settings
 from streams.ledger import Ledger
-from streams.remote import JobSnapshot
 from streams.states import OperationState
 from tests.support import ROOT, STREAMS
 

@@ -10,10 +10,10 @@ import orjson
 import pytest
 
 from streams import metrics
+from streams.answers import JobSnapshot
 from streams.config import lease_key
 from streams.ledger import SaveOutcome
 from streams.observer import Observer
-from streams.remote import JobSnapshot
 from streams.runtime import RawMessage, Runtime
 from streams.states import OperationState
 from tests.support import SimulatorServer as Simulator

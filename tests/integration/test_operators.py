@@ -8,10 +8,10 @@ import time
 import asyncpg
 import pytest
 
+from streams.answers import JobSnapshot
 from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.errors import OperatorActionRefusedError, UnknownOperationError
 from streams.ledger import Ledger
-from streams.remote import JobSnapshot
 from streams.states import OperationState
 
 pytestmark = pytest.mark.integration

@@ -11,13 +11,13 @@ import asyncpg
 import orjson
 import pytest
 
+from streams.answers import JobSnapshot
 from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.downstream import EventDeduplicator, read_topic_to_end
 from streams.ledger import SaveOutcome
 from streams.observer import Observer
 from streams.relay import OutboxRelay
-from streams.remote import JobSnapshot
 from streams.runtime import RawMessage, Runtime
 from streams.states import OperationState
 

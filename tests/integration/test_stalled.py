@@ -8,10 +8,10 @@ import asyncpg
 import orjson
 import pytest
 
+from streams.answers import JobSnapshot
 from streams.downstream import read_topic_to_end
 from streams.ledger import SaveOutcome
 from streams.relay import OutboxRelay
-from streams.remote import JobSnapshot
 from streams.runtime import Runtime
 from streams.states import OperationState
 from tests.integration.stuck import (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import EntryPoint
@@ -99,6 +100,40 @@ def test_product_commands_and_the_worker_import_path_load_no_harness_module() ->
     modules = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "streams.app" in modules and "streams.observer" in modules and "faust" in modules
     assert [m for m in modules if m.split(".")[0] in (*HARNESS_MODULES, *HARNESS_ONLY_IMPORTS)] == []
+
+
+OPERATOR_PROBE = """
+import json, sys
+from streams.cli import main
+for args in (["operations", "list"], ["operations", "show", "op-1"], ["accounting", "report"],
+             ["operations", "adopt", "op-1", "job-1", "--reason", "found"], ["operations", "repoll", "op-1"]):
+    try:
+        main(args, prog_name="streams")
+    except BaseException:  # the ledger does not answer here: what matters is what the command imported
+        pass
+print(json.dumps(sorted(sys.modules)))
+"""
+
+#: What the operators' commands never need: faust (the worker's), the HTTP stack and the JSON Schemas (jsonschema
+#: with its format checkers takes over a second to import).
+NOT_FOR_OPERATORS = ("faust", "mode", "jsonschema", "aiohttp", "httpx")
+
+
+def test_operator_commands_load_neither_faust_nor_the_http_stack_nor_jsonschema() -> None:
+    """In a fresh interpreter, operator commands run until the ledger (unreachable here) refuses them; what they
+    imported holds none of :data:`NOT_FOR_OPERATORS`."""
+    env = {
+        **os.environ,
+        "STREAMS_DATABASE_URL": "postgresql://streams:streams@127.0.0.1:1/streams",
+        "STREAMS_REDIS_URL": "redis://127.0.0.1:1/0",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", OPERATOR_PROBE], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    modules = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"streams.operators", "streams.ledger", "streams.failures", "asyncpg"} <= set(modules)  # they ran
+    assert [m for m in modules if m.split(".")[0] in NOT_FOR_OPERATORS] == []
 
 
 def test_harness_commands_are_offered_through_the_entry_point_group() -> None:

@@ -10,6 +10,7 @@ import httpx
 import orjson
 import pytest
 
+from streams.answers import JobSnapshot
 from streams.config import Settings
 from streams.errors import (
     RemoteContractError,
@@ -22,7 +23,7 @@ from streams.errors import (
     RemoteUnknownOutcomeError,
     RemoteUnknownStatusError,
 )
-from streams.remote import JobSnapshot, RemoteClient, SubmitResult, parse_retry_after_s
+from streams.remote import RemoteClient, SubmitResult, parse_retry_after_s
 from streams.states import OperationState
 
 OP = "operation-42"
