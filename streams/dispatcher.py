@@ -260,18 +260,17 @@ class Dispatcher:
     async def _post_slot_before_claim(self, operation_id: str, lease: Lease) -> float | None:
         """Wait for a POST slot of the rate budget under ``lease`` (renewed meanwhile), before any claim.
 
-        Returns the ``time.monotonic()`` of the slot with the lease just renewed, or None when the lease was lost
+        Returns the ``time.monotonic()`` of the slot with the lease confirmed, or None when the lease was lost
         while waiting (released; nothing claimed, nothing sent: take it again). Redis unavailable: wait and retry.
         """
         delay = 0.1
         try:
             while True:
                 try:
-                    slot = await self.rt.budget.wait_for_slot(
+                    await self.rt.budget.wait_for_slot(
                         BudgetKind.POST, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000
                     )
-                    if slot.waited_s > 0:
-                        await lease.renew()  # still ours right before the claim (just taken when no wait)
+                    await lease.renew_if_due()  # still ours right before the claim (unless confirmed just now)
                     return time.monotonic()
                 except LeaseLostError as exc:
                     metrics.LEASE_LOST.labels("submit").inc()
@@ -309,10 +308,11 @@ class Dispatcher:
             return
 
     async def _ensure_lease(self, lease: Lease) -> Lease:
-        """Renew the submit lease before a send; re-take it if it expired (we still hold the fencing value)."""
+        """Renew the submit lease before a send (unless confirmed recently enough: :meth:`Lease.renew_if_due`);
+        re-take it if it expired (we still hold the fencing value)."""
         while True:
             try:
-                await lease.renew()
+                await lease.renew_if_due()
                 return lease
             except CoordinationBusyError as exc:  # this worker's Redis pool was full: still ours, renew again
                 log.info("submit lease not renewed yet: %s", exc)

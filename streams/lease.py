@@ -18,9 +18,25 @@ no key is ever left without one.
 * After a remote call abandoned mid-flight: :meth:`Lease.leave_to_expire` renews the key to a full TTL and
   stops there (no release), so no other worker takes the job while the provider may still serve the call.
 
-Scripts are sent by SHA (``EVALSHA``); redis-py's ``Script`` answers a ``NOSCRIPT`` (script cache flushed,
-Redis restarted) by loading the script and running it again, so a lost script cache is never read as "lost"
-or "held" (checked against a real Redis, with and without persistence, in ``tests/integration/test_lease.py``).
+Every command goes through the worker's one coalescing Redis stage (:class:`~streams.redisstage.RedisStage`):
+the lease commands (and rate budget slots) of all its tasks at a Redis step at once share one pipelined round
+trip, each with its own reply. Scripts are sent by SHA (``EVALSHA``); a ``NOSCRIPT`` (script cache flushed,
+Redis restarted) is answered by sending that command again with the script's text, so a lost script cache is
+never read as "lost" or "held" (checked against a real Redis, with and without persistence, in
+``tests/integration/test_redis_pool_and_scripts.py`` and ``tests/integration/test_redis_stage.py``).
+
+Renewals that confirm nothing are skipped (:meth:`Lease.renew_if_due`, before a remote call or a claim). The
+rule: an acquisition or renewal submitted at ``time.monotonic()`` ``t`` with TTL ``ttl`` leaves the key ours
+until ``t + ttl`` at the earliest (Redis starts the PX expiry when it runs the command, after ``t``); the
+renewal before an action is skipped while more than ``reserve_s`` of that is left, where ``reserve_s`` is
+``remote_call_deadline_s + lease_margin_s`` (:class:`LeaseManager`). The action then ends, at its deadline at
+the latest, with the lease still holding for at least ``lease_margin_s``: what the configuration demands of a
+lease renewed right before the call (``remote_call_deadline_s + lease_margin_s < lease TTL``). With the defaults
+(TTL 45 s, deadline 30 s, margin 10 s) a lease confirmed less than 5 s ago is not renewed before a call; a lease
+whose TTL is not longer than ``reserve_s`` is always renewed. What a skipped renewal does not notice is a key
+lost *within* its TTL, which only Redis losing it can cause (restart without persistence, failover, a manual
+``DEL``): the lease is no proof, the fencing value refuses such a worker's save, and the renewal right before a
+save is never skipped.
 
 Pool: a blocking pool of ``max_connections`` (:func:`make_redis`); a command that finds every connection in use
 waits up to ``pool_timeout_s`` for one, and a wait that runs out is :class:`~streams.errors.CoordinationBusyError`
@@ -34,7 +50,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -43,7 +59,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from streams import metrics
+from streams.config import Settings
 from streams.errors import CoordinationBusyError, CoordinationUnavailableError, LeaseLostError
+from streams.redisstage import REDIS_POOL_EXHAUSTED as REDIS_POOL_EXHAUSTED
+from streams.redisstage import REDIS_UNAVAILABLE as REDIS_UNAVAILABLE
+from streams.redisstage import Arg, LuaScript, RedisCommand, RedisStage
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +85,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
-
-#: Errors that mean "Redis did not answer": no claim may be made and no remote call without a lease.
-#: :data:`REDIS_POOL_EXHAUSTED` is a subclass of ``redis.exceptions.ConnectionError``: catch it first.
-REDIS_UNAVAILABLE = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.BusyLoadingError,
-    OSError,
-    asyncio.TimeoutError,
-)
-
-#: No pooled connection free (raised by :class:`WaitingConnectionPool` after its wait): not an outage.
-REDIS_POOL_EXHAUSTED = redis.exceptions.MaxConnectionsError
 
 
 class WaitingConnectionPool(aioredis.BlockingConnectionPool):
@@ -135,15 +142,24 @@ def make_redis(
 class Lease:
     """One acquired lease: its key, its own owner token and TTL.
 
-    Use :meth:`renew` before acting on the lease after a long wait and :meth:`release` when done.
+    Use :meth:`renew_if_due` before acting on the lease (a remote call, a claim), :meth:`renew` where it must be
+    confirmed whatever the time (before a save), and :meth:`release` when done.
+
+    Attributes:
+        confirmed_until_monotonic: the ``time.monotonic()`` until which the key is ours at the earliest (the
+            submission time of the last acquisition or renewal that answered "ours", plus its TTL); ``-inf`` once
+            a renewal found the lease lost. See the module docstring for the rule that uses it.
     """
 
-    def __init__(self, manager: LeaseManager, key: str, token: str, ttl_ms: int) -> None:
+    def __init__(
+        self, manager: LeaseManager, key: str, token: str, ttl_ms: int, confirmed_at: float | None = None
+    ) -> None:
         self.manager = manager
         self.key = key
         self.token = token
         self.ttl_ms = ttl_ms
-        self.acquired_monotonic = time.monotonic()
+        self.acquired_monotonic = time.monotonic() if confirmed_at is None else confirmed_at
+        self.confirmed_until_monotonic = self.acquired_monotonic + ttl_ms / 1000.0
         self.released = False
         self.left_to_expire = False
 
@@ -151,6 +167,14 @@ class Lease:
     def ttl_s(self) -> float:
         """The lease TTL in seconds."""
         return self.ttl_ms / 1000.0
+
+    @property
+    def renewal_due(self) -> bool:
+        """True when :meth:`renew_if_due` would ask Redis: ``manager.reserve_s`` is None (never skip), or no more
+        than ``reserve_s`` seconds are left of the last confirmation (module docstring), or the lease was found
+        lost."""
+        reserve_s = self.manager.reserve_s
+        return reserve_s is None or self.confirmed_until_monotonic - time.monotonic() <= reserve_s
 
     async def renew(self, ttl_ms: int | None = None) -> None:
         """Reset the TTL to ``ttl_ms`` (default: the acquisition TTL) if the key still holds our token.
@@ -161,9 +185,27 @@ class Lease:
             CoordinationBusyError: no pooled Redis connection came free in time (nothing sent).
         """
         ttl = self.ttl_ms if ttl_ms is None else ttl_ms
-        renewed = await self.manager._run(self.manager._renew, self.key, self.token, ttl)
+        submitted = time.monotonic()
+        until = submitted + ttl / 1000.0
+        # Should this renewal run but its answer never come, a shorter TTL would hold from now on.
+        self.confirmed_until_monotonic = min(self.confirmed_until_monotonic, until)
+        renewed = await self.manager._script(self.manager._renew, self.key, [self.token, ttl])
         if not renewed:
+            self.confirmed_until_monotonic = float("-inf")  # lost: never skip a renewal of it again
             raise LeaseLostError(self.key)
+        self.confirmed_until_monotonic = until
+
+    async def renew_if_due(self) -> bool:
+        """Renew before an action unless the last confirmation still holds long enough (:attr:`renewal_due`; the
+        rule, its TTL and margin: module docstring). Returns True when it asked Redis, False when skipped.
+
+        Raises:
+            as :meth:`renew`.
+        """
+        if not self.renewal_due:
+            return False
+        await self.renew()
+        return True
 
     async def renewing(self, call: Awaitable[T], every_s: float | None = None) -> T:
         """Await ``call`` (a remote call) while renewing this lease every ``every_s`` seconds (default: a third
@@ -230,7 +272,7 @@ class Lease:
 
     async def _release_now(self) -> bool:
         try:
-            deleted = await self.manager._run(self.manager._release, self.key, self.token)
+            deleted = await self.manager._script(self.manager._release, self.key, [self.token])
         except (CoordinationUnavailableError, CoordinationBusyError) as exc:
             log.warning("lease %s not released (%s); it expires by its TTL", self.key, exc)
             return False
@@ -249,23 +291,36 @@ class LeaseManager:
     Args:
         client: a redis-py asyncio client (see :func:`make_redis`).
         ttl_ms: lease time-to-live in milliseconds (seed example: 45000).
+        stage: the worker's coalescing Redis stage on ``client`` (shared with the rate budget); default: one of
+            this manager's own.
+        reserve_s: seconds a lease must still hold for :meth:`Lease.renew_if_due` to skip a renewal: the
+            worker's ``remote_call_deadline_s + lease_margin_s`` (:meth:`streams.runtime.Runtime.create`);
+            None (default): never skip.
     """
 
-    def __init__(self, client: aioredis.Redis, ttl_ms: int) -> None:
+    def __init__(
+        self, client: aioredis.Redis, ttl_ms: int, *, stage: RedisStage | None = None, reserve_s: float | None = None
+    ) -> None:
         self.client = client
         self.ttl_ms = ttl_ms
-        self._release = client.register_script(RELEASE_LUA)
-        self._renew = client.register_script(RENEW_LUA)
+        self.stage = RedisStage(client) if stage is None else stage
+        self.reserve_s = reserve_s
+        self._release = LuaScript(RELEASE_LUA)
+        self._renew = LuaScript(RENEW_LUA)
 
-    async def _run(self, script: Any, key: str, *args: Any) -> int:
-        try:
-            result = await script(keys=[key], args=list(args))
-        except REDIS_POOL_EXHAUSTED as exc:
-            metrics.REDIS_POOL_BUSY.labels("script").inc()
-            raise CoordinationBusyError(f"Redis busy for lease {key!r}: {exc}") from exc
-        except REDIS_UNAVAILABLE as exc:
-            raise CoordinationUnavailableError(f"Redis unavailable for lease {key!r}: {exc}") from exc
-        return int(result)
+    @classmethod
+    def from_settings(
+        cls, client: aioredis.Redis, settings: Settings, *, stage: RedisStage | None = None
+    ) -> LeaseManager:
+        """A worker's manager: ``lease_ttl_ms``, and ``reserve_s = remote_call_deadline_s + lease_margin_s`` (the
+        renewal rule of the module docstring)."""
+        reserve_s = settings.remote_call_deadline_s + settings.lease_margin_s
+        return cls(client, settings.lease_ttl_ms, stage=stage, reserve_s=reserve_s)
+
+    async def _script(self, lua: LuaScript, key: str, argv: Sequence[Arg]) -> int:
+        """Run ``lua`` on ``key`` through the stage. Raises as :meth:`Lease.renew` (without LeaseLostError)."""
+        command = RedisCommand.script(lua, [key], argv, what=f"lease {key!r}", busy_label="script")
+        return int(await self.stage.execute(command))
 
     async def acquire(self, key: str, ttl_ms: int | None = None) -> Lease | None:
         """Try once to take the lease ``key``; None when it is busy (normal, do not spin): another owner holds
@@ -277,15 +332,14 @@ class LeaseManager:
         """
         ttl = self.ttl_ms if ttl_ms is None else ttl_ms
         token = secrets.token_hex(16)
+        submitted = time.monotonic()
+        command = RedisCommand(("SET", key, token, "NX", "PX", ttl), f"lease {key!r} (acquire)", "acquire")
         try:
-            ok = await self.client.set(key, token, nx=True, px=ttl)
-        except REDIS_POOL_EXHAUSTED as exc:
-            metrics.REDIS_POOL_BUSY.labels("acquire").inc()
+            ok = await self.stage.execute(command)
+        except CoordinationBusyError as exc:
             log.info("lease %s not tried: %s", key, exc)
             return None
-        except REDIS_UNAVAILABLE as exc:
-            raise CoordinationUnavailableError(f"Redis unavailable acquiring lease {key!r}: {exc}") from exc
-        return Lease(self, key, token, ttl) if ok else None
+        return Lease(self, key, token, ttl, submitted) if ok else None
 
     async def healthy(self) -> bool:
         """True when Redis answers PING within the client's socket timeout. A pool with no free connection

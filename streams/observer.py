@@ -5,7 +5,9 @@
 * Redis unavailable: no claim and no GET; the poll comes back after its visibility timeout.
 * Rate budget (:mod:`streams.ratebudget`): after the claim, the GET waits for a slot of the account's GET
   budget, renewing the lease meanwhile; lease lost or Redis unavailable while waiting: no GET (the poll comes
-  back after its visibility timeout). The lease is renewed again right before the GET.
+  back after its visibility timeout). Right before the GET the lease is renewed unless it was confirmed recently
+  enough to hold through the GET's deadline and the lease margin (the rule: :mod:`streams.lease`), e.g. acquired
+  a moment ago with no wait since.
 * GET: at most one in flight per job. It runs under the client's overall deadline (shorter than the lease TTL
   by the lease margin) while the lease is renewed every third of its TTL; a renewal that finds the lease lost
   cancels it.
@@ -135,10 +137,14 @@ class Observer:
             hints_trusted_polls=s.poll_hint_trusted_polls,
         )
 
-    async def _renewed(self, lease: Lease, operation_id: str, what: str) -> bool:
-        """Renew ``lease`` before ``what``; False (logged and counted by cause) when it cannot be confirmed."""
+    async def _renewed(self, lease: Lease, operation_id: str, what: str, *, if_due: bool = False) -> bool:
+        """Renew ``lease`` before ``what`` (``if_due``: only when :meth:`Lease.renew_if_due` would); False (logged
+        and counted by cause) when it cannot be confirmed."""
         try:
-            await lease.renew()
+            if if_due:
+                await lease.renew_if_due()
+            else:
+                await lease.renew()
             return True
         except LeaseLostError as exc:
             metrics.LEASE_LOST.labels("observe").inc()
@@ -156,9 +162,9 @@ class Observer:
         claimed_at = time.monotonic()
         if not await self._get_slot(operation_id, lease):
             return
-        # The claim may have waited out a PostgreSQL outage: still ours before the GET? (If not, the poll comes
-        # back after its visibility timeout.)
-        if not await self._renewed(lease, operation_id, "no GET"):
+        # The claim or the budget may have waited (a PostgreSQL outage): still ours before the GET? (If not, the
+        # poll comes back after its visibility timeout.) Not asked when confirmed recently enough (streams.lease).
+        if not await self._renewed(lease, operation_id, "no GET", if_due=True):
             return
         snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim, lease, claimed_at)
         if snapshot is None:

@@ -47,7 +47,7 @@ import redis.asyncio as aioredis
 from streams import metrics
 from streams.config import Settings, budget_key
 from streams.errors import CoordinationBusyError, CoordinationUnavailableError, RateBudgetDeadlineError
-from streams.lease import REDIS_POOL_EXHAUSTED, REDIS_UNAVAILABLE
+from streams.redisstage import LuaScript, RedisCommand, RedisStage
 
 log = logging.getLogger(__name__)
 
@@ -217,10 +217,13 @@ class RateBudget:
     Args:
         client: a redis-py asyncio client (the worker's, :func:`streams.lease.make_redis`).
         settings: rates, bursts, the account and the key prefix (:func:`streams.config.budget_key`).
+        stage: the worker's coalescing Redis stage on ``client`` (shared with the leases), through which every
+            request of the script goes; default: one of this budget's own.
     """
 
-    def __init__(self, client: aioredis.Redis, settings: Settings) -> None:
+    def __init__(self, client: aioredis.Redis, settings: Settings, *, stage: RedisStage | None = None) -> None:
         self.client = client
+        self.stage = RedisStage(client) if stage is None else stage
         self.settings = settings
         get_pace = Pace.from_rate(settings.remote_get_rate_per_s, settings.remote_get_burst)
         self.paces = {
@@ -228,7 +231,7 @@ class RateBudget:
             BudgetKind.GET: get_pace,
             BudgetKind.CLAIMS: get_pace,
         }
-        self._script = client.register_script(BUDGET_LUA)
+        self._script = LuaScript(BUDGET_LUA)
 
     def _keys(self, kind: BudgetKind) -> list[str]:
         paused_by = BudgetKind.GET if kind is BudgetKind.CLAIMS else kind  # a GET's 429 stops claims too
@@ -246,17 +249,9 @@ class RateBudget:
             round(horizon_s * 1_000_000),
             math.ceil(pause_s * 1000),
         ]
-        try:
-            granted, wait_us, paused, at_us = await self._script(keys=self._keys(kind), args=args)
-        except REDIS_POOL_EXHAUSTED as exc:  # before REDIS_UNAVAILABLE: a subclass of ConnectionError
-            metrics.REDIS_POOL_BUSY.labels("rate budget").inc()
-            raise CoordinationBusyError(
-                f"Redis busy for the {kind} rate budget of account {self.settings.remote_account!r}: {exc}"
-            ) from exc
-        except REDIS_UNAVAILABLE as exc:
-            raise CoordinationUnavailableError(
-                f"Redis unavailable for the {kind} rate budget of account {self.settings.remote_account!r}: {exc}"
-            ) from exc
+        what = f"the {kind} rate budget of account {self.settings.remote_account!r}"
+        command = RedisCommand.script(self._script, self._keys(kind), args, what=what, busy_label="rate budget")
+        granted, wait_us, paused, at_us = await self.stage.execute(command)
         return Grant(int(granted), int(wait_us) / 1_000_000, bool(int(paused)), int(at_us))
 
     async def take(self, kind: BudgetKind, count: int = 1, horizon_s: float = RESERVE_HORIZON_S) -> Grant:

@@ -1,8 +1,8 @@
 """A worker's shared resources and the waiting/retrying helpers the pipeline stages use.
 
-One :class:`Runtime` per worker process: one asyncpg pool (the ledger), one Redis client (leases and the
-account's rate budget), one ``httpx.AsyncClient`` (the remote API) and one Kafka producer (through a
-:data:`SendFn`).
+One :class:`Runtime` per worker process: one asyncpg pool (the ledger), one Redis client and its coalescing
+stage (leases and the account's rate budget, :mod:`streams.redisstage`), one ``httpx.AsyncClient`` (the remote
+API) and one Kafka producer (through a :data:`SendFn`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class Runtime:
         self.remote = remote
         self.send = send
         self.worker = worker
-        self.budget = RateBudget(leases.client, settings)  # the provider account's rate budget, on the same Redis
+        # the provider account's rate budget, on the same Redis and through the same coalescing stage
+        self.budget = RateBudget(leases.client, settings, stage=leases.stage)
         self._last_outage_log: dict[str, float] = {}
 
     @classmethod
@@ -102,11 +103,12 @@ class Runtime:
             pool_timeout_s=settings.redis_pool_timeout_s,
         )
         remote = RemoteClient.from_settings(settings)
-        return cls(settings, Ledger(pool, name), LeaseManager(redis, settings.lease_ttl_ms), remote, send, name)
+        return cls(settings, Ledger(pool, name), LeaseManager.from_settings(redis, settings), remote, send, name)
 
     async def close(self) -> None:
         """Close all clients."""
         await self.remote.aclose()
+        await self.leases.stage.drain()  # lease releases still queued or on the wire
         await self.leases.client.aclose()
         await self.ledger.close()
 

@@ -624,7 +624,7 @@ def fake_leases(settings: Settings, server: fakeredis.FakeServer | None = None) 
     """The real :class:`LeaseManager` (its Lua scripts run) on an in-process Redis (``fakeredis``); set
     ``server.connected = False`` to make Redis unreachable."""
     client = fakeredis.FakeAsyncRedis(server=server or fakeredis.FakeServer())
-    return LeaseManager(client, settings.lease_ttl_ms)
+    return LeaseManager.from_settings(client, settings)
 
 
 def mock_remote(settings: Settings, handler: Handler) -> RemoteClient:

@@ -183,6 +183,8 @@ async def test_lost_lease_before_save_means_no_save_and_no_second_get(
 
 
 async def test_lost_lease_before_get_means_no_get(runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator) -> None:
+    """The claim took longer than the lease's confirmation can cover (the test settings: TTL 2 s, GET deadline
+    1.4 s + margin 0.5 s leave 0.1 s): the renewal before the GET is due, finds the lease lost, and no GET is made."""
     await submitted_operation(runtime, "op-lost2")
     poll = await claim_poll(runtime, "op-lost2")
     claim_id = orjson.loads(poll.value or b"")["poll_claim_id"]
@@ -192,6 +194,38 @@ async def test_lost_lease_before_get_means_no_get(runtime: Runtime, pool: asyncp
     await runtime.leases.client.set(key, "someone-else", px=5000)
     claim = await runtime.ledger.claim_for_observe("op-lost2", claim_id)
     assert claim is not None
+
+    async def renewal_due() -> bool:
+        return lease.renewal_due
+
+    await wait_for(renewal_due, 5, "the lease's confirmation to fall below the GET deadline plus the margin")
+    before = metrics.LEASE_LOST.labels("observe")._value.get()
     await Observer(runtime)._observe("op-lost2", claim_id, claim, lease)
+    assert metrics.LEASE_LOST.labels("observe")._value.get() == before + 1
     assert (await simulator.get("/_sim/operations/op-lost2"))["jobs"][0]["gets"] == 0
     assert await pool.fetchval("SELECT poll_count FROM operations WHERE operation_id='op-lost2'") == 0
+    assert await runtime.leases.client.get(key) == b"someone-else"
+
+
+async def test_lease_confirmed_a_moment_ago_is_not_renewed_before_the_get_but_before_the_save(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    """A lease acquired a moment ago with a TTL that covers the GET deadline plus the margin is not renewed
+    before the GET (the renewal would confirm nothing): the GET goes even though the key was taken over behind
+    its back (only Redis losing the key can cause that within its TTL). The renewal before the save is never
+    skipped: it finds the lease lost, and nothing is saved."""
+    await submitted_operation(runtime, "op-fresh")
+    poll = await claim_poll(runtime, "op-fresh")
+    claim_id = orjson.loads(poll.value or b"")["poll_claim_id"]
+    key = lease_key(runtime.settings, "observe", "op-fresh")
+    lease = await runtime.leases.acquire(key, ttl_ms=30_000)  # holds 30 s; the GET needs 1.4 s + 0.5 s
+    assert lease is not None and not lease.renewal_due
+    await runtime.leases.client.set(key, "someone-else", px=5000)
+    claim = await runtime.ledger.claim_for_observe("op-fresh", claim_id)
+    assert claim is not None
+    before = metrics.LEASE_LOST.labels("observe")._value.get()
+    await Observer(runtime)._observe("op-fresh", claim_id, claim, lease)
+    assert (await simulator.get("/_sim/operations/op-fresh"))["jobs"][0]["gets"] == 1  # no renewal before it
+    assert metrics.LEASE_LOST.labels("observe")._value.get() == before + 1  # the renewal before the save
+    assert await pool.fetchval("SELECT poll_count FROM operations WHERE operation_id='op-fresh'") == 0
+    assert await runtime.leases.client.get(key) == b"someone-else"
