@@ -67,6 +67,16 @@ class Coalescer(Generic[Req, Res]):
         self._tasks: set[asyncio.Task[None]] = set()
         self._batch_size = metrics.BATCH_SIZE.labels(name)
 
+    @property
+    def in_flight(self) -> int:
+        """Batches on the wire now (their flush started and has not returned)."""
+        return self._in_flight
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for the next batch."""
+        return len(self._queue)
+
     async def submit(self, request: Req) -> Res:
         """Send ``request`` in the next batch and return its result.
 

@@ -139,6 +139,16 @@ class RedisStage:
         """
         return await self._coalescer.submit(command)
 
+    @property
+    def in_flight(self) -> int:
+        """Pipelines on the wire now."""
+        return self._coalescer.in_flight
+
+    @property
+    def queued(self) -> int:
+        """Commands waiting for the next pipeline."""
+        return self._coalescer.queued
+
     async def drain(self) -> None:
         """Wait until every batch queued or on the wire is done (before closing the client)."""
         await self._coalescer.drain()

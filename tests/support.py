@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from streams.config import Settings
@@ -182,6 +184,64 @@ def unique_settings(base: Settings, **overrides: Any) -> Settings:
     """Settings with a fresh topic prefix, consumer group and lease key prefix."""
     run = uuid.uuid4().hex[:8]
     return base.replace(topic_prefix=f"f{run}.", app_id=f"streams-f{run}", lease_key_prefix=f"f{run}", **overrides)
+
+
+class PrivateRedis:
+    """A ``redis-server`` of the test's own on a free loopback port (its counters and script cache are the test's
+    alone); ``persistent`` = AOF with fsync always."""
+
+    def __init__(self, data_dir: Path, persistent: bool) -> None:
+        self.data_dir = data_dir
+        self.persistent = persistent
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir), "--save", ""]
+        args += ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
+        log = (self.data_dir / "redis.log").open("ab")
+        self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", *args], stdout=log, stderr=log)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.resume()
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def pause(self) -> None:
+        """SIGSTOP the server: it keeps its connections open but answers nothing until :meth:`resume`."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the server."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    async def wait_ready(self) -> None:
+        probe = aioredis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 10
+        try:
+            while True:
+                try:
+                    if await probe.ping():
+                        return
+                except (OSError, ConnectionError, aioredis.ConnectionError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"private redis-server on {self.port} did not come up")
+                await asyncio.sleep(0.05)
+        finally:
+            await probe.aclose()
+
+    async def restart(self) -> None:
+        self.stop()
+        self.start()
+        await self.wait_ready()
 
 
 def services(*args: str) -> None:

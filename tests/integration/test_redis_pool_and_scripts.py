@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,8 +19,7 @@ from streams import metrics
 from streams.config import Settings
 from streams.errors import CoordinationBusyError, CoordinationUnavailableError, LeaseLostError
 from streams.lease import Lease, LeaseManager, make_redis
-from streams_harness.fleet import free_port
-from tests.support import wait_for
+from tests.support import PrivateRedis, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -91,52 +89,6 @@ async def test_a_pool_wait_that_runs_out_is_busy_not_an_outage(settings: Setting
 
 
 # --- the script cache: NOSCRIPT is reloaded, never read as "lost" or "held" ------------------------------------
-
-
-class PrivateRedis:
-    """A ``redis-server`` of the test's own on a free loopback port; ``persistent`` = AOF with fsync always."""
-
-    def __init__(self, data_dir: Path, persistent: bool) -> None:
-        self.data_dir = data_dir
-        self.persistent = persistent
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir), "--save", ""]
-        args += ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
-        log = (self.data_dir / "redis.log").open("ab")
-        self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", *args], stdout=log, stderr=log)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-    async def wait_ready(self) -> None:
-        probe = aioredis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 10
-        try:
-            while True:
-                try:
-                    if await probe.ping():
-                        return
-                except (OSError, ConnectionError, aioredis.ConnectionError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"private redis-server on {self.port} did not come up")
-                await asyncio.sleep(0.05)
-        finally:
-            await probe.aclose()
-
-    async def restart(self) -> None:
-        self.stop()
-        self.start()
-        await self.wait_ready()
 
 
 @pytest.fixture(params=[False, True], ids=["no-persistence", "aof-persistence"])

@@ -49,6 +49,22 @@ async def test_requests_made_while_batches_are_on_the_wire_go_out_together_next(
     assert rec.batches == [[0], [2, 4, 8]]
 
 
+async def test_in_flight_and_queued_tell_what_waits_where() -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1)
+    assert (c.in_flight, c.queued) == (0, 0)
+    first = asyncio.ensure_future(c.submit(0))
+    while not rec.batches:
+        await asyncio.sleep(0)
+    later = [asyncio.ensure_future(c.submit(i)) for i in (2, 4)]
+    await asyncio.sleep(0)
+    assert (c.in_flight, c.queued) == (1, 2)
+    rec.gate.set()
+    await asyncio.gather(first, *later)
+    assert (c.in_flight, c.queued) == (0, 0)
+
+
 async def test_max_batch_splits_a_queue() -> None:
     rec = Recorder()
     c: Coalescer[int, int] = Coalescer("test", rec.flush, max_batch=2, max_in_flight=4)
