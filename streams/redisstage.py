@@ -156,22 +156,21 @@ class RedisStage:
     async def _flush(self, commands: list[RedisCommand]) -> list[Any]:
         try:
             replies = await self._pipeline([c.args for c in commands])
-            missing: dict[int, LuaScript] = {}
-            for i, (command, reply) in enumerate(zip(commands, replies, strict=True)):
-                if isinstance(reply, redis.exceptions.NoScriptError) and command.lua is not None:
-                    missing[i] = command.lua
-            if missing:  # these did not run: load their scripts, send only them again
-                scripts = {lua.sha: lua for lua in missing.values()}
-                loads: list[tuple[Arg, ...]] = [("SCRIPT", "LOAD", lua.text) for lua in scripts.values()]
-                again = await self._pipeline(loads + [commands[i].as_eval() for i in missing])
-                for i, reply in zip(missing, again[len(loads) :], strict=True):
-                    replies[i] = reply
-        except REDIS_POOL_EXHAUSTED as exc:  # before REDIS_UNAVAILABLE: a subclass of ConnectionError
-            for c in commands:
-                metrics.REDIS_POOL_BUSY.labels(c.busy_label).inc()
-            return [CoordinationBusyError(f"Redis busy for {c.what}: {exc}") for c in commands]
-        except REDIS_UNAVAILABLE as exc:
-            return [CoordinationUnavailableError(f"Redis unavailable for {c.what}: {exc}") for c in commands]
+        except (*REDIS_UNAVAILABLE, REDIS_POOL_EXHAUSTED) as exc:
+            return [_failure(c, exc) for c in commands]
+        missing: dict[int, LuaScript] = {}
+        for i, (command, reply) in enumerate(zip(commands, replies, strict=True)):
+            if isinstance(reply, redis.exceptions.NoScriptError) and command.lua is not None:
+                missing[i] = command.lua
+        if missing:  # these did not run: load their scripts, send only them again (the others' replies stand)
+            scripts = {lua.sha: lua for lua in missing.values()}
+            loads: list[tuple[Arg, ...]] = [("SCRIPT", "LOAD", lua.text) for lua in scripts.values()]
+            try:
+                again = (await self._pipeline(loads + [commands[i].as_eval() for i in missing]))[len(loads) :]
+            except (*REDIS_UNAVAILABLE, REDIS_POOL_EXHAUSTED) as exc:
+                again = [_failure(commands[i], exc) for i in missing]
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
         return replies
 
     async def _pipeline(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
@@ -179,3 +178,11 @@ class RedisStage:
         for args in commands:
             pipe.execute_command(*args)
         return list(await pipe.execute(raise_on_error=False))
+
+
+def _failure(command: RedisCommand, exc: BaseException) -> CoordinationBusyError | CoordinationUnavailableError:
+    """The caller's own exception for a pipeline that failed as a whole (pool full: busy, counted; else down)."""
+    if isinstance(exc, REDIS_POOL_EXHAUSTED):  # before REDIS_UNAVAILABLE: a subclass of ConnectionError
+        metrics.REDIS_POOL_BUSY.labels(command.busy_label).inc()
+        return CoordinationBusyError(f"Redis busy for {command.what}: {exc}")
+    return CoordinationUnavailableError(f"Redis unavailable for {command.what}: {exc}")
