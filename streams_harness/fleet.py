@@ -1,6 +1,7 @@
 """Processes the harness runs: worker processes (``streams worker``) and the provider simulator, each a child
-process with its own log file (the soak and the benchmark; the main job runs the same two through honcho and the
-Procfile), with what every run needs to start them: free loopback ports and the wait for a health URL."""
+process with its own log file (the soak, the benchmark and the process-level tests; the main job runs the same two
+through honcho and the Procfile), with what every run needs to start them: free loopback ports and the wait for a
+health URL."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import tenacity
+from prometheus_client.parser import text_string_to_metric_families
 
-from streams.config import Settings
+from streams.config import ENV_PREFIX, Settings
 from streams.errors import StreamsError
 from streams_harness.checkout import checkout_dir
 
@@ -100,9 +104,68 @@ async def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen[bytes]
             ) from last
 
 
+class Worker:
+    """One worker process of a :class:`Fleet`: its name, process, web port (``/healthz``, ``/metrics``) and log."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], web_port: int, log_path: Path) -> None:
+        self.name = name
+        self.proc = proc
+        self.web_port = web_port
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        """The process id."""
+        return self.proc.pid
+
+    @property
+    def url(self) -> str:
+        """Base URL of the worker's web server (``http://127.0.0.1:<web_port>``)."""
+        return f"http://127.0.0.1:{self.web_port}"
+
+    def alive(self) -> bool:
+        """True while the process has not exited (a stopped process is alive)."""
+        return self.proc.poll() is None
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the process (ignored when it is gone)."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(sig)
+
+    def stopped(self) -> bool:
+        """True while the process is stopped by SIGSTOP (state ``T`` in ``/proc/<pid>/stat``)."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+    async def metric(self, name: str, labels: Mapping[str, str] | None = None) -> float:
+        """The value of the sample ``name`` (e.g. ``streams_lease_busy_total``) with exactly ``labels`` in the
+        worker's ``/metrics``, read with prometheus-client's parser; 0.0 when absent (a labelled counter appears
+        at its first increment).
+
+        Raises:
+            httpx.HTTPError: the worker did not answer.
+        """
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            answer = await client.get(f"{self.url}/metrics")
+        answer.raise_for_status()
+        wanted = dict(labels or {})
+        for family in text_string_to_metric_families(answer.text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == wanted:
+                    return float(sample.value)
+        return 0.0
+
+    def log_text(self) -> str:
+        """The whole log so far (invalid UTF-8 replaced)."""
+        return self.log_path.read_text(errors="replace")
+
+
 class Fleet:
-    """Worker processes sharing one consumer group, each started with ``settings`` in its environment and its
-    own web port (``/healthz``, ``/metrics``); logs in ``log_dir/worker-<name>.log``.
+    """Worker processes sharing one consumer group, each started with ``settings`` (plus its own overrides) as its
+    environment and its own web port; logs in ``log_dir/worker-<name>.log``.
 
     ``command`` replaces ``streams worker`` (the benchmark runs its reference programs this way; they serve no
     ``/healthz``).
@@ -112,60 +175,59 @@ class Fleet:
         self.settings = settings
         self.log_dir = log_dir
         self.command = command or [STREAMS, "worker"]
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.web_ports: dict[str, int] = {}
-        self._n = 0
+        self.workers: dict[str, Worker] = {}
 
-    def start(self) -> str:
-        """Start one more worker; returns its name (``w1``, ``w2``, ...)."""
-        self._n += 1
-        name = f"w{self._n}"
-        port = free_port()
-        env = dict(os.environ)
-        env.update(self.settings.replace(web_port=port, web_enabled=True).to_env())
-        log = (self.log_dir / f"worker-{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen(
-            self.command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=checkout_dir()
-        )
-        self.web_ports[name] = port
-        return name
+    def start(self, name: str | None = None, *, faults: Mapping[str, str] | None = None, **overrides: Any) -> Worker:
+        """Start one more worker named ``name`` (default ``w1``, ``w2``, ...) with the fleet's settings replaced by
+        ``overrides`` (:meth:`Settings.replace`). Inherited ``STREAMS_*`` variables are dropped: the worker's
+        settings are exactly these, and its log format the default (JSON lines).
 
-    async def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Wait until every live worker answers ``/healthz``.
+        ``faults`` (``HARNESS_*`` variable -> value, see :mod:`streams_harness.faults`) runs ``streams worker``
+        through ``python -m streams_harness.faults`` with those fault hooks armed, instead of the fleet's command.
 
         Raises:
-            ProcessError: a worker exited or stayed silent for ``timeout_s``.
+            ProcessError: ``name`` is taken by another worker of this fleet.
         """
-        for name in self.live():
-            log_path = self.log_dir / f"worker-{name}.log"
-            url = f"http://127.0.0.1:{self.web_ports[name]}/healthz"
-            await wait_healthy(url, timeout_s, self.procs[name], log_path)
+        name = name or f"w{len(self.workers) + 1}"
+        if name in self.workers:
+            raise ProcessError(f"a worker named {name!r} was already started in this fleet; give another name")
+        settings = self.settings.replace(**overrides) if overrides else self.settings
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        env.update(settings.replace(web_port=port, web_enabled=True).to_env())
+        env.update(faults or {})
+        command = [sys.executable, "-m", "streams_harness.faults", "worker"] if faults else self.command
+        log_path = self.log_dir / f"worker-{name}.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=checkout_dir())
+        self.workers[name] = Worker(name, proc, port, log_path)
+        return self.workers[name]
 
-    def pid(self, name: str) -> int:
-        """The process id of worker ``name``."""
-        return self.procs[name].pid
+    async def wait_ready(self, *names: str, timeout_s: float = 120.0) -> None:
+        """Wait until the workers ``names`` (default: every one started) answer ``/healthz``.
 
-    def live(self) -> list[str]:
-        """Names of the workers still running."""
-        return [n for n, p in self.procs.items() if p.poll() is None]
+        Raises:
+            ProcessError: a worker exited or stayed silent for ``timeout_s`` (the message names its log).
+        """
+        for name in names or tuple(self.workers):
+            worker = self.workers[name]
+            await wait_healthy(f"{worker.url}/healthz", timeout_s, worker.proc, worker.log_path)
 
-    def signal(self, name: str, sig: signal.Signals) -> None:
-        """Send ``sig`` to worker ``name`` (ignored when it is gone)."""
-        with contextlib.suppress(ProcessLookupError):
-            self.procs[name].send_signal(sig)
+    def live(self) -> list[Worker]:
+        """The workers still running, in the order they were started."""
+        return [w for w in self.workers.values() if w.alive()]
 
     def stop_all(self, timeout_s: float = 20.0) -> None:
         """SIGCONT and SIGTERM every worker; SIGKILL those still running after ``timeout_s``."""
-        for p in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in self.procs.values():
+        for worker in self.workers.values():
+            worker.signal(signal.SIGCONT)
+            worker.signal(signal.SIGTERM)
+        for worker in self.workers.values():
             try:
-                p.wait(timeout_s)
+                worker.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                worker.proc.kill()
+                worker.proc.wait()
 
 
 def start_simulator(port: int, log_path: Path, sim_env: dict[str, str]) -> subprocess.Popen[bytes]:

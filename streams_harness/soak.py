@@ -118,18 +118,17 @@ class Chaos:
             await getattr(self, kind)()
 
     async def worker_kill(self) -> None:
-        live = self.fleet.live()
-        victim = self.rng.choice(live)
-        self.fleet.signal(victim, signal.SIGKILL)
+        victim = self.rng.choice(self.fleet.live())
+        victim.signal(signal.SIGKILL)
         self.fleet.start()
         self.injected["worker_kill"] += 1
 
     async def worker_pause(self) -> None:
         victim = self.rng.choice(self.fleet.live())
-        self.fleet.signal(victim, signal.SIGSTOP)
+        victim.signal(signal.SIGSTOP)
         self.injected["worker_pause"] += 1
         await asyncio.sleep(2 * self.opts.lease_ttl_ms / 1000.0 + 1.0)
-        self.fleet.signal(victim, signal.SIGCONT)
+        victim.signal(signal.SIGCONT)
 
     async def _restart(self, service: str) -> None:
         status = await asyncio.to_thread(

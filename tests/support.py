@@ -1,4 +1,5 @@
-"""Process-level test harness: real worker processes, the simulator on a real socket, Toxiproxy, services.
+"""Process-level test support: the simulator on a real socket, a throwaway broker, Kafka's tools, services (worker
+processes and private redis-servers: :mod:`streams_harness.fleet`, :mod:`streams_harness.redis_server`).
 
 Everything here drives real processes and real services; assertions read independent records (the
 simulator's, the ledger's, Kafka's).
@@ -7,31 +8,24 @@ simulator's, the ledger's, Kafka's).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import shutil
-import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 from aiohttp import web
 
 from streams.config import Settings
-from streams_harness.fleet import free_port, free_port_block
+from streams_harness.fleet import free_port_block
 from streams_harness.replay import trace_request
 from streams_harness.simulator import SimulatorConfig, make_app
 from streams_harness.trace import TraceRow
 
 ROOT = Path(__file__).resolve().parents[1]
-STREAMS = str(Path(sys.executable).with_name("streams"))
 
 
 def provider_request(context_tokens: int, max_tokens: int, model: str | None = None) -> dict[str, Any]:
@@ -84,164 +78,10 @@ class SimulatorServer:
             return r.json()
 
 
-@dataclass
-class Worker:
-    """One ``streams worker`` process."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    web_port: int
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, sig)
-
-    def stopped(self) -> bool:
-        """True while the process is stopped by SIGSTOP (state T in /proc)."""
-        try:
-            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
-        except FileNotFoundError:
-            return False
-        return stat.rsplit(")", 1)[1].split()[0] == "T"
-
-    async def metric(self, name: str, labels: str = "") -> float:
-        """Value of one Prometheus sample of this worker (0.0 when absent)."""
-        async with httpx.AsyncClient(timeout=5) as c:
-            text = (await c.get(f"http://127.0.0.1:{self.web_port}/metrics")).text
-        wanted = f"{name}{{{labels}}}" if labels else name
-        for line in text.splitlines():
-            if line.startswith(wanted + " "):
-                return float(line.split()[-1])
-        return 0.0
-
-    async def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"worker {self.name} exited with {self.proc.returncode}; see {self.log_path}")
-        try:
-            async with httpx.AsyncClient(timeout=2) as c:
-                return (await c.get(f"http://127.0.0.1:{self.web_port}/healthz")).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-@dataclass
-class Fleet:
-    """Worker processes sharing one consumer group, with per-test settings."""
-
-    settings: Settings
-    log_dir: Path
-    workers: dict[str, Worker] = field(default_factory=dict)
-
-    def start(self, name: str, *, faults: dict[str, str] | None = None, **overrides: Any) -> Worker:
-        """Start one worker with ``settings`` (plus ``overrides``) in the environment.
-
-        ``faults`` (``HARNESS_*`` variable -> value, see :mod:`streams_harness.faults`) runs the worker through
-        ``python -m streams_harness.faults`` with those fault hooks armed; without it, the ``streams`` script.
-        """
-        settings = self.settings.replace(**overrides) if overrides else self.settings
-        port = free_port()
-        env = dict(os.environ)
-        env.update(settings.replace(web_enabled=True, web_port=port).to_env())
-        env.update(faults or {})
-        command = [sys.executable, "-m", "streams_harness.faults"] if faults else [STREAMS]
-        log_path = self.log_dir / f"worker-{name}.log"
-        proc = subprocess.Popen(
-            [*command, "--log-level", "INFO", "worker", "--web-port", str(port)],
-            env=env,
-            stdout=log_path.open("wb"),
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-        worker = Worker(name, proc, port, log_path)
-        self.workers[name] = worker
-        return worker
-
-    async def wait_ready(self, *names: str, timeout_s: float = 60) -> None:
-        for name in names or tuple(self.workers):
-            await wait_for(self.workers[name].ready, timeout_s, f"worker {name} ready")
-
-    def stop_all(self) -> None:
-        for w in self.workers.values():
-            w.signal(signal.SIGCONT)
-            w.signal(signal.SIGTERM)
-        for w in self.workers.values():
-            try:
-                w.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                w.signal(signal.SIGKILL)
-                w.proc.wait()
-
-
 def unique_settings(base: Settings, **overrides: Any) -> Settings:
     """Settings with a fresh topic prefix, consumer group and lease key prefix."""
     run = uuid.uuid4().hex[:8]
     return base.replace(topic_prefix=f"f{run}.", app_id=f"streams-f{run}", lease_key_prefix=f"f{run}", **overrides)
-
-
-class PrivateRedis:
-    """A ``redis-server`` of the test's own on a free loopback port (its counters and script cache are the test's
-    alone); ``persistent`` = AOF with fsync always."""
-
-    def __init__(self, data_dir: Path, persistent: bool) -> None:
-        self.data_dir = data_dir
-        self.persistent = persistent
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir), "--save", ""]
-        args += ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
-        log = (self.data_dir / "redis.log").open("ab")
-        self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", *args], stdout=log, stderr=log)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.resume()
-            self.proc.terminate()
-            self.proc.wait(10)
-
-    def pause(self) -> None:
-        """SIGSTOP the server: it keeps its connections open but answers nothing until :meth:`resume`."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """SIGCONT the server."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    async def wait_ready(self) -> None:
-        probe = aioredis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 10
-        try:
-            while True:
-                try:
-                    if await probe.ping():
-                        return
-                except (OSError, ConnectionError, aioredis.ConnectionError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"private redis-server on {self.port} did not come up")
-                await asyncio.sleep(0.05)
-        finally:
-            await probe.aclose()
-
-    async def restart(self) -> None:
-        self.stop()
-        self.start()
-        await self.wait_ready()
 
 
 def services(*args: str) -> None:

@@ -56,7 +56,7 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     report: dict[str, Any] = {
         "bench_id": bench.bench_id,
         "options": {k: (str(v) if k.endswith("_path") and v is not None else v) for k, v in asdict(opts).items()},
-        "machine": {"cpus": cpus, "services_on_same_host": True, "redis_isolated": bench.redis.isolated},
+        "machine": {"cpus": cpus, "services_on_same_host": True, "redis_isolated": bench.redis is not None},
         "best_pipeline": best,
         "ratio_to_floor": comparison.ratio_to_floor.get(best) if best else None,
         "gets_ratio_to_naive": comparison.gets_ratio_to_naive.get(same_size) if same_size else None,

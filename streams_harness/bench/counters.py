@@ -2,8 +2,8 @@
 
 * Redis: ``INFO stats`` ``total_reads_processed`` (read events: one per request a client sends and waits for,
   however many commands it pipelines into it) and ``INFO commandstats`` (calls per command, the commands Lua
-  scripts run included), on a Redis server of the benchmark's own (:class:`PrivateRedis`) so that no other
-  client is counted;
+  scripts run included), on a Redis server of the benchmark's own
+  (:class:`streams_harness.redis_server.PrivateRedis`) so that no other client is counted;
 * PostgreSQL: ``pg_stat_database`` transactions of the run's own database (one per statement run outside an
   explicit transaction and one per statement prepared: a round trip each; an explicit transaction counts once);
 * Kafka: the end offsets of the run's own topics (created empty for the run).
@@ -12,10 +12,7 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import asyncpg
 import redis.asyncio as aioredis
@@ -24,16 +21,10 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
 from streams.config import Settings
-from streams.errors import ServiceNotReadyError
-from streams.readiness import wait_ready
 from streams.sql import Queries
-from streams_harness.fleet import free_port
 
 #: The benchmark's named queries (``streams_harness/queries/bench.sql``).
 BENCH = Queries("bench.sql", package="streams_harness")
-
-#: Seconds the benchmark's own redis-server has to answer after it was started.
-START_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -60,55 +51,6 @@ class Counters:
                 if v - before.kafka_messages.get(k, 0)
             },
         )
-
-
-class PrivateRedis:
-    """A ``redis-server`` of the benchmark's own on a free loopback port, without persistence, so that its
-    counters hold the measured programs' commands only. Falls back to ``fallback_url`` (counters then include
-    every other client of that server) when no ``redis-server`` binary is installed."""
-
-    def __init__(self, fallback_url: str, log_path: Path) -> None:
-        self.fallback_url = fallback_url
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = fallback_url
-
-    @property
-    def isolated(self) -> bool:
-        """True when the benchmark runs its own server."""
-        return self.proc is not None
-
-    async def start(self) -> None:
-        """Start the server (or keep the fallback) and wait until it answers SET/GET (:func:`streams.readiness.
-        wait_ready`, :data:`START_TIMEOUT_S` at most).
-
-        Raises:
-            RuntimeError: the server did not answer.
-        """
-        binary = shutil.which("redis-server")
-        if binary is None:
-            return
-        port = free_port()
-        self.proc = _start_redis_server(binary, port, self.log_path)
-        self.url = f"redis://127.0.0.1:{port}/0"
-        try:  # the product's readiness check: retried with tenacity, fails at once if the server exits
-            await wait_ready(Settings(redis_url=self.url), ["redis"], START_TIMEOUT_S, pids={"redis": self.proc.pid})
-        except ServiceNotReadyError as exc:
-            raise RuntimeError(f"the benchmark's redis-server did not answer: {exc}; see {self.log_path}") from exc
-
-    def stop(self) -> None:
-        """Stop the server (nothing is kept)."""
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
-def _start_redis_server(binary: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=log_path.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
 
 
 async def redis_counters(url: str) -> tuple[int, dict[str, int]]:

@@ -37,7 +37,6 @@ from streams.ledger import create_pool
 from streams.producer import SubmissionProducer
 from streams_harness.bench.counters import (
     Counters,
-    PrivateRedis,
     database_name,
     kafka_messages,
     redis_counters,
@@ -47,6 +46,7 @@ from streams_harness.bench.counters import (
 from streams_harness.bench.profile import Profiler, summarize
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulator, wait_healthy
+from streams_harness.redis_server import PrivateRedis
 from streams_harness.replay import trace_request
 from streams_harness.report import broken_promises
 from streams_harness.run import collect_report, progress, settled
@@ -147,7 +147,10 @@ class Bench:
         self.bench_id = f"bench{int(time.time())}"
         self.dir = checkout_dir() / "reports" / self.bench_id
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.redis = PrivateRedis(self.base.redis_url.get_secret_value(), self.dir / "redis.log")
+        # A Redis server of the benchmark's own, so that its counters hold the measured programs' commands only;
+        # without a redis-server binary, the environment's (its counters then include every other client's).
+        self.redis = PrivateRedis(self.dir) if PrivateRedis.available() else None
+        self.redis_url = self.base.redis_url.get_secret_value()
         self.sim_url = ""
         self.reading_cost = Counters(0, {}, 0)
         self.rows = read_trace("conv", start=0, rows=max(opts.operations, opts.paced_operations))
@@ -159,8 +162,10 @@ class Bench:
 
     async def run(self) -> list[dict[str, Any]]:
         """Run the plan; returns one record per run (see :meth:`run_one`)."""
-        await self.redis.start()
-        self.reading_cost = await redis_reading_cost(self.redis.url)
+        if self.redis is not None:
+            await self.redis.start()
+            self.redis_url = self.redis.url
+        self.reading_cost = await redis_reading_cost(self.redis_url)
         sim_port = free_port()
         self.sim_url = f"http://127.0.0.1:{sim_port}"
         sim_env = {
@@ -194,7 +199,8 @@ class Bench:
         finally:
             sim.terminate()
             sim.wait(10)
-            self.redis.stop()
+            if self.redis is not None:
+                self.redis.stop()
         return records
 
     def _settings(self, spec: RunSpec, run_id: str, database_url: str) -> Settings:
@@ -205,7 +211,7 @@ class Bench:
             app_id=app_id,
             lease_key_prefix=run_id,
             partitions=spec.partitions,
-            redis_url=self.redis.url,
+            redis_url=self.redis_url,
             remote_base_url=self.sim_url,
             http_transport=spec.transport,
         )
@@ -248,16 +254,16 @@ class Bench:
             ready = log_dir / "ready"
             command = [python, "-m", "streams_harness.bench.floor", "--ready-file", str(ready)]
             fleet = Fleet(settings, log_dir, command=command)
-            name = fleet.start()
+            floor = fleet.start()
             deadline = time.monotonic() + 60
             while not ready.exists():
-                if fleet.procs[name].poll() is not None or time.monotonic() > deadline:
+                if not floor.alive() or time.monotonic() > deadline:
                     raise ProcessError(f"the floor did not start; see {log_dir}")
                 await asyncio.sleep(0.1)
         return fleet
 
     async def _counters(self, settings: Settings) -> Counters:
-        reads, calls = await redis_counters(self.redis.url)
+        reads, calls = await redis_counters(self.redis_url)
         database_url = settings.database_url.get_secret_value()
         transactions = await settled_postgres_transactions(
             self.base.database_url.get_secret_value(), database_name(database_url)
@@ -275,11 +281,11 @@ class Bench:
         try:
             before = await self._counters(settings)
             if spec.profile:
-                profiler = Profiler(fleet.pid(fleet.live()[0]), log_dir / "profile.txt")
+                profiler = Profiler(fleet.live()[0].pid, log_dir / "profile.txt")
                 if not profiler.start():
                     self.say("        (py-spy is not installed: no profile)")
                     profiler = None
-            pids = [fleet.pid(name) for name in fleet.live()]
+            pids = [worker.pid for worker in fleet.live()]
             idle_from = (time.monotonic(), sum(process_cpu_s(pid) for pid in pids))
             await asyncio.sleep(IDLE_WINDOW_S)  # what the processes spend with nothing to do (timers, heartbeats)
             cpu_before = sum(process_cpu_s(pid) for pid in pids)

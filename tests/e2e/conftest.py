@@ -12,8 +12,9 @@ from streams.admin import create_topics, delete_topics, migrate
 from streams.config import Settings
 from streams.ledger import create_pool
 from streams.producer import SubmissionProducer
+from streams_harness.fleet import Fleet
 from streams_harness.simulator import SimulatorConfig
-from tests.support import Fleet, SimulatorServer, unique_settings
+from tests.support import SimulatorServer, unique_settings
 
 TABLES = "remote_calls, outbox, outputs, transitions, operations"
 

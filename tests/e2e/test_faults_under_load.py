@@ -12,7 +12,8 @@ import asyncpg
 import pytest
 
 from streams.producer import SubmissionProducer
-from tests.support import Fleet, SimulatorServer, provider_request, services, wait_for
+from streams_harness.fleet import Fleet
+from tests.support import SimulatorServer, provider_request, services, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,8 @@ import pytest
 from streams import exactjson
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
-from tests.support import Fleet, SimulatorServer, kafka_tool
+from streams_harness.fleet import Fleet
+from tests.support import SimulatorServer, kafka_tool
 
 pytestmark = pytest.mark.e2e
 

@@ -24,7 +24,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from streams.config import Settings, lease_key
 from streams.lease import LeaseManager, make_redis
 from streams.producer import submission
-from tests.support import Fleet, SimulatorServer, provider_request, wait_for
+from streams_harness.fleet import Fleet
+from tests.support import SimulatorServer, provider_request, wait_for
 
 pytestmark = pytest.mark.e2e
 

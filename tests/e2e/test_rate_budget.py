@@ -13,7 +13,8 @@ import pytest
 from streams.admin import wait_group_stable
 from streams.producer import SubmissionProducer
 from streams.ratebudget import Pace
-from tests.support import Fleet, SimulatorServer, provider_request, wait_for
+from streams_harness.fleet import Fleet
+from tests.support import SimulatorServer, provider_request, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -88,7 +89,7 @@ async def test_workers_under_one_budget_get_no_429_and_finish_everything(
     post_rate = (len(created) - 1) / (created[-1] - created[0])
     done_s = created[-1] - created[0]
     waits = {
-        kind: sum([await w.metric("streams_rate_budget_waits_total", f'kind="{kind}"') for w in fleet.workers.values()])
+        kind: sum([await w.metric("streams_rate_budget_waits_total", {"kind": kind}) for w in fleet.workers.values()])
         for kind in ("POST", "GET", "claims")
     }
     print(

@@ -14,7 +14,8 @@ from streams.config import Settings
 from streams.downstream import EventDeduplicator, read_topic_to_end
 from streams.producer import SubmissionProducer
 from streams_harness import faults
-from tests.support import Fleet, provider_request, wait_for
+from streams_harness.fleet import Fleet
+from tests.support import provider_request, wait_for
 
 pytestmark = pytest.mark.e2e
 

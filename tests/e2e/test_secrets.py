@@ -16,8 +16,9 @@ from streams.config import Settings
 from streams.downstream import read_topic_to_end
 from streams.producer import SubmissionProducer
 from streams_harness.checkout import checkout_dir
+from streams_harness.fleet import Fleet
 from streams_harness.mainjob import MainJobOptions, run_main_job
-from tests.support import Fleet, wait_for
+from tests.support import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -14,8 +14,9 @@ import pytest
 from streams.config import Settings
 from streams.producer import SubmissionProducer
 from streams_harness import faults
+from streams_harness.fleet import Fleet
 from streams_harness.toxiproxy import Toxiproxy
-from tests.support import Fleet, SimulatorServer, provider_request, services, wait_for
+from tests.support import SimulatorServer, provider_request, services, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -74,7 +75,7 @@ async def test_paused_worker_save_is_refused_by_fencing(
     a.signal(signal.SIGCONT)
 
     async def a_refused() -> bool:
-        return await a.metric("streams_fencing_refusals_total", 'stage="observe"') == 1.0
+        return await a.metric("streams_fencing_refusals_total", {"stage": "observe"}) == 1.0
 
     await wait_for(a_refused, 30, "worker A's save to be refused and counted")
     after = await ledger_pool.fetchrow(

@@ -10,7 +10,8 @@ import asyncpg
 import pytest
 
 from streams.producer import SubmissionProducer
-from tests.support import Fleet, provider_request, wait_for
+from streams_harness.fleet import Fleet
+from tests.support import provider_request, wait_for
 
 pytestmark = pytest.mark.e2e
 

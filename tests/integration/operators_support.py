@@ -20,7 +20,8 @@ from streams.codes import RemoteCallOutcome as Outcome
 from streams.config import Settings
 from streams.ledger import Ledger
 from streams.states import OperationState
-from tests.support import ROOT, STREAMS
+from streams_harness.fleet import STREAMS
+from tests.support import ROOT
 
 #: A reason with markup and quotes: pages must show it as text.
 HOSTILE_REASON = 'HTTP 503 without error.job_id <script>document.title="owned"</script> & <b>bold</b>'

@@ -1,8 +1,9 @@
 """The harness's waits for the processes it starts, against real processes and real sockets: a health URL
-probed until it answers 200, the benchmark's own redis-server until it answers."""
+probed until it answers 200, a private redis-server until it answers."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -13,9 +14,8 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from streams_harness.bench import counters
-from streams_harness.bench.counters import PrivateRedis
 from streams_harness.fleet import ProcessError, free_port, wait_healthy
+from streams_harness.redis_server import PrivateRedis
 
 pytestmark = pytest.mark.integration
 
@@ -90,31 +90,29 @@ async def test_wait_healthy_fails_at_once_when_the_process_exits(child: Callable
     assert time.monotonic() - started < 5.0  # not the 30 s deadline
 
 
-async def test_the_benchmarks_redis_server_answers_once_started(tmp_path: Path) -> None:
-    server = PrivateRedis("redis://127.0.0.1:1/0", tmp_path / "redis.log")
+async def test_a_private_redis_server_answers_once_started(tmp_path: Path) -> None:
+    server = PrivateRedis(tmp_path)
     await server.start()
     try:
-        assert server.isolated and server.url != "redis://127.0.0.1:1/0"
         client = aioredis.Redis.from_url(server.url)
         try:
             assert await client.ping()
+            assert (await client.info("server"))["tcp_port"] == server.port  # its own server, not the shared one
         finally:
             await client.aclose()
     finally:
         server.stop()
 
 
-async def test_a_benchmark_redis_server_that_exits_fails_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def refused_start(binary: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
-        # redis-server refuses an unknown option and exits at once
-        return subprocess.Popen([binary, "--port", str(port), "--no-such-option", "yes"], stdout=log_path.open("wb"))
-
-    monkeypatch.setattr(counters, "_start_redis_server", refused_start)
-    server = PrivateRedis("redis://127.0.0.1:1/0", tmp_path / "redis.log")
-    started = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"redis-server did not answer: .*exited while we waited.*redis.log"):
-        await server.start()
-    assert time.monotonic() - started < 5.0  # not at the end of the wait
+async def test_a_private_redis_server_that_exits_fails_at_once(tmp_path: Path) -> None:
+    with socket.socket() as taken:  # its port is taken: redis-server cannot listen and exits at once
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = PrivateRedis(tmp_path, port=taken.getsockname()[1])
+        started = time.monotonic()
+        with pytest.raises(ProcessError, match=r"port \d+ did not answer: .*exited while we waited") as e:
+            await server.start()
+        assert time.monotonic() - started < 5.0  # not at the end of the wait
+        assert str(server.log_path) in str(e.value)
+        assert "Address already in use" in server.log_path.read_text()  # the log it names says why
     server.stop()

@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
@@ -28,10 +24,10 @@ from streams.config import Settings, lease_key
 from streams.downstream import read_topic_to_end
 from streams.lease import LeaseManager, make_redis
 from streams.ledger import Ledger
-from streams_harness.fleet import free_port
+from streams_harness.fleet import Fleet, Worker
 from tests.conftest import SESSION_ID
 from tests.integration.operators_support import HOSTILE_REASON, STALLED_REASON, Seeded, backdate, seed_ledger
-from tests.support import ROOT, STREAMS, wait_for
+from tests.support import ROOT, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -39,23 +35,6 @@ CHROMIUM = Path("/usr/bin/chromium")
 TERMINAL = ("succeeded", "failed", "canceled", "rejected")
 #: The relay's advisory lock (streams/queries/ledger.sql, try_relay_lock): holding it keeps the outbox still.
 RELAY_LOCK = "SELECT pg_advisory_xact_lock(hashtext('generation-streams:outbox-relay'))"
-
-
-@dataclass
-class LiveWorker:
-    settings: Settings
-    url: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 @pytest.fixture
@@ -68,64 +47,30 @@ async def worker_settings(migrated: Settings) -> AsyncIterator[Settings]:
         app_id=f"streams-live-{tag}",
         lease_key_prefix=f"t{tag}",
         remote_base_url="http://127.0.0.1:1",
-        web_enabled=True,
-        web_port=free_port(),
     )
     await create_topics(settings)
     yield settings
     await delete_topics(settings)
 
 
-def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
-    """Start ``streams worker`` with ``settings`` and its default log format; output to ``log_path``."""
-    env = {**os.environ, **settings.to_env()}
-    env.pop("STREAMS_LOG_FORMAT", None)
-    return subprocess.Popen(
-        [STREAMS, "worker", "--web-port", str(settings.web_port)],
-        env=env,
-        cwd=ROOT,
-        stdout=log_path.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-
-
 @contextlib.asynccontextmanager
-async def live_worker(settings: Settings, log_path: Path) -> AsyncIterator[LiveWorker]:
-    """A ``streams worker`` process with ``settings``, ready (its /healthz answers), stopped on exit."""
-    proc = start_worker(settings, log_path)
-    worker = LiveWorker(settings, f"http://127.0.0.1:{settings.web_port}", proc, log_path)
-
-    async def ready() -> bool:
-        assert proc.poll() is None, f"worker exited with {proc.returncode}; see {log_path}"
-        try:
-            async with httpx.AsyncClient(timeout=2) as c:
-                return (await c.get(worker.url + "/healthz")).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+async def live_worker(settings: Settings, log_dir: Path) -> AsyncIterator[Worker]:
+    """A ``streams worker`` process with ``settings`` and its default log format, ready (its /healthz answers),
+    stopped on exit."""
+    fleet = Fleet(settings, log_dir)
+    worker = fleet.start("live")
     try:
-        await wait_for(ready, 90, "the worker's web server")
+        await fleet.wait_ready(timeout_s=90)
         yield worker
     finally:
-        worker.stop()
-
-
-async def metric(url: str, name: str, labels: dict[str, str]) -> float:
-    async with httpx.AsyncClient(timeout=5) as c:
-        text = (await c.get(url + "/metrics")).text
-    wanted = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-    for line in text.splitlines():
-        if line.startswith(wanted + " "):
-            return float(line.split()[-1])
-    return 0.0
+        fleet.stop_all(timeout_s=30)
 
 
 async def test_worker_log_is_json_lines(worker_settings: Settings, tmp_path: Path) -> None:
-    log_path = tmp_path / "worker.log"
-    async with live_worker(worker_settings, log_path) as worker:
+    async with live_worker(worker_settings, tmp_path) as worker:
         async with httpx.AsyncClient(timeout=10) as c:
             assert (await c.get(worker.url + "/")).status_code == 200
-    lines = [line for line in log_path.read_text().splitlines() if line.strip()]
+    lines = [line for line in worker.log_text().splitlines() if line.strip()]
     assert len(lines) > 10
     records = [json.loads(line) for line in lines]  # every line is one JSON object
     assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
@@ -164,15 +109,15 @@ async def test_live_view_in_chromium(
     shots = ROOT / "reports" / "live-view" / SESSION_ID
     shots.mkdir(parents=True, exist_ok=True)
     try:
-        async with live_worker(worker_settings, tmp_path / "worker.log") as worker, async_playwright() as pw:
+        async with live_worker(worker_settings, tmp_path) as worker, async_playwright() as pw:
             busy_labels = {"action": "observe"}
             dead_labels = {"topic": worker_settings.topic("submissions"), "reason": "not_json"}
 
             async def met_the_lease() -> bool:
-                return await metric(worker.url, "streams_lease_busy_total", busy_labels) > 0
+                return await worker.metric("streams_lease_busy_total", busy_labels) > 0
 
             async def dead_lettered() -> bool:
-                return await metric(worker.url, "streams_dead_letters_total", dead_labels) > 0
+                return await worker.metric("streams_dead_letters_total", dead_labels) > 0
 
             await wait_for(met_the_lease, 60, "the worker to meet the held lease")
             await wait_for(dead_lettered, 60, "the bad record to be dead-lettered")
@@ -231,7 +176,7 @@ async def test_live_view_in_chromium(
             # This worker's counters, against its /metrics (read after the page: counters only grow).
             busy_row = page.locator("#contention tr", has_text="streams_lease_busy_total")
             busy_on_page = int((await busy_row.locator("td").all_inner_texts())[-1])
-            busy_now = await metric(worker.url, "streams_lease_busy_total", busy_labels)
+            busy_now = await worker.metric("streams_lease_busy_total", busy_labels)
             assert 1 <= busy_on_page <= busy_now
             dead_row = page.locator("#outbox tr", has_text="reason=not_json")
             assert (await dead_row.locator("td").all_inner_texts())[-1] == "1"

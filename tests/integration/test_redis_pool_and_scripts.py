@@ -7,7 +7,6 @@ the shared Redis on 6379 is only used for the pool burst, under the test's own k
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,7 +18,8 @@ from streams import metrics
 from streams.config import Settings
 from streams.errors import CoordinationBusyError, CoordinationUnavailableError, LeaseLostError
 from streams.lease import Lease, LeaseManager, make_redis
-from tests.support import PrivateRedis, wait_for
+from streams_harness.redis_server import PrivateRedis
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -93,11 +93,8 @@ async def test_a_pool_wait_that_runs_out_is_busy_not_an_outage(settings: Setting
 
 @pytest.fixture(params=[False, True], ids=["no-persistence", "aof-persistence"])
 async def private_redis(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[PrivateRedis]:
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed (scripts/setup installs it)")
     server = PrivateRedis(tmp_path, persistent=request.param)
-    server.start()
-    await server.wait_ready()
+    await server.start()
     yield server
     server.stop()
 
@@ -174,6 +171,5 @@ async def test_redis_down_is_unavailable_not_lost(private_redis: PrivateRedis, p
     with pytest.raises(CoordinationUnavailableError):
         await lease.renew()
     assert await lease.release() is False  # logged; the key expires by its TTL
-    private_redis.start()
-    await private_redis.wait_ready()
+    await private_redis.start()
     await private_manager.client.aclose()

@@ -2,9 +2,9 @@
 tasks in few round trips (counted by Redis itself), each caller with its own answer; a flushed script cache;
 Redis refusing or silent; releases whose callers are cancelled.
 
-Each test runs a PRIVATE ``redis-server`` (:class:`tests.support.PrivateRedis`) on a free port: its counters
-(``INFO stats`` ``total_reads_processed``: one read event per request a client sends, however many commands
-it pipelines; ``INFO commandstats``) hold this test's commands only, and flushing its script cache or
+Each test runs a PRIVATE ``redis-server`` (:class:`streams_harness.redis_server.PrivateRedis`) on a free port:
+its counters (``INFO stats`` ``total_reads_processed``: one read event per request a client sends, however many
+commands it pipelines; ``INFO commandstats``) hold this test's commands only, and flushing its script cache or
 stopping it touches no one else.
 """
 
@@ -24,7 +24,8 @@ from streams.errors import CoordinationUnavailableError, LeaseLostError
 from streams.lease import RELEASE_LUA, RENEW_LUA, Lease, LeaseManager, make_redis
 from streams.ratebudget import BUDGET_LUA, BudgetKind, Grant, RateBudget
 from streams.redisstage import REDIS_MAX_IN_FLIGHT, RedisStage
-from tests.support import PrivateRedis, wait_for
+from streams_harness.redis_server import PrivateRedis
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -46,9 +47,8 @@ class Wiring:
 
 @pytest.fixture
 async def private_redis(tmp_path: Path) -> AsyncIterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path, persistent=False)
-    server.start()
-    await server.wait_ready()
+    server = PrivateRedis(tmp_path)
+    await server.start()
     yield server
     server.stop()
 
