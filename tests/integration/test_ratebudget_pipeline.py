@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 from streams import metrics
-from streams.config import Settings, budget_key
+from streams.config import Settings, budget_key, lease_key
 from streams.dispatcher import Dispatcher
 from streams.lease import make_redis
 from streams.observer import Observer
@@ -23,7 +23,7 @@ from streams.reconciler import Reconciler
 from streams.runtime import Runtime
 from streams.scheduler import PollScheduler
 from streams_harness.fleet import free_port
-from tests.integration.test_dispatcher import submission
+from tests.integration.test_dispatcher import request_text, submission
 from tests.integration.test_observer import claim_poll, submitted_operation
 from tests.integration.test_reconciler import uncertain_operation
 from tests.support import SimulatorServer as Simulator
@@ -176,12 +176,18 @@ async def test_no_call_without_redis_for_the_budget_then_resume(
     rt.budget = RateBudget(dead, rt.settings)  # the budget's Redis refuses; the leases' still answers
     try:
         unavailable = counter(metrics.COORDINATION_UNAVAILABLE, "submit")
+        outages = counter(metrics.OUTAGE_WAITS, "Redis", "rate budget")
+        started = time.monotonic()
         task = asyncio.create_task(Dispatcher(rt).handle(submission("op-r")))
 
         async def retrying() -> bool:
-            return counter(metrics.COORDINATION_UNAVAILABLE, "submit") >= unavailable + 2
+            return counter(metrics.COORDINATION_UNAVAILABLE, "submit") >= unavailable + 4
 
-        await wait_for(retrying, 5, "the dispatcher to wait for Redis")
+        await wait_for(retrying, 10, "the dispatcher to wait for Redis")
+        assert time.monotonic() - started >= 0.1 + 0.2 + 0.4  # a wait after each failure, doubling: no spin
+        # each failure counted for the submission and reported as an outage of Redis at the rate budget
+        failures = counter(metrics.COORDINATION_UNAVAILABLE, "submit") - unavailable
+        assert counter(metrics.OUTAGE_WAITS, "Redis", "rate budget") - outages == failures
         assert (await simulator.get("/_sim/operations/op-r"))["posts"] == 0
         state = await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = 'op-r'")
         assert state == "accepted"  # not claimed either
@@ -221,3 +227,73 @@ async def test_a_lookup_is_one_of_the_accounts_gets(
     assert (await simulator.get("/_sim/summary"))["rate_limit_429s"]["GET"] == 1
     assert counter(metrics.BUDGET_PAUSES, "GET") == pauses + 1
     assert 4000 < await rt.leases.client.pttl(budget_key(rt.settings, "GET", "pause")) <= 5000
+
+
+# --- the submit lease while a POST slot is waited for (before the claim) ----------------------------------------
+
+
+async def waiting_for_a_post_slot(rt: Runtime, op: str) -> bytes:
+    """Spend the POST burst so that the next slot is 1/rate away, accept ``op``; returns its submit lease key."""
+    await rt.budget.wait_for_slot(BudgetKind.POST)
+    assert await rt.ledger.accept(op, request_text(), submitted_at_ms=1)
+    return lease_key(rt.settings, "submit", op).encode()
+
+
+async def test_submit_lease_lost_while_waiting_for_a_post_slot_claims_and_sends_nothing(
+    runtimes: Callable[..., Awaitable[Runtime]], pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    rt = await runtimes(remote_post_rate_per_s=0.5)  # the next slot 2 s away; keep-alive every TTL/3 (0.67 s)
+    key = await waiting_for_a_post_slot(rt, "op-ll")
+    client = rt.leases.client
+    lost = counter(metrics.LEASE_LOST, "submit")
+    task = asyncio.create_task(Dispatcher(rt).redispatch("op-ll", request_text()))
+    await wait_for(lambda: client.exists(key), 5, "the submit lease taken")
+    taken_at = time.monotonic()
+    await client.set(key, b"another-holder", px=60_000)  # it ran out and another worker took it
+    assert await task is False
+    assert time.monotonic() - taken_at < 1.5  # at the next keep-alive, not after the slot
+    assert counter(metrics.LEASE_LOST, "submit") == lost + 1
+    assert await client.get(key) == b"another-holder"  # the other holder's lease is left alone
+    assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = 'op-ll'") == "accepted"
+    assert (await simulator.get("/_sim/operations/op-ll"))["posts"] == 0
+
+
+async def test_a_submission_whose_lease_was_lost_while_waiting_takes_it_again_then_posts_once(
+    runtimes: Callable[..., Awaitable[Runtime]], pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    rt = await runtimes(remote_post_rate_per_s=0.5, lease_busy_retry_s=0.1)
+    key = await waiting_for_a_post_slot(rt, "op-lt")
+    client = rt.leases.client
+    lost, busy = counter(metrics.LEASE_LOST, "submit"), counter(metrics.LEASE_BUSY, "submit")
+    task = asyncio.create_task(Dispatcher(rt).handle(submission("op-lt")))
+    await wait_for(lambda: client.exists(key), 5, "the submit lease taken")
+    await client.set(key, b"another-holder", px=60_000)
+
+    async def waits_for_the_other_holder() -> bool:
+        return counter(metrics.LEASE_LOST, "submit") == lost + 1 and counter(metrics.LEASE_BUSY, "submit") >= busy + 2
+
+    await wait_for(waits_for_the_other_holder, 5, "the lease found lost, then held by the other holder")
+    assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = 'op-lt'") == "accepted"
+    assert (await simulator.get("/_sim/operations/op-lt"))["posts"] == 0
+    await client.delete(key)  # the other holder is done: the event takes the lease, waits for a slot, POSTs
+    await asyncio.wait_for(task, 10)
+    record = await simulator.get("/_sim/operations/op-lt")
+    assert (record["posts"], len(record["jobs"])) == (1, 1)
+    assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = 'op-lt'") == "submitted"
+    assert not await client.exists(key)  # released after the POST
+
+
+async def test_a_submission_cancelled_while_waiting_for_a_post_slot_releases_its_lease(
+    runtimes: Callable[..., Awaitable[Runtime]], pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    rt = await runtimes(remote_post_rate_per_s=0.5)
+    key = await waiting_for_a_post_slot(rt, "op-lc")
+    client = rt.leases.client
+    task = asyncio.create_task(Dispatcher(rt).handle(submission("op-lc")))
+    await wait_for(lambda: client.exists(key), 5, "the submit lease taken")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not await client.exists(key)  # released at once, not left to run out (another worker may go on)
+    assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = 'op-lc'") == "accepted"
+    assert (await simulator.get("/_sim/operations/op-lc"))["posts"] == 0
