@@ -33,7 +33,16 @@ from aiokafka.errors import (
     UnknownTopicOrPartitionError,
     for_code,
 )
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    retry_if_result,
+    stop_after_delay,
+    stop_before_delay,
+    wait_exponential,
+    wait_fixed,
+    wait_random,
+)
 from yoyo import get_backend, read_migrations
 from yoyo.migrations import MigrationList
 
@@ -99,6 +108,9 @@ T = TypeVar("T")
 ADMIN_RETRY_INITIAL_S = 0.1
 ADMIN_RETRY_MAX_S = 2.0
 ADMIN_RETRY_JITTER_S = 0.1
+
+#: Seconds between two looks at a consumer group that is not stable yet (:func:`wait_group_stable`).
+GROUP_LOOK_INTERVAL_S = 0.25
 
 
 def _raise_for_code(error_code: int, message: str) -> None:
@@ -323,7 +335,8 @@ async def drop_run_database(database_url: str, run_database_url: str) -> None:
 
 
 async def wait_group_stable(settings: Settings, members: int, timeout_s: float) -> bool:
-    """Wait until the consumer group ``settings.app_id`` is ``Stable`` with at least ``members`` members.
+    """Wait until the consumer group ``settings.app_id`` is ``Stable`` with at least ``members`` members, looking
+    every :data:`GROUP_LOOK_INTERVAL_S` (tenacity) while it is not.
 
     Returns False when the group did not settle within ``timeout_s`` (the caller decides whether that matters).
     Retriable broker errors (a new broker without a group coordinator yet) are retried within the same time.
@@ -334,11 +347,18 @@ async def wait_group_stable(settings: Settings, members: int, timeout_s: float) 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     async with KafkaAdmin(settings, deadline_s=timeout_s) as admin:
-        while True:
-            left_s = deadline - loop.time()
-            if left_s <= 0:
-                return False
-            group = await admin.describe_group(settings.app_id, deadline_s=left_s)
-            if group.state == "Stable" and group.members >= members:
-                return True
-            await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
+
+        async def stable() -> bool:
+            group = await admin.describe_group(settings.app_id, deadline_s=deadline - loop.time())
+            return group.state == "Stable" and group.members >= members
+
+        left_s = deadline - loop.time()
+        if left_s <= 0:
+            return False
+        retrying = AsyncRetrying(
+            retry=retry_if_result(lambda is_stable: not is_stable),
+            wait=wait_fixed(GROUP_LOOK_INTERVAL_S),
+            stop=stop_before_delay(left_s),  # no look would start after the deadline
+            retry_error_callback=lambda _: False,
+        )
+        return bool(await retrying(stable))

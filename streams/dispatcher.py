@@ -64,6 +64,7 @@ from streams.errors import (
 from streams.lease import Lease
 from streams.ratebudget import BudgetKind
 from streams.remote import SubmitResult
+from streams.retrying import retry_without_deadline
 from streams.runtime import RawMessage, Runtime
 from streams.states import OperationState
 
@@ -104,6 +105,10 @@ def _wait_for_retry(base: tenacity.wait.wait_base, budget_s: float) -> tenacity.
 
 class _NoLongerOurs(Exception):
     """The operation left ``submitting`` under our fencing value while we waited to retry: stop, send nothing."""
+
+
+class _LeaseHeld(Exception):
+    """Another holder has the submit lease ``args[0]`` (and we still need it): wait, then take it again."""
 
 
 def request_digest(request: Any) -> str:
@@ -231,12 +236,14 @@ class Dispatcher:
         await self.rt.dead_letter(message, InvalidEventError(reason, text))
 
     async def _take_submit_lease(self, operation_id: str) -> Lease | None:
-        """The submit lease, waiting while another holder has it and the operation is still ``accepted``.
+        """The submit lease, waiting while another holder has it and the operation is still ``accepted``
+        (``lease_busy_retry_s`` between two attempts; Redis outages waited out by :meth:`Runtime.acquire_waiting`).
 
         Returns None once the operation is past ``accepted`` (someone else dispatched it).
         """
         key = lease_key(self.rt.settings, "submit", operation_id)
-        while True:
+
+        async def take() -> Lease | None:
             lease = await self.rt.acquire_waiting(key, "submit")
             if lease is not None:
                 return lease
@@ -244,7 +251,9 @@ class Dispatcher:
             row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
             if row is None or row["state"] != OperationState.ACCEPTED:
                 return None
-            await asyncio.sleep(self.rt.settings.lease_busy_retry_s)
+            raise _LeaseHeld(key)
+
+        return await retry_without_deadline(take, retry_on=_LeaseHeld, wait=self._lease_busy_wait())
 
     async def _lease_and_post_slot(self, operation_id: str) -> tuple[Lease, float] | None:
         """The submit lease and a POST slot of the rate budget taken under it (its ``time.monotonic()``), or None
@@ -261,40 +270,52 @@ class Dispatcher:
         """Wait for a POST slot of the rate budget under ``lease`` (renewed meanwhile), before any claim.
 
         Returns the ``time.monotonic()`` of the slot with the lease confirmed, or None when the lease was lost
-        while waiting (released; nothing claimed, nothing sent: take it again). Redis unavailable: wait and retry.
+        while waiting (released; nothing claimed, nothing sent: take it again). Redis unavailable or this worker's
+        Redis pool full: counted, reported (:meth:`Runtime.report_failure`) and asked again after
+        :meth:`Runtime.redis_retry_wait`, without a deadline. Any other exit (an error, a cancellation) releases
+        the lease.
         """
-        delay = 0.1
+
+        async def slot() -> float:
+            await self.rt.budget.wait_for_slot(
+                BudgetKind.POST, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000
+            )
+            await lease.renew_if_due()  # still ours right before the claim (unless confirmed just now)
+            return time.monotonic()
+
         try:
-            while True:
-                try:
-                    await self.rt.budget.wait_for_slot(
-                        BudgetKind.POST, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000
-                    )
-                    await lease.renew_if_due()  # still ours right before the claim (unless confirmed just now)
-                    return time.monotonic()
-                except LeaseLostError as exc:
-                    metrics.LEASE_LOST.labels("submit").inc()
-                    log.info("operation %s: submit lease lost while waiting for the rate budget: %s", operation_id, exc)
-                    await lease.release()
-                    return None
-                except (CoordinationUnavailableError, CoordinationBusyError) as exc:
-                    if isinstance(exc, CoordinationUnavailableError):
-                        metrics.COORDINATION_UNAVAILABLE.labels("submit").inc()
-                    self.rt.report_failure("rate budget", exc)  # an outage, or this worker's pool full
-                    await asyncio.sleep(delay)
-                    delay = min(self.rt.settings.coordination_retry_cap_s, delay * 2)
+            try:
+                return await retry_without_deadline(
+                    slot,
+                    retry_on=(CoordinationUnavailableError, CoordinationBusyError),
+                    wait=self.rt.redis_retry_wait,
+                    on_retry=self._on_budget_unanswered,
+                )
+            except LeaseLostError as exc:
+                metrics.LEASE_LOST.labels("submit").inc()
+                log.info("operation %s: submit lease lost while waiting for the rate budget: %s", operation_id, exc)
+                await lease.release()
+                return None
         except BaseException:
             await lease.release()
             raise
 
+    def _on_budget_unanswered(self, exc: BaseException) -> None:
+        if isinstance(exc, CoordinationUnavailableError):
+            metrics.COORDINATION_UNAVAILABLE.labels("submit").inc()
+        self.rt.report_failure("rate budget", exc)  # an outage, or this worker's pool full
+
     async def _post_slot_in_claim(self, holder: list[Lease], deadline: float) -> None:
         """Wait for a POST slot of the rate budget inside the claim, keeping the submit lease in ``holder[0]``
-        renewed (re-taken if lost: the fencing value is ours), until ``deadline`` (``time.monotonic()``).
+        renewed (re-taken if lost: the fencing value is ours), until ``deadline`` (``time.monotonic()``). A wait
+        interrupted (lease lost, Redis unavailable, this worker's Redis pool full) is asked again after
+        :meth:`Runtime.redis_retry_wait`, never past ``deadline``.
 
         Raises:
             RateBudgetDeadlineError: no slot before ``deadline``; nothing was sent.
         """
-        while True:
+
+        async def slot() -> None:
             lease = holder[0]
             try:
                 await self.rt.budget.wait_for_slot(
@@ -303,33 +324,47 @@ class Dispatcher:
             except (LeaseLostError, CoordinationUnavailableError, CoordinationBusyError) as exc:
                 log.info("POST slot wait interrupted (%s); renewing or re-taking the submit lease", exc)
                 holder[0] = await self._ensure_lease(lease)  # waits out Redis; re-takes a lost lease
-                continue
+                raise
             holder[0] = await self._ensure_lease(lease)
-            return
+
+        def wait_s(retry_state: tenacity.RetryCallState) -> float:
+            return min(self.rt.redis_retry_wait(retry_state), max(0.0, deadline - time.monotonic()))
+
+        await retry_without_deadline(
+            slot, retry_on=(LeaseLostError, CoordinationUnavailableError, CoordinationBusyError), wait=wait_s
+        )
 
     async def _ensure_lease(self, lease: Lease) -> Lease:
-        """Renew the submit lease before a send (unless confirmed recently enough: :meth:`Lease.renew_if_due`);
-        re-take it if it expired (we still hold the fencing value)."""
-        while True:
-            try:
-                await lease.renew_if_due()
-                return lease
-            except CoordinationBusyError as exc:  # this worker's Redis pool was full: still ours, renew again
-                log.info("submit lease not renewed yet: %s", exc)
-                await asyncio.sleep(self.rt.settings.lease_busy_retry_s)
-            except LeaseLostError as exc:
-                metrics.LEASE_LOST.labels("submit").inc()
-                log.info("submit lease lost before a send, taking it again: %s", exc)
-                break
-            except CoordinationUnavailableError as exc:
-                metrics.COORDINATION_UNAVAILABLE.labels("submit").inc()
-                self.rt.log_outage("Redis", exc)
-                break
-        while True:
-            new = await self.rt.acquire_waiting(lease.key, "submit")
-            if new is not None:
-                return new
-            await asyncio.sleep(self.rt.settings.lease_busy_retry_s)
+        """Renew the submit lease before a send (unless confirmed recently enough: :meth:`Lease.renew_if_due`;
+        again after ``lease_busy_retry_s`` while this worker's Redis pool is full); re-take it if it expired or
+        Redis did not answer (we still hold the fencing value)."""
+        try:
+            await retry_without_deadline(
+                lease.renew_if_due,
+                retry_on=CoordinationBusyError,
+                wait=self._lease_busy_wait(),
+                on_retry=lambda exc: log.info("submit lease not renewed yet: %s", exc),
+            )
+            return lease
+        except LeaseLostError as exc:
+            metrics.LEASE_LOST.labels("submit").inc()
+            log.info("submit lease lost before a send, taking it again: %s", exc)
+        except CoordinationUnavailableError as exc:
+            metrics.COORDINATION_UNAVAILABLE.labels("submit").inc()
+            self.rt.log_outage("Redis", exc)
+
+        async def take_again() -> Lease:
+            new = await self.rt.acquire_waiting(lease.key, "submit")  # waits out Redis
+            if new is None:
+                raise _LeaseHeld(lease.key)
+            return new
+
+        return await retry_without_deadline(take_again, retry_on=_LeaseHeld, wait=self._lease_busy_wait())
+
+    def _lease_busy_wait(self) -> tenacity.wait.wait_base:
+        """The wait before taking or renewing a lease again that another holder has, or this worker's full Redis
+        pool could not renew: ``lease_busy_retry_s``."""
+        return tenacity.wait_fixed(self.rt.settings.lease_busy_retry_s)
 
     async def _submit(
         self, operation_id: str, request_text: str, fencing: int, lease: Lease, slot_at: float | None = None

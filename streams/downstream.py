@@ -7,16 +7,22 @@ an ``int``, a long fraction a ``Decimal``).
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_fixed
 
 from streams import exactjson
 from streams.config import Settings
+
+#: How long a consumer without a group is given to be assigned its topic's partitions, and how often it is looked
+#: at meanwhile (s).
+ASSIGNMENT_TIMEOUT_S = 10.0
+ASSIGNMENT_LOOK_INTERVAL_S = 0.05
 
 
 class EventDeduplicator:
@@ -58,10 +64,7 @@ async def read_topic_to_end(settings: Settings, role: str) -> list[DeliveredReco
     )
     await consumer.start()
     try:
-        deadline = asyncio.get_running_loop().time() + 10.0
-        while not consumer.assignment() and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        tps = sorted(consumer.assignment())
+        tps = sorted(await _assignment(consumer))
         if not tps:
             return []
         await consumer.seek_to_beginning(*tps)
@@ -84,6 +87,23 @@ async def read_topic_to_end(settings: Settings, role: str) -> list[DeliveredReco
         return out
     finally:
         await consumer.stop()
+
+
+async def _assignment(consumer: AIOKafkaConsumer) -> set[TopicPartition]:
+    """The partitions assigned to ``consumer`` once it has any: looked at every :data:`ASSIGNMENT_LOOK_INTERVAL_S`
+    (tenacity), for :data:`ASSIGNMENT_TIMEOUT_S` at most (then the empty set: the topic has no partition)."""
+
+    async def assigned() -> set[TopicPartition]:
+        return set(consumer.assignment())
+
+    retrying = AsyncRetrying(
+        retry=retry_if_result(lambda partitions: not partitions),
+        wait=wait_fixed(ASSIGNMENT_LOOK_INTERVAL_S),
+        stop=stop_after_delay(ASSIGNMENT_TIMEOUT_S),
+        retry_error_callback=lambda _: set(),
+    )
+    partitions: set[TopicPartition] = await retrying(assigned)
+    return partitions
 
 
 async def follow_outputs(

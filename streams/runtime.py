@@ -26,6 +26,7 @@ from streams.lease import Lease, LeaseManager, make_redis
 from streams.ledger import Ledger, create_pool
 from streams.ratebudget import RateBudget
 from streams.remote import RemoteClient
+from streams.retrying import failure_of, retry_without_deadline
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ OUTAGE_LOG_INTERVAL_S = 5.0
 #: Seconds :meth:`Runtime.until_ledger` waits out a PostgreSQL outage before it gives up.
 LEDGER_OUTAGE_DEADLINE_S = 600.0
 
-#: First wait (s) after Redis did not answer a lease acquisition, and after a dead letter was not published;
-#: each next wait doubles, up to ``Settings.coordination_retry_cap_s``.
+#: First wait (s) after Redis did not answer a lease acquisition or a rate budget request, and after a dead letter
+#: was not published; each next wait doubles, up to ``Settings.coordination_retry_cap_s``.
 REDIS_RETRY_FIRST_WAIT_S = 0.1
 DEAD_LETTER_RETRY_FIRST_WAIT_S = 0.2
 
@@ -164,7 +165,7 @@ class Runtime:
             wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=self.settings.coordination_retry_cap_s),
             stop=tenacity.stop_after_delay(LEDGER_OUTAGE_DEADLINE_S),
             reraise=True,
-            before_sleep=lambda rs: self._on_ledger_retry(what, _failure_of(rs)),
+            before_sleep=lambda rs: self._on_ledger_retry(what, failure_of(rs)),
         )
         async for attempt in retrying:
             with attempt:
@@ -183,22 +184,22 @@ class Runtime:
 
         Returns the lease, or None when another owner holds it.
         """
-        try:
-            return await self.leases.acquire(key)  # the fast path: no retry machinery while Redis answers
-        except CoordinationUnavailableError as exc:
-            first_failure = exc
-        retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception_type(CoordinationUnavailableError),
-            wait=tenacity.wait_exponential(
-                multiplier=REDIS_RETRY_FIRST_WAIT_S, max=self.settings.coordination_retry_cap_s
-            ),
-            before_sleep=lambda rs: self._on_redis_retry(action, _failure_of(rs)),
+        return await retry_without_deadline(  # a plain first attempt: no retry machinery while Redis answers
+            lambda: self.leases.acquire(key),
+            retry_on=CoordinationUnavailableError,
+            wait=self.redis_retry_wait,
+            on_retry=lambda exc: self._on_redis_retry(action, exc),
         )
-        return await _go_on_retrying(retrying, first_failure, lambda: self.leases.acquire(key))
 
-    def _on_redis_retry(self, action: str, exc: BaseException | None) -> None:
+    def redis_retry_wait(self, retry_state: tenacity.RetryCallState) -> float:
+        """A tenacity wait (seconds) after a Redis call failed for lack of Redis or of a pooled connection:
+        :data:`REDIS_RETRY_FIRST_WAIT_S` doubling with each failure, at most ``coordination_retry_cap_s``."""
+        cap_s = self.settings.coordination_retry_cap_s
+        return float(tenacity.wait_exponential(multiplier=REDIS_RETRY_FIRST_WAIT_S, max=cap_s)(retry_state))
+
+    def _on_redis_retry(self, action: str, exc: BaseException) -> None:
         metrics.COORDINATION_UNAVAILABLE.labels(action).inc()
-        self.log_outage("Redis", exc if isinstance(exc, Exception) else Exception(action))
+        self.log_outage("Redis", exc)
 
     async def publish(self, role: str, key: str, value: dict[str, Any]) -> None:
         """Send ``value`` as JSON (numbers exact) to the topic of ``role`` keyed by ``key``; returns once acked."""
@@ -244,7 +245,7 @@ class Runtime:
             ) from exc
 
     def _on_dead_letter_failure(self, retry_state: tenacity.RetryCallState) -> None:
-        self.report_failure("dead letter", _failure_of(retry_state) or Exception("dead letter"))
+        self.report_failure("dead letter", failure_of(retry_state) or Exception("dead letter"))
 
     async def account(
         self,
@@ -267,11 +268,6 @@ class Runtime:
         )
 
 
-def _failure_of(state: tenacity.RetryCallState) -> BaseException | None:
-    """The exception the attempt behind ``state`` raised (None if it returned)."""
-    return state.outcome.exception() if state.outcome is not None else None
-
-
 class _StopAfterErrors(tenacity.stop.stop_base):
     """Stop retrying at the ``limit``-th failure classified :attr:`FailureKind.ERROR` (a refusal or a bug that
     waiting cannot fix); outages and busy pools never stop it. One instance per retried call (it counts)."""
@@ -281,23 +277,7 @@ class _StopAfterErrors(tenacity.stop.stop_base):
         self.errors = 0
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        failure = _failure_of(retry_state)
+        failure = failure_of(retry_state)
         if failure is not None and classify(failure).kind is FailureKind.ERROR:
             self.errors += 1
         return self.errors >= self.limit
-
-
-async def _go_on_retrying(
-    retrying: tenacity.AsyncRetrying, first_failure: BaseException, fn: Callable[[], Awaitable[T]]
-) -> T:
-    """Go on with ``fn`` under ``retrying`` after its first attempt, made outside tenacity (whose machinery costs
-    tens of µs a call: only a call that failed pays it), raised ``first_failure``. That failure is the policy's
-    first attempt (reported and waited after like any other), so ``fn`` is called again only after the first
-    wait, as if tenacity had made every attempt."""
-    pending = [first_failure]
-    async for attempt in retrying:
-        with attempt:
-            if pending:
-                raise pending.pop()
-            return await fn()
-    raise AssertionError("unreachable")  # pragma: no cover

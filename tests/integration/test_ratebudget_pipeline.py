@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -297,3 +298,36 @@ async def test_a_submission_cancelled_while_waiting_for_a_post_slot_releases_its
     assert not await client.exists(key)  # released at once, not left to run out (another worker may go on)
     assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = 'op-lc'") == "accepted"
     assert (await simulator.get("/_sim/operations/op-lc"))["posts"] == 0
+
+
+async def test_a_budget_outage_inside_the_claim_is_waited_out_not_spun(
+    runtimes: Callable[..., Awaitable[Runtime]],
+    pool: asyncpg.Pool,
+    simulator: Simulator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A POST retried after a 429 waits for its slot inside the claim: Redis not answering the budget there is
+    asked again after doubling waits, not in a busy loop, until the retry deadline; then ``rejected``, not sent
+    again."""
+    rt = await runtimes(submit_retry_deadline_s=3.0)
+    working = rt.budget
+    await simulator.configure(fault_429=1.0, retry_after_s=1)
+    caplog.set_level(logging.INFO, logger="streams.dispatcher")
+    task = asyncio.create_task(Dispatcher(rt).handle(submission("op-sp")))
+    pause_key = budget_key(rt.settings, "POST", "pause")
+    await wait_for(lambda: rt.leases.client.exists(pause_key), 5, "the 429's pause in Redis")
+    dead = make_redis(f"redis://127.0.0.1:{free_port()}/0", 0.5)
+    rt.budget = RateBudget(dead, rt.settings)  # from the retry on, the budget's Redis refuses
+    try:
+        await asyncio.wait_for(task, 10)
+    finally:
+        rt.budget = working
+        await dead.aclose()
+        await simulator.configure(fault_429=0.0)
+    asks = [r for r in caplog.records if r.getMessage().startswith("POST slot wait interrupted")]
+    # About 2 s left after the Retry-After: asked at 0, 0.1, 0.3, 0.7 and 1.5 s, then the deadline (a loop
+    # without waits asks hundreds of times).
+    assert 3 <= len(asks) <= 8, len(asks)
+    row = await pool.fetchrow("SELECT state::text AS state, reason_code FROM operations WHERE operation_id = 'op-sp'")
+    assert row is not None and (row["state"], row["reason_code"]) == ("rejected", "not_sent")
+    assert (await simulator.get("/_sim/operations/op-sp"))["post_statuses"] == [429]
