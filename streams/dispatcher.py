@@ -457,13 +457,11 @@ class Dispatcher:
         try:
             result = await self.rt.remote.submit(operation_id, request_text)
         except RemoteError as exc:
-            outcome = exc.outcome
-            duration_ms = (time.perf_counter() - started) * 1000.0
-            await self.rt.account(operation_id, "POST", exc.status_code, outcome, None, duration_ms, fencing)
+            await self.rt.account_failure(operation_id, "POST", exc, started, None, fencing)
             if isinstance(exc, RemoteRateLimitedError):
                 await self.rt.budget.note_rate_limited(BudgetKind.POST, exc.retry_after_s)
             if not isinstance(exc, RemoteRateLimitedError | RemoteNotSentError):
-                log.warning("operation %s: POST %s: %s", operation_id, outcome, exc)
+                log.warning("operation %s: POST %s: %s", operation_id, exc.outcome, exc)
             raise
         outcome = RemoteCallOutcome.CREATED_VIA_502 if result.via_error else RemoteCallOutcome.CREATED
         await self.rt.account(

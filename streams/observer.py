@@ -245,46 +245,47 @@ class Observer:
         except asyncio.CancelledError:  # cancelled mid-GET (rebalance, shutdown): the GET may still be in flight
             lease.keep_until_expiry()  # not released; the visibility timeout brings the poll back after it
             raise
-        except RemoteJobNotFoundError as exc:
-            duration_ms = (time.perf_counter() - started) * 1000.0
-            await rt.account(
-                operation_id, "GET", exc.status_code, exc.outcome, job_id, duration_ms, claim.fencing_token
-            )
-            log.info("operation %s: %s", operation_id, exc)
-            await self.stalls.not_found(operation_id, claim, exc, self._delay(poll_count, None))
-            return None
-        except RemoteUnknownStatusError as exc:
-            duration_ms = (time.perf_counter() - started) * 1000.0
-            await rt.account(
-                operation_id, "GET", exc.status_code, exc.outcome, job_id, duration_ms, claim.fencing_token
-            )
-            log.warning("operation %s: %s", operation_id, exc)
-            await self.stalls.unknown_status(operation_id, claim, exc, self._delay(poll_count, None))
-            return None
-        except RemoteContractError as exc:
-            duration_ms = (time.perf_counter() - started) * 1000.0
-            await rt.account(
-                operation_id, "GET", exc.status_code, exc.outcome, job_id, duration_ms, claim.fencing_token
-            )
-            log.error("operation %s: %s; recording it as failed", operation_id, exc)
-            return _failed(job_id, "contract_violation", str(exc))
         except RemoteError as exc:
-            duration_ms = (time.perf_counter() - started) * 1000.0
-            outcome = exc.outcome
-            await rt.account(operation_id, "GET", exc.status_code, outcome, job_id, duration_ms, claim.fencing_token)
-            if self.stalls.too_old(claim, claimed_at):
-                await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
-                return None
-            hint = exc.retry_after_s if isinstance(exc, RemoteRateLimitedError) else None
-            if hint is not None:
-                await rt.budget.note_rate_limited(BudgetKind.GET, hint)
-            log.info("operation %s: GET %s, retrying: %s", operation_id, outcome, exc)
-            await self._reschedule(operation_id, poll_claim_id, self._delay(poll_count, hint))
-            return None
+            await rt.account_failure(operation_id, "GET", exc, started, job_id, claim.fencing_token)
+            return await self._get_failed(operation_id, poll_claim_id, poll_count, claim, exc, claimed_at)
         answered = RemoteCallOutcome.answered(snapshot.state)
         fencing = claim.fencing_token
         await rt.account(operation_id, "GET", snapshot.status_code, answered, job_id, snapshot.duration_ms, fencing)
         return snapshot
+
+    async def _get_failed(
+        self,
+        operation_id: str,
+        poll_claim_id: int,
+        poll_count: int,
+        claim: ObserveClaim,
+        exc: RemoteError,
+        claimed_at: float,
+    ) -> JobSnapshot | None:
+        """Where a GET that failed with a classified answer goes (accounted already): a 404 or an unknown status to
+        the stall guard (rescheduled, or ``stalled``), an answer that breaks the API's contract to a ``failed``
+        snapshot (returned, saved like an answer), anything else to another poll with backoff (after a 429's
+        ``Retry-After``, which pauses every worker's GETs) unless the job is too old to poll (``stalled``)."""
+        if isinstance(exc, RemoteJobNotFoundError):
+            log.info("operation %s: %s", operation_id, exc)
+            await self.stalls.not_found(operation_id, claim, exc, self._delay(poll_count, None))
+            return None
+        if isinstance(exc, RemoteUnknownStatusError):
+            log.warning("operation %s: %s", operation_id, exc)
+            await self.stalls.unknown_status(operation_id, claim, exc, self._delay(poll_count, None))
+            return None
+        if isinstance(exc, RemoteContractError):
+            log.error("operation %s: %s; recording it as failed", operation_id, exc)
+            return _failed(claim.remote_job_id, "contract_violation", str(exc))
+        if self.stalls.too_old(claim, claimed_at):
+            await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
+            return None
+        hint = exc.retry_after_s if isinstance(exc, RemoteRateLimitedError) else None
+        if hint is not None:
+            await self.rt.budget.note_rate_limited(BudgetKind.GET, hint)
+        log.info("operation %s: GET %s, retrying: %s", operation_id, exc.outcome, exc)
+        await self._reschedule(operation_id, poll_claim_id, self._delay(poll_count, hint))
+        return None
 
     async def _abandoned(
         self,

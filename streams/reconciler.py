@@ -81,9 +81,8 @@ class Reconciler:
         try:
             found = await rt.remote.lookup(op)
         except RemoteError as exc:
-            duration_ms = (time.perf_counter() - started) * 1000.0
             outcome = RemoteCallOutcome.of_lookup(exc.outcome)
-            await rt.account(op, "GET", exc.status_code, outcome, None, duration_ms, claim.fencing_token)
+            await rt.account_failure(op, "GET", exc, started, None, claim.fencing_token, outcome)
             metrics.LOOKUPS.labels("failed").inc()
             if isinstance(exc, RemoteRateLimitedError):
                 delay = exc.retry_after_s

@@ -20,7 +20,13 @@ import tenacity
 from streams import contracts, exactjson, metrics
 from streams.codes import RemoteCallOutcome
 from streams.config import Settings
-from streams.errors import CoordinationUnavailableError, DeadLetterError, InvalidEventError, LedgerUnavailableError
+from streams.errors import (
+    CoordinationUnavailableError,
+    DeadLetterError,
+    InvalidEventError,
+    LedgerUnavailableError,
+    RemoteError,
+)
 from streams.failures import Failure, FailureKind, classify
 from streams.lease import Lease, LeaseManager, make_redis
 from streams.ledger import Ledger, create_pool
@@ -266,6 +272,22 @@ class Runtime:
                 operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token
             ),
         )
+
+    async def account_failure(
+        self,
+        operation_id: str,
+        method: str,
+        exc: RemoteError,
+        started: float,
+        remote_job_id: str | None,
+        fencing_token: int | None,
+        outcome: RemoteCallOutcome | None = None,
+    ) -> None:
+        """Record (:meth:`account`) one remote call that raised ``exc``: its status code, its outcome (``outcome``,
+        default ``exc.outcome``) and its duration from ``started`` (a ``time.perf_counter()`` reading) to now."""
+        duration_ms = (time.perf_counter() - started) * 1000.0
+        outcome = exc.outcome if outcome is None else outcome
+        await self.account(operation_id, method, exc.status_code, outcome, remote_job_id, duration_ms, fencing_token)
 
 
 class _StopAfterErrors(tenacity.stop.stop_base):
