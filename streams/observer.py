@@ -36,6 +36,7 @@ from streams.codes import RemoteCallOutcome
 from streams.config import lease_key
 from streams.errors import (
     CoordinationBusyError,
+    CoordinationError,
     CoordinationUnavailableError,
     InvalidEventError,
     LeaseLostError,
@@ -146,15 +147,21 @@ class Observer:
             else:
                 await lease.renew()
             return True
-        except LeaseLostError as exc:
+        except (LeaseLostError, CoordinationUnavailableError, CoordinationBusyError) as exc:
+            self._not_confirmed(operation_id, what, exc)
+            return False
+
+    def _not_confirmed(self, operation_id: str, what: str, exc: CoordinationError) -> None:
+        """Count and log why the lease could not be confirmed, so that ``what`` is not done: lost (counted,
+        WARNING), Redis unavailable (counted, logged as an outage) or this worker's Redis pool full (INFO)."""
+        if isinstance(exc, LeaseLostError):
             metrics.LEASE_LOST.labels("observe").inc()
             log.warning("operation %s: %s: %s", operation_id, what, exc)
-        except CoordinationUnavailableError as exc:
+        elif isinstance(exc, CoordinationUnavailableError):
             metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
             self.rt.log_outage("Redis", exc)
-        except CoordinationBusyError as exc:
+        else:
             log.info("operation %s: %s: %s", operation_id, what, exc)
-        return False
 
     async def _observe(self, operation_id: str, poll_claim_id: int, claim: ObserveClaim, lease: Lease) -> None:
         rt = self.rt
@@ -212,15 +219,9 @@ class Observer:
                 BudgetKind.GET, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000
             )
             return True
-        except LeaseLostError as exc:
-            metrics.LEASE_LOST.labels("observe").inc()
-            log.warning("operation %s: no GET (lease lost waiting for the rate budget): %s", operation_id, exc)
-        except CoordinationUnavailableError as exc:
-            metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
-            self.rt.log_outage("Redis", exc)
-        except CoordinationBusyError as exc:
-            log.info("operation %s: no GET (rate budget not asked: %s)", operation_id, exc)
-        return False
+        except (LeaseLostError, CoordinationUnavailableError, CoordinationBusyError) as exc:
+            self._not_confirmed(operation_id, "no GET (waiting for the rate budget)", exc)
+            return False
 
     async def _get(
         self,
