@@ -5,20 +5,42 @@ Every method is one statement (one round trip, atomic), except the relay's batch
 newer claim happened since (seed: "Fence durable state changes separately"). The state order is enforced
 twice: by the ``WHERE`` clause of each query (``states.can_transition``) and by the ``operations_guard``
 trigger; the ``operations_log_transition`` trigger writes the transition log and its outbox event.
+
+Batching (group commit, :mod:`streams.coalesce`): the statements every operation makes on the hot path (accept,
+the dispatcher's claim and job-id save, the observer's claim, save and reschedule, the accounting of remote
+calls) are coalesced across this worker's concurrent tasks: the requests made while the previous batch of the
+same kind is on the wire go out as one statement over parallel arrays (``streams/queries/ledger.sql``). Each
+caller still gets exactly the result its own statement would have given:
+
+* an operation appears at most once per statement; a second request for it (two tasks handling one
+  operation) goes in a later statement, in the order the requests were made;
+* the rows are locked in ``operation_id`` order before they are changed, so two batches (two workers) never
+  wait on each other in a cycle; a deadlock or serialization failure all the same (a statement of another
+  kind) rolls the statement back, which is then run again (:data:`CONFLICT_ATTEMPTS`; counted in
+  ``streams_ledger_conflicts_total``): nothing is written twice, nothing is lost, nothing is raised to the
+  caller unless it keeps failing (then :class:`LedgerUnavailableError`, which callers wait out);
+* a batch PostgreSQL refuses for one request's values (:class:`LedgerDataError`, e.g. a NUL in an output) is
+  run again one statement per request, so only that request fails (``streams_ledger_batch_fallbacks_total``);
+* PostgreSQL unavailable fails the requests of that statement (and of its later statements) with
+  :class:`LedgerUnavailableError`; the callers wait it out and send them again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 
-from streams import exactjson
+from streams import exactjson, metrics
 from streams.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
+from streams.coalesce import Coalescer
 from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.errors import LedgerDataError, LedgerUnavailableError, OperatorActionRefusedError, UnknownOperationError
 from streams.failures import is_outage
@@ -26,6 +48,24 @@ from streams.sql import ACCOUNTING, RECONCILE
 from streams.sql import LEDGER as Q
 from streams.sql import OPERATORS as OPS
 from streams.states import POLLABLE, OperationState, can_transition, is_terminal
+
+log = logging.getLogger(__name__)
+
+#: Most requests in one batched statement.
+BATCH_MAX = 256
+
+#: Batched statements of one kind on the wire at once per worker; the requests made meanwhile form the next one.
+BATCH_IN_FLIGHT = 2
+
+#: Attempts at one statement that PostgreSQL rolled back as a deadlock victim or a serialization failure
+#: (SQLSTATE class 40: nothing was written; running it again is safe). Past them: LedgerUnavailableError.
+CONFLICT_ATTEMPTS = 8
+
+#: One request of a batched statement: its parameters, the operation id first.
+Request = tuple[Any, ...]
+
+#: Runs one batched statement for distinct operations: requests -> one result per request, same order.
+Statement = Callable[[list[Request]], Awaitable[list[Any]]]
 
 
 @contextlib.asynccontextmanager
@@ -124,6 +164,43 @@ def sources_for(new: OperationState) -> list[str]:
     return allowed
 
 
+def _rounds(requests: Sequence[Request], distinct: bool) -> list[list[int]]:
+    """Split a batch into statements: positions of ``requests``, each list holding an operation at most once
+    (``distinct``; the n-th request for an operation goes in the n-th statement, keeping the order they were
+    made), sorted by operation id."""
+    if not distinct:
+        return [sorted(range(len(requests)), key=lambda i: requests[i][0])]
+    rounds: list[list[int]] = []
+    seen: dict[str, int] = {}
+    for i, request in enumerate(requests):
+        n = seen.get(request[0], 0)
+        seen[request[0]] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(i)
+    for positions in rounds:
+        positions.sort(key=lambda i: requests[i][0])
+    return rounds
+
+
+def _by_position(rows: Sequence[asyncpg.Record], n: int) -> list[asyncpg.Record | None]:
+    """The rows of a batched statement (column ``i``, from 1) placed at their request's position; None where a
+    request returned no row."""
+    placed: list[asyncpg.Record | None] = [None] * n
+    for row in rows:
+        placed[row["i"] - 1] = row
+    return placed
+
+
+def _columns(requests: Sequence[Request], width: int) -> list[list[Any]]:
+    """The parallel arrays of a batched statement: column ``k`` of every request."""
+    return [[request[k] for request in requests] for k in range(width)]
+
+
+def _json_text(value: Any) -> str:
+    return exactjson.dumps(value).decode()
+
+
 @dataclass(frozen=True)
 class OperatorMove:
     """The result of an operator's decision: the transition written.
@@ -147,16 +224,107 @@ class Ledger:
         pool: from :func:`create_pool`.
         worker: this worker's name, written into the transition log and accounting.
 
+        batching: coalesce the hot path's statements across concurrent tasks (module docstring); False sends
+            one statement per call (the same statements, one row each), as a reference for tests and
+            measurements.
+
     Every method raises :class:`LedgerUnavailableError` when PostgreSQL does not answer and
     :class:`LedgerDataError` when it refuses the values; nothing is then written (each method is atomic).
     """
 
-    def __init__(self, pool: asyncpg.Pool, worker: str) -> None:
+    def __init__(self, pool: asyncpg.Pool, worker: str, *, batching: bool = True) -> None:
         self.pool = pool
         self.worker = worker
+        self.batching = batching
+        self._stages: dict[str, tuple[Statement, bool, Coalescer[Request, Any]]] = {}
+        self._stage("accept", self._accept_many)
+        self._stage("claim_submit", self._claim_submit_many)
+        self._stage("save_submitted", self._save_submitted_many)
+        self._stage("claim_observe", self._claim_observe_many)
+        self._stage("reschedule_poll", self._reschedule_many)
+        self._stage("save_observation", self._save_observation_many)
+        self._stage("record_remote_call", self._record_calls_many, distinct=False)
+
+    def _stage(self, name: str, statement: Statement, *, distinct: bool = True) -> None:
+        async def flush(requests: list[Request]) -> list[Any]:
+            return await self._flush(name, statement, distinct, requests)
+
+        coalescer: Coalescer[Request, Any] = Coalescer(
+            f"ledger_{name}", flush, max_batch=BATCH_MAX, max_in_flight=BATCH_IN_FLIGHT
+        )
+        self._stages[name] = (statement, distinct, coalescer)
+
+    async def _submit(self, name: str, request: Request) -> Any:
+        """One request of the stage ``name``: batched with the other tasks' (or alone without batching)."""
+        statement, distinct, coalescer = self._stages[name]
+        if self.batching:
+            return await coalescer.submit(request)
+        (result,) = await self._flush(name, statement, distinct, [request])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def _flush(self, name: str, statement: Statement, distinct: bool, requests: list[Request]) -> list[Any]:
+        """Run ``requests`` as few statements as the rules allow (module docstring); one result or exception per
+        request, in order."""
+        results: list[Any] = [None] * len(requests)
+        rounds = _rounds(requests, distinct)
+        for n, positions in enumerate(rounds):
+            batch = [requests[i] for i in positions]
+            try:
+                out = await self._run(name, statement, batch)
+            except LedgerDataError as exc:
+                out = await self._one_by_one(name, statement, batch) if len(batch) > 1 else [exc]
+            except LedgerUnavailableError as exc:  # this statement and the later ones are not sent
+                for later in rounds[n:]:
+                    for i in later:
+                        results[i] = exc
+                return results
+            for i, result in zip(positions, out, strict=True):
+                results[i] = result
+        return results
+
+    async def _one_by_one(self, name: str, statement: Statement, batch: list[Request]) -> list[Any]:
+        """PostgreSQL refused a batch for some request's values: each request alone, so only it fails."""
+        metrics.LEDGER_BATCH_FALLBACKS.labels(name).inc()
+        out: list[Any] = []
+        for k, request in enumerate(batch):
+            try:
+                out.extend(await self._run(name, statement, [request]))
+            except LedgerDataError as exc:
+                out.append(exc)
+            except LedgerUnavailableError as exc:
+                out.extend([exc] * (len(batch) - k))
+                break
+        return out
+
+    async def _run(self, name: str, statement: Statement, batch: list[Request]) -> list[Any]:
+        """One statement; run again when PostgreSQL rolled it back as a deadlock victim or serialization failure.
+
+        Raises:
+            LedgerDataError: PostgreSQL refused a value. LedgerUnavailableError: it did not answer, or the
+                statement kept being rolled back (:data:`CONFLICT_ATTEMPTS`).
+        """
+        what = f"{name} of {batch[0][0]}" if len(batch) == 1 else f"{name} of {len(batch)} operations"
+        for attempt in range(1, CONFLICT_ATTEMPTS + 1):
+            try:
+                async with _guard(what):
+                    return await statement(batch)
+            except asyncpg.TransactionRollbackError as exc:  # class 40: rolled back, nothing written
+                metrics.LEDGER_CONFLICTS.labels(name, exc.sqlstate).inc()
+                if attempt == CONFLICT_ATTEMPTS:
+                    raise LedgerUnavailableError(
+                        f"{what} rolled back {attempt} times in a row ({type(exc).__name__}: {exc}); nothing was "
+                        "written; retrying later"
+                    ) from exc
+                log.warning("%s rolled back (%s: %s); running it again", what, type(exc).__name__, exc)
+                await asyncio.sleep(random.uniform(0, 0.005 * 2**attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:
-        """Close the pool."""
+        """Finish the batches on the wire or queued, then close the pool."""
+        for _, _, coalescer in self._stages.values():
+            await coalescer.drain()
         await self.pool.close()
 
     async def accept(
@@ -167,30 +335,38 @@ class Ledger:
         ``request_text`` (the provider's request) and ``source_text`` are JSON texts, stored as they are
         (``json``: no number or escape rewritten); ``submitted_at_ms`` is the application's epoch ms.
         """
-        async with _guard(f"accept {operation_id}"):
-            fencing = await self.pool.fetchval(
-                Q.accept_operation, operation_id, request_text, submitted_at_ms, source_text, self.worker
-            )
-        return fencing is not None
+        inserted: bool = await self._submit("accept", (operation_id, request_text, submitted_at_ms, source_text))
+        return inserted
+
+    async def _accept_many(self, batch: list[Request]) -> list[Any]:
+        rows = await self.pool.fetch(Q.accept_operation, *_columns(batch, 4), self.worker)
+        inserted = {row["operation_id"] for row in rows}
+        return [request[0] in inserted for request in batch]
 
     async def claim_for_submit(self, operation_id: str) -> int | None:
         """``accepted -> submitting`` with a new fencing value, written before the POST.
 
         Returns the fencing value, or None when the operation is past ``accepted`` (never resubmit).
         """
-        async with _guard(f"claim {operation_id}"):
-            fencing: int | None = await self.pool.fetchval(Q.claim_for_submit, operation_id, self.worker)
+        fencing: int | None = await self._submit("claim_submit", (operation_id,))
         return fencing
+
+    async def _claim_submit_many(self, batch: list[Request]) -> list[Any]:
+        rows = await self.pool.fetch(Q.claim_for_submit, *_columns(batch, 1), self.worker)
+        return [None if row is None else row["fencing_token"] for row in _by_position(rows, len(batch))]
 
     async def save_submitted(
         self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
     ) -> bool:
         """Fenced: save the job id (``submitting|uncertain -> submitted``); False when refused."""
-        async with _guard(f"save job id of {operation_id}"):
-            saved = await self.pool.fetchval(
-                Q.save_submitted, operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason, self.worker
-            )
-        return saved is not None
+        saved: bool = await self._submit(
+            "save_submitted", (operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason)
+        )
+        return saved
+
+    async def _save_submitted_many(self, batch: list[Request]) -> list[Any]:
+        rows = await self.pool.fetch(Q.save_submitted, *_columns(batch, 5), self.worker)
+        return [row is not None for row in _by_position(rows, len(batch))]
 
     async def save_submission_without_job(
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode
@@ -239,23 +415,32 @@ class Ledger:
 
     async def claim_for_observe(self, operation_id: str, poll_claim_id: int) -> ObserveClaim | None:
         """A new fencing value for observing, if the poll is the newest claim and the job still pollable."""
-        async with _guard(f"claim observe {operation_id}"):
-            row = await self.pool.fetchrow(Q.claim_for_observe, operation_id, poll_claim_id, self.worker)
-        if row is None:
-            return None
-        return ObserveClaim(
-            row["fencing_token"],
-            row["remote_job_id"],
-            OperationState(row["state"]),
-            row["poll_count"],
-            row["observed_for_s"],
-        )
+        claim: ObserveClaim | None = await self._submit("claim_observe", (operation_id, poll_claim_id))
+        return claim
+
+    async def _claim_observe_many(self, batch: list[Request]) -> list[Any]:
+        rows = await self.pool.fetch(Q.claim_for_observe, *_columns(batch, 2), self.worker)
+        return [
+            None
+            if row is None
+            else ObserveClaim(
+                row["fencing_token"],
+                row["remote_job_id"],
+                OperationState(row["state"]),
+                row["poll_count"],
+                row["observed_for_s"],
+            )
+            for row in _by_position(rows, len(batch))
+        ]
 
     async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
         """Move the claimed poll to now + ``delay_s``; False when the claim is stale or the job not pollable."""
-        async with _guard(f"reschedule {operation_id}"):
-            row = await self.pool.fetchval(Q.reschedule_poll, operation_id, poll_claim_id, delay_s)
-        return row is not None
+        rescheduled: bool = await self._submit("reschedule_poll", (operation_id, poll_claim_id, delay_s))
+        return rescheduled
+
+    async def _reschedule_many(self, batch: list[Request]) -> list[Any]:
+        rows = await self.pool.fetch(Q.reschedule_poll, *_columns(batch, 3))
+        return [row is not None for row in _by_position(rows, len(batch))]
 
     async def save_observation(
         self, operation_id: str, fencing_token: int, snapshot: JobSnapshot, next_poll_delay_s: float | None
@@ -271,26 +456,32 @@ class Ledger:
         if new is OperationState.FAILED and snapshot.error:
             reason = clean_text(f"remote job failed: {exactjson.dumps(snapshot.error).decode()}")
         outputs = [{"output_id": str(o["id"]), "position": i, "payload": o} for i, o in enumerate(snapshot.outputs)]
-        async with _guard(f"save observation of {operation_id}"):
-            saved = await self.pool.fetchval(
-                Q.save_observation,
-                operation_id,
-                fencing_token,
-                new.value,
-                snapshot.as_observation(),
-                None if terminal else next_poll_delay_s,
-                snapshot.completed_at_ms if terminal else None,
-                reason,
-                sources_for(new),
-                outputs,
-                self.worker,
-            )
-            if saved:
-                return SaveOutcome.SAVED
-            current = await self.pool.fetchrow(Q.get_operation, operation_id)
-        if current is not None and current["fencing_token"] != fencing_token:
-            return SaveOutcome.REFUSED_FENCING
-        return SaveOutcome.REFUSED_ORDER
+        request = (
+            operation_id,
+            fencing_token,
+            new.value,
+            _json_text(snapshot.as_observation()),
+            None if terminal else next_poll_delay_s,
+            snapshot.completed_at_ms if terminal else None,
+            reason,
+            "{" + ",".join(sources_for(new)) + "}",
+            _json_text(outputs),
+        )
+        outcome: SaveOutcome = await self._submit("save_observation", request)
+        return outcome
+
+    async def _save_observation_many(self, batch: list[Request]) -> list[Any]:
+        rows = await self.pool.fetch(Q.save_observation, *_columns(batch, 9), self.worker)
+        outcomes: list[Any] = []
+        for request, row in zip(batch, _by_position(rows, len(batch)), strict=True):
+            assert row is not None  # one row per request
+            if row["saved"]:
+                outcomes.append(SaveOutcome.SAVED)
+            elif row["fencing_token"] is not None and row["fencing_token"] != request[1]:
+                outcomes.append(SaveOutcome.REFUSED_FENCING)
+            else:  # the state order refused it, or the operation does not exist
+                outcomes.append(SaveOutcome.REFUSED_ORDER)
+        return outcomes
 
     async def save_stalled(
         self, operation_id: str, fencing_token: int, reason: str, last_answer: dict[str, Any]
@@ -423,18 +614,14 @@ class Ledger:
         fencing_token: int | None,
     ) -> None:
         """Accounting: append one remote call attempt with its classified outcome."""
-        async with _guard(f"account {method} for {operation_id}"):
-            await self.pool.execute(
-                Q.record_remote_call,
-                operation_id,
-                method,
-                status_code,
-                outcome,
-                remote_job_id,
-                duration_ms,
-                fencing_token,
-                self.worker,
-            )
+        await self._submit(
+            "record_remote_call",
+            (operation_id, method, status_code, str(outcome), remote_job_id, duration_ms, fencing_token),
+        )
+
+    async def _record_calls_many(self, batch: list[Request]) -> list[Any]:
+        await self.pool.execute(Q.record_remote_call, *_columns(batch, 7), self.worker)
+        return [None] * len(batch)
 
     async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
         """Publish one batch of unpublished outbox rows with ``publish`` and mark them published.

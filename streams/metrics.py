@@ -45,6 +45,16 @@ ABANDONED_CALLS = Counter(
     ["method"],
 )
 LEDGER_UNAVAILABLE = Counter("streams_ledger_unavailable_total", "PostgreSQL did not answer; retried.", ["what"])
+LEDGER_CONFLICTS = Counter(
+    "streams_ledger_conflicts_total",
+    "Ledger statements PostgreSQL rolled back as a deadlock victim or serialization failure, then run again.",
+    ["stage", "sqlstate"],
+)
+LEDGER_BATCH_FALLBACKS = Counter(
+    "streams_ledger_batch_fallbacks_total",
+    "Batched ledger statements refused for some request's values, then run one statement per request.",
+    ["stage"],
+)
 REMOTE_CALLS = Counter("streams_remote_calls_total", "Remote API calls by classified outcome.", ["method", "outcome"])
 BATCH_SIZE = Histogram(
     "streams_batch_size",

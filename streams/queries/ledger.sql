@@ -5,51 +5,82 @@
 -- the operations_log_transition trigger writes the transition log row and the generation.transitions
 -- outbox event; operations_guard refuses illegal transitions, fencing regressions and job-id rewrites.
 -- $N named "worker" fill operations.updated_by, which the transition log records.
+--
+-- Batched queries (streams.ledger coalesces the requests of concurrent tasks): one row per request, given as
+-- parallel arrays read by unnest ... WITH ORDINALITY, so "i" is a request's position (from 1). The same
+-- operation appears at most once per statement (the ledger sends a repeat in a later statement). Rows of
+-- operations are locked first, in operation_id order (the "locked" step), so two batches over the same
+-- operations, in whatever order they were given, never wait on each other in a cycle. A JSON value travels
+-- as JSON text (text[]) and is cast in the statement.
 
 -- name: accept_operation
--- Insert a new operation in state 'accepted' (idempotent: a replayed submission inserts nothing).
--- $1 operation_id, $2 request (JSON text, stored as it is), $3 submitted_at_ms, $4 source (JSON text or NULL),
--- $5 worker. Returns fencing_token only when newly inserted.
+-- Batched: insert new operations in state 'accepted' (idempotent: a replayed submission inserts nothing).
+-- $1 operation_ids (text[], distinct), $2 requests (JSON texts, stored as they are), $3 submitted_at_ms
+-- (bigint[]), $4 sources (JSON texts or NULLs), $5 worker. Returns operation_id, fencing_token of the rows
+-- newly inserted (inserted in operation_id order).
 INSERT INTO operations (operation_id, request, submitted_at_ms, source, updated_by)
-VALUES ($1, $2::text::json, $3, $4::text::json, $5)
+SELECT r.operation_id, r.request::json, r.submitted_at_ms, r.source::json, $5
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS r(operation_id, request, submitted_at_ms, source)
+ORDER BY r.operation_id
 ON CONFLICT (operation_id) DO NOTHING
-RETURNING fencing_token;
+RETURNING operation_id, fencing_token;
 
 -- name: claim_for_submit
--- The dispatcher's claim: accepted -> submitting, written before the POST, with a new fencing value.
--- $1 operation_id, $2 worker. Returns fencing_token, or no row when the operation is past 'accepted'.
-UPDATE operations
-SET state = 'submitting', fencing_token = fencing_token + 1, updated_by = $2
-WHERE operation_id = $1 AND state = 'accepted'
-RETURNING fencing_token;
+-- Batched: the dispatcher's claim: accepted -> submitting, written before the POST, with a new fencing value.
+-- $1 operation_ids (text[], distinct), $2 worker. Returns i, fencing_token per claimed request; none for an
+-- operation past 'accepted' (or unknown).
+WITH req AS (
+    SELECT * FROM unnest($1::text[]) WITH ORDINALITY AS r(operation_id, i)
+), locked AS MATERIALIZED (
+    SELECT operation_id FROM operations
+    WHERE operation_id = ANY($1::text[])
+    ORDER BY operation_id
+    FOR NO KEY UPDATE
+)
+UPDATE operations AS o
+SET state = 'submitting', fencing_token = o.fencing_token + 1, updated_by = $2
+FROM req JOIN locked USING (operation_id)
+WHERE o.operation_id = req.operation_id AND o.state = 'accepted'
+RETURNING req.i, o.fencing_token;
 
 -- name: save_submitted
--- Fenced: save the remote job id from a 2xx or from a 502's error.job_id; submitting|uncertain -> submitted.
--- The job's accounting record is written by the same statement if the POST's accounting did not already.
--- $1 operation_id, $2 fencing_token, $3 remote_job_id, $4 first poll delay (s), $5 reason (NULL for a 2xx; the
--- 502's words when the id came from error.job_id), $6 worker. Returns operation_id, or no row when the fencing
--- value is stale or a job id is already saved.
-WITH saved AS (
-    UPDATE operations
+-- Batched, fenced: save the remote job id from a 2xx or from a 502's error.job_id; submitting|uncertain ->
+-- submitted. The job's accounting record is written by the same statement if the POST's accounting did not
+-- already.
+-- $1 operation_ids (text[], distinct), $2 fencing_tokens (bigint[]), $3 remote_job_ids (text[]), $4 first poll
+-- delays (s, float8[]), $5 reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
+-- $6 worker. Returns i per saved request; none when the fencing value is stale or a job id is already saved.
+WITH req AS (
+    SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::float8[], $5::text[])
+        WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, reason, i)
+), locked AS MATERIALIZED (
+    SELECT operation_id FROM operations
+    WHERE operation_id = ANY($1::text[])
+    ORDER BY operation_id
+    FOR NO KEY UPDATE
+), saved AS (
+    UPDATE operations AS o
     SET state = 'submitted',
-        remote_job_id = $3,
-        reason = $5,
-        reason_code = CASE WHEN $5::text IS NULL THEN NULL ELSE 'job_id_via_error' END,
-        next_poll_at = now() + make_interval(secs => $4),
+        remote_job_id = req.remote_job_id,
+        reason = req.reason,
+        reason_code = CASE WHEN req.reason IS NULL THEN NULL ELSE 'job_id_via_error' END,
+        next_poll_at = now() + make_interval(secs => req.delay_s),
         next_lookup_at = NULL,
         updated_by = $6
-    WHERE operation_id = $1
-      AND fencing_token = $2
-      AND state IN ('submitting', 'uncertain')
-      AND remote_job_id IS NULL
-    RETURNING operation_id, remote_job_id
+    FROM req JOIN locked USING (operation_id)
+    WHERE o.operation_id = req.operation_id
+      AND o.fencing_token = req.fencing_token
+      AND o.state IN ('submitting', 'uncertain')
+      AND o.remote_job_id IS NULL
+    RETURNING req.i, o.operation_id, o.remote_job_id, req.reason
 ), account AS (
     INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
-    SELECT remote_job_id, operation_id, CASE WHEN $5::text IS NULL THEN 'post_2xx' ELSE 'post_502' END, $6
+    SELECT remote_job_id, operation_id, CASE WHEN reason IS NULL THEN 'post_2xx' ELSE 'post_502' END, $6
     FROM saved
+    ORDER BY remote_job_id
     ON CONFLICT (remote_job_id) DO NOTHING
 )
-SELECT operation_id FROM saved;
+SELECT i FROM saved;
 
 -- name: save_submission_without_job
 -- Fenced: submitting -> rejected (definite refusal) or uncertain (unknown outcome), with its reason.
@@ -98,57 +129,100 @@ FROM operations
 WHERE operation_id = $1;
 
 -- name: claim_for_observe
--- The observer's claim for one poll, taken after the Redis lease: a new fencing value.
--- $1 operation_id, $2 poll_claim_id of the poll event, $3 worker. Returns fencing_token, remote_job_id,
--- state, poll_count, observed_for_s (since the observation began: job id saved or repolled); no row when the
--- poll is stale (re-claimed since), the operation is no longer pollable, or it does not exist.
-UPDATE operations
-SET fencing_token = fencing_token + 1, updated_by = $3
-WHERE operation_id = $1 AND poll_claim_id = $2 AND state IN ('submitted', 'queued', 'running')
-RETURNING fencing_token, remote_job_id, state::text AS state, poll_count,
-          extract(epoch FROM now() - COALESCE(observing_since, accepted_at))::float8 AS observed_for_s;
+-- Batched: the observer's claim for one poll, taken after the Redis lease: a new fencing value.
+-- $1 operation_ids (text[], distinct), $2 poll_claim_ids of the poll events (bigint[]), $3 worker. Returns i,
+-- fencing_token, remote_job_id, state, poll_count, observed_for_s (since the observation began: job id saved or
+-- repolled) per claimed request; none when the poll is stale (re-claimed since), the operation is no longer
+-- pollable, or it does not exist.
+WITH req AS (
+    SELECT * FROM unnest($1::text[], $2::bigint[]) WITH ORDINALITY AS r(operation_id, poll_claim_id, i)
+), locked AS MATERIALIZED (
+    SELECT operation_id FROM operations
+    WHERE operation_id = ANY($1::text[])
+    ORDER BY operation_id
+    FOR NO KEY UPDATE
+)
+UPDATE operations AS o
+SET fencing_token = o.fencing_token + 1, updated_by = $3
+FROM req JOIN locked USING (operation_id)
+WHERE o.operation_id = req.operation_id
+  AND o.poll_claim_id = req.poll_claim_id
+  AND o.state IN ('submitted', 'queued', 'running')
+RETURNING req.i, o.fencing_token, o.remote_job_id, o.state::text AS state, o.poll_count,
+          extract(epoch FROM now() - COALESCE(o.observing_since, o.accepted_at))::float8 AS observed_for_s;
 
 -- name: reschedule_poll
--- Move one claimed poll to now + $3 seconds (lease busy, GET failed).
--- $1 operation_id, $2 poll_claim_id, $3 delay (s). Returns operation_id when rescheduled.
-UPDATE operations
-SET next_poll_at = now() + make_interval(secs => $3)
-WHERE operation_id = $1 AND poll_claim_id = $2 AND state IN ('submitted', 'queued', 'running')
-RETURNING operation_id;
+-- Batched: move claimed polls to now + their delay (lease busy, GET failed, state order refused a save).
+-- $1 operation_ids (text[], distinct), $2 poll_claim_ids (bigint[]), $3 delays (s, float8[]). Returns i per
+-- rescheduled request; none when the claim is stale or the job no longer pollable.
+WITH req AS (
+    SELECT * FROM unnest($1::text[], $2::bigint[], $3::float8[]) WITH ORDINALITY AS r(operation_id, poll_claim_id,
+                                                                                         delay_s, i)
+), locked AS MATERIALIZED (
+    SELECT operation_id FROM operations
+    WHERE operation_id = ANY($1::text[])
+    ORDER BY operation_id
+    FOR NO KEY UPDATE
+)
+UPDATE operations AS o
+SET next_poll_at = now() + make_interval(secs => req.delay_s)
+FROM req JOIN locked USING (operation_id)
+WHERE o.operation_id = req.operation_id
+  AND o.poll_claim_id = req.poll_claim_id
+  AND o.state IN ('submitted', 'queued', 'running')
+RETURNING req.i;
 
 -- name: save_observation
--- Fenced, conditional save of one GET snapshot; when it is 'succeeded', the outputs and one outbox row per
+-- Batched, fenced, conditional save of GET snapshots; for a 'succeeded' one, the outputs and one outbox row per
 -- (operation_id, output_id) are written by the same statement (a second row is impossible: primary key and
--- unique index; a repeat is skipped). A known status ends any run of unknown ones. When the snapshot is
--- terminal, the job's accounting record takes its outcome and the provider's charge, and a refund is recorded
--- once per (refund id, job id).
--- $1 operation_id, $2 fencing_token, $3 new state, $4 observation (jsonb, with "status", "charge", "refund"),
--- $5 next poll delay (s, NULL when terminal), $6 remote completion time (epoch ms, NULL unless terminal),
--- $7 reason, $8 states the new state may be saved over (operation_state[]), $9 outputs (jsonb array of
--- {output_id, position, payload}), $10 worker. Returns 1 when saved, 0 when refused (stale fencing value or
--- state order).
-WITH saved AS (
+-- unique index; a repeat is skipped). A known status ends any run of unknown ones. When a snapshot is terminal,
+-- the job's accounting record takes its outcome and the provider's charge, and a refund is recorded once per
+-- (refund id, job id).
+-- $1 operation_ids (text[], distinct), $2 fencing_tokens (bigint[]), $3 new states (text[]), $4 observations
+-- (JSON texts with "status", "charge", "refund"), $5 next poll delays (s, float8[], NULL when terminal),
+-- $6 remote completion times (epoch ms, bigint[], NULL unless terminal), $7 reasons (text[]), $8 states each new
+-- state may be saved over (operation_state[] literals, text[]), $9 outputs (JSON texts of arrays of
+-- {output_id, position, payload}), $10 worker. Returns one row per request: i, saved (boolean), and
+-- fencing_token: the operation's fencing value when its row was locked (NULL when the operation does not
+-- exist), which tells a stale fencing value from a refusal by the state order.
+WITH req AS (
+    SELECT r.i, r.operation_id, r.fencing_token, r.new_state::operation_state AS new_state,
+           r.observation::jsonb AS observation, r.delay_s, r.completed_ms, r.reason,
+           r.sources::operation_state[] AS sources, r.outputs::jsonb AS outputs
+    FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::float8[], $6::bigint[], $7::text[],
+                $8::text[], $9::text[])
+        WITH ORDINALITY AS r(operation_id, fencing_token, new_state, observation, delay_s, completed_ms, reason,
+                             sources, outputs, i)
+), locked AS MATERIALIZED (
+    SELECT operation_id, fencing_token FROM operations
+    WHERE operation_id = ANY($1::text[])
+    ORDER BY operation_id
+    FOR NO KEY UPDATE
+), saved AS (
     UPDATE operations AS o
-    SET state = $3::operation_state,
-        last_observation = $4::jsonb,
+    SET state = req.new_state,
+        last_observation = req.observation,
         last_observed_at = now(),
         poll_count = o.poll_count + 1,
         unknown_status_count = 0,
-        next_poll_at = CASE WHEN $5::double precision IS NULL THEN NULL
-                            ELSE now() + make_interval(secs => $5::double precision) END,
-        remote_completed_at = COALESCE(to_timestamp($6::double precision / 1000.0), o.remote_completed_at),
-        reason = $7,
-        reason_code = CASE WHEN $7::text IS NULL THEN NULL ELSE 'remote_job_failed' END,
+        next_poll_at = CASE WHEN req.delay_s IS NULL THEN NULL ELSE now() + make_interval(secs => req.delay_s) END,
+        remote_completed_at = COALESCE(to_timestamp(req.completed_ms::double precision / 1000.0),
+                                       o.remote_completed_at),
+        reason = req.reason,
+        reason_code = CASE WHEN req.reason IS NULL THEN NULL ELSE 'remote_job_failed' END,
         updated_by = $10
-    WHERE o.operation_id = $1
-      AND o.fencing_token = $2
-      AND o.state = ANY($8::operation_state[])
+    FROM req JOIN locked USING (operation_id)
+    WHERE o.operation_id = req.operation_id
+      AND o.fencing_token = req.fencing_token
+      AND o.state = ANY(req.sources)
     RETURNING o.operation_id, o.state, o.remote_job_id
 ), outs AS (
     INSERT INTO outputs (operation_id, output_id, position, payload)
     SELECT saved.operation_id, x.output_id, x.position, x.payload
-    FROM saved, jsonb_to_recordset($9::jsonb) AS x(output_id text, position integer, payload jsonb)
+    FROM saved JOIN req USING (operation_id),
+         jsonb_to_recordset(req.outputs) AS x(output_id text, position integer, payload jsonb)
     WHERE saved.state = 'succeeded'
+    ORDER BY saved.operation_id, x.position
     ON CONFLICT (operation_id, output_id) DO NOTHING
     RETURNING operation_id, output_id, position, payload, recorded_at
 ), box AS (
@@ -164,36 +238,38 @@ WITH saved AS (
                'position', outs.position,
                'remote_job_id', saved.remote_job_id,
                'output', outs.payload,
-               'remote_completed_at_ms', $6::bigint,
+               'remote_completed_at_ms', req.completed_ms,
                'recorded_at_ms', floor(extract(epoch FROM outs.recorded_at) * 1000)::bigint)
-    FROM outs JOIN saved USING (operation_id)
+    FROM outs JOIN saved USING (operation_id) JOIN req USING (operation_id)
+    ORDER BY outs.operation_id, outs.position
     ON CONFLICT DO NOTHING
     RETURNING 1
 ), account AS (
     UPDATE remote_jobs AS j
     SET outcome = saved.state::text,
         outcome_at = now(),
-        last_status = left($4::jsonb ->> 'status', 80),
-        charge = CASE WHEN jsonb_typeof($4::jsonb -> 'charge') = 'object' THEN $4::jsonb -> 'charge' END,
-        charge_amount = CASE WHEN $4::jsonb #>> '{charge,amount}' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$'
-                             THEN ($4::jsonb #>> '{charge,amount}')::numeric END,
-        charge_currency = left($4::jsonb #>> '{charge,currency}', 16)
-    FROM saved
+        last_status = left(req.observation ->> 'status', 80),
+        charge = CASE WHEN jsonb_typeof(req.observation -> 'charge') = 'object' THEN req.observation -> 'charge' END,
+        charge_amount = CASE WHEN req.observation #>> '{charge,amount}' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$'
+                             THEN (req.observation #>> '{charge,amount}')::numeric END,
+        charge_currency = left(req.observation #>> '{charge,currency}', 16)
+    FROM saved JOIN req USING (operation_id)
     WHERE j.remote_job_id = saved.remote_job_id AND saved.state IN ('succeeded', 'failed', 'canceled')
-    RETURNING j.remote_job_id
+    RETURNING j.remote_job_id, saved.operation_id
 ), refund AS (
     INSERT INTO refunds (refund_id, remote_job_id, refund, amount, currency)
-    SELECT $4::jsonb #>> '{refund,id}',
+    SELECT req.observation #>> '{refund,id}',
            account.remote_job_id,
-           $4::jsonb -> 'refund',
-           CASE WHEN $4::jsonb #>> '{refund,amount}' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$'
-                THEN ($4::jsonb #>> '{refund,amount}')::numeric END,
-           left($4::jsonb #>> '{refund,currency}', 16)
-    FROM account
-    WHERE jsonb_typeof($4::jsonb #> '{refund,id}') = 'string'
+           req.observation -> 'refund',
+           CASE WHEN req.observation #>> '{refund,amount}' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$'
+                THEN (req.observation #>> '{refund,amount}')::numeric END,
+           left(req.observation #>> '{refund,currency}', 16)
+    FROM account JOIN req USING (operation_id)
+    WHERE jsonb_typeof(req.observation #> '{refund,id}') = 'string'
     ON CONFLICT (refund_id, remote_job_id) DO NOTHING
 )
-SELECT count(*)::integer FROM saved;
+SELECT req.i, saved.operation_id IS NOT NULL AS saved, locked.fencing_token
+FROM req LEFT JOIN saved USING (operation_id) LEFT JOIN locked USING (operation_id);
 
 -- name: save_stalled
 -- Fenced: a pollable operation whose provider answers stopped making progress -> stalled, with the reason and
@@ -261,19 +337,27 @@ WHERE o.operation_id = $1 AND o.fencing_token = $2 AND o.state IN ('submitted', 
 RETURNING o.state::text AS state, o.unknown_status_count;
 
 -- name: record_remote_call
--- Accounting: one row per remote call attempt. A POST that reported a job id (outcome 'created' or
+-- Batched accounting: one row per remote call attempt. A POST that reported a job id (outcome 'created' or
 -- 'created_via_502') also gives the job its accounting record, even if the id is never saved on the operation.
--- $1 operation_id, $2 method, $3 status_code, $4 outcome, $5 remote_job_id, $6 duration_ms,
--- $7 fencing_token, $8 worker.
-WITH call AS (
+-- $1 operation_ids (text[]; may repeat), $2 methods (text[]), $3 status_codes (integer[]), $4 outcomes (text[]),
+-- $5 remote_job_ids (text[]), $6 durations (ms, float8[]), $7 fencing_tokens (bigint[]), $8 worker.
+WITH req AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::integer[], $4::text[], $5::text[], $6::float8[], $7::bigint[])
+        WITH ORDINALITY AS r(operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, i)
+), call AS (
     INSERT INTO remote_calls (operation_id, method, status_code, outcome, remote_job_id, duration_ms,
                               fencing_token, worker)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+    SELECT operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, $8
+    FROM req
+    ORDER BY i
 )
 INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
-SELECT $5, $1, CASE WHEN $4 = 'created_via_502' THEN 'post_502' ELSE 'post_2xx' END, $8
-WHERE $2 = 'POST' AND $5::text IS NOT NULL AND $4 IN ('created', 'created_via_502')
-  AND EXISTS (SELECT 1 FROM operations WHERE operation_id = $1)
+SELECT req.remote_job_id, req.operation_id, CASE WHEN req.outcome = 'created_via_502' THEN 'post_502' ELSE 'post_2xx' END,
+       $8
+FROM req
+WHERE req.method = 'POST' AND req.remote_job_id IS NOT NULL AND req.outcome IN ('created', 'created_via_502')
+  AND EXISTS (SELECT 1 FROM operations WHERE operation_id = req.operation_id)
+ORDER BY req.remote_job_id, req.i
 ON CONFLICT (remote_job_id) DO NOTHING;
 
 -- name: try_relay_lock

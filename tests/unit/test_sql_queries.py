@@ -108,7 +108,7 @@ def test_ledger_names() -> None:
 
 
 def test_attribute_access() -> None:
-    assert LEDGER.claim_for_submit.endswith("RETURNING fencing_token;")
+    assert LEDGER.claim_for_submit.endswith("RETURNING req.i, o.fencing_token;")
     assert "UPDATE operations" in LEDGER.claim_for_submit
     with pytest.raises(AttributeError, match="no query named 'nope'"):
         _ = LEDGER.nope
