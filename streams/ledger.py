@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 BATCH_MAX = 256
 
 #: Batched statements of one kind on the wire at once per worker; the requests made meanwhile form the next one.
-BATCH_IN_FLIGHT = 2
+#: One: measured against two with ``streams bench`` (fewer, larger batches: less CPU and fewer round trips per
+#: operation, README "Benchmark"), and seven kinds then need at most seven pooled connections.
+BATCH_IN_FLIGHT = 1
 
 #: Attempts at one statement that PostgreSQL rolled back as a deadlock victim or a serialization failure
 #: (SQLSTATE class 40: nothing was written; running it again is safe). Past them: LedgerUnavailableError.

@@ -1,0 +1,425 @@
+"""The ledger's batched statements on the real PostgreSQL: a batch gives every request exactly what its own
+statement gives (results, and every row written: states, fencing values, transitions and their event ids,
+outputs, outbox, accounting), bad values and repeats of one operation inside a batch, two batches locking the
+same operations in opposite orders, a deadlock, and the round trips saved."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import pytest
+from prometheus_client import REGISTRY
+
+from streams.codes import RemoteCallOutcome as Outcome
+from streams.config import Settings
+from streams.errors import LedgerDataError
+from streams.ledger import Ledger, ObserveClaim, SaveOutcome, _init_connection
+from streams.remote import JobSnapshot
+from streams.sql import LEDGER as Q
+from streams.states import OperationState as S
+
+pytestmark = pytest.mark.integration
+
+REQUEST = '{"input": {"prompt": "p", "max_tokens": 2}, "n": 18446744073709551617}'
+
+#: The batched statements, by the ledger's stage names.
+STAGE_QUERIES = {
+    "accept": Q.accept_operation,
+    "claim_submit": Q.claim_for_submit,
+    "save_submitted": Q.save_submitted,
+    "claim_observe": Q.claim_for_observe,
+    "reschedule_poll": Q.reschedule_poll,
+    "save_observation": Q.save_observation,
+    "record_remote_call": Q.record_remote_call,
+}
+
+
+@dataclass
+class Logged:
+    """A pool whose connections log every statement they send (asyncpg's query logger)."""
+
+    pool: asyncpg.Pool
+    queries: list[str] = field(default_factory=list)
+
+    async def sent(self, stage: str) -> int:
+        """Statements of ``stage`` sent so far (the logger reports on the next pass of the loop)."""
+        await asyncio.sleep(0)
+        return sum(1 for q in self.queries if q == STAGE_QUERIES[stage])
+
+
+@pytest.fixture
+async def logged(pool: asyncpg.Pool, migrated: Settings) -> AsyncIterator[Logged]:
+    """A second pool on the test database (after ``pool`` emptied the tables), every statement logged."""
+    holder = Logged(None)  # type: ignore[arg-type]
+
+    async def init(conn: asyncpg.Connection) -> None:
+        await _init_connection(conn)
+        conn.add_query_logger(lambda record: holder.queries.append(record.query))
+
+    holder.pool = await asyncpg.create_pool(migrated.database_url.get_secret_value(), min_size=1, max_size=4, init=init)
+    yield holder
+    await holder.pool.close()
+
+
+def succeeded(job: str, p: str) -> JobSnapshot:
+    outputs = [{"id": "o1", "text": "first", "seed": 2**70}, {"id": "o2", "text": "second", "score": 0.1}]
+    charge = {"id": f"{p}ch", "amount": "0.00125", "currency": "USD"}
+    return JobSnapshot(job, "succeeded", S.SUCCEEDED, outputs=outputs, completed_at_ms=1_700_000_000_250, charge=charge)
+
+
+def failed(job: str, p: str) -> JobSnapshot:
+    charge = {"id": f"{p}ch2", "amount": "0.5", "currency": "USD"}
+    refund = {"id": f"{p}rf", "amount": "0.5", "currency": "USD"}
+    error = {"code": "model_error", "message": "no"}
+    return JobSnapshot(
+        job, "failed", S.FAILED, completed_at_ms=1_700_000_001_000, error=error, charge=charge, refund=refund
+    )
+
+
+async def submitted(ledger: Ledger, op: str, *, delay_s: float = 0.0) -> None:
+    """``op`` accepted, claimed and saved with job ``<op>-job``, due ``delay_s`` from now."""
+    assert await ledger.accept(op, REQUEST, submitted_at_ms=1)
+    fencing = await ledger.claim_for_submit(op)
+    assert fencing is not None
+    assert await ledger.save_submitted(op, fencing, f"{op}-job", delay_s, None)
+
+
+async def polled(ledger: Ledger, ops: list[str]) -> dict[str, int]:
+    """Claim the due polls of ``ops`` as the scheduler does; their poll claim ids."""
+    claims = {p.operation_id: p.poll_claim_id for p in await ledger.claim_due_polls(1000, 3600.0)}
+    return {op: claims[op] for op in ops}
+
+
+async def observed(ledger: Ledger, op: str) -> int:
+    """``op`` submitted, its poll claimed, and claimed for observing; the fencing value."""
+    await submitted(ledger, op)
+    poll_claim_id = (await polled(ledger, [op]))[op]
+    claim = await ledger.claim_for_observe(op, poll_claim_id)
+    assert claim is not None
+    return claim.fencing_token
+
+
+Call = Callable[[], Awaitable[Any]]
+
+
+async def scenario(ledger: Ledger, p: str) -> list[Call]:
+    """One copy of the scenario (operation ids prefixed with ``p``): its operations set up through ``ledger``, and
+    the requests of every batched kind, each against its own operation; a mix of what succeeds and what each kind
+    refuses (fencing, state order, stale claims, unknown operations)."""
+    assert await ledger.accept(f"{p}acc-old", REQUEST, submitted_at_ms=1)
+    for op in ("sub-ok", "sub-past", "job-ok", "job-502", "job-stale", "acct"):
+        assert await ledger.accept(f"{p}{op}", REQUEST, submitted_at_ms=1)
+    assert await ledger.claim_for_submit(f"{p}sub-past") == 1
+    for op in ("job-ok", "job-502", "job-stale"):
+        assert await ledger.claim_for_submit(f"{p}{op}") == 1
+    for op in ("claim-ok", "claim-stale", "resched-ok", "resched-stale"):
+        await submitted(ledger, f"{p}{op}")
+    pc = await polled(ledger, [f"{p}{op}" for op in ("claim-ok", "claim-stale", "resched-ok", "resched-stale")])
+    fence: dict[str, int] = {}
+    for op in ("save-succ", "save-failed", "save-running", "save-fence", "save-order"):
+        fence[op] = await observed(ledger, f"{p}{op}")
+    assert (await ledger.claim_for_observe(f"{p}save-fence", 1)) is not None  # a newer claim: fence[...] is stale
+    order_job = f"{p}save-order-job"
+    assert await ledger.save_observation(f"{p}save-order", fence["save-order"], succeeded(order_job, p), None) == (
+        SaveOutcome.SAVED
+    )
+
+    def job(op: str) -> str:
+        return f"{p}{op}-job"
+
+    return [
+        lambda: ledger.accept(f"{p}acc-new", REQUEST, submitted_at_ms=7, source_text='{"a": [1, 2.50]}'),
+        lambda: ledger.accept(f"{p}acc-old", REQUEST, submitted_at_ms=7),
+        lambda: ledger.claim_for_submit(f"{p}sub-ok"),
+        lambda: ledger.claim_for_submit(f"{p}sub-past"),
+        lambda: ledger.claim_for_submit(f"{p}sub-unknown"),
+        lambda: ledger.save_submitted(f"{p}job-ok", 1, job("job-ok"), 0.0, None),
+        lambda: ledger.save_submitted(f"{p}job-502", 1, job("job-502"), 900.0, "job id from HTTP 502 error.job_id"),
+        lambda: ledger.save_submitted(f"{p}job-stale", 7, job("job-stale"), 0.0, None),
+        lambda: ledger.claim_for_observe(f"{p}claim-ok", pc[f"{p}claim-ok"]),
+        lambda: ledger.claim_for_observe(f"{p}claim-stale", pc[f"{p}claim-stale"] - 1),
+        lambda: ledger.claim_for_observe(f"{p}claim-unknown", 1),
+        lambda: ledger.reschedule_poll(f"{p}resched-ok", pc[f"{p}resched-ok"], 900.0),
+        lambda: ledger.reschedule_poll(f"{p}resched-stale", pc[f"{p}resched-stale"] + 1, 900.0),
+        lambda: ledger.save_observation(f"{p}save-succ", fence["save-succ"], succeeded(job("save-succ"), p), None),
+        lambda: ledger.save_observation(f"{p}save-failed", fence["save-failed"], failed(job("save-failed"), p), None),
+        lambda: ledger.save_observation(
+            f"{p}save-running", fence["save-running"], JobSnapshot(job("save-running"), "running", S.RUNNING), 900.0
+        ),
+        lambda: ledger.save_observation(f"{p}save-fence", fence["save-fence"], succeeded(job("save-fence"), p), None),
+        lambda: ledger.save_observation(
+            f"{p}save-order", fence["save-order"], JobSnapshot(order_job, "running", S.RUNNING), 900.0
+        ),
+        lambda: ledger.save_observation(f"{p}save-unknown", 1, succeeded(job("save-unknown"), p), None),
+        lambda: ledger.record_remote_call(f"{p}acct", "POST", 201, Outcome.CREATED, job("acct"), 5.5, 1),
+        lambda: ledger.record_remote_call(f"{p}acct", "GET", 200, Outcome.RUNNING, job("acct"), 2.25, 2),
+        lambda: ledger.record_remote_call(f"{p}acct-unknown", "POST", 201, Outcome.CREATED, job("acct-u"), 5.0, 1),
+    ]
+
+
+def normal(value: Any, p: str) -> Any:
+    """A result or row value with the copy's prefix taken out (claims: the time observed only as "recent")."""
+    if isinstance(value, ObserveClaim):
+        return (value.fencing_token, value.remote_job_id.replace(p, ""), value.state, value.poll_count,
+                0 <= value.observed_for_s < 600)  # fmt: skip
+    return str(value).replace(p, "")
+
+
+TABLES = {
+    "operations": """
+        SELECT operation_id, state, fencing_token, transition_seq, remote_job_id, poll_claim_id, poll_count,
+               unknown_status_count, reason, reason_code, last_observation, remote_completed_at, submitted_at_ms,
+               request::text, source::text, updated_by, next_poll_at IS NULL AS not_polled,
+               round(extract(epoch FROM next_poll_at - now()) / 100) AS due_in_100s
+        FROM operations WHERE operation_id LIKE $1 ORDER BY operation_id""",
+    "transitions": """
+        SELECT operation_id, seq, from_state, to_state, fencing_token, reason, worker
+        FROM transitions WHERE operation_id LIKE $1 ORDER BY operation_id, seq""",
+    "outbox": """
+        SELECT event_id, topic_role, operation_id, output_id, payload - 'at_ms' - 'recorded_at_ms' AS payload,
+               published_at, row_number() OVER (PARTITION BY operation_id ORDER BY id) AS nth
+        FROM outbox WHERE operation_id LIKE $1 ORDER BY operation_id, id""",
+    "outputs": """
+        SELECT operation_id, output_id, position, payload FROM outputs WHERE operation_id LIKE $1
+        ORDER BY operation_id, position""",
+    "remote_jobs": """
+        SELECT remote_job_id, operation_id, learned_via, learned_by, last_status, outcome, outcome_at IS NULL,
+               charge, charge_amount, charge_currency
+        FROM remote_jobs WHERE operation_id LIKE $1 ORDER BY remote_job_id""",
+    "refunds": """
+        SELECT r.refund_id, r.remote_job_id, r.refund, r.amount, r.currency
+        FROM refunds r JOIN remote_jobs j USING (remote_job_id) WHERE j.operation_id LIKE $1 ORDER BY 1, 2""",
+    "remote_calls": """
+        SELECT operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, worker
+        FROM remote_calls WHERE operation_id LIKE $1 ORDER BY operation_id, id""",
+}
+
+
+async def rows(pool: asyncpg.Pool, p: str) -> dict[str, list[list[Any]]]:
+    """Every row the copy ``p`` has in the ledger's tables, with the prefix taken out."""
+    out: dict[str, list[list[Any]]] = {}
+    for table, sql in TABLES.items():
+        out[table] = [[normal(v, p) for v in r.values()] for r in await pool.fetch(sql, p + "%")]
+    return out
+
+
+async def test_a_batch_gives_each_request_what_its_own_statement_gives_row_by_row(
+    pool: asyncpg.Pool, logged: Logged
+) -> None:
+    single = Ledger(pool, "w", batching=False)
+    batched = Ledger(logged.pool, "w")
+    single_calls = await scenario(single, "ONE.")
+    batch_calls = await scenario(batched, "MANY.")
+
+    one_by_one = [await call() for call in single_calls]
+    sent_before = {stage: await logged.sent(stage) for stage in STAGE_QUERIES}
+    together = await asyncio.gather(*(call() for call in batch_calls))
+
+    assert [await logged.sent(stage) - sent_before[stage] for stage in STAGE_QUERIES] == [1] * 7  # one per kind
+    assert [normal(r, "MANY.") for r in together] == [normal(r, "ONE.") for r in one_by_one]
+    assert [normal(r, "ONE.") for r in one_by_one] == [
+        "True", "False", "1", "None", "None", "True", "True", "False",
+        (2, "claim-ok-job", S.SUBMITTED, 0, True), "None", "None", "True", "False",
+        "saved", "saved", "saved", "refused_fencing", "refused_order", "refused_order",
+        "None", "None", "None",
+    ]  # fmt: skip
+    single_rows, batch_rows = await rows(pool, "ONE."), await rows(pool, "MANY.")
+    for table in TABLES:
+        assert batch_rows[table] == single_rows[table], table
+    # what was written, checked once in the clear: the transition events and outbox rows of the saves
+    outbox = [(r[0], r[1], r[3]) for r in batch_rows["outbox"] if r[2] in ("save-succ", "save-failed")]
+    assert outbox == [
+        ("transition:save-failed:1:accepted", "transitions", "None"),
+        ("transition:save-failed:2:submitting", "transitions", "None"),
+        ("transition:save-failed:3:submitted", "transitions", "None"),
+        ("transition:save-failed:4:failed", "transitions", "None"),
+        ("transition:save-succ:1:accepted", "transitions", "None"),
+        ("transition:save-succ:2:submitting", "transitions", "None"),
+        ("transition:save-succ:3:submitted", "transitions", "None"),
+        ("output:save-succ:o1", "outputs_delivered", "o1"),
+        ("output:save-succ:o2", "outputs_delivered", "o2"),
+        ("transition:save-succ:4:succeeded", "transitions", "None"),
+    ]
+    assert [r[:3] for r in batch_rows["refunds"]] == [["rf", "save-failed-job", str({"id": "rf", "amount": "0.5",
+                                                       "currency": "USD"})]]  # fmt: skip
+    assert [r[2] for r in batch_rows["remote_jobs"] if r[1] in ("acct", "acct-unknown")] == ["post_2xx"]
+
+
+async def test_n_concurrent_saves_cost_one_round_trip_instead_of_n(pool: asyncpg.Pool, logged: Logged) -> None:
+    setup = Ledger(pool, "w", batching=False)
+    ops = [f"op-{i:02d}" for i in range(24)]
+    fencing = {op: await observed(setup, op) for op in ops}
+    batched = Ledger(logged.pool, "w")
+    before = await logged.sent("save_observation")
+    outcomes = await asyncio.gather(
+        *(batched.save_observation(op, fencing[op], succeeded(f"{op}-job", op), None) for op in ops)
+    )
+    assert outcomes == [SaveOutcome.SAVED] * len(ops)
+    assert await logged.sent("save_observation") - before == 1  # against 24 statements one by one
+    assert await pool.fetchval("SELECT count(*) FROM outputs") == 2 * len(ops)
+    assert await pool.fetchval("SELECT count(*) FROM outbox WHERE topic_role = 'outputs_delivered'") == 2 * len(ops)
+
+    unbatched = Ledger(logged.pool, "w", batching=False)
+    ops2 = [f"op2-{i:02d}" for i in range(24)]
+    fencing = {op: await observed(setup, op) for op in ops2}
+    before = await logged.sent("save_observation")
+    await asyncio.gather(
+        *(unbatched.save_observation(op, fencing[op], succeeded(f"{op}-job", op), None) for op in ops2)
+    )
+    assert await logged.sent("save_observation") - before == len(ops2)
+
+
+async def test_a_value_postgres_refuses_fails_only_its_own_request(pool: asyncpg.Pool, logged: Logged) -> None:
+    setup = Ledger(pool, "w", batching=False)
+    ops = ["op-a", "op-b", "op-nul", "op-c"]
+    fencing = {op: await observed(setup, op) for op in ops}
+    nul_output = [{"id": "o1", "text": "a\x00b"}]  # jsonb cannot hold \u0000
+    nul = JobSnapshot("op-nul-job", "succeeded", S.SUCCEEDED, outputs=nul_output, completed_at_ms=1)
+    snapshots = {op: succeeded(f"{op}-job", op) for op in ops} | {"op-nul": nul}
+    batched = Ledger(logged.pool, "w")
+    before = await logged.sent("save_observation")
+    fallbacks = REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", {"stage": "save_observation"}) or 0
+    results = await asyncio.gather(
+        *(batched.save_observation(op, fencing[op], snapshots[op], None) for op in ops), return_exceptions=True
+    )
+    assert results[:2] == [SaveOutcome.SAVED] * 2 and results[3] == SaveOutcome.SAVED
+    assert isinstance(results[2], LedgerDataError) and "op-nul" in str(results[2])
+    assert await logged.sent("save_observation") - before == 1 + len(ops)  # the batch, then one by one
+    assert REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", {"stage": "save_observation"}) == (
+        fallbacks + 1
+    )
+    states = dict(await pool.fetch("SELECT operation_id, state::text FROM operations"))
+    assert states == {"op-a": "succeeded", "op-b": "succeeded", "op-nul": "submitted", "op-c": "succeeded"}
+    assert await pool.fetchval("SELECT count(*) FROM outputs WHERE operation_id = 'op-nul'") == 0
+    # the observer then records the answer as failed ("unstorable_response"): that save goes through alone
+    unstorable = JobSnapshot("op-nul-job", "failed", S.FAILED, error={"code": "unstorable_response", "message": "x"})
+    assert await batched.save_observation("op-nul", fencing["op-nul"], unstorable, None) is SaveOutcome.SAVED
+
+
+async def test_two_requests_for_one_operation_in_a_batch_act_as_if_made_one_after_the_other(
+    pool: asyncpg.Pool, logged: Logged
+) -> None:
+    """Two tasks handling one operation (a poll event read twice): their claims and saves may share a batch; each
+    sees the fencing value and state order as if its statement ran after the other's."""
+    setup = Ledger(pool, "w", batching=False)
+    await submitted(setup, "op-twice")
+    poll_claim_id = (await polled(setup, ["op-twice"]))["op-twice"]
+    batched = Ledger(logged.pool, "w")
+    before = await logged.sent("claim_observe")
+    first, second = await asyncio.gather(
+        batched.claim_for_observe("op-twice", poll_claim_id), batched.claim_for_observe("op-twice", poll_claim_id)
+    )
+    assert first is not None and second is not None
+    assert (first.fencing_token, second.fencing_token) == (2, 3)  # two claims: two fencing values, in order
+    assert await logged.sent("claim_observe") - before == 2
+    job = "op-twice-job"
+    outcomes = await asyncio.gather(
+        batched.save_observation("op-twice", first.fencing_token, succeeded(job, "x"), None),
+        batched.save_observation("op-twice", second.fencing_token, JobSnapshot(job, "running", S.RUNNING), 9.0),
+        batched.save_observation("op-twice", second.fencing_token, succeeded(job, "x"), None),
+        batched.save_observation("op-twice", second.fencing_token, succeeded(job, "x"), None),
+    )
+    assert outcomes == [
+        SaveOutcome.REFUSED_FENCING,
+        SaveOutcome.SAVED,
+        SaveOutcome.SAVED,
+        SaveOutcome.REFUSED_ORDER,  # a repeat of succeeded writes nothing
+    ]
+    transitions = await pool.fetch("SELECT seq, to_state::text FROM transitions WHERE operation_id = 'op-twice'")
+    assert [tuple(t) for t in transitions] == [
+        (1, "accepted"), (2, "submitting"), (3, "submitted"), (4, "running"), (5, "succeeded")
+    ]  # fmt: skip
+    assert await pool.fetchval("SELECT count(*) FROM outbox WHERE operation_id = 'op-twice'") == 7
+
+
+async def lock_waiters(pool: asyncpg.Pool) -> int:
+    """Backends of the test database waiting for a lock."""
+    return int(
+        await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+    )
+
+
+async def wait_for_lock_waiters(pool: asyncpg.Pool, n: int) -> None:
+    for _ in range(400):
+        if await lock_waiters(pool) >= n:
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"{n} statements never waited for a lock")
+
+
+@pytest.mark.parametrize("stage", ["claim_observe", "save_observation"])
+async def test_two_batches_locking_the_same_operations_in_opposite_orders_do_not_deadlock(
+    pool: asyncpg.Pool, migrated: Settings, stage: str
+) -> None:
+    """Both statements sent as given (not through the ledger, which sorts them too), while a third transaction
+    holds both rows; once it commits, both go through: rows are locked in operation id order."""
+    setup = Ledger(pool, "w", batching=False)
+    ops = ["op-a", "op-b"]
+    fencing = {op: await observed(setup, op) for op in ops}
+    poll_claim_id = 1
+    running = '{"status": "running"}'
+
+    def arrays(order: list[str]) -> list[Any]:
+        if stage == "claim_observe":
+            return [order, [poll_claim_id] * 2, "w"]
+        n = len(order)
+        return [order, [fencing[o] for o in order], ["running"] * n, [running] * n, [9.0] * n, [None] * n,
+                [None] * n, ["{submitted,queued,running}"] * n, ["[]"] * n, "w"]  # fmt: skip
+
+    url = migrated.database_url.get_secret_value()
+    holder, first, second = [await asyncpg.connect(url) for _ in range(3)]
+    for conn in (first, second):
+        await _init_connection(conn)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT 1 FROM operations WHERE operation_id = ANY($1) FOR UPDATE", ops)
+        query = STAGE_QUERIES[stage]
+        one = asyncio.ensure_future(first.fetch(query, *arrays(["op-a", "op-b"])))
+        two = asyncio.ensure_future(second.fetch(query, *arrays(["op-b", "op-a"])))
+        await wait_for_lock_waiters(pool, 2)
+        await tx.commit()
+        results = await asyncio.wait_for(asyncio.gather(one, two), timeout=30)  # a deadlock would raise here
+    finally:
+        for conn in (holder, first, second):
+            await conn.close()
+    assert [len(r) for r in results] == [2, 2]
+    tokens = dict(await pool.fetch("SELECT operation_id, fencing_token FROM operations"))
+    assert tokens == ({op: fencing[op] + 2 for op in ops} if stage == "claim_observe" else fencing)
+
+
+async def test_a_batch_chosen_as_deadlock_victim_runs_again_and_its_callers_get_their_results(
+    pool: asyncpg.Pool, migrated: Settings
+) -> None:
+    """A deadlock with a statement of another kind (here a transaction locking the rows in the other order):
+    PostgreSQL rolls the batch back, the ledger runs it again, no caller sees an error."""
+    setup = Ledger(pool, "w", batching=False)
+    await submitted(setup, "op-a")
+    await submitted(setup, "op-b")
+    pc = await polled(setup, ["op-a", "op-b"])
+    labels = {"stage": "claim_observe", "sqlstate": "40P01"}
+    conflicts = REGISTRY.get_sample_value("streams_ledger_conflicts_total", labels) or 0.0
+    batched = Ledger(pool, "w")
+    holder = await asyncpg.connect(migrated.database_url.get_secret_value())
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SET LOCAL deadlock_timeout = '20s'")  # the batch's check runs first: it is the victim
+        await holder.execute("SELECT 1 FROM operations WHERE operation_id = 'op-b' FOR UPDATE")
+        claims = asyncio.ensure_future(
+            asyncio.gather(*(batched.claim_for_observe(op, pc[op]) for op in ("op-b", "op-a")))
+        )
+        await wait_for_lock_waiters(pool, 1)  # the batch holds op-a and waits for op-b
+        await holder.execute("SELECT 1 FROM operations WHERE operation_id = 'op-a' FOR UPDATE")  # the cycle
+        await tx.commit()
+        b, a = await asyncio.wait_for(claims, timeout=30)
+    finally:
+        await holder.close()
+    assert a is not None and b is not None and (a.fencing_token, b.fencing_token) == (2, 2)
+    assert REGISTRY.get_sample_value("streams_ledger_conflicts_total", labels) == conflicts + 1

@@ -1,0 +1,111 @@
+"""The ledger's batching rules, on statements stubbed in Python: how a batch is split into statements, a batch
+refused for one request's values, an outage in the middle, and statements PostgreSQL rolls back (deadlock).
+The same rules against the real PostgreSQL: tests/integration/test_ledger_batches.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+import asyncpg
+import pytest
+from prometheus_client import REGISTRY
+
+from streams import ledger as ledger_module
+from streams.errors import LedgerDataError, LedgerUnavailableError
+from streams.ledger import Ledger, Request, _rounds
+
+
+def test_rounds_put_each_operation_once_per_statement_in_the_order_requests_were_made() -> None:
+    requests = [("b", 1), ("a", 1), ("b", 2), ("c", 1), ("b", 3), ("a", 2)]
+    assert _rounds(requests, distinct=True) == [[1, 0, 3], [5, 2], [4]]  # positions, sorted by operation id
+    assert _rounds(requests, distinct=False) == [[1, 5, 0, 2, 4, 3]]
+    assert _rounds([], distinct=True) == []
+
+
+class Statements:
+    """A stub statement: records each call's operation ids; ``bad`` ids make a batch holding them fail as
+    PostgreSQL would refuse a value; ``down_after`` calls, it raises an outage; ``rollbacks`` calls raise
+    DeadlockDetectedError first."""
+
+    def __init__(self, bad: Iterable[str] = (), down_after: int | None = None, rollbacks: int = 0) -> None:
+        self.calls: list[list[str]] = []
+        self.bad = set(bad)
+        self.down_after = down_after
+        self.rollbacks = rollbacks
+
+    async def __call__(self, batch: list[Request]) -> list[Any]:
+        self.calls.append([r[0] for r in batch])
+        if self.down_after is not None and len(self.calls) > self.down_after:
+            raise ConnectionRefusedError("connection refused")  # an outage, as _guard classifies it
+        if self.rollbacks:
+            self.rollbacks -= 1
+            raise asyncpg.DeadlockDetectedError("deadlock detected")
+        if self.bad & {r[0] for r in batch}:
+            raise asyncpg.UntranslatableCharacterError("unsupported Unicode escape sequence")
+        return [f"{r[0]}#{r[1]}" for r in batch]
+
+
+def ledger() -> Ledger:
+    return Ledger(None, "w")  # type: ignore[arg-type]  # the stubbed statements never use the pool
+
+
+async def test_a_batch_refused_for_one_request_is_run_one_by_one_and_only_that_request_fails() -> None:
+    stmt = Statements(bad={"b"})
+    before = REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", {"stage": "t1"}) or 0.0
+    results = await ledger()._flush("t1", stmt, True, [("c", 1), ("b", 1), ("a", 1)])
+    assert results[0] == "c#1" and results[2] == "a#1"
+    assert isinstance(results[1], LedgerDataError) and "UntranslatableCharacterError" in str(results[1])
+    assert stmt.calls == [["a", "b", "c"], ["a"], ["b"], ["c"]]
+    assert REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", {"stage": "t1"}) == before + 1
+
+
+async def test_an_outage_fails_the_statement_it_hit_and_the_later_ones_not_the_earlier_ones() -> None:
+    stmt = Statements(down_after=1)
+    results = await ledger()._flush("t2", stmt, True, [("a", 1), ("a", 2), ("b", 1), ("a", 3)])
+    assert results[0] == "a#1" and results[2] == "b#1"  # the first statement was written: its results stand
+    assert all(isinstance(r, LedgerUnavailableError) for r in (results[1], results[3]))
+    assert stmt.calls == [["a", "b"], ["a"]]  # the third statement is not sent while PostgreSQL is down
+
+
+async def test_a_statement_rolled_back_as_a_deadlock_victim_runs_again_and_callers_see_nothing() -> None:
+    stmt = Statements(rollbacks=2)
+    labels = {"stage": "t3", "sqlstate": "40P01"}
+    before = REGISTRY.get_sample_value("streams_ledger_conflicts_total", labels) or 0.0
+    assert await ledger()._flush("t3", stmt, True, [("a", 1), ("b", 1)]) == ["a#1", "b#1"]
+    assert stmt.calls == [["a", "b"]] * 3
+    assert REGISTRY.get_sample_value("streams_ledger_conflicts_total", labels) == before + 2
+
+
+async def test_a_statement_that_keeps_being_rolled_back_becomes_unavailable_which_callers_wait_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ledger_module, "CONFLICT_ATTEMPTS", 3)
+    stmt = Statements(rollbacks=3)
+    results = await ledger()._flush("t4", stmt, True, [("a", 1)])
+    assert isinstance(results[0], LedgerUnavailableError) and "rolled back 3 times" in str(results[0])
+    assert len(stmt.calls) == 3
+
+
+async def test_concurrent_callers_share_a_statement_and_get_their_own_results() -> None:
+    led = ledger()
+    stmt = Statements(bad={"x"})
+    led._stage("t5", stmt)
+    results = await asyncio.gather(
+        *(led._submit("t5", (op, n)) for op, n in [("b", 1), ("x", 1), ("a", 1), ("b", 2)]), return_exceptions=True
+    )
+    assert results[0] == "b#1" and results[2] == "a#1" and results[3] == "b#2"
+    assert isinstance(results[1], LedgerDataError)
+    # one batch: first statement a, b, x (refused, then one by one), second statement the repeat of b
+    assert stmt.calls == [["a", "b", "x"], ["a"], ["b"], ["x"], ["b"]]
+
+
+async def test_without_batching_each_call_is_its_own_statement_and_raises_its_own_error() -> None:
+    led = Ledger(None, "w", batching=False)  # type: ignore[arg-type]
+    stmt = Statements(bad={"x"})
+    led._stage("t6", stmt)
+    assert await led._submit("t6", ("a", 1)) == "a#1"
+    with pytest.raises(LedgerDataError):
+        await led._submit("t6", ("x", 1))
+    assert stmt.calls == [["a"], ["x"]]
