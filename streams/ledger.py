@@ -21,6 +21,10 @@ caller still gets exactly the result its own statement would have given:
   caller unless it keeps failing (then :class:`LedgerUnavailableError`, which callers wait out);
 * a batch PostgreSQL refuses for one request's values (:class:`LedgerDataError`, e.g. a NUL in an output) is
   run again one statement per request, so only that request fails (``streams_ledger_batch_fallbacks_total``);
+* a batch waits at most :data:`BATCH_LOCK_TIMEOUT` for a lock another transaction holds (an operator's
+  command, a test holding a row): past it, nothing is written and each of its callers runs its request alone,
+  waiting as long as it takes, so one held row never holds up the other operations (nor this kind's next
+  batches);
 * PostgreSQL unavailable fails the requests of that statement (and of its later statements) with
   :class:`LedgerUnavailableError`; the callers wait it out and send them again.
 """
@@ -63,11 +67,24 @@ BATCH_IN_FLIGHT = 1
 #: (SQLSTATE class 40: nothing was written; running it again is safe). Past them: LedgerUnavailableError.
 CONFLICT_ATTEMPTS = 8
 
+#: How long a batched statement waits for a lock held by another transaction (PostgreSQL ``lock_timeout``, set
+#: for that statement only) before its requests are run one by one, each waiting as long as it takes (``"0"``).
+BATCH_LOCK_TIMEOUT = "100ms"
+WAIT_FOR_LOCKS = "0"
+
 #: One request of a batched statement: its parameters, the operation id first.
 Request = tuple[Any, ...]
 
-#: Runs one batched statement for distinct operations: requests -> one result per request, same order.
-Statement = Callable[[list[Request]], Awaitable[list[Any]]]
+#: Runs one batched statement for distinct operations: (requests, lock_timeout) -> one result per request, in the
+#: same order.
+Statement = Callable[[list[Request], str], Awaitable[list[Any]]]
+
+
+class _RunAlone:
+    """A batch's answer to a request whose statement waited too long for a lock: its caller runs it alone."""
+
+
+RUN_ALONE = _RunAlone()
 
 
 @contextlib.asynccontextmanager
@@ -249,7 +266,7 @@ class Ledger:
 
     def _stage(self, name: str, statement: Statement, *, distinct: bool = True) -> None:
         async def flush(requests: list[Request]) -> list[Any]:
-            return await self._flush(name, statement, distinct, requests)
+            return await self._flush(name, statement, distinct, requests, BATCH_LOCK_TIMEOUT)
 
         coalescer: Coalescer[Request, Any] = Coalescer(
             f"ledger_{name}", flush, max_batch=BATCH_MAX, max_in_flight=BATCH_IN_FLIGHT
@@ -257,61 +274,76 @@ class Ledger:
         self._stages[name] = (statement, distinct, coalescer)
 
     async def _submit(self, name: str, request: Request) -> Any:
-        """One request of the stage ``name``: batched with the other tasks' (or alone without batching)."""
+        """One request of the stage ``name``: batched with the other tasks' (or alone without batching, or when
+        its batch waited too long for a lock).
+
+        Raises:
+            LedgerDataError, LedgerUnavailableError: as the request's own statement would.
+        """
         statement, distinct, coalescer = self._stages[name]
         if self.batching:
-            return await coalescer.submit(request)
-        (result,) = await self._flush(name, statement, distinct, [request])
+            result = await coalescer.submit(request)
+            if result is not RUN_ALONE:
+                return result
+        (result,) = await self._flush(name, statement, distinct, [request], WAIT_FOR_LOCKS)
         if isinstance(result, BaseException):
             raise result
         return result
 
-    async def _flush(self, name: str, statement: Statement, distinct: bool, requests: list[Request]) -> list[Any]:
-        """Run ``requests`` as few statements as the rules allow (module docstring); one result or exception per
-        request, in order."""
+    async def _flush(
+        self, name: str, statement: Statement, distinct: bool, requests: list[Request], lock_timeout: str
+    ) -> list[Any]:
+        """Run ``requests`` as few statements as the rules allow (module docstring); one result, exception or
+        :data:`RUN_ALONE` per request, in order."""
         results: list[Any] = [None] * len(requests)
         rounds = _rounds(requests, distinct)
         for n, positions in enumerate(rounds):
             batch = [requests[i] for i in positions]
             try:
-                out = await self._run(name, statement, batch)
+                out = await self._run(name, statement, batch, lock_timeout)
             except LedgerDataError as exc:
-                out = await self._one_by_one(name, statement, batch) if len(batch) > 1 else [exc]
-            except LedgerUnavailableError as exc:  # this statement and the later ones are not sent
+                out = await self._one_by_one(name, statement, batch, lock_timeout) if len(batch) > 1 else [exc]
+            except (LedgerUnavailableError, asyncpg.LockNotAvailableError) as exc:  # not sent: this one and later
+                if isinstance(exc, asyncpg.LockNotAvailableError):
+                    metrics.LEDGER_BATCH_FALLBACKS.labels(name, "lock_wait").inc()
+                    log.info("%s: a batch waited more than %s for a lock; its requests run alone", name, lock_timeout)
                 for later in rounds[n:]:
                     for i in later:
-                        results[i] = exc
+                        results[i] = exc if isinstance(exc, LedgerUnavailableError) else RUN_ALONE
                 return results
             for i, result in zip(positions, out, strict=True):
                 results[i] = result
         return results
 
-    async def _one_by_one(self, name: str, statement: Statement, batch: list[Request]) -> list[Any]:
+    async def _one_by_one(self, name: str, statement: Statement, batch: list[Request], lock_timeout: str) -> list[Any]:
         """PostgreSQL refused a batch for some request's values: each request alone, so only it fails."""
-        metrics.LEDGER_BATCH_FALLBACKS.labels(name).inc()
+        metrics.LEDGER_BATCH_FALLBACKS.labels(name, "refused_value").inc()
         out: list[Any] = []
         for k, request in enumerate(batch):
             try:
-                out.extend(await self._run(name, statement, [request]))
+                out.extend(await self._run(name, statement, [request], lock_timeout))
             except LedgerDataError as exc:
                 out.append(exc)
+            except asyncpg.LockNotAvailableError:
+                out.append(RUN_ALONE)
             except LedgerUnavailableError as exc:
                 out.extend([exc] * (len(batch) - k))
                 break
         return out
 
-    async def _run(self, name: str, statement: Statement, batch: list[Request]) -> list[Any]:
+    async def _run(self, name: str, statement: Statement, batch: list[Request], lock_timeout: str) -> list[Any]:
         """One statement; run again when PostgreSQL rolled it back as a deadlock victim or serialization failure.
 
         Raises:
             LedgerDataError: PostgreSQL refused a value. LedgerUnavailableError: it did not answer, or the
-                statement kept being rolled back (:data:`CONFLICT_ATTEMPTS`).
+                statement kept being rolled back (:data:`CONFLICT_ATTEMPTS`). asyncpg.LockNotAvailableError: it
+                waited ``lock_timeout`` for a lock (nothing written).
         """
         what = f"{name} of {batch[0][0]}" if len(batch) == 1 else f"{name} of {len(batch)} operations"
         for attempt in range(1, CONFLICT_ATTEMPTS + 1):
             try:
                 async with _guard(what):
-                    return await statement(batch)
+                    return await statement(batch, lock_timeout)
             except asyncpg.TransactionRollbackError as exc:  # class 40: rolled back, nothing written
                 metrics.LEDGER_CONFLICTS.labels(name, exc.sqlstate).inc()
                 if attempt == CONFLICT_ATTEMPTS:
@@ -340,8 +372,8 @@ class Ledger:
         inserted: bool = await self._submit("accept", (operation_id, request_text, submitted_at_ms, source_text))
         return inserted
 
-    async def _accept_many(self, batch: list[Request]) -> list[Any]:
-        rows = await self.pool.fetch(Q.accept_operation, *_columns(batch, 4), self.worker)
+    async def _accept_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
+        rows = await self.pool.fetch(Q.accept_operation, *_columns(batch, 4), self.worker, lock_timeout)
         inserted = {row["operation_id"] for row in rows}
         return [request[0] in inserted for request in batch]
 
@@ -353,8 +385,8 @@ class Ledger:
         fencing: int | None = await self._submit("claim_submit", (operation_id,))
         return fencing
 
-    async def _claim_submit_many(self, batch: list[Request]) -> list[Any]:
-        rows = await self.pool.fetch(Q.claim_for_submit, *_columns(batch, 1), self.worker)
+    async def _claim_submit_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
+        rows = await self.pool.fetch(Q.claim_for_submit, *_columns(batch, 1), self.worker, lock_timeout)
         return [None if row is None else row["fencing_token"] for row in _by_position(rows, len(batch))]
 
     async def save_submitted(
@@ -366,8 +398,8 @@ class Ledger:
         )
         return saved
 
-    async def _save_submitted_many(self, batch: list[Request]) -> list[Any]:
-        rows = await self.pool.fetch(Q.save_submitted, *_columns(batch, 5), self.worker)
+    async def _save_submitted_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
+        rows = await self.pool.fetch(Q.save_submitted, *_columns(batch, 5), self.worker, lock_timeout)
         return [row is not None for row in _by_position(rows, len(batch))]
 
     async def save_submission_without_job(
@@ -420,8 +452,8 @@ class Ledger:
         claim: ObserveClaim | None = await self._submit("claim_observe", (operation_id, poll_claim_id))
         return claim
 
-    async def _claim_observe_many(self, batch: list[Request]) -> list[Any]:
-        rows = await self.pool.fetch(Q.claim_for_observe, *_columns(batch, 2), self.worker)
+    async def _claim_observe_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
+        rows = await self.pool.fetch(Q.claim_for_observe, *_columns(batch, 2), self.worker, lock_timeout)
         return [
             None
             if row is None
@@ -440,8 +472,8 @@ class Ledger:
         rescheduled: bool = await self._submit("reschedule_poll", (operation_id, poll_claim_id, delay_s))
         return rescheduled
 
-    async def _reschedule_many(self, batch: list[Request]) -> list[Any]:
-        rows = await self.pool.fetch(Q.reschedule_poll, *_columns(batch, 3))
+    async def _reschedule_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
+        rows = await self.pool.fetch(Q.reschedule_poll, *_columns(batch, 3), lock_timeout)
         return [row is not None for row in _by_position(rows, len(batch))]
 
     async def save_observation(
@@ -472,8 +504,8 @@ class Ledger:
         outcome: SaveOutcome = await self._submit("save_observation", request)
         return outcome
 
-    async def _save_observation_many(self, batch: list[Request]) -> list[Any]:
-        rows = await self.pool.fetch(Q.save_observation, *_columns(batch, 9), self.worker)
+    async def _save_observation_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
+        rows = await self.pool.fetch(Q.save_observation, *_columns(batch, 9), self.worker, lock_timeout)
         outcomes: list[Any] = []
         for request, row in zip(batch, _by_position(rows, len(batch)), strict=True):
             assert row is not None  # one row per request
@@ -621,8 +653,8 @@ class Ledger:
             (operation_id, method, status_code, str(outcome), remote_job_id, duration_ms, fencing_token),
         )
 
-    async def _record_calls_many(self, batch: list[Request]) -> list[Any]:
-        await self.pool.execute(Q.record_remote_call, *_columns(batch, 7), self.worker)
+    async def _record_calls_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
+        await self.pool.execute(Q.record_remote_call, *_columns(batch, 7), self.worker, lock_timeout)
         return [None] * len(batch)
 
     async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:

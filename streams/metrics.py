@@ -52,8 +52,9 @@ LEDGER_CONFLICTS = Counter(
 )
 LEDGER_BATCH_FALLBACKS = Counter(
     "streams_ledger_batch_fallbacks_total",
-    "Batched ledger statements refused for some request's values, then run one statement per request.",
-    ["stage"],
+    "Batched ledger statements run again one statement per request: refused for some request's values"
+    " (refused_value), or waited too long for a lock another transaction held (lock_wait).",
+    ["stage", "reason"],
 )
 REMOTE_CALLS = Counter("streams_remote_calls_total", "Remote API calls by classified outcome.", ["method", "outcome"])
 BATCH_SIZE = Histogram(

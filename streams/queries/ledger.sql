@@ -10,30 +10,33 @@
 -- parallel arrays read by unnest ... WITH ORDINALITY, so "i" is a request's position (from 1). The same
 -- operation appears at most once per statement (the ledger sends a repeat in a later statement). Rows of
 -- operations are locked first, in operation_id order (the "locked" step), so two batches over the same
--- operations, in whatever order they were given, never wait on each other in a cycle. A JSON value travels
--- as JSON text (text[]) and is cast in the statement.
+-- operations, in whatever order they were given, never wait on each other in a cycle. The last parameter,
+-- lock_timeout, bounds how long the statement waits for a lock held by another transaction (set for this
+-- statement only: a batch gives up rather than hold up every request in it; '0' waits as long as it takes). A
+-- JSON value travels as JSON text (text[]) and is cast in the statement.
 
 -- name: accept_operation
 -- Batched: insert new operations in state 'accepted' (idempotent: a replayed submission inserts nothing).
 -- $1 operation_ids (text[], distinct), $2 requests (JSON texts, stored as they are), $3 submitted_at_ms
--- (bigint[]), $4 sources (JSON texts or NULLs), $5 worker. Returns operation_id, fencing_token of the rows
--- newly inserted (inserted in operation_id order).
+-- (bigint[]), $4 sources (JSON texts or NULLs), $5 worker, $6 lock_timeout. Returns operation_id, fencing_token of
+-- the rows newly inserted (inserted in operation_id order).
 INSERT INTO operations (operation_id, request, submitted_at_ms, source, updated_by)
 SELECT r.operation_id, r.request::json, r.submitted_at_ms, r.source::json, $5
 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS r(operation_id, request, submitted_at_ms, source)
+WHERE (SELECT set_config('lock_timeout', $6, true)) IS NOT NULL
 ORDER BY r.operation_id
 ON CONFLICT (operation_id) DO NOTHING
 RETURNING operation_id, fencing_token;
 
 -- name: claim_for_submit
 -- Batched: the dispatcher's claim: accepted -> submitting, written before the POST, with a new fencing value.
--- $1 operation_ids (text[], distinct), $2 worker. Returns i, fencing_token per claimed request; none for an
--- operation past 'accepted' (or unknown).
+-- $1 operation_ids (text[], distinct), $2 worker, $3 lock_timeout. Returns i, fencing_token per claimed request;
+-- none for an operation past 'accepted' (or unknown).
 WITH req AS (
     SELECT * FROM unnest($1::text[]) WITH ORDINALITY AS r(operation_id, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id FROM operations
-    WHERE operation_id = ANY($1::text[])
+    WHERE operation_id = ANY($1::text[]) AND (SELECT set_config('lock_timeout', $3, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
 )
@@ -49,13 +52,14 @@ RETURNING req.i, o.fencing_token;
 -- already.
 -- $1 operation_ids (text[], distinct), $2 fencing_tokens (bigint[]), $3 remote_job_ids (text[]), $4 first poll
 -- delays (s, float8[]), $5 reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
--- $6 worker. Returns i per saved request; none when the fencing value is stale or a job id is already saved.
+-- $6 worker, $7 lock_timeout. Returns i per saved request; none when the fencing value is stale or a job id is
+-- already saved.
 WITH req AS (
     SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::float8[], $5::text[])
         WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, reason, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id FROM operations
-    WHERE operation_id = ANY($1::text[])
+    WHERE operation_id = ANY($1::text[]) AND (SELECT set_config('lock_timeout', $7, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
 ), saved AS (
@@ -130,15 +134,15 @@ WHERE operation_id = $1;
 
 -- name: claim_for_observe
 -- Batched: the observer's claim for one poll, taken after the Redis lease: a new fencing value.
--- $1 operation_ids (text[], distinct), $2 poll_claim_ids of the poll events (bigint[]), $3 worker. Returns i,
--- fencing_token, remote_job_id, state, poll_count, observed_for_s (since the observation began: job id saved or
--- repolled) per claimed request; none when the poll is stale (re-claimed since), the operation is no longer
+-- $1 operation_ids (text[], distinct), $2 poll_claim_ids of the poll events (bigint[]), $3 worker, $4 lock_timeout.
+-- Returns i, fencing_token, remote_job_id, state, poll_count, observed_for_s (since the observation began: job id
+-- saved or repolled) per claimed request; none when the poll is stale (re-claimed since), the operation is no longer
 -- pollable, or it does not exist.
 WITH req AS (
     SELECT * FROM unnest($1::text[], $2::bigint[]) WITH ORDINALITY AS r(operation_id, poll_claim_id, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id FROM operations
-    WHERE operation_id = ANY($1::text[])
+    WHERE operation_id = ANY($1::text[]) AND (SELECT set_config('lock_timeout', $4, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
 )
@@ -153,14 +157,14 @@ RETURNING req.i, o.fencing_token, o.remote_job_id, o.state::text AS state, o.pol
 
 -- name: reschedule_poll
 -- Batched: move claimed polls to now + their delay (lease busy, GET failed, state order refused a save).
--- $1 operation_ids (text[], distinct), $2 poll_claim_ids (bigint[]), $3 delays (s, float8[]). Returns i per
--- rescheduled request; none when the claim is stale or the job no longer pollable.
+-- $1 operation_ids (text[], distinct), $2 poll_claim_ids (bigint[]), $3 delays (s, float8[]), $4 lock_timeout.
+-- Returns i per rescheduled request; none when the claim is stale or the job no longer pollable.
 WITH req AS (
     SELECT * FROM unnest($1::text[], $2::bigint[], $3::float8[]) WITH ORDINALITY AS r(operation_id, poll_claim_id,
                                                                                          delay_s, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id FROM operations
-    WHERE operation_id = ANY($1::text[])
+    WHERE operation_id = ANY($1::text[]) AND (SELECT set_config('lock_timeout', $4, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
 )
@@ -182,7 +186,7 @@ RETURNING req.i;
 -- (JSON texts with "status", "charge", "refund"), $5 next poll delays (s, float8[], NULL when terminal),
 -- $6 remote completion times (epoch ms, bigint[], NULL unless terminal), $7 reasons (text[]), $8 states each new
 -- state may be saved over (operation_state[] literals, text[]), $9 outputs (JSON texts of arrays of
--- {output_id, position, payload}), $10 worker. Returns one row per request: i, saved (boolean), and
+-- {output_id, position, payload}), $10 worker, $11 lock_timeout. Returns one row per request: i, saved (boolean), and
 -- fencing_token: the operation's fencing value when its row was locked (NULL when the operation does not
 -- exist), which tells a stale fencing value from a refusal by the state order.
 WITH req AS (
@@ -195,7 +199,7 @@ WITH req AS (
                              sources, outputs, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id, fencing_token FROM operations
-    WHERE operation_id = ANY($1::text[])
+    WHERE operation_id = ANY($1::text[]) AND (SELECT set_config('lock_timeout', $11, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
 ), saved AS (
@@ -340,10 +344,11 @@ RETURNING o.state::text AS state, o.unknown_status_count;
 -- Batched accounting: one row per remote call attempt. A POST that reported a job id (outcome 'created' or
 -- 'created_via_502') also gives the job its accounting record, even if the id is never saved on the operation.
 -- $1 operation_ids (text[]; may repeat), $2 methods (text[]), $3 status_codes (integer[]), $4 outcomes (text[]),
--- $5 remote_job_ids (text[]), $6 durations (ms, float8[]), $7 fencing_tokens (bigint[]), $8 worker.
+-- $5 remote_job_ids (text[]), $6 durations (ms, float8[]), $7 fencing_tokens (bigint[]), $8 worker, $9 lock_timeout.
 WITH req AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::integer[], $4::text[], $5::text[], $6::float8[], $7::bigint[])
         WITH ORDINALITY AS r(operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, i)
+    WHERE (SELECT set_config('lock_timeout', $9, true)) IS NOT NULL
 ), call AS (
     INSERT INTO remote_calls (operation_id, method, status_code, outcome, remote_job_id, duration_ms,
                               fencing_token, worker)
@@ -352,8 +357,8 @@ WITH req AS (
     ORDER BY i
 )
 INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
-SELECT req.remote_job_id, req.operation_id, CASE WHEN req.outcome = 'created_via_502' THEN 'post_502' ELSE 'post_2xx' END,
-       $8
+SELECT req.remote_job_id, req.operation_id,
+       CASE WHEN req.outcome = 'created_via_502' THEN 'post_502' ELSE 'post_2xx' END, $8
 FROM req
 WHERE req.method = 'POST' AND req.remote_job_id IS NOT NULL AND req.outcome IN ('created', 'created_via_502')
   AND EXISTS (SELECT 1 FROM operations WHERE operation_id = req.operation_id)

@@ -14,10 +14,11 @@ import asyncpg
 import pytest
 from prometheus_client import REGISTRY
 
+from streams import ledger as ledger_module
 from streams.codes import RemoteCallOutcome as Outcome
 from streams.config import Settings
 from streams.errors import LedgerDataError
-from streams.ledger import Ledger, ObserveClaim, SaveOutcome, _init_connection
+from streams.ledger import WAIT_FOR_LOCKS, Ledger, ObserveClaim, SaveOutcome, _init_connection
 from streams.remote import JobSnapshot
 from streams.sql import LEDGER as Q
 from streams.states import OperationState as S
@@ -282,16 +283,15 @@ async def test_a_value_postgres_refuses_fails_only_its_own_request(pool: asyncpg
     snapshots = {op: succeeded(f"{op}-job", op) for op in ops} | {"op-nul": nul}
     batched = Ledger(logged.pool, "w")
     before = await logged.sent("save_observation")
-    fallbacks = REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", {"stage": "save_observation"}) or 0
+    labels = {"stage": "save_observation", "reason": "refused_value"}
+    fallbacks = REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", labels) or 0.0
     results = await asyncio.gather(
         *(batched.save_observation(op, fencing[op], snapshots[op], None) for op in ops), return_exceptions=True
     )
     assert results[:2] == [SaveOutcome.SAVED] * 2 and results[3] == SaveOutcome.SAVED
     assert isinstance(results[2], LedgerDataError) and "op-nul" in str(results[2])
     assert await logged.sent("save_observation") - before == 1 + len(ops)  # the batch, then one by one
-    assert REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", {"stage": "save_observation"}) == (
-        fallbacks + 1
-    )
+    assert REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", labels) == fallbacks + 1
     states = dict(await pool.fetch("SELECT operation_id, state::text FROM operations"))
     assert states == {"op-a": "succeeded", "op-b": "succeeded", "op-nul": "submitted", "op-c": "succeeded"}
     assert await pool.fetchval("SELECT count(*) FROM outputs WHERE operation_id = 'op-nul'") == 0
@@ -367,10 +367,10 @@ async def test_two_batches_locking_the_same_operations_in_opposite_orders_do_not
 
     def arrays(order: list[str]) -> list[Any]:
         if stage == "claim_observe":
-            return [order, [poll_claim_id] * 2, "w"]
+            return [order, [poll_claim_id] * 2, "w", "0"]
         n = len(order)
         return [order, [fencing[o] for o in order], ["running"] * n, [running] * n, [9.0] * n, [None] * n,
-                [None] * n, ["{submitted,queued,running}"] * n, ["[]"] * n, "w"]  # fmt: skip
+                [None] * n, ["{submitted,queued,running}"] * n, ["[]"] * n, "w", "0"]  # fmt: skip
 
     url = migrated.database_url.get_secret_value()
     holder, first, second = [await asyncpg.connect(url) for _ in range(3)]
@@ -395,10 +395,13 @@ async def test_two_batches_locking_the_same_operations_in_opposite_orders_do_not
 
 
 async def test_a_batch_chosen_as_deadlock_victim_runs_again_and_its_callers_get_their_results(
-    pool: asyncpg.Pool, migrated: Settings
+    pool: asyncpg.Pool, migrated: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A deadlock with a statement of another kind (here a transaction locking the rows in the other order):
-    PostgreSQL rolls the batch back, the ledger runs it again, no caller sees an error."""
+    PostgreSQL rolls the batch back, the ledger runs it again, no caller sees an error. (A batch's lock timeout
+    is shorter than PostgreSQL's deadlock_timeout, so a batch gives up waiting before any deadlock is detected;
+    it is lifted here so that the deadlock happens.)"""
+    monkeypatch.setattr(ledger_module, "BATCH_LOCK_TIMEOUT", WAIT_FOR_LOCKS)
     setup = Ledger(pool, "w", batching=False)
     await submitted(setup, "op-a")
     await submitted(setup, "op-b")
@@ -423,3 +426,40 @@ async def test_a_batch_chosen_as_deadlock_victim_runs_again_and_its_callers_get_
         await holder.close()
     assert a is not None and b is not None and (a.fencing_token, b.fencing_token) == (2, 2)
     assert REGISTRY.get_sample_value("streams_ledger_conflicts_total", labels) == conflicts + 1
+
+
+async def test_a_row_held_by_another_transaction_holds_up_only_its_own_request(
+    pool: asyncpg.Pool, logged: Logged, migrated: Settings
+) -> None:
+    """A batch meeting a lock held elsewhere gives up after its lock timeout; the other requests are written at
+    once, the held one waits alone, and later batches of the kind go through meanwhile. The same for an
+    operation id whose INSERT by another transaction is not committed yet."""
+    setup = Ledger(pool, "w", batching=False)
+    await submitted(setup, "op-a")
+    await submitted(setup, "op-held")
+    await submitted(setup, "op-b")
+    await submitted(setup, "op-later")
+    pc = await polled(setup, ["op-a", "op-held", "op-b", "op-later"])
+    batched = Ledger(logged.pool, "w")
+    holder = await asyncpg.connect(migrated.database_url.get_secret_value())
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT 1 FROM operations WHERE operation_id = 'op-held' FOR UPDATE")
+        await holder.execute(
+            "INSERT INTO operations (operation_id, request, updated_by) VALUES ('op-new-held', '{}', 'holder')"
+        )
+        held = asyncio.ensure_future(batched.claim_for_observe("op-held", pc["op-held"]))
+        new_held = asyncio.ensure_future(batched.accept("op-new-held", REQUEST, submitted_at_ms=1))
+        others = asyncio.gather(*(batched.claim_for_observe(op, pc[op]) for op in ("op-a", "op-b")))
+        a, b = await asyncio.wait_for(others, timeout=20)  # not held up by op-held
+        assert a is not None and b is not None
+        assert await asyncio.wait_for(batched.accept("op-new", REQUEST, submitted_at_ms=1), timeout=20)
+        assert await asyncio.wait_for(batched.claim_for_observe("op-later", pc["op-later"]), timeout=20) is not None
+        assert not held.done() and not new_held.done()
+        await tx.rollback()
+        claim = await asyncio.wait_for(held, timeout=30)
+        assert claim is not None and claim.fencing_token == 2
+        assert await asyncio.wait_for(new_held, timeout=30) is True  # the other INSERT was rolled back
+    finally:
+        await holder.close()

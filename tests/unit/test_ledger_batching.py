@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 
 from streams import ledger as ledger_module
 from streams.errors import LedgerDataError, LedgerUnavailableError
-from streams.ledger import Ledger, Request, _rounds
+from streams.ledger import RUN_ALONE, WAIT_FOR_LOCKS, Ledger, Request, _rounds
 
 
 def test_rounds_put_each_operation_once_per_statement_in_the_order_requests_were_made() -> None:
@@ -26,17 +26,28 @@ def test_rounds_put_each_operation_once_per_statement_in_the_order_requests_were
 
 class Statements:
     """A stub statement: records each call's operation ids; ``bad`` ids make a batch holding them fail as
-    PostgreSQL would refuse a value; ``down_after`` calls, it raises an outage; ``rollbacks`` calls raise
-    DeadlockDetectedError first."""
+    PostgreSQL would refuse a value; ``held`` ids are locked by another transaction (a statement with a lock
+    timeout holding one gives up; without, it waits until ``released``); ``down_after`` calls, it raises an
+    outage; ``rollbacks`` calls raise DeadlockDetectedError first."""
 
-    def __init__(self, bad: Iterable[str] = (), down_after: int | None = None, rollbacks: int = 0) -> None:
+    def __init__(
+        self, bad: Iterable[str] = (), held: Iterable[str] = (), down_after: int | None = None, rollbacks: int = 0
+    ) -> None:
         self.calls: list[list[str]] = []
+        self.lock_timeouts: list[str] = []
         self.bad = set(bad)
+        self.held = set(held)
+        self.released = asyncio.Event()
         self.down_after = down_after
         self.rollbacks = rollbacks
 
-    async def __call__(self, batch: list[Request]) -> list[Any]:
+    async def __call__(self, batch: list[Request], lock_timeout: str) -> list[Any]:
         self.calls.append([r[0] for r in batch])
+        self.lock_timeouts.append(lock_timeout)
+        if self.held & {r[0] for r in batch}:
+            if lock_timeout != WAIT_FOR_LOCKS:
+                raise asyncpg.LockNotAvailableError("canceling statement due to lock timeout")
+            await self.released.wait()
         if self.down_after is not None and len(self.calls) > self.down_after:
             raise ConnectionRefusedError("connection refused")  # an outage, as _guard classifies it
         if self.rollbacks:
@@ -53,17 +64,18 @@ def ledger() -> Ledger:
 
 async def test_a_batch_refused_for_one_request_is_run_one_by_one_and_only_that_request_fails() -> None:
     stmt = Statements(bad={"b"})
-    before = REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", {"stage": "t1"}) or 0.0
-    results = await ledger()._flush("t1", stmt, True, [("c", 1), ("b", 1), ("a", 1)])
+    labels = {"stage": "t1", "reason": "refused_value"}
+    before = REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", labels) or 0.0
+    results = await ledger()._flush("t1", stmt, True, [("c", 1), ("b", 1), ("a", 1)], "100ms")
     assert results[0] == "c#1" and results[2] == "a#1"
     assert isinstance(results[1], LedgerDataError) and "UntranslatableCharacterError" in str(results[1])
     assert stmt.calls == [["a", "b", "c"], ["a"], ["b"], ["c"]]
-    assert REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", {"stage": "t1"}) == before + 1
+    assert REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", labels) == before + 1
 
 
 async def test_an_outage_fails_the_statement_it_hit_and_the_later_ones_not_the_earlier_ones() -> None:
     stmt = Statements(down_after=1)
-    results = await ledger()._flush("t2", stmt, True, [("a", 1), ("a", 2), ("b", 1), ("a", 3)])
+    results = await ledger()._flush("t2", stmt, True, [("a", 1), ("a", 2), ("b", 1), ("a", 3)], "100ms")
     assert results[0] == "a#1" and results[2] == "b#1"  # the first statement was written: its results stand
     assert all(isinstance(r, LedgerUnavailableError) for r in (results[1], results[3]))
     assert stmt.calls == [["a", "b"], ["a"]]  # the third statement is not sent while PostgreSQL is down
@@ -73,7 +85,7 @@ async def test_a_statement_rolled_back_as_a_deadlock_victim_runs_again_and_calle
     stmt = Statements(rollbacks=2)
     labels = {"stage": "t3", "sqlstate": "40P01"}
     before = REGISTRY.get_sample_value("streams_ledger_conflicts_total", labels) or 0.0
-    assert await ledger()._flush("t3", stmt, True, [("a", 1), ("b", 1)]) == ["a#1", "b#1"]
+    assert await ledger()._flush("t3", stmt, True, [("a", 1), ("b", 1)], "100ms") == ["a#1", "b#1"]
     assert stmt.calls == [["a", "b"]] * 3
     assert REGISTRY.get_sample_value("streams_ledger_conflicts_total", labels) == before + 2
 
@@ -83,7 +95,7 @@ async def test_a_statement_that_keeps_being_rolled_back_becomes_unavailable_whic
 ) -> None:
     monkeypatch.setattr(ledger_module, "CONFLICT_ATTEMPTS", 3)
     stmt = Statements(rollbacks=3)
-    results = await ledger()._flush("t4", stmt, True, [("a", 1)])
+    results = await ledger()._flush("t4", stmt, True, [("a", 1)], "100ms")
     assert isinstance(results[0], LedgerUnavailableError) and "rolled back 3 times" in str(results[0])
     assert len(stmt.calls) == 3
 
@@ -101,11 +113,33 @@ async def test_concurrent_callers_share_a_statement_and_get_their_own_results() 
     assert stmt.calls == [["a", "b", "x"], ["a"], ["b"], ["x"], ["b"]]
 
 
+async def test_a_batch_that_waits_too_long_for_a_lock_lets_each_request_run_alone() -> None:
+    """One request's row is locked elsewhere: its batch gives up, every caller runs its request alone; the others
+    finish at once and the next batches of the kind go out, while the held one waits for its lock alone."""
+    led = ledger()
+    stmt = Statements(held={"h"})
+    led._stage("t6", stmt)
+    labels = {"stage": "t6", "reason": "lock_wait"}
+    before = REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", labels) or 0.0
+    held = asyncio.ensure_future(led._submit("t6", ("h", 1)))
+    first = await asyncio.gather(led._submit("t6", ("a", 1)), led._submit("t6", ("b", 1)))
+    assert first == ["a#1", "b#1"]
+    assert await led._submit("t6", ("c", 1)) == "c#1"  # a later batch of the same kind is not held up
+    assert not held.done()
+    stmt.released.set()
+    assert await held == "h#1"
+    assert stmt.calls[0] == ["a", "b", "h"] and stmt.lock_timeouts[0] == "100ms"
+    assert sorted(stmt.calls[1:4]) == [["a"], ["b"], ["h"]] and set(stmt.lock_timeouts[1:4]) == {WAIT_FOR_LOCKS}
+    assert REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", labels) == before + 1
+    results = await ledger()._flush("t6", Statements(held={"h"}), True, [("h", 1), ("h", 2), ("a", 1)], "100ms")
+    assert results == [RUN_ALONE] * 3
+
+
 async def test_without_batching_each_call_is_its_own_statement_and_raises_its_own_error() -> None:
     led = Ledger(None, "w", batching=False)  # type: ignore[arg-type]
     stmt = Statements(bad={"x"})
-    led._stage("t6", stmt)
-    assert await led._submit("t6", ("a", 1)) == "a#1"
+    led._stage("t7", stmt)
+    assert await led._submit("t7", ("a", 1)) == "a#1"
     with pytest.raises(LedgerDataError):
-        await led._submit("t6", ("x", 1))
-    assert stmt.calls == [["a"], ["x"]]
+        await led._submit("t7", ("x", 1))
+    assert stmt.calls == [["a"], ["x"]] and stmt.lock_timeouts == [WAIT_FOR_LOCKS] * 2
