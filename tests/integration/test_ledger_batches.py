@@ -15,11 +15,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from streams import ledger as ledger_module
+from streams.answers import JobSnapshot
 from streams.codes import RemoteCallOutcome as Outcome
 from streams.config import Settings
 from streams.errors import LedgerDataError
 from streams.ledger import WAIT_FOR_LOCKS, Ledger, ObserveClaim, SaveOutcome, _init_connection
-from streams.remote import JobSnapshot
 from streams.sql import LEDGER as Q
 from streams.states import OperationState as S
 
