@@ -97,17 +97,22 @@ class Coalescer(Generic[Req, Res]):
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._scheduled and self._in_flight < self.max_in_flight:
             self._scheduled = True
-            loop.call_soon(self._start)  # the tasks already ready in this pass join the batch first
-
-    def _start(self) -> None:
-        self._scheduled = False
-        while self._queue and self._in_flight < self.max_in_flight:
-            batch = self._queue[: self.max_batch]
-            del self._queue[: self.max_batch]
-            self._in_flight += 1
-            task = asyncio.ensure_future(self._run(batch))
+            # The batch's task takes the queue on its first step, in the loop's next pass: the tasks already ready
+            # in this pass join the batch first, and the flush starts in that same step (no further pass).
+            task = loop.create_task(self._start())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _start(self) -> None:
+        self._scheduled = False
+        if not self._queue or self._in_flight >= self.max_in_flight:  # every caller went away meanwhile
+            return
+        batch = self._queue[: self.max_batch]
+        del self._queue[: self.max_batch]
+        self._in_flight += 1
+        if self._queue:  # more than one batch's worth: the next one goes out too, as far as max_in_flight allows
+            self._schedule(asyncio.get_running_loop())
+        await self._run(batch)
 
     async def _run(self, batch: list[_Pending[Req, Res]]) -> None:
         self._batch_size.observe(len(batch))

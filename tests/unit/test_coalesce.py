@@ -130,3 +130,17 @@ async def test_a_caller_cancelled_on_the_wire_does_not_stop_its_batch() -> None:
     assert await stays == 40
     await c.drain()
     assert rec.batches == [[2, 4]]
+
+
+async def test_a_request_made_while_nothing_is_in_flight_is_flushed_in_the_next_pass_of_the_loop() -> None:
+    """One pass to let the tasks already ready join, none more: the batch's task takes the queue and starts the
+    flush in the same step (each extra pass costs every request of a busy worker one turn of its event loop)."""
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush)
+    first = asyncio.ensure_future(c.submit(2))
+    joins = asyncio.ensure_future(c.submit(4))
+    await asyncio.sleep(0)  # both submit
+    assert rec.batches == []
+    await asyncio.sleep(0)  # the next pass: both in one batch, flushed
+    assert rec.batches == [[2, 4]]
+    assert await asyncio.gather(first, joins) == [20, 40]
