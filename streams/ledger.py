@@ -1,16 +1,16 @@
 """The PostgreSQL ledger: operations, fenced transitions, outputs, outbox and remote-call accounting.
 
-Every method is one statement (one round trip, atomic), except the relay's batch. Writes of observations are
-*fenced*: they name the fencing value the worker got when it claimed the operation and touch zero rows if a
-newer claim happened since (seed: "Fence durable state changes separately"). The state order is enforced
-twice: by the ``WHERE`` clause of each query (``states.can_transition``) and by the ``operations_guard``
-trigger; the ``operations_log_transition`` trigger writes the transition log and its outbox event.
+Every method is one statement (atomic), except the relay's batch. Writes of observations are *fenced*: they name
+the fencing value the worker got when it claimed the operation and touch zero rows if a newer claim happened since
+(seed: "Fence durable state changes separately"). The state order is enforced twice: by the ``WHERE`` clause of
+each query (``states.can_transition``) and by the ``operations_guard`` trigger; the ``operations_log_transition``
+trigger writes the transition log and its outbox event.
 
-Batching (group commit, :mod:`streams.coalesce`): the statements every operation makes on the hot path (accept,
-the dispatcher's claim and job-id save, the observer's claim, save and reschedule, the accounting of remote
-calls) are coalesced across this worker's concurrent tasks: the requests made while the previous batch of the
-same kind is on the wire go out as one statement over parallel arrays (``streams/queries/ledger.sql``). Each
-caller still gets exactly the result its own statement would have given:
+Batching (group commit, :mod:`streams.coalesce`; README "How it keeps its promises"): the statements every
+operation makes on the hot path (accept, the dispatcher's claim and job-id save, the observer's claim, save and
+reschedule, the accounting of remote calls) are coalesced across this worker's concurrent tasks: the requests made
+while the previous batch of the same kind is on the wire go out as one statement over parallel arrays
+(``streams/queries/ledger.sql``). Each caller still gets exactly the result its own statement would have given:
 
 * an operation appears at most once per statement; a second request for it (two tasks handling one
   operation) goes in a later statement, in the order the requests were made;
