@@ -38,17 +38,34 @@ async def retry_without_deadline(
     Raises:
         whatever ``fn`` raises outside ``retry_on`` (at once); ``CancelledError`` when cancelled.
     """
-    try:
-        return await fn()  # the fast path: no retry machinery unless the first attempt failed
-    except retry_on as exc:
-        pending = [exc]
     retrying = tenacity.AsyncRetrying(
         retry=tenacity.retry_if_exception_type(retry_on),
         wait=wait,
         before_sleep=None if on_retry is None else lambda state: on_retry(_failure(state)),
         reraise=True,
     )
-    async for attempt in retrying:
+    return await first_attempt_plain(fn, retrying, retry_on)
+
+
+async def first_attempt_plain(
+    fn: Callable[[], Awaitable[T]],
+    retrying: tenacity.AsyncRetrying | Callable[[], tenacity.AsyncRetrying],
+    retry_on: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+) -> T:
+    """``fn()`` under ``retrying`` (a tenacity policy, or a function making one), with the first attempt made as
+    a plain call: the policy is built and entered only when that attempt raised one of ``retry_on``, and that
+    failure then counts as the policy's first attempt (its stop, wait and callbacks see it as tenacity alone
+    would). Anything else the first attempt raises propagates at once.
+
+    Raises:
+        whatever the policy finally raises (``reraise=True`` policies: ``fn``'s last exception).
+    """
+    try:
+        return await fn()  # the fast path: no retry machinery unless the first attempt failed
+    except retry_on as exc:
+        pending = [exc]
+    policy = retrying if isinstance(retrying, tenacity.AsyncRetrying) else retrying()
+    async for attempt in policy:
         with attempt:
             if pending:  # the first attempt's failure, as if tenacity had made that attempt
                 raise pending.pop()

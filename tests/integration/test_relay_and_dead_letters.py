@@ -159,11 +159,15 @@ async def test_unexpected_errors_are_retried_then_dead_lettered(runtime: Runtime
     await app.handle_with_retries(runtime, flaky, ok)
     assert len(calls) == 3
 
+    broken_calls: list[int] = []
+
     async def broken(message: RawMessage) -> None:
+        broken_calls.append(1)
         raise RuntimeError("always")
 
     bad = RawMessage(settings.topic("submissions"), 0, 2, f"bad-{tag}".encode(), b'{"x": 1}')
     await app.handle_with_retries(runtime, broken, bad)
+    assert len(broken_calls) == app.HANDLER_ATTEMPTS  # the plain first attempt counts as one of them
     letters = [
         r.value
         for r in await read_topic_to_end(settings, "dead_letter")
