@@ -11,6 +11,7 @@ password masked (:func:`mask_url`); code that needs the value asks for it (``.ge
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
@@ -312,10 +313,11 @@ class Settings(ExplicitSettings):
             )
         return self
 
-    @property
+    @functools.cached_property
     def topics(self) -> dict[str, str]:
         """Role -> full topic name (``submissions``, ``polls``, ``outputs_delivered``, ``transitions``,
-        ``dead_letter``), each with :attr:`topic_prefix`."""
+        ``dead_letter``), each with :attr:`topic_prefix` (computed once: settings are immutable; every event
+        published looks its topic up here)."""
         names = {
             "submissions": TOPIC_SUBMISSIONS,
             "polls": TOPIC_POLLS,
