@@ -17,7 +17,7 @@
     │                                      nothing was sent
     ├── LedgerError                  PostgreSQL ledger
     │   ├── LedgerUnavailableError         PostgreSQL did not answer: wait and retry, never skip the write
-    │   ├── LedgerDataError                PostgreSQL refused a value (class 22/23): retrying cannot help
+    │   ├── LedgerDataError                PostgreSQL refused a value (class 22/23/54): retrying cannot help
     │   ├── UnknownOperationError          an event or a command names an operation the ledger does not hold
     │   └── OperatorActionRefusedError     an operator's command does not apply (wrong state, bad job id)
     ├── KafkaAdminError              a Kafka admin call (topics, consumer groups) failed, or kept failing past its
@@ -140,8 +140,9 @@ class LedgerUnavailableError(LedgerError):
 
 
 class LedgerDataError(LedgerError):
-    """PostgreSQL refused the values of a write (data exception or integrity violation); nothing was written
-    and retrying the same write cannot succeed. The caller records the operation's outcome another way."""
+    """PostgreSQL refused the values of a write (data exception, integrity violation, or a value past a program
+    limit such as an index row); nothing was written and retrying the same write cannot succeed. The caller
+    records the operation's outcome another way."""
 
 
 class KafkaAdminError(StreamsError):

@@ -87,11 +87,18 @@ class _RunAlone:
 RUN_ALONE = _RunAlone()
 
 
+#: What PostgreSQL answers when it refuses a statement for the values it was given (nothing written; the same
+#: values always fail): class 22 (data exception: a NUL in a text, a number out of range), class 23 (integrity
+#: constraint violation) and class 54 (program limit exceeded: a value too large for an index row, e.g. an output
+#: id of a few kB, or for a jsonb). :class:`LedgerDataError`; a batch holding one is run again request by request.
+REFUSED_VALUES = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError, asyncpg.ProgramLimitExceededError)
+
+
 @contextlib.asynccontextmanager
 async def _guard(what: str) -> AsyncIterator[None]:
     try:
         yield
-    except (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError) as exc:
+    except REFUSED_VALUES as exc:
         raise LedgerDataError(f"PostgreSQL refused the values of {what}: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:
         if is_outage(exc):  # streams.failures: connection errors, shutdown, too many connections, timeouts

@@ -6,6 +6,7 @@ same operations in opposite orders, a deadlock, and the round trips saved."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,6 +299,30 @@ async def test_a_value_postgres_refuses_fails_only_its_own_request(pool: asyncpg
     # the observer then records the answer as failed ("unstorable_response"): that save goes through alone
     unstorable = JobSnapshot("op-nul-job", "failed", S.FAILED, error={"code": "unstorable_response", "message": "x"})
     assert await batched.save_observation("op-nul", fencing["op-nul"], unstorable, None) is SaveOutcome.SAVED
+
+
+async def test_a_value_postgres_cannot_index_fails_only_its_own_request(pool: asyncpg.Pool, logged: Logged) -> None:
+    """An output id too long for a btree index row (PostgreSQL refuses it with SQLSTATE 54000, "program limit
+    exceeded", not a class 22 or 23 error) beside good saves in one batch: only its own caller gets a
+    LedgerDataError (which the observer records as an unstorable answer); the others are saved."""
+    setup = Ledger(pool, "w", batching=False)
+    ops = ["op-a", "op-huge", "op-b"]
+    fencing = {op: await observed(setup, op) for op in ops}
+    huge_id = secrets.token_urlsafe(6000)  # random text: pglz cannot compress it under the ~2.7 kB limit
+    huge = JobSnapshot("op-huge-job", "succeeded", S.SUCCEEDED, outputs=[{"id": huge_id}], completed_at_ms=1)
+    snapshots = {op: succeeded(f"{op}-job", op) for op in ops} | {"op-huge": huge}
+    batched = Ledger(logged.pool, "w")
+    results = await asyncio.gather(
+        *(batched.save_observation(op, fencing[op], snapshots[op], None) for op in ops), return_exceptions=True
+    )
+    assert results[0] == SaveOutcome.SAVED and results[2] == SaveOutcome.SAVED, results
+    assert isinstance(results[1], LedgerDataError) and "op-huge" in str(results[1]), results[1]
+    assert "ProgramLimitExceededError" in str(results[1])
+    states = dict(await pool.fetch("SELECT operation_id, state::text FROM operations"))
+    assert states == {"op-a": "succeeded", "op-huge": "submitted", "op-b": "succeeded"}
+    # alone (without batching) the same: a LedgerDataError the observer handles, never a raw asyncpg error
+    with pytest.raises(LedgerDataError):
+        await Ledger(pool, "w", batching=False).save_observation("op-huge", fencing["op-huge"], huge, None)
 
 
 async def test_two_requests_for_one_operation_in_a_batch_act_as_if_made_one_after_the_other(
