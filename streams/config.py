@@ -424,7 +424,8 @@ BUDGET_KEY_SEGMENT = "budget"
 
 
 def budget_key(settings: Settings, kind: str, part: str) -> str:
-    """The Redis key of one part (``tat``: the budget's state, ``pause``: a 429's pause) of the rate budget of
+    """The Redis key of one part (``tat``: the budget's state, ``pause``: a 429's pause, ``refund:<id>``: one
+    refund given back, kept a minute so that it is given back once) of the rate budget of
     ``kind`` (``POST``, ``GET``, ``claims``) of the provider account :attr:`Settings.remote_account`.
 
     Shape: ``<prefix>:budget:{<account>}:<kind>:<part>``, e.g. ``app:budget:{default}:POST:tat``; the braces

@@ -3,7 +3,9 @@
 A lease only reduces duplicate work; it is never proof of anything. Durable truth and the fencing value
 live in PostgreSQL (:mod:`streams.ledger`).
 
-* Acquire: ``SET <key> <fresh random owner token> NX PX <ttl_ms>``; not getting it is normal (returns None).
+* Acquire: ``SET <key> <fresh random owner token> NX PX <ttl_ms> GET``; not getting it is normal (returns None).
+  ``GET`` answers the token the key held: our own when the command ran twice (its reply lost, sent again), so a
+  repeated acquisition is still ours.
 * Renew: Lua compare-and-``PEXPIRE``; a missing key is never re-created; a mismatch raises
   :class:`~streams.errors.LeaseLostError`.
 * Release: Lua compare-and-``DEL``; deleting unconditionally could remove a newer worker's lease.
@@ -123,7 +125,7 @@ def make_redis(
     The timeouts make a port that accepts but never answers look like an outage instead of a hang. A command
     whose pooled connection turns out closed (Redis restarted since it was last used: redis-py 8 does not check
     a pooled connection before reuse) is sent once more on a fresh connection; the lease commands are safe to
-    repeat (``SET NX`` then finds our own token and reports the lease busy; the scripts compare the token).
+    repeat (``SET NX ... GET`` then reads back our own token: acquired; the scripts compare the token).
     Timeouts are not repeated: a silent Redis is reported as unavailable after one socket timeout.
     """
     pool = WaitingConnectionPool.from_url(
@@ -333,13 +335,18 @@ class LeaseManager:
         ttl = self.ttl_ms if ttl_ms is None else ttl_ms
         token = secrets.token_hex(16)
         submitted = time.monotonic()
-        command = RedisCommand(("SET", key, token, "NX", "PX", ttl), f"lease {key!r} (acquire)", "acquire")
+        command = RedisCommand(
+            ("SET", key, token, "NX", "PX", ttl, "GET"), f"lease {key!r} (acquire)", "acquire", options={"get": True}
+        )
         try:
-            ok = await self.stage.execute(command)
+            held_by = await self.stage.execute(command)
         except CoordinationBusyError as exc:
             log.info("lease %s not tried: %s", key, exc)
             return None
-        return Lease(self, key, token, ttl, submitted) if ok else None
+        # None: the key was free and is ours now. Our own token: this command ran twice (its reply was lost and
+        # redis-py sent it again, make_redis) and its first run took the key; it is ours as well.
+        ours = held_by is None or held_by == token.encode()
+        return Lease(self, key, token, ttl, submitted) if ours else None
 
     async def healthy(self) -> bool:
         """True when Redis answers PING within the client's socket timeout. A pool with no free connection

@@ -36,6 +36,7 @@ import asyncio
 import logging
 import math
 import random
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -59,15 +60,22 @@ RESERVE_HORIZON_S = 1.0
 #: Redis at the same instant. After a pause none is added: the pace after it orders them.
 WAITER_JITTER_S = 0.1
 
+#: How long a refund's own key is kept (ms): longer than redis-py takes to send a pipeline again on a fresh
+#: connection (a socket timeout plus a connect timeout), so a repeated refund finds it.
+REFUND_MEMORY_MS = 60_000
+
 #: GCRA in one script. The contract:
 #:
 #: * KEYS[1]: the kind's state, its theoretical arrival time (TAT; integer microseconds on the Redis clock),
 #:   absent when idle; PX expiry when the TAT passes. KEYS[2]: the kind's pause (any value; PX = the pause).
+#:   KEYS[3] (``refund`` only): the refund's own key, set for :data:`REFUND_MEMORY_MS` by its first run, so the
+#:   same refund run again (its reply lost, redis-py sent its pipeline again) gives nothing back twice.
 #: * ARGV[1] op: ``take`` (ask for units), ``check`` (is the kind paused?), ``pause`` (after a 429),
 #:   ``refund`` (give units back). ARGV[2] emission interval in microseconds (1e6 / rate; 0 = no pacing).
 #:   ARGV[3] burst (>= 1). ARGV[4] count: units wanted (``take``) or given back (``refund``).
 #:   ARGV[5] horizon in microseconds (``take``: grant only units that may be sent within it). ARGV[6] pause in
-#:   milliseconds (``pause``; a pause never shortens one already set).
+#:   milliseconds (``pause``; a pause never shortens one already set). ARGV[7] (``refund``) how long KEYS[3]
+#:   is kept, in milliseconds.
 #: * Returns ``{granted, wait_us, paused, at_us}``. ``take``: ``granted`` units (0..count) with the first one's
 #:   send time ``wait_us`` from now (0 = now); or 0 and the time after which asking again can succeed. ``check``:
 #:   1 when not paused, else 0 and the pause's rest. ``pause``: 0 and the pause in force. ``refund``: count.
@@ -117,6 +125,9 @@ if op == 'pause' then
   return {0, pause_ms * 1000, 1, now + pause_ms * 1000}
 end
 if op == 'refund' then
+  if KEYS[3] and not redis.call('SET', KEYS[3], '1', 'NX', 'PX', tonumber(ARGV[7])) then
+    return {tonumber(ARGV[4]), 0, 0, now}
+  end
   if interval > 0 then
     store_tat(math.max(now, load_tat() - tonumber(ARGV[4]) * interval))
   end
@@ -249,8 +260,12 @@ class RateBudget:
             round(horizon_s * 1_000_000),
             math.ceil(pause_s * 1000),
         ]
+        keys = self._keys(kind)
+        if op == "refund":  # its own key: run twice, it gives back once (BUDGET_LUA)
+            keys.append(budget_key(self.settings, kind.value, f"refund:{secrets.token_hex(16)}"))
+            args.append(REFUND_MEMORY_MS)
         what = f"the {kind} rate budget of account {self.settings.remote_account!r}"
-        command = RedisCommand.script(self._script, self._keys(kind), args, what=what, busy_label="rate budget")
+        command = RedisCommand.script(self._script, keys, args, what=what, busy_label="rate budget")
         granted, wait_us, paused, at_us = await self.stage.execute(command)
         return Grant(int(granted), int(wait_us) / 1_000_000, bool(int(paused)), int(at_us))
 

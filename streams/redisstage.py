@@ -24,16 +24,19 @@ one more round trip. A flushed cache is therefore never read as "lost" or "held"
 (``tests/integration/test_redis_stage.py``).
 
 A command whose pooled connection turns out closed (Redis restarted since it was last used) is sent once more
-on a fresh connection with its whole batch (redis-py's retry, :func:`streams.lease.make_redis`); the commands
-sent here are safe to repeat (see there).
+on a fresh connection with its whole batch (redis-py's retry, :func:`streams.lease.make_redis`). The batch may
+have run already (the connection dropped after Redis ran it, before its replies were read), so every command
+sent here gives the same answer when run twice: an acquisition's ``SET NX ... GET`` reads back its own token,
+the renew and release scripts compare the token, a rate budget refund is given back once
+(``tests/integration/test_redis_stage.py``, a relay that cuts the replies).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -67,6 +70,9 @@ REDIS_MAX_IN_FLIGHT = 2
 #: A value Redis accepts as a command argument.
 Arg = str | bytes | int | float
 
+#: A command as put in a pipeline: its arguments and redis-py's options for parsing its reply.
+Sent = tuple[tuple[Arg, ...], Mapping[str, Any]]
+
 
 class LuaScript:
     """A Lua script sent by its SHA1 (``EVALSHA``); ``text`` is sent instead only after a ``NOSCRIPT``.
@@ -90,12 +96,15 @@ class RedisCommand:
         what: what the command is for, in error messages (``"lease 'app:observe:op-1'"``).
         busy_label: the ``action`` label of ``streams_redis_pool_busy_total`` when the pool was full.
         lua: the script an ``EVALSHA`` runs (its text is sent again after a ``NOSCRIPT``); None otherwise.
+        options: redis-py's options for parsing the reply (``{"get": True}``: a ``SET ... GET`` answers the old
+            value as it is, not as True/None).
     """
 
     args: tuple[Arg, ...]
     what: str
     busy_label: str
     lua: LuaScript | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def script(
@@ -155,7 +164,7 @@ class RedisStage:
 
     async def _flush(self, commands: list[RedisCommand]) -> list[Any]:
         try:
-            replies = await self._pipeline([c.args for c in commands])
+            replies = await self._pipeline([(c.args, c.options) for c in commands])
         except (*REDIS_UNAVAILABLE, REDIS_POOL_EXHAUSTED) as exc:
             return [_failure(c, exc) for c in commands]
         missing: dict[int, LuaScript] = {}
@@ -164,19 +173,19 @@ class RedisStage:
                 missing[i] = command.lua
         if missing:  # these did not run: load their scripts, send only them again (the others' replies stand)
             scripts = {lua.sha: lua for lua in missing.values()}
-            loads: list[tuple[Arg, ...]] = [("SCRIPT", "LOAD", lua.text) for lua in scripts.values()]
+            loads: list[Sent] = [(("SCRIPT", "LOAD", lua.text), {}) for lua in scripts.values()]
             try:
-                again = (await self._pipeline(loads + [commands[i].as_eval() for i in missing]))[len(loads) :]
+                again = (await self._pipeline(loads + [(commands[i].as_eval(), {}) for i in missing]))[len(loads) :]
             except (*REDIS_UNAVAILABLE, REDIS_POOL_EXHAUSTED) as exc:
                 again = [_failure(commands[i], exc) for i in missing]
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
 
-    async def _pipeline(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
+    async def _pipeline(self, commands: list[Sent]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
-        for args in commands:
-            pipe.execute_command(*args)
+        for args, options in commands:
+            pipe.execute_command(*args, **options)
         return list(await pipe.execute(raise_on_error=False))
 
 

@@ -299,3 +299,146 @@ async def test_releases_cancelled_on_the_wire_or_in_the_queue_still_complete(
     await wait_for(all_released, 5, "every cancelled release to complete")
     assert time.monotonic() - started < TTL_MS / 2000  # deleted by the releases, not expired
     await w.stage.drain()
+
+
+class ReplyCutter:
+    """A TCP relay to the private Redis that, once armed with ``marker``, lets the first request carrying it reach
+    Redis, throws its replies away once they come back (so the commands did run) and closes that client
+    connection: a network cut between Redis running a pipeline and the worker reading its replies. Every other
+    connection and request is relayed as is."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.marker: bytes | None = None
+        self.cut = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        cutting = asyncio.Event()
+
+        async def upward() -> None:
+            while data := await reader.read(65536):
+                if self.marker is not None and self.marker in data:
+                    self.marker = None
+                    cutting.set()
+                up_writer.write(data)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def downward() -> None:
+            while data := await up_reader.read(65536):
+                if cutting.is_set():  # Redis ran the request: its replies never reach the client
+                    self.cut += 1
+                    writer.transport.abort()
+                    up_writer.close()
+                    return
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        for coro in (upward(), downward()):
+            task = asyncio.ensure_future(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+
+@pytest.fixture
+async def cutter(private_redis: PrivateRedis) -> AsyncIterator[ReplyCutter]:
+    relay = ReplyCutter(private_redis.port)
+    await relay.start()
+    yield relay
+    await relay.stop()
+
+
+async def test_a_pipeline_whose_replies_are_lost_after_it_ran_is_not_run_twice(
+    cutter: ReplyCutter, probe: aioredis.Redis
+) -> None:
+    """The connection drops after Redis ran a batch and before its replies were read (a network cut, Redis
+    killed right after answering). redis-py's retry (:func:`streams.lease.make_redis`) sends the whole pipeline
+    again on a fresh connection. Safe for renewals and releases; not for the other commands:
+
+    * ``SET NX`` finds the key set by its own first run: the acquisition answers "busy" while the key holds its
+      own, now unknown, owner token (the job is kept from every worker, this one too, for a whole TTL);
+    * a rate budget refund gives the units back twice, so the next grants may exceed the pace (the window bound).
+    """
+    client = make_redis(cutter.url, 1.0, max_connections=8, pool_timeout_s=1.0)
+    stage = RedisStage(client)
+    leases = LeaseManager(client, TTL_MS, stage=stage)
+    budget = RateBudget(client, BUDGET_SETTINGS, stage=stage)
+    try:
+        warm = await leases.acquire("cut:warm-up")  # a pooled connection ready, scripts aside
+        assert warm is not None and await warm.release()
+
+        cutter.marker = b"cut:lease"
+        lease = await leases.acquire("cut:lease")
+        assert cutter.cut == 1
+        held_by = await probe.get("cut:lease")
+        assert held_by is not None and 0 < await probe.pttl("cut:lease") <= TTL_MS  # never without expiry
+        assert lease is not None and held_by == lease.token.encode(), "acquired, yet reported busy"
+
+        tat_key = budget_key(BUDGET_SETTINGS, "POST", "tat")
+        assert (await budget.take(BudgetKind.POST, count=5)).granted == 5  # the TAT: now + 5 x 100 ms
+        before = int(await probe.get(tat_key) or 0)
+        cutter.marker = b"refund"
+        await budget.refund(BudgetKind.POST, 2)
+        assert cutter.cut == 2
+        after = int(await probe.get(tat_key) or 0)
+        assert before - after == 2 * 100_000, f"refunded {(before - after) / 100_000:.0f} units for 2"
+    finally:
+        await stage.drain()
+        await client.aclose()
+
+
+async def test_lease_callers_cancelled_at_every_step_of_a_batch_leave_no_key_without_expiry(
+    wire: Callable[..., Wiring], private_redis: PrivateRedis, probe: aioredis.Redis
+) -> None:
+    """Acquisitions, renewals and releases (as a rebalance cancels agents) cancelled while queued or on the wire,
+    Redis silent meanwhile (SIGSTOP) and answering again: no caller hangs, the callers not cancelled each get an
+    answer, and every lease key left behind still has its expiry (PTTL in (0, TTL])."""
+    w = wire(socket_timeout_s=3.0, max_in_flight=1)
+    held = [await w.leases.acquire(f"storm:held:{i}") for i in range(30)]
+    leases = [lease for lease in held if lease is not None]
+    assert len(leases) == 30
+    private_redis.pause()
+    try:
+        calls: list[asyncio.Future[object]] = []
+        for i in range(30):
+            calls.append(asyncio.ensure_future(w.leases.acquire(f"storm:new:{i}")))
+            calls.append(asyncio.ensure_future(leases[i].renew() if i % 2 else leases[i].release()))
+
+        async def some_on_the_wire() -> bool:
+            return w.stage.in_flight == 1
+
+        await wait_for(some_on_the_wire, 5, "a batch on the wire")
+        for k, call in enumerate(calls):
+            if k % 3 == 0:  # on the wire (the first batch) or queued behind it
+                call.cancel()
+    finally:
+        private_redis.resume()
+    outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=15)
+    for k, outcome in enumerate(outcomes):
+        if k % 3 != 0:
+            assert not isinstance(outcome, BaseException), (k, outcome)
+    await w.stage.drain()
+    keys = [key async for key in probe.scan_iter("storm:*")]
+    assert keys, "some leases are left (the held ones renewed, acquisitions whose callers went away)"
+    for key in keys:
+        assert 0 < await probe.pttl(key) <= TTL_MS, key

@@ -144,3 +144,47 @@ async def test_a_request_made_while_nothing_is_in_flight_is_flushed_in_the_next_
     await asyncio.sleep(0)  # the next pass: both in one batch, flushed
     assert rec.batches == [[2, 4]]
     assert await asyncio.gather(first, joins) == [20, 40]
+
+
+async def test_a_burst_of_5000_requests_with_cancellations_stays_bounded_ordered_and_answered() -> None:
+    """5,000 requests at once, every third caller cancelled while it waits in the queue: every other request is
+    sent exactly once, in the order made (no request overtaken by later ones), in batches of at most
+    ``max_batch`` with at most ``max_in_flight`` on the wire, and each caller gets its own answer."""
+    on_wire = 0
+    most_on_wire = 0
+    batches: list[list[int]] = []
+    gate = asyncio.Event()
+
+    async def flush(requests: list[int]) -> list[int]:
+        nonlocal on_wire, most_on_wire
+        on_wire += 1
+        most_on_wire = max(most_on_wire, on_wire)
+        batches.append(list(requests))
+        await gate.wait()
+        await asyncio.sleep(0)
+        on_wire -= 1
+        return [r * 2 for r in requests]
+
+    c: Coalescer[int, int] = Coalescer("burst", flush, max_batch=256, max_in_flight=2)
+    started = asyncio.get_running_loop().time()
+    tasks = [asyncio.ensure_future(c.submit(i)) for i in range(5000)]
+    while len(batches) < 2:
+        await asyncio.sleep(0)
+    assert c.queued == 5000 - 2 * 256
+    cancelled = [i for i in range(2 * 256, 5000) if i % 3 == 0]
+    for i in cancelled:
+        tasks[i].cancel()
+    await asyncio.sleep(0)
+    assert c.queued == 5000 - 2 * 256 - len(cancelled)  # taken out of the queue, never sent
+    gate.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    elapsed = asyncio.get_running_loop().time() - started
+    sent = [r for batch in batches for r in batch]
+    expected = [i for i in range(5000) if i not in set(cancelled)]
+    assert sent == expected  # each once, in the order made
+    assert max(len(b) for b in batches) <= 256 and most_on_wire <= 2
+    assert len(batches) == -(-len(expected) // 256)
+    assert [results[i] for i in expected] == [i * 2 for i in expected]
+    assert all(isinstance(results[i], asyncio.CancelledError) for i in cancelled)
+    assert (c.queued, c.in_flight) == (0, 0)
+    assert elapsed < 5.0, f"5,000 requests took {elapsed:.2f} s"

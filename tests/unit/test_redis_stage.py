@@ -11,7 +11,7 @@ import redis.exceptions
 
 from streams.errors import CoordinationUnavailableError
 from streams.lease import RENEW_LUA
-from streams.redisstage import Arg, LuaScript, RedisCommand, RedisStage
+from streams.redisstage import LuaScript, RedisCommand, RedisStage, Sent
 
 
 class ResendRefused(RedisStage):
@@ -21,8 +21,8 @@ class ResendRefused(RedisStage):
         super().__init__(client)
         self.pipelines: list[list[str]] = []
 
-    async def _pipeline(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
-        self.pipelines.append([str(c[0]) for c in commands])
+    async def _pipeline(self, commands: list[Sent]) -> list[Any]:
+        self.pipelines.append([str(args[0]) for args, _ in commands])
         if len(self.pipelines) == 2:
             raise redis.exceptions.ConnectionError("Connection refused (the test's)")
         return await super()._pipeline(commands)
