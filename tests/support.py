@@ -162,3 +162,58 @@ async def kafka_tool(main_class: str, *args: str, stdin: bytes = b"", timeout_s:
         raise AssertionError(f"{main_class} ran past {timeout_s} s") from None
     assert proc.returncode == 0, f"{main_class} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}"
     return out.decode()
+
+
+class ReplyCutter:
+    """A TCP relay to a service on loopback ``upstream_port`` that, once armed with ``marker``, lets the first
+    request carrying it reach the service, throws its replies away once they come back (so the request did run)
+    and closes that client connection: a network cut between the service running a request and the client
+    reading its replies. Every other connection and request is relayed as is."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.marker: bytes | None = None
+        self.cut = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        cutting = asyncio.Event()
+
+        async def upward() -> None:
+            while data := await reader.read(65536):
+                if self.marker is not None and self.marker in data:
+                    self.marker = None
+                    cutting.set()
+                up_writer.write(data)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def downward() -> None:
+            while data := await up_reader.read(65536):
+                if cutting.is_set():  # Redis ran the request: its replies never reach the client
+                    self.cut += 1
+                    writer.transport.abort()
+                    up_writer.close()
+                    return
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        for coro in (upward(), downward()):
+            task = asyncio.ensure_future(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)

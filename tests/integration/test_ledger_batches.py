@@ -10,6 +10,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -19,10 +20,11 @@ from streams import ledger as ledger_module
 from streams.answers import JobSnapshot
 from streams.codes import RemoteCallOutcome as Outcome
 from streams.config import Settings
-from streams.errors import LedgerDataError
+from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.ledger import WAIT_FOR_LOCKS, Ledger, ObserveClaim, SaveOutcome, _init_connection
 from streams.sql import LEDGER as Q
 from streams.states import OperationState as S
+from tests.support import ReplyCutter
 
 pytestmark = pytest.mark.integration
 
@@ -488,3 +490,43 @@ async def test_a_row_held_by_another_transaction_holds_up_only_its_own_request(
         assert await asyncio.wait_for(new_held, timeout=30) is True  # the other INSERT was rolled back
     finally:
         await holder.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a claim is not idempotent: its commit whose reply was lost makes the repeat answer 'past accepted', so "
+    "the dispatcher never POSTs and the operation ends uncertain for a person; needs a claim id the repeat can "
+    "recognise (a schema change), left to the lead",
+)
+async def test_a_claim_whose_reply_was_lost_after_it_committed_is_still_its_callers(
+    pool: asyncpg.Pool, migrated: Settings
+) -> None:
+    """The connection drops after PostgreSQL committed a batch of claims and before their replies were read: every
+    caller gets LedgerUnavailableError and sends its claim again (``Runtime.until_ledger``). The repeat must give
+    the caller its claim (the fencing value written), not "already dispatched"."""
+    setup = Ledger(pool, "w", batching=False)
+    ops = ["op-cut-1", "op-cut-2"]
+    for op in ops:
+        assert await setup.accept(op, REQUEST, submitted_at_ms=1)
+    url = urlsplit(migrated.database_url.get_secret_value())
+    relay = ReplyCutter(url.port or 5432)
+    await relay.start()
+    relayed = await asyncpg.create_pool(
+        urlunsplit(url._replace(netloc=f"{url.username}:{url.password}@127.0.0.1:{relay.port}")),
+        min_size=1,
+        max_size=2,
+        init=_init_connection,
+    )
+    try:
+        batched = Ledger(relayed, "w")
+        relay.marker = b"op-cut-1"
+        first = await asyncio.gather(*(batched.claim_for_submit(op) for op in ops), return_exceptions=True)
+        assert relay.cut == 1
+        assert all(isinstance(r, LedgerUnavailableError) for r in first), first
+        states = dict(await pool.fetch("SELECT operation_id, state::text FROM operations"))
+        assert states == dict.fromkeys(ops, "submitting")  # committed before the cut
+        again = await asyncio.gather(*(batched.claim_for_submit(op) for op in ops))
+        assert again == [1, 1], "each caller's own claim, as written"
+    finally:
+        await relayed.close()
+        await relay.stop()

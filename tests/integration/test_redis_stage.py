@@ -25,7 +25,7 @@ from streams.lease import RELEASE_LUA, RENEW_LUA, Lease, LeaseManager, make_redi
 from streams.ratebudget import BUDGET_LUA, BudgetKind, Grant, RateBudget
 from streams.redisstage import REDIS_MAX_IN_FLIGHT, RedisStage
 from streams_harness.redis_server import PrivateRedis
-from tests.support import wait_for
+from tests.support import ReplyCutter, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -301,65 +301,6 @@ async def test_releases_cancelled_on_the_wire_or_in_the_queue_still_complete(
     await w.stage.drain()
 
 
-class ReplyCutter:
-    """A TCP relay to the private Redis that, once armed with ``marker``, lets the first request carrying it reach
-    Redis, throws its replies away once they come back (so the commands did run) and closes that client
-    connection: a network cut between Redis running a pipeline and the worker reading its replies. Every other
-    connection and request is relayed as is."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.marker: bytes | None = None
-        self.cut = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        cutting = asyncio.Event()
-
-        async def upward() -> None:
-            while data := await reader.read(65536):
-                if self.marker is not None and self.marker in data:
-                    self.marker = None
-                    cutting.set()
-                up_writer.write(data)
-                await up_writer.drain()
-            up_writer.close()
-
-        async def downward() -> None:
-            while data := await up_reader.read(65536):
-                if cutting.is_set():  # Redis ran the request: its replies never reach the client
-                    self.cut += 1
-                    writer.transport.abort()
-                    up_writer.close()
-                    return
-                writer.write(data)
-                await writer.drain()
-            writer.close()
-
-        for coro in (upward(), downward()):
-            task = asyncio.ensure_future(coro)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-
 @pytest.fixture
 async def cutter(private_redis: PrivateRedis) -> AsyncIterator[ReplyCutter]:
     relay = ReplyCutter(private_redis.port)
@@ -379,7 +320,7 @@ async def test_a_pipeline_whose_replies_are_lost_after_it_ran_is_not_run_twice(
       own, now unknown, owner token (the job is kept from every worker, this one too, for a whole TTL);
     * a rate budget refund gives the units back twice, so the next grants may exceed the pace (the window bound).
     """
-    client = make_redis(cutter.url, 1.0, max_connections=8, pool_timeout_s=1.0)
+    client = make_redis(f"redis://127.0.0.1:{cutter.port}/0", 1.0, max_connections=8, pool_timeout_s=1.0)
     stage = RedisStage(client)
     leases = LeaseManager(client, TTL_MS, stage=stage)
     budget = RateBudget(client, BUDGET_SETTINGS, stage=stage)
