@@ -74,6 +74,9 @@ POSTGRES_OUTAGE: tuple[type[BaseException], ...] = (
     asyncpg.InternalClientError,
     # class 53: too many connections, out of memory or disk; transient from a worker's point of view
     asyncpg.InsufficientResourcesError,
+    # 57014: the statement was cancelled (an operator's pg_cancel_backend, a statement_timeout): nothing was
+    # written and running it again is safe
+    asyncpg.QueryCanceledError,
 )
 REDIS_OUTAGE: tuple[type[BaseException], ...] = (
     CoordinationUnavailableError,

@@ -530,3 +530,40 @@ async def test_a_claim_whose_reply_was_lost_after_it_committed_is_still_its_call
     finally:
         await relayed.close()
         await relay.stop()
+
+
+async def test_a_batch_cancelled_by_postgresql_is_unavailable_to_its_callers_not_a_raw_error(
+    pool: asyncpg.Pool, logged: Logged, migrated: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's ``pg_cancel_backend`` (or a ``statement_timeout``) cancels a batched statement: nothing was
+    written and running it again is safe, so every caller of the batch gets LedgerUnavailableError, which it waits
+    out (``Runtime.until_ledger``), never asyncpg's QueryCanceledError (raised at once, the event's handling
+    dropped) for every operation that shared the statement."""
+    monkeypatch.setattr(ledger_module, "BATCH_LOCK_TIMEOUT", WAIT_FOR_LOCKS)  # the batch waits: time to cancel it
+    setup = Ledger(pool, "w", batching=False)
+    ops = ["op-a", "op-b", "op-held"]
+    for op in ops:
+        await submitted(setup, op)
+    pc = await polled(setup, ops)
+    batched = Ledger(logged.pool, "w")
+    holder = await asyncpg.connect(migrated.database_url.get_secret_value())
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT 1 FROM operations WHERE operation_id = 'op-held' FOR UPDATE")
+        claims = asyncio.ensure_future(
+            asyncio.gather(*(batched.claim_for_observe(op, pc[op]) for op in ops), return_exceptions=True)
+        )
+        await wait_for_lock_waiters(pool, 1)
+        cancelled = await pool.fetchval(
+            "SELECT count(pg_cancel_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        assert cancelled == 1
+        results = await asyncio.wait_for(claims, timeout=30)
+        await tx.rollback()
+    finally:
+        await holder.close()
+    assert [type(r) for r in results] == [LedgerUnavailableError] * 3, results
+    tokens = dict(await pool.fetch("SELECT operation_id, fencing_token FROM operations"))
+    assert tokens == dict.fromkeys(ops, 1)  # nothing written
