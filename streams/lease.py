@@ -309,6 +309,7 @@ class LeaseManager:
         self.reserve_s = reserve_s
         self._release = LuaScript(RELEASE_LUA)
         self._renew = LuaScript(RENEW_LUA)
+        self._unwanted: set[asyncio.Future[bool]] = set()  # releases of cancelled acquisitions, kept until done
 
     @classmethod
     def from_settings(
@@ -338,15 +339,32 @@ class LeaseManager:
         command = RedisCommand(
             ("SET", key, token, "NX", "PX", ttl, "GET"), f"lease {key!r} (acquire)", "acquire", options={"get": True}
         )
+        attempt = asyncio.ensure_future(self.stage.execute(command))
         try:
-            held_by = await self.stage.execute(command)
+            held_by = await asyncio.shield(attempt)
         except CoordinationBusyError as exc:
             log.info("lease %s not tried: %s", key, exc)
             return None
+        except asyncio.CancelledError:
+            # Cancelled (a rebalance) with the SET queued or on the wire: it still runs, and may take the key under a
+            # token no one knows. Once it answers, a key it took is released, or the job would be kept from every
+            # worker for a whole TTL.
+            attempt.add_done_callback(lambda done: self._release_unwanted(done, Lease(self, key, token, ttl)))
+            raise
         # None: the key was free and is ours now. Our own token: this command ran twice (its reply was lost and
         # redis-py sent it again, make_redis) and its first run took the key; it is ours as well.
         ours = held_by is None or held_by == token.encode()
         return Lease(self, key, token, ttl, submitted) if ours else None
+
+    def _release_unwanted(self, attempt: asyncio.Future[Any], lease: Lease) -> None:
+        """After an acquisition whose caller went away: release ``lease`` if its ``SET`` took the key."""
+        if attempt.cancelled() or attempt.exception() is not None:
+            return  # not sent, or Redis did not answer: a key taken meanwhile expires by its TTL
+        held_by = attempt.result()
+        if held_by is None or held_by == lease.token.encode():
+            task = asyncio.ensure_future(lease.release())
+            self._unwanted.add(task)
+            task.add_done_callback(self._unwanted.discard)
 
     async def healthy(self) -> bool:
         """True when Redis answers PING within the client's socket timeout. A pool with no free connection

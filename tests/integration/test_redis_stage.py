@@ -383,3 +383,37 @@ async def test_lease_callers_cancelled_at_every_step_of_a_batch_leave_no_key_wit
     assert keys, "some leases are left (the held ones renewed, acquisitions whose callers went away)"
     for key in keys:
         assert 0 < await probe.pttl(key) <= TTL_MS, key
+
+
+async def test_an_acquisition_cancelled_on_the_wire_does_not_keep_the_job_from_everyone_for_a_ttl(
+    wire: Callable[..., Wiring], private_redis: PrivateRedis, probe: aioredis.Redis
+) -> None:
+    """An agent cancelled (a rebalance) while its ``SET NX`` is on the wire: the command runs all the same, and
+    its owner token is known to no one. The key is released once its answer comes, so the next owner of the
+    partition can take the lease at once instead of waiting a whole TTL."""
+    w = wire(socket_timeout_s=5.0, max_in_flight=1)
+    warm = await w.leases.acquire("orphan:warm-up")
+    assert warm is not None and await warm.release()
+    private_redis.pause()
+    try:
+        acquiring = asyncio.ensure_future(w.leases.acquire("orphan:lease"))
+
+        async def on_the_wire() -> bool:
+            return w.stage.in_flight == 1
+
+        await wait_for(on_the_wire, 5, "the acquisition on the wire")
+        acquiring.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await acquiring
+    finally:
+        private_redis.resume()
+    started = time.monotonic()
+
+    async def free_again() -> bool:
+        return await probe.exists("orphan:lease") == 0
+
+    await wait_for(free_again, 5, "the cancelled acquisition's key released")
+    assert time.monotonic() - started < TTL_MS / 2000
+    other = LeaseManager(w.client, TTL_MS, stage=w.stage)
+    assert await other.acquire("orphan:lease") is not None
+    await w.stage.drain()
