@@ -5,7 +5,8 @@ live in PostgreSQL (:mod:`streams.ledger`).
 
 * Acquire: ``SET <key> <fresh random owner token> NX PX <ttl_ms> GET``; not getting it is normal (returns None).
   ``GET`` answers the token the key held: our own when the command ran twice (its reply lost, sent again), so a
-  repeated acquisition is still ours.
+  repeated acquisition is still ours. An acquisition whose caller is cancelled before it answers releases the key
+  if it took it (its owner token is known to no one else).
 * Renew: Lua compare-and-``PEXPIRE``; a missing key is never re-created; a mismatch raises
   :class:`~streams.errors.LeaseLostError`.
 * Release: Lua compare-and-``DEL``; deleting unconditionally could remove a newer worker's lease.

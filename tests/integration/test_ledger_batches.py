@@ -567,3 +567,41 @@ async def test_a_batch_cancelled_by_postgresql_is_unavailable_to_its_callers_not
     assert [type(r) for r in results] == [LedgerUnavailableError] * 3, results
     tokens = dict(await pool.fetch("SELECT operation_id, fencing_token FROM operations"))
     assert tokens == dict.fromkeys(ops, 1)  # nothing written
+
+
+async def test_a_caller_cancelled_while_it_runs_alone_after_a_lock_wait_leaves_nothing_behind(
+    pool: asyncpg.Pool, logged: Logged, migrated: Settings
+) -> None:
+    """A batch gave up on a held row and its caller runs the request alone, waiting for the lock; the caller is
+    cancelled (a rebalance): its statement is cancelled too (no backend left waiting), nothing is written once the
+    row is free, and the pool serves the next batches."""
+    setup = Ledger(pool, "w", batching=False)
+    await submitted(setup, "op-held")
+    await submitted(setup, "op-next")
+    pc = await polled(setup, ["op-held", "op-next"])
+    batched = Ledger(logged.pool, "w")
+    holder = await asyncpg.connect(migrated.database_url.get_secret_value())
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT 1 FROM operations WHERE operation_id = 'op-held' FOR UPDATE")
+        alone = asyncio.ensure_future(batched.claim_for_observe("op-held", pc["op-held"]))
+
+        await wait_for_lock_waiters(pool, 1)
+        await asyncio.sleep(0.3)  # past the batch's 100 ms lock timeout: the request now waits alone
+        assert await lock_waiters(pool) == 1 and not alone.done()
+        alone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await alone
+        for _ in range(200):
+            if await lock_waiters(pool) == 0:
+                break
+            await asyncio.sleep(0.025)
+        assert await lock_waiters(pool) == 0
+        await tx.commit()
+    finally:
+        await holder.close()
+    claim = await asyncio.wait_for(batched.claim_for_observe("op-next", pc["op-next"]), timeout=10)
+    assert claim is not None and claim.fencing_token == 2
+    tokens = dict(await pool.fetch("SELECT operation_id, fencing_token FROM operations"))
+    assert tokens == {"op-held": 1, "op-next": 2}  # the cancelled claim wrote nothing
