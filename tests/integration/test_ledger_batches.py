@@ -24,7 +24,7 @@ from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.ledger import WAIT_FOR_LOCKS, Ledger, ObserveClaim, SaveOutcome, _init_connection
 from streams.sql import LEDGER as Q
 from streams.states import OperationState as S
-from tests.support import ReplyCutter
+from tests.support import ReplyCutter, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -585,11 +585,16 @@ async def test_a_caller_cancelled_while_it_runs_alone_after_a_lock_wait_leaves_n
         tx = holder.transaction()
         await tx.start()
         await holder.execute("SELECT 1 FROM operations WHERE operation_id = 'op-held' FOR UPDATE")
+        labels = {"stage": "claim_observe", "reason": "lock_wait"}
+        fallbacks = REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", labels) or 0.0
         alone = asyncio.ensure_future(batched.claim_for_observe("op-held", pc["op-held"]))
 
-        await wait_for_lock_waiters(pool, 1)
-        await asyncio.sleep(0.3)  # past the batch's 100 ms lock timeout: the request now waits alone
-        assert await lock_waiters(pool) == 1 and not alone.done()
+        async def waiting_alone() -> bool:  # the batch gave up after its lock timeout; the request waits alone
+            gave_up = REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", labels) == fallbacks + 1
+            return gave_up and await lock_waiters(pool) == 1
+
+        await wait_for(waiting_alone, 10, "the request waiting alone for the held row")
+        assert not alone.done()
         alone.cancel()
         with pytest.raises(asyncio.CancelledError):
             await alone
