@@ -86,24 +86,47 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
         ) from exc
 
 
+#: The oldest Redis the leases work on: an acquisition is ``SET key token NX PX ttl GET`` (NX with GET: 7.0).
+MIN_REDIS_VERSION = (7, 0)
+
+
+def redis_version_refusal(version: str) -> str | None:
+    """Why a Redis of ``version`` (``INFO server`` ``redis_version``, e.g. ``"7.0.15"``) cannot serve the leases,
+    or None when it can (:data:`MIN_REDIS_VERSION`). An unreadable version is refused as well."""
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        found = ()
+    if len(found) == 2 and found >= MIN_REDIS_VERSION:
+        return None
+    wanted = ".".join(map(str, MIN_REDIS_VERSION))
+    return f"Redis {wanted} or later is required (leases are taken with SET NX ... GET); this server is {version!r}"
+
+
 async def check_redis(settings: Settings, deadline_s: float) -> str:
-    """SET a throwaway key with a TTL, GET it back and DEL it; returns the server version.
+    """Check the server's version (:func:`redis_version_refusal`), SET a throwaway key with a TTL, GET it back
+    and DEL it; returns the server version.
 
     Raises:
-        ServiceNotReadyError: no answer within ``deadline_s``, a refusal, or GET not returning what SET stored.
+        ServiceNotReadyError: no answer within ``deadline_s``, a refusal, a server too old for the leases, or GET
+            not returning what SET stored.
     """
     key = READY_KEY_FORMAT.format(prefix=settings.lease_key_prefix, token=uuid.uuid4().hex)
 
     async def check() -> str:
         client = aioredis.from_url(settings.redis_url.get_secret_value(), socket_timeout=min(5.0, deadline_s))
         try:
+            info = await client.info("server")
+            version = str(info.get("redis_version", "?"))
+            refusal = redis_version_refusal(version)
+            if refusal is not None:
+                raise ServiceNotReadyError("redis", refusal)
             await client.set(key, b"ready", px=READY_KEY_TTL_MS)
             value = await client.get(key)
             await client.delete(key)
             if value != b"ready":
                 raise ServiceNotReadyError("redis", f"GET {key} returned {value!r} right after SET stored b'ready'")
-            info = await client.info("server")
-            return f"Redis {info.get('redis_version', '?')}"
+            return f"Redis {version}"
         finally:
             await client.aclose()
 

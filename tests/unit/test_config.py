@@ -273,3 +273,14 @@ def test_errors_about_secret_settings_do_not_show_them() -> None:
     with pytest.raises(ConfigError) as info:
         Settings(database_url=12345678)  # type: ignore[arg-type]
     assert "STREAMS_DATABASE_URL is not valid" in str(info.value) and "12345678" not in str(info.value)
+
+
+def test_redis_versions_the_leases_work_on() -> None:
+    from streams.readiness import redis_version_refusal
+
+    assert redis_version_refusal("7.0.15") is None
+    assert redis_version_refusal("7.4.1") is None
+    assert redis_version_refusal("8.0.0") is None
+    refusal = redis_version_refusal("6.2.14")
+    assert refusal is not None and "Redis 7.0 or later is required" in refusal and "'6.2.14'" in refusal
+    assert redis_version_refusal("garbage") is not None
