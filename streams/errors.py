@@ -5,6 +5,8 @@
     StreamsError
     ├── ConfigError                  a setting is missing or malformed (fix the environment and restart)
     ├── MissingResourceError         a file the package ships (schema, migration, query) is not installed
+    ├── QueryParametersError         a named query called without one of its parameters, or with one it does not
+    │                                take: a bug at the call site, nothing was sent
     ├── InvalidEventError            a Kafka value failed its JSON Schema or is not JSON (goes to the DLQ)
     ├── JsonValueError               JSON text that is not JSON or whose numbers cannot be carried exactly
     ├── DeadLetterError              a dead letter could not be published for a reason that is not an outage
@@ -58,6 +60,27 @@ class ConfigError(StreamsError):
 class MissingResourceError(StreamsError):
     """A file the package ships (a JSON Schema, a migration, a named query) is missing from the installation;
     the message names it. Reinstall the package; nothing was done."""
+
+
+class QueryParametersError(StreamsError):
+    """A named query (``streams.sql``) was called with parameter names other than its own: ``missing`` (not
+    given) and ``unknown`` (given, but the query does not take them). A bug at the call site; nothing was sent
+    to PostgreSQL. Fix the call to name exactly the parameters the query's ``.sql`` file documents."""
+
+    def __init__(self, source: str, query: str, missing: list[str], unknown: list[str]) -> None:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing)}")
+        if unknown:
+            parts.append(f"unknown {', '.join(unknown)}")
+        super().__init__(
+            f"query {query!r} of {source} called with the wrong parameters ({'; '.join(parts)}); nothing was sent: "
+            f"pass exactly the parameters its .sql file documents"
+        )
+        self.source = source
+        self.query = query
+        self.missing = missing
+        self.unknown = unknown
 
 
 class InvalidEventError(StreamsError):

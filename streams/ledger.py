@@ -380,7 +380,16 @@ class Ledger:
         return inserted
 
     async def _accept_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        rows = await self.pool.fetch(Q.accept_operation, *_columns(batch, 4), self.worker, lock_timeout)
+        operation_ids, requests, submitted_at_ms, sources = _columns(batch, 4)
+        rows = await Q.accept_operation.fetch(
+            self.pool,
+            operation_ids=operation_ids,
+            requests=requests,
+            submitted_at_ms=submitted_at_ms,
+            sources=sources,
+            worker=self.worker,
+            lock_timeout=lock_timeout,
+        )
         inserted = {row["operation_id"] for row in rows}
         return [request[0] in inserted for request in batch]
 
@@ -393,7 +402,10 @@ class Ledger:
         return fencing
 
     async def _claim_submit_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        rows = await self.pool.fetch(Q.claim_for_submit, *_columns(batch, 1), self.worker, lock_timeout)
+        (operation_ids,) = _columns(batch, 1)
+        rows = await Q.claim_for_submit.fetch(
+            self.pool, operation_ids=operation_ids, worker=self.worker, lock_timeout=lock_timeout
+        )
         return [None if row is None else row["fencing_token"] for row in _by_position(rows, len(batch))]
 
     async def save_submitted(
@@ -406,7 +418,17 @@ class Ledger:
         return saved
 
     async def _save_submitted_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        rows = await self.pool.fetch(Q.save_submitted, *_columns(batch, 5), self.worker, lock_timeout)
+        operation_ids, fencing_tokens, remote_job_ids, first_poll_delays_s, reasons = _columns(batch, 5)
+        rows = await Q.save_submitted.fetch(
+            self.pool,
+            operation_ids=operation_ids,
+            fencing_tokens=fencing_tokens,
+            remote_job_ids=remote_job_ids,
+            first_poll_delays_s=first_poll_delays_s,
+            reasons=reasons,
+            worker=self.worker,
+            lock_timeout=lock_timeout,
+        )
         return [row is not None for row in _by_position(rows, len(batch))]
 
     async def save_submission_without_job(
@@ -417,21 +439,23 @@ class Ledger:
         if state not in (OperationState.REJECTED, OperationState.UNCERTAIN):
             raise ValueError(f"a submission without a job ends rejected or uncertain, not {state}")
         async with _guard(f"save {state} for {operation_id}"):
-            saved = await self.pool.fetchval(
-                Q.save_submission_without_job,
-                operation_id,
-                fencing_token,
-                state.value,
-                clean_text(reason),
-                self.worker,
-                reason_code,
+            saved = await Q.save_submission_without_job.fetchval(
+                self.pool,
+                operation_id=operation_id,
+                fencing_token=fencing_token,
+                state=state.value,
+                reason=clean_text(reason),
+                reason_code=reason_code,
+                worker=self.worker,
             )
         return saved is not None
 
     async def reconcile_stale_submitting(self, stale_after_s: float, batch_size: int) -> list[str]:
         """Mark operations stuck in ``submitting`` as ``uncertain`` (with a reason); returns their ids."""
         async with _guard("reconcile submitting"):
-            rows = await self.pool.fetch(Q.reconcile_stale_submitting, stale_after_s, batch_size, self.worker)
+            rows = await Q.reconcile_stale_submitting.fetch(
+                self.pool, stale_after_s=stale_after_s, batch_size=batch_size, worker=self.worker
+            )
         return [row["operation_id"] for row in rows]
 
     async def stale_accepted(self, stale_after_s: float, batch_size: int) -> list[tuple[str, str]]:
@@ -439,19 +463,21 @@ class Ledger:
         ``(operation_id, request JSON text)``; at most ``batch_size``. Reading claims nothing (see
         ``claim_for_submit``)."""
         async with _guard("find stale accepted"):
-            rows = await self.pool.fetch(Q.stale_accepted, stale_after_s, batch_size)
+            rows = await Q.stale_accepted.fetch(self.pool, stale_after_s=stale_after_s, batch_size=batch_size)
         return [(row["operation_id"], row["request"]) for row in rows]
 
     async def claim_due_polls(self, batch_size: int, visibility_timeout_s: float) -> list[DuePoll]:
         """Claim due polls; each comes back by itself after ``visibility_timeout_s`` unless saved sooner."""
         async with _guard("claim due polls"):
-            rows = await self.pool.fetch(Q.claim_due_polls, batch_size, visibility_timeout_s)
+            rows = await Q.claim_due_polls.fetch(
+                self.pool, batch_size=batch_size, visibility_timeout_s=visibility_timeout_s
+            )
         return [DuePoll(r["operation_id"], r["remote_job_id"], r["poll_claim_id"]) for r in rows]
 
     async def get_operation(self, operation_id: str) -> dict[str, Any] | None:
         """The operation's row as a dict, or None when the ledger does not hold it."""
         async with _guard(f"read {operation_id}"):
-            row = await self.pool.fetchrow(Q.get_operation, operation_id)
+            row = await Q.get_operation.fetchrow(self.pool, operation_id=operation_id)
         return dict(row) if row is not None else None
 
     async def claim_for_observe(self, operation_id: str, poll_claim_id: int) -> ObserveClaim | None:
@@ -460,7 +486,14 @@ class Ledger:
         return claim
 
     async def _claim_observe_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        rows = await self.pool.fetch(Q.claim_for_observe, *_columns(batch, 2), self.worker, lock_timeout)
+        operation_ids, poll_claim_ids = _columns(batch, 2)
+        rows = await Q.claim_for_observe.fetch(
+            self.pool,
+            operation_ids=operation_ids,
+            poll_claim_ids=poll_claim_ids,
+            worker=self.worker,
+            lock_timeout=lock_timeout,
+        )
         return [
             None
             if row is None
@@ -480,7 +513,14 @@ class Ledger:
         return rescheduled
 
     async def _reschedule_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        rows = await self.pool.fetch(Q.reschedule_poll, *_columns(batch, 3), lock_timeout)
+        operation_ids, poll_claim_ids, delays_s = _columns(batch, 3)
+        rows = await Q.reschedule_poll.fetch(
+            self.pool,
+            operation_ids=operation_ids,
+            poll_claim_ids=poll_claim_ids,
+            delays_s=delays_s,
+            lock_timeout=lock_timeout,
+        )
         return [row is not None for row in _by_position(rows, len(batch))]
 
     async def save_observation(
@@ -512,7 +552,31 @@ class Ledger:
         return outcome
 
     async def _save_observation_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        rows = await self.pool.fetch(Q.save_observation, *_columns(batch, 9), self.worker, lock_timeout)
+        (
+            operation_ids,
+            fencing_tokens,
+            states,
+            observations,
+            next_poll_delays_s,
+            remote_completed_at_ms,
+            reasons,
+            source_states,
+            outputs,
+        ) = _columns(batch, 9)
+        rows = await Q.save_observation.fetch(
+            self.pool,
+            operation_ids=operation_ids,
+            fencing_tokens=fencing_tokens,
+            states=states,
+            observations=observations,
+            next_poll_delays_s=next_poll_delays_s,
+            remote_completed_at_ms=remote_completed_at_ms,
+            reasons=reasons,
+            source_states=source_states,
+            outputs=outputs,
+            worker=self.worker,
+            lock_timeout=lock_timeout,
+        )
         outcomes: list[Any] = []
         for request, row in zip(batch, _by_position(rows, len(batch)), strict=True):
             assert row is not None  # one row per request
@@ -530,8 +594,13 @@ class Ledger:
         """Fenced: a pollable operation -> ``stalled`` with ``reason`` and the raw ``last_answer`` (kept as
         ``last_observation``); nothing polls it until an operator acts. False when refused."""
         async with _guard(f"save stalled for {operation_id}"):
-            saved = await self.pool.fetchval(
-                Q.save_stalled, operation_id, fencing_token, clean_text(reason), last_answer, self.worker
+            saved = await Q.save_stalled.fetchval(
+                self.pool,
+                operation_id=operation_id,
+                fencing_token=fencing_token,
+                reason=clean_text(reason),
+                last_answer=last_answer,
+                worker=self.worker,
             )
         return saved is not None
 
@@ -550,15 +619,15 @@ class Ledger:
         Returns the state afterwards (``stalled``, or the unchanged pollable state), None when refused.
         """
         async with _guard(f"note 404 for {operation_id}"):
-            state = await self.pool.fetchval(
-                Q.note_not_found,
-                operation_id,
-                fencing_token,
-                grace_s,
-                next_poll_delay_s,
-                clean_text(reason),
-                answer,
-                self.worker,
+            state = await Q.note_not_found.fetchval(
+                self.pool,
+                operation_id=operation_id,
+                fencing_token=fencing_token,
+                grace_s=grace_s,
+                next_poll_delay_s=next_poll_delay_s,
+                reason=clean_text(reason),
+                answer=answer,
+                worker=self.worker,
             )
         return None if state is None else OperationState(state)
 
@@ -577,15 +646,15 @@ class Ledger:
         Returns (state afterwards, unknown statuses in a row), None when refused.
         """
         async with _guard(f"note unknown status for {operation_id}"):
-            row = await self.pool.fetchrow(
-                Q.note_unknown_status,
-                operation_id,
-                fencing_token,
-                limit,
-                next_poll_delay_s,
-                clean_text(reason),
-                answer,
-                self.worker,
+            row = await Q.note_unknown_status.fetchrow(
+                self.pool,
+                operation_id=operation_id,
+                fencing_token=fencing_token,
+                unknown_status_limit=limit,
+                next_poll_delay_s=next_poll_delay_s,
+                reason=clean_text(reason),
+                answer=answer,
+                worker=self.worker,
             )
         return None if row is None else (OperationState(row["state"]), row["unknown_status_count"])
 
@@ -595,8 +664,12 @@ class Ledger:
         """Claim ``uncertain`` operations due for a lookup (first one ``lag_s`` after becoming uncertain); each
         claim takes a new fencing value and comes back by itself after ``visibility_timeout_s``."""
         async with _guard("claim due lookups"):
-            rows = await self.pool.fetch(
-                RECONCILE.claim_due_lookups, batch_size, lag_s, visibility_timeout_s, self.worker
+            rows = await RECONCILE.claim_due_lookups.fetch(
+                self.pool,
+                batch_size=batch_size,
+                lag_s=lag_s,
+                visibility_timeout_s=visibility_timeout_s,
+                worker=self.worker,
             )
         return [
             LookupClaim(r["operation_id"], r["fencing_token"], r["uncertain_for_s"], r["lookup_count"]) for r in rows
@@ -615,15 +688,15 @@ class Ledger:
             raise ValueError("adopt_found_job needs at least one job")
         jobs = [{"job_id": j.job_id, "status": j.status} for j in found]
         async with _guard(f"adopt found job for {claim.operation_id}"):
-            adopted: bool = await self.pool.fetchval(
-                RECONCILE.adopt_found_job,
-                claim.operation_id,
-                claim.fencing_token,
-                found[0].job_id,
-                clean_text(reason),
-                first_poll_delay_s,
-                jobs,
-                self.worker,
+            adopted: bool = await RECONCILE.adopt_found_job.fetchval(
+                self.pool,
+                operation_id=claim.operation_id,
+                fencing_token=claim.fencing_token,
+                remote_job_id=found[0].job_id,
+                reason=clean_text(reason),
+                first_poll_delay_s=first_poll_delay_s,
+                jobs_found=jobs,
+                worker=self.worker,
             )
         return adopted
 
@@ -631,16 +704,20 @@ class Ledger:
         """Fenced: nothing found after the lag; the operation stays ``uncertain`` for a person, ``reason`` first
         in its reason. False when refused."""
         async with _guard(f"give up lookup for {claim.operation_id}"):
-            row = await self.pool.fetchval(
-                RECONCILE.give_up_lookup, claim.operation_id, claim.fencing_token, clean_text(reason), self.worker
+            row = await RECONCILE.give_up_lookup.fetchval(
+                self.pool,
+                operation_id=claim.operation_id,
+                fencing_token=claim.fencing_token,
+                reason=clean_text(reason),
+                worker=self.worker,
             )
         return row is not None
 
     async def reschedule_lookup(self, claim: LookupClaim, delay_s: float) -> bool:
         """Fenced: try the lookup again ``delay_s`` from now. False when refused."""
         async with _guard(f"reschedule lookup for {claim.operation_id}"):
-            row = await self.pool.fetchval(
-                RECONCILE.reschedule_lookup, claim.operation_id, claim.fencing_token, delay_s
+            row = await RECONCILE.reschedule_lookup.fetchval(
+                self.pool, operation_id=claim.operation_id, fencing_token=claim.fencing_token, delay_s=delay_s
             )
         return row is not None
 
@@ -661,7 +738,21 @@ class Ledger:
         )
 
     async def _record_calls_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        await self.pool.execute(Q.record_remote_call, *_columns(batch, 7), self.worker, lock_timeout)
+        operation_ids, methods, status_codes, outcomes, remote_job_ids, durations_ms, fencing_tokens = _columns(
+            batch, 7
+        )
+        await Q.record_remote_call.execute(
+            self.pool,
+            operation_ids=operation_ids,
+            methods=methods,
+            status_codes=status_codes,
+            outcomes=outcomes,
+            remote_job_ids=remote_job_ids,
+            durations_ms=durations_ms,
+            fencing_tokens=fencing_tokens,
+            worker=self.worker,
+            lock_timeout=lock_timeout,
+        )
         return [None] * len(batch)
 
     async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
@@ -673,13 +764,13 @@ class Ledger:
         Returns the number of rows published (0 when another relay holds the lock).
         """
         async with _guard("relay outbox"), self.pool.acquire() as conn, conn.transaction():
-            if not await conn.fetchval(Q.try_relay_lock):
+            if not await Q.try_relay_lock.fetchval(conn):
                 return 0
-            rows = await conn.fetch(Q.lock_unpublished_outbox, batch_size)
+            rows = await Q.lock_unpublished_outbox.fetch(conn, batch_size=batch_size)
             if not rows:
                 return 0
             await publish([dict(r) for r in rows])
-            await conn.execute(Q.mark_outbox_published, [r["id"] for r in rows])
+            await Q.mark_outbox_published.execute(conn, outbox_ids=[r["id"] for r in rows])
             return len(rows)
 
     # --- operators' decisions -----------------------------------------------------------------------------
@@ -708,17 +799,16 @@ class Ledger:
         try:
             return await self._decide(
                 action,
-                OPS.adopt,
                 operation_id,
                 OperationState.UNCERTAIN,
                 OperationState.SUBMITTED,
-                remote_job_id,
-                why,
-                actor,
+                OPS.adopt.fetchrow(
+                    self.pool, operation_id=operation_id, remote_job_id=remote_job_id, reason=why, actor=actor
+                ),
             )
         except LedgerDataError:
             async with _guard(f"read holder of job {remote_job_id}"):
-                holder = await self.pool.fetchval(OPS.operation_holding_job, remote_job_id)
+                holder = await OPS.operation_holding_job.fetchval(self.pool, remote_job_id=remote_job_id)
             if holder is not None and holder != operation_id:
                 raise OperatorActionRefusedError(
                     operation_id,
@@ -740,7 +830,11 @@ class Ledger:
         action = "abandon"
         why = self._decision_text(operation_id, action, reason, actor, "not created, checked by an operator")
         return await self._decide(
-            action, OPS.abandon, operation_id, OperationState.UNCERTAIN, OperationState.REJECTED, why, actor
+            action,
+            operation_id,
+            OperationState.UNCERTAIN,
+            OperationState.REJECTED,
+            OPS.abandon.fetchrow(self.pool, operation_id=operation_id, reason=why, actor=actor),
         )
 
     async def repoll(self, operation_id: str, actor: str, reason: str = "observe again") -> OperatorMove:
@@ -754,7 +848,11 @@ class Ledger:
         action = "repoll"
         why = self._decision_text(operation_id, action, reason, actor, "repolled by an operator")
         return await self._decide(
-            action, OPS.repoll, operation_id, OperationState.STALLED, OperationState.SUBMITTED, why, actor
+            action,
+            operation_id,
+            OperationState.STALLED,
+            OperationState.SUBMITTED,
+            OPS.repoll.fetchrow(self.pool, operation_id=operation_id, reason=why, actor=actor),
         )
 
     async def fail(self, operation_id: str, reason: str, actor: str) -> OperatorMove:
@@ -767,7 +865,11 @@ class Ledger:
         action = "fail"
         why = self._decision_text(operation_id, action, reason, actor, "failed by an operator")
         return await self._decide(
-            action, OPS.fail_stalled, operation_id, OperationState.STALLED, OperationState.FAILED, why, actor
+            action,
+            operation_id,
+            OperationState.STALLED,
+            OperationState.FAILED,
+            OPS.fail_stalled.fetchrow(self.pool, operation_id=operation_id, reason=why, actor=actor),
         )
 
     @staticmethod
@@ -781,19 +883,20 @@ class Ledger:
     async def _decide(
         self,
         action: str,
-        query: str,
         operation_id: str,
         from_state: OperationState,
         to_state: OperationState,
-        *args: Any,
+        decision: Awaitable[asyncpg.Record | None],
     ) -> OperatorMove:
+        """Await ``decision`` (the decision's fenced statement, one row or none); when it wrote nothing, read the
+        operation to say why."""
         async with _guard(f"{action} {operation_id}"):
-            row = await self.pool.fetchrow(query, operation_id, *args)
+            row = await decision
             if row is not None:
                 return OperatorMove(
                     operation_id, action, from_state, to_state, row["transition_seq"], row["fencing_token"]
                 )
-            current = await self.pool.fetchrow(Q.get_operation, operation_id)
+            current = await Q.get_operation.fetchrow(self.pool, operation_id=operation_id)
         if current is None:
             raise UnknownOperationError(operation_id)
         raise OperatorActionRefusedError(
@@ -815,7 +918,7 @@ class Ledger:
         refund carries no string id).
         """
         async with _guard(f"record refund for job {remote_job_id}"):
-            row = await self.pool.fetchval(ACCOUNTING.record_refund, remote_job_id, refund)
+            row = await ACCOUNTING.record_refund.fetchval(self.pool, remote_job_id=remote_job_id, refund=refund)
         return row is not None
 
     async def accounting_summary(self, operation_pattern: str = "%") -> dict[str, Any]:
@@ -829,5 +932,6 @@ class Ledger:
         ``posts_per_operation`` and ``gets_per_completed_operation`` ({operations, mean, max}).
         """
         async with _guard("accounting summary"):
-            row = await self.pool.fetchrow(ACCOUNTING.accounting_summary, operation_pattern)
+            row = await ACCOUNTING.accounting_summary.fetchrow(self.pool, operation_pattern=operation_pattern)
+        assert row is not None  # aggregates only: always one row
         return dict(row)

@@ -33,10 +33,8 @@ from streams.config import Settings, lease_key
 from streams.lease import REDIS_POOL_EXHAUSTED, REDIS_UNAVAILABLE
 from streams.ledger import OperatorMove
 from streams.ledger import _guard as ledger_guard  # PostgreSQL errors -> LedgerUnavailableError/LedgerDataError
-from streams.sql import Queries
+from streams.sql import INSPECT
 from streams.states import OperationState, is_terminal
-
-INSPECT = Queries("inspect.sql")
 
 #: Lease actions whose keys :func:`lease_holders` reads (``streams.config.lease_key``).
 LEASE_ACTIONS = ("submit", "observe")
@@ -163,7 +161,9 @@ async def list_operations(
         LedgerUnavailableError: PostgreSQL did not answer.
     """
     async with ledger_guard("list operations"):
-        rows = await pool.fetch(INSPECT.list_operations, list(states) if states else None, older_than_s, limit)
+        rows = await INSPECT.list_operations.fetch(
+            pool, states=list(states) if states else None, older_than_s=older_than_s, limit=limit
+        )
     matched = rows[0]["matched"] if rows else 0
     return OperationList([{k: v for k, v in dict(r).items() if k != "matched"} for r in rows], matched)
 
@@ -201,13 +201,13 @@ async def operation_detail(
         LedgerUnavailableError: PostgreSQL did not answer (Redis not answering is reported in ``leases_error``).
     """
     async with ledger_guard(f"read {operation_id}"):
-        row = await pool.fetchrow(INSPECT.operation_row, operation_id)
+        row = await INSPECT.operation_row.fetchrow(pool, operation_id=operation_id)
         if row is None:
             return None
-        transitions = await pool.fetch(INSPECT.operation_transitions, operation_id)
-        outputs = await pool.fetch(INSPECT.operation_outputs, operation_id)
-        calls = await pool.fetch(INSPECT.operation_remote_calls, operation_id)
-        jobs = await pool.fetch(INSPECT.operation_remote_jobs, operation_id)
+        transitions = await INSPECT.operation_transitions.fetch(pool, operation_id=operation_id)
+        outputs = await INSPECT.operation_outputs.fetch(pool, operation_id=operation_id)
+        calls = await INSPECT.operation_remote_calls.fetch(pool, operation_id=operation_id)
+        jobs = await INSPECT.operation_remote_jobs.fetch(pool, operation_id=operation_id)
     leases: list[dict[str, Any]] = []
     leases_error = None
     if redis is None:
@@ -251,14 +251,14 @@ async def overview(pool: asyncpg.Pool, *, window_min: int, queue_limit: int) -> 
 
 
 async def _overview(pool: asyncpg.Pool, window_min: int, queue_limit: int) -> dict[str, Any]:
-    now: dt.datetime = await pool.fetchval(INSPECT.database_now)
-    counts = {r["state"]: r["operations"] for r in await pool.fetch(INSPECT.state_counts)}
+    now: dt.datetime = await INSPECT.database_now.fetchval(pool)
+    counts = {r["state"]: r["operations"] for r in await INSPECT.state_counts.fetch(pool)}
     states = {s.value: counts.pop(s.value, 0) for s in OperationState}
     states.update(counts)  # a state the database has and this code does not (a newer migration)
-    per_minute = await pool.fetch(INSPECT.transitions_per_minute, window_min)
+    per_minute = await INSPECT.transitions_per_minute.fetch(pool, window_min=window_min)
     queues = {}
     for state in DECISION_STATES:
-        rows = [dict(r) for r in await pool.fetch(INSPECT.state_queue, state, queue_limit)]
+        rows = [dict(r) for r in await INSPECT.state_queue.fetch(pool, state=state, limit=queue_limit)]
         queues[state] = {
             "matched": rows[0]["matched"] if rows else 0,
             "oldest_age_s": rows[0]["state_age_s"] if rows else None,
@@ -266,7 +266,7 @@ async def _overview(pool: asyncpg.Pool, window_min: int, queue_limit: int) -> di
         }
     backlog = {
         r["topic_role"]: {"unpublished": r["unpublished"], "oldest_age_s": r["oldest_age_s"]}
-        for r in await pool.fetch(INSPECT.outbox_backlog)
+        for r in await INSPECT.outbox_backlog.fetch(pool)
     }
     ages = [b["oldest_age_s"] for b in backlog.values()]
     return {
@@ -370,8 +370,11 @@ async def accounting(
         LedgerUnavailableError: PostgreSQL did not answer.
     """
     async with ledger_guard("read the POSTs per operation"):
-        row = await pool.fetchrow(INSPECT.posts_per_operation, operation_pattern, list(NOTHING_CREATED))
-        now = await pool.fetchval(INSPECT.database_now)
+        row = await INSPECT.posts_per_operation.fetchrow(
+            pool, operation_pattern=operation_pattern, nothing_created_outcomes=list(NOTHING_CREATED)
+        )
+        now = await INSPECT.database_now.fetchval(pool)
+    assert row is not None  # aggregates only: always one row
     return {"now": now, "operation_prefix": operation_prefix, **ledger_summary, "post_attempts": dict(row)}
 
 

@@ -157,7 +157,7 @@ async def run_main_job(opts: MainJobOptions, out: TextIO = sys.stdout) -> dict[s
     migrate(settings.database_url.get_secret_value())
     await create_topics(settings)
     lock = await asyncpg.connect(settings.database_url.get_secret_value())
-    if not await lock.fetchval(REPORT.try_main_job_lock):
+    if not await REPORT.try_main_job_lock.fetchval(lock):
         await lock.close()
         raise MainJobError(
             "another main job is running on this ledger (PostgreSQL advisory lock held); wait for it to finish "

@@ -171,7 +171,7 @@ async def _remove(what: str, remove: Callable[[], Awaitable[Any]], out: TextIO) 
 async def progress(db: asyncpg.Pool | asyncpg.Connection, pattern: str) -> dict[str, int]:
     """Operation counts by state (plus ``outbox_pending`` and ``lookup_pending``) of the operations whose id
     matches ``pattern`` (SQL ``LIKE``), read through ``db`` (a pool or a connection)."""
-    rows = await db.fetch(REPORT.run_progress, pattern)
+    rows = await REPORT.run_progress.fetch(db, operation_pattern=pattern)
     return {r["state"]: r["n"] for r in rows}
 
 
@@ -301,7 +301,7 @@ async def collect_report(
 ) -> dict[str, Any]:
     """Gather the independent records (ledger, simulator, Kafka read-back) of the operations matching ``pattern``
     and build the report (:func:`streams_harness.report.build_report`) with ``meta``."""
-    rows = await pool.fetch(REPORT.run_operations, pattern)
+    rows = await REPORT.run_operations.fetch(pool, operation_pattern=pattern)
     ledger = [
         LedgerOperation(
             r["operation_id"], r["state"], r["reason_code"], r["accepted_at_ms"], r["final_at_ms"], r["outputs"]
@@ -313,10 +313,11 @@ async def collect_report(
         summary = (await client.get(f"{settings.remote_base_url.get_secret_value()}/_sim/summary")).json()
     delivered = await read_topic_to_end(settings, "outputs_delivered")
     transitions = [
-        (r["operation_id"], r["from_state"], r["to_state"]) for r in await pool.fetch(REPORT.run_transitions, pattern)
+        (r["operation_id"], r["from_state"], r["to_state"])
+        for r in await REPORT.run_transitions.fetch(pool, operation_pattern=pattern)
     ]
     accounting = await Ledger(pool, "report").accounting_summary(pattern)
-    reconciled = await pool.fetchrow(REPORT.run_reconciled, pattern)
+    reconciled = await REPORT.run_reconciled.fetchrow(pool, operation_pattern=pattern)
     meta = dict(meta)
     meta["faults_injected"] = summary.get("faults_injected", {})
     return build_report(

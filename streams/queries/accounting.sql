@@ -2,7 +2,7 @@
 -- Loaded by streams.sql.Queries; called by streams.ledger.Ledger. Amounts are numeric and leave as text (exact).
 
 -- name: accounting_summary
--- $1 operation id LIKE pattern ('%' for the whole ledger). One row of jsonb columns:
+-- :operation_pattern operation id LIKE pattern ('%' for the whole ledger). One row of jsonb columns:
 --   jobs_by_outcome {outcome | 'not_terminal': n}, jobs_by_learned_via {via: n},
 --   learned_only_via_502 n, duplicate_creations n,
 --   charges [{currency, amount, jobs}], refunds_settled [{currency, amount, refunds}],
@@ -10,18 +10,18 @@
 --   needs_decision {state: {operations, oldest_age_s}} for uncertain and stalled,
 --   posts_per_operation {operations, mean, max}, gets_per_completed_operation {operations, mean, max}.
 WITH jobs AS (
-    SELECT * FROM remote_jobs WHERE operation_id LIKE $1
+    SELECT * FROM remote_jobs WHERE operation_id LIKE :operation_pattern
 ), calls AS (
     SELECT operation_id,
            count(*) FILTER (WHERE method = 'POST') AS posts,
            count(*) FILTER (WHERE method = 'GET') AS gets
     FROM remote_calls
-    WHERE operation_id LIKE $1
+    WHERE operation_id LIKE :operation_pattern
     GROUP BY operation_id
 ), completed AS (
     SELECT o.operation_id, COALESCE(c.gets, 0) AS gets
     FROM operations o LEFT JOIN calls c USING (operation_id)
-    WHERE o.operation_id LIKE $1 AND o.state IN ('succeeded', 'failed', 'canceled')
+    WHERE o.operation_id LIKE :operation_pattern AND o.state IN ('succeeded', 'failed', 'canceled')
 )
 SELECT
     (SELECT COALESCE(jsonb_object_agg(outcome, n), '{}'::jsonb)
@@ -53,7 +53,7 @@ SELECT
      LEFT JOIN (SELECT state::text AS state, count(*) AS n,
                        round(extract(epoch FROM now() - min(state_entered_at))::numeric, 1)::float8 AS oldest_age_s
                 FROM operations
-                WHERE operation_id LIKE $1 AND state IN ('uncertain', 'stalled')
+                WHERE operation_id LIKE :operation_pattern AND state IN ('uncertain', 'stalled')
                 GROUP BY 1) AS x USING (state))
         AS needs_decision,
     (SELECT jsonb_build_object('operations', count(*), 'mean', round(avg(posts), 3)::float8, 'max', max(posts))
@@ -66,15 +66,15 @@ SELECT
 -- name: record_refund
 -- A refund the provider reported for a job, recorded once per (refund id, job id): a repeat inserts nothing.
 -- Never consulted to decide whether a job was created.
--- $1 remote_job_id, $2 refund (jsonb with a string "id", and "amount", "currency" as sent). Returns 1 when
+-- :remote_job_id, :refund (jsonb with a string "id", and "amount", "currency" as sent). Returns 1 when
 -- recorded now, no row when it was already (or the job has no accounting record).
 INSERT INTO refunds (refund_id, remote_job_id, refund, amount, currency)
-SELECT $2::jsonb ->> 'id',
+SELECT :refund::jsonb ->> 'id',
        j.remote_job_id,
-       $2::jsonb,
-       CASE WHEN $2::jsonb ->> 'amount' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$' THEN ($2::jsonb ->> 'amount')::numeric END,
-       left($2::jsonb ->> 'currency', 16)
+       :refund::jsonb,
+       CASE WHEN :refund::jsonb ->> 'amount' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$' THEN (:refund::jsonb ->> 'amount')::numeric END,
+       left(:refund::jsonb ->> 'currency', 16)
 FROM remote_jobs j
-WHERE j.remote_job_id = $1 AND jsonb_typeof($2::jsonb -> 'id') = 'string'
+WHERE j.remote_job_id = :remote_job_id AND jsonb_typeof(:refund::jsonb -> 'id') = 'string'
 ON CONFLICT (refund_id, remote_job_id) DO NOTHING
 RETURNING 1;

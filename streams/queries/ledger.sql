@@ -1,47 +1,47 @@
--- Named queries of the ledger. Each query starts with a "-- name: <name>" line; the comment lines
--- after it document its parameters and result. Loaded by streams.sql.Queries.
+-- Named queries of the ledger. Each query starts with its name line; the comment lines after it document its
+-- named parameters (:name) and its result. Loaded by streams.sql.Queries (aiosql).
 --
 -- Every query is one statement (one round trip, atomic). State changes are logged by the database itself:
 -- the operations_log_transition trigger writes the transition log row and the generation.transitions
 -- outbox event; operations_guard refuses illegal transitions, fencing regressions and job-id rewrites.
--- $N named "worker" fill operations.updated_by, which the transition log records.
+-- The parameter :worker fills operations.updated_by, which the transition log records.
 --
 -- Batched queries (streams.ledger coalesces the requests of concurrent tasks): one row per request, given as
 -- parallel arrays read by unnest ... WITH ORDINALITY, so "i" is a request's position (from 1). The same
 -- operation appears at most once per statement (the ledger sends a repeat in a later statement). Rows of
 -- operations are locked first, in operation_id order (the "locked" step), so two batches over the same
--- operations, in whatever order they were given, never wait on each other in a cycle. The last parameter,
--- lock_timeout, bounds how long the statement waits for a lock held by another transaction (set for this
+-- operations, in whatever order they were given, never wait on each other in a cycle. The parameter
+-- :lock_timeout bounds how long the statement waits for a lock held by another transaction (set for this
 -- statement only: a batch gives up rather than hold up every request in it; '0' waits as long as it takes). A
 -- JSON value travels as JSON text (text[]) and is cast in the statement.
 
 -- name: accept_operation
 -- Batched: insert new operations in state 'accepted' (idempotent: a replayed submission inserts nothing).
--- $1 operation_ids (text[], distinct), $2 requests (JSON texts, stored as they are), $3 submitted_at_ms
--- (bigint[]), $4 sources (JSON texts or NULLs), $5 worker, $6 lock_timeout. Returns operation_id, fencing_token of
+-- :operation_ids (text[], distinct), :requests (JSON texts, stored as they are), :submitted_at_ms
+-- (bigint[]), :sources (JSON texts or NULLs), :worker, :lock_timeout. Returns operation_id, fencing_token of
 -- the rows newly inserted (inserted in operation_id order).
 INSERT INTO operations (operation_id, request, submitted_at_ms, source, updated_by)
-SELECT r.operation_id, r.request::json, r.submitted_at_ms, r.source::json, $5
-FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS r(operation_id, request, submitted_at_ms, source)
-WHERE (SELECT set_config('lock_timeout', $6, true)) IS NOT NULL
+SELECT r.operation_id, r.request::json, r.submitted_at_ms, r.source::json, :worker
+FROM unnest(:operation_ids::text[], :requests::text[], :submitted_at_ms::bigint[], :sources::text[]) AS r(operation_id, request, submitted_at_ms, source)
+WHERE (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
 ORDER BY r.operation_id
 ON CONFLICT (operation_id) DO NOTHING
 RETURNING operation_id, fencing_token;
 
 -- name: claim_for_submit
 -- Batched: the dispatcher's claim: accepted -> submitting, written before the POST, with a new fencing value.
--- $1 operation_ids (text[], distinct), $2 worker, $3 lock_timeout. Returns i, fencing_token per claimed request;
+-- :operation_ids (text[], distinct), :worker, :lock_timeout. Returns i, fencing_token per claimed request;
 -- none for an operation past 'accepted' (or unknown).
 WITH req AS (
-    SELECT * FROM unnest($1::text[]) WITH ORDINALITY AS r(operation_id, i)
+    SELECT * FROM unnest(:operation_ids::text[]) WITH ORDINALITY AS r(operation_id, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id FROM operations
-    WHERE operation_id = ANY($1::text[]) AND (SELECT set_config('lock_timeout', $3, true)) IS NOT NULL
+    WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
 )
 UPDATE operations AS o
-SET state = 'submitting', fencing_token = o.fencing_token + 1, updated_by = $2
+SET state = 'submitting', fencing_token = o.fencing_token + 1, updated_by = :worker
 FROM req JOIN locked USING (operation_id)
 WHERE o.operation_id = req.operation_id AND o.state = 'accepted'
 RETURNING req.i, o.fencing_token;
@@ -50,16 +50,16 @@ RETURNING req.i, o.fencing_token;
 -- Batched, fenced: save the remote job id from a 2xx or from a 502's error.job_id; submitting|uncertain ->
 -- submitted. The job's accounting record is written by the same statement if the POST's accounting did not
 -- already.
--- $1 operation_ids (text[], distinct), $2 fencing_tokens (bigint[]), $3 remote_job_ids (text[]), $4 first poll
--- delays (s, float8[]), $5 reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
--- $6 worker, $7 lock_timeout. Returns i per saved request; none when the fencing value is stale or a job id is
+-- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :remote_job_ids (text[]), :first_poll_delays_s first poll
+-- delays (s, float8[]), :reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
+-- :worker, :lock_timeout. Returns i per saved request; none when the fencing value is stale or a job id is
 -- already saved.
 WITH req AS (
-    SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::float8[], $5::text[])
+    SELECT * FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :remote_job_ids::text[], :first_poll_delays_s::float8[], :reasons::text[])
         WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, reason, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id FROM operations
-    WHERE operation_id = ANY($1::text[]) AND (SELECT set_config('lock_timeout', $7, true)) IS NOT NULL
+    WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
 ), saved AS (
@@ -70,7 +70,7 @@ WITH req AS (
         reason_code = CASE WHEN req.reason IS NULL THEN NULL ELSE 'job_id_via_error' END,
         next_poll_at = now() + make_interval(secs => req.delay_s),
         next_lookup_at = NULL,
-        updated_by = $6
+        updated_by = :worker
     FROM req JOIN locked USING (operation_id)
     WHERE o.operation_id = req.operation_id
       AND o.fencing_token = req.fencing_token
@@ -79,7 +79,7 @@ WITH req AS (
     RETURNING req.i, o.operation_id, o.remote_job_id, req.reason
 ), account AS (
     INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
-    SELECT remote_job_id, operation_id, CASE WHEN reason IS NULL THEN 'post_2xx' ELSE 'post_502' END, $6
+    SELECT remote_job_id, operation_id, CASE WHEN reason IS NULL THEN 'post_2xx' ELSE 'post_502' END, :worker
     FROM saved
     ORDER BY remote_job_id
     ON CONFLICT (remote_job_id) DO NOTHING
@@ -88,66 +88,66 @@ SELECT i FROM saved;
 
 -- name: save_submission_without_job
 -- Fenced: submitting -> rejected (definite refusal) or uncertain (unknown outcome), with its reason.
--- $1 operation_id, $2 fencing_token, $3 new state ('rejected' | 'uncertain'), $4 reason, $5 worker,
--- $6 reason code. Returns operation_id, or no row when refused by the fencing value or the state.
+-- :operation_id, :fencing_token, :state new state ('rejected' | 'uncertain'), :reason, :worker,
+-- :reason_code. Returns operation_id, or no row when refused by the fencing value or the state.
 UPDATE operations
-SET state = $3::operation_state, reason = $4, reason_code = $6, updated_by = $5
-WHERE operation_id = $1 AND fencing_token = $2 AND state = 'submitting'
+SET state = :state::operation_state, reason = :reason, reason_code = :reason_code, updated_by = :worker
+WHERE operation_id = :operation_id AND fencing_token = :fencing_token AND state = 'submitting'
 RETURNING operation_id;
 
 -- name: reconcile_stale_submitting
--- Reconciliation: an operation left in 'submitting' longer than $1 seconds had its dispatcher die or
+-- Reconciliation: an operation left in 'submitting' longer than :stale_after_s seconds had its dispatcher die or
 -- lose contact mid-flight. It becomes 'uncertain' with a reason; it is never resubmitted automatically.
 -- The fencing value is kept, so the same dispatcher may still save a late job id (uncertain -> submitted).
--- $1 stale-after (s), $2 batch size, $3 worker. Returns operation_id.
+-- :stale_after_s stale-after (s), :batch_size, :worker. Returns operation_id.
 UPDATE operations AS o
 SET state = 'uncertain',
-    reason = 'no outcome saved within ' || $1::text || ' s of submitting (dispatcher died or lost contact '
+    reason = 'no outcome saved within ' || :stale_after_s::text || ' s of submitting (dispatcher died or lost contact '
              'mid-flight); the POST may have created a job: reconcile, never resubmit automatically',
     reason_code = 'no_outcome_saved',
-    updated_by = $3
+    updated_by = :worker
 FROM (SELECT operation_id FROM operations
-      WHERE state = 'submitting' AND updated_at < now() - make_interval(secs => $1)
-      ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED) AS stale
+      WHERE state = 'submitting' AND updated_at < now() - make_interval(secs => :stale_after_s)
+      ORDER BY updated_at LIMIT :batch_size FOR UPDATE SKIP LOCKED) AS stale
 WHERE o.operation_id = stale.operation_id
 RETURNING o.operation_id;
 
 -- name: claim_due_polls
 -- The poll scheduler's claim: due operations get next_poll_at = now + visibility timeout and a new
 -- poll_claim_id, so a poll lost with a dead worker comes back by itself.
--- $1 batch size, $2 visibility timeout (s). Returns operation_id, remote_job_id, poll_claim_id.
+-- :batch_size, :visibility_timeout_s visibility timeout (s). Returns operation_id, remote_job_id, poll_claim_id.
 UPDATE operations AS o
-SET next_poll_at = now() + make_interval(secs => $2),
+SET next_poll_at = now() + make_interval(secs => :visibility_timeout_s),
     poll_claim_id = o.poll_claim_id + 1
 FROM (SELECT operation_id FROM operations
       WHERE state IN ('submitted', 'queued', 'running') AND next_poll_at <= now()
-      ORDER BY next_poll_at LIMIT $1 FOR UPDATE SKIP LOCKED) AS due
+      ORDER BY next_poll_at LIMIT :batch_size FOR UPDATE SKIP LOCKED) AS due
 WHERE o.operation_id = due.operation_id
 RETURNING o.operation_id, o.remote_job_id, o.poll_claim_id;
 
 -- name: get_operation
--- $1 operation_id. One row or none; request is the JSON text as submitted.
+-- :operation_id. One row or none; request is the JSON text as submitted.
 SELECT operation_id, state::text AS state, remote_job_id, fencing_token, poll_claim_id, next_poll_at,
        poll_count, reason, last_observation, request::text AS request
 FROM operations
-WHERE operation_id = $1;
+WHERE operation_id = :operation_id;
 
 -- name: claim_for_observe
 -- Batched: the observer's claim for one poll, taken after the Redis lease: a new fencing value.
--- $1 operation_ids (text[], distinct), $2 poll_claim_ids of the poll events (bigint[]), $3 worker, $4 lock_timeout.
+-- :operation_ids (text[], distinct), :poll_claim_ids of the poll events (bigint[]), :worker, :lock_timeout.
 -- Returns i, fencing_token, remote_job_id, state, poll_count, observed_for_s (since the observation began: job id
 -- saved or repolled) per claimed request; none when the poll is stale (re-claimed since), the operation is no longer
 -- pollable, or it does not exist.
 WITH req AS (
-    SELECT * FROM unnest($1::text[], $2::bigint[]) WITH ORDINALITY AS r(operation_id, poll_claim_id, i)
+    SELECT * FROM unnest(:operation_ids::text[], :poll_claim_ids::bigint[]) WITH ORDINALITY AS r(operation_id, poll_claim_id, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id FROM operations
-    WHERE operation_id = ANY($1::text[]) AND (SELECT set_config('lock_timeout', $4, true)) IS NOT NULL
+    WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
 )
 UPDATE operations AS o
-SET fencing_token = o.fencing_token + 1, updated_by = $3
+SET fencing_token = o.fencing_token + 1, updated_by = :worker
 FROM req JOIN locked USING (operation_id)
 WHERE o.operation_id = req.operation_id
   AND o.poll_claim_id = req.poll_claim_id
@@ -157,14 +157,14 @@ RETURNING req.i, o.fencing_token, o.remote_job_id, o.state::text AS state, o.pol
 
 -- name: reschedule_poll
 -- Batched: move claimed polls to now + their delay (lease busy, GET failed, state order refused a save).
--- $1 operation_ids (text[], distinct), $2 poll_claim_ids (bigint[]), $3 delays (s, float8[]), $4 lock_timeout.
+-- :operation_ids (text[], distinct), :poll_claim_ids (bigint[]), :delays_s delays (s, float8[]), :lock_timeout.
 -- Returns i per rescheduled request; none when the claim is stale or the job no longer pollable.
 WITH req AS (
-    SELECT * FROM unnest($1::text[], $2::bigint[], $3::float8[]) WITH ORDINALITY AS r(operation_id, poll_claim_id,
+    SELECT * FROM unnest(:operation_ids::text[], :poll_claim_ids::bigint[], :delays_s::float8[]) WITH ORDINALITY AS r(operation_id, poll_claim_id,
                                                                                          delay_s, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id FROM operations
-    WHERE operation_id = ANY($1::text[]) AND (SELECT set_config('lock_timeout', $4, true)) IS NOT NULL
+    WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
 )
@@ -182,24 +182,24 @@ RETURNING req.i;
 -- unique index; a repeat is skipped). A known status ends any run of unknown ones. When a snapshot is terminal,
 -- the job's accounting record takes its outcome and the provider's charge, and a refund is recorded once per
 -- (refund id, job id).
--- $1 operation_ids (text[], distinct), $2 fencing_tokens (bigint[]), $3 new states (text[]), $4 observations
--- (JSON texts with "status", "charge", "refund"), $5 next poll delays (s, float8[], NULL when terminal),
--- $6 remote completion times (epoch ms, bigint[], NULL unless terminal), $7 reasons (text[]), $8 states each new
--- state may be saved over (operation_state[] literals, text[]), $9 outputs (JSON texts of arrays of
--- {output_id, position, payload}), $10 worker, $11 lock_timeout. Returns one row per request: i, saved (boolean), and
+-- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :states new states (text[]), :observations
+-- (JSON texts with "status", "charge", "refund"), :next_poll_delays_s next poll delays (s, float8[], NULL when terminal),
+-- :remote_completed_at_ms remote completion times (epoch ms, bigint[], NULL unless terminal), :reasons (text[]), :source_states states each new
+-- state may be saved over (operation_state[] literals, text[]), :outputs (JSON texts of arrays of
+-- {output_id, position, payload}), :worker, :lock_timeout. Returns one row per request: i, saved (boolean), and
 -- fencing_token: the operation's fencing value when its row was locked (NULL when the operation does not
 -- exist), which tells a stale fencing value from a refusal by the state order.
 WITH req AS (
     SELECT r.i, r.operation_id, r.fencing_token, r.new_state::operation_state AS new_state,
            r.observation::jsonb AS observation, r.delay_s, r.completed_ms, r.reason,
            r.sources::operation_state[] AS sources, r.outputs::jsonb AS outputs
-    FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::float8[], $6::bigint[], $7::text[],
-                $8::text[], $9::text[])
+    FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :states::text[], :observations::text[], :next_poll_delays_s::float8[], :remote_completed_at_ms::bigint[], :reasons::text[],
+                :source_states::text[], :outputs::text[])
         WITH ORDINALITY AS r(operation_id, fencing_token, new_state, observation, delay_s, completed_ms, reason,
                              sources, outputs, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id, fencing_token FROM operations
-    WHERE operation_id = ANY($1::text[]) AND (SELECT set_config('lock_timeout', $11, true)) IS NOT NULL
+    WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
 ), saved AS (
@@ -214,7 +214,7 @@ WITH req AS (
                                        o.remote_completed_at),
         reason = req.reason,
         reason_code = CASE WHEN req.reason IS NULL THEN NULL ELSE 'remote_job_failed' END,
-        updated_by = $10
+        updated_by = :worker
     FROM req JOIN locked USING (operation_id)
     WHERE o.operation_id = req.operation_id
       AND o.fencing_token = req.fencing_token
@@ -278,87 +278,87 @@ FROM req LEFT JOIN saved USING (operation_id) LEFT JOIN locked USING (operation_
 -- name: save_stalled
 -- Fenced: a pollable operation whose provider answers stopped making progress -> stalled, with the reason and
 -- the raw last answer; nothing polls it until an operator repolls or fails it.
--- $1 operation_id, $2 fencing_token, $3 reason, $4 last answer (jsonb), $5 worker. Returns operation_id, or no
+-- :operation_id, :fencing_token, :reason, :last_answer (jsonb), :worker. Returns operation_id, or no
 -- row when refused (stale fencing value, or no longer pollable).
 WITH stalled AS (
     UPDATE operations
     SET state = 'stalled',
-        reason = $3,
+        reason = :reason,
         reason_code = 'max_age',
-        last_observation = $4::jsonb,
+        last_observation = :last_answer::jsonb,
         last_observed_at = now(),
         next_poll_at = NULL,
-        updated_by = $5
-    WHERE operation_id = $1 AND fencing_token = $2 AND state IN ('submitted', 'queued', 'running')
+        updated_by = :worker
+    WHERE operation_id = :operation_id AND fencing_token = :fencing_token AND state IN ('submitted', 'queued', 'running')
     RETURNING operation_id, remote_job_id
 ), account AS (
     UPDATE remote_jobs AS j
-    SET last_status = left($4::jsonb ->> 'status', 80)
+    SET last_status = left(:last_answer::jsonb ->> 'status', 80)
     FROM stalled
-    WHERE j.remote_job_id = stalled.remote_job_id AND $4::jsonb ? 'status'
+    WHERE j.remote_job_id = stalled.remote_job_id AND :last_answer::jsonb ? 'status'
 )
 SELECT operation_id FROM stalled;
 
 -- name: note_not_found
--- Fenced: the job's GET answered 404. Within $3 seconds of saving the job id (providers commonly answer 404
--- for a while after creating a job) the poll is only rescheduled $4 seconds out; past it, -> stalled with the
--- reason $5 and the raw answer $6.
--- $1 operation_id, $2 fencing_token, $3 grace (s), $4 next poll delay (s), $5 reason, $6 answer (jsonb),
--- $7 worker. Returns the state afterwards ('stalled' or the pollable state), or no row when refused.
+-- Fenced: the job's GET answered 404. Within :grace_s seconds of saving the job id (providers commonly answer 404
+-- for a while after creating a job) the poll is only rescheduled :next_poll_delay_s seconds out; past it, -> stalled with the
+-- reason :reason and the raw answer :answer.
+-- :operation_id, :fencing_token, :grace_s grace (s), :next_poll_delay_s next poll delay (s), :reason, :answer (jsonb),
+-- :worker. Returns the state afterwards ('stalled' or the pollable state), or no row when refused.
 UPDATE operations AS o
-SET state = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN 'stalled'
+SET state = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :grace_s) THEN 'stalled'
                  ELSE o.state END,
-    reason = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN $5 ELSE o.reason END,
-    reason_code = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN 'job_not_found'
+    reason = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :grace_s) THEN :reason ELSE o.reason END,
+    reason_code = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :grace_s) THEN 'job_not_found'
                        ELSE o.reason_code END,
-    last_observation = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN $6::jsonb
+    last_observation = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :grace_s) THEN :answer::jsonb
                             ELSE o.last_observation END,
-    next_poll_at = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => $3) THEN NULL
-                        ELSE now() + make_interval(secs => $4) END,
+    next_poll_at = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :grace_s) THEN NULL
+                        ELSE now() + make_interval(secs => :next_poll_delay_s) END,
     poll_count = o.poll_count + 1,
     last_observed_at = now(),
-    updated_by = $7
-WHERE o.operation_id = $1 AND o.fencing_token = $2 AND o.state IN ('submitted', 'queued', 'running')
+    updated_by = :worker
+WHERE o.operation_id = :operation_id AND o.fencing_token = :fencing_token AND o.state IN ('submitted', 'queued', 'running')
 RETURNING o.state::text AS state;
 
 -- name: note_unknown_status
--- Fenced: the job's GET answered a status the client does not know. The $3-th in a row -> stalled with the
--- reason $5 and the raw answer $6; before that the poll is rescheduled $4 seconds out.
--- $1 operation_id, $2 fencing_token, $3 limit, $4 next poll delay (s), $5 reason, $6 answer (jsonb),
--- $7 worker. Returns the state afterwards and unknown_status_count, or no row when refused.
+-- Fenced: the job's GET answered a status the client does not know. The :unknown_status_limit-th in a row -> stalled with the
+-- reason :reason and the raw answer :answer; before that the poll is rescheduled :next_poll_delay_s seconds out.
+-- :operation_id, :fencing_token, :unknown_status_limit (unknown statuses in a row), :next_poll_delay_s next poll delay (s), :reason, :answer (jsonb),
+-- :worker. Returns the state afterwards and unknown_status_count, or no row when refused.
 UPDATE operations AS o
-SET state = CASE WHEN o.unknown_status_count + 1 >= $3 THEN 'stalled' ELSE o.state END,
-    reason = CASE WHEN o.unknown_status_count + 1 >= $3 THEN $5 ELSE o.reason END,
-    reason_code = CASE WHEN o.unknown_status_count + 1 >= $3 THEN 'unknown_status' ELSE o.reason_code END,
-    last_observation = $6::jsonb,
-    next_poll_at = CASE WHEN o.unknown_status_count + 1 >= $3 THEN NULL
-                        ELSE now() + make_interval(secs => $4) END,
+SET state = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN 'stalled' ELSE o.state END,
+    reason = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN :reason ELSE o.reason END,
+    reason_code = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN 'unknown_status' ELSE o.reason_code END,
+    last_observation = :answer::jsonb,
+    next_poll_at = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN NULL
+                        ELSE now() + make_interval(secs => :next_poll_delay_s) END,
     unknown_status_count = o.unknown_status_count + 1,
     poll_count = o.poll_count + 1,
     last_observed_at = now(),
-    updated_by = $7
-WHERE o.operation_id = $1 AND o.fencing_token = $2 AND o.state IN ('submitted', 'queued', 'running')
+    updated_by = :worker
+WHERE o.operation_id = :operation_id AND o.fencing_token = :fencing_token AND o.state IN ('submitted', 'queued', 'running')
 RETURNING o.state::text AS state, o.unknown_status_count;
 
 -- name: record_remote_call
 -- Batched accounting: one row per remote call attempt. A POST that reported a job id (outcome 'created' or
 -- 'created_via_502') also gives the job its accounting record, even if the id is never saved on the operation.
--- $1 operation_ids (text[]; may repeat), $2 methods (text[]), $3 status_codes (integer[]), $4 outcomes (text[]),
--- $5 remote_job_ids (text[]), $6 durations (ms, float8[]), $7 fencing_tokens (bigint[]), $8 worker, $9 lock_timeout.
+-- :operation_ids (text[]; may repeat), :methods (text[]), :status_codes (integer[]), :outcomes (text[]),
+-- :remote_job_ids (text[]), :durations_ms durations (ms, float8[]), :fencing_tokens (bigint[]), :worker, :lock_timeout.
 WITH req AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::integer[], $4::text[], $5::text[], $6::float8[], $7::bigint[])
+    SELECT * FROM unnest(:operation_ids::text[], :methods::text[], :status_codes::integer[], :outcomes::text[], :remote_job_ids::text[], :durations_ms::float8[], :fencing_tokens::bigint[])
         WITH ORDINALITY AS r(operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, i)
-    WHERE (SELECT set_config('lock_timeout', $9, true)) IS NOT NULL
+    WHERE (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
 ), call AS (
     INSERT INTO remote_calls (operation_id, method, status_code, outcome, remote_job_id, duration_ms,
                               fencing_token, worker)
-    SELECT operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, $8
+    SELECT operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, :worker
     FROM req
     ORDER BY i
 )
 INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
 SELECT req.remote_job_id, req.operation_id,
-       CASE WHEN req.outcome = 'created_via_502' THEN 'post_502' ELSE 'post_2xx' END, $8
+       CASE WHEN req.outcome = 'created_via_502' THEN 'post_502' ELSE 'post_2xx' END, :worker
 FROM req
 WHERE req.method = 'POST' AND req.remote_job_id IS NOT NULL AND req.outcome IN ('created', 'created_via_502')
   AND EXISTS (SELECT 1 FROM operations WHERE operation_id = req.operation_id)
@@ -374,27 +374,27 @@ SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'));
 -- Every unpublished row, never "ids above the last one published": an id is taken when its transaction
 -- writes the row, so a lower id can commit after a higher one was published; it is picked up next round.
 -- Rows of one operation are written under its row lock, so their ids follow their commit order.
--- $1 batch size. Returns id, event_id, topic_role, operation_id, payload (text) in id order.
+-- :batch_size. Returns id, event_id, topic_role, operation_id, payload (text) in id order.
 SELECT id, event_id, topic_role, operation_id, payload::text AS payload
 FROM outbox
 WHERE published_at IS NULL
 ORDER BY id
-LIMIT $1
+LIMIT :batch_size
 FOR UPDATE SKIP LOCKED;
 
--- name: mark_outbox_published
--- $1 ids (bigint[]).
-UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[]);
+-- name: mark_outbox_published!
+-- :outbox_ids (bigint[]).
+UPDATE outbox SET published_at = now() WHERE id = ANY(:outbox_ids::bigint[]);
 
 -- name: stale_accepted
--- Defence in depth: operations still 'accepted' more than $1 seconds after their last change. A dispatcher
+-- Defence in depth: operations still 'accepted' more than :stale_after_s seconds after their last change. A dispatcher
 -- claims an operation milliseconds after accepting it; one left here had its event handled by a worker that
 -- died before the claim (or never read again). Nothing was sent for it, so it may be dispatched again,
 -- through the dispatcher's own submit lease and fenced claim (accepted -> submitting): whoever claims first
 -- POSTs, the other finds it past 'accepted'.
--- $1 stale-after (s), $2 batch size. Returns operation_id, request (the JSON text as submitted), oldest first.
+-- :stale_after_s stale-after (s), :batch_size. Returns operation_id, request (the JSON text as submitted), oldest first.
 SELECT operation_id, request::text AS request
 FROM operations
-WHERE state = 'accepted' AND updated_at < now() - make_interval(secs => $1)
+WHERE state = 'accepted' AND updated_at < now() - make_interval(secs => :stale_after_s)
 ORDER BY updated_at
-LIMIT $2;
+LIMIT :batch_size;

@@ -8,68 +8,68 @@
 -- name: adopt
 -- uncertain -> submitted with the job id an operator found at the provider; the job is observed from now on
 -- and gets its accounting record ('adopted', unless the system already knew the job).
--- $1 operation_id, $2 remote_job_id, $3 reason, $4 actor. Returns transition_seq, fencing_token.
+-- :operation_id, :remote_job_id, :reason, :actor. Returns transition_seq, fencing_token.
 WITH adopted AS (
     UPDATE operations
     SET state = 'submitted',
-        remote_job_id = $2,
-        reason = $3,
+        remote_job_id = :remote_job_id,
+        reason = :reason,
         reason_code = 'adopted_by_operator',
         fencing_token = fencing_token + 1,
         next_poll_at = now(),
         next_lookup_at = NULL,
-        updated_by = $4
-    WHERE operation_id = $1 AND state = 'uncertain' AND remote_job_id IS NULL
+        updated_by = :actor
+    WHERE operation_id = :operation_id AND state = 'uncertain' AND remote_job_id IS NULL
     RETURNING operation_id, remote_job_id, transition_seq, fencing_token
 ), account AS (
     INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
-    SELECT remote_job_id, operation_id, 'adopted', $4 FROM adopted
+    SELECT remote_job_id, operation_id, 'adopted', :actor FROM adopted
     ON CONFLICT (remote_job_id) DO NOTHING
 )
 SELECT transition_seq, fencing_token FROM adopted;
 
 -- name: abandon
 -- uncertain -> rejected: an operator checked that the provider created no job for this operation.
--- $1 operation_id, $2 reason, $3 actor. Returns transition_seq, fencing_token.
+-- :operation_id, :reason, :actor. Returns transition_seq, fencing_token.
 UPDATE operations
 SET state = 'rejected',
-    reason = $2,
+    reason = :reason,
     reason_code = 'abandoned_by_operator',
     fencing_token = fencing_token + 1,
     next_lookup_at = NULL,
-    updated_by = $3
-WHERE operation_id = $1 AND state = 'uncertain'
+    updated_by = :actor
+WHERE operation_id = :operation_id AND state = 'uncertain'
 RETURNING transition_seq, fencing_token;
 
 -- name: repoll
 -- stalled -> submitted: observe the same job again, due now, with a fresh observation window (maximum age and
 -- unknown-status count start over; the 404 grace window still counts from when the job id was saved).
--- $1 operation_id, $2 reason, $3 actor. Returns transition_seq, fencing_token.
+-- :operation_id, :reason, :actor. Returns transition_seq, fencing_token.
 UPDATE operations
 SET state = 'submitted',
-    reason = $2,
+    reason = :reason,
     reason_code = 'repolled_by_operator',
     fencing_token = fencing_token + 1,
     next_poll_at = now(),
     observing_since = now(),
     unknown_status_count = 0,
-    updated_by = $3
-WHERE operation_id = $1 AND state = 'stalled'
+    updated_by = :actor
+WHERE operation_id = :operation_id AND state = 'stalled'
 RETURNING transition_seq, fencing_token;
 
 -- name: fail_stalled
 -- stalled -> failed, an operator's decision (the provider never said so: the job's accounting outcome stays
 -- unknown).
--- $1 operation_id, $2 reason, $3 actor. Returns transition_seq, fencing_token.
+-- :operation_id, :reason, :actor. Returns transition_seq, fencing_token.
 UPDATE operations
 SET state = 'failed',
-    reason = $2,
+    reason = :reason,
     reason_code = 'failed_by_operator',
     fencing_token = fencing_token + 1,
-    updated_by = $3
-WHERE operation_id = $1 AND state = 'stalled'
+    updated_by = :actor
+WHERE operation_id = :operation_id AND state = 'stalled'
 RETURNING transition_seq, fencing_token;
 
 -- name: operation_holding_job
--- $1 remote_job_id. The operation that saved this job id, if any.
-SELECT operation_id FROM operations WHERE remote_job_id = $1;
+-- :remote_job_id. The operation that saved this job id, if any.
+SELECT operation_id FROM operations WHERE remote_job_id = :remote_job_id;

@@ -79,7 +79,7 @@ async def postgres_transactions(admin_url: str, database: str) -> int:
     database, so the reading adds none)."""
     conn = await asyncpg.connect(admin_url)
     try:
-        value = await conn.fetchval(BENCH.database_transactions, database)
+        value = await BENCH.database_transactions.fetchval(conn, database=database)
     finally:
         await conn.close()
     return int(value or 0)

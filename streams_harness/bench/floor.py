@@ -68,18 +68,32 @@ class Floor:
             await pipe.execute()
 
     async def _account(self, calls: list[tuple[str, str, int, str, str | None, float, int]]) -> None:
-        columns = list(zip(*calls, strict=True))
-        await self.pool.execute(BENCH.floor_record_calls_many, *(list(c) for c in columns), WORKER)
+        operation_ids, methods, status_codes, outcomes, remote_job_ids, durations_ms, fencing_tokens = (
+            list(c) for c in zip(*calls, strict=True)
+        )
+        await BENCH.floor_record_calls_many.execute(
+            self.pool,
+            operation_ids=operation_ids,
+            methods=methods,
+            status_codes=status_codes,
+            outcomes=outcomes,
+            remote_job_ids=remote_job_ids,
+            durations_ms=durations_ms,
+            fencing_tokens=fencing_tokens,
+            worker=WORKER,
+        )
 
     async def submit(self, events: list[dict[str, Any]]) -> None:
         ids = [e["operation_id"] for e in events]
         await self._leases("set", ids, "submit")
         requests = [orjson.dumps(e["request"]).decode() for e in events]
         submitted = [e["submitted_at_ms"] for e in events]
-        await self.pool.execute(BENCH.floor_accept_many, ids, requests, submitted, WORKER)
+        await BENCH.floor_accept_many.execute(
+            self.pool, operation_ids=ids, requests=requests, submitted_at_ms=submitted, worker=WORKER
+        )
         claimed = {
             r["operation_id"]: r["fencing_token"]
-            for r in await self.pool.fetch(BENCH.floor_claim_submit_many, ids, WORKER)
+            for r in await BENCH.floor_claim_submit_many.fetch(self.pool, operation_ids=ids, worker=WORKER)
         }
         await self._leases("renew", ids, "submit")
 
@@ -96,8 +110,12 @@ class Floor:
         todo = [e for e in events if e["operation_id"] in claimed]
         results = await asyncio.gather(*(post(e) for e in todo))
         done = [e["operation_id"] for e in todo]
-        await self.pool.execute(
-            BENCH.floor_save_submitted_many, done, [r[0] for r in results], [r[2] for r in results], WORKER
+        await BENCH.floor_save_submitted_many.execute(
+            self.pool,
+            operation_ids=done,
+            remote_job_ids=[r[0] for r in results],
+            first_poll_delays_s=[r[2] for r in results],
+            worker=WORKER,
         )
         await self._account(
             [(op, "POST", r[1], "created", r[0], r[3], claimed[op]) for op, r in zip(done, results, strict=True)]
@@ -107,7 +125,9 @@ class Floor:
     async def observe(self, events: list[dict[str, Any]]) -> None:
         ids = [e["operation_id"] for e in events]
         await self._leases("set", ids, "observe")
-        rows = await self.pool.fetch(BENCH.floor_claim_observe_many, ids, [e["poll_claim_id"] for e in events], WORKER)
+        rows = await BENCH.floor_claim_observe_many.fetch(
+            self.pool, operation_ids=ids, poll_claim_ids=[e["poll_claim_id"] for e in events], worker=WORKER
+        )
 
         async def get(job_id: str) -> tuple[dict[str, Any], int, float]:
             started = time.perf_counter()
@@ -126,16 +146,16 @@ class Floor:
             completed.append(int(body["completed_at"] * 1000) if body.get("completed_at") else None)
             outputs.append(orjson.dumps(body.get("outputs") or []).decode())
             observations.append(orjson.dumps({"job_id": body["id"], "status": body["status"]}).decode())
-        await self.pool.execute(
-            BENCH.floor_save_observations_many,
-            [r["operation_id"] for r in rows],
-            [r["fencing_token"] for r in rows],
-            states,
-            observations,
-            delays,
-            completed,
-            outputs,
-            WORKER,
+        await BENCH.floor_save_observations_many.execute(
+            self.pool,
+            operation_ids=[r["operation_id"] for r in rows],
+            fencing_tokens=[r["fencing_token"] for r in rows],
+            states=states,
+            observations=observations,
+            next_poll_delays_s=delays,
+            remote_completed_at_ms=completed,
+            outputs=outputs,
+            worker=WORKER,
         )
         await self._account(
             [

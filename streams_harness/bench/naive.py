@@ -47,12 +47,14 @@ class NaivePeer:
         operation_id = event["operation_id"]
         request_text = orjson.dumps(event["request"]).decode()
         await self.ledger.accept(operation_id, request_text, submitted_at_ms=event["submitted_at_ms"])
-        await self.pool.execute(BENCH.naive_mark_submitting, operation_id, WORKER)
+        await BENCH.naive_mark_submitting.execute(self.pool, operation_id=operation_id, worker=WORKER)
         try:
             result = await self.remote.submit(operation_id, request_text)
         except RemoteError:
             return
-        await self.pool.execute(BENCH.naive_save_job, operation_id, result.job_id, WORKER)
+        await BENCH.naive_save_job.execute(
+            self.pool, operation_id=operation_id, remote_job_id=result.job_id, worker=WORKER
+        )
 
     async def consume(self, consumer: AIOKafkaConsumer) -> None:
         slots = asyncio.Semaphore(self.settings.dispatcher_concurrency)
@@ -77,17 +79,17 @@ class NaivePeer:
             return
         observation = orjson.dumps(snapshot.as_observation()).decode()
         with contextlib.suppress(asyncpg.PostgresError):  # e.g. the ledger's trigger refused a step backwards
-            await self.pool.execute(
-                BENCH.naive_save_state,
-                operation_id,
-                snapshot.state.value,
-                observation,
-                snapshot.completed_at_ms,
-                WORKER,
+            await BENCH.naive_save_state.execute(
+                self.pool,
+                operation_id=operation_id,
+                state=snapshot.state.value,
+                observation=observation,
+                remote_completed_at_ms=snapshot.completed_at_ms,
+                worker=WORKER,
             )
         if snapshot.state is not OperationState.SUCCEEDED:
             return
-        rows = await self.pool.fetch(BENCH.naive_save_outputs, operation_id, snapshot.outputs)
+        rows = await BENCH.naive_save_outputs.fetch(self.pool, operation_id=operation_id, outputs=snapshot.outputs)
         for row in rows:
             value = {
                 "event_id": f"output:{operation_id}:{row['output_id']}",
@@ -110,7 +112,7 @@ class NaivePeer:
                 await self.observe(operation_id, job_id)
 
         while True:
-            rows = await self.pool.fetch(BENCH.naive_pollable, self.settings.poll_batch_size)
+            rows = await BENCH.naive_pollable.fetch(self.pool, limit=self.settings.poll_batch_size)
             await asyncio.gather(*(one(r["operation_id"], r["remote_job_id"]) for r in rows))
             await asyncio.sleep(self.settings.poll_scheduler_interval_s)
 

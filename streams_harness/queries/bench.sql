@@ -3,53 +3,53 @@
 -- statement, no lease, no fencing). Both write the ledger's own tables, so its triggers do the same work.
 
 -- name: floor_accept_many
--- $1 operation ids (text[]), $2 provider requests as JSON texts (text[]), $3 submitted_at_ms (bigint[]),
--- $4 worker. Inserts the new ones as 'accepted'.
+-- :operation_ids (text[]), :requests provider requests as JSON texts (text[]), :submitted_at_ms (bigint[]),
+-- :worker. Inserts the new ones as 'accepted'.
 INSERT INTO operations (operation_id, request, submitted_at_ms, updated_by)
-SELECT x.operation_id, x.request::json, x.submitted_at_ms, $4
-FROM unnest($1::text[], $2::text[], $3::bigint[]) AS x(operation_id, request, submitted_at_ms)
+SELECT x.operation_id, x.request::json, x.submitted_at_ms, :worker
+FROM unnest(:operation_ids::text[], :requests::text[], :submitted_at_ms::bigint[]) AS x(operation_id, request, submitted_at_ms)
 ON CONFLICT (operation_id) DO NOTHING;
 
 -- name: floor_claim_submit_many
--- $1 operation ids (text[]), $2 worker. accepted -> submitting; returns operation_id, fencing_token.
+-- :operation_ids (text[]), :worker. accepted -> submitting; returns operation_id, fencing_token.
 UPDATE operations
-SET state = 'submitting', fencing_token = fencing_token + 1, updated_by = $2
-WHERE operation_id = ANY($1::text[]) AND state = 'accepted'
+SET state = 'submitting', fencing_token = fencing_token + 1, updated_by = :worker
+WHERE operation_id = ANY(:operation_ids::text[]) AND state = 'accepted'
 RETURNING operation_id, fencing_token;
 
 -- name: floor_save_submitted_many
--- $1 operation ids (text[]), $2 remote job ids (text[]), $3 first poll delays in s (float8[]), $4 worker. With
+-- :operation_ids (text[]), :remote_job_ids (text[]), :first_poll_delays_s first poll delays in s (float8[]), :worker. With
 -- the jobs' accounting records, as save_submitted of the ledger does for one.
 WITH saved AS (
     UPDATE operations AS o
     SET state = 'submitted', remote_job_id = x.remote_job_id,
-        next_poll_at = now() + make_interval(secs => x.delay_s), updated_by = $4
-    FROM unnest($1::text[], $2::text[], $3::float8[]) AS x(operation_id, remote_job_id, delay_s)
+        next_poll_at = now() + make_interval(secs => x.delay_s), updated_by = :worker
+    FROM unnest(:operation_ids::text[], :remote_job_ids::text[], :first_poll_delays_s::float8[]) AS x(operation_id, remote_job_id, delay_s)
     WHERE o.operation_id = x.operation_id AND o.state = 'submitting'
     RETURNING o.operation_id, o.remote_job_id
 )
 INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
-SELECT remote_job_id, operation_id, 'post_2xx', $4 FROM saved
+SELECT remote_job_id, operation_id, 'post_2xx', :worker FROM saved
 ON CONFLICT (remote_job_id) DO NOTHING;
 
 -- name: floor_claim_observe_many
--- $1 operation ids (text[]), $2 poll claim ids (bigint[]), $3 worker. A new fencing value per claimed poll;
+-- :operation_ids (text[]), :poll_claim_ids (bigint[]), :worker. A new fencing value per claimed poll;
 -- returns operation_id, fencing_token, remote_job_id.
 UPDATE operations AS o
-SET fencing_token = o.fencing_token + 1, updated_by = $3
-FROM unnest($1::text[], $2::bigint[]) AS x(operation_id, poll_claim_id)
+SET fencing_token = o.fencing_token + 1, updated_by = :worker
+FROM unnest(:operation_ids::text[], :poll_claim_ids::bigint[]) AS x(operation_id, poll_claim_id)
 WHERE o.operation_id = x.operation_id AND o.poll_claim_id = x.poll_claim_id
   AND o.state IN ('submitted', 'queued', 'running')
 RETURNING o.operation_id, o.fencing_token, o.remote_job_id;
 
 -- name: floor_save_observations_many
 -- One statement for a batch of GET answers: the states, and for 'succeeded' the outputs and their outbox rows
--- (as save_observation of the ledger does for one). $1 operation ids (text[]), $2 fencing tokens (bigint[]),
--- $3 states (text[]), $4 observations as JSON texts (text[]), $5 next poll delays in s (float8[], NULL when
--- terminal), $6 remote completion times in epoch ms (bigint[]), $7 outputs as JSON array texts (text[]),
--- $8 worker. Returns the number of operations saved.
+-- (as save_observation of the ledger does for one). :operation_ids (text[]), :fencing_tokens (bigint[]),
+-- :states (text[]), :observations as JSON texts (text[]), :next_poll_delays_s next poll delays in s (float8[], NULL when
+-- terminal), :remote_completed_at_ms remote completion times in epoch ms (bigint[]), :outputs as JSON array texts (text[]),
+-- :worker. Returns the number of operations saved.
 WITH x AS (
-    SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::float8[], $6::bigint[], $7::text[])
+    SELECT * FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :states::text[], :observations::text[], :next_poll_delays_s::float8[], :remote_completed_at_ms::bigint[], :outputs::text[])
         AS x(operation_id, fencing_token, state, observation, delay_s, completed_ms, outputs)
 ), saved AS (
     UPDATE operations AS o
@@ -59,7 +59,7 @@ WITH x AS (
         poll_count = o.poll_count + 1,
         next_poll_at = CASE WHEN x.delay_s IS NULL THEN NULL ELSE now() + make_interval(secs => x.delay_s) END,
         remote_completed_at = COALESCE(to_timestamp(x.completed_ms / 1000.0), o.remote_completed_at),
-        updated_by = $8
+        updated_by = :worker
     FROM x
     WHERE o.operation_id = x.operation_id AND o.fencing_token = x.fencing_token
     RETURNING o.operation_id, o.state, o.remote_job_id, x.outputs, x.completed_ms
@@ -97,61 +97,61 @@ WITH x AS (
 SELECT count(*)::integer FROM saved;
 
 -- name: floor_record_calls_many
--- Accounting for a batch of remote calls. $1 operation ids (text[]), $2 methods (text[]), $3 status codes
--- (int[]), $4 outcomes (text[]), $5 remote job ids (text[]), $6 durations in ms (float8[]), $7 fencing tokens
--- (bigint[]), $8 worker. POSTs that created a job also give it its accounting record (record_remote_call).
+-- Accounting for a batch of remote calls. :operation_ids (text[]), :methods (text[]), :status_codes
+-- (int[]), :outcomes (text[]), :remote_job_ids (text[]), :durations_ms durations in ms (float8[]), :fencing_tokens
+-- (bigint[]), :worker. POSTs that created a job also give it its accounting record (record_remote_call).
 WITH x AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::integer[], $4::text[], $5::text[], $6::float8[], $7::bigint[])
+    SELECT * FROM unnest(:operation_ids::text[], :methods::text[], :status_codes::integer[], :outcomes::text[], :remote_job_ids::text[], :durations_ms::float8[], :fencing_tokens::bigint[])
         AS x(operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token)
 ), calls AS (
     INSERT INTO remote_calls (operation_id, method, status_code, outcome, remote_job_id, duration_ms,
                               fencing_token, worker)
-    SELECT x.*, $8 FROM x
+    SELECT x.*, :worker FROM x
 )
 INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
-SELECT remote_job_id, operation_id, 'post_2xx', $8 FROM x
+SELECT remote_job_id, operation_id, 'post_2xx', :worker FROM x
 WHERE method = 'POST' AND remote_job_id IS NOT NULL AND outcome = 'created'
 ON CONFLICT (remote_job_id) DO NOTHING;
 
--- name: naive_mark_submitting
--- The naive peer: no state check, no fencing value. $1 operation_id, $2 worker.
-UPDATE operations SET state = 'submitting', updated_by = $2 WHERE operation_id = $1;
+-- name: naive_mark_submitting!
+-- The naive peer: no state check, no fencing value. :operation_id, :worker.
+UPDATE operations SET state = 'submitting', updated_by = :worker WHERE operation_id = :operation_id;
 
--- name: naive_save_job
--- $1 operation_id, $2 remote job id, $3 worker. Pollable at once.
-UPDATE operations SET state = 'submitted', remote_job_id = $2, next_poll_at = now(), updated_by = $3
-WHERE operation_id = $1;
+-- name: naive_save_job!
+-- :operation_id, :remote_job_id, :worker. Pollable at once.
+UPDATE operations SET state = 'submitted', remote_job_id = :remote_job_id, next_poll_at = now(), updated_by = :worker
+WHERE operation_id = :operation_id;
 
 -- name: naive_pollable
--- Every job not final yet, whoever else is polling it. $1 limit. Returns operation_id, remote_job_id.
+-- Every job not final yet, whoever else is polling it. :limit. Returns operation_id, remote_job_id.
 SELECT operation_id, remote_job_id
 FROM operations
 WHERE state IN ('submitted', 'queued', 'running')
 ORDER BY next_poll_at
-LIMIT $1;
+LIMIT :limit;
 
--- name: naive_save_state
--- $1 operation_id, $2 state, $3 observation (jsonb), $4 remote completion time in epoch ms (or NULL),
--- $5 worker. No fencing value: the last writer wins (the ledger's trigger still refuses a step backwards).
+-- name: naive_save_state!
+-- :operation_id, :state, :observation (jsonb), :remote_completed_at_ms remote completion time in epoch ms (or NULL),
+-- :worker. No fencing value: the last writer wins (the ledger's trigger still refuses a step backwards).
 UPDATE operations
-SET state = $2::operation_state,
-    last_observation = $3::jsonb,
+SET state = :state::operation_state,
+    last_observation = :observation::jsonb,
     last_observed_at = now(),
     poll_count = poll_count + 1,
-    next_poll_at = CASE WHEN $2 IN ('succeeded', 'failed', 'canceled') THEN NULL ELSE now() END,
-    remote_completed_at = COALESCE(to_timestamp($4::bigint / 1000.0), remote_completed_at),
-    updated_by = $5
-WHERE operation_id = $1;
+    next_poll_at = CASE WHEN :state IN ('succeeded', 'failed', 'canceled') THEN NULL ELSE now() END,
+    remote_completed_at = COALESCE(to_timestamp(:remote_completed_at_ms::bigint / 1000.0), remote_completed_at),
+    updated_by = :worker
+WHERE operation_id = :operation_id;
 
 -- name: naive_save_outputs
--- $1 operation_id, $2 outputs (jsonb array). Returns output_id, position, payload (text) of each.
+-- :operation_id, :outputs (jsonb array). Returns output_id, position, payload (text) of each.
 INSERT INTO outputs (operation_id, output_id, position, payload)
-SELECT $1, e.value ->> 'id', (e.ordinality - 1)::integer, e.value
-FROM jsonb_array_elements($2::jsonb) WITH ORDINALITY AS e(value, ordinality)
+SELECT :operation_id, e.value ->> 'id', (e.ordinality - 1)::integer, e.value
+FROM jsonb_array_elements(:outputs::jsonb) WITH ORDINALITY AS e(value, ordinality)
 ON CONFLICT (operation_id, output_id) DO UPDATE SET payload = EXCLUDED.payload
 RETURNING output_id, position, payload::text AS payload;
 
 -- name: database_transactions
--- $1 database name. Transactions committed and rolled back in it since the statistics were last reset: one
+-- :database (its name). Transactions committed and rolled back in it since the statistics were last reset: one
 -- per statement run outside an explicit transaction (and one per statement prepared), one per BEGIN..COMMIT.
-SELECT (xact_commit + xact_rollback)::bigint FROM pg_stat_database WHERE datname = $1;
+SELECT (xact_commit + xact_rollback)::bigint FROM pg_stat_database WHERE datname = :database;

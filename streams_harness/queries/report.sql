@@ -1,7 +1,7 @@
 -- Named queries for reports and progress (read-only).
 
 -- name: run_operations
--- $1 operation id LIKE pattern. One row per operation with its reason code, final-transition time and output
+-- :operation_pattern operation id LIKE pattern. One row per operation with its reason code, final-transition time and output
 -- count.
 SELECT o.operation_id,
        o.state::text AS state,
@@ -11,33 +11,33 @@ SELECT o.operation_id,
         FROM transitions t WHERE t.operation_id = o.operation_id) AS final_at_ms,
        (SELECT count(*) FROM outputs u WHERE u.operation_id = o.operation_id)::integer AS outputs
 FROM operations o
-WHERE o.operation_id LIKE $1;
+WHERE o.operation_id LIKE :operation_pattern;
 
 -- name: run_progress
--- $1 operation id LIKE pattern. state -> count, plus unpublished outbox rows and uncertain operations whose
+-- :operation_pattern operation id LIKE pattern. state -> count, plus unpublished outbox rows and uncertain operations whose
 -- lookup is still to come (lookup_pending; meaningful only with lookup on).
 SELECT state::text AS state, count(*)::integer AS n
-FROM operations WHERE operation_id LIKE $1
+FROM operations WHERE operation_id LIKE :operation_pattern
 GROUP BY state
 UNION ALL
-SELECT 'outbox_pending', count(*)::integer FROM outbox WHERE operation_id LIKE $1 AND published_at IS NULL
+SELECT 'outbox_pending', count(*)::integer FROM outbox WHERE operation_id LIKE :operation_pattern AND published_at IS NULL
 UNION ALL
 SELECT 'lookup_pending', count(*)::integer FROM operations
-WHERE operation_id LIKE $1 AND state = 'uncertain' AND lookup_gave_up_at IS NULL;
+WHERE operation_id LIKE :operation_pattern AND state = 'uncertain' AND lookup_gave_up_at IS NULL;
 
 -- name: try_main_job_lock
 -- One main job at a time per ledger: a session-level advisory lock, held until the connection closes.
 SELECT pg_try_advisory_lock(hashtext('generation-streams:main-job'));
 
 -- name: run_transitions
--- $1 operation id LIKE pattern. The transition log of the run's operations, in order.
+-- :operation_pattern operation id LIKE pattern. The transition log of the run's operations, in order.
 SELECT operation_id, from_state::text AS from_state, to_state::text AS to_state
 FROM transitions
-WHERE operation_id LIKE $1
+WHERE operation_id LIKE :operation_pattern
 ORDER BY operation_id, id;
 
 -- name: run_reconciled
--- $1 operation id LIKE pattern. How uncertain operations left uncertain: adopted by the reconciler's lookup
+-- :operation_pattern operation id LIKE pattern. How uncertain operations left uncertain: adopted by the reconciler's lookup
 -- (automatic), adopted or abandoned by an operator (by_person), or the same POST's late answer (late_answer).
 SELECT count(*) FILTER (WHERE t.to_state = 'submitted' AND j.learned_via = 'lookup')::integer AS automatic,
        count(*) FILTER (WHERE (t.to_state = 'submitted' AND j.learned_via = 'adopted')
@@ -47,4 +47,4 @@ SELECT count(*) FILTER (WHERE t.to_state = 'submitted' AND j.learned_via = 'look
 FROM transitions t
 JOIN operations o USING (operation_id)
 LEFT JOIN remote_jobs j ON j.remote_job_id = o.remote_job_id
-WHERE t.operation_id LIKE $1 AND t.from_state = 'uncertain';
+WHERE t.operation_id LIKE :operation_pattern AND t.from_state = 'uncertain';

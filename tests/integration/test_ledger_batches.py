@@ -32,13 +32,13 @@ REQUEST = '{"input": {"prompt": "p", "max_tokens": 2}, "n": 18446744073709551617
 
 #: The batched statements, by the ledger's stage names.
 STAGE_QUERIES = {
-    "accept": Q.accept_operation,
-    "claim_submit": Q.claim_for_submit,
-    "save_submitted": Q.save_submitted,
-    "claim_observe": Q.claim_for_observe,
-    "reschedule_poll": Q.reschedule_poll,
-    "save_observation": Q.save_observation,
-    "record_remote_call": Q.record_remote_call,
+    "accept": Q.accept_operation.sql,
+    "claim_submit": Q.claim_for_submit.sql,
+    "save_submitted": Q.save_submitted.sql,
+    "claim_observe": Q.claim_for_observe.sql,
+    "reschedule_poll": Q.reschedule_poll.sql,
+    "save_observation": Q.save_observation.sql,
+    "record_remote_call": Q.record_remote_call.sql,
 }
 
 

@@ -1,151 +1,275 @@
-"""Named SQL queries: the parser and a sanity check of the ledger's queries."""
+"""Named SQL queries: the loader (aiosql's parsing and conversion of named parameters), every query file, and every
+call site in the code (each names exactly the parameters of an existing query)."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from streams.sql import LEDGER, Queries, parse_queries
+from streams.errors import QueryParametersError
+from streams.sql import LEDGER, Queries, Query, parse_queries
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TEXT = """\
 -- A header comment before the first query is ignored.
 
 -- name: first_query
--- $1 id
-SELECT * FROM t WHERE id = $1;
+-- :id the row.
+SELECT * FROM t WHERE id = :id;
 
---name:second
-UPDATE t SET x = $2
-WHERE id = $1;
--- name:   third_one
+-- name: second
+-- :id, :x (text).
+UPDATE t SET x = :x::text, y = ':not_a_parameter', "odd:name" = 1
+WHERE id = :id AND z::text = 'a:b' AND w = ANY(:x::text[]);
+
+-- name: third_one
 SELECT 1;
 """
 
 
-def test_parse_names_and_bodies() -> None:
+def test_parse_names_parameters_and_sql() -> None:
     queries = parse_queries(TEXT)
     assert list(queries) == ["first_query", "second", "third_one"]
-    assert queries == {
-        "first_query": "-- $1 id\nSELECT * FROM t WHERE id = $1;",
-        "second": "UPDATE t SET x = $2\nWHERE id = $1;",
-        "third_one": "SELECT 1;",
-    }
+    first, second, third = queries.values()
+    assert first.sql == "SELECT * FROM t WHERE id = $1;"
+    assert first.parameters == ("id",)
+    assert first.doc == ":id the row."
+    # Casts (::text), quoted text and quoted identifiers stay as they are; a name used twice is one parameter.
+    assert second.sql == (
+        "UPDATE t SET x = $1::text, y = ':not_a_parameter', \"odd:name\" = 1\n"
+        "WHERE id = $2 AND z::text = 'a:b' AND w = ANY($1::text[]);"
+    )
+    assert second.parameters == ("x", "id")
+    assert (third.sql, third.parameters) == ("SELECT 1;", ())
 
 
-def test_parse_without_names_is_empty() -> None:
-    assert parse_queries("SELECT 1;\n-- just a comment\n") == {}
-    assert parse_queries("") == {}
-
-
-def test_name_must_be_alone_on_its_line() -> None:
-    # "-- name: a b" is not a name line, so its text stays in the previous body.
-    queries = parse_queries("-- name: a\nSELECT 1;\n-- name: b c\nSELECT 2;\n")
-    assert queries == {"a": "SELECT 1;\n-- name: b c\nSELECT 2;"}
+def test_dollar_quoted_text_is_refused() -> None:
+    # aiosql would rewrite ":b" inside the dollar-quoted string; no query may hold one.
+    with pytest.raises(ValueError, match="dollar-quoted"):
+        parse_queries("-- name: a\nSELECT $$ :b $$, :c;\n")
 
 
 def test_duplicate_name_is_an_error() -> None:
-    with pytest.raises(ValueError, match="query 'a' is defined twice"):
+    with pytest.raises(Exception, match="a"):
         parse_queries("-- name: a\nSELECT 1;\n-- name: a\nSELECT 2;\n")
 
 
+def test_arguments_in_placeholder_order() -> None:
+    second = parse_queries(TEXT)["second"]
+    assert second.arguments({"id": 7, "x": "v"}) == ["v", 7]
+
+
 @pytest.mark.parametrize(
-    "text",
-    ["-- name: a\n", "-- name: a\n\n   \n-- name: b\nSELECT 1;\n", "-- name: b\nSELECT 1;\n-- name: a\n  \n"],
+    ("values", "missing", "unknown"),
+    [({"x": "v"}, ["id"], []), ({"id": 1, "x": "v", "y": 2}, [], ["y"]), ({"ids": 1, "x": "v"}, ["id"], ["ids"])],
 )
-def test_empty_query_is_an_error(text: str) -> None:
-    with pytest.raises(ValueError, match="query 'a' is empty"):
-        parse_queries(text)
+async def test_wrong_parameter_names_fail_loudly_before_sending(
+    values: dict[str, Any], missing: list[str], unknown: list[str]
+) -> None:
+    second = parse_queries(TEXT, "test.sql")["second"]
+    sent: list[Any] = []
+
+    class Db:
+        async def execute(self, *args: Any) -> str:
+            sent.append(args)
+            return "UPDATE 1"
+
+    with pytest.raises(QueryParametersError) as info:
+        await second.execute(Db(), **values)  # type: ignore[arg-type]
+    assert (info.value.missing, info.value.unknown, info.value.query) == (missing, unknown, "second")
+    assert "query 'second' of test.sql called with the wrong parameters" in str(info.value)
+    assert sent == []
+    assert await second.execute(Db(), id=1, x="v") == "UPDATE 1"  # type: ignore[arg-type]
+    assert sent == [(second.sql, "v", 1)]
 
 
-EXPECTED_LEDGER = [
-    "accept_operation",
-    "claim_for_submit",
-    "save_submitted",
-    "save_submission_without_job",
-    "reconcile_stale_submitting",
-    "claim_due_polls",
-    "get_operation",
-    "claim_for_observe",
-    "reschedule_poll",
-    "save_observation",
-    "save_stalled",
-    "note_not_found",
-    "note_unknown_status",
-    "record_remote_call",
-    "try_relay_lock",
-    "lock_unpublished_outbox",
-    "mark_outbox_published",
-    "stale_accepted",
-]
-
-#: Number of parameters each query takes (from its documentation comment).
-EXPECTED_ARITY = {
-    "accept_operation": 6,
-    "claim_for_submit": 3,
-    "save_submitted": 7,
-    "save_submission_without_job": 6,
-    "reconcile_stale_submitting": 3,
-    "claim_due_polls": 2,
-    "get_operation": 1,
-    "claim_for_observe": 4,
-    "reschedule_poll": 4,
-    "save_observation": 11,
-    "save_stalled": 5,
-    "note_not_found": 7,
-    "note_unknown_status": 7,
-    "record_remote_call": 9,
-    "try_relay_lock": 0,
-    "lock_unpublished_outbox": 1,
-    "mark_outbox_published": 1,
-    "stale_accepted": 2,
+EXPECTED = {
+    ("streams", "ledger.sql"): [
+        "accept_operation",
+        "claim_for_submit",
+        "save_submitted",
+        "save_submission_without_job",
+        "reconcile_stale_submitting",
+        "claim_due_polls",
+        "get_operation",
+        "claim_for_observe",
+        "reschedule_poll",
+        "save_observation",
+        "save_stalled",
+        "note_not_found",
+        "note_unknown_status",
+        "record_remote_call",
+        "try_relay_lock",
+        "lock_unpublished_outbox",
+        "mark_outbox_published",
+        "stale_accepted",
+    ],
+    ("streams", "operators.sql"): ["adopt", "abandon", "repoll", "fail_stalled", "operation_holding_job"],
+    ("streams", "accounting.sql"): ["accounting_summary", "record_refund"],
+    ("streams", "reconcile.sql"): ["claim_due_lookups", "adopt_found_job", "give_up_lookup", "reschedule_lookup"],
+    ("streams", "inspect.sql"): [
+        "list_operations",
+        "operation_row",
+        "operation_transitions",
+        "operation_outputs",
+        "operation_remote_calls",
+        "operation_remote_jobs",
+        "state_counts",
+        "state_queue",
+        "transitions_per_minute",
+        "outbox_backlog",
+        "database_now",
+        "posts_per_operation",
+    ],
+    ("streams_harness", "report.sql"): [
+        "run_operations",
+        "run_progress",
+        "try_main_job_lock",
+        "run_transitions",
+        "run_reconciled",
+    ],
+    ("streams_harness", "bench.sql"): [
+        "floor_accept_many",
+        "floor_claim_submit_many",
+        "floor_save_submitted_many",
+        "floor_claim_observe_many",
+        "floor_save_observations_many",
+        "floor_record_calls_many",
+        "naive_mark_submitting",
+        "naive_save_job",
+        "naive_pollable",
+        "naive_save_state",
+        "naive_save_outputs",
+        "database_transactions",
+    ],
 }
 
+FILES = {key: Queries(key[1], package=key[0]) for key in EXPECTED}
+ALL_QUERIES = [(f"{package}/{filename}", q) for (package, filename), qs in FILES.items() for q in qs.all()]
 
-def test_ledger_names() -> None:
-    assert LEDGER.names() == EXPECTED_LEDGER
-    assert set(EXPECTED_ARITY) == set(EXPECTED_LEDGER)
+
+def test_every_query_file_is_listed() -> None:
+    on_disk = {(p.parent.parent.name, p.name) for p in ROOT.glob("*/queries/*.sql")}
+    assert on_disk == set(EXPECTED)
+
+
+@pytest.mark.parametrize("key", sorted(EXPECTED))
+def test_names_in_file_order(key: tuple[str, str]) -> None:
+    assert FILES[key].names() == EXPECTED[key]
 
 
 def test_attribute_access() -> None:
-    assert LEDGER.claim_for_submit.endswith("RETURNING req.i, o.fencing_token;")
-    assert "UPDATE operations" in LEDGER.claim_for_submit
-    with pytest.raises(AttributeError, match="no query named 'nope'"):
+    assert LEDGER.claim_for_submit.sql.endswith("RETURNING req.i, o.fencing_token;")
+    assert LEDGER.claim_for_submit.parameters == ("operation_ids", "lock_timeout", "worker")
+    with pytest.raises(AttributeError, match=r"no query named 'nope' in streams/queries/ledger\.sql"):
         _ = LEDGER.nope
 
 
-def test_queries_loader_reads_the_same_file() -> None:
-    assert Queries("ledger.sql").names() == EXPECTED_LEDGER
-
-
-def _placeholders(sql: str) -> set[int]:
-    code = re.sub(r"--[^\n]*", "", sql)  # comments document parameters; only the code counts
-    return {int(n) for n in re.findall(r"\$(\d+)", code)}
-
-
-@pytest.mark.parametrize("name", EXPECTED_LEDGER)
-def test_placeholders_are_contiguous_from_one(name: str) -> None:
-    used = _placeholders(getattr(LEDGER, name))
-    assert used == set(range(1, len(used) + 1)), f"{name}: placeholders {sorted(used)}"
-    assert len(used) == EXPECTED_ARITY[name]
+def _placeholders(sql: str) -> list[int]:
+    code = re.sub(r"'(''|[^'])*'", "''", re.sub(r"--[^\n]*", "", sql))  # only the code counts
+    return sorted({int(n) for n in re.findall(r"\$(\d+)", code)})
 
 
 def test_placeholder_helper() -> None:
-    assert _placeholders("-- $9 doc\nSELECT $1, $2 -- $7\n, $10") == {1, 2, 10}
+    assert _placeholders("-- $9 doc\nSELECT $1, '$4', $2 -- $7\n, $10") == [1, 2, 10]
 
 
-#: Named queries of the other files, with their number of parameters.
-EXPECTED_OTHERS = {
-    "operators.sql": {"adopt": 4, "abandon": 3, "repoll": 3, "fail_stalled": 3, "operation_holding_job": 1},
-    "accounting.sql": {"accounting_summary": 1, "record_refund": 2},
-    "reconcile.sql": {"claim_due_lookups": 4, "adopt_found_job": 7, "give_up_lookup": 4, "reschedule_lookup": 3},
-}
+@pytest.mark.parametrize(("source", "query"), ALL_QUERIES, ids=[f"{s}:{q.name}" for s, q in ALL_QUERIES])
+def test_every_named_parameter_converted_and_documented(source: str, query: Query) -> None:
+    """aiosql numbered every named parameter ($1..$n, one per name, none left as :name), and the query's comment
+    documents each of them by name, and no other."""
+    assert _placeholders(query.sql) == list(range(1, len(query.parameters) + 1)), query.sql
+    code = re.sub(r"'(''|[^'])*'", "''", re.sub(r"--[^\n]*", "", query.sql))
+    assert re.findall(r"(?<![:\w]):[a-z_]\w*", code) == [], f"{source}:{query.name}: a named parameter left"
+    documented = set(re.findall(r"(?<![:\w]):([a-z_]\w*)", query.doc))
+    assert documented == set(query.parameters), f"{source}:{query.name}: its comment documents {sorted(documented)}"
 
 
-@pytest.mark.parametrize("filename", sorted(EXPECTED_OTHERS))
-def test_other_query_files(filename: str) -> None:
-    queries = Queries(filename)
-    assert queries.names() == list(EXPECTED_OTHERS[filename])
-    for name, arity in EXPECTED_OTHERS[filename].items():
-        used = _placeholders(getattr(queries, name))
-        assert used == set(range(1, arity + 1)), f"{filename}:{name}: placeholders {sorted(used)}"
+# --- call sites -------------------------------------------------------------------------------------------------
+
+CALL_METHODS = {"fetch", "fetchrow", "fetchval", "execute"}
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def _query_files_named(path: Path, tree: ast.Module) -> dict[str, Queries]:
+    """The names under which the module at ``path`` holds a query file (imported or its own)."""
+    named: dict[str, Queries] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                value = getattr(module, alias.name, None)
+                if isinstance(value, Queries):
+                    named[alias.asname or alias.name] = value
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            func = node.value.func
+            if isinstance(func, ast.Name) and func.id == "Queries":
+                module = importlib.import_module(_module_name(path))
+                for target in node.targets:
+                    assert isinstance(target, ast.Name)
+                    named[target.id] = getattr(module, target.id)
+    return named
+
+
+def _call_sites() -> list[tuple[str, Queries, str, ast.Call]]:
+    """Every ``<file>.<query>.<fetch|fetchrow|fetchval|execute>(...)`` of streams/ and streams_harness/."""
+    sites = []
+    for path in sorted([*ROOT.glob("streams/**/*.py"), *ROOT.glob("streams_harness/**/*.py")]):
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        named = _query_files_named(path, tree)
+        if not named:
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            query_ref = node.func.value
+            if (
+                node.func.attr in CALL_METHODS
+                and isinstance(query_ref, ast.Attribute)
+                and isinstance(query_ref.value, ast.Name)
+                and query_ref.value.id in named
+            ):
+                where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                sites.append((where, named[query_ref.value.id], query_ref.attr, node))
+    return sites
+
+
+SITES = _call_sites()
+
+
+def test_call_sites_found() -> None:
+    assert len(SITES) >= 60
+    assert any(where.startswith("streams/ledger.py") for where, *_ in SITES)
+    assert any(where.startswith("streams_harness/bench/floor.py") for where, *_ in SITES)
+
+
+@pytest.mark.parametrize(("where", "queries", "name", "call"), SITES, ids=[s[0] for s in SITES])
+def test_call_site_names_exactly_the_parameters_of_an_existing_query(
+    where: str, queries: Queries, name: str, call: ast.Call
+) -> None:
+    assert name in queries.names(), f"{where}: no query {name!r} in {queries.filename}"
+    query = getattr(queries, name)
+    assert len(call.args) == 1 and not isinstance(call.args[0], ast.Starred), f"{where}: only the pool/connection"
+    given = [k.arg for k in call.keywords]
+    assert None not in given, f"{where}: parameters by name, not **mapping (so that this test can read them)"
+    assert sorted(given) == sorted(query.parameters), f"{where}: {name} takes {sorted(query.parameters)}"
+
+
+@pytest.mark.parametrize(("source", "query"), ALL_QUERIES, ids=[f"{s}:{q.name}" for s, q in ALL_QUERIES])
+def test_every_query_is_called_with_all_its_parameters(source: str, query: Query) -> None:
+    called = [
+        where
+        for where, queries, name, _ in SITES
+        if (f"{queries.package}/queries/{queries.filename}", name) == (query.source, query.name)
+    ]
+    assert called, f"{source}:{query.name} is called nowhere in streams/ or streams_harness/"
