@@ -392,12 +392,22 @@ async def test_two_batches_locking_the_same_operations_in_opposite_orders_do_not
     poll_claim_id = 1
     running = '{"status": "running"}'
 
-    def arrays(order: list[str]) -> list[Any]:
+    def arrays(order: list[str]) -> dict[str, Any]:
+        common = {"operation_ids": order, "worker": "w", "lock_timeout": "0"}
         if stage == "claim_observe":
-            return [order, [poll_claim_id] * 2, "w", "0"]
+            return {**common, "poll_claim_ids": [poll_claim_id] * 2}
         n = len(order)
-        return [order, [fencing[o] for o in order], ["running"] * n, [running] * n, [9.0] * n, [None] * n,
-                [None] * n, ["{submitted,queued,running}"] * n, ["[]"] * n, "w", "0"]  # fmt: skip
+        return {
+            **common,
+            "fencing_tokens": [fencing[o] for o in order],
+            "states": ["running"] * n,
+            "observations": [running] * n,
+            "next_poll_delays_s": [9.0] * n,
+            "remote_completed_at_ms": [None] * n,
+            "reasons": [None] * n,
+            "source_states": ["{submitted,queued,running}"] * n,
+            "outputs": ["[]"] * n,
+        }
 
     url = migrated.database_url.get_secret_value()
     holder, first, second = [await asyncpg.connect(url) for _ in range(3)]
@@ -407,9 +417,9 @@ async def test_two_batches_locking_the_same_operations_in_opposite_orders_do_not
         tx = holder.transaction()
         await tx.start()
         await holder.execute("SELECT 1 FROM operations WHERE operation_id = ANY($1) FOR UPDATE", ops)
-        query = STAGE_QUERIES[stage]
-        one = asyncio.ensure_future(first.fetch(query, *arrays(["op-a", "op-b"])))
-        two = asyncio.ensure_future(second.fetch(query, *arrays(["op-b", "op-a"])))
+        query = Q.claim_for_observe if stage == "claim_observe" else Q.save_observation
+        one = asyncio.ensure_future(query.fetch(first, **arrays(["op-a", "op-b"])))
+        two = asyncio.ensure_future(query.fetch(second, **arrays(["op-b", "op-a"])))
         await wait_for_lock_waiters(pool, 2)
         await tx.commit()
         results = await asyncio.wait_for(asyncio.gather(one, two), timeout=30)  # a deadlock would raise here
