@@ -17,9 +17,10 @@ from tests.support import SimulatorServer, provider_request, wait_for
 
 pytestmark = pytest.mark.e2e
 
-#: The burst: submitted at once, far more polls than the observers (16 slots, one worker) take within the
-#: fixtures' 3 s visibility timeout.
+#: The burst: submitted at once, far more polls than the observers (16 slots, one worker, each GET taking
+#: ``GET_LATENCY_MS``: at most about 53 a second) take within the fixtures' 3 s visibility timeout.
 OPERATIONS = 1500
+GET_LATENCY_MS = 300.0
 #: Generous: the burst drains in about 50 s on this shared 2-core machine with the bound (never without it).
 DRAIN_BOUND_S = 240.0
 
@@ -31,6 +32,7 @@ async def test_a_burst_beyond_the_visibility_timeout_finishes_without_stale_poll
 ) -> None:
     settings = fleet.settings
     assert (settings.visibility_timeout_s, settings.lease_ttl_ms, settings.observer_concurrency) == (3.0, 2000, 16)
+    await sim.configure(get_latency_ms=GET_LATENCY_MS)
     worker = fleet.start("a")
     await fleet.wait_ready()
     assert await wait_group_stable(settings, 1, 60)
@@ -50,8 +52,8 @@ async def test_a_burst_beyond_the_visibility_timeout_finishes_without_stale_poll
     await wait_for(all_final, DRAIN_BOUND_S, f"all {len(ids)} operations of the burst final")
     drain_s = loop.time() - started
     row = await ledger_pool.fetchrow(
-        "SELECT count(*) FILTER (WHERE state = 'succeeded') AS succeeded, sum(poll_claim_id) AS published, "
-        "sum(poll_count) AS observed FROM operations WHERE operation_id = ANY($1)",
+        "SELECT count(*) FILTER (WHERE state = 'succeeded') AS succeeded, sum(poll_claim_id)::bigint AS published, "
+        "sum(poll_count)::bigint AS observed FROM operations WHERE operation_id = ANY($1)",
         ids,
     )
     stale = await worker.metric("streams_stale_polls_total")
