@@ -149,6 +149,20 @@ class SaveOutcome(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class ClaimBound:
+    """The scheduler's back-pressure on poll claims (:mod:`streams.scheduler`): the polls claimed and not yet taken
+    by an observer stay at most ``max(least, taken * take_target_s / pace_window_s)``, where ``taken`` is the number
+    of polls the observers of every worker took in the last ``pace_window_s`` seconds (read from the ledger)."""
+
+    #: The bound when the observers took few or none lately (polls).
+    least: int
+    #: How far back the observers' pace is read (s, > 0).
+    pace_window_s: float
+    #: How long the claimed polls may wait for an observer at that pace (s).
+    take_target_s: float
+
+
+@dataclass(frozen=True)
 class DuePoll:
     """One poll claimed by the scheduler."""
 
@@ -466,11 +480,20 @@ class Ledger:
             rows = await Q.stale_accepted.fetch(self.pool, stale_after_s=stale_after_s, batch_size=batch_size)
         return [(row["operation_id"], row["request"]) for row in rows]
 
-    async def claim_due_polls(self, batch_size: int, visibility_timeout_s: float) -> list[DuePoll]:
-        """Claim due polls; each comes back by itself after ``visibility_timeout_s`` unless saved sooner."""
+    async def claim_due_polls(
+        self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None
+    ) -> list[DuePoll]:
+        """Claim at most ``batch_size`` due polls, oldest due first, skipping rows other transactions hold; each
+        comes back by itself after ``visibility_timeout_s`` unless an observer takes it sooner. With ``bound``,
+        fewer (or none) so the polls claimed and not yet taken stay within it (:class:`ClaimBound`)."""
         async with _guard("claim due polls"):
             rows = await Q.claim_due_polls.fetch(
-                self.pool, batch_size=batch_size, visibility_timeout_s=visibility_timeout_s
+                self.pool,
+                batch_size=batch_size,
+                visibility_timeout_s=visibility_timeout_s,
+                least_in_flight=bound.least if bound else None,
+                pace_window_s=bound.pace_window_s if bound else 1.0,
+                take_target_s=bound.take_target_s if bound else 0.0,
             )
         return [DuePoll(r["operation_id"], r["remote_job_id"], r["poll_claim_id"]) for r in rows]
 

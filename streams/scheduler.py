@@ -4,6 +4,17 @@
   ``FOR UPDATE SKIP LOCKED`` (workers never claim the same poll twice), their ``next_poll_at`` moves to
   now + visibility timeout, and one event per claim goes to ``generation.polls`` keyed by operation id.
   A poll lost with a crashed worker comes back when its visibility timeout passes.
+* Back-pressure: a poll must reach an observer before its visibility timeout passes, or it is claimed again
+  and its first event arrives stale (the topic then fills with polls nobody can use, and a burst never ends).
+  So the polls claimed and not yet taken by an observer (cluster-wide, read from the ledger in the claiming
+  statement, so any number of workers agree) stay at most what the observers of every worker took in the last
+  ``PACE_WINDOW_S`` seconds, scaled to half the visibility timeout (``TAKE_WITHIN_FRACTION``): at the
+  observers' pace they are all taken within half of it. When the observers took few or none lately (start, a
+  burst), the bound is ``observer_concurrency``: one worker's slots, which take them within one lease TTL, at
+  most the visibility timeout (a setting check). The bound follows the pace up as the observers keep up (each
+  round refills what they took), so throughput is not capped; due polls beyond it wait in PostgreSQL, oldest
+  first. Claims of workers' rounds at the same instant may each use the room they read: the bound holds
+  within one round's room per worker.
 * Redis unreachable: no new claims (a poll without a lease would only be dropped by the observer).
 * Rate budget: a round claims no more due polls than the account's ``claims`` budget (the GET rate and burst,
   shared by every worker, stopped by a GET's 429 pause) grants for the next round, and gives back what it did
@@ -26,15 +37,33 @@ import logging
 import time
 
 from streams import metrics
+from streams.config import Settings
 from streams.dispatcher import Dispatcher
+from streams.ledger import ClaimBound
 from streams.ratebudget import BudgetKind
 from streams.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
+#: Share of the visibility timeout within which the polls claimed and not yet taken should be taken, at the
+#: observers' recent pace; the rest is margin for a pace that drops (a slower provider, a worker lost).
+TAKE_WITHIN_FRACTION = 0.5
+#: How far back the observers' pace is read (s); a shorter take target is read over itself.
+PACE_WINDOW_S = 5.0
+
 #: Re-dispatches a worker runs at once. A safety net for rare leftovers, kept small: they run beside the agents'
 #: slots, from which the HTTP and Redis pool sizes are derived, so they use the Redis pool's spare connections.
 REDISPATCH_AT_ONCE = 2
+
+
+def claim_bound(settings: Settings) -> ClaimBound:
+    """The back-pressure on poll claims for these settings (see the module docstring)."""
+    take_target_s = settings.visibility_timeout_s * TAKE_WITHIN_FRACTION
+    return ClaimBound(
+        least=settings.observer_concurrency,
+        pace_window_s=min(PACE_WINDOW_S, take_target_s),
+        take_target_s=take_target_s,
+    )
 
 
 class PollScheduler:
@@ -58,7 +87,8 @@ class PollScheduler:
         try:
             await self._maybe_reconcile()
             limit = await self._claim_limit()
-            polls = await rt.ledger.claim_due_polls(limit, rt.settings.visibility_timeout_s) if limit else []
+            vt_s = rt.settings.visibility_timeout_s
+            polls = await rt.ledger.claim_due_polls(limit, vt_s, claim_bound(rt.settings)) if limit else []
             await rt.budget.refund(BudgetKind.CLAIMS, limit - len(polls))  # a no-op when not paced or all used
         except Exception as exc:  # classified by type: an outage waits for the next tick, a bug is logged loudly
             rt.report_failure("poll scheduler", exc)

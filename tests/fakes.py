@@ -35,7 +35,7 @@ from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.config import Settings
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.lease import LeaseManager
-from streams.ledger import DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
+from streams.ledger import ClaimBound, DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
 from streams.remote import RemoteClient
 from streams.runtime import Runtime
 from streams.states import POLLABLE, OperationState, can_transition, is_terminal
@@ -320,7 +320,10 @@ class InMemoryLedger:
         )[:batch_size]
         return [(o.operation_id, o.request) for o in stale]
 
-    async def claim_due_polls(self, batch_size: int, visibility_timeout_s: float) -> list[DuePoll]:
+    async def claim_due_polls(
+        self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None
+    ) -> list[DuePoll]:
+        """Unbounded: the bound on polls claimed and not yet taken is the SQL's, tested on PostgreSQL."""
         self._call("claim due polls")
         now = self._t
         due = sorted(

@@ -113,15 +113,32 @@ WHERE o.operation_id = stale.operation_id
 RETURNING o.operation_id;
 
 -- name: claim_due_polls
--- The poll scheduler's claim: due operations get next_poll_at = now + visibility timeout and a new
--- poll_claim_id, so a poll lost with a dead worker comes back by itself.
--- :batch_size, :visibility_timeout_s visibility timeout (s). Returns operation_id, remote_job_id, poll_claim_id.
+-- The poll scheduler's claim: due operations get next_poll_at = now + visibility timeout, a new poll_claim_id and
+-- poll_claimed_at = now, so a poll lost with a dead worker comes back by itself. Back-pressure (cluster-wide, from
+-- the ledger): the polls claimed and not yet taken by an observer (their visibility timeout not passed) stay at
+-- most the larger of :least_in_flight and the polls observers took in the last :pace_window_s seconds scaled to
+-- :take_target_s seconds.
+-- :batch_size, :visibility_timeout_s visibility timeout (s), :least_in_flight (polls; NULL: no bound),
+-- :pace_window_s (s), :take_target_s (s). Returns operation_id, remote_job_id, poll_claim_id.
+WITH flow AS (
+    SELECT (SELECT count(*) FROM operations
+            WHERE poll_taken_at > now() - make_interval(secs => :pace_window_s)) AS taken,
+           (SELECT count(*) FROM operations
+            WHERE poll_claimed_at > now() - make_interval(secs => :visibility_timeout_s)
+              AND state IN ('submitted', 'queued', 'running')) AS claimed
+    WHERE :least_in_flight::int IS NOT NULL
+)
 UPDATE operations AS o
 SET next_poll_at = now() + make_interval(secs => :visibility_timeout_s),
-    poll_claim_id = o.poll_claim_id + 1
+    poll_claim_id = o.poll_claim_id + 1,
+    poll_claimed_at = now()
 FROM (SELECT operation_id FROM operations
       WHERE state IN ('submitted', 'queued', 'running') AND next_poll_at <= now()
-      ORDER BY next_poll_at LIMIT :batch_size FOR UPDATE SKIP LOCKED) AS due
+      ORDER BY next_poll_at
+      LIMIT COALESCE((SELECT LEAST(:batch_size, GREATEST(0, GREATEST(:least_in_flight::int,
+                                   ceil(taken * :take_target_s::float8 / :pace_window_s::float8)::int) - claimed))
+                      FROM flow), :batch_size)
+      FOR UPDATE SKIP LOCKED) AS due
 WHERE o.operation_id = due.operation_id
 RETURNING o.operation_id, o.remote_job_id, o.poll_claim_id;
 
@@ -147,7 +164,7 @@ WITH req AS (
     FOR NO KEY UPDATE
 )
 UPDATE operations AS o
-SET fencing_token = o.fencing_token + 1, updated_by = :worker
+SET fencing_token = o.fencing_token + 1, updated_by = :worker, poll_claimed_at = NULL, poll_taken_at = now()
 FROM req JOIN locked USING (operation_id)
 WHERE o.operation_id = req.operation_id
   AND o.poll_claim_id = req.poll_claim_id
@@ -169,7 +186,9 @@ WITH req AS (
     FOR NO KEY UPDATE
 )
 UPDATE operations AS o
-SET next_poll_at = now() + make_interval(secs => req.delay_s)
+SET next_poll_at = now() + make_interval(secs => req.delay_s),
+    poll_claimed_at = NULL,
+    poll_taken_at = CASE WHEN o.poll_claimed_at IS NULL THEN o.poll_taken_at ELSE now() END
 FROM req JOIN locked USING (operation_id)
 WHERE o.operation_id = req.operation_id
   AND o.poll_claim_id = req.poll_claim_id

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.e2e
 #: ``GET_LATENCY_MS``: at most about 53 a second) take within the fixtures' 3 s visibility timeout.
 OPERATIONS = 1500
 GET_LATENCY_MS = 300.0
-#: Generous: the burst drains in about 50 s on this shared 2-core machine with the bound (never without it).
+#: Generous: the burst drains in about 36 s on this shared 2-core machine (70 s without the bound, publishing
+#: 11 polls per operation, 10 of them stale).
 DRAIN_BOUND_S = 240.0
 
 FINAL = ["succeeded", "failed", "canceled", "rejected", "uncertain", "stalled"]
