@@ -201,10 +201,13 @@ def worker(obj: dict[str, str], web_port: int | None) -> None:
 
     Logs are JSON lines on stdout unless --log-format text."""
     import faust
+    import mode.loop
 
     from streams.app import create_app
 
     settings = _settings()
+    if settings.event_loop == "uvloop":
+        mode.loop.use("uvloop")  # sets asyncio's loop policy; before anything creates a loop
     if web_port is not None:
         settings = settings.replace(web_port=web_port)
     app = create_app(settings)

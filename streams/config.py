@@ -38,6 +38,9 @@ ENV_PREFIX = "STREAMS_"
 HTTP_TRANSPORTS = ("aiohttp", "httpx")
 HttpTransport = Literal["aiohttp", "httpx"]
 
+#: Values of ``STREAMS_EVENT_LOOP`` (see :func:`streams.cli.worker`).
+EventLoop = Literal["uvloop", "asyncio"]
+
 #: Redis connections beyond one per agent slot (see :attr:`Settings.redis_max_connections`).
 REDIS_SPARE_CONNECTIONS = 8
 
@@ -247,6 +250,9 @@ class Settings(ExplicitSettings):
     #: What carries the remote client's requests: ``aiohttp`` (:mod:`streams.transport`, the default: about a
     #: fifth of httpx's own CPU per request) or ``httpx`` (httpx's own httpcore pool).
     http_transport: HttpTransport = "aiohttp"
+    #: The worker's event loop: ``uvloop`` (the default; libuv under asyncio, what faust-streaming's own
+    #: ``faust[uvloop]`` extra installs) or ``asyncio`` (the standard library's selector loop).
+    event_loop: EventLoop = "uvloop"
 
     # Rate budget of the provider account, shared by every worker process through Redis (streams/ratebudget.py,
     # README "Rate budget"). Rates in requests per second, POSTs and GETs apart; 0 = no pacing (a 429's
