@@ -41,6 +41,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import tenacity
@@ -64,7 +65,7 @@ from streams.errors import (
 from streams.lease import Lease
 from streams.ratebudget import BudgetKind
 from streams.remote import SubmitResult
-from streams.retrying import retry_without_deadline
+from streams.retrying import first_attempt_plain, retry_without_deadline
 from streams.runtime import RawMessage, Runtime
 from streams.states import OperationState
 
@@ -89,18 +90,28 @@ def _log_failure(task: asyncio.Task[bool]) -> None:
         log.error("a shielded submission ended with an error", exc_info=task.exception())
 
 
-def _wait_for_retry(base: tenacity.wait.wait_base, budget_s: float) -> tenacity.wait.wait_base:
-    """Wait the 429's ``Retry-After`` when given, else the exponential ``base`` wait; never past the budget
-    (the next attempt then finds the budget spent and the POST ends ``rejected``)."""
+def _wait_for_retry(base: tenacity.wait.wait_base, deadline: float) -> tenacity.wait.wait_base:
+    """Wait the 429's ``Retry-After`` when given, else the exponential ``base`` wait; never past ``deadline``
+    (``time.monotonic()`` seconds; the next attempt then finds the budget spent and the POST ends ``rejected``)."""
 
     class _Wait(tenacity.wait.wait_base):
         def __call__(self, retry_state: tenacity.RetryCallState) -> float:
             exc = retry_state.outcome.exception() if retry_state.outcome else None
             wanted = exc.retry_after_s if isinstance(exc, RemoteRateLimitedError) else base(retry_state)
-            remaining = budget_s - (retry_state.seconds_since_start or 0.0)
+            remaining = deadline - time.monotonic()
             return max(0.0, min(wanted, remaining + 0.01))
 
     return _Wait()
+
+
+def _stop_at(deadline: float) -> Callable[[tenacity.RetryCallState], bool]:
+    """A tenacity stop: no attempt once ``time.monotonic()`` reached ``deadline`` (what ``stop_after_delay`` does,
+    counted from a start of our choosing rather than from the policy's first attempt)."""
+    return lambda retry_state: time.monotonic() >= deadline
+
+
+#: The POST failures that are retried within ``submit_retry_deadline_s``: nothing was created.
+_RETRIED = (RemoteRateLimitedError, RemoteNotSentError)
 
 
 class _NoLongerOurs(Exception):
@@ -377,30 +388,32 @@ class Dispatcher:
         settings = self.rt.settings
         holder = [lease]
         deadline = time.monotonic() + settings.submit_retry_deadline_s
-        retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception_type((RemoteRateLimitedError, RemoteNotSentError)),
-            wait=_wait_for_retry(
-                tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0), settings.submit_retry_deadline_s
-            ),
-            stop=tenacity.stop_after_delay(settings.submit_retry_deadline_s),
-            reraise=True,
-        )
+        attempts = 0
+
+        async def post() -> SubmitResult:
+            nonlocal attempts, slot_at
+            attempts += 1
+            if attempts > 1 and not await self._still_ours(operation_id, fencing):
+                raise _NoLongerOurs()
+            holder[0] = await self._ensure_lease(holder[0])
+            if slot_at is None or time.monotonic() - slot_at > SLOT_VALID_S:
+                if slot_at is not None:
+                    age_s = time.monotonic() - slot_at
+                    log.info("operation %s: POST slot %.3f s old, waiting for another", operation_id, age_s)
+                await self._post_slot_in_claim(holder, deadline)
+            slot_at = None
+            return await self._post_once(operation_id, request_text, fencing)
+
+        def retrying() -> tenacity.AsyncRetrying:  # built only once a first POST was refused or not sent
+            return tenacity.AsyncRetrying(
+                retry=tenacity.retry_if_exception_type(_RETRIED),
+                wait=_wait_for_retry(tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0), deadline),
+                stop=_stop_at(deadline),
+                reraise=True,
+            )
+
         try:
-            async for attempt in retrying:
-                with attempt:
-                    if attempt.retry_state.attempt_number > 1 and not await self._still_ours(operation_id, fencing):
-                        raise _NoLongerOurs()
-                    holder[0] = await self._ensure_lease(holder[0])
-                    if slot_at is None or time.monotonic() - slot_at > SLOT_VALID_S:
-                        if slot_at is not None:
-                            log.info(
-                                "operation %s: POST slot %.3f s old, waiting for another",
-                                operation_id,
-                                time.monotonic() - slot_at,
-                            )
-                        await self._post_slot_in_claim(holder, deadline)
-                    slot_at = None
-                    result = await self._post_once(operation_id, request_text, fencing)
+            result = await first_attempt_plain(post, retrying, _RETRIED)
         except _NoLongerOurs:
             log.warning("operation %s: left submitting while a retry waited; not sending again", operation_id)
             return

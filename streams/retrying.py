@@ -38,12 +38,15 @@ async def retry_without_deadline(
     Raises:
         whatever ``fn`` raises outside ``retry_on`` (at once); ``CancelledError`` when cancelled.
     """
-    retrying = tenacity.AsyncRetrying(
-        retry=tenacity.retry_if_exception_type(retry_on),
-        wait=wait,
-        before_sleep=None if on_retry is None else lambda state: on_retry(_failure(state)),
-        reraise=True,
-    )
+
+    def retrying() -> tenacity.AsyncRetrying:  # built only after a failed first attempt
+        return tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(retry_on),
+            wait=wait,
+            before_sleep=None if on_retry is None else lambda state: on_retry(_failure(state)),
+            reraise=True,
+        )
+
     return await first_attempt_plain(fn, retrying, retry_on)
 
 
