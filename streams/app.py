@@ -195,14 +195,16 @@ def create_app(settings: Settings) -> faust.App:
     lock = asyncio.Lock()
     holder: dict[str, Runtime] = {}
 
+    async def enqueue(topic: str, key: bytes, value: bytes) -> Awaitable[Any]:
+        return await app.producer.send(topic, key, value, None, None, None)
+
     async def send(topic: str, key: bytes, value: bytes) -> None:
-        fut = await app.producer.send(topic, key, value, None, None, None)
-        await fut
+        await (await enqueue(topic, key, value))
 
     async def runtime() -> Runtime:
         async with lock:
             if "rt" not in holder:
-                holder["rt"] = await Runtime.create(settings, send)
+                holder["rt"] = await Runtime.create(settings, send, enqueue=enqueue)
                 log.info("worker %s ready (settings: %s)", holder["rt"].worker, settings)
             return holder["rt"]
 

@@ -11,7 +11,6 @@ after a higher one was published, and it is published the next round.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -29,12 +28,11 @@ class OutboxRelay:
 
     async def _publish(self, rows: list[dict[str, Any]]) -> None:
         rt = self.rt
-        await asyncio.gather(
-            *(
-                rt.send(rt.settings.topic(row["topic_role"]), row["operation_id"].encode(), row["payload"].encode())
-                for row in rows
-            )
-        )
+        topic = rt.settings.topic
+        records = [(topic(row["topic_role"]), row["operation_id"].encode(), row["payload"].encode()) for row in rows]
+        failures = [exc for exc in await rt.send_all(records) if exc is not None]
+        if failures:
+            raise failures[0]  # nothing is marked: the whole batch goes again (its event ids are deterministic)
         for row in rows:
             metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
         hooks.reach(hooks.HookPoint.PUBLISHED_BEFORE_MARK, rows=rows)

@@ -7,11 +7,12 @@ API) and one Kafka producer (through a :data:`SendFn`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,6 +41,14 @@ T = TypeVar("T")
 
 #: Send one record and wait until Kafka acknowledged it: ``await send(topic, key, value)``.
 SendFn = Callable[[str, bytes, bytes], Awaitable[Any]]
+
+#: Hand one record to the producer's buffer and return at once with what completes when Kafka acknowledged it:
+#: ``ack = await enqueue(topic, key, value); await ack`` (aiokafka's ``send``; records keep the order they were
+#: handed over in, per partition).
+EnqueueFn = Callable[[str, bytes, bytes], Awaitable[Awaitable[Any]]]
+
+#: One record: ``(topic, key, value)``.
+Record = tuple[str, bytes, bytes]
 
 #: Attempts at publishing one dead letter when the failure is not an outage (e.g. the broker refuses the record
 #: as too large): waiting cannot fix it, so after these the failure surfaces as :class:`DeadLetterError`.
@@ -85,20 +94,25 @@ class Runtime:
         remote: RemoteClient,
         send: SendFn,
         worker: str,
+        enqueue: EnqueueFn | None = None,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.leases = leases
         self.remote = remote
         self.send = send
+        self.enqueue = enqueue
         self.worker = worker
         # the provider account's rate budget, on the same Redis and through the same coalescing stage
         self.budget = RateBudget(leases.client, settings, stage=leases.stage)
         self._last_outage_log: dict[str, float] = {}
 
     @classmethod
-    async def create(cls, settings: Settings, send: SendFn, worker: str | None = None) -> Runtime:
-        """Connect to PostgreSQL and build the Redis and HTTP clients (Redis may still be down)."""
+    async def create(
+        cls, settings: Settings, send: SendFn, worker: str | None = None, enqueue: EnqueueFn | None = None
+    ) -> Runtime:
+        """Connect to PostgreSQL and build the Redis and HTTP clients (Redis may still be down). ``enqueue``, when
+        given, lets :meth:`send_all` hand many records over without a task each."""
         name = worker or worker_name()
         database_url = settings.database_url.get_secret_value()
         pool = await create_pool(database_url, min_size=2, max_size=settings.db_pool_max_size)
@@ -110,7 +124,8 @@ class Runtime:
             pool_timeout_s=settings.redis_pool_timeout_s,
         )
         remote = RemoteClient.from_settings(settings)
-        return cls(settings, Ledger(pool, name), LeaseManager.from_settings(redis, settings), remote, send, name)
+        leases = LeaseManager.from_settings(redis, settings)
+        return cls(settings, Ledger(pool, name), leases, remote, send, name, enqueue)
 
     async def close(self) -> None:
         """Close all clients."""
@@ -206,6 +221,30 @@ class Runtime:
     def _on_redis_retry(self, action: str, exc: BaseException) -> None:
         metrics.COORDINATION_UNAVAILABLE.labels(action).inc()
         self.log_outage("Redis", exc)
+
+    async def send_all(self, records: Sequence[Record]) -> list[BaseException | None]:
+        """Send ``records`` and wait until Kafka acknowledged (or refused) each; returns, per record in order, None
+        (acknowledged) or the exception that record met. Never raises but for cancellation.
+
+        With an ``enqueue`` (the worker's producer) every record is handed to the producer's buffer in order, then
+        their acknowledgements are awaited together: no task per record. Without one, :attr:`send` runs for each
+        record concurrently."""
+        if self.enqueue is None:
+            sent = await asyncio.gather(*(self.send(*record) for record in records), return_exceptions=True)
+            return [r if isinstance(r, BaseException) else None for r in sent]
+        acks: list[Awaitable[Any]] = []
+        refused: dict[int, BaseException] = {}
+        for i, record in enumerate(records):
+            try:
+                acks.append(await self.enqueue(*record))
+            except Exception as exc:  # not even buffered (no metadata for the topic, a record too large, ...)
+                refused[i] = exc
+        results = iter(await asyncio.gather(*acks, return_exceptions=True))
+        out: list[BaseException | None] = []
+        for i in range(len(records)):
+            result = refused[i] if i in refused else next(results)
+            out.append(result if isinstance(result, BaseException) else None)
+        return out
 
     async def publish(self, role: str, key: str, value: dict[str, Any]) -> None:
         """Send ``value`` as JSON (numbers exact) to the topic of ``role`` keyed by ``key``; returns once acked."""

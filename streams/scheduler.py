@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 
-from streams import metrics
+from streams import exactjson, metrics
 from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.ledger import ClaimBound
@@ -97,23 +97,25 @@ class PollScheduler:
             return 0
         metrics.POLLS_CLAIMED.inc(len(polls))
         now_ms = int(time.time() * 1000)
-        results = await asyncio.gather(
-            *(
-                rt.publish(
-                    "polls",
-                    p.operation_id,
-                    {
-                        "operation_id": p.operation_id,
-                        "remote_job_id": p.remote_job_id,
-                        "poll_claim_id": p.poll_claim_id,
-                        "claimed_at_ms": now_ms,
-                    },
+        topic = rt.settings.topic("polls")
+        results = await rt.send_all(
+            [
+                (
+                    topic,
+                    p.operation_id.encode(),
+                    exactjson.dumps(
+                        {
+                            "operation_id": p.operation_id,
+                            "remote_job_id": p.remote_job_id,
+                            "poll_claim_id": p.poll_claim_id,
+                            "claimed_at_ms": now_ms,
+                        }
+                    ),
                 )
                 for p in polls
-            ),
-            return_exceptions=True,
+            ]
         )
-        failed = [r for r in results if isinstance(r, BaseException)]
+        failed = [r for r in results if r is not None]
         for error in {type(r): r for r in failed}.values():  # each kind of failure reported once per tick
             rt.report_failure("poll publish", error)
         if failed:
