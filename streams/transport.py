@@ -30,10 +30,14 @@ aiohttp itself never re-sends a POST: it retries a request once on a broken keep
 idempotent methods (``GET`` here, sequentially: still at most one GET in flight per job).
 
 httpcore's ``trace`` request extension is honoured as far as the remote client needs it: the callback gets
-``http11.send_request_headers.started`` as soon as aiohttp holds a connection for the request (new or reused),
-just before it writes the request. So a call cut off by the client's overall deadline counts as "not sent"
-only while it waited for a connection, and as maybe sent from then on (a connection acquired but not yet
-written to counts as sent: never re-send on a guess).
+``http11.send_request_headers.started`` as soon as aiohttp's connector hands the request a connection (new or
+reused), just before aiohttp writes the request (:class:`_ReportingConnector`). So a call cut off by the
+client's overall deadline counts as "not sent" only while it waited for a connection, and as maybe sent from
+then on (a connection acquired but not yet written to counts as sent: never re-send on a guess).
+
+The remote client calls :meth:`AiohttpTransport.send` directly with a URL, headers and timeouts it resolved
+once; :meth:`AiohttpTransport.handle_async_request` (any other ``httpx.AsyncClient`` call) converts an
+``httpx.Request`` and takes the same path.
 
 Timeouts (``httpx.Timeout``, seconds) become ``aiohttp.ClientTimeout``: ``pool + connect`` bounds getting a
 connection (aiohttp's ``connect`` covers waiting for the pool and connecting), ``connect`` the TCP connect,
@@ -44,11 +48,16 @@ transport, so every failure surfaces here, mapped.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
 import httpx
 import yarl
+from aiohttp.connector import Connection
+from multidict import CIMultiDict
 
 #: Seconds an idle pooled connection is kept (httpx's default keep-alive expiry), well below the idle timeout
 #: of common servers (aiohttp 75 s, nginx 75 s), so a request rarely meets a connection the server just closed.
@@ -72,7 +81,7 @@ EXCEPTION_MAP: tuple[tuple[type[BaseException], type[httpx.TransportError]], ...
 )
 
 
-def httpx_error_for(exc: BaseException, request: httpx.Request) -> httpx.TransportError | None:
+def httpx_error_for(exc: BaseException, request: httpx.Request | None) -> httpx.TransportError | None:
     """The httpx exception standing for aiohttp's ``exc`` (see the module docstring), or None when ``exc`` is
     not an HTTP failure (a programming error or a cancellation, left to propagate as it is)."""
     for source, target in EXCEPTION_MAP:
@@ -84,25 +93,68 @@ def httpx_error_for(exc: BaseException, request: httpx.Request) -> httpx.Transpo
 #: The trace event httpcore sends when it starts writing a request (the one the remote client watches).
 SEND_STARTED = "http11.send_request_headers.started"
 
+#: An httpcore-style ``trace`` callback: ``await trace(event_name, info)``.
+Trace = Callable[[str, dict[str, Any]], Awaitable[None]]
 
-async def _connection_acquired(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
-    trace = getattr(context, "trace_request_ctx", None)
-    if trace is not None:
-        await trace(SEND_STARTED, {})
+#: The ``trace`` callback of the request the current task is sending (set around each request): the connector
+#: below reads it when it hands the request a connection. A context variable, because aiohttp calls
+#: :meth:`_ReportingConnector.connect` inside the task that called ``session.request``, with no per-request slot
+#: of ours on the way (aiohttp's own ``trace_configs`` cost ~10 µs of CPU per request: a ``Trace`` and a dozen
+#: signal dispatches, most of them for events nobody listens to).
+_SENDING_TRACE: ContextVar[Trace | None] = ContextVar("streams_transport_sending_trace", default=None)
 
 
-def _trace_config() -> aiohttp.TraceConfig:
-    config = aiohttp.TraceConfig()
-    config.on_connection_create_end.append(_connection_acquired)
-    config.on_connection_reuseconn.append(_connection_acquired)
-    config.freeze()
-    return config
+class _ReportingConnector(aiohttp.TCPConnector):
+    """aiohttp's TCP connector that reports :data:`SEND_STARTED` to the request's ``trace`` once it holds a
+    connection for it (new or reused from the pool): aiohttp writes nothing before ``connect`` returns and starts
+    writing right after (``ClientSession._request``: ``conn = await connector.connect(...)``, then
+    ``req.send(conn)``, no other await between). Waiting for a pool slot, resolving and connecting all happen
+    inside ``connect``: a cancellation there is "not sent"."""
+
+    async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Connection:  # noqa: ASYNC109 (aiohttp's signature)
+        connection = await super().connect(req, traces, timeout)
+        trace = _SENDING_TRACE.get()
+        if trace is not None:
+            try:
+                await trace(SEND_STARTED, {})
+            except BaseException:
+                connection.release()
+                raise
+        return connection
 
 
 def _client_timeout(timeout: dict[str, float | None]) -> aiohttp.ClientTimeout:
     connect, pool = timeout.get("connect"), timeout.get("pool")
     acquire = None if connect is None or pool is None else connect + pool
     return aiohttp.ClientTimeout(total=None, connect=acquire, sock_connect=connect, sock_read=timeout.get("read"))
+
+
+@functools.lru_cache(maxsize=64)
+def client_timeout(connect_s: float | None, read_s: float | None, pool_s: float | None) -> aiohttp.ClientTimeout:
+    """The ``aiohttp.ClientTimeout`` for httpx's per-phase timeouts in seconds (see the module docstring),
+    built once per distinct set (a worker uses one)."""
+    return _client_timeout({"connect": connect_s, "read": read_s, "pool": pool_s})
+
+
+def _response(
+    status: int, reason: str | None, raw_headers: Any, content: bytes, request: httpx.Request | None
+) -> httpx.Response:
+    """The ``httpx.Response`` of a fully read answer, decoded as httpx decodes it.
+
+    Without a ``Content-Encoding`` the body is the content as it is: it is handed over directly (httpx's
+    ``Response(content=...)`` reads its own byte stream through the decoder machinery, ~10 µs). With one, httpx
+    decodes it (gzip, deflate, ...) as its own transport's answers are.
+    """
+    extensions: dict[str, Any] = {"http_version": b"HTTP/1.1"}
+    if reason:
+        extensions["reason_phrase"] = reason.encode("ascii", "replace")
+    if any(name.lower() == b"content-encoding" for name, _ in raw_headers):
+        return httpx.Response(status, headers=raw_headers, content=content, request=request, extensions=extensions)
+    response = httpx.Response(
+        status, headers=raw_headers, stream=httpx.ByteStream(content), request=request, extensions=extensions
+    )
+    response._content = content  # what Response.read() would set: the same bytes, no decoder involved
+    return response
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
@@ -125,7 +177,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(
+            connector = _ReportingConnector(
                 limit=self.max_connections, limit_per_host=0, keepalive_timeout=self.keepalive_expiry_s
             )
             self._session = aiohttp.ClientSession(
@@ -134,28 +186,34 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 auto_decompress=False,
                 trust_env=False,
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-                trace_configs=[_trace_config()],
             )
         return self._session
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """Send ``request`` and read the whole answer; failures raise the httpx types of the module docstring."""
+    async def send(
+        self,
+        method: str,
+        url: yarl.URL,
+        headers: CIMultiDict[str] | Sequence[tuple[str, str]],
+        body: bytes | None,
+        timeouts: aiohttp.ClientTimeout,
+        trace: Trace | None = None,
+        request: httpx.Request | None = None,
+    ) -> httpx.Response:
+        """Send one request and read the whole answer: the remote client's path, without an ``httpx.Request``.
+
+        ``url`` is absolute and already encoded; ``headers`` are sent as given (aiohttp adds ``Host`` and
+        ``Content-Length`` when absent); ``timeouts`` come from :func:`client_timeout`; ``trace`` gets
+        :data:`SEND_STARTED` once a connection is held for the request (see :class:`_ReportingConnector`);
+        ``request`` is only attached to the answer and to the exceptions raised.
+
+        Raises:
+            httpx.TransportError: the types of the module docstring.
+        """
         session = self._get_session()
-        try:
-            body = request.content
-        except httpx.RequestNotRead:
-            body = await request.aread()
-        extensions: dict[str, Any] = request.extensions
+        token = _SENDING_TRACE.set(trace)
         try:
             async with session.request(
-                request.method,
-                yarl.URL(str(request.url), encoded=True),
-                headers=request.headers.multi_items(),
-                data=body or None,
-                allow_redirects=False,
-                compress=None,
-                timeout=_client_timeout(extensions.get("timeout", {})),
-                trace_request_ctx=extensions.get("trace"),
+                method, url, headers=headers, data=body or None, allow_redirects=False, compress=None, timeout=timeouts
             ) as answer:
                 content = await answer.read()
         except BaseException as exc:
@@ -163,15 +221,26 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             if mapped is None:
                 raise
             raise mapped from exc
-        response_extensions: dict[str, Any] = {"http_version": b"HTTP/1.1"}
-        if answer.reason:
-            response_extensions["reason_phrase"] = answer.reason.encode("ascii", "replace")
-        return httpx.Response(
-            status_code=answer.status,
-            headers=answer.raw_headers,
-            content=content,
-            request=request,
-            extensions=response_extensions,
+        finally:
+            _SENDING_TRACE.reset(token)
+        return _response(answer.status, answer.reason, answer.raw_headers, content, request)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send ``request`` and read the whole answer; failures raise the httpx types of the module docstring."""
+        try:
+            body = request.content
+        except httpx.RequestNotRead:
+            body = await request.aread()
+        extensions: dict[str, Any] = request.extensions
+        timeout: dict[str, float | None] = extensions.get("timeout", {})
+        return await self.send(
+            request.method,
+            yarl.URL(str(request.url), encoded=True),
+            request.headers.multi_items(),
+            body,
+            client_timeout(timeout.get("connect"), timeout.get("read"), timeout.get("pool")),
+            extensions.get("trace"),
+            request,
         )
 
     async def aclose(self) -> None:
