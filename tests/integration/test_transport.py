@@ -298,3 +298,30 @@ async def test_the_httpx_setting_keeps_httpcore(clients: Callable[[Settings], Re
         assert not isinstance(http._transport, AiohttpTransport)
     finally:
         await http.aclose()
+
+
+def request_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """The request line and the header fields (names lower-cased, sorted) of one request head."""
+    line, *fields = head.rstrip(b"\r\n").split(b"\r\n")
+    return line, sorted((k.strip().lower(), v.strip()) for k, _, v in (f.partition(b":") for f in fields))
+
+
+async def test_the_remote_client_sends_what_httpx_sends() -> None:
+    # With the aiohttp transport the client skips httpx's request building (URLs and headers resolved once,
+    # the transport called directly): the provider must receive the same requests as through httpx's own stack.
+    body = b'{"id":"job1","status":"running"}'
+    reply = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 32\r\n\r\n" + body
+    async with ScriptedServer(answer(reply)) as server:
+        for transport in ("httpx", "aiohttp"):
+            client = RemoteClient.from_settings(Settings(remote_base_url=server.url, http_transport=transport))
+            try:
+                assert (client._aiohttp is not None) == (transport == "aiohttp")
+                await client.submit(OP, REQUEST)
+                await client.observe(OP, "job1")
+            finally:
+                await client.aclose()
+    (httpx_post, httpx_post_body), (httpx_get, _), (ours_post, ours_post_body), (ours_get, _) = server.requests
+    assert request_head(ours_post) == request_head(httpx_post)
+    assert ours_post_body == httpx_post_body
+    assert request_head(ours_get) == request_head(httpx_get)
+    assert request_head(ours_get)[0] == b"GET /v1/generations/job1 HTTP/1.1"

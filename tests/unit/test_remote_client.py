@@ -389,6 +389,9 @@ async def test_job_ids_are_escaped_in_the_url_and_refused_when_unusable(make_cli
     client, seen = make_client(answer(200, {"status": "running"}))
     await client.observe(OP, "a/../b?x=1#")
     assert seen.requests[0].url.raw_path == b"/v1/generations/a%2F..%2Fb%3Fx%3D1%23"
+    for dots, path in ((".", b"/v1/generations/%2E"), ("..", b"/v1/generations/%2E%2E")):
+        await client.observe(OP, dots)  # never a step up to another resource
+        assert seen.requests[-1].url.raw_path == path
     for bad in ("a/../b", "x\r\n", "j" * 300, ""):
         client2, _ = make_client(answer(201, {"id": bad}))
         with pytest.raises(RemoteUnknownOutcomeError, match="without a usable job id"):

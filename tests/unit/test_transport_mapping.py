@@ -4,6 +4,7 @@ never look unsent to the remote client's taxonomy (a POST that looks unsent is s
 from __future__ import annotations
 
 import asyncio
+import gzip
 from types import SimpleNamespace
 
 import aiohttp
@@ -13,7 +14,7 @@ import yarl
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from streams.remote import _NOT_SENT
-from streams.transport import EXCEPTION_MAP, _client_timeout, httpx_error_for
+from streams.transport import EXCEPTION_MAP, _client_timeout, _response, client_timeout, httpx_error_for
 
 REQUEST = httpx.Request("POST", "http://127.0.0.1:1/v1/generations")
 INFO = aiohttp.RequestInfo(
@@ -95,3 +96,42 @@ def test_timeouts_map_onto_aiohttp_fields() -> None:
     assert (timeout.total, timeout.connect, timeout.sock_connect, timeout.sock_read) == (None, 7.0, 2.0, 10.0)
     unbounded = _client_timeout({"connect": None, "read": None, "write": None, "pool": None})
     assert (unbounded.total, unbounded.connect, unbounded.sock_connect, unbounded.sock_read) == (None,) * 4
+    assert client_timeout(2.0, 10.0, 5.0) is client_timeout(2.0, 10.0, 5.0)  # built once per set
+    assert client_timeout(2.0, 10.0, 5.0) == timeout
+
+
+BODY = b'{"id":"job1","n":1.50,"text":"caf\xc3\xa9"}'
+
+
+@pytest.mark.parametrize(
+    ("headers", "content"),
+    [
+        ([(b"Content-Type", b"application/json"), (b"Retry-After", b"3")], BODY),
+        ([(b"Content-Type", b"application/json; charset=latin-1")], "café".encode("latin-1")),
+        ([(b"Content-Type", b"application/json"), (b"Content-Encoding", b"gzip")], gzip.compress(BODY)),
+        ([(b"content-encoding", b"gzip")], gzip.compress(BODY)),
+        ([], b""),
+    ],
+    ids=["plain", "latin-1", "gzip", "gzip-lowercase", "empty"],
+)
+def test_an_answer_reads_as_httpx_reads_its_own(headers: list[tuple[bytes, bytes]], content: bytes) -> None:
+    # The transport hands a plain body to httpx as read (no decoder pass); what the remote client reads of it
+    # (status, headers, bytes, text, reason) must be what httpx's own Response(content=...) gives, and an encoded
+    # body must still be decoded.
+    ours = _response(201, "Created", headers, content, REQUEST)
+    expected = httpx.Response(201, headers=headers, content=content, request=REQUEST)
+    assert ours.content == expected.content
+    assert ours.text == expected.text
+    assert ours.status_code == 201 and ours.reason_phrase == "Created"
+    assert ours.headers.get("Retry-After") == expected.headers.get("Retry-After")
+    assert ours.request is REQUEST
+    assert ours.http_version == "HTTP/1.1"
+    if any(name.lower() == b"content-encoding" for name, _ in headers):
+        assert ours.content == BODY
+
+
+async def test_an_answer_is_read_and_closed() -> None:
+    response = _response(200, None, [], BODY, None)
+    assert await response.aread() == BODY
+    await response.aclose()
+    assert response.is_closed and response.reason_phrase == "OK"
