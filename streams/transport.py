@@ -99,8 +99,8 @@ Trace = Callable[[str, dict[str, Any]], Awaitable[None]]
 #: The ``trace`` callback of the request the current task is sending (set around each request): the connector
 #: below reads it when it hands the request a connection. A context variable, because aiohttp calls
 #: :meth:`_ReportingConnector.connect` inside the task that called ``session.request``, with no per-request slot
-#: of ours on the way (aiohttp's own ``trace_configs`` cost ~10 µs of CPU per request: a ``Trace`` and a dozen
-#: signal dispatches, most of them for events nobody listens to).
+#: of ours on the way (aiohttp's own ``trace_configs`` cost 50-60 µs of CPU per request in the remote-call
+#: benchmark, README "Benchmark": a ``Trace`` per request and a signal dispatch per event, listened to or not).
 _SENDING_TRACE: ContextVar[Trace | None] = ContextVar("streams_transport_sending_trace", default=None)
 
 
