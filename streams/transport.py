@@ -204,7 +204,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         ``url`` is absolute and already encoded; ``headers`` are sent as given (aiohttp adds ``Host`` and
         ``Content-Length`` when absent); ``timeouts`` come from :func:`client_timeout`; ``trace`` gets
         :data:`SEND_STARTED` once a connection is held for the request (see :class:`_ReportingConnector`);
-        ``request`` is only attached to the answer and to the exceptions raised.
+        ``request`` is only attached to the answer and to the exceptions raised (without it, an exception gets
+        one made of ``method`` and ``url``; the answer gets none).
 
         Raises:
             httpx.TransportError: the types of the module docstring.
@@ -220,6 +221,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             mapped = httpx_error_for(exc, request)
             if mapped is None:
                 raise
+            if request is None:
+                mapped.request = httpx.Request(method, str(url))
             raise mapped from exc
         finally:
             _SENDING_TRACE.reset(token)

@@ -134,6 +134,8 @@ async def test_connection_refused_is_not_sent(clients: Callable[[Settings], Remo
         await client.submit(OP, REQUEST)
     assert isinstance(info.value.__cause__, httpx.ConnectError)
     assert isinstance(info.value.__cause__.__cause__, aiohttp.ClientConnectorError)
+    failed = info.value.__cause__.request  # httpx errors name their request, on the direct path too
+    assert (failed.method, failed.url.path) == ("POST", "/v1/generations")
 
 
 async def test_no_free_pooled_connection_is_not_sent(clients: Callable[[Settings], RemoteClient]) -> None:
