@@ -13,7 +13,11 @@
 -- operations, in whatever order they were given, never wait on each other in a cycle. The parameter
 -- :lock_timeout bounds how long the statement waits for a lock held by another transaction (set for this
 -- statement only: a batch gives up rather than hold up every request in it; '0' waits as long as it takes). A
--- JSON value travels as JSON text (text[]) and is cast in the statement.
+-- JSON value travels as JSON text (text[]) and is cast in the statement. Conditions on indexed columns (state,
+-- remote_job_id) are read from the "locked" row, which is the row as it stands (locked, it cannot change before
+-- the update): the same test as on the updated row, but it leaves the planner no partial or state index to scan
+-- in full instead of looking the batch's rows up by primary key (a cached plan made while the table looked
+-- small did, reading every accepted or pollable operation for each batch).
 
 -- name: accept_operation
 -- Batched: insert new operations in state 'accepted' (idempotent: a replayed submission inserts nothing).
@@ -35,7 +39,7 @@ RETURNING operation_id, fencing_token;
 WITH req AS (
     SELECT * FROM unnest(:operation_ids::text[]) WITH ORDINALITY AS r(operation_id, i)
 ), locked AS MATERIALIZED (
-    SELECT operation_id FROM operations
+    SELECT operation_id, state FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
@@ -43,7 +47,7 @@ WITH req AS (
 UPDATE operations AS o
 SET state = 'submitting', fencing_token = o.fencing_token + 1, updated_by = :worker
 FROM req JOIN locked USING (operation_id)
-WHERE o.operation_id = req.operation_id AND o.state = 'accepted'
+WHERE o.operation_id = req.operation_id AND locked.state = 'accepted'
 RETURNING req.i, o.fencing_token;
 
 -- name: save_submitted
@@ -58,7 +62,7 @@ WITH req AS (
     SELECT * FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :remote_job_ids::text[], :first_poll_delays_s::float8[], :reasons::text[])
         WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, reason, i)
 ), locked AS MATERIALIZED (
-    SELECT operation_id FROM operations
+    SELECT operation_id, state, remote_job_id FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
@@ -74,8 +78,8 @@ WITH req AS (
     FROM req JOIN locked USING (operation_id)
     WHERE o.operation_id = req.operation_id
       AND o.fencing_token = req.fencing_token
-      AND o.state IN ('submitting', 'uncertain')
-      AND o.remote_job_id IS NULL
+      AND locked.state IN ('submitting', 'uncertain')
+      AND locked.remote_job_id IS NULL
     RETURNING req.i, o.operation_id, o.remote_job_id, req.reason
 ), account AS (
     INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
@@ -158,7 +162,7 @@ WHERE operation_id = :operation_id;
 WITH req AS (
     SELECT * FROM unnest(:operation_ids::text[], :poll_claim_ids::bigint[]) WITH ORDINALITY AS r(operation_id, poll_claim_id, i)
 ), locked AS MATERIALIZED (
-    SELECT operation_id FROM operations
+    SELECT operation_id, state FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
@@ -168,7 +172,7 @@ SET fencing_token = o.fencing_token + 1, updated_by = :worker, poll_claimed_at =
 FROM req JOIN locked USING (operation_id)
 WHERE o.operation_id = req.operation_id
   AND o.poll_claim_id = req.poll_claim_id
-  AND o.state IN ('submitted', 'queued', 'running')
+  AND locked.state IN ('submitted', 'queued', 'running')
 RETURNING req.i, o.fencing_token, o.remote_job_id, o.state::text AS state, o.poll_count,
           extract(epoch FROM now() - COALESCE(o.observing_since, o.accepted_at))::float8 AS observed_for_s;
 
@@ -180,7 +184,7 @@ WITH req AS (
     SELECT * FROM unnest(:operation_ids::text[], :poll_claim_ids::bigint[], :delays_s::float8[]) WITH ORDINALITY AS r(operation_id, poll_claim_id,
                                                                                          delay_s, i)
 ), locked AS MATERIALIZED (
-    SELECT operation_id FROM operations
+    SELECT operation_id, state FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
@@ -192,7 +196,7 @@ SET next_poll_at = now() + make_interval(secs => req.delay_s),
 FROM req JOIN locked USING (operation_id)
 WHERE o.operation_id = req.operation_id
   AND o.poll_claim_id = req.poll_claim_id
-  AND o.state IN ('submitted', 'queued', 'running')
+  AND locked.state IN ('submitted', 'queued', 'running')
 RETURNING req.i;
 
 -- name: save_observation
