@@ -620,3 +620,85 @@ async def test_a_caller_cancelled_while_it_runs_alone_after_a_lock_wait_leaves_n
     assert claim is not None and claim.fencing_token == 2
     tokens = dict(await pool.fetch("SELECT operation_id, fencing_token FROM operations"))
     assert tokens == {"op-held": 1, "op-next": 2}  # the cancelled claim wrote nothing
+
+
+async def _secondary_index_reads(conn: asyncpg.Connection) -> dict[str, int]:
+    """Index entries of ``operations`` read by this transaction so far, per index other than the primary key."""
+    rows = await conn.fetch(
+        "SELECT i.indexrelid::regclass::text AS name, pg_stat_get_xact_tuples_returned(i.indexrelid) AS n"
+        " FROM pg_index i WHERE i.indrelid = 'operations'::regclass AND i.indexrelid <> 'operations_pkey'::regclass"
+    )
+    return {r["name"]: r["n"] for r in rows if r["n"]}
+
+
+async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_plan_made_on_an_empty_table(
+    pool: asyncpg.Pool,
+) -> None:
+    """A worker prepares its statements when the ledger is new (empty), and each connection keeps the plan it made
+    then. The claims and the job-id save must still find their batch's rows by primary key, not by reading every
+    accepted, job-less or pollable operation through a state or partial index (they did: the cached plans, made
+    when those indexes looked empty, scanned them in full for every batch)."""
+    n = 300
+    accepted, submitting, submitted = ([f"op-{k}-{i:04d}" for i in range(n)] for k in "abc")
+    fixed = {"worker": "w", "lock_timeout": "0"}
+    async with pool.acquire() as conn:
+        await conn.execute("SET plan_cache_mode = force_generic_plan")  # the plan made at the first run is kept
+        warm = {  # first run of each on the empty table: its plan is made now
+            "claim_for_submit": {"operation_ids": [], **fixed},
+            "save_submitted": {
+                "operation_ids": [],
+                "fencing_tokens": [],
+                "remote_job_ids": [],
+                "first_poll_delays_s": [],
+                "reasons": [],
+                **fixed,
+            },
+            "claim_for_observe": {"operation_ids": [], "poll_claim_ids": [], **fixed},
+            "reschedule_poll": {"operation_ids": [], "poll_claim_ids": [], "delays_s": [], "lock_timeout": "0"},
+        }
+        for name, values in warm.items():
+            assert await getattr(Q, name).fetch(conn, **values) == []
+
+        everyone = accepted + submitting + submitted
+        await Q.accept_operation.fetch(
+            pool,
+            operation_ids=everyone,
+            requests=[REQUEST] * 3 * n,
+            submitted_at_ms=[1] * 3 * n,
+            sources=[None] * 3 * n,
+            **fixed,
+        )
+        await Q.claim_for_submit.fetch(pool, operation_ids=submitting + submitted, **fixed)
+        await Q.save_submitted.fetch(
+            pool,
+            operation_ids=submitted,
+            fencing_tokens=[1] * n,
+            remote_job_ids=[f"job-{o}" for o in submitted],
+            first_poll_delays_s=[60.0] * n,
+            reasons=[None] * n,
+            **fixed,
+        )
+
+        runs = {
+            "claim_for_submit": {"operation_ids": accepted[:2], **fixed},
+            "save_submitted": {
+                "operation_ids": submitting[:2],
+                "fencing_tokens": [1, 1],
+                "remote_job_ids": ["job-x", "job-y"],
+                "first_poll_delays_s": [1.0, 1.0],
+                "reasons": [None, None],
+                **fixed,
+            },
+            "claim_for_observe": {"operation_ids": submitted[:2], "poll_claim_ids": [0, 0], **fixed},
+            "reschedule_poll": {
+                "operation_ids": submitted[2:4],
+                "poll_claim_ids": [0, 0],
+                "delays_s": [1.0, 1.0],
+                "lock_timeout": "0",
+            },
+        }
+        for name, values in runs.items():
+            async with conn.transaction():
+                rows = await getattr(Q, name).fetch(conn, **values)
+                assert sorted(r["i"] for r in rows) == [1, 2], name  # both requests served
+                assert await _secondary_index_reads(conn) == {}, name
