@@ -12,6 +12,7 @@ from yoyo import get_backend
 from streams.admin import create_run_database, drop_run_database, sql_migrations, yoyo_url
 from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.config import Settings
+from streams.sql import LEDGER
 from streams.states import OperationState, can_transition
 
 pytestmark = pytest.mark.integration
@@ -250,6 +251,34 @@ async def test_explicit_codes_rename_legacy_outcomes_and_roll_back(migrated: Set
                 backend.rollback_migrations(backend.to_rollback(migrations.filter(lambda m: m.id.startswith("0003."))))
             assert await conn.fetchval("SELECT to_regclass('remote_call_outcomes')") is None
             assert await conn.fetchval("SELECT count(*) FROM remote_calls") == len(legacy)
+        finally:
+            await conn.close()
+    finally:
+        await drop_run_database(base_url, run_url)
+
+
+async def test_accepted_index_replaces_the_state_index_and_rolls_back(migrated: Settings) -> None:
+    """0005 replaces the index on every operation's state with a partial index on accepted operations (the search
+    for stale accepted ones uses it); its rollback restores the state index."""
+    base_url = migrated.database_url.get_secret_value()
+    run_url = await create_run_database(base_url, f"mig{uuid.uuid4().hex[:8]}")
+    indexes = "SELECT array_agg(indexname::text ORDER BY indexname) FROM pg_indexes WHERE tablename = 'operations'"
+    try:
+        backend = get_backend(yoyo_url(run_url))
+        migrations = sql_migrations(MIGRATIONS)
+        with backend.lock():
+            backend.apply_migrations(backend.to_apply(migrations))
+        conn = await asyncpg.connect(run_url)
+        try:
+            applied = await conn.fetchval(indexes)
+            assert "operations_accepted" in applied and "operations_state" not in applied
+            await conn.execute("SET enable_seqscan = off")
+            plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + LEDGER.stale_accepted.sql, 60.0, 10)
+            assert "operations_accepted" in str(plan)
+            with backend.lock():
+                backend.rollback_migrations(backend.to_rollback(migrations.filter(lambda m: m.id.startswith("0005."))))
+            rolled_back = await conn.fetchval(indexes)
+            assert "operations_state" in rolled_back and "operations_accepted" not in rolled_back
         finally:
             await conn.close()
     finally:
