@@ -61,6 +61,8 @@ class Operation:
     transition_seq: int = 1
     remote_job_id: str | None = None
     poll_claim_id: int = 0
+    #: The scheduler's latest claim is not yet taken by an observer (nor rescheduled): ``poll_claimed_at`` set.
+    poll_claimed: bool = False
     next_poll_at: float | None = None
     poll_count: int = 0
     reason: str | None = None
@@ -337,17 +339,19 @@ class InMemoryLedger:
         polls = []
         for op in due:
             assert op.remote_job_id is not None
-            self._write(op, next_poll_at=now + visibility_timeout_s, poll_claim_id=op.poll_claim_id + 1)
+            self._write(
+                op, next_poll_at=now + visibility_timeout_s, poll_claim_id=op.poll_claim_id + 1, poll_claimed=True
+            )
             polls.append(DuePoll(op.operation_id, op.remote_job_id, op.poll_claim_id + 1))
         return polls
 
     async def claim_for_observe(self, operation_id: str, poll_claim_id: int) -> ObserveClaim | None:
         self._call(f"claim observe {operation_id}")
         op = self.operations.get(operation_id)
-        if op is None or op.poll_claim_id != poll_claim_id or op.state not in POLLABLE:
+        if op is None or op.poll_claim_id != poll_claim_id or not op.poll_claimed or op.state not in POLLABLE:
             return None
         assert op.remote_job_id is not None
-        self._write(op, fencing_token=op.fencing_token + 1, updated_by=self.worker)
+        self._write(op, fencing_token=op.fencing_token + 1, updated_by=self.worker, poll_claimed=False)
         since = op.observing_since if op.observing_since is not None else op.accepted_at
         return ObserveClaim(op.fencing_token + 1, op.remote_job_id, op.state, op.poll_count, self._t - since)
 
@@ -356,7 +360,7 @@ class InMemoryLedger:
         op = self.operations.get(operation_id)
         if op is None or op.poll_claim_id != poll_claim_id or op.state not in POLLABLE:
             return False
-        self._write(op, next_poll_at=self._t + delay_s)
+        self._write(op, next_poll_at=self._t + delay_s, poll_claimed=False)
         return True
 
     async def save_observation(
@@ -649,3 +653,18 @@ def fake_runtime(
         Sent(),
         "fake-worker",
     )
+
+
+async def observed_again(ledger: Any, operation_id: str) -> ObserveClaim:
+    """A second observer's claim of ``operation_id`` while the first still holds its own (``ledger``: the real
+    :class:`~streams.ledger.Ledger` or :class:`InMemoryLedger`): the poll claimed again by the scheduler (as once the
+    first claim's visibility timeout passed; here by rescheduling it due now), then claimed for observing. A poll
+    claim is observed once, so a newer fencing value always comes with a newer poll claim."""
+    row = await ledger.get_operation(operation_id)
+    assert row is not None
+    assert await ledger.reschedule_poll(operation_id, row["poll_claim_id"], 0.0)
+    polls = [p for p in await ledger.claim_due_polls(100, 60.0) if p.operation_id == operation_id]
+    assert len(polls) == 1
+    claim = await ledger.claim_for_observe(operation_id, polls[0].poll_claim_id)
+    assert claim is not None
+    return claim

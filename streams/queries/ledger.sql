@@ -157,12 +157,14 @@ WHERE operation_id = :operation_id;
 -- Batched: the observer's claim for one poll, taken after the Redis lease: a new fencing value.
 -- :operation_ids (text[], distinct), :poll_claim_ids of the poll events (bigint[]), :worker, :lock_timeout.
 -- Returns i, fencing_token, remote_job_id, state, poll_count, observed_for_s (since the observation began: job id
--- saved or repolled) per claimed request; none when the poll is stale (re-claimed since), the operation is no longer
--- pollable, or it does not exist.
+-- saved or repolled) per claimed request; none when the poll is stale (re-claimed since), already taken (the same
+-- poll event delivered again, e.g. after a rebalance: each scheduler claim is observed at most once, so a
+-- redelivered poll makes no second GET; it clears poll_claimed_at, as does a reschedule), the operation is no
+-- longer pollable, or it does not exist.
 WITH req AS (
     SELECT * FROM unnest(:operation_ids::text[], :poll_claim_ids::bigint[]) WITH ORDINALITY AS r(operation_id, poll_claim_id, i)
 ), locked AS MATERIALIZED (
-    SELECT operation_id, state FROM operations
+    SELECT operation_id, state, poll_claimed_at FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
@@ -172,6 +174,7 @@ SET fencing_token = o.fencing_token + 1, updated_by = :worker, poll_claimed_at =
 FROM req JOIN locked USING (operation_id)
 WHERE o.operation_id = req.operation_id
   AND o.poll_claim_id = req.poll_claim_id
+  AND locked.poll_claimed_at IS NOT NULL
   AND locked.state IN ('submitted', 'queued', 'running')
 RETURNING req.i, o.fencing_token, o.remote_job_id, o.state::text AS state, o.poll_count,
           extract(epoch FROM now() - COALESCE(o.observing_since, o.accepted_at))::float8 AS observed_for_s;

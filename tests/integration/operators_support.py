@@ -21,6 +21,7 @@ from streams.config import Settings
 from streams.ledger import Ledger
 from streams.states import OperationState
 from streams_harness.fleet import STREAMS
+from tests.fakes import observed_again
 from tests.support import ROOT
 
 #: A reason with markup and quotes: pages must show it as text.
@@ -62,8 +63,7 @@ async def _submitted(ledger: Ledger, seeded: Seeded, op: str, *, via_502: bool =
 
 async def _claimed(ledger: Ledger, op: str, outcome: Outcome) -> int:
     """The observer's claim and one GET with ``outcome``; returns the fencing value."""
-    claim = await ledger.claim_for_observe(op, 0)
-    assert claim is not None
+    claim = await observed_again(ledger, op)  # its poll claimed by the scheduler, then by an observer
     await ledger.record_remote_call(op, "GET", 200, outcome, claim.remote_job_id, 3.0, claim.fencing_token)
     return claim.fencing_token
 

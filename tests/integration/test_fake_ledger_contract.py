@@ -22,7 +22,7 @@ from streams.relay import OutboxRelay
 from streams.runtime import RawMessage, Runtime
 from streams.scheduler import PollScheduler
 from streams.states import POLLABLE, OperationState
-from tests.fakes import InMemoryLedger, Sent, fake_leases, mock_remote
+from tests.fakes import InMemoryLedger, Sent, fake_leases, mock_remote, observed_again
 
 pytestmark = pytest.mark.integration
 
@@ -112,8 +112,7 @@ async def run_scenario(settings: Settings, ledger: Any) -> dict[str, Any]:
     async def newer_claim(job_id: str) -> None:  # a second observer claims op-fenced while the first GETs
         if job_id == "job-fenced":
             provider.during_get = None
-            row = await ledger.get_operation("op-fenced")
-            assert await ledger.claim_for_observe("op-fenced", row["poll_claim_id"]) is not None
+            await observed_again(ledger, "op-fenced")
 
     async def observe_round() -> None:
         before = len(sent.records)

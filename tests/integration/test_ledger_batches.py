@@ -107,6 +107,18 @@ async def observed(ledger: Ledger, op: str) -> int:
     return claim.fencing_token
 
 
+async def observed_again(ledger: Ledger, op: str) -> int:
+    """A newer observer claim of ``op``, observed already: its poll rescheduled due now, claimed again by the
+    scheduler and claimed for observing (a poll claim is observed once); the new fencing value."""
+    row = await ledger.get_operation(op)
+    assert row is not None
+    assert await ledger.reschedule_poll(op, row["poll_claim_id"], 0.0)
+    poll_claim_id = (await polled(ledger, [op]))[op]
+    claim = await ledger.claim_for_observe(op, poll_claim_id)
+    assert claim is not None
+    return claim.fencing_token
+
+
 Call = Callable[[], Awaitable[Any]]
 
 
@@ -126,7 +138,7 @@ async def scenario(ledger: Ledger, p: str) -> list[Call]:
     fence: dict[str, int] = {}
     for op in ("save-succ", "save-failed", "save-running", "save-fence", "save-order"):
         fence[op] = await observed(ledger, f"{p}{op}")
-    assert (await ledger.claim_for_observe(f"{p}save-fence", 1)) is not None  # a newer claim: fence[...] is stale
+    await observed_again(ledger, f"{p}save-fence")  # a newer claim: fence["save-fence"] is stale
     order_job = f"{p}save-order-job"
     assert await ledger.save_observation(f"{p}save-order", fence["save-order"], succeeded(order_job, p), None) == (
         SaveOutcome.SAVED
@@ -331,7 +343,7 @@ async def test_two_requests_for_one_operation_in_a_batch_act_as_if_made_one_afte
     pool: asyncpg.Pool, logged: Logged
 ) -> None:
     """Two tasks handling one operation (a poll event read twice): their claims and saves may share a batch; each
-    sees the fencing value and state order as if its statement ran after the other's."""
+    sees the poll claim, the fencing value and the state order as if its statement ran after the other's."""
     setup = Ledger(pool, "w", batching=False)
     await submitted(setup, "op-twice")
     poll_claim_id = (await polled(setup, ["op-twice"]))["op-twice"]
@@ -340,15 +352,16 @@ async def test_two_requests_for_one_operation_in_a_batch_act_as_if_made_one_afte
     first, second = await asyncio.gather(
         batched.claim_for_observe("op-twice", poll_claim_id), batched.claim_for_observe("op-twice", poll_claim_id)
     )
-    assert first is not None and second is not None
-    assert (first.fencing_token, second.fencing_token) == (2, 3)  # two claims: two fencing values, in order
+    assert first is not None and second is None  # the poll claim is observed once: the second finds it taken
+    assert first.fencing_token == 2
     assert await logged.sent("claim_observe") - before == 2
     job = "op-twice-job"
+    fencing = first.fencing_token
     outcomes = await asyncio.gather(
-        batched.save_observation("op-twice", first.fencing_token, succeeded(job, "x"), None),
-        batched.save_observation("op-twice", second.fencing_token, JobSnapshot(job, "running", S.RUNNING), 9.0),
-        batched.save_observation("op-twice", second.fencing_token, succeeded(job, "x"), None),
-        batched.save_observation("op-twice", second.fencing_token, succeeded(job, "x"), None),
+        batched.save_observation("op-twice", fencing - 1, succeeded(job, "x"), None),  # the submit claim's value
+        batched.save_observation("op-twice", fencing, JobSnapshot(job, "running", S.RUNNING), 9.0),
+        batched.save_observation("op-twice", fencing, succeeded(job, "x"), None),
+        batched.save_observation("op-twice", fencing, succeeded(job, "x"), None),
     )
     assert outcomes == [
         SaveOutcome.REFUSED_FENCING,
@@ -388,7 +401,13 @@ async def test_two_batches_locking_the_same_operations_in_opposite_orders_do_not
     holds both rows; once it commits, both go through: rows are locked in operation id order."""
     setup = Ledger(pool, "w", batching=False)
     ops = ["op-a", "op-b"]
-    fencing = {op: await observed(setup, op) for op in ops}
+    if stage == "claim_observe":  # polls claimed by the scheduler, not yet taken by an observer
+        for op in ops:
+            await submitted(setup, op)
+        assert set((await polled(setup, ops)).values()) == {1}
+        fencing = {op: 1 for op in ops}
+    else:
+        fencing = {op: await observed(setup, op) for op in ops}
     poll_claim_id = 1
     running = '{"status": "running"}'
 
@@ -426,9 +445,13 @@ async def test_two_batches_locking_the_same_operations_in_opposite_orders_do_not
     finally:
         for conn in (holder, first, second):
             await conn.close()
-    assert [len(r) for r in results] == [2, 2]
     tokens = dict(await pool.fetch("SELECT operation_id, fencing_token FROM operations"))
-    assert tokens == ({op: fencing[op] + 2 for op in ops} if stage == "claim_observe" else fencing)
+    if stage == "claim_observe":  # one statement took both claims, the other found them taken
+        assert sorted(len(r) for r in results) == [0, 2]
+        assert tokens == {op: fencing[op] + 1 for op in ops}
+    else:
+        assert [len(r) for r in results] == [2, 2]
+        assert tokens == fencing
 
 
 async def test_a_batch_chosen_as_deadlock_victim_runs_again_and_its_callers_get_their_results(
@@ -678,6 +701,8 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
             reasons=[None] * n,
             **fixed,
         )
+        # the scheduler's claim of two polls (claim id 0 kept): claim_for_observe takes only a claimed poll
+        await pool.execute("UPDATE operations SET poll_claimed_at = now() WHERE operation_id = ANY($1)", submitted[:2])
 
         runs = {
             "claim_for_submit": {"operation_ids": accepted[:2], **fixed},

@@ -126,8 +126,12 @@ async def test_stale_fencing_value_is_refused_and_counted(runtime: Runtime, pool
     poll = await claim_poll(runtime, "op-fence")
     claim_id = orjson.loads(poll.value or b"")["poll_claim_id"]
     first = await runtime.ledger.claim_for_observe("op-fence", claim_id)
-    second = await runtime.ledger.claim_for_observe("op-fence", claim_id)
-    assert first is not None and second is not None and second.fencing_token == first.fencing_token + 1
+    assert first is not None
+    assert await runtime.ledger.claim_for_observe("op-fence", claim_id) is None  # a poll claim is observed once
+    assert await runtime.ledger.reschedule_poll("op-fence", claim_id, 0.0)  # due again now: a newer poll claim
+    again = orjson.loads((await claim_poll(runtime, "op-fence")).value or b"")["poll_claim_id"]
+    second = await runtime.ledger.claim_for_observe("op-fence", again)
+    assert second is not None and second.fencing_token == first.fencing_token + 1
     succeeded = JobSnapshot(job_id, "succeeded", OperationState.SUCCEEDED, outputs=[{"id": "out_0"}], completed_at_ms=1)
     running = JobSnapshot(job_id, "running", OperationState.RUNNING)
     assert await runtime.ledger.save_observation("op-fence", second.fencing_token, succeeded, None) is SaveOutcome.SAVED
@@ -229,3 +233,24 @@ async def test_lease_confirmed_a_moment_ago_is_not_renewed_before_the_get_but_be
     assert metrics.LEASE_LOST.labels("observe")._value.get() == before + 1  # the renewal before the save
     assert await pool.fetchval("SELECT poll_count FROM operations WHERE operation_id='op-fresh'") == 0
     assert await runtime.leases.client.get(key) == b"someone-else"
+
+
+async def test_a_poll_event_delivered_again_makes_no_second_get(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator
+) -> None:
+    """Kafka may deliver a poll event again (a rebalance before its offset was committed): the scheduler's claim is
+    taken once, so the second delivery is a stale poll, not a second GET of the job."""
+    await simulator.configure(fault_never_finishes=1.0)  # running after the first GET: the poll stays pollable
+    await submitted_operation(runtime, "op-again")
+    poll = await claim_poll(runtime, "op-again")
+    observer = Observer(runtime)
+    stale_before = metrics.STALE_POLLS._value.get()
+    await observer.handle(poll)
+    fencing_after_first = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id='op-again'")
+    await observer.handle(poll)  # the same event again
+    job = (await simulator.get("/_sim/operations/op-again"))["jobs"][0]
+    assert job["gets"] == 1
+    assert metrics.STALE_POLLS._value.get() == stale_before + 1
+    assert await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id='op-again'") == (
+        fencing_after_first
+    )

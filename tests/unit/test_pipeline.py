@@ -30,7 +30,7 @@ from streams.relay import OutboxRelay
 from streams.runtime import RawMessage, Runtime
 from streams.scheduler import PollScheduler
 from streams.states import OperationState
-from tests.fakes import InMemoryLedger, Sent, fake_leases, fake_runtime
+from tests.fakes import InMemoryLedger, Sent, fake_leases, fake_runtime, observed_again
 from tests.support import wait_for
 
 S = OperationState
@@ -401,8 +401,7 @@ async def test_an_observation_under_an_older_fencing_value_is_dropped(pipeline: 
 
     async def newer_claim_meanwhile(kind: str) -> None:  # a second observer claimed the operation during the GET
         if kind == "GET":
-            poll_claim_id = p.ledger.operations[OP].poll_claim_id
-            assert await p.ledger.claim_for_observe(OP, poll_claim_id) is not None
+            await observed_again(p.ledger, OP)
 
     p.provider.on_request = newer_claim_meanwhile
     p.ledger.advance(60.0)
