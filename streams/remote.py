@@ -12,7 +12,8 @@ other 4xx (400, 401, 403, 409, 422, ...)        :class:`RemoteRefusedError`     
 connection refused / not established / no       :class:`RemoteNotSentError`        yes (nothing was sent)
 pooled connection free (no byte sent)
 timeout or connection lost after send, 5xx      :class:`RemoteUnknownOutcomeError` no (ends ``uncertain``)
-without job id, 2xx without a readable id
+without job id, 2xx without a readable id, an
+answer whose Content-Encoding does not decode
 =============================================== ================================== =====================
 
 Answers are read with every number exact (:mod:`streams.exactjson`). A 2xx whose body cannot be read exactly
@@ -469,7 +470,8 @@ class RemoteClient:
             RemoteRateLimitedError: 429, nothing created; retry after ``retry_after_s``.
             RemoteRefusedError: other 4xx, nothing created.
             RemoteNotSentError: no byte was sent; safe to retry.
-            RemoteUnknownOutcomeError: sent and outcome unknown; never retry.
+            RemoteUnknownOutcomeError: sent and outcome unknown (an answer that could not be read too); never
+                retry.
         """
         body = provider_request_body(request_text, operation_id, self.model)
         started = time.perf_counter()
@@ -489,6 +491,10 @@ class RemoteClient:
         except httpx.TransportError as exc:
             raise RemoteUnknownOutcomeError(
                 operation_id, f"connection lost after send ({type(exc).__name__}: {exc}); a job may exist"
+            ) from exc
+        except httpx.HTTPError as exc:  # answered, but the answer could not be read (DecodingError: a bad gzip)
+            raise RemoteUnknownOutcomeError(
+                operation_id, f"POST answer could not be read ({type(exc).__name__}: {exc}); a job may exist"
             ) from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
         return self._classify_submit(operation_id, response, duration_ms)

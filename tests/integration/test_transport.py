@@ -103,8 +103,8 @@ async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 
 
 def settings_for(url: str, **changes: object) -> Settings:
-    values: dict[str, object] = {"http_read_timeout_s": 0.5, **changes}
-    return Settings(remote_base_url=url, http_transport="aiohttp", **values)  # type: ignore[arg-type]
+    values: dict[str, object] = {"http_read_timeout_s": 0.5, "http_transport": "aiohttp", **changes}
+    return Settings(remote_base_url=url, **values)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -327,3 +327,25 @@ async def test_the_remote_client_sends_what_httpx_sends() -> None:
     assert ours_post_body == httpx_post_body
     assert request_head(ours_get) == request_head(httpx_get)
     assert request_head(ours_get)[0] == b"GET /v1/generations/job1 HTTP/1.1"
+
+
+#: An answer that says gzip and is not: httpx cannot decode its body (``httpx.DecodingError``).
+BAD_GZIP = b"HTTP/1.1 201 Created\r\nContent-Encoding: gzip\r\nContent-Length: 13\r\n\r\n" + b'{"id":"job1"}'
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+async def test_an_answer_that_cannot_be_decoded_is_classified(transport: str) -> None:
+    # The POST was sent and answered: whatever the status, a job may exist (never re-sent, never unclassified);
+    # a GET so answered is retried like any other unreadable answer.
+    async with ScriptedServer(answer(BAD_GZIP)) as server:
+        client = RemoteClient.from_settings(settings_for(server.url, http_transport=transport))
+        try:
+            with pytest.raises(RemoteUnknownOutcomeError, match="answer could not be read") as info:
+                await client.submit(OP, REQUEST)
+            assert not isinstance(info.value, RemoteNotSentError)
+            assert isinstance(info.value.__cause__, httpx.DecodingError)
+            with pytest.raises(RemoteTransientError):
+                await client.observe(OP, "job1")
+        finally:
+            await client.aclose()
+    assert server.posts() == 1
