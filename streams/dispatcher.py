@@ -5,7 +5,8 @@ Outcome of the POST (see :mod:`streams.remote`):
 * created (2xx, or 502 with ``error.job_id``): the job id is saved, fenced; the first poll is scheduled.
 * definite refusal (4xx): ``rejected`` with the API's reason.
 * 429 or "not sent" (connection refused before any byte): retried after ``Retry-After`` / with backoff,
-  within ``submit_retry_deadline_s``; past it, ``rejected`` (nothing was ever created).
+  within ``submit_retry_deadline_s``; past it (or at once, for a ``Retry-After`` ending past it), ``rejected``
+  (nothing was ever created).
 * unknown outcome (timeout or connection lost after send, 5xx without job id): ``uncertain`` with the reason;
   never re-sent. A replayed submission never POSTs again once the operation left ``accepted``.
 
@@ -65,7 +66,7 @@ from streams.errors import (
 from streams.lease import Lease
 from streams.ratebudget import BudgetKind
 from streams.remote import SubmitResult
-from streams.retrying import first_attempt_plain, retry_without_deadline
+from streams.retrying import failure_of, first_attempt_plain, retry_without_deadline
 from streams.runtime import RawMessage, Runtime
 from streams.states import OperationState
 
@@ -106,8 +107,18 @@ def _wait_for_retry(base: tenacity.wait.wait_base, deadline: float) -> tenacity.
 
 def _stop_at(deadline: float) -> Callable[[tenacity.RetryCallState], bool]:
     """A tenacity stop: no attempt once ``time.monotonic()`` reached ``deadline`` (what ``stop_after_delay`` does,
-    counted from a start of our choosing rather than from the policy's first attempt)."""
-    return lambda retry_state: time.monotonic() >= deadline
+    counted from a start of our choosing rather than from the policy's first attempt), nor after a 429 whose
+    ``Retry-After`` ends at or past ``deadline`` (no POST may follow within it: the 429 ends the operation now,
+    ``rejected`` as rate limited, rather than after waiting out the deadline)."""
+
+    def stop(retry_state: tenacity.RetryCallState) -> bool:
+        now = time.monotonic()
+        failure = failure_of(retry_state)
+        if isinstance(failure, RemoteRateLimitedError) and now + failure.retry_after_s >= deadline:
+            return True
+        return now >= deadline
+
+    return stop
 
 
 #: The POST failures that are retried within ``submit_retry_deadline_s``: nothing was created.

@@ -225,6 +225,19 @@ async def test_rate_limited_past_the_deadline_is_rejected(settings: Settings) ->
     assert p.provider.count("POST") == 1
 
 
+async def test_rate_limited_beyond_the_deadline_is_rejected_at_once(settings: Settings) -> None:
+    # A 429 whose Retry-After ends past the retry deadline: no POST can follow within it, so the operation ends
+    # rejected for the 429 right away (not after waiting out the deadline, blamed on the rate budget).
+    answer = httpx.Response(429, headers={"Retry-After": "100"}, json={})
+    p = Pipeline(settings.replace(submit_retry_deadline_s=2.0), Provider(posts=[answer, created()]))
+    started = time.monotonic()
+    await p.dispatcher.handle(submission())
+    op = p.ledger.operations[OP]
+    assert (op.state, op.reason_code) == (S.REJECTED, R.RATE_LIMITED)
+    assert p.provider.count("POST") == 1
+    assert time.monotonic() - started < 1.5
+
+
 async def test_a_conflicting_replay_is_dead_lettered_and_posts_nothing(pipeline: Callable[..., Pipeline]) -> None:
     p = pipeline()
     await p.dispatcher.handle(submission())
