@@ -120,8 +120,8 @@ class _PoolRepair:
 
     _ATTRIBUTES = ("_requests", "_connections", "_optional_thread_lock", "_assign_requests_to_connections")
 
-    def __init__(self, http: httpx.AsyncClient) -> None:
-        pool = getattr(getattr(http, "_transport", None), "_pool", None)
+    def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
+        pool = getattr(transport, "_pool", None)  # httpx's own transport, or its proxy transport: httpcore's pool
         usable = isinstance(pool, httpcore.AsyncConnectionPool) and all(hasattr(pool, a) for a in self._ATTRIBUTES)
         self.pool: Any = pool if usable else None
         self._closing: set[asyncio.Future[None]] = set()
@@ -401,15 +401,16 @@ class RemoteClient:
         self.model = model
         self.call_deadline_s = call_deadline_s
         self.traced = traced
-        self._pool_repair = _PoolRepair(http)
         self._post = _Call(http.build_request("POST", "/v1/generations", headers={"Content-Type": "application/json"}))
         self._get = _Call(http.build_request("GET", "/v1/generations/"))  # + the quoted job id
         # The aiohttp transport is called directly (the client's auth, redirect, cookie and event-hook layers do
         # nothing here: no auth, no redirects followed, no cookies, no hooks); any other transport (httpcore, a
-        # test's MockTransport) gets each request through ``http.send``. Chosen as httpx routes the base URL
-        # (a proxy from the environment would route past the aiohttp transport, and still does).
+        # test's MockTransport) gets each request through ``http.send``. Chosen as httpx routes the base URL: a
+        # client given a transport ignores proxies from the environment; without one (``http_transport=httpx``)
+        # ``HTTP_PROXY`` routes to httpx's proxy transport, whose pool is then the one to repair.
         routed = http._transport_for_url(httpx.URL(self._post.url))
         self._aiohttp = routed if isinstance(routed, AiohttpTransport) else None
+        self._pool_repair = _PoolRepair(routed)
         timeout = self._post.timeout
         self._client_timeout = client_timeout(timeout.get("connect"), timeout.get("read"), timeout.get("pool"))
 

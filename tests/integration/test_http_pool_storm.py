@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
 from streams import metrics
@@ -209,6 +210,44 @@ async def test_calls_cancelled_under_contention_leave_no_pool_slot_behind(settin
         assert outcomes == Counter(ok=20)
         if transport == "httpx":  # the repair is httpcore's alone
             assert metrics.HTTP_POOL_REPAIRS._value.get() > repairs
+    finally:
+        await client.aclose()
+        await provider.stop()
+
+
+async def test_through_a_proxy_from_the_environment_cancelled_calls_leave_no_pool_slot_behind(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``STREAMS_HTTP_TRANSPORT=httpx``, ``HTTP_PROXY`` in the worker's environment routes the remote client's
+    requests to httpx's proxy transport (another httpcore pool than the client's own): the pool repair must cover
+    that pool too, or the same cancellations as above exhaust it."""
+    provider = FlakyProvider(slow_s=0.02, reset_rate=0.0)  # serves absolute-form requests too: a proxy to itself
+    await provider.start()
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", provider.url)
+    settings = settings.replace(
+        http_transport="httpx",
+        remote_base_url="http://generation-api.invalid",  # reached only through the proxy
+        dispatcher_concurrency=1,
+        observer_concurrency=1,
+        http_pool_timeout_s=0.5,
+    )
+    client = RemoteClient.from_settings(settings)
+    rng = random.Random(3)
+    try:
+        assert client.http._transport_for_url(httpx.URL(settings.remote_base_url.get_secret_value())) is not (
+            client.http._transport
+        )  # routed to the proxy's transport
+        provider.storm = True  # every answer after 20 ms
+        for _ in range(150):
+            calls = [asyncio.create_task(client.observe("op-churn", f"job-{i}")) for i in range(8)]
+            for call in calls:
+                asyncio.get_running_loop().call_later(rng.uniform(0.0, 0.05), call.cancel)
+            await asyncio.gather(*calls, return_exceptions=True)
+        provider.storm = False
+        outcomes = Counter([await get_outcome(client, i, 0.0, rng) for i in range(20)])
+        assert outcomes == Counter(ok=20)
     finally:
         await client.aclose()
         await provider.stop()
