@@ -111,6 +111,18 @@ class _ReportingConnector(aiohttp.TCPConnector):
     ``req.send(conn)``, no other await between). Waiting for a pool slot, resolving and connecting all happen
     inside ``connect``: a cancellation there is "not sent"."""
 
+    async def _wait_for_available_connection(self, key: Any, traces: Any) -> None:
+        """aiohttp's wait for a free slot, made safe from a cancellation that lands after the wait was woken: aiohttp
+        wakes one waiter per freed connection, and a waiter cancelled before it ran (its call deadline struck in the
+        same loop turn, its caller gave up) took that wake-up with it, leaving the next waiter idle beside a free
+        connection until another was freed or its own pool timeout struck (``ConnectTimeout``: "not sent"). The
+        wake-up is passed on (a no-op when no connection is free)."""
+        try:
+            await super()._wait_for_available_connection(key, traces)
+        except BaseException:
+            self._release_waiter()
+            raise
+
     async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Connection:  # noqa: ASYNC109 (aiohttp's signature)
         connection = await super().connect(req, traces, timeout)
         trace = _SENDING_TRACE.get()

@@ -14,11 +14,12 @@ import aiohttp
 import httpx
 import orjson
 import pytest
+import yarl
 
 from streams.config import Settings
 from streams.errors import RemoteNotSentError, RemoteTransientError, RemoteUnknownOutcomeError
 from streams.remote import RemoteClient, make_http_client
-from streams.transport import AiohttpTransport
+from streams.transport import AiohttpTransport, client_timeout
 
 pytestmark = pytest.mark.integration
 
@@ -349,3 +350,45 @@ async def test_an_answer_that_cannot_be_decoded_is_classified(transport: str) ->
         finally:
             await client.aclose()
     assert server.posts() == 1
+
+
+async def test_a_waiter_cancelled_as_it_is_woken_passes_the_free_connection_on() -> None:
+    # One pooled connection, held by a slow GET; A and B wait for it. When it comes free, aiohttp wakes A, and A
+    # is cancelled before it runs (its call deadline or its caller, in the same loop turn): B must get the
+    # connection then, not wait idle beside it until its own pool timeout ("not sent" against a healthy server).
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.3)
+        await answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")(reader, writer)
+
+    quick = answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    async with ScriptedServer(slow, quick) as server:
+        transport = AiohttpTransport(max_connections=1)
+        timeouts = client_timeout(5.0, 5.0, 5.0)  # a 10 s wait for a connection before ConnectTimeout
+
+        async def get() -> httpx.Response:
+            return await transport.send("GET", yarl.URL(server.url + "/v1/generations/j"), [], None, timeouts)
+
+        try:
+            holder = asyncio.create_task(get())
+            while not server.requests:
+                await asyncio.sleep(0.01)
+            a = asyncio.create_task(get())
+            await asyncio.sleep(0.05)
+            b = asyncio.create_task(get())
+            await asyncio.sleep(0.05)
+            connector = transport._get_session().connector
+            assert connector is not None
+            wake = connector._release_waiter
+
+            def wake_then_cancel_the_woken() -> None:  # the cancellation lands between A's wake-up and its run
+                wake()
+                if not a.done():
+                    a.cancel()
+
+            connector._release_waiter = wake_then_cancel_the_woken  # type: ignore[method-assign]
+            assert (await holder).status_code == 200
+            with pytest.raises(asyncio.CancelledError):
+                await a
+            assert (await asyncio.wait_for(b, 2.0)).status_code == 200
+        finally:
+            await transport.aclose()
