@@ -238,6 +238,26 @@ async def test_rate_limited_beyond_the_deadline_is_rejected_at_once(settings: Se
     assert time.monotonic() - started < 1.5
 
 
+async def test_an_operation_reconciled_while_a_retry_waits_is_not_posted_again(settings: Settings) -> None:
+    # A 429, then, during its Retry-After, the reconciliation turns the stuck ``submitting`` into ``uncertain``:
+    # the retry finds the operation no longer ours under its fencing value and sends nothing.
+    p = Pipeline(settings, Provider(posts=[httpx.Response(429, headers={"Retry-After": "0.5"}, json={}), created()]))
+
+    async def reconcile_while_waiting(kind: str) -> None:
+        async def reconcile() -> None:
+            await asyncio.sleep(0.1)
+            p.ledger.advance(3600)
+            assert await p.ledger.reconcile_stale_submitting(settings.submitting_stale_after_s, 10) == [OP]
+
+        asyncio.get_running_loop().create_task(reconcile())
+
+    p.provider.on_request = reconcile_while_waiting
+    await p.dispatcher.handle(submission())
+    assert p.provider.count("POST") == 1
+    assert p.ledger.state(OP) is S.UNCERTAIN
+    assert p.states() == [S.ACCEPTED, S.SUBMITTING, S.UNCERTAIN]
+
+
 async def test_a_conflicting_replay_is_dead_lettered_and_posts_nothing(pipeline: Callable[..., Pipeline]) -> None:
     p = pipeline()
     await p.dispatcher.handle(submission())
