@@ -8,12 +8,17 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import asyncpg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import MessageSizeTooLargeError
 
+from streams.answers import JobSnapshot
 from streams.config import Settings
+from streams.ledger import SaveOutcome
+from streams.relay import OutboxRelay
 from streams.runtime import Runtime
+from streams.states import OperationState
 
 pytestmark = pytest.mark.integration
 
@@ -94,3 +99,35 @@ async def test_without_an_enqueue_each_record_is_sent_and_failures_are_returned(
     results = await runtime.send_all([("t", b"k", b"a"), ("t", b"k", b"bad"), ("t", b"k", b"c")])
     assert [type(r).__name__ if r else None for r in results] == [None, "RuntimeError", None]
     assert sent == [("t", b"k", b"a"), ("t", b"k", b"c")]
+
+
+async def _succeeded_with_output(runtime: Runtime, op: str, text: str) -> None:
+    assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+    fencing = await runtime.ledger.claim_for_submit(op)
+    assert fencing is not None
+    assert await runtime.ledger.save_submitted(op, fencing, f"job-{op}", 0.0, None)
+    polls = [p for p in await runtime.ledger.claim_due_polls(1000, 3.0) if p.operation_id == op]
+    claim = await runtime.ledger.claim_for_observe(op, polls[0].poll_claim_id)
+    assert claim is not None
+    snapshot = JobSnapshot(
+        f"job-{op}", "succeeded", OperationState.SUCCEEDED, outputs=[{"id": "out_0", "text": text}], completed_at_ms=1
+    )
+    assert await runtime.ledger.save_observation(op, claim.fencing_token, snapshot, None) is SaveOutcome.SAVED
+
+
+@pytest.mark.xfail(strict=True, reason="open: an outbox row the producer refuses for good stops the relay for all")
+async def test_an_output_too_large_to_publish_does_not_stop_every_later_delivery(
+    enqueuing_runtime: Runtime, pool: asyncpg.Pool
+) -> None:
+    # The provider's output is over the producer's record limit (64 KiB here, ~1 MB in the worker): the relay
+    # must not stay stuck on its row, republishing the rows beside it each round and never reaching later ones.
+    relay = OutboxRelay(enqueuing_runtime)
+    while await relay.tick():  # rows other tests left
+        pass
+    big, small = f"big-{uuid.uuid4().hex[:6]}", f"small-{uuid.uuid4().hex[:6]}"
+    await _succeeded_with_output(enqueuing_runtime, big, "x" * 100_000)
+    await _succeeded_with_output(enqueuing_runtime, small, "y")
+    for _ in range(3):
+        await relay.tick()
+    unpublished = "SELECT count(*) FROM outbox WHERE published_at IS NULL AND operation_id = $1"
+    assert await pool.fetchval(unpublished, small) == 0
