@@ -26,6 +26,10 @@ re-sent. httpx-aiohttp (PyPI) was not used for this reason: its table maps every
 ``ServerDisconnectedError`` included, to ``ConnectTimeout``, which would make a POST whose connection was lost
 after sending look unsent, and the dispatcher would POST it again (a second remote job).
 
+A pooled connection on which the server sent anything while it was idle is closed instead of reused: aiohttp
+would read those bytes as the answer to the next request on it (a stray answer naming another job, and from then
+on every answer one request late); httpcore makes the same choice (a readable idle connection has expired).
+
 aiohttp itself never re-sends a POST: it retries a request once on a broken keep-alive connection only for
 idempotent methods (``GET`` here, sequentially: still at most one GET in flight per job).
 
@@ -49,6 +53,7 @@ transport, so every failure surfaces here, mapped.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -58,6 +63,8 @@ import httpx
 import yarl
 from aiohttp.connector import Connection
 from multidict import CIMultiDict
+
+log = logging.getLogger(__name__)
 
 #: Seconds an idle pooled connection is kept (httpx's default keep-alive expiry), well below the idle timeout
 #: of common servers (aiohttp 75 s, nginx 75 s), so a request rarely meets a connection the server just closed.
@@ -125,6 +132,13 @@ class _ReportingConnector(aiohttp.TCPConnector):
 
     async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Connection:  # noqa: ASYNC109 (aiohttp's signature)
         connection = await super().connect(req, traces, timeout)
+        while connection.protocol is not None and connection.protocol.should_close:
+            # A pooled connection on which the server sent bytes while it was idle (no request out: a stray or
+            # repeated answer). aiohttp keeps them and would read them as the answer to the request about to be
+            # written, and that request's own answer as the next one's: dropped, another connection taken.
+            log.warning("HTTP pool: a kept-alive connection received data while idle; closed, not reused")
+            connection.close()
+            connection = await super().connect(req, traces, timeout)
         trace = _SENDING_TRACE.get()
         if trace is not None:
             try:

@@ -392,3 +392,30 @@ async def test_a_waiter_cancelled_as_it_is_woken_passes_the_free_connection_on()
             assert (await asyncio.wait_for(b, 2.0)).status_code == 200
         finally:
             await transport.aclose()
+
+
+def _created(job_id: str) -> bytes:
+    body = orjson.dumps({"id": job_id})
+    return b"HTTP/1.1 201 Created\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+async def test_an_answer_sent_on_an_idle_connection_is_never_taken_for_the_next_requests(transport: str) -> None:
+    # The provider (or a box on the way) answers the first POST, then, while the connection idles in the pool,
+    # sends one more answer nobody asked for. The next POST must get its own answer, not that stray one (which
+    # named another job: the operation would have been bound to it, and every later call on the connection to
+    # its predecessor's answer).
+    async def answer_then_a_stray_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer(_created("job1"))(reader, writer)
+        await asyncio.sleep(0.05)
+        await answer(_created("job-stray"))(reader, writer)
+
+    async with ScriptedServer(answer_then_a_stray_one, answer(_created("job2"))) as server:
+        client = RemoteClient.from_settings(settings_for(server.url, http_transport=transport))
+        try:
+            assert (await client.submit("op-1", REQUEST)).job_id == "job1"
+            await asyncio.sleep(0.2)  # the stray answer has arrived on the idle connection
+            assert (await client.submit("op-2", REQUEST)).job_id == "job2"
+        finally:
+            await client.aclose()
+    assert server.posts() == 2
