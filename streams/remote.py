@@ -544,7 +544,8 @@ class RemoteClient:
             RemoteRateLimitedError: 429 (retry after its hint).
             RemoteAbandonedError: cut off after the request was sent (deadline, timeout, connection lost): the
                 provider may still be serving it.
-            RemoteTransientError: any other failure (not sent, 5xx, a body that is not JSON).
+            RemoteTransientError: any other failure (not sent, 5xx, a body that is not JSON, a 200 whose ``id``
+                names another job).
         """
         started = time.perf_counter()
         try:
@@ -650,6 +651,11 @@ def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, d
     if not isinstance(body, dict):
         what = clean_text(str(unreadable), 300) if unreadable is not None else "JSON that is not an object"
         raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP 200 with {what}", status_code=status)
+    answered_for = body.get("id")
+    if answered_for is not None and answered_for != job_id:  # another request's answer (a mixed-up connection)
+        raise RemoteTransientError(
+            operation_id, f"GET {job_id} answered HTTP 200 for another job ({_shown(answered_for)}); not read"
+        )
     raw_status = body.get("status")
     state = state_for_remote_status(raw_status) if isinstance(raw_status, str) else None
     if state is None:

@@ -273,6 +273,17 @@ async def test_observe_running(make_client: ClientFactory) -> None:
     assert request.headers["Authorization"] == "Bearer dev-key"
 
 
+async def test_observe_an_answer_for_another_job_is_not_read(make_client: ClientFactory) -> None:
+    # A 200 naming another job is some other request's answer (a mixed-up connection): its status and outputs
+    # must never become this job's; the GET is retried. An answer without an id is read as before.
+    outputs = [{"id": "out-0", "text": "someone else's"}]
+    client, _ = make_client(answer(200, {"id": "job-2", "status": "succeeded", "outputs": outputs}))
+    with pytest.raises(RemoteTransientError, match="for another job"):
+        await client.observe(OP, "job-1")
+    client, _ = make_client(answer(200, {"status": "running"}))
+    assert (await client.observe(OP, "job-1")).state is OperationState.RUNNING
+
+
 async def test_observe_succeeded_with_outputs(make_client: ClientFactory) -> None:
     outputs = [{"id": "out-0", "text": "a"}, {"id": "out-1", "text": "b"}]
     body = {"id": "job-1", "status": "succeeded", "outputs": outputs, "completed_at": 1700000000.123}
