@@ -13,6 +13,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import MessageSizeTooLargeError
 
+from streams.admin import KafkaAdmin
 from streams.answers import JobSnapshot
 from streams.config import Settings
 from streams.ledger import SaveOutcome
@@ -63,8 +64,11 @@ async def read_back(settings: Settings, topic: str, key: bytes, partition_offset
 async def test_records_land_in_order_and_a_refused_one_gets_its_own_error(
     enqueuing_runtime: Runtime, settings: Settings, producer: AIOKafkaProducer
 ) -> None:
-    topic = settings.topic("transitions")
-    key = f"send-all-{uuid.uuid4().hex[:8]}".encode()
+    run = uuid.uuid4().hex[:8]
+    topic = f"{settings.topic_prefix}send-all-{run}"  # a topic of its own: no other test reads what it writes
+    async with KafkaAdmin(settings) as admin:
+        assert await admin.create_topics([topic], 2) == [topic]
+    key = f"send-all-{run}".encode()
     partitions = sorted(await producer.partitions_for(topic))
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
     await consumer.start()
@@ -73,7 +77,6 @@ async def test_records_land_in_order_and_a_refused_one_gets_its_own_error(
     finally:
         await consumer.stop()
     before = {tp.partition: offset for tp, offset in ends.items()}
-    # JSON values: the topic is the session's transitions topic, which other tests read back as JSON
     values = [f'{{"record": {i}}}'.encode() for i in range(200)]
     values[57] = b"x" * (128 * 1024)  # over the producer's max_request_size: refused before it is buffered
     records = [(topic, key, v) for v in values]
@@ -84,6 +87,8 @@ async def test_records_land_in_order_and_a_refused_one_gets_its_own_error(
     assert isinstance(results[57], MessageSizeTooLargeError)
     landed = await read_back(settings, topic, key, before)
     assert landed == [v for i, v in enumerate(values) if i != 57]  # each once, in the order handed over
+    async with KafkaAdmin(settings) as admin:
+        await admin.delete_topics([topic])
 
 
 async def test_without_an_enqueue_each_record_is_sent_and_failures_are_returned(
