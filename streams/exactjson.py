@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any, TypeGuard
 
@@ -52,6 +52,10 @@ MAX_EXPANSION_CHARS = 65_536
 _ORJSON_INT_MIN, _ORJSON_INT_MAX = -(2**63), 2**64 - 1
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+#: Most levels of nesting that :func:`loads` reads with orjson; deeper documents go to :func:`reference_loads`,
+#: whose limit is Python's recursion limit less the caller's stack (orjson's is 1024).
+_FAST_MAX_DEPTH = 200
 
 
 class JsonDecimal(Decimal):
@@ -102,6 +106,10 @@ def _walk(value: Any) -> Iterator[tuple[list[str | int], Any]]:
 def loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
     """Parse JSON text with every number exact (see the module docstring for the mapping).
 
+    The same value, or the same :class:`~streams.errors.JsonValueError` (reason, path, message), as
+    :func:`reference_loads` for every input; faster on the common case: a document that ``orjson.loads`` reads
+    exactly (see :func:`_read_exactly_by_orjson`) is read by it, any other goes to :func:`reference_loads`.
+
     Args:
         data: UTF-8 bytes or a str.
         unique_keys: refuse (``not_json``, naming the field) a key that appears twice in one object: JSON
@@ -111,6 +119,79 @@ def loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
         JsonValueError: ``reason`` ``not_json`` or ``number_out_of_range``, ``path`` the field (``a/0/b``,
             ``(root)``), the message what was wrong.
     """
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return reference_loads(data, unique_keys=unique_keys)  # not JSON for orjson: the reference says why
+    if _read_exactly_by_orjson(data, value, unique_keys):
+        return value
+    return reference_loads(data, unique_keys=unique_keys)
+
+
+def _read_exactly_by_orjson(data: bytes | str, value: Any, unique_keys: bool) -> bool:
+    """True when ``value``, what ``orjson.loads(data)`` returned, is what :func:`reference_loads` returns.
+
+    What orjson does differently (seen in ``tests/unit/test_exactjson_fast.py``), and how each is caught here:
+
+    * a number with a fraction or an exponent, and an integer outside ``[-2**63, 2**64 - 1]``, become a
+      ``float``: any float in the value sends the document to the reference;
+    * it reads up to 1024 levels of nesting, the reference as deep as Python's recursion limit lets it (less
+      than 1000, fewer when called from deep in a stack): more than :data:`_FAST_MAX_DEPTH` levels go to the
+      reference;
+    * a repeated key is read silently (the last value counts, in the place of the first, as the reference does
+      without ``unique_keys``): with ``unique_keys``, the document must be shown to repeat none (below).
+
+    Everything else orjson refuses that the reference refuses too (not UTF-8, a BOM, an unpaired surrogate,
+    ``NaN``, a control character in a string, trailing data), and such a document goes to the reference, which
+    names the reason. Repeated keys: every string of the value (a key or a string value) is one string token of
+    the text, and a repeated key drops at least one token (itself); the text holds two ``"`` per token plus one
+    per escaped quote, so ``count('"')`` equal to twice the value's strings proves that no key was repeated.
+    When strings hold escaped quotes, the colons: every key is followed by one ``:`` and no other ``:`` stands
+    outside a string, so as many ``:`` in all as the value has keys proves it too. Otherwise: the reference.
+    """
+    stack = [value]
+    pairs = strings = containers = 0
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is dict:
+            containers += 1
+            pairs += len(item)
+            strings += len(item)
+            stack.extend(item.values())
+        elif kind is list:
+            containers += 1
+            stack.extend(item)
+        elif kind is str:
+            strings += 1
+        elif kind is float:
+            return False
+    if containers > _FAST_MAX_DEPTH and _depth(value) > _FAST_MAX_DEPTH:
+        return False
+    if not unique_keys or pairs == 0:
+        return True
+    text = data.encode() if isinstance(data, str) else bytes(data)  # orjson read it: it is UTF-8
+    if text.count(b'"') == 2 * strings:
+        return True
+    return text.count(b":") == pairs
+
+
+def _depth(value: Any) -> int:
+    """Levels of nesting of ``value`` (a scalar: 0, ``[]``: 1, ``[[]]``: 2)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            depth += 1
+            deepest = max(deepest, depth)
+            stack.extend((v, depth) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def reference_loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
+    """:func:`loads` on the standard library's parser with hooks: every document, slower; the reference that
+    :func:`loads` agrees with (arguments, value and errors the same)."""
     if isinstance(data, bytes | bytearray | memoryview):
         try:
             text = bytes(data).decode("utf-8")
@@ -157,23 +238,44 @@ def loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
             value[key] = item
         return value
 
-    decoder = json.JSONDecoder(
-        parse_int=parse_int,
-        parse_float=parse_float,
-        parse_constant=parse_constant,
-        object_pairs_hook=unique if unique_keys else None,
-    )
-    try:
-        value = decoder.decode(text)
-    except json.JSONDecodeError as exc:
-        raise JsonValueError("not_json", f"not JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise JsonValueError("not_json", "not JSON: nested too deeply") from exc
+    def decode(object_pairs_hook: Callable[[list[tuple[str, Any]]], dict[str, Any]] | None) -> Any:
+        decoder = json.JSONDecoder(
+            parse_int=parse_int,
+            parse_float=parse_float,
+            parse_constant=parse_constant,
+            object_pairs_hook=object_pairs_hook,
+        )
+        try:
+            return decoder.decode(text)
+        except json.JSONDecodeError as exc:
+            raise JsonValueError("not_json", f"not JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise JsonValueError("not_json", "not JSON: nested too deeply") from exc
+
+    value = decode(unique if unique_keys else None)
     if refused:
-        path, bad = next((p, v) for p, v in _walk(value) if isinstance(v, _Refused))
+        found = _first_refused(value)
+        if found is None:  # in a value that a repeated key replaced: read again keeping it, to name its field
+            expansion = 0
+            found = _first_refused(decode(_keep_refused))
+        assert found is not None
+        path, bad = found
         raise JsonValueError(bad.reason, f"at {_path(path)}: {bad.why}", path=_path(path))
     if _SURROGATE_ESCAPE.search(text):
         _refuse_unpaired_surrogates(value)
+    return value
+
+
+def _first_refused(value: Any) -> tuple[list[str | int], _Refused] | None:
+    return next(((p, v) for p, v in _walk(value) if isinstance(v, _Refused)), None)
+
+
+def _keep_refused(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object in which a repeated key keeps an earlier value that holds a refused token (else the last)."""
+    value: dict[str, Any] = {}
+    for key, item in pairs:
+        if key not in value or _first_refused(value[key]) is None:
+            value[key] = item
     return value
 
 

@@ -92,6 +92,9 @@ REFUSED: list[tuple[bytes, str, str | None, str]] = [
     (b'{"a": 1', "not_json", None, "not JSON"),
     (b"", "not_json", None, "not JSON"),
     (b"[" * 100_000 + b"]" * 100_000, "not_json", None, "nested too deeply"),
+    # in a value that a repeated key replaces: still refused, naming that field
+    (b'{"a": NaN, "a": 1}', "not_json", "a", "NaN is not a JSON number"),
+    (b'[{"a": {"b": [1e5000]}, "a": 1}]', "number_out_of_range", "0/a/b/0", "5001 digits written out"),
 ]
 
 

@@ -1,0 +1,206 @@
+"""The fast path of exactjson.loads (orjson) against the reference parser: the same value or the same error.
+
+Documents are generated from a fixed seed (numbers of every shape, strings with escapes and surrogates, repeated
+keys, nesting, blanks, damaged texts), so a failure names a document that can be read again.
+"""
+
+from __future__ import annotations
+
+import random
+from decimal import Decimal
+from typing import Any
+
+import orjson
+import pytest
+
+from streams import exactjson
+from streams.errors import JsonValueError
+
+
+def test_what_orjson_reads_differently_from_the_reference() -> None:
+    """What the fast path has to catch, seen on the installed orjson (3.x)."""
+    assert type(orjson.loads(b"1.50")) is float and type(orjson.loads(b"1E+2")) is float
+    assert type(orjson.loads(b"18446744073709551615")) is int
+    assert type(orjson.loads(b"18446744073709551616")) is float
+    assert type(orjson.loads(b"-9223372036854775808")) is int
+    assert type(orjson.loads(b"-9223372036854775809")) is float
+    pairs = list(orjson.loads(b'{"a": 1, "b": 2, "a": 3}').items())
+    assert pairs == [("a", 3), ("b", 2)] == list(exactjson.reference_loads(b'{"a": 1, "b": 2, "a": 3}').items())
+    deep = b"[" * 1024 + b"]" * 1024
+    assert isinstance(orjson.loads(deep), list)  # the reference refuses it: nested too deeply
+    with pytest.raises(JsonValueError, match="nested too deeply"):
+        exactjson.reference_loads(deep)
+    # Refused by orjson, as by the reference: the fast path never returns a value for these.
+    for text in (b'"\\ud800"', b'"\\udc00\\ud800"', b"\xef\xbb\xbf{}", "\ufeff{}", b'"\x01"', b"NaN", b"{} x", b"\xff"):
+        with pytest.raises(orjson.JSONDecodeError):
+            orjson.loads(text)
+        with pytest.raises(JsonValueError):
+            exactjson.reference_loads(text)
+
+
+def _shape(value: Any) -> Any:
+    """``value`` with every type and order visible: ``1`` and ``True``, ``1.5`` and ``1.50``, key orders differ."""
+    if isinstance(value, dict):
+        return ("object", [(k, _shape(v)) for k, v in value.items()])
+    if isinstance(value, list):
+        return ("array", [_shape(v) for v in value])
+    if isinstance(value, Decimal):
+        return (type(value).__name__, str(value))
+    return (type(value).__name__, value)
+
+
+def _outcome(loads: Any, text: bytes | str, unique_keys: bool) -> Any:
+    try:
+        return ("value", _shape(loads(text, unique_keys=unique_keys)))
+    except JsonValueError as exc:
+        return ("refused", type(exc).__name__, exc.reason, exc.path, str(exc))
+
+
+def _assert_same(text: bytes | str) -> None:
+    for unique_keys in (False, True):
+        fast = _outcome(exactjson.loads, text, unique_keys)
+        reference = _outcome(exactjson.reference_loads, text, unique_keys)
+        assert fast == reference, f"unique_keys={unique_keys} text={text!r}"
+
+
+_NUMBERS = [
+    "0", "-0", "7", "-12", "9223372036854775807", "-9223372036854775808", "-9223372036854775809",
+    "18446744073709551615", "18446744073709551616", "18446744073709551617", "-9999999999999999999",
+    "9999999999999999999", "123456789012345678901234567890", "-123456789012345678901234567890",
+    "1.5", "1.50", "-0.0", "0.0", "5.0", "0.1000000000000000055511151231257827", "1E+2", "1e2", "1E2", "-1e-7",
+    "1.25e+10", "1e400", "1E-400", "1e5000", "1e4000", "1e-5000", "NaN", "Infinity", "-Infinity",
+    "1764500000.123456", "2.5E-3",
+]  # fmt: skip
+_PIECES = [
+    "a", "b", "z", "é", "\U0001f600", " ", ":", ",", "{", "]", "0", "1.5", "e2", "\\\"", "\\\\", "\\/", "\\n",
+    "\\t", "\\u00e9", "\\u0061", "\\u003a", "\\u0022", "\\ud83d\\ude00", "\\uD83D\\uDE00", "\\ud800", "\\udfff",
+    "\\ud800\\u0041", "\x7f", "\u2028",
+]  # fmt: skip
+_RARE_PIECES = ["\x01", "\\x", "\\u12", "\\"]  # not JSON inside a string
+_KEYS = ['"a"', '"b"', '"\\u0061"', '"a:b"', '"\\"q"', '"\\\\"', '"c"', '"\\ud800"', '""']
+_BLANKS = ["", "", "", " ", "\n", "\t", "\r\n", "  "]
+
+
+class _Documents:
+    """JSON-ish texts from one seed: mostly valid, some with a flaw the reference names."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def blank(self) -> str:
+        return self.rng.choice(_BLANKS) if self.rng.random() < 0.97 else self.rng.choice(["\x0c", "\x0b", "\xa0"])
+
+    def string(self) -> str:
+        rng = self.rng
+        pieces = [rng.choice(_PIECES) for _ in range(rng.randrange(0, 5))]
+        if rng.random() < 0.02:
+            pieces.insert(rng.randrange(len(pieces) + 1), rng.choice(_RARE_PIECES))
+        return '"' + "".join(pieces) + '"'
+
+    def number(self) -> str:
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.4:
+            return str(rng.randrange(-1000, 10**15))
+        if roll < 0.45:
+            return str(rng.choice([-1, 1]) * rng.randrange(10**18, 10**21))
+        if roll < 0.47:
+            return "1" + "0" * rng.choice([4298, 4299, 4300])
+        if roll < 0.48:
+            return rng.choice(["1e4000", "1E+4000"])  # many of them grow the text too much
+        return rng.choice(_NUMBERS)
+
+    def value(self, depth: int) -> str:
+        rng = self.rng
+        roll = rng.random()
+        if depth < 6 and roll < 0.3:
+            members = [
+                self.blank() + rng.choice(_KEYS if rng.random() < 0.6 else [self.string()]) + self.blank() + ":"
+                + self.blank() + self.value(depth + 1) + self.blank()
+                for _ in range(rng.randrange(0, 5))
+            ]  # fmt: skip
+            return "{" + ",".join(members) + self.blank() + "}"
+        if depth < 6 and roll < 0.5:
+            items = [self.blank() + self.value(depth + 1) + self.blank() for _ in range(rng.randrange(0, 5))]
+            return "[" + ",".join(items) + self.blank() + "]"
+        if roll < 0.75:
+            return self.number()
+        if roll < 0.93:
+            return self.string()
+        return rng.choice(["true", "false", "null"])
+
+    def document(self) -> bytes | str:
+        rng = self.rng
+        text = (self.blank() + self.value(0) + self.blank()).encode()
+        roll = rng.random()
+        if roll < 0.01:
+            text = text[: rng.randrange(len(text) + 1)]
+        elif roll < 0.02:
+            text += rng.choice([b" x", b"{}", b",", b"\x00"])
+        elif roll < 0.025:
+            text = b"\xef\xbb\xbf" + text
+        elif roll < 0.03:
+            at = rng.randrange(len(text) + 1)
+            text = text[:at] + rng.choice([b"\xff", b"\xed\xa0\x80", b"\xc3"]) + text[at:]
+        return text.decode("utf-8", "surrogatepass") if rng.random() < 0.3 and roll >= 0.03 else text
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_loads_agrees_with_the_reference_on_generated_documents(seed: int) -> None:
+    documents = _Documents(seed)
+    outcomes: dict[str, int] = {}
+    for _ in range(2500):
+        text = documents.document()
+        _assert_same(text)
+        kind = _outcome(exactjson.reference_loads, text, True)[0]
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+    assert outcomes.get("value", 0) > 500 and outcomes.get("refused", 0) > 200  # both sides were exercised
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"[" * 200 + b"]" * 200,
+        b"[" * 201 + b"]" * 201,
+        b"[" * 990 + b"]" * 990,
+        b"[" * 1024 + b"]" * 1024,
+        b"[" + b"[1]," * 300 + b"[2]]",  # many containers, shallow
+        b'{"a": {"a": 1}}',
+        b'{"a": [{"b": 1}, {"b": 2, "b": 3}]}',
+        b'{"a\\"": 1, "a\\"": 2}',  # an escaped quote: the colons decide
+        b'{"a\\"": "x:y", "a\\"": 2}',  # an escaped quote and a colon in a string: the reference decides
+        b'{"\\u0061": 1, "a": 2}',
+        b'{"a": "\\"", "b": 1}',
+        b'{"x": "\\\\", "x": 1}',
+        b'{"t": "12:00", "u": "https://h/p"}',
+        b'{"n": -9223372036854775809, "m": 1}',
+        b'{"n": 18446744073709551615}',
+        '{"s": "\ud800"}'.encode("utf-8", "surrogatepass").decode("utf-8", "surrogatepass"),
+        '"\ud83d\ude00"',
+        b'"\\ud83d\\ude00"',
+        "\ufeff{}",
+        b" \t\r\n{} \t\r\n",
+        b"-0",
+        b"[-0, -0.0, 0e0, 0E-0]",
+    ],
+)
+def test_loads_agrees_with_the_reference_at_the_edges(text: bytes | str) -> None:
+    _assert_same(text)
+
+
+def test_plain_values_are_read_by_orjson(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The common case (strings, integers within 64 bits, no repeated key) never reaches the reference."""
+
+    def not_called(*args: object, **kwargs: object) -> Any:
+        raise AssertionError("the reference parser was called")
+
+    monkeypatch.setattr(exactjson, "reference_loads", not_called)
+    poll = b'{"operation_id":"op-1","remote_job_id":"job_1","poll_claim_id":9223372036854775807,"claimed_at_ms":1}'
+    assert exactjson.loads(poll, unique_keys=True)["poll_claim_id"] == 2**63 - 1
+    assert exactjson.loads(b'{"a": "say \\"hi\\"", "c": [18446744073709551615]}', unique_keys=True)  # the colons
+    assert exactjson.loads(b'{"a": "12:00", "b": {"c": "https://h/p"}}', unique_keys=True)  # the quotes
+    assert exactjson.loads(poll.decode())["claimed_at_ms"] == 1  # jsonb arrives as str
+    with pytest.raises(AssertionError, match="reference parser"):
+        exactjson.loads(b'{"a": 1.5}')
+    with pytest.raises(AssertionError, match="reference parser"):
+        exactjson.loads(b'{"a": 1, "a": 2}', unique_keys=True)
