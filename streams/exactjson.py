@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any, TypeGuard
@@ -122,10 +124,83 @@ def loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return reference_loads(data, unique_keys=unique_keys)  # not JSON for orjson: the reference says why
-    if _read_exactly_by_orjson(data, value, unique_keys):
-        return value
-    return reference_loads(data, unique_keys=unique_keys)
+        pass  # not JSON for orjson (the reference says why), or orjson reads it differently
+    else:
+        if _read_exactly_by_orjson(data, value, unique_keys):
+            return value
+    try:
+        return _read_plainly(data, unique_keys)
+    except (ValueError, RecursionError, _GiveUp):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return reference_loads(data, unique_keys=unique_keys)
+
+
+class _GiveUp(Exception):
+    """A token that :func:`reference_loads` would refuse (a number, a constant, a repeated key): it names it."""
+
+
+class _Expansion(threading.local):
+    """Characters that the exponents of the document being read add once written out (one count per thread)."""
+
+    chars = 0
+
+
+_EXPANSION = _Expansion()
+
+
+def _fraction(token: str) -> JsonDecimal:
+    """A fraction or an exponent as :func:`reference_loads` reads it; :class:`_GiveUp` where it would refuse.
+
+    Without an exponent the plain form is no longer than the text: within the digit limit when the text is, and
+    it grows the text by nothing."""
+    number = JsonDecimal(token)
+    if len(token) > MAX_NUMBER_DIGITS or "e" in token or "E" in token:
+        plain = _plain_digits(number)
+        if plain > MAX_NUMBER_DIGITS:
+            raise _GiveUp(token)
+        if plain > len(token):
+            _EXPANSION.chars += plain - len(token)
+            if _EXPANSION.chars > MAX_EXPANSION_CHARS:
+                raise _GiveUp(token)
+    return number
+
+
+def _give_up(token: str) -> Any:
+    raise _GiveUp(token)
+
+
+def _unique_or_give_up(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise _GiveUp("a repeated key")
+    return value
+
+
+#: The standard library's parser with hooks that need no state of their own: integers read by ``int`` itself
+#: (which refuses more than ``sys.get_int_max_str_digits()`` digits, :data:`MAX_NUMBER_DIGITS` unless changed).
+_PLAIN_DECODERS = {
+    unique_keys: json.JSONDecoder(
+        parse_float=_fraction,
+        parse_constant=_give_up,
+        object_pairs_hook=_unique_or_give_up if unique_keys else None,
+    )
+    for unique_keys in (False, True)
+}
+
+
+def _read_plainly(data: bytes | str, unique_keys: bool) -> Any:
+    """:func:`reference_loads` for a document that it would not refuse for a number, a constant or a repeated
+    key: the same parser with hooks built once, which give up where the reference would name a refused token.
+    Raises ``ValueError`` (not JSON, not UTF-8, an integer over the digit limit),
+    ``RecursionError`` or :class:`_GiveUp` for anything else: the caller asks :func:`reference_loads`, which
+    names the reason."""
+    if sys.get_int_max_str_digits() != MAX_NUMBER_DIGITS:
+        raise _GiveUp("the process changed the integer digit limit")
+    text = bytes(data).decode("utf-8") if isinstance(data, bytes | bytearray | memoryview) else data
+    _EXPANSION.chars = 0
+    value = _PLAIN_DECODERS[unique_keys].decode(text)
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_unpaired_surrogates(value)
+    return value
 
 
 def _read_exactly_by_orjson(data: bytes | str, value: Any, unique_keys: bool) -> bool:

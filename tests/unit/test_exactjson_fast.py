@@ -7,6 +7,7 @@ keys, nesting, blanks, damaged texts), so a failure names a document that can be
 from __future__ import annotations
 
 import random
+import sys
 from decimal import Decimal
 from typing import Any
 
@@ -182,25 +183,78 @@ def test_loads_agrees_with_the_reference_on_generated_documents(seed: int) -> No
         b" \t\r\n{} \t\r\n",
         b"-0",
         b"[-0, -0.0, 0e0, 0E-0]",
+        b"[" + b",".join([b"1e4000"] * 16) + b"]",  # grows the text by 63,904 characters: under the limit
+        b"[" + b",".join([b"1e4000"] * 17) + b"]",  # over it
+        b"[" + b",".join([b"1.5e4000"] * 16 + [b"1e4"] * 200) + b"]",
+        b"[1e4000" + b",1e4000" * 15 + b",1e1621]",  # grows the text by 65,536 characters: the limit
+        b"[1e4000" + b",1e4000" * 15 + b",1e1622]",
+        b"[1e4299, 1E-4298]",
+        b"[1e4300]",
+        b"[0." + b"0" * 4298 + b"1]",  # 4300 digits written out
+        b"[0." + b"0" * 4299 + b"1]",  # 4301
+        b"[-0." + b"0" * 4299 + b"1]",
+        b"[1" + b"0" * 4299 + b", -1" + b"0" * 4299 + b"]",
+        b"[-1" + b"0" * 4300 + b"]",
     ],
 )
 def test_loads_agrees_with_the_reference_at_the_edges(text: bytes | str) -> None:
     _assert_same(text)
 
 
-def test_plain_values_are_read_by_orjson(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The common case (strings, integers within 64 bits, no repeated key) never reaches the reference."""
+def _reader(monkeypatch: pytest.MonkeyPatch, text: bytes | str, unique_keys: bool = True) -> str:
+    """Which reader gave the value of ``loads(text)`` (or its error): orjson, plain hooks or the reference."""
+    called: list[str] = []
+    for name, label in (("_read_plainly", "plain"), ("reference_loads", "reference")):
+        original = getattr(exactjson, name)
 
-    def not_called(*args: object, **kwargs: object) -> Any:
-        raise AssertionError("the reference parser was called")
+        def spy(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            called.append(_label)
+            return _original(*args, **kwargs)
 
-    monkeypatch.setattr(exactjson, "reference_loads", not_called)
-    poll = b'{"operation_id":"op-1","remote_job_id":"job_1","poll_claim_id":9223372036854775807,"claimed_at_ms":1}'
-    assert exactjson.loads(poll, unique_keys=True)["poll_claim_id"] == 2**63 - 1
-    assert exactjson.loads(b'{"a": "say \\"hi\\"", "c": [18446744073709551615]}', unique_keys=True)  # the colons
-    assert exactjson.loads(b'{"a": "12:00", "b": {"c": "https://h/p"}}', unique_keys=True)  # the quotes
-    assert exactjson.loads(poll.decode())["claimed_at_ms"] == 1  # jsonb arrives as str
-    with pytest.raises(AssertionError, match="reference parser"):
-        exactjson.loads(b'{"a": 1.5}')
-    with pytest.raises(AssertionError, match="reference parser"):
-        exactjson.loads(b'{"a": 1, "a": 2}', unique_keys=True)
+        monkeypatch.setattr(exactjson, name, spy)
+    try:
+        exactjson.loads(text, unique_keys=unique_keys)
+    except JsonValueError:
+        pass
+    monkeypatch.undo()
+    return called[-1] if called else "orjson"
+
+
+POLL = b'{"operation_id":"op-1","remote_job_id":"job_1","poll_claim_id":9223372036854775807,"claimed_at_ms":1}'
+
+
+@pytest.mark.parametrize(
+    ("text", "reader"),
+    [
+        (POLL, "orjson"),
+        (POLL.decode(), "orjson"),  # jsonb arrives as str
+        (b'{"a": "say \\"hi\\"", "c": [18446744073709551615]}', "orjson"),  # repeats no key: the colons say so
+        (b'{"a": "12:00", "b": {"c": "https://h/p"}}', "orjson"),  # the quotes say so
+        (b'{"a": "\\"12:00"}', "plain"),  # neither can say: the hooks read it
+        (b'{"a": 1.5, "b": 1E+2, "c": 1e-7, "d": 18446744073709551616}', "plain"),
+        (b"[1e4000" + b",1e4000" * 15 + b",1e1621]", "plain"),  # at the expansion limit
+        (b"[1e4000" + b",1e4000" * 15 + b",1e1622]", "reference"),  # over it: refused
+        (b"[0." + b"0" * 4298 + b"1]", "plain"),  # 4300 digits written out
+        (b'{"a": 1, "a": 2}', "reference"),
+        (b'{"a": NaN}', "reference"),
+        (b'{"a": 1e5000}', "reference"),
+        (b'{"a": "\\ud800"}', "plain"),  # orjson refuses it; the hooks have nothing to refuse
+    ],
+)
+def test_each_document_is_read_by_the_fastest_reader_that_reads_it_exactly(
+    monkeypatch: pytest.MonkeyPatch, text: bytes | str, reader: str
+) -> None:
+    assert _reader(monkeypatch, text) == reader
+
+
+@pytest.mark.parametrize("limit", [0, 5000])
+def test_a_process_that_changed_the_integer_digit_limit_still_gets_the_reference_answer(limit: int) -> None:
+    """The hooks leave integers to ``int``, whose digit limit a process may change; the limit here stays 4300."""
+    texts = [b"[1" + b"0" * 4299 + b"]", b"[1" + b"0" * 4300 + b"]", b'{"a": 1.5, "b": -1' + b"0" * 4300 + b"}"]
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(limit)
+    try:
+        for text in texts:
+            _assert_same(text)
+    finally:
+        sys.set_int_max_str_digits(before)
