@@ -109,8 +109,9 @@ def loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
     """Parse JSON text with every number exact (see the module docstring for the mapping).
 
     The same value, or the same :class:`~streams.errors.JsonValueError` (reason, path, message), as
-    :func:`reference_loads` for every input; faster on the common case: a document that ``orjson.loads`` reads
-    exactly (see :func:`_read_exactly_by_orjson`) is read by it, any other goes to :func:`reference_loads`.
+    :func:`reference_loads` for every input, read by the fastest of three readers that reads it exactly:
+    ``orjson.loads`` (:func:`_exact_value` says when its value is exact), the standard parser with hooks built
+    once (:func:`_read_plainly`: any number the reference would not refuse), else :func:`reference_loads`.
 
     Args:
         data: UTF-8 bytes or a str.
@@ -126,7 +127,8 @@ def loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
     except orjson.JSONDecodeError:
         pass  # not JSON for orjson (the reference says why), or orjson reads it differently
     else:
-        if _read_exactly_by_orjson(data, value, unique_keys):
+        value = _exact_value(data, value, unique_keys)
+        if value is not _NOT_EXACT:
             return value
     try:
         return _read_plainly(data, unique_keys)
@@ -203,13 +205,18 @@ def _read_plainly(data: bytes | str, unique_keys: bool) -> Any:
     return value
 
 
-def _read_exactly_by_orjson(data: bytes | str, value: Any, unique_keys: bool) -> bool:
-    """True when ``value``, what ``orjson.loads(data)`` returned, is what :func:`reference_loads` returns.
+#: What :func:`_exact_value` returns for a value that orjson did not read exactly.
+_NOT_EXACT: Any = object()
+
+
+def _exact_value(data: bytes | str, value: Any, unique_keys: bool) -> Any:
+    """``value``, what ``orjson.loads(data)`` returned, made what :func:`reference_loads` returns, or
+    :data:`_NOT_EXACT`.
 
     What orjson does differently (seen in ``tests/unit/test_exactjson_fast.py``), and how each is caught here:
 
     * a number with a fraction or an exponent, and an integer outside ``[-2**63, 2**64 - 1]``, become a
-      ``float``: any float in the value sends the document to the reference;
+      ``float``: a document with a float is read exactly only as :func:`_floats_as_written` says;
     * it reads up to 1024 levels of nesting, the reference as deep as Python's recursion limit lets it (less
       than 1000, fewer when called from deep in a stack): more than :data:`_FAST_MAX_DEPTH` levels go to the
       reference;
@@ -240,15 +247,58 @@ def _read_exactly_by_orjson(data: bytes | str, value: Any, unique_keys: bool) ->
         elif kind is str:
             strings += 1
         elif kind is float:
-            return False
+            return _floats_as_written(data, value)
     if containers > _FAST_MAX_DEPTH and _depth(value) > _FAST_MAX_DEPTH:
-        return False
+        return _NOT_EXACT
     if not unique_keys or pairs == 0:
-        return True
+        return value
     text = data.encode() if isinstance(data, str) else bytes(data)  # orjson read it: it is UTF-8
-    if text.count(b'"') == 2 * strings:
-        return True
-    return text.count(b":") == pairs
+    if text.count(b'"') == 2 * strings or text.count(b":") == pairs:
+        return value
+    return _NOT_EXACT
+
+
+def _floats_as_written(data: bytes | str, value: Any) -> Any:
+    """``value`` with each float replaced by the :class:`JsonDecimal` of its token, when ``data`` is exactly what
+    ``orjson.dumps(value)`` writes (compact text from orjson: the simulator's answers, our own Kafka values): then
+    each float's token is ``orjson.dumps(that_float)``, no key was repeated (its pair would be missing) and each
+    integer is exact (an integer orjson read as a float would be written differently). :data:`_NOT_EXACT`
+    otherwise, for a token the reference would refuse, or nesting deeper than :data:`_FAST_MAX_DEPTH`. Changes
+    ``value`` in place."""
+    text = data.encode() if isinstance(data, str) else bytes(data)  # orjson read it: it is UTF-8
+    try:
+        if orjson.dumps(value) != text:
+            return _NOT_EXACT
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes
+        return _NOT_EXACT
+    kind = type(value)
+    if kind is not dict and kind is not list:
+        return value if kind is not float else _fraction_or_not_exact(text.decode(), reset=True)
+    _EXPANSION.chars = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > _FAST_MAX_DEPTH:
+            return _NOT_EXACT
+        for key, child in item.items() if type(item) is dict else enumerate(item):
+            kind = type(child)
+            if kind is float:
+                number = _fraction_or_not_exact(orjson.dumps(child).decode())
+                if number is _NOT_EXACT:
+                    return _NOT_EXACT
+                item[key] = number
+            elif kind is dict or kind is list:
+                stack.append((child, depth + 1))
+    return value
+
+
+def _fraction_or_not_exact(token: str, *, reset: bool = False) -> Any:
+    if reset:
+        _EXPANSION.chars = 0
+    try:
+        return _fraction(token)
+    except _GiveUp:
+        return _NOT_EXACT
 
 
 def _depth(value: Any) -> int:

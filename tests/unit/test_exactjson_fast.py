@@ -6,6 +6,7 @@ keys, nesting, blanks, damaged texts), so a failure names a document that can be
 
 from __future__ import annotations
 
+import inspect
 import random
 import sys
 from decimal import Decimal
@@ -188,6 +189,13 @@ def test_loads_agrees_with_the_reference_on_generated_documents(seed: int) -> No
         b"[" + b",".join([b"1.5e4000"] * 16 + [b"1e4"] * 200) + b"]",
         b"[1e4000" + b",1e4000" * 15 + b",1e1621]",  # grows the text by 65,536 characters: the limit
         b"[1e4000" + b",1e4000" * 15 + b",1e1622]",
+        b"[" + b",".join([b"1e+300"] * 222) + b"]",  # compact, as orjson writes it: grows the text by 65,490
+        b"[" + b",".join([b"1e+300"] * 223) + b"]",  # 65,785: over the limit
+        b'{"a":[1.5,-0.0,1e-7,{"b":1.7645e+300}],"c":1764500000.123456}',
+        b'{"a":1.5,"a":2.5}',
+        b"[" * 230 + b"1.5" + b"]" * 230,
+        b"1.5",
+        b"1e+300",
         b"[1e4299, 1E-4298]",
         b"[1e4300]",
         b"[0." + b"0" * 4298 + b"1]",  # 4300 digits written out
@@ -235,6 +243,9 @@ POLL = b'{"operation_id":"op-1","remote_job_id":"job_1","poll_claim_id":92233720
         (b"[1e4000" + b",1e4000" * 15 + b",1e1621]", "plain"),  # at the expansion limit
         (b"[1e4000" + b",1e4000" * 15 + b",1e1622]", "reference"),  # over it: refused
         (b"[0." + b"0" * 4298 + b"1]", "plain"),  # 4300 digits written out
+        (b'{"a":1.5,"b":[1e-7,-0.0],"c":"x"}', "orjson"),  # floats in compact text from orjson: as written
+        (b'{"a": 1.5}', "plain"),  # not as orjson writes it
+        (b'{"a":1.50}', "plain"),
         (b'{"a": 1, "a": 2}', "reference"),
         (b'{"a": NaN}', "reference"),
         (b'{"a": 1e5000}', "reference"),
@@ -258,3 +269,32 @@ def test_a_process_that_changed_the_integer_digit_limit_still_gets_the_reference
             _assert_same(text)
     finally:
         sys.set_int_max_str_digits(before)
+
+
+def test_each_document_counts_its_own_exponents(monkeypatch: pytest.MonkeyPatch) -> None:
+    exactjson.loads(b"[" + b",".join([b"1e4000"] * 16) + b"]")  # grows the text by 63,920 characters
+    assert _reader(monkeypatch, b"[" + b",".join([b"1e+300"] * 10) + b"]") == "orjson"  # by 2,950 more: its own
+
+
+def test_nesting_is_read_as_the_reference_reads_it_from_deep_in_a_stack() -> None:
+    """The reference's depth limit is the recursion limit less the caller's frames; orjson's is 1024."""
+    texts = [b"[" * 150 + b"1" + b"]" * 150, b"[" * 230 + b"1" + b"]" * 230, b"[" * 230 + b"1.5" + b"]" * 230]
+
+    def read(text: bytes, loads: Any) -> Any:
+        try:
+            return ("value", loads(text))
+        except JsonValueError as exc:
+            return ("refused", exc.reason, exc.path, str(exc))
+
+    def at_depth(frames: int) -> list[tuple[Any, Any]]:
+        if frames:
+            return at_depth(frames - 1)
+        return [(read(text, exactjson.loads), read(text, exactjson.reference_loads)) for text in texts]
+
+    outcomes = at_depth(sys.getrecursionlimit() - 200 - len(inspect.stack()))  # room for about 200 levels
+    assert [reference[0] for _, reference in outcomes] == ["value", "refused", "refused"]
+    for fast, reference in outcomes:  # compared back at a shallow depth
+        assert (fast[0], _shape(fast[1]) if fast[0] == "value" else fast[1:]) == (
+            reference[0],
+            _shape(reference[1]) if reference[0] == "value" else reference[1:],
+        )
