@@ -4,8 +4,10 @@ Every place JSON enters the system (Kafka values, the remote API's answers, json
 ``streams submit`` files) reads it with :func:`loads`; every place it leaves (Kafka values, POST bodies, jsonb
 written to PostgreSQL, ``streams follow``) writes it with :func:`dumps`.
 
-Why not ``orjson.loads``: it turns integers outside ``[-2**63, 2**64 - 1]`` into binary doubles (``2**64`` and
-``2**64 + 1`` both become ``18446744073709551616.0``) and reads every fraction as a double. Here:
+Why not ``orjson.loads`` alone: it turns integers outside ``[-2**63, 2**64 - 1]`` into binary doubles (``2**64``
+and ``2**64 + 1`` both become ``18446744073709551616.0``) and reads every fraction as a double. :func:`loads` uses
+it only where its value is exact (most documents), and gives the same value or error for every input as
+:func:`reference_loads`. Here:
 
 ============================== ==================================================================
 JSON number                    Python value
