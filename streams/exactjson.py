@@ -234,24 +234,28 @@ def _exact_value(data: bytes | str, value: Any, unique_keys: bool) -> Any:
     outside a string, so as many ``:`` in all as the value has keys proves it too. Otherwise: the reference.
     """
     stack = [value]
-    pairs = strings = containers = 0
+    containers: list[Any] = []
+    pairs = strings = 0
+    floats = False
     while stack:
         item = stack.pop()
         kind = type(item)
         if kind is dict:
-            containers += 1
+            containers.append(item)
             pairs += len(item)
             strings += len(item)
             stack.extend(item.values())
         elif kind is list:
-            containers += 1
+            containers.append(item)
             stack.extend(item)
         elif kind is str:
             strings += 1
         elif kind is float:
-            return _floats_as_written(data, value)
-    if containers > _FAST_MAX_DEPTH and _depth(value) > _FAST_MAX_DEPTH:
+            floats = True
+    if len(containers) > _FAST_MAX_DEPTH and _depth(value) > _FAST_MAX_DEPTH:
         return _NOT_EXACT
+    if floats:
+        return _floats_as_written(data, value, containers)
     if not unique_keys or pairs == 0:
         return value
     text = data.encode() if isinstance(data, str) else bytes(data)  # orjson read it: it is UTF-8
@@ -260,43 +264,37 @@ def _exact_value(data: bytes | str, value: Any, unique_keys: bool) -> Any:
     return _NOT_EXACT
 
 
-def _floats_as_written(data: bytes | str, value: Any) -> Any:
-    """``value`` with each float replaced by the :class:`JsonDecimal` of its token, when ``data`` is exactly what
-    ``orjson.dumps(value)`` writes (compact text from orjson: the simulator's answers, our own Kafka values): then
-    each float's token is ``orjson.dumps(that_float)``, no key was repeated (its pair would be missing) and each
-    integer is exact (an integer orjson read as a float would be written differently). :data:`_NOT_EXACT`
-    otherwise, for a token the reference would refuse, or nesting deeper than :data:`_FAST_MAX_DEPTH`. Changes
+def _floats_as_written(data: bytes | str, value: Any, containers: list[Any]) -> Any:
+    """``value`` (with ``containers``, its dicts and lists) with each float replaced by the :class:`JsonDecimal`
+    of its token, when ``data`` is exactly what ``orjson.dumps(value)`` writes (compact text from orjson: the
+    simulator's answers, our own Kafka values): then each float's token is ``orjson.dumps(that_float)``, no key
+    was repeated (its pair would be missing) and each integer is exact (an integer orjson read as a float would
+    be written differently). :data:`_NOT_EXACT` otherwise, or for a token the reference would refuse. Changes
     ``value`` in place."""
     text = data.encode() if isinstance(data, str) else bytes(data)  # orjson read it: it is UTF-8
-    try:
-        if orjson.dumps(value) != text:
-            return _NOT_EXACT
-    except orjson.JSONEncodeError:  # nested deeper than orjson writes
+    if orjson.dumps(value) != text:
         return _NOT_EXACT
-    kind = type(value)
-    if kind is not dict and kind is not list:
-        return value if kind is not float else _fraction_or_not_exact(text.decode(), reset=True)
     _EXPANSION.chars = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > _FAST_MAX_DEPTH:
-            return _NOT_EXACT
-        for key, child in item.items() if type(item) is dict else enumerate(item):
-            kind = type(child)
-            if kind is float:
-                number = _fraction_or_not_exact(orjson.dumps(child).decode())
-                if number is _NOT_EXACT:
-                    return _NOT_EXACT
-                item[key] = number
-            elif kind is dict or kind is list:
-                stack.append((child, depth + 1))
+    if not containers:
+        return _fraction_or_not_exact(text.decode())
+    for item in containers:
+        if type(item) is dict:
+            if float in map(type, item.values()):
+                for key, child in item.items():
+                    if type(child) is float:
+                        item[key] = number = _fraction_or_not_exact(orjson.dumps(child).decode())
+                        if number is _NOT_EXACT:
+                            return _NOT_EXACT
+        elif float in map(type, item):
+            for index, child in enumerate(item):
+                if type(child) is float:
+                    item[index] = number = _fraction_or_not_exact(orjson.dumps(child).decode())
+                    if number is _NOT_EXACT:
+                        return _NOT_EXACT
     return value
 
 
-def _fraction_or_not_exact(token: str, *, reset: bool = False) -> Any:
-    if reset:
-        _EXPANSION.chars = 0
+def _fraction_or_not_exact(token: str) -> Any:
     try:
         return _fraction(token)
     except _GiveUp:
