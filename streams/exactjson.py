@@ -112,8 +112,9 @@ def loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
 
     The same value, or the same :class:`~streams.errors.JsonValueError` (reason, path, message), as
     :func:`reference_loads` for every input, read by the fastest of three readers that reads it exactly:
-    ``orjson.loads`` (:func:`_exact_value` says when its value is exact), the standard parser with hooks built
-    once (:func:`_read_plainly`: any number the reference would not refuse), else :func:`reference_loads`.
+    ``orjson.loads`` (:func:`_exact_value` says when its value is exact); for what orjson reads but not exactly,
+    the standard parser with hooks built once (:func:`_read_plainly`: any number the reference would not
+    refuse); else (orjson refuses it, or the hooks give up) :func:`reference_loads`.
 
     Args:
         data: UTF-8 bytes or a str.
@@ -127,11 +128,12 @@ def loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:
-        pass  # not JSON for orjson (the reference says why), or orjson reads it differently
-    else:
-        value = _exact_value(data, value, unique_keys)
-        if value is not _NOT_EXACT:
-            return value
+        # Not JSON, NaN, an unpaired surrogate, deeper than 1024 levels, or a number beyond a double (``1e400``):
+        # all but the last are refused, and the reference says why.
+        return reference_loads(data, unique_keys=unique_keys)
+    value = _exact_value(data, value, unique_keys)
+    if value is not _NOT_EXACT:
+        return value
     try:
         return _read_plainly(data, unique_keys)
     except (ValueError, RecursionError, _GiveUp):  # JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -240,8 +240,9 @@ POLL = b'{"operation_id":"op-1","remote_job_id":"job_1","poll_claim_id":92233720
         (b'{"a": "12:00", "b": {"c": "https://h/p"}}', "orjson"),  # the quotes say so
         (b'{"a": "\\"12:00"}', "plain"),  # neither can say: the hooks read it
         (b'{"a": 1.5, "b": 1E+2, "c": 1e-7, "d": 18446744073709551616}', "plain"),
-        (b"[1e4000" + b",1e4000" * 15 + b",1e1621]", "plain"),  # at the expansion limit
-        (b"[1e4000" + b",1e4000" * 15 + b",1e1622]", "reference"),  # over it: refused
+        (b"[1e4000]", "reference"),  # beyond a double: orjson refuses it
+        (b"[" + b",".join([b"1e300"] * 221) + b"]", "plain"),  # grows the text by 65,416 characters
+        (b"[" + b",".join([b"1e300"] * 222) + b"]", "reference"),  # by 65,712: refused
         (b"[0." + b"0" * 4298 + b"1]", "plain"),  # 4300 digits written out
         (b'{"a":1.5,"b":[1e-7,-0.0],"c":"x"}', "orjson"),  # floats in compact text from orjson: as written
         (b'{"a": 1.5}', "plain"),  # not as orjson writes it
@@ -249,7 +250,9 @@ POLL = b'{"operation_id":"op-1","remote_job_id":"job_1","poll_claim_id":92233720
         (b'{"a": 1, "a": 2}', "reference"),
         (b'{"a": NaN}', "reference"),
         (b'{"a": 1e5000}', "reference"),
-        (b'{"a": "\\ud800"}', "plain"),  # orjson refuses it; the hooks have nothing to refuse
+        (b'{"a": "\\ud800"}', "reference"),  # orjson refuses it
+        (b'{"a": "\\ud800", "b": 1.5}', "reference"),
+        (b'{"a": "\\"\\ud800:", "b": 1}', "reference"),
     ],
 )
 def test_each_document_is_read_by_the_fastest_reader_that_reads_it_exactly(
@@ -272,7 +275,7 @@ def test_a_process_that_changed_the_integer_digit_limit_still_gets_the_reference
 
 
 def test_each_document_counts_its_own_exponents(monkeypatch: pytest.MonkeyPatch) -> None:
-    exactjson.loads(b"[" + b",".join([b"1e4000"] * 16) + b"]")  # grows the text by 63,920 characters
+    exactjson.loads(b"[" + b",".join([b"1e300"] * 221) + b"]")  # grows the text by 65,416 characters
     assert _reader(monkeypatch, b"[" + b",".join([b"1e+300"] * 10) + b"]") == "orjson"  # by 2,950 more: its own
 
 
@@ -298,3 +301,17 @@ def test_nesting_is_read_as_the_reference_reads_it_from_deep_in_a_stack() -> Non
             reference[0],
             _shape(reference[1]) if reference[0] == "value" else reference[1:],
         )
+
+
+@pytest.mark.parametrize("text", [b'{"a": "\\ud800"}', b'["x", {"\\udfff": 1}]', '["\ud800"]'])
+def test_the_hooks_refuse_unpaired_surrogates_as_the_reference_does(text: bytes | str) -> None:
+    """orjson refuses these before the hooks see them; the hooks must not depend on it."""
+    with pytest.raises(JsonValueError) as plain:
+        exactjson._read_plainly(text, False)
+    with pytest.raises(JsonValueError) as reference:
+        exactjson.reference_loads(text)
+    assert (plain.value.reason, plain.value.path, str(plain.value)) == (
+        reference.value.reason,
+        reference.value.path,
+        str(reference.value),
+    )
