@@ -204,7 +204,7 @@ def _read_plainly(data: bytes | str, unique_keys: bool) -> Any:
     text = bytes(data).decode("utf-8") if isinstance(data, bytes | bytearray | memoryview) else data
     _EXPANSION.chars = 0
     value = _PLAIN_DECODERS[unique_keys].decode(text)
-    if _SURROGATE_ESCAPE.search(text):
+    if _may_hold_unpaired_surrogates(data, text):
         _refuse_unpaired_surrogates(value)
     return value
 
@@ -388,7 +388,7 @@ def reference_loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
         assert found is not None
         path, bad = found
         raise JsonValueError(bad.reason, f"at {_path(path)}: {bad.why}", path=_path(path))
-    if _SURROGATE_ESCAPE.search(text):
+    if _may_hold_unpaired_surrogates(data, text):
         _refuse_unpaired_surrogates(value)
     return value
 
@@ -404,6 +404,19 @@ def _keep_refused(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         if key not in value or _first_refused(value[key]) is None:
             value[key] = item
     return value
+
+
+def _may_hold_unpaired_surrogates(data: bytes | str, text: str) -> bool:
+    """False when no string parsed from ``text`` can hold an unpaired surrogate: no ``\\ud800``-``\\udfff``
+    escape, and ``data`` was bytes (valid UTF-8) or a str that UTF-8 can hold."""
+    if _SURROGATE_ESCAPE.search(text):
+        return True
+    if isinstance(data, str) and not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+    return False
 
 
 def _refuse_unpaired_surrogates(value: Any) -> None:

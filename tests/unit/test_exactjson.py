@@ -147,3 +147,16 @@ def test_repeated_keys_are_refused_on_request_naming_the_field(text: bytes, wher
     assert (info.value.reason, info.value.path) == ("not_json", where)
     assert "appears twice in one object" in str(info.value)
     assert exactjson.loads(text) is not None  # the default reads them (the last one counts), as orjson does
+
+
+@pytest.mark.parametrize(
+    ("text", "path"), [('["\ud800"]', "0"), ('{"\udfff": 1}', "(root)"), ('{"a": "x\ud83d"}', "a")]
+)
+def test_a_str_holding_an_unpaired_surrogate_is_refused_naming_the_field(text: str, path: str) -> None:
+    """A str given to loads (a line of a file, a text spliced into a submission) is held to the same rule as an
+    escaped surrogate: no UTF-8 text can hold it."""
+    for unique_keys in (False, True):
+        with pytest.raises(JsonValueError) as info:
+            exactjson.loads(text, unique_keys=unique_keys)
+        assert (info.value.reason, info.value.path) == ("not_json", path)
+        assert "unpaired surrogate" in str(info.value)
