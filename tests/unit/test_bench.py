@@ -167,3 +167,25 @@ def test_samples_are_charged_below_the_event_loop(tmp_path: Path) -> None:
     assert result["by_component"] == {"redis": 60.0, EVENT_LOOP: 30.0, "streams (own code)": 10.0}
     assert result["top_functions"]["_SelectorSocketTransport.write (selector_events.py)"] == 60.0
     assert result["top_own_functions"] == {"Observer.handle (observer.py)": 60.0, "Observer._delay (observer.py)": 10.0}
+
+
+def test_under_uvloop_samples_are_charged_below_the_frame_that_entered_the_loop(tmp_path: Path) -> None:
+    """uvloop runs the loop in C: a task's frames sit right below the frame that entered the loop (mode's worker),
+    and a sample whose innermost frame is that one is the loop's own time, not faust's."""
+    entry = ";".join(
+        [
+            frame("worker", "/work/repo/streams/cli.py"),
+            frame("Worker.execute_from_commandline", f"{SITE}/mode/worker.py"),
+        ]
+    )
+    thread = ";".join(
+        [
+            frame("Thread._bootstrap", f"{STDLIB}/threading.py"),
+            frame("ServiceThread._start_thread", f"{SITE}/mode/threads.py"),
+        ]
+    )
+    task = entry + ";" + frame("Connection._do_execute", f"{SITE}/asyncpg/connection.py")
+    consumer = thread + ";" + frame("Consumer._drain_messages", f"{SITE}/faust/transport/consumer.py")
+    path = tmp_path / "profile.txt"
+    path.write_text(f"{entry} 20\n{thread} 10\n{task} 50\n{consumer} 20\n")
+    assert summarize(path)["by_component"] == {"asyncpg": 50.0, EVENT_LOOP: 30.0, "faust": 20.0}
