@@ -87,8 +87,9 @@ class InvalidEventError(StreamsError):
     """A Kafka value is not JSON, is too large, or fails its topic's JSON Schema.
 
     ``reason`` is a short machine-readable code (``not_json``, ``number_out_of_range``, ``schema``, ``oversized``,
-    ``unknown_operation``, ``key_mismatch``, ``conflicting_duplicate``, ``processing_error``) and the message
-    says what was wrong; the original bytes go to the dead-letter topic with both.
+    ``unknown_operation``, ``key_mismatch``, ``conflicting_duplicate``, ``processing_error``, ``unpublishable``: an
+    outbox row Kafka refused for good) and the message says what was wrong; the original bytes go to the
+    dead-letter topic with both.
     """
 
     def __init__(self, reason: str, message: str) -> None:

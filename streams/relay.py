@@ -7,6 +7,12 @@ which downstream drops (:mod:`streams.downstream`).
 Each round selects every unpublished row (``published_at IS NULL``), in id order, never the ids above the
 last one published: a transaction takes its outbox id before it commits, so a lower id can become visible
 after a higher one was published, and it is published the next round.
+
+A row Kafka refuses for good (a failure that waiting cannot fix, :mod:`streams.failures`: an output over the
+broker's or producer's record size limit, say) goes to the dead-letter topic with reason ``unpublishable``, its
+topic and its bytes (cut as every dead letter's, with their size and SHA-256), and is marked like a published
+row: otherwise the relay would offer it again every round, and every row after it would wait behind it for
+good. An outage (Kafka not answering) marks nothing: the whole batch goes again next round.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import logging
 from typing import Any
 
 from streams import hooks, metrics
-from streams.runtime import Runtime
+from streams.errors import InvalidEventError
+from streams.failures import FailureKind, classify
+from streams.runtime import RawMessage, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +38,34 @@ class OutboxRelay:
         rt = self.rt
         topic = rt.settings.topic
         records = [(topic(row["topic_role"]), row["operation_id"].encode(), row["payload"].encode()) for row in rows]
-        failures = [exc for exc in await rt.send_all(records) if exc is not None]
-        if failures:
-            raise failures[0]  # nothing is marked: the whole batch goes again (its event ids are deterministic)
+        refused = [
+            (row, record, exc)
+            for row, record, exc in zip(rows, records, await rt.send_all(records), strict=True)
+            if exc is not None
+        ]
+        outages = [exc for _, _, exc in refused if classify(exc).kind is not FailureKind.ERROR]
+        if outages:
+            raise outages[0]  # nothing is marked: the whole batch goes again (its event ids are deterministic)
+        for row, (target, key, value), exc in refused:  # refused for good: to the dead-letter topic, then marked
+            log.error(
+                "outbox row %s (%s) of operation %s refused by Kafka for %s (%s: %s); sent to the dead-letter topic",
+                row["id"],
+                row["event_id"],
+                row["operation_id"],
+                target,
+                type(exc).__name__,
+                exc,
+            )
+            why = (
+                f"outbox row {row['id']} ({row['event_id']}) of operation {row['operation_id']} refused by Kafka "
+                f"for {target}: {type(exc).__name__}: {exc}; its bytes are here: raise the topic's and the "
+                "producer's record size limits and republish them"
+            )
+            await rt.dead_letter(RawMessage(target, None, None, key, value), InvalidEventError("unpublishable", why))
+        dead_lettered = {id(row) for row, _, _ in refused}
         for row in rows:
-            metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
+            if id(row) not in dead_lettered:
+                metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
         hooks.reach(hooks.HookPoint.PUBLISHED_BEFORE_MARK, rows=rows)
 
     async def tick(self) -> int:

@@ -4,6 +4,7 @@ producer refuses (too large) gets its own exception in its place while the other
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,9 +14,11 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import MessageSizeTooLargeError
 
+from streams import exactjson
 from streams.admin import KafkaAdmin
 from streams.answers import JobSnapshot
 from streams.config import Settings
+from streams.downstream import read_topic_to_end
 from streams.ledger import SaveOutcome
 from streams.relay import OutboxRelay
 from streams.runtime import Runtime
@@ -121,7 +124,6 @@ async def _succeeded_with_output(runtime: Runtime, op: str, text: str) -> None:
     assert await runtime.ledger.save_observation(op, claim.fencing_token, snapshot, None) is SaveOutcome.SAVED
 
 
-@pytest.mark.xfail(strict=True, reason="open: an outbox row the producer refuses for good stops the relay for all")
 async def test_an_output_too_large_to_publish_does_not_stop_every_later_delivery(
     enqueuing_runtime: Runtime, pool: asyncpg.Pool
 ) -> None:
@@ -138,6 +140,19 @@ async def test_an_output_too_large_to_publish_does_not_stop_every_later_delivery
             await relay.tick()
         unpublished = "SELECT count(*) FROM outbox WHERE published_at IS NULL AND operation_id = $1"
         assert await pool.fetchval(unpublished, small) == 0
+        assert await pool.fetchval(unpublished, big) == 0  # its refused row dead-lettered, then marked
+        letters = [
+            r.value
+            for r in await read_topic_to_end(enqueuing_runtime.settings, "dead_letter")
+            if r.value["source_topic"] == enqueuing_runtime.settings.topic("outputs_delivered")
+            and big in r.value["error"]
+        ]
+        assert len(letters) == 1
+        letter = letters[0]
+        assert letter["reason"] == "unpublishable" and "MessageSizeTooLargeError" in letter["error"]
+        original = base64.b64decode(letter["original_base64"])
+        assert letter["original_size"] > 100_000 and not letter["original_truncated"]
+        assert exactjson.loads(original)["output"] == {"id": "out_0", "text": "x" * 100_000}
     finally:  # the rows stuck here would stop every later relay test on this database
         await pool.execute(
             "UPDATE outbox SET published_at = now() WHERE published_at IS NULL AND operation_id = ANY($1)",
