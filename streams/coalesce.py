@@ -65,6 +65,8 @@ class Coalescer(Generic[Req, Res]):
         self._in_flight = 0
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
+        #: The batch task scheduled and not yet started (at most one: ``_scheduled``).
+        self._not_started: asyncio.Task[None] | None = None
         self._batch_size = metrics.BATCH_SIZE.labels(name)
 
     @property
@@ -100,11 +102,21 @@ class Coalescer(Generic[Req, Res]):
             # The batch's task takes the queue on its first step, in the loop's next pass: the tasks already ready
             # in this pass join the batch first, and the flush starts in that same step (no further pass).
             task = loop.create_task(self._start())
+            self._not_started = task
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task is self._not_started:  # cancelled before its first step, so it never cleared the flag: without
+            self._not_started = None  # this no batch would ever be scheduled again, and every request would wait
+            self._scheduled = False
+            if self._queue:
+                self._schedule(asyncio.get_running_loop())
 
     async def _start(self) -> None:
         self._scheduled = False
+        self._not_started = None
         if not self._queue or self._in_flight >= self.max_in_flight:  # every caller went away meanwhile
             return
         batch = self._queue[: self.max_batch]

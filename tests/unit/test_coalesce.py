@@ -188,3 +188,17 @@ async def test_a_burst_of_5000_requests_with_cancellations_stays_bounded_ordered
     assert all(isinstance(results[i], asyncio.CancelledError) for i in cancelled)
     assert (c.queued, c.in_flight) == (0, 0)
     assert elapsed < 5.0, f"5,000 requests took {elapsed:.2f} s"
+
+
+async def test_a_batch_task_cancelled_before_it_started_does_not_stop_the_stage() -> None:
+    """Cancelling the scheduled batch task before its first step (a shutdown racing a request, a cancelled scope)
+    must not leave the stage believing a batch is on its way: the queued request still goes out."""
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush)
+    waiting = asyncio.ensure_future(c.submit(2))
+    await asyncio.sleep(0)  # the request is queued and its batch task scheduled, not yet run
+    (scheduled,) = c._tasks
+    scheduled.cancel()
+    assert await asyncio.wait_for(waiting, timeout=2) == 20
+    assert rec.batches == [[2]]
+    assert await asyncio.wait_for(c.submit(4), timeout=2) == 40  # and the stage keeps going
