@@ -24,19 +24,21 @@ from streams.states import OperationState
 pytestmark = pytest.mark.integration
 
 
-async def succeeded_operation(runtime: Runtime, op: str, outputs: int) -> None:
+async def succeeded_operation(runtime: Runtime, op: str, outputs: int, text: str = "x") -> None:
+    """``op`` accepted, submitted as job ``job-<op>``, its poll claimed and observed ``succeeded`` with ``outputs``
+    outputs ``out_<i>`` of ``text`` (each in the outbox, not yet published)."""
     assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
     fencing = await runtime.ledger.claim_for_submit(op)
     assert fencing is not None
     assert await runtime.ledger.save_submitted(op, fencing, f"job-{op}", 0.0, None)
-    polls = [p for p in await runtime.ledger.claim_due_polls(100, 3.0) if p.operation_id == op]
+    polls = [p for p in await runtime.ledger.claim_due_polls(1000, 3.0) if p.operation_id == op]
     claim = await runtime.ledger.claim_for_observe(op, polls[0].poll_claim_id)
     assert claim is not None
     snap = JobSnapshot(
         f"job-{op}",
         "succeeded",
         OperationState.SUCCEEDED,
-        outputs=[{"id": f"out_{i}", "text": "x"} for i in range(outputs)],
+        outputs=[{"id": f"out_{i}", "text": text} for i in range(outputs)],
         completed_at_ms=123,
     )
     assert await runtime.ledger.save_observation(op, claim.fencing_token, snap, None) is SaveOutcome.SAVED

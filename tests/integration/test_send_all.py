@@ -16,13 +16,11 @@ from aiokafka.errors import MessageSizeTooLargeError
 
 from streams import exactjson
 from streams.admin import KafkaAdmin
-from streams.answers import JobSnapshot
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
-from streams.ledger import SaveOutcome
 from streams.relay import OutboxRelay
 from streams.runtime import Runtime
-from streams.states import OperationState
+from tests.integration.test_relay_and_dead_letters import succeeded_operation
 
 pytestmark = pytest.mark.integration
 
@@ -110,20 +108,6 @@ async def test_without_an_enqueue_each_record_is_sent_and_failures_are_returned(
     assert sent == [("t", b"k", b"a"), ("t", b"k", b"c")]
 
 
-async def _succeeded_with_output(runtime: Runtime, op: str, text: str) -> None:
-    assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
-    fencing = await runtime.ledger.claim_for_submit(op)
-    assert fencing is not None
-    assert await runtime.ledger.save_submitted(op, fencing, f"job-{op}", 0.0, None)
-    polls = [p for p in await runtime.ledger.claim_due_polls(1000, 3.0) if p.operation_id == op]
-    claim = await runtime.ledger.claim_for_observe(op, polls[0].poll_claim_id)
-    assert claim is not None
-    snapshot = JobSnapshot(
-        f"job-{op}", "succeeded", OperationState.SUCCEEDED, outputs=[{"id": "out_0", "text": text}], completed_at_ms=1
-    )
-    assert await runtime.ledger.save_observation(op, claim.fencing_token, snapshot, None) is SaveOutcome.SAVED
-
-
 async def test_an_output_too_large_to_publish_does_not_stop_every_later_delivery(
     enqueuing_runtime: Runtime, pool: asyncpg.Pool
 ) -> None:
@@ -134,8 +118,8 @@ async def test_an_output_too_large_to_publish_does_not_stop_every_later_delivery
         pass
     big, small = f"big-{uuid.uuid4().hex[:6]}", f"small-{uuid.uuid4().hex[:6]}"
     try:
-        await _succeeded_with_output(enqueuing_runtime, big, "x" * 100_000)
-        await _succeeded_with_output(enqueuing_runtime, small, "y")
+        await succeeded_operation(enqueuing_runtime, big, 1, "x" * 100_000)
+        await succeeded_operation(enqueuing_runtime, small, 1, "y")
         for _ in range(3):
             await relay.tick()
         unpublished = "SELECT count(*) FROM outbox WHERE published_at IS NULL AND operation_id = $1"
