@@ -8,11 +8,11 @@ Each round selects every unpublished row (``published_at IS NULL``), in id order
 last one published: a transaction takes its outbox id before it commits, so a lower id can become visible
 after a higher one was published, and it is published the next round.
 
-A row Kafka refuses for good (a failure that waiting cannot fix, :mod:`streams.failures`: an output over the
-broker's or producer's record size limit, say) goes to the dead-letter topic with reason ``unpublishable``, its
-topic and its bytes (cut as every dead letter's, with their size and SHA-256), and is marked like a published
-row: otherwise the relay would offer it again every round, and every row after it would wait behind it for
-good. An outage (Kafka not answering) marks nothing: the whole batch goes again next round.
+A row Kafka refuses for good (:func:`refused_for_good`: an output over the broker's or producer's record size
+limit, say) goes to the dead-letter topic with reason ``unpublishable``, its topic and its bytes (cut as every
+dead letter's, with their size and SHA-256), and is marked like a published row: otherwise the relay would offer
+it again every round, and every row after it would wait behind it for good. An outage (Kafka not answering) or a
+bug marks nothing: the whole batch goes again next round.
 """
 
 from __future__ import annotations
@@ -20,12 +20,31 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import aiokafka.errors
+
 from streams import hooks, metrics
 from streams.errors import InvalidEventError
 from streams.failures import FailureKind, classify
 from streams.runtime import RawMessage, Runtime
 
 log = logging.getLogger(__name__)
+
+
+def refused_for_good(exc: BaseException) -> bool:
+    """True when Kafka refused the record itself and sending it again cannot help: a non-retriable aiokafka
+    ``KafkaError`` (``MessageSizeTooLargeError``: the record is over the producer's ``max_request_size`` or the
+    broker's ``message.max.bytes``; an invalid record), raised as it is or chained as the ``__cause__`` of a wrapper
+    (faust's ``ProducerSendError``). An outage (a retriable ``KafkaError``) or any other exception (a bug) is not."""
+    if classify(exc).kind is not FailureKind.ERROR:  # an outage (a timeout is not marked retriable by aiokafka)
+        return False
+    seen: BaseException | None = exc
+    for _ in range(3):
+        if isinstance(seen, aiokafka.errors.KafkaError):
+            return not seen.retriable
+        if seen is None:
+            return False
+        seen = seen.__cause__
+    return False
 
 
 class OutboxRelay:
@@ -43,9 +62,9 @@ class OutboxRelay:
             for row, record, exc in zip(rows, records, await rt.send_all(records), strict=True)
             if exc is not None
         ]
-        outages = [exc for _, _, exc in refused if classify(exc).kind is not FailureKind.ERROR]
-        if outages:
-            raise outages[0]  # nothing is marked: the whole batch goes again (its event ids are deterministic)
+        retried = [exc for _, _, exc in refused if not refused_for_good(exc)]
+        if retried:  # an outage, or a bug (reported as one): nothing is marked, the whole batch goes again next
+            raise retried[0]  # round (its event ids are deterministic)
         for row, (target, key, value), exc in refused:  # refused for good: to the dead-letter topic, then marked
             log.error(
                 "outbox row %s (%s) of operation %s refused by Kafka for %s (%s: %s); sent to the dead-letter topic",
