@@ -67,6 +67,9 @@ async def test_a_burst_beyond_the_visibility_timeout_finishes_without_stale_poll
         f"stale polls {stale:g}"
     )
     assert row["succeeded"] == len(ids)
-    # Nearly every published poll was used: a stale one is a poll claimed again before its event was taken.
-    assert stale <= 0.02 * row["published"]
+    # Nearly every published poll was used (without the bound: 10 of 11 stale). A stale poll is one claimed again
+    # before its event was taken, or an event Kafka delivered again after the group's rebalance (taken once, no
+    # GET): with two workers joining, a few percent of the first polls wait past the 3 s visibility timeout.
+    assert stale <= 0.05 * row["published"]
     assert row["published"] <= row["observed"] * 1.1
+    assert gets <= row["observed"] * 1.02  # one GET per saved observation: a poll delivered again makes none
