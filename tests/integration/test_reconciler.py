@@ -4,6 +4,9 @@ creations); lookup off; never a POST; fenced; the adoption published on generati
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import asyncpg
 import pytest
 
@@ -28,7 +31,14 @@ async def uncertain_operation(runtime: Runtime, op: str, posts: int) -> list[str
     assert await runtime.ledger.accept(op, REQUEST, submitted_at_ms=0)
     fencing = await runtime.ledger.claim_for_submit(op)
     assert fencing is not None
-    jobs = [(await runtime.remote.submit(op, REQUEST)).job_id for _ in range(posts)]
+    jobs = []
+    for _ in range(posts):
+        jobs.append((await runtime.remote.submit(op, REQUEST)).job_id)
+        # The lookup orders jobs by their creation time in whole milliseconds (then by id): two POSTs within one
+        # millisecond would tie, and "oldest first" would then follow the random job ids. Wait for the next one.
+        created_ms = int(time.time() * 1000)
+        while int(time.time() * 1000) <= created_ms:
+            await asyncio.sleep(0.0005)
     assert await runtime.ledger.save_submission_without_job(
         op,
         fencing,
