@@ -42,6 +42,7 @@ from streams import logs
 from streams.config import Settings
 from streams.dispatcher import Dispatcher
 from streams.errors import InvalidEventError
+from streams.failures import is_outage
 from streams.inflight import InOrderAcks, Ticket
 from streams.observer import Observer
 from streams.reconciler import Reconciler
@@ -60,6 +61,9 @@ HANDLER_ATTEMPTS = 5
 
 #: Pause of the reconciler's loop when no lookup was due (s).
 RECONCILER_IDLE_S = 1.0
+
+#: Pause between attempts to connect the worker's clients while PostgreSQL is unavailable at start (s).
+RUNTIME_RETRY_S = 2.0
 
 #: Events received and not yet acknowledged, per handling slot, before an agent stops taking new ones. Behind
 #: an event that stays in flight the later ones are handled but cannot be acknowledged; this bounds the memory
@@ -203,8 +207,15 @@ def create_app(settings: Settings) -> faust.App:
 
     async def runtime() -> Runtime:
         async with lock:
-            if "rt" not in holder:
-                holder["rt"] = await Runtime.create(settings, send, enqueue=enqueue)
+            while "rt" not in holder:
+                try:
+                    holder["rt"] = await Runtime.create(settings, send, enqueue=enqueue)
+                except Exception as exc:  # PostgreSQL went away since the start-up check: wait, as every stage
+                    if not is_outage(exc):
+                        raise
+                    log.warning("PostgreSQL unavailable while the worker starts, waiting: %s", exc)
+                    await asyncio.sleep(RUNTIME_RETRY_S)
+                    continue
                 log.info("worker %s ready (settings: %s)", holder["rt"].worker, settings)
             return holder["rt"]
 

@@ -199,11 +199,12 @@ def worker(obj: dict[str, str], web_port: int | None) -> None:
     """Run one worker process (Faust): dispatcher and observer agents, poll scheduler and outbox relay timers,
     and a web server with the live view (/), one operation (/operations/OP), /metrics and /healthz.
 
-    Logs are JSON lines on stdout unless --log-format text."""
-    import faust
+    Waits first for PostgreSQL, Redis and Kafka (up to STREAMS_STARTUP_TIMEOUT_S). Logs are JSON lines on stdout
+    unless --log-format text."""
     import mode.loop
 
     from streams.app import create_app
+    from streams.worker import run_worker
 
     settings = _settings()
     if settings.event_loop == "uvloop":
@@ -211,12 +212,13 @@ def worker(obj: dict[str, str], web_port: int | None) -> None:
     if web_port is not None:
         settings = settings.replace(web_port=web_port)
     app = create_app(settings)
-    faust.Worker(
+    run_worker(
         app,
+        settings,
         loglevel=logging.getLevelName(logging.getLogger().level),
         # mode's Worker replaces the logging set-up; give it ours (a fresh dict: dictConfig consumes it)
         logging_config=logs.dict_config(obj["log_format"], obj["log_level"], "ext://sys.stdout"),
-    ).execute_from_commandline()
+    )
 
 
 @main.command()

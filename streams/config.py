@@ -253,6 +253,9 @@ class Settings(ExplicitSettings):
     #: The worker's event loop: ``uvloop`` (the default; libuv under asyncio, what faust-streaming's own
     #: ``faust[uvloop]`` extra installs) or ``asyncio`` (the standard library's selector loop).
     event_loop: EventLoop = "uvloop"
+    #: How long a starting worker waits for PostgreSQL, Redis and Kafka to answer real commands before it exits
+    #: non-zero naming the service (:mod:`streams.worker`).
+    startup_timeout_s: Seconds = 300.0
 
     # Rate budget of the provider account, shared by every worker process through Redis (streams/ratebudget.py,
     # README "Rate budget"). Rates in requests per second, POSTs and GETs apart; 0 = no pacing (a 429's

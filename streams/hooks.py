@@ -23,6 +23,8 @@ class HookPoint(StrEnum):
     #: The outbox relay published a batch to Kafka and has not marked it published yet. Context: ``rows``
     #: (the outbox rows, each with ``topic_role``).
     PUBLISHED_BEFORE_MARK = "relay.published_before_mark"
+    #: A starting worker found every service ready and has not started Faust's own clients yet. No context.
+    SERVICES_READY_BEFORE_START = "worker.services_ready_before_start"
 
 
 #: An action: called with the point's context as keyword arguments.

@@ -13,6 +13,8 @@ its own process.
                                     save (a test resumes it with SIGCONT)
 ``HARNESS_KILL_AFTER_PUBLISH_FILE`` SIGKILL after the relay published a batch holding an output, before it
                                     marked the batch published
+``HARNESS_PAUSE_WHEN_READY_FILE``   SIGSTOP once the starting worker found the services ready, before Faust
+                                    starts its clients (a test takes a service away, then resumes it)
 =================================== ======================================================================
 """
 
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 
 PAUSE_AFTER_GET_FILE = "HARNESS_PAUSE_AFTER_GET_FILE"
 KILL_AFTER_PUBLISH_FILE = "HARNESS_KILL_AFTER_PUBLISH_FILE"
+PAUSE_WHEN_READY_FILE = "HARNESS_PAUSE_WHEN_READY_FILE"
 
 
 def signal_self_once(path: str, sig: signal.Signals, where: str) -> bool:
@@ -64,6 +67,14 @@ def install_from_env(environ: Mapping[str, str]) -> list[HookPoint]:
 
         hooks.install(HookPoint.PUBLISHED_BEFORE_MARK, kill)
         armed.append(HookPoint.PUBLISHED_BEFORE_MARK)
+    ready_file = environ.get(PAUSE_WHEN_READY_FILE, "")
+    if ready_file:
+
+        def pause_when_ready(**context: Any) -> None:
+            signal_self_once(ready_file, signal.SIGSTOP, "with the services ready, before Faust starts")
+
+        hooks.install(HookPoint.SERVICES_READY_BEFORE_START, pause_when_ready)
+        armed.append(HookPoint.SERVICES_READY_BEFORE_START)
     return armed
 
 

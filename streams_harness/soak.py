@@ -33,7 +33,7 @@ from streams.config import Settings
 from streams.errors import StreamsError
 from streams.ledger import create_pool
 from streams_harness.checkout import checkout_dir
-from streams_harness.fleet import Fleet, free_port, start_simulator
+from streams_harness.fleet import Fleet, Worker, free_port, start_simulator
 from streams_harness.run import (
     DEFAULT_FAULTS,
     RunOptions,
@@ -97,6 +97,8 @@ class Chaos:
         self.rng = random.Random(opts.seed)
         self.injected: Counter[str] = Counter()
         self.skipped: Counter[str] = Counter()
+        #: Names of the workers this plan killed (the others must not exit before the end).
+        self.killed: set[str] = set()
 
     def plan(self, duration_s: float) -> list[tuple[float, str]]:
         """``faults`` (time offset in s, kind) pairs spread over ``duration_s``; every kind appears."""
@@ -117,14 +119,29 @@ class Chaos:
             print(f"[chaos {time.monotonic() - started:6.1f}s] {kind}", file=self.log, flush=True)
             await getattr(self, kind)()
 
+    def unplanned_exits(self) -> list[str]:
+        """``"<name> (exit status N, log PATH)"`` for each worker that exited without this plan killing it."""
+        return [
+            f"{w.name} (exit status {w.proc.returncode}, log {w.log_path})"
+            for w in self.fleet.workers.values()
+            if not w.alive() and w.name not in self.killed
+        ]
+
+    def _victim(self) -> Worker:
+        live = [w for w in self.fleet.live() if w.name not in self.killed]
+        if not live:
+            raise SoakError(f"no worker is left to fault; exited on their own: {self.unplanned_exits()}")
+        return self.rng.choice(live)
+
     async def worker_kill(self) -> None:
-        victim = self.rng.choice(self.fleet.live())
+        victim = self._victim()
+        self.killed.add(victim.name)
         victim.signal(signal.SIGKILL)
         self.fleet.start()
         self.injected["worker_kill"] += 1
 
     async def worker_pause(self) -> None:
-        victim = self.rng.choice(self.fleet.live())
+        victim = self._victim()
         victim.signal(signal.SIGSTOP)
         self.injected["worker_pause"] += 1
         await asyncio.sleep(2 * self.opts.lease_ttl_ms / 1000.0 + 1.0)
@@ -229,6 +246,8 @@ async def run_soak(opts: SoakOptions, out: TextIO = sys.stdout) -> dict[str, Any
             def check() -> None:
                 if sim.poll() is not None:
                     raise SoakError(f"the simulator exited; see {log_dir / 'simulator.log'}")
+                if exits := chaos.unplanned_exits():
+                    raise SoakError(f"a worker exited on its own: {', '.join(exits)}")
                 if chaos_task.done() and not chaos_task.cancelled() and chaos_task.exception() is not None:
                     raise SoakError(f"the fault plan failed: {chaos_task.exception()!r}")
 

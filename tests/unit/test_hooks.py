@@ -62,15 +62,25 @@ def test_signal_self_once_fires_once_and_removes_the_file(tmp_path: Path) -> Non
 def test_armed_actions_signal_at_their_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fired: list[tuple[str, signal.Signals]] = []
     monkeypatch.setattr(faults, "signal_self_once", lambda path, sig, where: fired.append((path, sig)) or True)
-    pause, kill = str(tmp_path / "pause"), str(tmp_path / "kill")
+    pause, kill, ready = str(tmp_path / "pause"), str(tmp_path / "kill"), str(tmp_path / "ready")
     armed = faults.install_from_env(
-        {faults.PAUSE_AFTER_GET_FILE: pause, faults.KILL_AFTER_PUBLISH_FILE: kill, "OTHER": "x"}
+        {
+            faults.PAUSE_AFTER_GET_FILE: pause,
+            faults.KILL_AFTER_PUBLISH_FILE: kill,
+            faults.PAUSE_WHEN_READY_FILE: ready,
+            "OTHER": "x",
+        }
     )
-    assert armed == [HookPoint.OBSERVED_BEFORE_SAVE, HookPoint.PUBLISHED_BEFORE_MARK]
+    assert armed == [
+        HookPoint.OBSERVED_BEFORE_SAVE,
+        HookPoint.PUBLISHED_BEFORE_MARK,
+        HookPoint.SERVICES_READY_BEFORE_START,
+    ]
     hooks.reach(HookPoint.PUBLISHED_BEFORE_MARK, rows=[{"topic_role": "transitions"}])
     assert fired == []  # a batch without an output is not the moment
     hooks.reach(
         HookPoint.PUBLISHED_BEFORE_MARK, rows=[{"topic_role": "transitions"}, {"topic_role": "outputs_delivered"}]
     )
     hooks.reach(HookPoint.OBSERVED_BEFORE_SAVE, operation_id="op-1")
-    assert fired == [(kill, signal.SIGKILL), (pause, signal.SIGSTOP)]
+    hooks.reach(HookPoint.SERVICES_READY_BEFORE_START)
+    assert fired == [(kill, signal.SIGKILL), (pause, signal.SIGSTOP), (ready, signal.SIGSTOP)]
