@@ -42,6 +42,7 @@ import asyncio
 import hashlib
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -240,8 +241,11 @@ class Dispatcher:
     async def _claim_and_submit(
         self, operation_id: str, request_text: str, lease: Lease, slot_at: float | None = None
     ) -> bool:
+        claim_id = uuid.uuid4()  # the same through until_ledger's repeats: a repeat gets the claim it committed
         try:
-            fencing = await self.rt.until_ledger("claim submit", lambda: self.rt.ledger.claim_for_submit(operation_id))
+            fencing = await self.rt.until_ledger(
+                "claim submit", lambda: self.rt.ledger.claim_for_submit(operation_id, claim_id)
+            )
         except BaseException:
             await lease.release()
             raise

@@ -36,6 +36,7 @@ import contextlib
 import enum
 import logging
 import random
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -407,18 +408,26 @@ class Ledger:
         inserted = {row["operation_id"] for row in rows}
         return [request[0] in inserted for request in batch]
 
-    async def claim_for_submit(self, operation_id: str) -> int | None:
+    async def claim_for_submit(self, operation_id: str, claim_id: uuid.UUID | None = None) -> int | None:
         """``accepted -> submitting`` with a new fencing value, written before the POST.
 
-        Returns the fencing value, or None when the operation is past ``accepted`` (never resubmit).
+        ``claim_id`` names this claim (default: a new one). A caller that sends its claim again after
+        :class:`LedgerUnavailableError` passes the same id: if the first one was committed (only its reply was
+        lost), the repeat returns the fencing value it wrote.
+
+        Returns the fencing value, or None when the operation is past ``accepted`` by another claim (never
+        resubmit).
+
+        Raises:
+            LedgerUnavailableError: PostgreSQL did not answer; the claim may have been committed.
         """
-        fencing: int | None = await self._submit("claim_submit", (operation_id,))
+        fencing: int | None = await self._submit("claim_submit", (operation_id, claim_id or uuid.uuid4()))
         return fencing
 
     async def _claim_submit_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        (operation_ids,) = _columns(batch, 1)
+        operation_ids, claim_ids = _columns(batch, 2)
         rows = await Q.claim_for_submit.fetch(
-            self.pool, operation_ids=operation_ids, worker=self.worker, lock_timeout=lock_timeout
+            self.pool, operation_ids=operation_ids, claim_ids=claim_ids, worker=self.worker, lock_timeout=lock_timeout
         )
         return [None if row is None else row["fencing_token"] for row in _by_position(rows, len(batch))]
 
@@ -753,20 +762,37 @@ class Ledger:
         remote_job_id: str | None,
         duration_ms: float,
         fencing_token: int | None,
+        call_id: uuid.UUID | None = None,
     ) -> None:
-        """Accounting: append one remote call attempt with its classified outcome."""
+        """Accounting: append one remote call attempt with its classified outcome. ``call_id`` names the row
+        (default: a new one); a caller that sends it again after :class:`LedgerUnavailableError` passes the same
+        id, and a row already committed is not written twice.
+
+        Raises:
+            LedgerUnavailableError: PostgreSQL did not answer; the row may have been written.
+        """
         await self._submit(
             "record_remote_call",
-            (operation_id, method, status_code, str(outcome), remote_job_id, duration_ms, fencing_token),
+            (
+                operation_id,
+                call_id or uuid.uuid4(),
+                method,
+                status_code,
+                str(outcome),
+                remote_job_id,
+                duration_ms,
+                fencing_token,
+            ),
         )
 
     async def _record_calls_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        operation_ids, methods, status_codes, outcomes, remote_job_ids, durations_ms, fencing_tokens = _columns(
-            batch, 7
+        operation_ids, call_ids, methods, status_codes, outcomes, remote_job_ids, durations_ms, fencing_tokens = (
+            _columns(batch, 8)
         )
         await Q.record_remote_call.execute(
             self.pool,
             operation_ids=operation_ids,
+            call_ids=call_ids,
             methods=methods,
             status_codes=status_codes,
             outcomes=outcomes,

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -305,10 +306,11 @@ class Runtime:
         """Record one remote call in metrics and in the ledger's accounting (waits out PostgreSQL outages)."""
         metrics.REMOTE_CALLS.labels(method, outcome).inc()
         metrics.REMOTE_CALL_SECONDS.labels(method).observe(duration_ms / 1000.0)
+        call_id = uuid.uuid4()  # the same through until_ledger's repeats: one row per call
         await self.until_ledger(
             f"account {method}",
             lambda: self.ledger.record_remote_call(
-                operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token
+                operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, call_id
             ),
         )
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -60,6 +61,8 @@ class Operation:
     fencing_token: int = 0
     transition_seq: int = 1
     remote_job_id: str | None = None
+    #: The id of the dispatcher claim that moved it to submitting.
+    claim_id: uuid.UUID | None = None
     poll_claim_id: int = 0
     #: The scheduler's latest claim is not yet taken by an observer (nor rescheduled): ``poll_claimed_at`` set.
     poll_claimed: bool = False
@@ -128,6 +131,8 @@ class InMemoryLedger:
     transitions: list[Transition] = field(default_factory=list)
     outbox: list[OutboxRow] = field(default_factory=list)
     remote_calls: list[RemoteCall] = field(default_factory=list)
+    #: Call ids of the accounting rows written (a repeat of one writes nothing).
+    call_ids: set[uuid.UUID] = field(default_factory=set)
     unavailable_calls: int = 0
     _offset_s: float = 0.0
     _t: float = 0.0
@@ -258,18 +263,26 @@ class InMemoryLedger:
             "request": op.request,
         }
 
-    async def claim_for_submit(self, operation_id: str) -> int | None:
+    async def claim_for_submit(self, operation_id: str, claim_id: uuid.UUID | None = None) -> int | None:
         self._call(f"claim {operation_id}")
         op = self.operations.get(operation_id)
+        if op is not None and op.state is S.SUBMITTING and claim_id is not None and op.claim_id == claim_id:
+            return op.fencing_token  # the same claim again: its reply was lost
         if op is None or op.state is not S.ACCEPTED:
             return None
-        self._write(op, state=S.SUBMITTING, fencing_token=op.fencing_token + 1, updated_by=self.worker)
+        claim_id = claim_id or uuid.uuid4()
+        self._write(
+            op, state=S.SUBMITTING, fencing_token=op.fencing_token + 1, claim_id=claim_id, updated_by=self.worker
+        )
         return op.fencing_token + 1
 
     async def save_submitted(
         self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
     ) -> bool:
         self._call(f"save job id of {operation_id}")
+        saved = self.operations.get(operation_id)
+        if saved is not None and (saved.remote_job_id, saved.fencing_token) == (remote_job_id, fencing_token):
+            return True  # the same save again: its reply was lost
         op = self._fenced(operation_id, fencing_token, frozenset({S.SUBMITTING, S.UNCERTAIN}))
         if op is None or op.remote_job_id is not None:
             return False
@@ -579,10 +592,15 @@ class InMemoryLedger:
         remote_job_id: str | None,
         duration_ms: float,
         fencing_token: int | None,
+        call_id: uuid.UUID | None = None,
     ) -> None:
         self._call(f"account {method} for {operation_id}")
         if outcome not in _OUTCOMES:  # the reference table's rule
             raise LedgerDataError(f"unknown remote call outcome {outcome!r} for {operation_id}")
+        if call_id is not None:
+            if call_id in self.call_ids:
+                return  # the same row again: its reply was lost
+            self.call_ids.add(call_id)
         self.remote_calls.append(RemoteCall(operation_id, method, status_code, outcome, remote_job_id, fencing_token))
 
     async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:

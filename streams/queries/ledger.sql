@@ -33,22 +33,30 @@ ON CONFLICT (operation_id) DO NOTHING
 RETURNING operation_id, fencing_token;
 
 -- name: claim_for_submit
--- Batched: the dispatcher's claim: accepted -> submitting, written before the POST, with a new fencing value.
--- :operation_ids (text[], distinct), :worker, :lock_timeout. Returns i, fencing_token per claimed request;
--- none for an operation past 'accepted' (or unknown).
+-- Batched: the dispatcher's claim: accepted -> submitting, written before the POST, with a new fencing value and
+-- the caller's claim id. The same claim sent again (its reply was lost after the commit) finds its claim id on the
+-- row, still submitting, and gets the fencing value it wrote; nothing is written again.
+-- :operation_ids (text[], distinct), :claim_ids (uuid[]), :worker, :lock_timeout. Returns i, fencing_token per
+-- claimed request; none for an operation past 'accepted' by another claim (or unknown).
 WITH req AS (
-    SELECT * FROM unnest(:operation_ids::text[]) WITH ORDINALITY AS r(operation_id, i)
+    SELECT * FROM unnest(:operation_ids::text[], :claim_ids::uuid[]) WITH ORDINALITY AS r(operation_id, claim_id, i)
 ), locked AS MATERIALIZED (
-    SELECT operation_id, state FROM operations
+    SELECT operation_id, state, fencing_token, claim_id FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
+), claimed AS (
+    UPDATE operations AS o
+    SET state = 'submitting', fencing_token = o.fencing_token + 1, claim_id = req.claim_id, updated_by = :worker
+    FROM req JOIN locked USING (operation_id)
+    WHERE o.operation_id = req.operation_id AND locked.state = 'accepted'
+    RETURNING req.i, o.fencing_token
 )
-UPDATE operations AS o
-SET state = 'submitting', fencing_token = o.fencing_token + 1, updated_by = :worker
+SELECT i, fencing_token FROM claimed
+UNION ALL
+SELECT req.i, locked.fencing_token
 FROM req JOIN locked USING (operation_id)
-WHERE o.operation_id = req.operation_id AND locked.state = 'accepted'
-RETURNING req.i, o.fencing_token;
+WHERE locked.state = 'submitting' AND locked.claim_id = req.claim_id;
 
 -- name: save_submitted
 -- Batched, fenced: save the remote job id from a 2xx or from a 502's error.job_id; submitting|uncertain ->
@@ -56,13 +64,14 @@ RETURNING req.i, o.fencing_token;
 -- already.
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :remote_job_ids (text[]), :first_poll_delays_s first poll
 -- delays (s, float8[]), :reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
--- :worker, :lock_timeout. Returns i per saved request; none when the fencing value is stale or a job id is
--- already saved.
+-- :worker, :lock_timeout. Returns i per saved request, and per request already saved by the same claim (its
+-- fencing value and job id on the row: the same save sent again after its reply was lost); none when the fencing
+-- value is stale or another job id is already saved.
 WITH req AS (
     SELECT * FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :remote_job_ids::text[], :first_poll_delays_s::float8[], :reasons::text[])
         WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, reason, i)
 ), locked AS MATERIALIZED (
-    SELECT operation_id, state, remote_job_id FROM operations
+    SELECT operation_id, state, remote_job_id, fencing_token FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
@@ -88,7 +97,10 @@ WITH req AS (
     ORDER BY remote_job_id
     ON CONFLICT (remote_job_id) DO NOTHING
 )
-SELECT i FROM saved;
+SELECT i FROM saved
+UNION ALL
+SELECT req.i FROM req JOIN locked USING (operation_id)
+WHERE locked.remote_job_id = req.remote_job_id AND locked.fencing_token = req.fencing_token;
 
 -- name: save_submission_without_job
 -- Fenced: submitting -> rejected (definite refusal) or uncertain (unknown outcome), with its reason.
@@ -369,18 +381,22 @@ RETURNING o.state::text AS state, o.unknown_status_count;
 -- name: record_remote_call
 -- Batched accounting: one row per remote call attempt. A POST that reported a job id (outcome 'created' or
 -- 'created_via_502') also gives the job its accounting record, even if the id is never saved on the operation.
--- :operation_ids (text[]; may repeat), :methods (text[]), :status_codes (integer[]), :outcomes (text[]),
--- :remote_job_ids (text[]), :durations_ms durations (ms, float8[]), :fencing_tokens (bigint[]), :worker, :lock_timeout.
+-- A row whose call id is already written (the same record sent again after its reply was lost) is not written
+-- again.
+-- :operation_ids (text[]; may repeat), :call_ids (uuid[], distinct), :methods (text[]), :status_codes (integer[]),
+-- :outcomes (text[]), :remote_job_ids (text[]), :durations_ms durations (ms, float8[]), :fencing_tokens (bigint[]),
+-- :worker, :lock_timeout.
 WITH req AS (
-    SELECT * FROM unnest(:operation_ids::text[], :methods::text[], :status_codes::integer[], :outcomes::text[], :remote_job_ids::text[], :durations_ms::float8[], :fencing_tokens::bigint[])
-        WITH ORDINALITY AS r(operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, i)
+    SELECT * FROM unnest(:operation_ids::text[], :call_ids::uuid[], :methods::text[], :status_codes::integer[], :outcomes::text[], :remote_job_ids::text[], :durations_ms::float8[], :fencing_tokens::bigint[])
+        WITH ORDINALITY AS r(operation_id, call_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, i)
     WHERE (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
 ), call AS (
-    INSERT INTO remote_calls (operation_id, method, status_code, outcome, remote_job_id, duration_ms,
+    INSERT INTO remote_calls (operation_id, call_id, method, status_code, outcome, remote_job_id, duration_ms,
                               fencing_token, worker)
-    SELECT operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, :worker
+    SELECT operation_id, call_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, :worker
     FROM req
     ORDER BY i
+    ON CONFLICT (call_id) DO NOTHING
 )
 INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
 SELECT req.remote_job_id, req.operation_id,

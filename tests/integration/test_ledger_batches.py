@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -525,18 +526,13 @@ async def test_a_row_held_by_another_transaction_holds_up_only_its_own_request(
         await holder.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a claim is not idempotent: its commit whose reply was lost makes the repeat answer 'past accepted', so "
-    "the dispatcher never POSTs and the operation ends uncertain for a person; needs a claim id the repeat can "
-    "recognise (a schema change), left to the lead",
-)
-async def test_a_claim_whose_reply_was_lost_after_it_committed_is_still_its_callers(
+async def test_a_claim_or_save_whose_reply_was_lost_after_it_committed_is_still_its_callers(
     pool: asyncpg.Pool, migrated: Settings
 ) -> None:
     """The connection drops after PostgreSQL committed a batch of claims and before their replies were read: every
     caller gets LedgerUnavailableError and sends its claim again (``Runtime.until_ledger``). The repeat must give
-    the caller its claim (the fencing value written), not "already dispatched"."""
+    the caller its claim (the fencing value written), not "already dispatched"; the same for the job ids' save
+    ("saved", not "refused by fencing") and for an accounting row (written once)."""
     setup = Ledger(pool, "w", batching=False)
     ops = ["op-cut-1", "op-cut-2"]
     for op in ops:
@@ -553,13 +549,51 @@ async def test_a_claim_whose_reply_was_lost_after_it_committed_is_still_its_call
     try:
         batched = Ledger(relayed, "w")
         relay.marker = b"op-cut-1"
-        first = await asyncio.gather(*(batched.claim_for_submit(op) for op in ops), return_exceptions=True)
+        claim_ids = {op: uuid.uuid4() for op in ops}
+        first = await asyncio.gather(
+            *(batched.claim_for_submit(op, claim_ids[op]) for op in ops), return_exceptions=True
+        )
         assert relay.cut == 1
         assert all(isinstance(r, LedgerUnavailableError) for r in first), first
         states = dict(await pool.fetch("SELECT operation_id, state::text FROM operations"))
         assert states == dict.fromkeys(ops, "submitting")  # committed before the cut
-        again = await asyncio.gather(*(batched.claim_for_submit(op) for op in ops))
+        again = await asyncio.gather(*(batched.claim_for_submit(op, claim_ids[op]) for op in ops))
         assert again == [1, 1], "each caller's own claim, as written"
+        assert await batched.claim_for_submit(ops[0]) is None  # another claim still finds it taken
+        assert await batched.claim_for_submit(ops[0], claim_ids[ops[1]]) is None  # and so does another's id
+        tokens = dict(await pool.fetch("SELECT operation_id, fencing_token FROM operations"))
+        assert tokens == dict.fromkeys(ops, 1)  # the repeat wrote nothing
+        # the job ids' save: its reply lost after the commit, the repeat is told "saved", not "refused"
+        relay.marker = b"job-cut-1"
+        saves = [batched.save_submitted(op, 1, f"job-cut-{n}", 60.0, None) for n, op in enumerate(ops, 1)]
+        first_saves = await asyncio.gather(*saves, return_exceptions=True)
+        assert relay.cut == 2
+        assert all(isinstance(r, LedgerUnavailableError) for r in first_saves), first_saves
+        again_saves = [batched.save_submitted(op, 1, f"job-cut-{n}", 60.0, None) for n, op in enumerate(ops, 1)]
+        assert await asyncio.gather(*again_saves) == [True, True]
+        assert await batched.save_submitted(ops[0], 1, "job-other", 60.0, None) is False  # another job id: refused
+        assert await batched.save_submitted(ops[0], 0, "job-cut-1", 60.0, None) is False  # a stale claim: refused
+        jobs = dict(await pool.fetch("SELECT operation_id, remote_job_id FROM operations"))
+        assert jobs == {"op-cut-1": "job-cut-1", "op-cut-2": "job-cut-2"}
+        # an accounting row: its reply lost after the commit, the repeat writes no second row
+        relay.marker = b"job-acct-1"
+        calls = [(op, uuid.uuid4(), f"job-acct-{n}") for n, op in enumerate(ops, 1)]
+
+        def record() -> Any:
+            return asyncio.gather(
+                *(
+                    batched.record_remote_call(op, "POST", 201, Outcome.CREATED, job, 12.5, 1, call_id)
+                    for op, call_id, job in calls
+                ),
+                return_exceptions=True,
+            )
+
+        first_records = await record()
+        assert relay.cut == 3, (first_records, relay.marker)
+        assert all(isinstance(r, LedgerUnavailableError) for r in first_records), first_records
+        assert await record() == [None, None]
+        rows = await pool.fetch("SELECT operation_id, remote_job_id FROM remote_calls ORDER BY operation_id")
+        assert [tuple(r) for r in rows] == [("op-cut-1", "job-acct-1"), ("op-cut-2", "job-acct-2")]
     finally:
         await relayed.close()
         await relay.stop()
@@ -667,7 +701,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
     async with pool.acquire() as conn:
         await conn.execute("SET plan_cache_mode = force_generic_plan")  # the plan made at the first run is kept
         warm = {  # first run of each on the empty table: its plan is made now
-            "claim_for_submit": {"operation_ids": [], **fixed},
+            "claim_for_submit": {"operation_ids": [], "claim_ids": [], **fixed},
             "save_submitted": {
                 "operation_ids": [],
                 "fencing_tokens": [],
@@ -691,7 +725,9 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
             sources=[None] * 3 * n,
             **fixed,
         )
-        await Q.claim_for_submit.fetch(pool, operation_ids=submitting + submitted, **fixed)
+        await Q.claim_for_submit.fetch(
+            pool, operation_ids=submitting + submitted, claim_ids=[uuid.uuid4() for _ in range(2 * n)], **fixed
+        )
         await Q.save_submitted.fetch(
             pool,
             operation_ids=submitted,
@@ -705,7 +741,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
         await pool.execute("UPDATE operations SET poll_claimed_at = now() WHERE operation_id = ANY($1)", submitted[:2])
 
         runs = {
-            "claim_for_submit": {"operation_ids": accepted[:2], **fixed},
+            "claim_for_submit": {"operation_ids": accepted[:2], "claim_ids": [uuid.uuid4(), uuid.uuid4()], **fixed},
             "save_submitted": {
                 "operation_ids": submitting[:2],
                 "fencing_tokens": [1, 1],

@@ -36,7 +36,7 @@ Send = Callable[[str, bytes, bytes], Awaitable[Any]]
 
 #: Time from a POST's slot to its arrival at the provider (claim, lease renewal, the request) on a loaded
 #: machine, at most (s).
-LATENCY_S = 0.2
+LATENCY_S = 0.35
 
 
 @pytest.fixture

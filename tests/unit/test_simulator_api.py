@@ -333,7 +333,7 @@ async def test_orphan_job_without_operation(start_sim: Factory) -> None:
 
 
 async def test_overlapping_gets_are_counted(start_sim: Factory) -> None:
-    client = await start_sim(get_latency_ms=100.0)
+    client = await start_sim(get_latency_ms=500.0)
     a = (await client.post("/v1/generations", json=_body("op-a"), headers=AUTH)).json()["id"]
     b = (await client.post("/v1/generations", json=_body("op-b"), headers=AUTH)).json()["id"]
 

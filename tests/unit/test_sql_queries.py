@@ -165,8 +165,8 @@ def test_names_in_file_order(key: tuple[str, str]) -> None:
 
 
 def test_attribute_access() -> None:
-    assert LEDGER.claim_for_submit.sql.endswith("RETURNING req.i, o.fencing_token;")
-    assert LEDGER.claim_for_submit.parameters == ("operation_ids", "lock_timeout", "worker")
+    assert LEDGER.claim_for_submit.sql.endswith("WHERE locked.state = 'submitting' AND locked.claim_id = req.claim_id;")
+    assert LEDGER.claim_for_submit.parameters == ("operation_ids", "claim_ids", "lock_timeout", "worker")
     with pytest.raises(AttributeError, match=r"no query named 'nope' in streams/queries/ledger\.sql"):
         _ = LEDGER.nope
 
