@@ -49,7 +49,7 @@ class LedgerAccounting:
 @dataclass(frozen=True)
 class LedgerOperation:
     """One operation as the ledger holds it; ``reason_code`` is its :class:`streams.codes.ReasonCode` value (None
-    when it has no reason)."""
+    when it has no reason), ``remote_job_id`` the job id saved on it (None: none)."""
 
     operation_id: str
     state: str
@@ -57,6 +57,7 @@ class LedgerOperation:
     accepted_at_ms: int
     final_at_ms: int | None
     outputs: int
+    remote_job_id: str | None = None
 
 
 def percentile(values: list[float], pct: float) -> float | None:
@@ -163,6 +164,9 @@ def build_report(
     ]
     provider_jobs = [j for js in jobs_by_op.values() for j in js]
     ended = [j for j in provider_jobs if j.get("status") in TERMINAL_JOB_STATUSES]
+    # the jobs whose end the ledger saw: the saved job of an operation that completed (a GET answered terminal)
+    seen_ending = {(o.operation_id, o.remote_job_id) for o in completed if o.remote_job_id is not None}
+    ended_seen = [j for j in ended if (j.get("client_reference"), j.get("job_id")) in seen_ending]
     acc = accounting or LedgerAccounting({}, 0, [], [], 0)
     report: dict[str, Any] = {
         "operations_submitted": len(ids),
@@ -184,6 +188,9 @@ def build_report(
         "charges_total": {
             "provider": _decimal_text(sum((_decimal(j.get("charge_amount")) for j in ended), Decimal(0))),
             "recorded": _decimal_text(sum((_decimal(c.get("amount")) for c in acc.charges), Decimal(0))),
+            "provider_seen_ending": _decimal_text(
+                sum((_decimal(j.get("charge_amount")) for j in ended_seen), Decimal(0))
+            ),
         },
         "refunds": {
             "provider": sum(1 for j in ended if j.get("status") == "failed" and j.get("refund_id")),
@@ -267,6 +274,9 @@ def broken_promises(report: Mapping[str, Any], *, repeats_allowed: bool) -> list
         "state_regressions": report["state_regressions"],
         "output duplicates after dedupe": report["output_duplicates_after_dedupe"],
         "outputs_undelivered": report["outputs_undelivered"],
+        # every charge the ledger saw is the provider's, and every job seen ending has its charge recorded
+        "charges recorded minus the provider's for the jobs seen ending": _decimal(report["charges_total"]["recorded"])
+        - _decimal(report["charges_total"]["provider_seen_ending"]),
     }
     if not repeats_allowed:
         checks["output_duplicates"] = report["output_duplicates"]

@@ -304,7 +304,13 @@ async def collect_report(
     rows = await REPORT.run_operations.fetch(pool, operation_pattern=pattern)
     ledger = [
         LedgerOperation(
-            r["operation_id"], r["state"], r["reason_code"], r["accepted_at_ms"], r["final_at_ms"], r["outputs"]
+            r["operation_id"],
+            r["state"],
+            r["reason_code"],
+            r["accepted_at_ms"],
+            r["final_at_ms"],
+            r["outputs"],
+            r["remote_job_id"],
         )
         for r in rows
     ]

@@ -1,15 +1,16 @@
 -- Named queries for reports and progress (read-only).
 
 -- name: run_operations
--- :operation_pattern operation id LIKE pattern. One row per operation with its reason code, final-transition time and output
--- count.
+-- :operation_pattern operation id LIKE pattern. One row per operation with its reason code, final-transition time, output
+-- count and saved remote job id.
 SELECT o.operation_id,
        o.state::text AS state,
        o.reason_code,
        floor(extract(epoch FROM o.accepted_at) * 1000)::bigint AS accepted_at_ms,
        (SELECT floor(extract(epoch FROM max(t.at)) * 1000)::bigint
         FROM transitions t WHERE t.operation_id = o.operation_id) AS final_at_ms,
-       (SELECT count(*) FROM outputs u WHERE u.operation_id = o.operation_id)::integer AS outputs
+       (SELECT count(*) FROM outputs u WHERE u.operation_id = o.operation_id)::integer AS outputs,
+       o.remote_job_id
 FROM operations o
 WHERE o.operation_id LIKE :operation_pattern;
 
