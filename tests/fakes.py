@@ -281,8 +281,8 @@ class InMemoryLedger:
     ) -> bool:
         self._call(f"save job id of {operation_id}")
         saved = self.operations.get(operation_id)
-        if saved is not None and (saved.remote_job_id, saved.fencing_token) == (remote_job_id, fencing_token):
-            return True  # the same save again: its reply was lost
+        if saved is not None and saved.remote_job_id == remote_job_id and saved.fencing_token >= fencing_token:
+            return True  # the same save again: its reply was lost (the fencing value may have risen since)
         op = self._fenced(operation_id, fencing_token, frozenset({S.SUBMITTING, S.UNCERTAIN}))
         if op is None or op.remote_job_id is not None:
             return False

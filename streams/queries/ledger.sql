@@ -64,9 +64,10 @@ WHERE locked.state = 'submitting' AND locked.claim_id = req.claim_id;
 -- already.
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :remote_job_ids (text[]), :first_poll_delays_s first poll
 -- delays (s, float8[]), :reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
--- :worker, :lock_timeout. Returns i per saved request, and per request already saved by the same claim (its
--- fencing value and job id on the row: the same save sent again after its reply was lost); none when the fencing
--- value is stale or another job id is already saved.
+-- :worker, :lock_timeout. Returns i per saved request, and per request whose job id is already on the row (the
+-- same save sent again after its reply was lost: a job id belongs to the one POST that created it; the row's fencing
+-- value may have risen since, e.g. its first poll taken while the repeat waited out an outage); none when the
+-- fencing value is stale or another job id is already saved.
 WITH req AS (
     SELECT * FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :remote_job_ids::text[], :first_poll_delays_s::float8[], :reasons::text[])
         WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, reason, i)
@@ -100,7 +101,7 @@ WITH req AS (
 SELECT i FROM saved
 UNION ALL
 SELECT req.i FROM req JOIN locked USING (operation_id)
-WHERE locked.remote_job_id = req.remote_job_id AND locked.fencing_token = req.fencing_token;
+WHERE locked.remote_job_id = req.remote_job_id AND locked.fencing_token >= req.fencing_token;
 
 -- name: save_submission_without_job
 -- Fenced: submitting -> rejected (definite refusal) or uncertain (unknown outcome), with its reason.

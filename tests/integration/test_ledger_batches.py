@@ -572,7 +572,7 @@ async def test_a_claim_or_save_whose_reply_was_lost_after_it_committed_is_still_
         again_saves = [batched.save_submitted(op, 1, f"job-cut-{n}", 60.0, None) for n, op in enumerate(ops, 1)]
         assert await asyncio.gather(*again_saves) == [True, True]
         assert await batched.save_submitted(ops[0], 1, "job-other", 60.0, None) is False  # another job id: refused
-        assert await batched.save_submitted(ops[0], 0, "job-cut-1", 60.0, None) is False  # a stale claim: refused
+        assert await batched.save_submitted(ops[0], 0, "job-other", 60.0, None) is False  # a stale claim: refused
         jobs = dict(await pool.fetch("SELECT operation_id, remote_job_id FROM operations"))
         assert jobs == {"op-cut-1": "job-cut-1", "op-cut-2": "job-cut-2"}
         # an accounting row: its reply lost after the commit, the repeat writes no second row
@@ -597,6 +597,29 @@ async def test_a_claim_or_save_whose_reply_was_lost_after_it_committed_is_still_
     finally:
         await relayed.close()
         await relay.stop()
+
+
+async def test_a_save_sent_again_after_its_first_poll_was_taken_is_still_saved(
+    pool: asyncpg.Pool, migrated: Settings
+) -> None:
+    """A job id's save whose reply was lost stays "saved" when it is sent again after the operation moved on: a
+    ``Runtime.until_ledger`` repeat can come after PostgreSQL's outage outlasted the first poll's delay, and taking
+    that poll raised the fencing value. The job id on the row is the one this save wrote (a job id belongs to the
+    one POST that created it), so "refused by fencing" would be a false alarm."""
+    ledger = Ledger(pool, "w", batching=False)
+    await submitted(ledger, "op-moved-on")  # claimed with fencing 1, job op-moved-on-job saved
+    assert await observed_again_fencing(ledger, "op-moved-on") == 2  # its first poll taken
+    assert await ledger.save_submitted("op-moved-on", 1, "op-moved-on-job", 0.0, None) is True
+    assert await ledger.save_submitted("op-moved-on", 1, "another-job", 0.0, None) is False
+    row = await pool.fetchrow("SELECT state::text, fencing_token FROM operations WHERE operation_id = 'op-moved-on'")
+    assert tuple(row) == ("submitted", 2)  # the repeat wrote nothing
+
+
+async def observed_again_fencing(ledger: Ledger, op: str) -> int:
+    """Take the due poll of the submitted ``op`` for observing; the fencing value it raised to."""
+    claim = await ledger.claim_for_observe(op, (await polled(ledger, [op]))[op])
+    assert claim is not None
+    return claim.fencing_token
 
 
 async def test_a_batch_cancelled_by_postgresql_is_unavailable_to_its_callers_not_a_raw_error(
