@@ -458,7 +458,8 @@ class Ledger:
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode
     ) -> bool:
         """Fenced: ``submitting -> rejected|uncertain`` with ``reason`` and its ``reason_code``; False when
-        refused."""
+        refused. The same end sent again after :class:`LedgerUnavailableError` (committed, only its reply lost)
+        finds it on the row at its fencing value and returns True, writing nothing."""
         if state not in (OperationState.REJECTED, OperationState.UNCERTAIN):
             raise ValueError(f"a submission without a job ends rejected or uncertain, not {state}")
         async with _guard(f"save {state} for {operation_id}"):

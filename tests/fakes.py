@@ -304,6 +304,13 @@ class InMemoryLedger:
         if state not in (S.REJECTED, S.UNCERTAIN):
             raise ValueError(f"a submission without a job ends rejected or uncertain, not {state}")
         self._call(f"save {state} for {operation_id}")
+        ended = self.operations.get(operation_id)
+        if (
+            ended is not None
+            and (ended.state, ended.reason, ended.reason_code) == (state, clean_text(reason), reason_code)
+            and ended.fencing_token == fencing_token
+        ):
+            return True  # the same end again: its reply was lost
         op = self._fenced(operation_id, fencing_token, frozenset({S.SUBMITTING}))
         if op is None:
             return False

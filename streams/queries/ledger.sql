@@ -106,11 +106,20 @@ WHERE locked.remote_job_id = req.remote_job_id AND locked.fencing_token >= req.f
 -- name: save_submission_without_job
 -- Fenced: submitting -> rejected (definite refusal) or uncertain (unknown outcome), with its reason.
 -- :operation_id, :fencing_token, :state new state ('rejected' | 'uncertain'), :reason, :worker,
--- :reason_code. Returns operation_id, or no row when refused by the fencing value or the state.
-UPDATE operations
-SET state = :state::operation_state, reason = :reason, reason_code = :reason_code, updated_by = :worker
-WHERE operation_id = :operation_id AND fencing_token = :fencing_token AND state = 'submitting'
-RETURNING operation_id;
+-- :reason_code. Returns operation_id, also when the row already holds this end at this fencing value (state,
+-- reason and code: the same end sent again after its reply was lost; nothing is written again), or no row when
+-- refused by the fencing value or the state.
+WITH saved AS (
+    UPDATE operations
+    SET state = :state::operation_state, reason = :reason, reason_code = :reason_code, updated_by = :worker
+    WHERE operation_id = :operation_id AND fencing_token = :fencing_token AND state = 'submitting'
+    RETURNING operation_id
+)
+SELECT operation_id FROM saved
+UNION ALL
+SELECT operation_id FROM operations
+WHERE operation_id = :operation_id AND fencing_token = :fencing_token AND state = :state::operation_state
+  AND reason = :reason AND reason_code = :reason_code;
 
 -- name: reconcile_stale_submitting
 -- Reconciliation: an operation left in 'submitting' longer than :stale_after_s seconds had its dispatcher die or

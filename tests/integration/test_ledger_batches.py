@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY
 
 from streams import ledger as ledger_module
 from streams.answers import JobSnapshot
+from streams.codes import ReasonCode
 from streams.codes import RemoteCallOutcome as Outcome
 from streams.config import Settings
 from streams.errors import LedgerDataError, LedgerUnavailableError
@@ -613,6 +614,35 @@ async def test_a_save_sent_again_after_its_first_poll_was_taken_is_still_saved(
     assert await ledger.save_submitted("op-moved-on", 1, "another-job", 0.0, None) is False
     row = await pool.fetchrow("SELECT state::text, fencing_token FROM operations WHERE operation_id = 'op-moved-on'")
     assert tuple(row) == ("submitted", 2)  # the repeat wrote nothing
+
+
+async def test_an_end_without_a_job_sent_again_after_its_reply_was_lost_is_still_saved(
+    pool: asyncpg.Pool, migrated: Settings
+) -> None:
+    """``submitting -> rejected|uncertain`` committed, its reply lost, sent again by ``Runtime.until_ledger``: the
+    repeat is told "saved" (the row holds its state, reason and code at its fencing value), not "refused by fencing";
+    another end, or a stale claim's, is still refused and changes nothing."""
+    ledger = Ledger(pool, "w", batching=False)
+    assert await ledger.accept("op-ended", REQUEST, submitted_at_ms=1)
+    fencing = await ledger.claim_for_submit("op-ended")
+    assert fencing == 1
+    end = ("op-ended", fencing, S.REJECTED, "HTTP 400: bad prompt", ReasonCode.REFUSED)
+    assert await ledger.save_submission_without_job(*end) is True
+    assert await ledger.save_submission_without_job(*end) is True  # the same end again: its reply was lost
+    assert (
+        await ledger.save_submission_without_job("op-ended", 1, S.UNCERTAIN, "timeout", ReasonCode.UNKNOWN_OUTCOME)
+        is False
+    )
+    assert (
+        await ledger.save_submission_without_job("op-ended", 0, S.REJECTED, "HTTP 400: bad prompt", ReasonCode.REFUSED)
+        is False
+    )
+    rows = await pool.fetch("SELECT to_state::text FROM transitions WHERE operation_id = 'op-ended' ORDER BY id")
+    assert [r["to_state"] for r in rows] == ["accepted", "submitting", "rejected"]  # the repeat wrote nothing
+    row = await pool.fetchrow(
+        "SELECT state::text, reason, fencing_token FROM operations WHERE operation_id = 'op-ended'"
+    )
+    assert tuple(row) == ("rejected", "HTTP 400: bad prompt", 1)
 
 
 async def observed_again_fencing(ledger: Ledger, op: str) -> int:
