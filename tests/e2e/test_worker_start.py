@@ -148,3 +148,38 @@ async def test_postgres_gone_while_faust_starts_is_waited_for_in_place(
     finally:
         fleet.stop_all()
         await toxi.delete(name)
+
+
+async def test_a_worker_told_to_stop_while_faust_starts_stops_instead_of_starting_again(
+    fault_settings: Settings, tmp_path: Path, kafka_proxy: tuple[Toxiproxy, str, int]
+) -> None:
+    """SIGTERM while Faust's clients wait for a broker that then goes away: the process stops (the supervisor asked
+    it to), it does not start again in place and carry on as if nobody had asked."""
+    toxi, name, port = kafka_proxy
+    hook = tmp_path / "pause-when-ready"
+    hook.touch()
+    fleet = Fleet(fault_settings.replace(kafka_bootstrap=f"127.0.0.1:{port}"), tmp_path)
+    try:
+        worker = fleet.start("a", faults={faults.PAUSE_WHEN_READY_FILE: str(hook)})
+
+        async def paused() -> bool:
+            return worker.stopped()
+
+        await wait_for(paused, 60, "the worker to pause with the services ready")
+        await toxi.blackhole(name, True)  # Faust's clients connect, and wait for answers that do not come
+        worker.signal(signal.SIGCONT)
+
+        async def faust_starting() -> bool:
+            return "Producer]: Starting" in worker.log_text() or "Consumer]: Starting" in worker.log_text()
+
+        await wait_for(faust_starting, 60, "Faust to start its clients")
+        worker.signal(signal.SIGTERM)
+        await toxi.enable(name, False)  # the broker goes away: the clients' start fails with an outage
+
+        async def exited() -> bool:
+            return not worker.alive()
+
+        await wait_for(exited, 60, "the worker to stop on SIGTERM")
+        assert "starting again" not in worker.log_text()
+    finally:
+        fleet.stop_all()
