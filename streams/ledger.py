@@ -513,17 +513,28 @@ class Ledger:
             row = await Q.get_operation.fetchrow(self.pool, operation_id=operation_id)
         return dict(row) if row is not None else None
 
-    async def claim_for_observe(self, operation_id: str, poll_claim_id: int) -> ObserveClaim | None:
-        """A new fencing value for observing, if the poll is the newest claim and the job still pollable."""
-        claim: ObserveClaim | None = await self._submit("claim_observe", (operation_id, poll_claim_id))
+    async def claim_for_observe(
+        self, operation_id: str, poll_claim_id: int, claim_id: uuid.UUID | None = None
+    ) -> ObserveClaim | None:
+        """A new fencing value for observing, if the poll is the newest claim, not taken yet, and the job still
+        pollable. ``claim_id`` names this claim (default: a new one); a caller that sends it again after
+        :class:`LedgerUnavailableError` passes the same id and gets the claim the first one committed.
+
+        Raises:
+            LedgerUnavailableError: PostgreSQL did not answer; the claim may have been committed.
+        """
+        claim: ObserveClaim | None = await self._submit(
+            "claim_observe", (operation_id, poll_claim_id, claim_id or uuid.uuid4())
+        )
         return claim
 
     async def _claim_observe_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        operation_ids, poll_claim_ids = _columns(batch, 2)
+        operation_ids, poll_claim_ids, claim_ids = _columns(batch, 3)
         rows = await Q.claim_for_observe.fetch(
             self.pool,
             operation_ids=operation_ids,
             poll_claim_ids=poll_claim_ids,
+            claim_ids=claim_ids,
             worker=self.worker,
             lock_timeout=lock_timeout,
         )

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from streams import contracts, hooks, logs, metrics
 from streams.answers import JobSnapshot, clean_text
@@ -98,9 +99,10 @@ class Observer:
             metrics.LEASE_BUSY.labels("observe").inc()
             await self._reschedule(operation_id, poll_claim_id, rt.settings.lease_busy_retry_s)
             return
+        claim_id = uuid.uuid4()  # the same through until_ledger's repeats: a repeat gets the claim it committed
         try:
             claim = await rt.until_ledger(
-                "claim observe", lambda: rt.ledger.claim_for_observe(operation_id, poll_claim_id)
+                "claim observe", lambda: rt.ledger.claim_for_observe(operation_id, poll_claim_id, claim_id)
             )
             if claim is None:
                 await self._not_claimed(message, operation_id)

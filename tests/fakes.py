@@ -64,6 +64,8 @@ class Operation:
     #: The id of the dispatcher claim that moved it to submitting.
     claim_id: uuid.UUID | None = None
     poll_claim_id: int = 0
+    #: The id of the latest observer claim of a poll.
+    observe_claim_id: uuid.UUID | None = None
     #: The scheduler's latest claim is not yet taken by an observer (nor rescheduled): ``poll_claimed_at`` set.
     poll_claimed: bool = False
     next_poll_at: float | None = None
@@ -365,14 +367,26 @@ class InMemoryLedger:
             polls.append(DuePoll(op.operation_id, op.remote_job_id, op.poll_claim_id + 1))
         return polls
 
-    async def claim_for_observe(self, operation_id: str, poll_claim_id: int) -> ObserveClaim | None:
+    async def claim_for_observe(
+        self, operation_id: str, poll_claim_id: int, claim_id: uuid.UUID | None = None
+    ) -> ObserveClaim | None:
         self._call(f"claim observe {operation_id}")
         op = self.operations.get(operation_id)
-        if op is None or op.poll_claim_id != poll_claim_id or not op.poll_claimed or op.state not in POLLABLE:
+        if op is None or op.poll_claim_id != poll_claim_id or op.state not in POLLABLE:
             return None
         assert op.remote_job_id is not None
-        self._write(op, fencing_token=op.fencing_token + 1, updated_by=self.worker, poll_claimed=False)
         since = op.observing_since if op.observing_since is not None else op.accepted_at
+        if not op.poll_claimed:
+            if claim_id is not None and op.observe_claim_id == claim_id:  # the same claim again: its reply was lost
+                return ObserveClaim(op.fencing_token, op.remote_job_id, op.state, op.poll_count, self._t - since)
+            return None
+        self._write(
+            op,
+            fencing_token=op.fencing_token + 1,
+            updated_by=self.worker,
+            poll_claimed=False,
+            observe_claim_id=claim_id or uuid.uuid4(),
+        )
         return ObserveClaim(op.fencing_token + 1, op.remote_job_id, op.state, op.poll_count, self._t - since)
 
     async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool:

@@ -176,30 +176,47 @@ FROM operations
 WHERE operation_id = :operation_id;
 
 -- name: claim_for_observe
--- Batched: the observer's claim for one poll, taken after the Redis lease: a new fencing value.
--- :operation_ids (text[], distinct), :poll_claim_ids of the poll events (bigint[]), :worker, :lock_timeout.
+-- Batched: the observer's claim for one poll, taken after the Redis lease: a new fencing value and the caller's
+-- claim id.
+-- :operation_ids (text[], distinct), :poll_claim_ids of the poll events (bigint[]), :claim_ids (uuid[]), :worker,
+-- :lock_timeout.
 -- Returns i, fencing_token, remote_job_id, state, poll_count, observed_for_s (since the observation began: job id
 -- saved or repolled) per claimed request; none when the poll is stale (re-claimed since), already taken (the same
 -- poll event delivered again, e.g. after a rebalance: each scheduler claim is observed at most once, so a
 -- redelivered poll makes no second GET; it clears poll_claimed_at, as does a reschedule), the operation is no
--- longer pollable, or it does not exist.
+-- longer pollable, or it does not exist. The same claim sent again (its reply was lost after the commit) finds
+-- its claim id on the row with the same poll claim and gets the claim it wrote; nothing is written again.
 WITH req AS (
-    SELECT * FROM unnest(:operation_ids::text[], :poll_claim_ids::bigint[]) WITH ORDINALITY AS r(operation_id, poll_claim_id, i)
+    SELECT * FROM unnest(:operation_ids::text[], :poll_claim_ids::bigint[], :claim_ids::uuid[])
+        WITH ORDINALITY AS r(operation_id, poll_claim_id, claim_id, i)
 ), locked AS MATERIALIZED (
-    SELECT operation_id, state, poll_claimed_at FROM operations
+    SELECT operation_id, state, poll_claimed_at, poll_claim_id, observe_claim_id, fencing_token, remote_job_id,
+           poll_count, observing_since, accepted_at
+    FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
+), claimed AS (
+    UPDATE operations AS o
+    SET fencing_token = o.fencing_token + 1, updated_by = :worker, poll_claimed_at = NULL, poll_taken_at = now(),
+        observe_claim_id = req.claim_id
+    FROM req JOIN locked USING (operation_id)
+    WHERE o.operation_id = req.operation_id
+      AND o.poll_claim_id = req.poll_claim_id
+      AND locked.poll_claimed_at IS NOT NULL
+      AND locked.state IN ('submitted', 'queued', 'running')
+    RETURNING req.i, o.fencing_token, o.remote_job_id, o.state::text AS state, o.poll_count,
+              extract(epoch FROM now() - COALESCE(o.observing_since, o.accepted_at))::float8 AS observed_for_s
 )
-UPDATE operations AS o
-SET fencing_token = o.fencing_token + 1, updated_by = :worker, poll_claimed_at = NULL, poll_taken_at = now()
+SELECT * FROM claimed
+UNION ALL
+SELECT req.i, locked.fencing_token, locked.remote_job_id, locked.state::text, locked.poll_count,
+       extract(epoch FROM now() - COALESCE(locked.observing_since, locked.accepted_at))::float8
 FROM req JOIN locked USING (operation_id)
-WHERE o.operation_id = req.operation_id
-  AND o.poll_claim_id = req.poll_claim_id
-  AND locked.poll_claimed_at IS NOT NULL
-  AND locked.state IN ('submitted', 'queued', 'running')
-RETURNING req.i, o.fencing_token, o.remote_job_id, o.state::text AS state, o.poll_count,
-          extract(epoch FROM now() - COALESCE(o.observing_since, o.accepted_at))::float8 AS observed_for_s;
+WHERE locked.poll_claimed_at IS NULL
+  AND locked.observe_claim_id = req.claim_id
+  AND locked.poll_claim_id = req.poll_claim_id
+  AND locked.state IN ('submitted', 'queued', 'running');
 
 -- name: reschedule_poll
 -- Batched: move claimed polls to now + their delay (lease busy, GET failed, state order refused a save).

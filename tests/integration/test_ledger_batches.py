@@ -416,7 +416,7 @@ async def test_two_batches_locking_the_same_operations_in_opposite_orders_do_not
     def arrays(order: list[str]) -> dict[str, Any]:
         common = {"operation_ids": order, "worker": "w", "lock_timeout": "0"}
         if stage == "claim_observe":
-            return {**common, "poll_claim_ids": [poll_claim_id] * 2}
+            return {**common, "poll_claim_ids": [poll_claim_id] * 2, "claim_ids": [uuid.uuid4(), uuid.uuid4()]}
         n = len(order)
         return {
             **common,
@@ -652,6 +652,48 @@ async def observed_again_fencing(ledger: Ledger, op: str) -> int:
     return claim.fencing_token
 
 
+async def test_an_observer_claim_whose_reply_was_lost_after_it_committed_is_still_its_callers(
+    pool: asyncpg.Pool, migrated: Settings
+) -> None:
+    """The same for the observer's claim of a poll: the repeat gets the claim (fencing value, job id) the first one
+    wrote, not "poll already taken" (which would leave the job unpolled for a visibility timeout); another claim
+    of the same poll still finds it taken."""
+    setup = Ledger(pool, "w", batching=False)
+    ops = ["op-obs-1", "op-obs-2"]
+    for op in ops:
+        await submitted(setup, op)
+    pc = await polled(setup, ops)
+    url = urlsplit(migrated.database_url.get_secret_value())
+    relay = ReplyCutter(url.port or 5432)
+    await relay.start()
+    relayed = await asyncpg.create_pool(
+        urlunsplit(url._replace(netloc=f"{url.username}:{url.password}@127.0.0.1:{relay.port}")),
+        min_size=1,
+        max_size=2,
+        init=_init_connection,
+    )
+    try:
+        batched = Ledger(relayed, "w")
+        claim_ids = {op: uuid.uuid4() for op in ops}
+        relay.marker = b"op-obs-1"
+        first = await asyncio.gather(
+            *(batched.claim_for_observe(op, pc[op], claim_ids[op]) for op in ops), return_exceptions=True
+        )
+        assert relay.cut == 1
+        assert all(isinstance(r, LedgerUnavailableError) for r in first), first
+        again = await asyncio.gather(*(batched.claim_for_observe(op, pc[op], claim_ids[op]) for op in ops))
+        assert [(c.fencing_token, c.remote_job_id) if c else None for c in again] == [
+            (2, "op-obs-1-job"),
+            (2, "op-obs-2-job"),
+        ]
+        assert await batched.claim_for_observe(ops[0], pc[ops[0]]) is None  # another claim: the poll is taken
+        tokens = dict(await pool.fetch("SELECT operation_id, fencing_token FROM operations"))
+        assert tokens == dict.fromkeys(ops, 2)  # the repeat wrote nothing
+    finally:
+        await relayed.close()
+        await relay.stop()
+
+
 async def test_a_batch_cancelled_by_postgresql_is_unavailable_to_its_callers_not_a_raw_error(
     pool: asyncpg.Pool, logged: Logged, migrated: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -763,7 +805,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
                 "reasons": [],
                 **fixed,
             },
-            "claim_for_observe": {"operation_ids": [], "poll_claim_ids": [], **fixed},
+            "claim_for_observe": {"operation_ids": [], "poll_claim_ids": [], "claim_ids": [], **fixed},
             "reschedule_poll": {"operation_ids": [], "poll_claim_ids": [], "delays_s": [], "lock_timeout": "0"},
         }
         for name, values in warm.items():
@@ -803,7 +845,12 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
                 "reasons": [None, None],
                 **fixed,
             },
-            "claim_for_observe": {"operation_ids": submitted[:2], "poll_claim_ids": [0, 0], **fixed},
+            "claim_for_observe": {
+                "operation_ids": submitted[:2],
+                "poll_claim_ids": [0, 0],
+                "claim_ids": [uuid.uuid4(), uuid.uuid4()],
+                **fixed,
+            },
             "reschedule_poll": {
                 "operation_ids": submitted[2:4],
                 "poll_claim_ids": [0, 0],
