@@ -20,6 +20,7 @@ Once started, a worker rides out outages itself: see :mod:`streams.failures` for
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -77,6 +78,9 @@ class StreamsWorker(faust.Worker):
 
     async def on_started(self) -> None:
         self._started_fully = True
+        # Everything made while starting (modules, the app, its clients) lives as long as the process: keep it out
+        # of the cyclic garbage collector's full collections, which otherwise walk all of it again and again.
+        gc.freeze()
         await super().on_started()
 
     async def start(self) -> None:
