@@ -47,17 +47,27 @@ def signal_self_once(path: str, sig: signal.Signals, where: str) -> bool:
     return True
 
 
+#: The actions that stop this process at a hook point: variable -> (point, where, for the log).
+PAUSES = {
+    PAUSE_AFTER_GET_FILE: (HookPoint.OBSERVED_BEFORE_SAVE, "between GET and save"),
+    PAUSE_WHEN_READY_FILE: (HookPoint.SERVICES_READY_BEFORE_START, "with the services ready, before Faust starts"),
+}
+
+
+def _pause_action(path: str, where: str) -> hooks.Action:
+    def pause(**context: Any) -> None:
+        signal_self_once(path, signal.SIGSTOP, where)
+
+    return pause
+
+
 def install_from_env(environ: Mapping[str, str]) -> list[HookPoint]:
     """Install the actions ``environ`` selects (see the module docstring); returns the points armed."""
     armed: list[HookPoint] = []
-    pause_file = environ.get(PAUSE_AFTER_GET_FILE, "")
-    if pause_file:
-
-        def pause(**context: Any) -> None:
-            signal_self_once(pause_file, signal.SIGSTOP, "between GET and save")
-
-        hooks.install(HookPoint.OBSERVED_BEFORE_SAVE, pause)
-        armed.append(HookPoint.OBSERVED_BEFORE_SAVE)
+    for variable, (point, where) in PAUSES.items():
+        if path := environ.get(variable, ""):
+            hooks.install(point, _pause_action(path, where))
+            armed.append(point)
     kill_file = environ.get(KILL_AFTER_PUBLISH_FILE, "")
     if kill_file:
 
@@ -67,14 +77,6 @@ def install_from_env(environ: Mapping[str, str]) -> list[HookPoint]:
 
         hooks.install(HookPoint.PUBLISHED_BEFORE_MARK, kill)
         armed.append(HookPoint.PUBLISHED_BEFORE_MARK)
-    ready_file = environ.get(PAUSE_WHEN_READY_FILE, "")
-    if ready_file:
-
-        def pause_when_ready(**context: Any) -> None:
-            signal_self_once(ready_file, signal.SIGSTOP, "with the services ready, before Faust starts")
-
-        hooks.install(HookPoint.SERVICES_READY_BEFORE_START, pause_when_ready)
-        armed.append(HookPoint.SERVICES_READY_BEFORE_START)
     return armed
 
 

@@ -17,7 +17,7 @@ import pytest
 from streams.config import Settings
 from streams.producer import SubmissionProducer
 from streams_harness import faults
-from streams_harness.fleet import Fleet
+from streams_harness.fleet import Fleet, Worker
 from streams_harness.toxiproxy import Toxiproxy
 from tests.support import provider_request, wait_for
 
@@ -47,6 +47,20 @@ async def _succeeds(producer: SubmissionProducer, pool: asyncpg.Pool, operation_
         return bool(state == "succeeded")
 
     await wait_for(done, 60, f"{operation_id} to succeed")
+
+
+async def paused_when_ready(fleet: Fleet, tmp_path: Path) -> Worker:
+    """Start worker ``a`` of ``fleet`` armed to stop itself (SIGSTOP) once it found the services ready, before
+    Faust starts its clients; return it stopped there."""
+    hook = tmp_path / "pause-when-ready"
+    hook.touch()
+    worker = fleet.start("a", faults={faults.PAUSE_WHEN_READY_FILE: str(hook)})
+
+    async def paused() -> bool:
+        return worker.stopped()
+
+    await wait_for(paused, 60, "the worker to pause with the services ready")
+    return worker
 
 
 async def test_a_worker_started_while_kafka_is_away_waits_for_it(
@@ -85,16 +99,9 @@ async def test_a_broker_gone_while_faust_starts_starts_the_worker_again(
     ledger_pool: asyncpg.Pool,
 ) -> None:
     toxi, name, port = kafka_proxy
-    hook = tmp_path / "pause-when-ready"
-    hook.touch()
     fleet = Fleet(fault_settings.replace(kafka_bootstrap=f"127.0.0.1:{port}"), tmp_path)
     try:
-        worker = fleet.start("a", faults={faults.PAUSE_WHEN_READY_FILE: str(hook)})
-
-        async def paused() -> bool:
-            return worker.stopped()
-
-        await wait_for(paused, 60, "the worker to pause with the services ready")
+        worker = await paused_when_ready(fleet, tmp_path)
         pid = worker.pid
         await toxi.enable(name, False)  # the broker goes away between the check and Faust's own clients
         worker.signal(signal.SIGCONT)
@@ -124,16 +131,9 @@ async def test_postgres_gone_while_faust_starts_is_waited_for_in_place(
     url = urlsplit(fault_settings.database_url.get_secret_value())
     port = await toxi.create(name, f"{url.hostname}:{url.port or 5432}")
     proxied = urlunsplit(url._replace(netloc=url.netloc.replace(f"{url.hostname}:{url.port}", f"127.0.0.1:{port}")))
-    hook = tmp_path / "pause-when-ready"
-    hook.touch()
     fleet = Fleet(fault_settings.replace(database_url=proxied), tmp_path)
     try:
-        worker = fleet.start("a", faults={faults.PAUSE_WHEN_READY_FILE: str(hook)})
-
-        async def paused() -> bool:
-            return worker.stopped()
-
-        await wait_for(paused, 60, "the worker to pause with the services ready")
+        worker = await paused_when_ready(fleet, tmp_path)
         await toxi.enable(name, False)
         worker.signal(signal.SIGCONT)
 
@@ -156,16 +156,9 @@ async def test_a_worker_told_to_stop_while_faust_starts_stops_instead_of_startin
     """SIGTERM while Faust's clients wait for a broker that then goes away: the process stops (the supervisor asked
     it to), it does not start again in place and carry on as if nobody had asked."""
     toxi, name, port = kafka_proxy
-    hook = tmp_path / "pause-when-ready"
-    hook.touch()
     fleet = Fleet(fault_settings.replace(kafka_bootstrap=f"127.0.0.1:{port}"), tmp_path)
     try:
-        worker = fleet.start("a", faults={faults.PAUSE_WHEN_READY_FILE: str(hook)})
-
-        async def paused() -> bool:
-            return worker.stopped()
-
-        await wait_for(paused, 60, "the worker to pause with the services ready")
+        worker = await paused_when_ready(fleet, tmp_path)
         await toxi.blackhole(name, True)  # Faust's clients connect, and wait for answers that do not come
         worker.signal(signal.SIGCONT)
 

@@ -6,6 +6,7 @@ same operations in opposite orders, a deadlock, and the round trips saved."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -527,6 +528,26 @@ async def test_a_row_held_by_another_transaction_holds_up_only_its_own_request(
         await holder.close()
 
 
+@contextlib.asynccontextmanager
+async def reply_cutting_ledger(settings: Settings) -> AsyncIterator[tuple[Ledger, ReplyCutter]]:
+    """A batching ledger whose connections go through a :class:`ReplyCutter` to PostgreSQL: arm the cutter's
+    ``marker`` to lose the reply of the next statement carrying it, after PostgreSQL ran it."""
+    url = urlsplit(settings.database_url.get_secret_value())
+    relay = ReplyCutter(url.port or 5432)
+    await relay.start()
+    relayed = await asyncpg.create_pool(
+        urlunsplit(url._replace(netloc=f"{url.username}:{url.password}@127.0.0.1:{relay.port}")),
+        min_size=1,
+        max_size=2,
+        init=_init_connection,
+    )
+    try:
+        yield Ledger(relayed, "w"), relay
+    finally:
+        await relayed.close()
+        await relay.stop()
+
+
 async def test_a_claim_or_save_whose_reply_was_lost_after_it_committed_is_still_its_callers(
     pool: asyncpg.Pool, migrated: Settings
 ) -> None:
@@ -538,17 +559,7 @@ async def test_a_claim_or_save_whose_reply_was_lost_after_it_committed_is_still_
     ops = ["op-cut-1", "op-cut-2"]
     for op in ops:
         assert await setup.accept(op, REQUEST, submitted_at_ms=1)
-    url = urlsplit(migrated.database_url.get_secret_value())
-    relay = ReplyCutter(url.port or 5432)
-    await relay.start()
-    relayed = await asyncpg.create_pool(
-        urlunsplit(url._replace(netloc=f"{url.username}:{url.password}@127.0.0.1:{relay.port}")),
-        min_size=1,
-        max_size=2,
-        init=_init_connection,
-    )
-    try:
-        batched = Ledger(relayed, "w")
+    async with reply_cutting_ledger(migrated) as (batched, relay):
         relay.marker = b"op-cut-1"
         claim_ids = {op: uuid.uuid4() for op in ops}
         first = await asyncio.gather(
@@ -595,9 +606,6 @@ async def test_a_claim_or_save_whose_reply_was_lost_after_it_committed_is_still_
         assert await record() == [None, None]
         rows = await pool.fetch("SELECT operation_id, remote_job_id FROM remote_calls ORDER BY operation_id")
         assert [tuple(r) for r in rows] == [("op-cut-1", "job-acct-1"), ("op-cut-2", "job-acct-2")]
-    finally:
-        await relayed.close()
-        await relay.stop()
 
 
 async def test_a_save_sent_again_after_its_first_poll_was_taken_is_still_saved(
@@ -663,17 +671,7 @@ async def test_an_observer_claim_whose_reply_was_lost_after_it_committed_is_stil
     for op in ops:
         await submitted(setup, op)
     pc = await polled(setup, ops)
-    url = urlsplit(migrated.database_url.get_secret_value())
-    relay = ReplyCutter(url.port or 5432)
-    await relay.start()
-    relayed = await asyncpg.create_pool(
-        urlunsplit(url._replace(netloc=f"{url.username}:{url.password}@127.0.0.1:{relay.port}")),
-        min_size=1,
-        max_size=2,
-        init=_init_connection,
-    )
-    try:
-        batched = Ledger(relayed, "w")
+    async with reply_cutting_ledger(migrated) as (batched, relay):
         claim_ids = {op: uuid.uuid4() for op in ops}
         relay.marker = b"op-obs-1"
         first = await asyncio.gather(
@@ -689,9 +687,6 @@ async def test_an_observer_claim_whose_reply_was_lost_after_it_committed_is_stil
         assert await batched.claim_for_observe(ops[0], pc[ops[0]]) is None  # another claim: the poll is taken
         tokens = dict(await pool.fetch("SELECT operation_id, fencing_token FROM operations"))
         assert tokens == dict.fromkeys(ops, 2)  # the repeat wrote nothing
-    finally:
-        await relayed.close()
-        await relay.stop()
 
 
 async def test_a_batch_cancelled_by_postgresql_is_unavailable_to_its_callers_not_a_raw_error(

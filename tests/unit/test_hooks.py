@@ -73,8 +73,8 @@ def test_armed_actions_signal_at_their_points(tmp_path: Path, monkeypatch: pytes
     )
     assert armed == [
         HookPoint.OBSERVED_BEFORE_SAVE,
-        HookPoint.PUBLISHED_BEFORE_MARK,
         HookPoint.SERVICES_READY_BEFORE_START,
+        HookPoint.PUBLISHED_BEFORE_MARK,
     ]
     hooks.reach(HookPoint.PUBLISHED_BEFORE_MARK, rows=[{"topic_role": "transitions"}])
     assert fired == []  # a batch without an output is not the moment
