@@ -15,7 +15,9 @@ starts raises. So:
    same pid), at most :data:`MAX_START_ATTEMPTS` times in all; anything else (a bug, a refused setting) ends the
    process as before.
 
-Once started, a worker rides out outages itself: see :mod:`streams.failures` for what waits.
+Once started, a worker rides out outages itself: see :mod:`streams.failures` for what waits. It also calls
+``gc.freeze()`` then: what was made while starting stays out of the cyclic collector's full collections (README,
+"Benchmark": 6-20% less CPU per operation).
 """
 
 from __future__ import annotations
