@@ -81,7 +81,10 @@ class StreamsWorker(faust.Worker):
     async def on_started(self) -> None:
         self._started_fully = True
         # Everything made while starting (modules, the app, its clients) lives as long as the process: keep it out
-        # of the cyclic garbage collector's full collections, which otherwise walk all of it again and again.
+        # of the cyclic garbage collector's full collections, which otherwise walk all of it again and again. The
+        # garbage the start-up left (cycles of refused connections' exceptions and frames) is collected first: a
+        # frozen object is never collected again.
+        gc.collect()
         gc.freeze()
         await super().on_started()
 
