@@ -5,6 +5,7 @@ accounting row compared. A rule changed in the SQL and not in the fake (or the o
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,9 +14,10 @@ import httpx
 import orjson
 import pytest
 
+from streams.answers import JobSnapshot
 from streams.config import Settings
 from streams.dispatcher import Dispatcher
-from streams.ledger import Ledger
+from streams.ledger import Ledger, ObserveClaim
 from streams.observer import Observer
 from streams.reconciler import Reconciler
 from streams.relay import OutboxRelay
@@ -264,3 +266,68 @@ async def test_an_operation_left_accepted_is_found_and_dispatched_again_alike(
     real, faked = await real_records(pool), fake_records(fake)
     assert faked == real
     assert [row[1:3] for row in real["operations"]] == [("submitted", "job-ok")]
+
+
+#: What happens between an observer's claim of a poll and the same claim sent again (its reply lost), and what the
+#: repeat gets: the claim it wrote (fencing value, state, poll count) or None.
+BETWEEN_CLAIM_AND_REPEAT: dict[str, tuple[str, ...]] = {
+    "nothing": (),  # the lost reply alone
+    "another claim of the poll": ("claim_other",),  # a redelivered poll event on another worker: refused
+    "the poll rescheduled": ("reschedule",),  # that other worker found the lease busy
+    "the poll claimed again": ("reschedule", "claim_due"),  # a newer scheduler claim: the repeat's poll is stale
+    "a terminal save": ("save_failed",),
+    "stalled": ("save_stalled",),
+}
+REPEAT_GETS: dict[str, tuple[int, str, int] | None] = {
+    "nothing": (2, "submitted", 0),
+    "another claim of the poll": (2, "submitted", 0),
+    "the poll rescheduled": (2, "submitted", 0),
+    "the poll claimed again": None,
+    "a terminal save": None,
+    "stalled": None,
+}
+
+
+async def _claim_then_repeat(ledger: Any, between: tuple[str, ...]) -> list[Any]:
+    """An operation submitted and its poll claimed, an observer's claim, ``between``, then the same claim twice
+    more; what each call answered, and the row's fencing value, state and poll claim id at the end."""
+    op, claim_id = "op-repeat", uuid.uuid4()
+    assert await ledger.accept(op, REQUEST, submitted_at_ms=1)
+    fencing = await ledger.claim_for_submit(op)
+    assert await ledger.save_submitted(op, fencing, "job-repeat", 0.0, None)
+    (poll,) = await ledger.claim_due_polls(100, 3600.0)
+
+    def seen(claim: ObserveClaim | None) -> tuple[int, str, int] | None:
+        return None if claim is None else (claim.fencing_token, str(claim.state), claim.poll_count)
+
+    answers: list[Any] = [seen(await ledger.claim_for_observe(op, poll.poll_claim_id, claim_id))]
+    failed = JobSnapshot(job_id="job-repeat", status="failed", state=OperationState.FAILED)
+    for step in between:
+        if step == "claim_other":
+            answers.append(seen(await ledger.claim_for_observe(op, poll.poll_claim_id, uuid.uuid4())))
+        elif step == "reschedule":
+            answers.append(await ledger.reschedule_poll(op, poll.poll_claim_id, 0.0))
+        elif step == "claim_due":
+            answers.append([p.poll_claim_id for p in await ledger.claim_due_polls(100, 3600.0)])
+        elif step == "save_failed":
+            answers.append(str(await ledger.save_observation(op, 2, failed, None)))
+        elif step == "save_stalled":
+            answers.append(await ledger.save_stalled(op, 2, "no progress", {"status": "running"}))
+    for _ in range(2):
+        answers.append(seen(await ledger.claim_for_observe(op, poll.poll_claim_id, claim_id)))
+    row = await ledger.get_operation(op)
+    answers.append((row["fencing_token"], row["state"], row["poll_claim_id"]))
+    return answers
+
+
+@pytest.mark.parametrize("case", list(BETWEEN_CLAIM_AND_REPEAT))
+async def test_an_observer_claim_sent_again_reads_alike_on_both_ledgers(pool: asyncpg.Pool, case: str) -> None:
+    """The repeat of an observer's claim (the same claim id) after whatever may happen while its reply is lost:
+    the same answers from the fake as from PostgreSQL, and the repeat never writes."""
+    between = BETWEEN_CLAIM_AND_REPEAT[case]
+    real = await _claim_then_repeat(Ledger(pool, "contract", batching=False), between)
+    faked = await _claim_then_repeat(InMemoryLedger(worker="contract"), between)
+    assert faked == real
+    assert real[0] == (2, "submitted", 0)
+    assert real[-3] == real[-2] == REPEAT_GETS[case]
+    assert real[-1][0] == 2  # one claim wrote a fencing value; no repeat wrote another
