@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import faust
@@ -171,6 +173,11 @@ class Intake:
             task.add_done_callback(self.tasks.discard)
 
 
+def faust_data_dir(app_id: str) -> Path:
+    """Faust's data directory for the app ``app_id``: ``<temp dir>/<app id>-data`` (nothing is kept in it)."""
+    return Path(tempfile.gettempdir()) / f"{app_id}-data"
+
+
 def create_app(settings: Settings) -> faust.App:
     """Build the Faust app for ``settings`` (consumer group = ``settings.app_id``)."""
     app = faust.App(
@@ -191,6 +198,10 @@ def create_app(settings: Settings) -> faust.App:
         stream_wait_empty=True,
         autodiscover=False,
         store="memory://",
+        # Faust creates its data directory (``<app id>-data/v1/tables``) at start even though the memory store
+        # keeps nothing there; by default in the working directory, where every worker, test and benchmark run
+        # would leave one behind. The system's temporary directory instead.
+        datadir=faust_data_dir(settings.app_id),
         web_enabled=settings.web_enabled,
         web_port=settings.web_port,
         web_bind="0.0.0.0",

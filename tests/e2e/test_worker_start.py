@@ -14,9 +14,11 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
+from streams.app import faust_data_dir
 from streams.config import Settings
 from streams.producer import SubmissionProducer
 from streams_harness import faults
+from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet, Worker
 from streams_harness.toxiproxy import Toxiproxy
 from tests.support import provider_request, wait_for
@@ -87,6 +89,10 @@ async def test_a_worker_started_while_kafka_is_away_waits_for_it(
         await fleet.wait_ready("a")
         await _succeeds(producer, ledger_pool, f"wait{uuid.uuid4().hex[:6]}")
         assert worker.alive() and "starting again" not in worker.log_text()
+        # Faust's data directory goes to the temporary directory, not the worker's working directory (the
+        # checkout: every worker of the tests and the benchmark would leave one there).
+        app_id = fault_settings.app_id
+        assert faust_data_dir(app_id).is_dir() and not (checkout_dir() / f"{app_id}-data").exists()
     finally:
         fleet.stop_all()
 

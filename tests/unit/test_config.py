@@ -176,7 +176,7 @@ def test_pool_sizes_are_derived_from_agent_concurrency() -> None:
     assert s.agent_slots == 40
     assert s.http_max_connections == 40  # one remote call per agent slot at a time
     assert s.redis_max_connections == 48  # one Redis command per slot, plus the spare connections
-    assert Settings().redis_max_connections == 96 + 8
+    assert Settings().redis_max_connections == 192 + 8
 
 
 def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
