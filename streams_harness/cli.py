@@ -235,6 +235,13 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 20), help="Runs per configuration.")
 @click.option("--naive-processes", default=2, show_default=True, type=click.IntRange(1, 16))
 @click.option("--floor/--no-floor", default=True, show_default=True, help="Run the floor.")
+@click.option(
+    "--floor-processes",
+    default="1,2",
+    show_default=True,
+    callback=_int_list,
+    help="Process counts of the floor (ratio_to_floor divides by the one-process floor).",
+)
 @click.option("--naive/--no-naive", default=True, show_default=True, help="Run the naive peer.")
 @click.option(
     "--sim-latency-ms",

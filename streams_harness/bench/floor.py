@@ -11,14 +11,16 @@ ledger's own batch queries. No schema validation, no outcome classification, no 
 expected to succeed (the benchmark's workload). The ledger's triggers still write the transition log and
 outbox events, as for the pipeline.
 
-Run by the benchmark: ``python -m streams_harness.bench.floor --ready-file PATH`` with the run's
-``STREAMS_*`` settings in the environment; runs until stopped.
+Run by the benchmark: ``python -m streams_harness.bench.floor --ready-dir PATH`` with the run's ``STREAMS_*``
+settings in the environment; runs until stopped. Several processes share the work: one consumer group (the
+settings' app id) splits the partitions, and the due polls and the outbox are claimed with ``SKIP LOCKED``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -232,8 +234,9 @@ class Floor:
                 await asyncio.sleep(0.02)
 
 
-async def run(settings: Settings, ready_file: Path | None) -> None:
-    """Run the floor until cancelled (see the module docstring); ``ready_file`` is written once it consumes."""
+async def run(settings: Settings, ready_dir: Path | None) -> None:
+    """Run the floor until cancelled (see the module docstring); ``ready_dir/ready-<pid>`` is written once it
+    consumes."""
     pool = await create_pool(settings.database_url.get_secret_value(), min_size=4, max_size=10)
     connector = aiohttp.TCPConnector(limit=settings.http_max_connections)
     async with aiohttp.ClientSession(settings.remote_base_url.get_secret_value(), connector=connector) as http:
@@ -242,6 +245,7 @@ async def run(settings: Settings, ready_file: Path | None) -> None:
             settings.topic("submissions"),
             settings.topic("polls"),
             bootstrap_servers=settings.kafka_bootstrap,
+            group_id=settings.app_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
         )
@@ -250,8 +254,8 @@ async def run(settings: Settings, ready_file: Path | None) -> None:
         try:
             while not consumer.assignment():
                 await asyncio.sleep(0.05)
-            if ready_file is not None:
-                await asyncio.to_thread(ready_file.write_text, "ready")
+            if ready_dir is not None:
+                await asyncio.to_thread((ready_dir / f"ready-{os.getpid()}").write_text, "ready")
             # runs until stopped, like a worker: the benchmark watches the ledger to know when it is done
             await asyncio.gather(floor.consume(consumer), floor.repeat(floor.schedule), floor.repeat(floor.relay))
         finally:
@@ -262,11 +266,11 @@ async def run(settings: Settings, ready_file: Path | None) -> None:
 
 
 def main() -> None:
-    """Command line: ``[--ready-file PATH]``; settings from ``STREAMS_*``."""
+    """Command line: ``[--ready-dir PATH]``; settings from ``STREAMS_*``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ready-file", type=Path, default=None)
+    parser.add_argument("--ready-dir", type=Path, default=None)
     args = parser.parse_args()
-    asyncio.run(run(Settings.from_env(), args.ready_file))
+    asyncio.run(run(Settings.from_env(), args.ready_dir))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,9 @@ class BenchOptions:
     repeats: int = 1
     naive_processes: int = 2
     floor: bool = True
+    #: Process counts of the floor's runs: ``ratio_to_floor`` divides by the one-process floor; more processes
+    #: show what the machine allows more processes of any design (the pipeline's worker counts).
+    floor_processes: tuple[int, ...] = (1, 2)
     naive: bool = True
     sim_get_latency_ms: float = 0.0
     job_duration_ms: float = 0.0
@@ -97,7 +100,7 @@ class RunSpec:
     def label(self) -> str:
         """The configuration's name (runs of one label are repeats of each other)."""
         if self.kind == FLOOR:
-            return "floor"
+            return "floor" if self.processes == 1 else f"floor x{self.processes}"
         if self.kind == NAIVE:
             return f"naive x{self.processes} p{self.partitions} {self.transport}"
         if self.kind == PACED:
@@ -113,7 +116,8 @@ def plan(opts: BenchOptions) -> list[RunSpec]:
     for repeat in range(opts.repeats):
         batch: list[RunSpec] = []
         if opts.floor:
-            batch.append(RunSpec(FLOOR, 1, opts.partitions[0], "aiohttp", repeat))
+            for processes in opts.floor_processes:
+                batch.append(RunSpec(FLOOR, processes, opts.partitions[0], "aiohttp", repeat))
         if opts.naive:
             batch.append(RunSpec(NAIVE, opts.naive_processes, opts.partitions[0], opts.transports[0], repeat))
         for transport in opts.transports:
@@ -252,14 +256,16 @@ class Bench:
             await wait_group_stable(settings, spec.processes, 60)
         else:
             ready = log_dir / "ready"
-            command = [python, "-m", "streams_harness.bench.floor", "--ready-file", str(ready)]
+            ready.mkdir(exist_ok=True)
+            command = [python, "-m", "streams_harness.bench.floor", "--ready-dir", str(ready)]
             fleet = Fleet(settings, log_dir, command=command)
-            floor = fleet.start()
+            floors = [fleet.start() for _ in range(spec.processes)]  # one consumer group: they share the partitions
             deadline = time.monotonic() + 60
-            while not ready.exists():
-                if not floor.alive() or time.monotonic() > deadline:
+            while len(list(ready.iterdir())) < spec.processes:
+                if not all(floor.alive() for floor in floors) or time.monotonic() > deadline:
                     raise ProcessError(f"the floor did not start; see {log_dir}")
                 await asyncio.sleep(0.1)
+            await wait_group_stable(settings, spec.processes, 60)
         return fleet
 
     async def _counters(self, settings: Settings) -> Counters:
@@ -468,10 +474,11 @@ class Comparison:
 
 
 def compare(summary: dict[str, dict[str, Any]]) -> Comparison:
-    """Each pipeline configuration's median throughput over the floor's, and its GETs per operation over the naive
-    peer's (below 1: the GETs the lease saves)."""
+    """Each pipeline configuration's median throughput over the one-process floor's, and its GETs per operation
+    over the naive peer's (below 1: the GETs the lease saves)."""
     result = Comparison()
-    floor = next((s for s in summary.values() if s["kind"] == FLOOR), None)
+    floors = [s for s in summary.values() if s["kind"] == FLOOR]
+    floor = next((s for s in floors if s["processes"] == 1), floors[0] if floors else None)
     naive = next((s for s in summary.values() if s["kind"] == NAIVE), None)
     for label, entry in summary.items():
         if entry["kind"] != PIPELINE:

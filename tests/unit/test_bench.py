@@ -30,7 +30,11 @@ def test_plan_alternates_repeats_and_profiles_the_smallest_pipeline_once_per_tra
     runs = plan(opts)
     first, second = runs[: len(runs) // 2], runs[len(runs) // 2 :]
     assert [r.label for r in first] == [r.label for r in reversed(second)]
-    assert [r.kind for r in first[:2]] == [FLOOR, NAIVE]
+    assert [(r.kind, r.label, r.processes) for r in first[:3]] == [
+        (FLOOR, "floor", 1),
+        (FLOOR, "floor x2", 2),
+        (NAIVE, "naive x2 p4 aiohttp", 2),
+    ]
     assert {r.label for r in runs if r.profile} == {"pipeline w1 p4 aiohttp", "pipeline w1 p4 httpx"}
     assert all(r.repeat == 0 for r in runs if r.profile)
     assert len([r for r in first if r.kind == PIPELINE]) == 2 * 2 * 2
@@ -85,6 +89,7 @@ def record(label: str, kind: str, ops: float, gets: float, p50: float | None = 1
 
 def test_summary_takes_medians_and_ratios_compare_with_floor_and_naive() -> None:
     records = [
+        record("floor x2", FLOOR, 1500.0, 1.0, processes=2),  # not the reference: the one-process floor is
         record("floor", FLOOR, 1000.0, 1.0),
         record("floor", FLOOR, 1200.0, 1.0),
         record("floor", FLOOR, 900.0, 1.0),
@@ -107,12 +112,13 @@ def test_summary_takes_medians_and_ratios_compare_with_floor_and_naive() -> None
     assert comparison.ratio_to_floor == {"pipeline w1 p4 aiohttp": 0.2}
     assert comparison.gets_ratio_to_naive == {"pipeline w1 p4 aiohttp": 0.5}
     table = render_summary(summary, comparison)
-    assert table.splitlines()[3].startswith("naive x2 p4 aiohttp")
-    assert table.splitlines()[4].split()[-1] == "0.200"
+    assert table.splitlines()[4].startswith("naive x2 p4 aiohttp")
+    assert table.splitlines()[5].split()[-1] == "0.200"
 
 
 def test_run_labels() -> None:
     assert RunSpec(FLOOR, 1, 4, "aiohttp", 0).label == "floor"
+    assert RunSpec(FLOOR, 2, 4, "aiohttp", 0).label == "floor x2"
     assert RunSpec(NAIVE, 3, 4, "httpx", 0).label == "naive x3 p4 httpx"
     assert RunSpec(PIPELINE, 2, 16, "aiohttp", 1).label == "pipeline w2 p16 aiohttp"
 
