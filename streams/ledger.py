@@ -45,7 +45,7 @@ import asyncpg
 
 from streams import exactjson, metrics
 from streams.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
-from streams.coalesce import Coalescer
+from streams.coalesce import LINGER_UNDER_LOAD_S, Coalescer
 from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.errors import LedgerDataError, LedgerUnavailableError, OperatorActionRefusedError, UnknownOperationError
 from streams.failures import is_outage
@@ -291,7 +291,7 @@ class Ledger:
             return await self._flush(name, statement, distinct, requests, BATCH_LOCK_TIMEOUT)
 
         coalescer: Coalescer[Request, Any] = Coalescer(
-            f"ledger_{name}", flush, max_batch=BATCH_MAX, max_in_flight=BATCH_IN_FLIGHT
+            f"ledger_{name}", flush, max_batch=BATCH_MAX, max_in_flight=BATCH_IN_FLIGHT, linger_s=LINGER_UNDER_LOAD_S
         )
         self._stages[name] = (statement, distinct, coalescer)
 

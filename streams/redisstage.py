@@ -43,7 +43,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from streams import metrics
-from streams.coalesce import Coalescer
+from streams.coalesce import LINGER_UNDER_LOAD_S, Coalescer
 from streams.errors import CoordinationBusyError, CoordinationUnavailableError
 
 #: Errors that mean "Redis did not answer": no claim may be made and no remote call without a lease.
@@ -130,14 +130,20 @@ class RedisStage:
         client: a redis-py asyncio client (:func:`streams.lease.make_redis`); its pool gives each batch a
             connection.
         max_batch, max_in_flight: see :data:`REDIS_MAX_BATCH`, :data:`REDIS_MAX_IN_FLIGHT`.
+        linger_s: see :class:`~streams.coalesce.Coalescer` (:data:`~streams.coalesce.LINGER_UNDER_LOAD_S`).
     """
 
     def __init__(
-        self, client: aioredis.Redis, *, max_batch: int = REDIS_MAX_BATCH, max_in_flight: int = REDIS_MAX_IN_FLIGHT
+        self,
+        client: aioredis.Redis,
+        *,
+        max_batch: int = REDIS_MAX_BATCH,
+        max_in_flight: int = REDIS_MAX_IN_FLIGHT,
+        linger_s: float = LINGER_UNDER_LOAD_S,
     ) -> None:
         self.client = client
         self._coalescer: Coalescer[RedisCommand, Any] = Coalescer(
-            "redis", self._flush, max_batch=max_batch, max_in_flight=max_in_flight
+            "redis", self._flush, max_batch=max_batch, max_in_flight=max_in_flight, linger_s=linger_s
         )
 
     async def execute(self, command: RedisCommand) -> Any:

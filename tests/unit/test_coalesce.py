@@ -202,3 +202,48 @@ async def test_a_batch_task_cancelled_before_it_started_does_not_stop_the_stage(
     assert await asyncio.wait_for(waiting, timeout=2) == 20
     assert rec.batches == [[2]]
     assert await asyncio.wait_for(c.submit(4), timeout=2) == 40  # and the stage keeps going
+
+
+async def _passes(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_under_load_a_batch_lingers_for_the_requests_that_follow() -> None:
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=30.0)
+    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]  # a batch of two: load
+    first = asyncio.ensure_future(c.submit(6))
+    await _passes(10)
+    assert rec.batches == [[2, 4]]  # the next batch waits for more (up to linger_s)
+    second = asyncio.ensure_future(c.submit(8))
+    await _passes(10)
+    assert rec.batches == [[2, 4]] and c.queued == 2
+    # Cancelling the lingering batch before it starts leaves its requests to the next batch.
+    lingering = c._not_started
+    assert lingering is not None
+    lingering.cancel()
+    c.linger_s = 0.0
+    assert await asyncio.gather(first, second) == [60, 80]
+    assert rec.batches == [[2, 4], [6, 8]]
+
+
+async def test_at_low_load_a_batch_goes_at_once() -> None:
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=30.0)
+    for i in (2, 4, 6):  # one request at a time: batches of one, none waits
+        assert await asyncio.wait_for(c.submit(i), 5) == i * 10
+    assert rec.batches == [[2], [4], [6]]
+
+
+async def test_a_full_queue_does_not_linger() -> None:
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_batch=2, max_in_flight=1, linger_s=30.0)
+    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]
+    assert await asyncio.wait_for(asyncio.gather(c.submit(6), c.submit(8)), 5) == [60, 80]
+    assert rec.batches == [[2, 4], [6, 8]]
+
+
+def test_a_negative_linger_is_refused() -> None:
+    with pytest.raises(ValueError, match="linger_s"):
+        Coalescer("test", Recorder().flush, linger_s=-1.0)
