@@ -4,10 +4,11 @@ Each event is handled in its own task (:mod:`streams.app`), so at any moment man
 at the same stage: acquiring a lease, claiming an operation, saving an observation. A :class:`Coalescer`
 gathers the requests those tasks make of one kind and sends them as one batch: every request made before the
 loop gets back to it joins the batch, and while ``max_in_flight`` batches are on the wire new requests wait
-and go out together in the next one. Under load (the stage's latest batch held several requests) a batch
-also waits ``linger_s`` (:data:`LINGER_UNDER_LOAD_S`, 5 ms) for more before it goes, as a Kafka producer's
-``linger.ms``: a round trip then carries many operations. At low load a batch holds one request, does not wait,
-and costs one pass of the event loop.
+and go out together in the next one. Under load (the stage's latest batch held several requests and the stage
+has not idled for ``linger_s`` since) a batch also waits ``linger_s`` (:data:`LINGER_UNDER_LOAD_S`, 5 ms) for
+more before it goes, as a Kafka producer's ``linger.ms``: a round trip then carries many operations. At low load
+a batch holds one request, does not wait, and costs one pass of the event loop; so does the first batch after a
+burst once the stage has idled.
 
 Each caller still gets its own result or its own exception (the flush function returns one per request), so
 the per-operation logic, its fault handling and its tests stay as they are. A failure of the whole batch (the
@@ -58,9 +59,10 @@ class Coalescer(Generic[Req, Res]):
             (a length mismatch is a programming error, raised to every caller). Raising fails the whole batch.
         max_batch: most requests in one batch.
         max_in_flight: most batches on the wire at once; further requests queue for the next batch.
-        linger_s: when the latest batch held more than one request, the next one waits this long (seconds) for
-            more before it is sent, unless the queue already fills a batch; 0: never waits
-            (:data:`LINGER_UNDER_LOAD_S` for the worker's stages).
+        linger_s: when the latest batch held more than one request and is on the wire or came back less than
+            ``linger_s`` ago, the next one waits this long (seconds) for more before it is sent, unless the queue
+            already fills a batch when it is scheduled; 0: never waits (:data:`LINGER_UNDER_LOAD_S` for the
+            worker's stages).
 
     Errors: whatever ``flush`` raises or returns for a request is raised to that request's caller.
     """
@@ -85,6 +87,9 @@ class Coalescer(Generic[Req, Res]):
         self.linger_s = linger_s
         #: Requests in the latest batch sent: more than one means other tasks are at this step too (load).
         self._last_batch_size = 0
+        #: When (``loop.time()``, seconds) the latest batch came back: a stage idle for longer than ``linger_s``
+        #: since is no longer under load, whatever its latest batch held.
+        self._last_batch_ended_at = float("-inf")
         self._queue: list[_Pending[Req, Res]] = []
         self._in_flight = 0
         self._scheduled = False
@@ -138,10 +143,18 @@ class Coalescer(Generic[Req, Res]):
             if self._queue:
                 self._schedule(asyncio.get_running_loop())
 
+    def _under_load(self) -> bool:
+        """The latest batch held several requests and the stage has not been idle since for ``linger_s``."""
+        if self._last_batch_size <= 1:
+            return False
+        idle_s = asyncio.get_running_loop().time() - self._last_batch_ended_at
+        return self._in_flight > 0 or idle_s < self.linger_s
+
     async def _start(self) -> None:
-        if self.linger_s and self._last_batch_size > 1 and len(self._queue) < self.max_batch:
-            # Under load (the latest batch held several requests) a batch waits a little for more: fewer, larger
-            # round trips. At low load (batches of one) it goes at once, so latency stays one loop pass.
+        if self.linger_s and len(self._queue) < self.max_batch and self._under_load():
+            # Under load (the latest batch held several requests, just now) a batch waits a little for more:
+            # fewer, larger round trips. At low load (batches of one, or a first request after an idle spell, as
+            # after a burst) it goes at once, so latency stays one loop pass.
             await asyncio.sleep(self.linger_s)
         self._scheduled = False
         self._not_started = None
@@ -181,6 +194,7 @@ class Coalescer(Generic[Req, Res]):
                     p.future.set_result(result)
         finally:
             self._in_flight -= 1
+            self._last_batch_ended_at = asyncio.get_running_loop().time()
             if self._queue:
                 self._schedule(asyncio.get_running_loop())
 

@@ -247,3 +247,64 @@ async def test_a_full_queue_does_not_linger() -> None:
 def test_a_negative_linger_is_refused() -> None:
     with pytest.raises(ValueError, match="linger_s"):
         Coalescer("test", Recorder().flush, linger_s=-1.0)
+
+
+async def test_a_lingering_batch_goes_by_itself_after_linger_s() -> None:
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=0.05)
+    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]
+    loop = asyncio.get_running_loop()
+    submitted_at = loop.time()
+    assert await asyncio.wait_for(c.submit(6), 5) == 60
+    assert loop.time() - submitted_at >= 0.04  # it waited for more (the loop's timer resolution aside)
+    assert rec.batches == [[2, 4], [6]]
+
+
+async def test_after_a_burst_and_an_idle_spell_a_lone_request_goes_at_once() -> None:
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=0.2)
+    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]  # a burst: a batch of two
+    loop = asyncio.get_running_loop()
+    idle_until = loop.time() + 0.2
+    while loop.time() <= idle_until:  # the stage idles for longer than linger_s: no load any more
+        await asyncio.sleep(0.02)
+    lone = asyncio.ensure_future(c.submit(6))
+    await _passes(3)
+    assert rec.batches == [[2, 4], [6]]  # sent in the next pass, not after linger_s
+    assert await lone == 60
+
+
+async def test_callers_cancelled_while_their_batch_lingers_send_nothing() -> None:
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=0.05)
+    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]
+    gone, stays = asyncio.ensure_future(c.submit(6)), asyncio.ensure_future(c.submit(8))
+    await _passes(5)
+    assert c.queued == 2 and rec.batches == [[2, 4]]
+    gone.cancel()
+    assert await asyncio.wait_for(stays, 5) == 80
+    assert rec.batches == [[2, 4], [8]]
+    assert await asyncio.gather(c.submit(10), c.submit(12)) == [100, 120]  # load again
+    alone = asyncio.ensure_future(c.submit(14))
+    await _passes(5)
+    alone.cancel()  # every caller of the lingering batch went away: nothing is sent
+    await asyncio.wait_for(c.drain(), 5)
+    assert rec.batches == [[2, 4], [8], [10, 12]]
+    assert await asyncio.wait_for(c.submit(16), 5) == 160  # and the stage keeps going
+
+
+async def test_drain_waits_for_a_lingering_batch_even_when_its_task_is_cancelled() -> None:
+    rec = Recorder()
+    c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=0.05)
+    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]
+    waiting = asyncio.ensure_future(c.submit(6))
+    await _passes(5)
+    draining = asyncio.ensure_future(c.drain())
+    await _passes(5)
+    lingering = c._not_started
+    assert lingering is not None and not draining.done()
+    lingering.cancel()  # e.g. at shutdown: its request goes in the next batch, which drain waits for
+    await asyncio.wait_for(draining, 5)
+    assert waiting.done() and waiting.result() == 60
+    assert rec.batches == [[2, 4], [6]]
+    assert (c.in_flight, c.queued) == (0, 0)
