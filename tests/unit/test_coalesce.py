@@ -224,7 +224,7 @@ async def test_under_load_a_batch_lingers_for_the_requests_that_follow() -> None
     assert lingering is not None
     lingering.cancel()
     c.linger_s = 0.0
-    assert await asyncio.gather(first, second) == [60, 80]
+    assert await asyncio.wait_for(asyncio.gather(first, second), 5) == [60, 80]
     assert rec.batches == [[2, 4], [6, 8]]
 
 
