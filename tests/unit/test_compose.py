@@ -77,8 +77,16 @@ def compose(request: pytest.FixtureRequest) -> dict[str, Any]:
 def local() -> dict[str, str]:
     """``scripts/services config``: what the scripts run without Docker use."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVICES_", "KAFKA_"))}
-    out = subprocess.run([str(SERVICES), "config"], check=True, capture_output=True, text=True, env=env).stdout
+    command = [str(SERVICES), "config", "--show-secrets"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
     return dict(line.split("=", 1) for line in out.splitlines())
+
+
+def test_the_services_settings_show_the_password_only_when_asked() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SERVICES_", "KAFKA_"))}
+    out = subprocess.run([str(SERVICES), "config"], check=True, capture_output=True, text=True, env=env).stdout
+    settings = dict(line.split("=", 1) for line in out.splitlines())
+    assert settings["postgres.password"] == "***"
 
 
 def published(service: dict[str, Any]) -> list[tuple[str, int, int]]:
