@@ -46,11 +46,11 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     report_path = opts.report_path or (bench.dir / "report.json")
     chart_path = opts.chart_path or report_path.with_suffix(".png")
     cpus = os.cpu_count()
+    paced = f"paced {opts.paced_operations} at {opts.paced_rate_per_s:g}/s" if opts.paced_rate_per_s else "no paced run"
     title = (
         f"streams bench {bench.bench_id}: {opts.operations} operations per run, closed loop, {opts.repeats} repeat(s), "
-        f"paced {opts.paced_operations} at {opts.paced_rate_per_s:g}/s; "
-        f"GET latency {opts.sim_get_latency_ms:g} ms, job duration {opts.job_duration_ms:g} ms; {cpus} CPUs shared "
-        "with every service"
+        f"{paced}; GET latency {opts.sim_get_latency_ms:g} ms, job duration {opts.job_duration_ms:g} ms; "
+        f"{cpus} CPUs shared with every service"
     )
     profiles = [{"label": r["label"], "run_id": r["run_id"], **r["profile"]} for r in records if "profile" in r]
     report: dict[str, Any] = {

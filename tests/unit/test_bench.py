@@ -16,6 +16,7 @@ from streams_harness.bench.runner import (
     BenchOptions,
     RunSpec,
     compare,
+    figures,
     plan,
     render_summary,
     summarize_runs,
@@ -195,3 +196,33 @@ def test_under_uvloop_samples_are_charged_below_the_frame_that_entered_the_loop(
     path = tmp_path / "profile.txt"
     path.write_text(f"{entry} 20\n{thread} 10\n{task} 50\n{consumer} 20\n")
     assert summarize(path)["by_component"] == {"asyncpg": 50.0, EVENT_LOOP: 30.0, "faust": 20.0}
+
+
+def test_only_the_pipeline_runs_are_held_to_the_promises() -> None:
+    """The floor records no charges and the naive peer publishes outputs more than once by design: their
+    reports would read as broken promises, so they carry none (None), while the pipeline's are checked."""
+    report = {
+        "throughput_ops_per_s": 100.0,
+        "operations_final": 10,
+        "operations_submitted": 10,
+        "operations_missing": 0,
+        "completion_to_delivery_ms": {"p50": 100.0, "p99": 200.0},
+        "max_jobs_per_operation": 1,
+        "orphan_jobs": 0,
+        "max_gets_in_flight_per_job": 1,
+        "state_regressions": 0,
+        "output_duplicates": 0,
+        "output_duplicates_after_dedupe": 0,
+        "outputs_undelivered": 0,
+        "charges_total": {"recorded": "0", "provider_seen_ending": "0.25"},  # no charge recorded
+    }
+    sim = {"gets": 10, "posts": 10, "max_gets_in_flight_per_job": 1, "max_jobs_per_operation": 1}
+    cost = Counters(5, {"set": 5}, 10, {"polls": 10})
+    floor = figures(RunSpec(FLOOR, 2, 4, "aiohttp", 0), report, sim, cost, 10)
+    pipeline = figures(RunSpec(PIPELINE, 1, 4, "aiohttp", 0), report, sim, cost, 10)
+    assert floor["broken_promises"] is None
+    assert pipeline["broken_promises"] == ["charges recorded minus the provider's for the jobs seen ending=-0.25"]
+    measured = {"cpu_ms_per_operation": 1.0, "idle_cpu_percent": 1.0, "simulator_cpu_ms_per_operation": 0.5}
+    summary = summarize_runs([floor | measured, pipeline | measured])
+    assert summary["floor x2"]["broken_promises"] is None
+    assert summary["pipeline w1 p4 aiohttp"]["broken_promises"] == pipeline["broken_promises"]
