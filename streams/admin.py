@@ -297,14 +297,33 @@ async def create_topics(settings: Settings) -> list[str]:
         return await admin.create_topics(list(settings.topics.values()), settings.partitions)
 
 
-async def delete_topics(settings: Settings) -> list[str]:
-    """Delete the five topics of ``settings`` (those that exist); returns the names deleted.
+#: The topic Faust's leader assignor creates at a worker's start for its app (``faust/assignor/leader_assignor.py``:
+#: one partition, named after the app id, i.e. the consumer group). The app keeps no tables (memory store, see
+#: :func:`streams.app.create_app`), so this is the only topic Faust adds to the five.
+FAUST_LEADER_TOPIC_FORMAT = "{app_id}-__assignor-__leader"
 
-    Meant for isolated runs (the main job, test sessions) whose topics carry their own prefix. Raises
+
+def internal_topics(app_id: str) -> list[str]:
+    """The topics Faust creates for the app ``app_id`` by itself: ``[<app id>-__assignor-__leader]``."""
+    return [FAUST_LEADER_TOPIC_FORMAT.format(app_id=app_id)]
+
+
+def run_topics(settings: Settings) -> list[str]:
+    """Every topic of a run on ``settings``: the five (:attr:`Settings.topics`) and Faust's internal ones of the
+    consumer group ``settings.app_id`` (:func:`internal_topics`), by exact name."""
+    return [*settings.topics.values(), *internal_topics(settings.app_id)]
+
+
+async def delete_topics(settings: Settings) -> list[str]:
+    """Delete a run's topics (:func:`run_topics`: the five of ``settings`` and Faust's internal topic of its
+    app id) that exist; returns the names deleted.
+
+    Meant for isolated runs (the main job, the soak, the benchmark, test sessions) whose topics carry their own
+    prefix and whose consumer group its own app id; their workers must have stopped. Raises
     :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
     """
     async with KafkaAdmin(settings) as admin:
-        return await admin.delete_topics(list(settings.topics.values()))
+        return await admin.delete_topics(run_topics(settings))
 
 
 async def create_run_database(database_url: str, run_id: str) -> str:
@@ -324,9 +343,14 @@ async def create_run_database(database_url: str, run_id: str) -> str:
     return f"{base}/{run_db}" + (f"?{query}" if query else "")
 
 
+def database_name(database_url: str) -> str:
+    """The database name of a ``postgresql://`` URL (no credentials)."""
+    return database_url.rpartition("/")[2].partition("?")[0]
+
+
 async def drop_run_database(database_url: str, run_database_url: str) -> None:
     """Drop the run database created by :func:`create_run_database` (its connections are terminated)."""
-    run_db = run_database_url.rpartition("/")[2].partition("?")[0]
+    run_db = database_name(run_database_url)
     conn = await asyncpg.connect(database_url)
     try:
         await conn.execute(f'DROP DATABASE IF EXISTS "{run_db}" WITH (FORCE)')

@@ -113,7 +113,11 @@ def _run_options(
             help="Worker processes.",
         ),
         click.option("--seed", default=seed, show_default=True, help=seed_help),
-        click.option("--keep", is_flag=True, help="Keep the run's database and topics (removed after the report)."),
+        click.option(
+            "--keep",
+            is_flag=True,
+            help="Keep the run's database and topics (by default they are removed after the report).",
+        ),
         click.option("--lookup/--no-lookup", default=False, show_default=True, help=lookup_help),
         click.option(
             "--report",
@@ -258,7 +262,9 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--chart", "chart_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--run-timeout-s", default=300.0, show_default=True, help="Give up on one run after this long.")
-@click.option("--keep", is_flag=True, help="Keep each run's database and topics.")
+@click.option(
+    "--keep", is_flag=True, help="Keep each run's database and topics (by default they are removed after each run)."
+)
 @click.option(
     "--paced-rate",
     "paced_rate_per_s",

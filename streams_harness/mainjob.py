@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import asyncpg
 
-from streams.admin import create_topics, migrate, wait_group_stable
+from streams.admin import create_topics, database_name, wait_group_stable
 from streams.config import Settings
 from streams.errors import StreamsError
 from streams.ledger import create_pool
@@ -32,6 +32,8 @@ from streams_harness.run import (
     RunOptions,
     collect_report,
     isolated_run,
+    migrate_quietly,
+    migrations_line,
     replay_until_final,
     run_dir,
     run_meta,
@@ -154,7 +156,8 @@ async def run_main_job(opts: MainJobOptions, out: TextIO = sys.stdout) -> dict[s
     if opts.isolate:
         async with isolated_run(settings, run_id, keep=opts.keep, out=out) as run_settings:
             return await _run(opts, run_settings, run_id, sim_port, rows, out)
-    migrate(settings.database_url.get_secret_value())
+    database_url = settings.database_url.get_secret_value()
+    print(f"database {database_name(database_url)}: {migrations_line(migrate_quietly(database_url))}", file=out)
     await create_topics(settings)
     lock = await asyncpg.connect(settings.database_url.get_secret_value())
     if not await REPORT.try_main_job_lock.fetchval(lock):

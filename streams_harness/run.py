@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -24,7 +25,15 @@ import asyncpg
 import httpx
 import orjson
 
-from streams.admin import create_run_database, create_topics, delete_topics, drop_run_database, migrate
+from streams.admin import (
+    create_run_database,
+    create_topics,
+    database_name,
+    delete_topics,
+    drop_run_database,
+    internal_topics,
+    migrate,
+)
 from streams.config import Settings
 from streams.downstream import read_topic_to_end
 from streams.failures import is_outage
@@ -138,9 +147,9 @@ def isolate(settings: Settings, run_id: str, database_url: str) -> Settings:
 @contextlib.asynccontextmanager
 async def isolated_run(settings: Settings, run_id: str, *, keep: bool, out: TextIO) -> AsyncIterator[Settings]:
     """The run ``run_id`` isolated on the services of ``settings`` (:func:`isolate`): its ledger database created
-    and migrated, its topics created (``settings.partitions``); yields the run's settings. Afterwards the topics
-    and the database are removed unless ``keep``; a removal that fails is printed to ``out`` (the services may
-    just have been restarted), never raised over the run's own outcome.
+    and migrated (one line to ``out``), its topics created (``settings.partitions``); yields the run's settings.
+    Afterwards its topics (Faust's internal one included) and its database are removed unless ``keep``
+    (:func:`remove_run`); a removal that fails is printed to ``out``, never raised over the run's own outcome.
 
     Raises:
         asyncpg.PostgresError: the role may not create databases.
@@ -148,17 +157,50 @@ async def isolated_run(settings: Settings, run_id: str, *, keep: bool, out: Text
     database_url = settings.database_url.get_secret_value()
     run = isolate(settings, run_id, await create_run_database(database_url, run_id))
     try:
-        migrate(run.database_url.get_secret_value())
+        applied = migrate_quietly(run.database_url.get_secret_value())
+        print(
+            f"run database {database_name(run.database_url.get_secret_value())}: {migrations_line(applied)}", file=out
+        )
         await create_topics(run)
         yield run
     finally:
         if not keep:
-            await _remove(f"topics {run.topic_prefix}*", lambda: delete_topics(run), out)
-            await _remove(
-                f"database {run.database_url}",
-                lambda: drop_run_database(database_url, run.database_url.get_secret_value()),
-                out,
-            )
+            await remove_run(run, database_url, out)
+
+
+def migrate_quietly(database_url: str) -> list[str]:
+    """:func:`streams.admin.migrate` ``database_url`` with yoyo's step-by-step INFO log held back (a run's
+    database is new: every migration would log its lines); its warnings and errors still show, and a failure
+    raises as ever. Returns the ids applied."""
+    yoyo_log = logging.getLogger("yoyo")
+    level = yoyo_log.level
+    yoyo_log.setLevel(max(logging.WARNING, yoyo_log.getEffectiveLevel()))
+    try:
+        return migrate(database_url)
+    finally:
+        yoyo_log.setLevel(level)
+
+
+def migrations_line(applied: list[str]) -> str:
+    """``migrations applied: <n> (<first> .. <last>)``, or ``none (up to date)``: one line for ``applied``."""
+    if not applied:
+        return "migrations applied: none (up to date)"
+    span = applied[0] if len(applied) == 1 else f"{applied[0]} .. {applied[-1]}"
+    return f"migrations applied: {len(applied)} ({span})"
+
+
+async def remove_run(run: Settings, admin_database_url: str, out: TextIO) -> None:
+    """Remove the run ``run``'s topics (:func:`streams.admin.delete_topics`: the five and Faust's internal topic of
+    its app id) and its database (dropped through ``admin_database_url``), its processes being stopped. A removal
+    that fails is printed to ``out`` with what to remove by hand (the services may just have been restarted),
+    never raised over the run's own outcome; the other removal still runs."""
+    topics = f"topics {run.topic_prefix}* and {', '.join(internal_topics(run.app_id))}"
+    await _remove(topics, lambda: delete_topics(run), out)
+    await _remove(
+        f"database {run.database_url}",
+        lambda: drop_run_database(admin_database_url, run.database_url.get_secret_value()),
+        out,
+    )
 
 
 async def _remove(what: str, remove: Callable[[], Awaitable[Any]], out: TextIO) -> None:

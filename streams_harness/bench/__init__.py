@@ -11,7 +11,6 @@ workload against the real services and the simulator, with a profile of one work
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -28,7 +27,6 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     from streams_harness.bench.chart import draw
 
     started = time.monotonic()
-    logging.getLogger("yoyo").setLevel(logging.WARNING)  # one migration per run: no step-by-step log
     bench = Bench(opts, out)
     records = await bench.run()
     summary = summarize_runs(records)

@@ -122,8 +122,3 @@ async def kafka_messages(settings: Settings) -> dict[str, int]:
     finally:
         await consumer.stop()
         await admin.close()
-
-
-def database_name(database_url: str) -> str:
-    """The database name of a ``postgresql://`` URL."""
-    return database_url.rpartition("/")[2].partition("?")[0]

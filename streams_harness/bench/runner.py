@@ -10,7 +10,6 @@ main job (:func:`streams_harness.run.collect_report`) computed from the ledger, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import statistics
 import sys
@@ -22,22 +21,13 @@ from typing import Any
 import asyncpg
 import httpx
 import orjson
-from aiokafka.admin import AIOKafkaAdminClient
 
-from streams.admin import (
-    create_run_database,
-    create_topics,
-    delete_topics,
-    drop_run_database,
-    migrate,
-    wait_group_stable,
-)
+from streams.admin import create_run_database, create_topics, database_name, wait_group_stable
 from streams.config import Settings
 from streams.ledger import create_pool
 from streams.producer import SubmissionProducer
 from streams_harness.bench.counters import (
     Counters,
-    database_name,
     kafka_messages,
     redis_counters,
     redis_reading_cost,
@@ -49,7 +39,7 @@ from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulato
 from streams_harness.redis_server import PrivateRedis
 from streams_harness.replay import trace_request
 from streams_harness.report import broken_promises
-from streams_harness.run import collect_report, progress, settled
+from streams_harness.run import collect_report, migrate_quietly, progress, remove_run, settled
 from streams_harness.trace import read_trace
 
 PIPELINE, FLOOR, NAIVE, PACED = "pipeline", "floor", "naive", "paced"
@@ -230,16 +220,14 @@ class Bench:
         database_url = await create_run_database(admin_url, run_id)
         settings = self._settings(spec, run_id, database_url)
         try:
-            migrate(database_url)
+            migrate_quietly(database_url)
             await create_topics(settings)
             async with httpx.AsyncClient(base_url=self.sim_url, timeout=30) as sim:
                 (await sim.post("/_sim/reset")).raise_for_status()
             return await self._measure(spec, settings, run_id, log_dir)
         finally:
             if not self.opts.keep:
-                await drop_run_database(admin_url, database_url)
-                await delete_topics(settings)
-                await _delete_internal_topics(settings)
+                await remove_run(settings, admin_url, self.out)
 
     async def _start(self, spec: RunSpec, settings: Settings, log_dir: Path) -> Fleet:
         python = sys.executable
@@ -369,19 +357,6 @@ def process_cpu_s(pid: int) -> float:
     except (FileNotFoundError, ProcessLookupError):
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def _delete_internal_topics(settings: Settings) -> None:
-    """Delete the topics Faust created for the run's consumer group (``<app id>-__assignor-__leader``)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    await admin.start()
-    try:
-        doomed = [t for t in await admin.list_topics() if t.startswith(f"{settings.app_id}-")]
-        if doomed:
-            with contextlib.suppress(Exception):
-                await admin.delete_topics(doomed)
-    finally:
-        await admin.close()
 
 
 def figures(spec: RunSpec, report: dict[str, Any], sim: dict[str, Any], cost: Counters, n: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from streams.admin import run_topics
 from streams.config import Settings
 from streams_harness.mainjob import MainJobOptions, processes_env
 from streams_harness.run import (
@@ -14,6 +15,7 @@ from streams_harness.run import (
     RunOptions,
     final_count,
     isolate,
+    migrations_line,
     progress_line,
     run_meta,
     settled,
@@ -119,3 +121,27 @@ def test_the_main_jobs_processes_get_the_runs_settings() -> None:
     assert (worker.remote_account, worker.app_id, worker.partitions) == ("run7", "generation-streams-run7", 4)
     simulator = SimulatorConfig.from_env({k: v for k, v in env.items() if k.startswith("SIM_")})
     assert (simulator.port, simulator.seed, simulator.fault_5xx, simulator.lookup_enabled) == (20123, 3, 0.2, True)
+
+
+def test_a_runs_topics_are_its_five_and_faust_leader_topic_of_its_app_id() -> None:
+    run = isolate(Settings(), "run123", "postgresql://u:p@h:5432/streams_run123")
+    assert run_topics(run) == [
+        "run123.generation.submissions",
+        "run123.generation.polls",
+        "run123.generation.outputs.delivered",
+        "run123.generation.transitions",
+        "run123.generation.dead-letter",
+        "generation-streams-run123-__assignor-__leader",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("applied", "line"),
+    [
+        ([], "migrations applied: none (up to date)"),
+        (["0019.x"], "migrations applied: 1 (0019.x)"),
+        (["0001.ledger", "0002.y", "0003.z"], "migrations applied: 3 (0001.ledger .. 0003.z)"),
+    ],
+)
+def test_the_migrations_of_a_run_are_one_line(applied: list[str], line: str) -> None:
+    assert migrations_line(applied) == line
