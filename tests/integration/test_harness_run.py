@@ -4,8 +4,10 @@ a run's own database and topics, created and removed; the replay with its progre
 from __future__ import annotations
 
 import io
+import logging
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -17,7 +19,7 @@ from streams.downstream import read_topic_to_end
 from streams.errors import StreamsError
 from streams.ledger import create_pool
 from streams_harness import run
-from streams_harness.run import RunOptions, isolated_run, replay_until_final
+from streams_harness.run import RunOptions, isolated_run, migrations_line, replay_until_final
 from streams_harness.trace import read_trace
 
 pytestmark = pytest.mark.integration
@@ -48,6 +50,12 @@ def database_name(settings: Settings) -> str:
     return settings.database_url.get_secret_value().rpartition("/")[2]
 
 
+#: The ids of the repository's migrations, in order (``migrations/*.sql``, rollbacks excluded).
+MIGRATION_IDS = sorted(
+    p.stem for p in (Path(__file__).parents[2] / "migrations").glob("*.sql") if ".rollback" not in p.name
+)
+
+
 async def test_a_run_has_its_own_migrated_database_and_topics_removed_afterwards(base_settings: Settings) -> None:
     out = io.StringIO()
     async with isolated_run(base_settings, run_id(), keep=False, out=out) as settings:
@@ -61,7 +69,27 @@ async def test_a_run_has_its_own_migrated_database_and_topics_removed_afterwards
         assert await topics(settings) == set(settings.topics.values())
     assert not await database_exists(base_settings, name)
     assert await topics(settings) == set()
-    assert out.getvalue() == ""
+    assert out.getvalue().splitlines() == [f"run database {name}: {migrations_line(MIGRATION_IDS)}"]
+
+
+async def test_a_runs_migrations_are_one_line_without_yoyos_info_log(
+    base_settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="yoyo")  # as `streams run` logs: INFO
+    out = io.StringIO()
+    async with isolated_run(base_settings, run_id(), keep=False, out=out) as settings:
+        conn = await asyncpg.connect(settings.database_url.get_secret_value())
+        try:
+            applied = await conn.fetchval("SELECT count(*) FROM _yoyo_migration")
+        finally:
+            await conn.close()
+    assert applied == len(MIGRATION_IDS) > 1
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("yoyo")] == []
+    assert out.getvalue() == (
+        f"run database {database_name(settings)}: migrations applied: {applied} "
+        f"({MIGRATION_IDS[0]} .. {MIGRATION_IDS[-1]})\n"
+    )
+    assert logging.getLogger("yoyo").level == logging.INFO  # given back
 
 
 async def test_keep_leaves_database_and_topics(base_settings: Settings) -> None:
@@ -86,10 +114,10 @@ async def test_a_removal_that_fails_is_said_and_the_runs_own_error_raised(
     with pytest.raises(ValueError, match="the run's own failure"):
         async with isolated_run(base_settings, run_id(), keep=False, out=out) as settings:
             raise ValueError("the run's own failure")
-    assert out.getvalue() == (
-        f"warning: the run's topics {settings.topic_prefix}* not removed (OSError: connection refused); "
-        "remove it by hand\n"
-    )
+    assert out.getvalue().splitlines()[1:] == [
+        f"warning: the run's topics {settings.topic_prefix}* and {settings.app_id}-__assignor-__leader not removed "
+        "(OSError: connection refused); remove it by hand"
+    ]
     assert not await database_exists(base_settings, database_name(settings))  # the next removal still ran
     await delete_topics(settings)
 
