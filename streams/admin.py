@@ -15,6 +15,7 @@ raising; both are handled here.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import asyncpg
+import psycopg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
     KafkaConnectionError,
@@ -47,8 +49,9 @@ from yoyo import get_backend, read_migrations
 from yoyo.migrations import MigrationList
 
 from streams.config import Settings, mask_url
-from streams.errors import KafkaAdminError, MissingResourceError
+from streams.errors import KafkaAdminError, LedgerUnavailableError, MissingResourceError, StreamsError
 from streams.failures import is_outage
+from streams.ledger import connect_config_error, database_address, diagnose_connect
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,8 @@ def migrate(database_url: str) -> list[str]:
 
     Raises:
         MissingResourceError: the package is not installed or holds no migration (nothing is applied).
+        DatabaseConfigError: PostgreSQL refused the login, has no such database, or the URL does not parse.
+        LedgerUnavailableError: PostgreSQL did not accept the connection for another reason (nothing applied).
     """
     try:
         package = resources.files(MIGRATIONS_PACKAGE)
@@ -95,11 +100,31 @@ def migrate(database_url: str) -> list[str]:
         ) from exc
     with resources.as_file(package) as directory:
         migrations = sql_migrations(directory)
-        backend = get_backend(yoyo_url(database_url))
+        try:
+            backend = get_backend(yoyo_url(database_url))
+        except psycopg.OperationalError as exc:
+            raise _connect_failure(database_url, exc) from exc
+        except ValueError as exc:  # the URL does not parse (a port that is not a number, another scheme)
+            raise connect_config_error(database_url, exc) from exc
         with backend.lock():
             pending = backend.to_apply(migrations)
             backend.apply_migrations(pending)
     return [m.id for m in pending]
+
+
+def _connect_failure(database_url: str, exc: psycopg.OperationalError) -> StreamsError:
+    """What psycopg's failure to connect means: psycopg gives no SQLSTATE for a refused login, so one asyncpg login
+    (:func:`streams.ledger.diagnose_connect`, on a thread of its own: a caller may be running an event loop) tells
+    wrong settings (:class:`DatabaseConfigError`) from an outage (:class:`LedgerUnavailableError`)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        config_error = pool.submit(asyncio.run, diagnose_connect(database_url)).result()
+    if config_error is not None:
+        return config_error
+    return LedgerUnavailableError(
+        f"PostgreSQL at {database_address(database_url)} did not accept the connection for the migrations: "
+        f"{' '.join(str(exc).split())}; check that it is up (streams ready --service postgres) "
+        "and run again. Nothing was applied."
+    )
 
 
 T = TypeVar("T")

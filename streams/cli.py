@@ -35,7 +35,7 @@ import click
 
 from streams import exactjson, logs
 from streams.config import Settings
-from streams.errors import ConfigError, StreamsError
+from streams.errors import ConfigError, LedgerUnavailableError, StreamsError
 from streams.states import OperationState
 
 if TYPE_CHECKING:
@@ -103,12 +103,28 @@ def _unavailable(name: str, entry_point: EntryPoint, exc: ImportError) -> click.
     )
 
 
+#: Exit statuses (1 is click's for other errors, 2 for bad usage); README "For the people on call".
+EXIT_REFUSED = 3  # the decision does not apply to the operation in its current state; nothing written
+EXIT_UNKNOWN_OPERATION = 4  # the ledger does not hold the operation
+EXIT_UNAVAILABLE = 5  # PostgreSQL did not answer
+EXIT_CONFIG = 6  # a setting is wrong: malformed, or PostgreSQL refused the login or has no such database
+
+
+class CommandExit(click.ClickException):
+    """A command's failure with its own exit status (message on stderr, as click prints it)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def _settings() -> Settings:
-    """Settings from the environment; a bad value ends the command with the message, not a traceback."""
+    """Settings from the environment; a bad value ends the command with the message (exit EXIT_CONFIG), not a
+    traceback."""
     try:
         return Settings.from_env()
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
 
 
 @click.group(cls=PluginGroup)
@@ -143,6 +159,10 @@ def migrate() -> None:
     settings = _settings()
     try:
         applied = apply(settings.database_url.get_secret_value())
+    except ConfigError as exc:  # DatabaseConfigError: a refused login, no such database, a URL that does not parse
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
+    except LedgerUnavailableError as exc:
+        raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
     except StreamsError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"migrations applied: {applied or 'none (up to date)'}")
@@ -282,11 +302,6 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None, operat
 
 # --- operators' commands -----------------------------------------------------------------------------------------
 
-#: Exit statuses of the operators' commands (1 is click's for other errors, 2 for bad usage).
-EXIT_REFUSED = 3  # the decision does not apply to the operation in its current state; nothing written
-EXIT_UNKNOWN_OPERATION = 4  # the ledger does not hold the operation
-EXIT_UNAVAILABLE = 5  # PostgreSQL did not answer
-
 
 class Duration(click.ParamType):
     """A duration such as ``30s``, ``5m``, ``2h``, ``1d`` or ``1h30m`` (:func:`streams.operators.parse_duration`),
@@ -305,19 +320,12 @@ class Duration(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-class CommandExit(click.ClickException):
-    """A command's failure with its own exit status (message on stderr, as click prints it)."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
-    """Run ``work(pool)`` on a small pool of the ledger; PostgreSQL not answering exits with EXIT_UNAVAILABLE."""
+    """Run ``work(pool)`` on a small pool of the ledger; PostgreSQL not answering exits with EXIT_UNAVAILABLE,
+    a refused login, a missing database or a URL that does not parse with EXIT_CONFIG."""
     from asyncpg import exceptions as asyncpg_errors
 
-    from streams.errors import LedgerUnavailableError
+    from streams.errors import DatabaseConfigError, LedgerUnavailableError
     from streams.ledger import create_pool
 
     try:
@@ -328,6 +336,8 @@ async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitabl
             await pool.close()
     except LedgerUnavailableError as exc:
         raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
+    except DatabaseConfigError as exc:
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
     except (asyncpg_errors.UndefinedTableError, asyncpg_errors.UndefinedColumnError) as exc:
         raise click.ClickException(
             f"the ledger's schema does not match this version ({exc}); apply the migrations: streams migrate"
@@ -349,7 +359,8 @@ def operations() -> None:
 
     \b
     Exit statuses: 0 done; 2 bad usage; 3 the decision does not apply to the operation's state (nothing
-    written); 4 no such operation; 5 PostgreSQL did not answer; 1 any other error.
+    written); 4 no such operation; 5 PostgreSQL did not answer; 6 a wrong setting (PostgreSQL refused the user
+    or password, no such database, a URL that does not parse); 1 any other error.
     """
 
 

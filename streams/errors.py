@@ -4,6 +4,8 @@
 
     StreamsError
     ├── ConfigError                  a setting is missing or malformed (fix the environment and restart)
+    │   └── DatabaseConfigError            PostgreSQL refused the login, has no such database, or its URL does
+    │                                      not parse: not an outage, retrying cannot help
     ├── MissingResourceError         a file the package ships (schema, migration, query) is not installed
     ├── QueryParametersError         a named query called without one of its parameters, or with one it does not
     │                                take: a bug at the call site, nothing was sent
@@ -55,6 +57,17 @@ class StreamsError(Exception):
 
 class ConfigError(StreamsError):
     """A setting is missing or malformed; the message names the variable and what to set it to."""
+
+
+class DatabaseConfigError(ConfigError):
+    """The PostgreSQL connection settings are wrong, not the server down: it refused the user or password
+    (SQLSTATE class 28), the database does not exist (3D000), or ``STREAMS_DATABASE_URL`` does not parse (a port
+    that is not a number). The message names host, port and database (never the password) and what to fix;
+    retrying cannot help (:func:`streams.ledger.connect_config_error`)."""
+
+    def __init__(self, address: str, message: str) -> None:
+        super().__init__(message)
+        self.address = address
 
 
 class MissingResourceError(StreamsError):

@@ -40,6 +40,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import asyncpg
 
@@ -47,7 +48,13 @@ from streams import exactjson, metrics
 from streams.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.coalesce import LINGER_UNDER_LOAD_S, Coalescer
 from streams.codes import ReasonCode, RemoteCallOutcome
-from streams.errors import LedgerDataError, LedgerUnavailableError, OperatorActionRefusedError, UnknownOperationError
+from streams.errors import (
+    DatabaseConfigError,
+    LedgerDataError,
+    LedgerUnavailableError,
+    OperatorActionRefusedError,
+    UnknownOperationError,
+)
 from streams.failures import is_outage
 from streams.sql import ACCOUNTING, RECONCILE
 from streams.sql import LEDGER as Q
@@ -128,17 +135,86 @@ async def create_pool(database_url: str, *, min_size: int = 2, max_size: int = 1
 
     Raises:
         LedgerUnavailableError: PostgreSQL did not accept the connection.
+        DatabaseConfigError: it refused the login, has no such database, or ``database_url`` does not parse.
     """
-    async with _guard("connect"):
-        pool: asyncpg.Pool = await asyncpg.create_pool(
-            database_url,
-            min_size=min_size,
-            max_size=max_size,
-            init=_init_connection,
-            reset=_keep_session,
-            command_timeout=30,
-        )
+    try:
+        async with _guard("connect"):
+            pool: asyncpg.Pool = await asyncpg.create_pool(
+                database_url,
+                min_size=min_size,
+                max_size=max_size,
+                init=_init_connection,
+                reset=_keep_session,
+                command_timeout=30,
+            )
+    except CONNECT_CONFIG_ERRORS as exc:
+        raise connect_config_error(database_url, exc) from exc
     return pool
+
+
+#: What a connection attempt raises when its settings are wrong, not when the server is down: SQLSTATE class 28
+#: (invalid authorization: a wrong password, an unknown role), 3D000 (no such database), and ValueError (asyncpg
+#: could not parse the URL, e.g. a port that is not a number).
+CONNECT_CONFIG_ERRORS = (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidCatalogNameError, ValueError)
+
+#: Seconds :func:`diagnose_connect` waits for PostgreSQL to answer a login.
+DIAGNOSE_TIMEOUT_S = 5.0
+
+
+def database_address(database_url: str) -> str:
+    """``host:port/database`` of a PostgreSQL URL as written, without user, password or query parameters (which
+    may hold a password); parses nothing, so it works on a URL that does not parse."""
+    rest = database_url.partition("://")[2] or database_url
+    return rest.rpartition("@")[2].partition("?")[0]
+
+
+def _without_password(text: str, database_url: str) -> str:
+    """``text`` with the URL's password (user info, as written or decoded) replaced by ``***``."""
+    userinfo = (database_url.partition("://")[2] or database_url).rpartition("@")[0]
+    password = userinfo.partition(":")[2]
+    for secret in {password, unquote(password)} - {""}:
+        text = text.replace(secret, "***")
+    return text
+
+
+def connect_config_error(database_url: str, exc: BaseException) -> DatabaseConfigError:
+    """The :class:`DatabaseConfigError` for ``exc``, one of :data:`CONNECT_CONFIG_ERRORS` raised by a connection
+    attempt to ``database_url``: what failed, where (host, port, database; never the password) and what to fix."""
+    address = database_address(database_url)
+    detail = _without_password(str(exc), database_url)
+    if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
+        message = (
+            f"PostgreSQL at {address} refused the login: {detail}; fix the user and password in STREAMS_DATABASE_URL"
+        )
+    elif isinstance(exc, asyncpg.InvalidCatalogNameError):
+        message = (
+            f"PostgreSQL at {address}: {detail}; create it (as the database owner) or fix the database name in "
+            "STREAMS_DATABASE_URL, then run streams migrate"
+        )
+    else:
+        message = (
+            f"STREAMS_DATABASE_URL ({address}) does not parse: {detail}; "
+            "write it as postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+        )
+    return DatabaseConfigError(address, message)
+
+
+async def diagnose_connect(database_url: str) -> DatabaseConfigError | None:
+    """Log in to ``database_url`` once (at most :data:`DIAGNOSE_TIMEOUT_S`) to tell wrong settings from an outage
+    after a client that does not say which (psycopg, under yoyo's migrations) failed to connect.
+
+    Returns:
+        the :class:`DatabaseConfigError` when the settings are wrong; None when the login works or failed for
+        another reason (an outage: the caller reports its own error).
+    """
+    try:
+        conn = await asyncpg.connect(database_url, timeout=DIAGNOSE_TIMEOUT_S)
+    except CONNECT_CONFIG_ERRORS as exc:
+        return connect_config_error(database_url, exc)
+    except Exception:  # an outage or anything else: not the settings' fault as far as a login can tell
+        return None
+    await conn.close()
+    return None
 
 
 class SaveOutcome(enum.StrEnum):

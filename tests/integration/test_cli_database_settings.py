@@ -1,0 +1,64 @@
+"""Every command that connects to PostgreSQL, run as a person runs it (the ``streams`` script in a subprocess)
+against the real server with wrong connection settings: one line naming host, port and database and what to fix,
+exit 6 (a wrong setting, not an outage), never a traceback, never the password."""
+
+from __future__ import annotations
+
+import uuid
+from urllib.parse import urlsplit
+
+import pytest
+
+from streams.config import Settings
+from tests.integration.operators_support import streams_cli
+
+pytestmark = pytest.mark.integration
+
+#: A password PostgreSQL refuses, distinctive enough that finding it in the output means it leaked.
+WRONG_PASSWORD = "hx-wrong-pw-7Qz"
+
+COMMANDS = [
+    ["operations", "list"],
+    ["operations", "show", "op-1"],
+    ["accounting", "report"],
+    ["migrate"],
+]
+
+
+def _wrong_url(settings: Settings, case: str) -> tuple[str, str]:
+    """The URL of ``case`` built from the test database's, and the ``host:port/database`` it must name."""
+    parts = urlsplit(settings.database_url.get_secret_value())
+    user, password, host, port = parts.username, parts.password, parts.hostname, str(parts.port)
+    database = parts.path.lstrip("/")
+    if case == "wrong_password":
+        password = WRONG_PASSWORD
+    elif case == "missing_database":  # reported only to a login that succeeds: the real password
+        database = f"streams_missing_{uuid.uuid4().hex[:8]}"
+    else:
+        password, port = WRONG_PASSWORD, "notaport"
+    return f"postgresql://{user}:{password}@{host}:{port}/{database}", f"{host}:{port}/{database}"
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=" ".join)
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("wrong_password", ["refused the login", "password authentication failed", "fix the user and password"]),
+        ("missing_database", ["does not exist", "create it", "fix the database name"]),
+        ("bad_port", ["does not parse", "notaport", "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"]),
+    ],
+)
+async def test_wrong_database_settings_exit_6_in_one_line(
+    migrated: Settings, args: list[str], case: str, expected: list[str]
+) -> None:
+    url, address = _wrong_url(migrated, case)
+    result = await streams_cli(migrated.replace(database_url=url), *args)
+    assert result.exit_code == 6, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    assert address in lines[0]
+    for text in expected:
+        assert text in lines[0]
+    assert WRONG_PASSWORD not in result.stderr + result.stdout
