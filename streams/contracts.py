@@ -167,7 +167,17 @@ def schema_error(topic: str, value: Any) -> str | None:
         return None
     first = errors[0]
     where = "/".join(str(p) for p in first.absolute_path) or "(root)"
-    return f"at {where}: {first.message}"
+    return f"at {where}: {explain(first)}"
+
+
+def explain(error: jsonschema.exceptions.ValidationError) -> str:
+    """``error``'s message for a person. A field the schema forbids (``{"not": {}}``: nothing is valid there) is
+    explained by that field's ``description`` (which says why it may not be given) instead of jsonschema's
+    ``... should not be valid under {}``."""
+    if error.validator == "not" and error.validator_value == {}:
+        description = error.schema.get("description") if isinstance(error.schema, dict) else None
+        return str(description) if description else "this field may not be given"
+    return str(error.message)
 
 
 def format_conforms(value: Any, fmt: str) -> bool:
@@ -212,7 +222,7 @@ def validate(topic: str, value: dict[str, Any]) -> None:
     """
     error = jsonschema.exceptions.best_match(validator(topic).iter_errors(value))
     if error is not None:
-        raise InvalidEventError("schema", f"{topic} schema: {error.message}")
+        raise InvalidEventError("schema", f"{topic} schema: {explain(error)}")
 
 
 def dead_letter(

@@ -153,7 +153,12 @@ def mutated(path: list[str], value: Any = None, *, delete: bool = False) -> dict
         (mutated(["request", "model"], ""), "request/model", "should be non-empty"),
         (mutated(["request", "model"], 7), "request/model", "7 is not of type 'string'"),
         (mutated(["request", "metadata"], "x"), "request/metadata", "'x' is not of type 'object'"),
-        (mutated(["request", "metadata"], {"client_reference": "mine"}), "request/metadata/client_reference", "'mine'"),
+        (
+            mutated(["request", "metadata"], {"client_reference": "mine"}),
+            "request/metadata/client_reference",
+            "a request may not carry metadata.client_reference: the product sends the operation id as the "
+            "provider's client reference",
+        ),
         (mutated(["submitted_at_ms"], 2**63), "submitted_at_ms", "is greater than the maximum"),
         (mutated(["submitted_at_ms"], -1), "submitted_at_ms", "-1 is less than the minimum of 0"),
         (mutated(["extra"], 1), "(root)", "'extra' was unexpected"),
@@ -302,6 +307,26 @@ def test_dead_letter_from_a_real_decode_failure() -> None:
     assert env["reason"] == "schema"
     assert "request/model" in env["error"]
     assert base64.b64decode(env["original_base64"]) == original
+
+
+def test_a_forbidden_field_is_explained_in_the_dead_letter_and_in_an_outgoing_check() -> None:
+    doc = mutated(["request", "metadata"], {"client_reference": "zzz", "user": "u-1"})
+    err = decode_error(SUB, raw(doc))
+    env = contracts.dead_letter(
+        source_topic=SUB, partition=0, offset=0, key=b"a", original=raw(doc), error=err, worker="w"
+    )
+    assert env["reason"] == "schema"  # the reason code stays; the text says why
+    assert env["error"] == (
+        f"{SUB} schema: at request/metadata/client_reference: a request may not carry metadata.client_reference: "
+        "the product sends the operation id as the provider's client reference"
+    )
+    with pytest.raises(InvalidEventError) as info:
+        contracts.validate(SUB, doc)
+    assert "should not be valid" not in str(info.value)
+    assert str(info.value) == (
+        f"{SUB} schema: a request may not carry metadata.client_reference: the product sends the operation id as "
+        "the provider's client reference"
+    )
 
 
 # --- numbers: exact or refused with the field ------------------------------------------------------------------
