@@ -244,32 +244,26 @@ def worker(obj: dict[str, str], web_port: int | None) -> None:
 @main.command()
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def submit(path: Path) -> None:
-    """Publish submissions from a JSONL file: one {"operation_id", "request", "source"?} object per line.
+    """Publish submissions from a JSONL file: one {"operation_id", "request", "source"?, "submitted_at_ms"?}
+    object per line.
 
     "request" is the provider's request body, e.g. {"model": "genace-1", "input": {"prompt": "...", "max_tokens":
-    32}}; it is sent as written.
+    32}}; it is sent as written. "submitted_at_ms" (the application's epoch ms) is kept as given, else stamped with
+    the current time. Every line is checked before any is published: a bad line publishes nothing (exit 1).
     """
-    from streams import jsontext
-    from streams.producer import SubmissionProducer
+    from streams.errors import InvalidEventError
+    from streams.producer import SubmissionProducer, submissions_from_jsonl
 
-    lines = path.read_text(encoding="utf-8").splitlines()
+    settings = _settings()
+    try:
+        values = submissions_from_jsonl(path.read_text(encoding="utf-8"), settings.max_value_bytes)
+    except InvalidEventError as exc:
+        raise click.ClickException(f"{path}: {exc}; nothing was published") from exc
 
     async def run() -> int:
-        count = 0
-        async with SubmissionProducer(_settings()) as producer:
-            futures = []
-            for n, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:  # the request and source texts go to Kafka as they are written (numbers stay exact)
-                    item = exactjson.loads(line)
-                    texts = jsontext.member_texts(line)
-                    futures.append(await producer.submit(item["operation_id"], texts["request"], texts.get("source")))
-                except Exception as exc:
-                    raise click.ClickException(f"{path}:{n}: {exc}") from exc
-                count += 1
-            await asyncio.gather(*futures)
-        return count
+        async with SubmissionProducer(settings) as producer:
+            await asyncio.gather(*[await producer.publish(operation_id, value) for operation_id, value in values])
+        return len(values)
 
     click.echo(f"published {asyncio.run(run())} submissions")
 
