@@ -29,6 +29,7 @@ from streams.admin import KafkaAdmin
 from streams.config import Settings
 from streams.errors import KafkaAdminError, ServiceNotReadyError
 from streams.failures import is_outage
+from streams.ledger import database_address
 
 SERVICES = ("postgres", "redis", "kafka")
 #: Redis key of a readiness probe (one per check, expires by itself).
@@ -78,7 +79,7 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
     try:
         return await _retry_transient(check, deadline_s)
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        where = settings.database_url.get_secret_value().rpartition("@")[2]  # host, port, database
+        where = database_address(settings.database_url.get_secret_value())
         raise ServiceNotReadyError(
             "postgres",
             _failure(f"{where} did not answer a query", exc, deadline_s)
