@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from streams import exactjson
 from streams.config import Settings
@@ -21,8 +21,9 @@ REQUEST = '{"model": "genace-1", "input": {"prompt": "p", "max_tokens": 18446744
 
 
 async def published(settings: Settings, prefix: str) -> list[dict[str, object]]:
-    """The submissions whose operation id starts with ``prefix``, read from the beginning of the topic up to its
-    end offsets as they are now."""
+    """The submissions whose operation id (their key) starts with ``prefix``, read from the beginning of the topic
+    up to its end offsets as they are now. Other tests' events on the topic are not decoded: some are invalid on
+    purpose (``NaN``, ``1e5000``)."""
     topic = settings.topic("submissions")
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
     await consumer.start()
@@ -35,7 +36,8 @@ async def published(settings: Settings, prefix: str) -> list[dict[str, object]]:
         behind = set(partitions)
         while behind:
             for records in (await consumer.getmany(timeout_ms=1000)).values():
-                values += [exactjson.loads(r.value) for r in records if r.value is not None]
+                ours = [r.value for r in records if r.key is not None and r.key.startswith(prefix.encode())]
+                values += [exactjson.loads(value) for value in ours if value is not None]
             behind = {tp for tp in behind if await consumer.position(tp) < end[tp]}
     finally:
         await consumer.stop()
@@ -88,6 +90,13 @@ async def test_submitted_at_ms_is_kept_when_given_and_stamped_when_not(migrated:
         "",
         f'{{"operation_id": "{prefix}stamped", "request": {REQUEST}, "source": {{"row": 7}}}}',
     ]
+    # Another test's event, invalid on purpose, on the same topic: the reader skips what is not ours.
+    producer = AIOKafkaProducer(bootstrap_servers=migrated.kafka_bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(migrated.topic("submissions"), b'{"operation_id": "other", "n": NaN}', b"other")
+    finally:
+        await producer.stop()
     before_ms = int(time.time() * 1000)
     result = await streams_cli(migrated, "submit", str(write_lines(tmp_path, lines)))
     after_ms = int(time.time() * 1000)
