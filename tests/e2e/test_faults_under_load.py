@@ -47,7 +47,18 @@ async def check_promises(pool: asyncpg.Pool, sim: SimulatorServer, ids: list[str
         )
         return bool(n == len(ids))
 
-    await wait_for(done, timeout_s, f"all {len(ids)} operations final")
+    try:
+        await wait_for(done, timeout_s, f"all {len(ids)} operations final")
+    except AssertionError as exc:  # say which operations are stuck where, so that a failure in CI can be read
+        stuck = await pool.fetch(
+            "SELECT operation_id, state::text AS state, fencing_token, next_poll_at, updated_at FROM operations "
+            "WHERE operation_id = ANY($1) AND NOT state::text = ANY($2) ORDER BY operation_id LIMIT 20",
+            ids,
+            list(FINAL),
+        )
+        missing = len(ids) - await pool.fetchval("SELECT count(*) FROM operations WHERE operation_id = ANY($1)", ids)
+        states = [dict(r) for r in stuck]
+        raise AssertionError(f"{exc}; not in the ledger: {missing}; not final (first 20): {states}") from exc
     rows = await pool.fetch(
         "SELECT operation_id, state::text AS state, reason FROM operations WHERE operation_id = ANY($1)", ids
     )
