@@ -239,6 +239,10 @@ class Lease:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+            elif not task.cancelled():
+                # The call ended while a renewal was answering (lost lease, cancellation): its outcome gives way
+                # to the renewal's, but is retrieved, or asyncio would log "Task exception was never retrieved".
+                task.exception()
 
     def keep_until_expiry(self) -> None:
         """Never release this lease (it expires by its TTL); for when there is no time to renew it (cancelled)."""
