@@ -322,26 +322,14 @@ async def create_topics(settings: Settings) -> list[str]:
         return await admin.create_topics(list(settings.topics.values()), settings.partitions)
 
 
-#: The topic Faust's leader assignor creates at a worker's start for its app (``faust/assignor/leader_assignor.py``:
-#: one partition, named after the app id, i.e. the consumer group). The app keeps no tables (memory store, see
-#: :func:`streams.app.create_app`), so this is the only topic Faust adds to the five.
-FAUST_LEADER_TOPIC_FORMAT = "{app_id}-__assignor-__leader"
-
-
-def internal_topics(app_id: str) -> list[str]:
-    """The topics Faust creates for the app ``app_id`` by itself: ``[<app id>-__assignor-__leader]``."""
-    return [FAUST_LEADER_TOPIC_FORMAT.format(app_id=app_id)]
-
-
 def run_topics(settings: Settings) -> list[str]:
-    """Every topic of a run on ``settings``: the five (:attr:`Settings.topics`) and Faust's internal ones of the
-    consumer group ``settings.app_id`` (:func:`internal_topics`), by exact name."""
-    return [*settings.topics.values(), *internal_topics(settings.app_id)]
+    """Every topic of a run on ``settings``: its five (:attr:`Settings.topics`), by exact name. Faust adds none:
+    the app keeps no tables and its leader topic is disabled (:func:`streams.app.create_app`)."""
+    return list(settings.topics.values())
 
 
 async def delete_topics(settings: Settings) -> list[str]:
-    """Delete a run's topics (:func:`run_topics`: the five of ``settings`` and Faust's internal topic of its
-    app id) that exist; returns the names deleted.
+    """Delete a run's topics (:func:`run_topics`) that exist; returns the names deleted.
 
     Meant for isolated runs (the main job, the soak, the benchmark, test sessions) whose topics carry their own
     prefix and whose consumer group its own app id; their workers must have stopped. Raises

@@ -197,6 +197,11 @@ def create_app(settings: Settings) -> faust.App:
         # (tests/e2e/test_faults_under_load.py).
         stream_wait_empty=True,
         autodiscover=False,
+        # No leader election: no timer or agent here runs on the leader only. Faust's leader topic would be one
+        # more topic per consumer group (``<app id>-__assignor-__leader``, left behind by every run), created by a
+        # CreateTopics call in the Conductor's first subscription, after the worker reported started: a broker
+        # restarting then crashed the worker (NodeNotReadyError, exit 1; tests/e2e/test_worker_start.py).
+        topic_disable_leader=True,
         store="memory://",
         # Faust creates its data directory (``<app id>-data/v1/tables``) at start even though the memory store
         # keeps nothing there; by default in the working directory, where every worker, test and benchmark run

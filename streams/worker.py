@@ -12,12 +12,18 @@ starts raises. So:
 2. a service can still go away between that check and Faust's own connections (a broker restarting in that
    window). A start-up failure that is an outage (:func:`streams.failures.is_outage`) before every service of the
    worker started makes :func:`run_worker` start the process again in place (``exec`` of the same command line,
-   same pid), at most :data:`MAX_START_ATTEMPTS` times in all; anything else (a bug, a refused setting) ends the
-   process as before.
+   same pid), at most :data:`MAX_START_ATTEMPTS` times in a row; anything else (a bug, a refused setting) ends the
+   process as before;
+3. once started, a worker rides out outages itself (see :mod:`streams.failures` for what waits), but Faust stops
+   the whole worker when one of its own services crashes, and some of its calls to the broker are beyond this
+   code's reach. A crash whose reason is an outage also starts the process again in place. Such crashes count
+   as start-up attempts while they come within :data:`STABLE_UPTIME_S` of the start; a crash later than that
+   begins a new series (the crash is its first attempt). A broker that keeps crashing workers just after they
+   start thus ends them after :data:`MAX_START_ATTEMPTS`, while a worker that meets an outage once a week never
+   runs out of attempts.
 
-Once started, a worker rides out outages itself: see :mod:`streams.failures` for what waits. It also calls
-``gc.freeze()`` then: what was made while starting stays out of the cyclic collector's full collections (README,
-"Benchmark": 6-20% less CPU per operation).
+A started worker also calls ``gc.freeze()``: what was made while starting stays out of the cyclic collector's full
+collections (README, "Benchmark": 6-20% less CPU per operation).
 """
 
 from __future__ import annotations
@@ -39,15 +45,19 @@ from streams.readiness import SERVICES, wait_ready
 
 log = logging.getLogger(__name__)
 
-#: How many times one worker process starts in all when services go away during its start-up.
+#: How many times in a row one worker process starts when services go away during its start-up.
 MAX_START_ATTEMPTS = 5
+#: A worker crashed by an outage after running this long (since Faust reported it started) begins a new series
+#: of start attempts; a crash sooner counts as one more attempt of the current series.
+STABLE_UPTIME_S = 60.0
 #: Environment variable carrying the attempt number across ``exec`` (set by this module only).
 START_ATTEMPT_ENV = "STREAMS_WORKER_START_ATTEMPT"
 
 
 class StreamsWorker(faust.Worker):
     """faust's :class:`faust.Worker` that waits for the services before it starts Faust's own, and remembers a
-    start-up failure (:attr:`startup_failure`) so that :func:`run_worker` can tell an outage from a bug.
+    start-up failure (:attr:`startup_failure`) and when it started (:attr:`started_monotonic`) so that
+    :func:`run_worker` can tell an outage from a bug, and a crash soon after the start from a later one.
 
     ``settings`` gives the services' addresses and ``startup_timeout_s``; the other arguments are faust's.
     """
@@ -57,7 +67,8 @@ class StreamsWorker(faust.Worker):
         self.settings = settings
         #: The exception that stopped the worker before it had started, if any.
         self.startup_failure: BaseException | None = None
-        self._started_fully = False
+        #: ``time.monotonic()`` when Faust reported the worker started; None before.
+        self.started_monotonic: float | None = None
 
     async def on_execute(self) -> None:
         """Before any service of Faust starts: wait for PostgreSQL, Redis and Kafka.
@@ -79,29 +90,48 @@ class StreamsWorker(faust.Worker):
         hooks.reach(HookPoint.SERVICES_READY_BEFORE_START)
 
     async def on_started(self) -> None:
-        self._started_fully = True
+        self.started_monotonic = time.monotonic()
         # Everything made while starting (modules, the app, its clients) lives as long as the process: keep it out
         # of the cyclic garbage collector's full collections, which otherwise walk all of it again and again. The
         # garbage the start-up left (cycles of refused connections' exceptions and frames) is collected first: a
         # frozen object is never collected again.
         gc.collect()
         gc.freeze()
-        await super().on_started()
+        hooks.reach(HookPoint.WORKER_STARTED, worker=self)
+        await super().on_started()  # mode's worker (a daemon) waits here until it stops
 
     async def start(self) -> None:
         try:
             await super().start()
         except BaseException as exc:
-            if not self._started_fully:
+            if self.started_monotonic is None:
                 self.startup_failure = exc
             raise
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the worker: the start-up failure, else the reason Faust crashed it; None for a clean stop
+        (SIGTERM, SIGINT)."""
+        return self.startup_failure if self.startup_failure is not None else self.crash_reason
 
-def restart_after(failure: BaseException | None, attempt: int) -> bool:
-    """True when a worker that stopped with ``failure`` during start-up (``None``: it started, or stopped
-    cleanly) on its ``attempt``-th start (from 1) should start again: the failure is an outage and attempts
-    remain (:data:`MAX_START_ATTEMPTS`)."""
-    return failure is not None and is_outage(failure) and attempt < MAX_START_ATTEMPTS
+    def uptime_s(self) -> float:
+        """Seconds since Faust reported the worker started; 0.0 if it never did."""
+        return 0.0 if self.started_monotonic is None else time.monotonic() - self.started_monotonic
+
+
+def next_attempt(failure: BaseException | None, attempt: int, uptime_s: float = 0.0) -> int | None:
+    """The attempt number (from 1) to start again with, for a worker on its ``attempt``-th start that stopped with
+    ``failure`` (``None``: stopped cleanly) after running ``uptime_s`` seconds since Faust reported it started
+    (0.0: during start-up); None when the process should end instead.
+
+    Only an outage (:func:`streams.failures.is_outage`) starts again: as ``attempt + 1``, or as 2 after a crash
+    at least :data:`STABLE_UPTIME_S` into the run (a new series, the crash its first attempt); never beyond
+    :data:`MAX_START_ATTEMPTS`.
+    """
+    if failure is None or not is_outage(failure):
+        return None
+    following = 2 if uptime_s >= STABLE_UPTIME_S else attempt + 1
+    return following if following <= MAX_START_ATTEMPTS else None
 
 
 def run_worker(app: faust.App, settings: Settings, **kwargs: Any) -> None:
@@ -117,17 +147,20 @@ def run_worker(app: faust.App, settings: Settings, **kwargs: Any) -> None:
     try:
         worker.execute_from_commandline()
     except SystemExit:
-        failure = worker.startup_failure
-        if not restart_after(failure, attempt):
+        failure = worker.failure
+        following = next_attempt(failure, attempt, worker.uptime_s())
+        if following is None:
             raise
+        when = "while this worker started" if worker.started_monotonic is None else "and crashed this worker"
         log.warning(
-            "a service went away while this worker started (%s: %s); starting again (attempt %d of %d)",
+            "a service went away %s (%s: %s); starting again (attempt %d of %d)",
+            when,
             type(failure).__name__,
             failure,
-            attempt + 1,
+            following,
             MAX_START_ATTEMPTS,
         )
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os.environ[START_ATTEMPT_ENV] = str(attempt + 1)
+        os.environ[START_ATTEMPT_ENV] = str(following)
         os.execv(sys.executable, sys.orig_argv)

@@ -15,16 +15,23 @@ its own process.
                                     marked the batch published
 ``HARNESS_PAUSE_WHEN_READY_FILE``   SIGSTOP once the starting worker found the services ready, before Faust
                                     starts its clients (a test takes a service away, then resumes it)
+``HARNESS_CRASH_AFTER_START_FILE``  a second after Faust reported the worker started, crash Faust's
+                                    Conductor as a broker outage crashes it (``outage`` in the file:
+                                    ``NodeNotReadyError``) or as a bug would (``bug``: ``RuntimeError``)
 =================================== ======================================================================
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+import aiokafka.errors
 
 from streams import hooks
 from streams.hooks import HookPoint
@@ -34,6 +41,9 @@ log = logging.getLogger(__name__)
 PAUSE_AFTER_GET_FILE = "HARNESS_PAUSE_AFTER_GET_FILE"
 KILL_AFTER_PUBLISH_FILE = "HARNESS_KILL_AFTER_PUBLISH_FILE"
 PAUSE_WHEN_READY_FILE = "HARNESS_PAUSE_WHEN_READY_FILE"
+CRASH_AFTER_START_FILE = "HARNESS_CRASH_AFTER_START_FILE"
+#: Seconds after the start at which the crash hook fires.
+CRASH_DELAY_S = 1.0
 
 
 def signal_self_once(path: str, sig: signal.Signals, where: str) -> bool:
@@ -61,6 +71,35 @@ def _pause_action(path: str, where: str) -> hooks.Action:
     return pause
 
 
+def _crash_reason(kind: str) -> BaseException:
+    """The exception the crash hook crashes Faust with: an outage (``outage``) or a bug (anything else)."""
+    if kind == "outage":
+        return aiokafka.errors.NodeNotReadyError("fault hook: attempt to send a request to node which is not ready")
+    return RuntimeError("fault hook: a bug in a Faust service")
+
+
+def _crash_action(path: str) -> hooks.Action:
+    crashes: set[asyncio.Task[None]] = set()  # referenced until done: the loop keeps only weak references
+
+    def crash(*, worker: Any, **context: Any) -> None:
+        try:
+            kind = Path(path).read_text().strip()
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        reason = _crash_reason(kind)
+        log.warning("fault hook: crashing Faust's Conductor in %.1f s with %r", CRASH_DELAY_S, reason)
+
+        def fire() -> None:
+            task = asyncio.ensure_future(worker.app.topics.crash(reason))
+            crashes.add(task)
+            task.add_done_callback(crashes.discard)
+
+        asyncio.get_running_loop().call_later(CRASH_DELAY_S, fire)
+
+    return crash
+
+
 def install_from_env(environ: Mapping[str, str]) -> list[HookPoint]:
     """Install the actions ``environ`` selects (see the module docstring); returns the points armed."""
     armed: list[HookPoint] = []
@@ -77,6 +116,9 @@ def install_from_env(environ: Mapping[str, str]) -> list[HookPoint]:
 
         hooks.install(HookPoint.PUBLISHED_BEFORE_MARK, kill)
         armed.append(HookPoint.PUBLISHED_BEFORE_MARK)
+    if crash_file := environ.get(CRASH_AFTER_START_FILE, ""):
+        hooks.install(HookPoint.WORKER_STARTED, _crash_action(crash_file))
+        armed.append(HookPoint.WORKER_STARTED)
     return armed
 
 

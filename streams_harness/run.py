@@ -31,7 +31,6 @@ from streams.admin import (
     database_name,
     delete_topics,
     drop_run_database,
-    internal_topics,
     migrate,
 )
 from streams.config import Settings
@@ -190,12 +189,11 @@ def migrations_line(applied: list[str]) -> str:
 
 
 async def remove_run(run: Settings, admin_database_url: str, out: TextIO) -> None:
-    """Remove the run ``run``'s topics (:func:`streams.admin.delete_topics`: the five and Faust's internal topic of
-    its app id) and its database (dropped through ``admin_database_url``), its processes being stopped. A removal
-    that fails is printed to ``out`` with what to remove by hand (the services may just have been restarted),
-    never raised over the run's own outcome; the other removal still runs."""
-    topics = f"topics {run.topic_prefix}* and {', '.join(internal_topics(run.app_id))}"
-    await _remove(topics, lambda: delete_topics(run), out)
+    """Remove the run ``run``'s five topics (:func:`streams.admin.delete_topics`) and its database (dropped
+    through ``admin_database_url``), its processes being stopped. A removal that fails is printed to ``out`` with
+    what to remove by hand (the services may just have been restarted), never raised over the run's own outcome;
+    the other removal still runs."""
+    await _remove(f"topics {run.topic_prefix}*", lambda: delete_topics(run), out)
     await _remove(
         f"database {run.database_url}",
         lambda: drop_run_database(admin_database_url, run.database_url.get_secret_value()),

@@ -1,5 +1,5 @@
-"""A harness run's cleanup against the real broker after a real worker ran: nothing of the run is left, neither
-its five topics nor the topic Faust's leader assignor created for its app id (its consumer group)."""
+"""A harness run against the real broker after a real worker ran: the worker added no topic to the run's five
+(Faust's leader topic, ``<app id>-__assignor-__leader``, is disabled), and the run's cleanup left none of them."""
 
 from __future__ import annotations
 
@@ -29,23 +29,33 @@ async def run_topics_on_broker(settings: Settings) -> set[str]:
     return {t for t in names if t.startswith(settings.topic_prefix) or t.startswith(f"{settings.app_id}-")}
 
 
-async def test_a_run_leaves_no_topic_of_its_app_id_after_its_worker_ran(
-    base_settings: Settings, tmp_path: Path
-) -> None:
+async def group_state(settings: Settings) -> tuple[str, int]:
+    """The run's consumer group as the broker describes it: (state, number of members)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        [response] = await admin.describe_consumer_groups([settings.app_id])
+    finally:
+        await admin.close()
+    _error_code, _group, state, _protocol_type, _protocol, members, *_ = response.groups[0]
+    return str(state), len(members)
+
+
+async def test_a_worker_adds_no_topic_and_a_run_leaves_none(base_settings: Settings, tmp_path: Path) -> None:
     out = io.StringIO()
     async with isolated_run(base_settings, f"t{uuid.uuid4().hex[:10]}", keep=False, out=out) as settings:
-        leader = f"{settings.app_id}-__assignor-__leader"
         fleet = Fleet(settings, tmp_path)
         try:
             fleet.start()
             await fleet.wait_ready()
 
-            async def leader_created() -> bool:
-                return leader in await run_topics_on_broker(settings)
+            async def joined() -> bool:
+                return await group_state(settings) == ("Stable", 1)
 
-            await wait_for(leader_created, 60, f"the worker's Faust to create {leader}")
+            # Past its first subscription (where Faust created its leader topic) and its first assignment.
+            await wait_for(joined, 60, "the worker to join its consumer group")
         finally:
             fleet.stop_all()
-        assert await run_topics_on_broker(settings) == {*settings.topics.values(), leader}
+        assert await run_topics_on_broker(settings) == set(settings.topics.values())
     assert await run_topics_on_broker(settings) == set()
     assert "warning" not in out.getvalue()

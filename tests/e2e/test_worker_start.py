@@ -182,3 +182,51 @@ async def test_a_worker_told_to_stop_while_faust_starts_stops_instead_of_startin
         assert "starting again" not in worker.log_text()
     finally:
         fleet.stop_all()
+
+
+async def test_a_worker_crashed_by_an_outage_after_it_started_starts_again_in_place(
+    fault_settings: Settings, tmp_path: Path, producer: SubmissionProducer, ledger_pool: asyncpg.Pool
+) -> None:
+    """Faust stops the whole worker when one of its services crashes; a broker outage crashed its Conductor (a
+    CreateTopics call in its first subscription, during a broker restart: NodeNotReadyError, exit 1 in a soak).
+    The crash hook crashes the Conductor the same way after the worker started."""
+    hook = tmp_path / "crash-after-start"
+    hook.write_text("outage")
+    fleet = Fleet(fault_settings, tmp_path)
+    try:
+        worker = fleet.start("a", faults={faults.CRASH_AFTER_START_FILE: str(hook)})
+        pid = worker.pid
+
+        async def restarted() -> bool:
+            return "and crashed this worker (NodeNotReadyError" in worker.log_text()
+
+        await wait_for(restarted, 60, "the crashed worker to start again")
+        assert "starting again (attempt 2 of 5)" in worker.log_text()
+
+        async def started_twice() -> bool:
+            return worker.log_text().count("services ready after") == 2
+
+        await wait_for(started_twice, 60, "the worker's second start")
+        await fleet.wait_ready("a")
+        assert worker.alive() and worker.pid == pid
+        await _succeeds(producer, ledger_pool, f"crash{uuid.uuid4().hex[:6]}")
+    finally:
+        fleet.stop_all()
+
+
+async def test_a_worker_crashed_by_a_bug_after_it_started_exits(fault_settings: Settings, tmp_path: Path) -> None:
+    hook = tmp_path / "crash-after-start"
+    hook.write_text("bug")
+    fleet = Fleet(fault_settings, tmp_path)
+    try:
+        worker = fleet.start("a", faults={faults.CRASH_AFTER_START_FILE: str(hook)})
+
+        async def exited() -> bool:
+            return not worker.alive()
+
+        await wait_for(exited, 60, "the worker crashed by a bug to exit")
+        assert worker.proc.returncode == 1
+        log = worker.log_text()
+        assert "fault hook: a bug in a Faust service" in log and "starting again" not in log
+    finally:
+        fleet.stop_all()

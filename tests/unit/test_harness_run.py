@@ -123,7 +123,7 @@ def test_the_main_jobs_processes_get_the_runs_settings() -> None:
     assert (simulator.port, simulator.seed, simulator.fault_5xx, simulator.lookup_enabled) == (20123, 3, 0.2, True)
 
 
-def test_a_runs_topics_are_its_five_and_faust_leader_topic_of_its_app_id() -> None:
+def test_a_runs_topics_are_its_five() -> None:
     run = isolate(Settings(), "run123", "postgresql://u:p@h:5432/streams_run123")
     assert run_topics(run) == [
         "run123.generation.submissions",
@@ -131,7 +131,6 @@ def test_a_runs_topics_are_its_five_and_faust_leader_topic_of_its_app_id() -> No
         "run123.generation.outputs.delivered",
         "run123.generation.transitions",
         "run123.generation.dead-letter",
-        "generation-streams-run123-__assignor-__leader",
     ]
 
 

@@ -1,5 +1,5 @@
-"""When a worker that stopped during start-up starts again (streams/worker.py): only after an outage, and a
-bounded number of times."""
+"""When a worker that stopped starts again (streams/worker.py): only after an outage, a bounded number of times
+in a row (a crash long after the start begins a new series)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import faust
 import pytest
 
 from streams.errors import ServiceNotReadyError
-from streams.worker import MAX_START_ATTEMPTS, StreamsWorker, restart_after
+from streams.worker import MAX_START_ATTEMPTS, STABLE_UPTIME_S, StreamsWorker, next_attempt
 
 
 @pytest.mark.parametrize(
@@ -25,9 +25,32 @@ from streams.worker import MAX_START_ATTEMPTS, StreamsWorker, restart_after
     ],
 )
 def test_an_outage_during_start_up_starts_again_until_the_attempts_run_out(failure: BaseException) -> None:
-    assert [restart_after(failure, attempt) for attempt in range(1, MAX_START_ATTEMPTS + 1)] == [True] * (
-        MAX_START_ATTEMPTS - 1
-    ) + [False]
+    assert [next_attempt(failure, attempt) for attempt in range(1, MAX_START_ATTEMPTS + 1)] == [2, 3, 4, 5, None]
+
+
+def test_a_crash_soon_after_the_start_counts_as_one_more_attempt() -> None:
+    outage = aiokafka.errors.NodeNotReadyError("node 1 not ready")
+    assert next_attempt(outage, 1, uptime_s=1.0) == 2
+    assert next_attempt(outage, 4, uptime_s=STABLE_UPTIME_S - 0.1) == 5
+    assert next_attempt(outage, MAX_START_ATTEMPTS, uptime_s=STABLE_UPTIME_S - 0.1) is None
+
+
+def test_a_crash_long_after_the_start_begins_a_new_series() -> None:
+    outage = aiokafka.errors.NodeNotReadyError("node 1 not ready")
+    assert next_attempt(outage, MAX_START_ATTEMPTS, uptime_s=STABLE_UPTIME_S) == 2
+    assert next_attempt(TypeError("a bug"), 1, uptime_s=STABLE_UPTIME_S) is None
+
+
+def test_the_failure_is_the_start_up_one_else_fausts_crash_reason() -> None:
+    worker = object.__new__(StreamsWorker)  # the properties need no more than these attributes
+    worker.startup_failure, worker._crash_reason, worker.started_monotonic = None, None, None
+    assert worker.failure is None and worker.uptime_s() == 0.0
+    crash = aiokafka.errors.NodeNotReadyError("node 1 not ready")
+    worker._crash_reason = crash
+    assert worker.failure is crash
+    startup = aiokafka.errors.KafkaConnectionError("Unable to bootstrap")
+    worker.startup_failure = startup
+    assert worker.failure is startup
 
 
 @pytest.mark.parametrize(
@@ -40,7 +63,7 @@ def test_an_outage_during_start_up_starts_again_until_the_attempts_run_out(failu
     ],
 )
 def test_anything_else_ends_the_process(failure: BaseException | None) -> None:
-    assert restart_after(failure, 1) is False
+    assert next_attempt(failure, 1) is None
 
 
 class _Cycle:
