@@ -189,7 +189,8 @@ def migrate() -> None:
 def ready(services: tuple[str, ...], timeout_s: float, pids: tuple[str, ...]) -> None:
     """Wait until the services answer real commands: PostgreSQL a query (STREAMS_DATABASE_URL), Redis SET/GET
     (STREAMS_REDIS_URL), Kafka a group coordinator look-up and describe of a throwaway consumer group
-    (STREAMS_KAFKA_BOOTSTRAP). Exits non-zero with the reason when one does not within --timeout-s."""
+    (STREAMS_KAFKA_BOOTSTRAP). Exits 1 with the reason when one does not within --timeout-s, 6 when PostgreSQL's
+    settings are wrong."""
     from streams.readiness import SERVICES, wait_ready
 
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # refused connections while waiting are expected
@@ -201,6 +202,8 @@ def ready(services: tuple[str, ...], timeout_s: float, pids: tuple[str, ...]) ->
         watched[name] = int(value)
     try:
         answers = asyncio.run(wait_ready(_settings(), list(services or SERVICES), timeout_s, watched))
+    except ConfigError as exc:  # DatabaseConfigError: a refused login, no such database, a URL that does not parse
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
     except StreamsError as exc:
         raise click.ClickException(str(exc)) from exc
     for name, (answer, elapsed_s) in answers.items():

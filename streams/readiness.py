@@ -29,7 +29,7 @@ from streams.admin import KafkaAdmin
 from streams.config import Settings
 from streams.errors import KafkaAdminError, ServiceNotReadyError
 from streams.failures import is_outage
-from streams.ledger import database_address
+from streams.ledger import CONNECT_CONFIG_ERRORS, connect_config_error, database_address
 
 SERVICES = ("postgres", "redis", "kafka")
 #: Redis key of a readiness probe (one per check, expires by itself).
@@ -64,8 +64,9 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
     """Log in to ``settings.database_url`` and run a query; returns the server version.
 
     Raises:
-        ServiceNotReadyError: no answer within ``deadline_s``, or a definite refusal (wrong password, no such
-            database: run ``scripts/services up`` as root to create the role and databases).
+        DatabaseConfigError: the settings are wrong (a refused login, no such database, a URL that does not
+            parse): what to fix, never retried.
+        ServiceNotReadyError: no answer within ``deadline_s``, or another definite refusal.
     """
 
     async def check() -> str:
@@ -76,14 +77,14 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
         finally:
             await conn.close()
 
+    database_url = settings.database_url.get_secret_value()
     try:
         return await _retry_transient(check, deadline_s)
+    except CONNECT_CONFIG_ERRORS as exc:
+        raise connect_config_error(database_url, exc) from exc
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        where = database_address(settings.database_url.get_secret_value())
         raise ServiceNotReadyError(
-            "postgres",
-            _failure(f"{where} did not answer a query", exc, deadline_s)
-            + ("" if is_outage(exc) else "; `scripts/services up` (as root) creates the role and databases"),
+            "postgres", _failure(f"{database_address(database_url)} did not answer a query", exc, deadline_s)
         ) from exc
 
 

@@ -22,6 +22,7 @@ COMMANDS = [
     ["operations", "show", "op-1"],
     ["accounting", "report"],
     ["migrate"],
+    ["ready", "--service", "postgres", "--timeout-s", "5"],
 ]
 
 
