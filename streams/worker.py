@@ -16,11 +16,11 @@ starts raises. So:
    process as before;
 3. once started, a worker rides out outages itself (see :mod:`streams.failures` for what waits), but Faust stops
    the whole worker when one of its own services crashes, and some of its calls to the broker are beyond this
-   code's reach. A crash whose reason is an outage also starts the process again in place. Such crashes count
-   as start-up attempts while they come within :data:`STABLE_UPTIME_S` of the start; a crash later than that
-   begins a new series (the crash is its first attempt). A broker that keeps crashing workers just after they
-   start thus ends them after :data:`MAX_START_ATTEMPTS`, while a worker that meets an outage once a week never
-   runs out of attempts.
+   code's reach. A crash whose reason is an outage also starts the process again in place (unless the worker
+   had been told to stop: SIGTERM, SIGINT). Such crashes count as start-up attempts while they come within
+   :data:`STABLE_UPTIME_S` of the start; a crash later than that begins a new series (the crash is its first
+   attempt). A broker that keeps crashing workers just after they start thus ends them after
+   :data:`MAX_START_ATTEMPTS`, while a worker that meets an outage once a week never runs out of attempts.
 
 A started worker also calls ``gc.freeze()``: what was made while starting stays out of the cyclic collector's full
 collections (README, "Benchmark": 6-20% less CPU per operation).
@@ -114,6 +114,12 @@ class StreamsWorker(faust.Worker):
         (SIGTERM, SIGINT)."""
         return self.startup_failure if self.startup_failure is not None else self.crash_reason
 
+    @property
+    def stop_requested(self) -> bool:
+        """True once the worker was told to stop (SIGTERM, SIGINT): whatever fails after that, it must not start
+        again. (mode's worker notes the signal's time in ``_signal_stop_time``.)"""
+        return self._signal_stop_time is not None
+
     def uptime_s(self) -> float:
         """Seconds since Faust reported the worker started; 0.0 if it never did."""
         return 0.0 if self.started_monotonic is None else time.monotonic() - self.started_monotonic
@@ -148,7 +154,7 @@ def run_worker(app: faust.App, settings: Settings, **kwargs: Any) -> None:
         worker.execute_from_commandline()
     except SystemExit:
         failure = worker.failure
-        following = next_attempt(failure, attempt, worker.uptime_s())
+        following = None if worker.stop_requested else next_attempt(failure, attempt, worker.uptime_s())
         if following is None:
             raise
         when = "while this worker started" if worker.started_monotonic is None else "and crashed this worker"

@@ -53,6 +53,13 @@ def test_the_failure_is_the_start_up_one_else_fausts_crash_reason() -> None:
     assert worker.failure is startup
 
 
+def test_a_stop_signal_is_remembered() -> None:
+    worker = object.__new__(StreamsWorker)
+    assert worker.stop_requested is False  # mode's class default: no signal yet
+    worker._signal_stop_time = 12.5
+    assert worker.stop_requested is True
+
+
 @pytest.mark.parametrize(
     "failure",
     [
