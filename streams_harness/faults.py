@@ -74,7 +74,8 @@ def _pause_action(path: str, where: str) -> hooks.Action:
 def _crash_reason(kind: str) -> BaseException:
     """The exception the crash hook crashes Faust with: an outage (``outage``) or a bug (anything else)."""
     if kind == "outage":
-        return aiokafka.errors.NodeNotReadyError("fault hook: attempt to send a request to node which is not ready")
+        outage: BaseException = aiokafka.errors.NodeNotReadyError("fault hook: node not ready")
+        return outage
     return RuntimeError("fault hook: a bug in a Faust service")
 
 
