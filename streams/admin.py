@@ -25,7 +25,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-import asyncpg
 import psycopg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
@@ -51,7 +50,7 @@ from yoyo.migrations import MigrationList
 from streams.config import Settings, mask_url
 from streams.errors import KafkaAdminError, LedgerUnavailableError, MissingResourceError, StreamsError
 from streams.failures import is_outage
-from streams.ledger import connect_config_error, database_address, diagnose_connect
+from streams.ledger import connect, connect_config_error, database_address, diagnose_connect
 
 log = logging.getLogger(__name__)
 
@@ -343,12 +342,17 @@ async def create_run_database(database_url: str, run_id: str) -> str:
     """Create an empty database ``<name>_<run_id>`` next to ``database_url``'s and return its URL.
 
     Harness runs (main job, soak) use one each, so an aborted run's leftovers never reach the next run's
-    workers. Raises ``asyncpg.PostgresError`` when the role may not create databases.
+    workers.
+
+    Raises:
+        DatabaseConfigError: PostgreSQL refused the login, or has no database ``database_url`` names.
+        LedgerUnavailableError: PostgreSQL did not accept the connection.
+        asyncpg.PostgresError: the role may not create databases.
     """
     base, _, name = database_url.rpartition("/")
     name, _, query = name.partition("?")
     run_db = f"{name}_{run_id}".lower()
-    conn = await asyncpg.connect(database_url)
+    conn = await connect(database_url)
     try:
         await conn.execute(f'CREATE DATABASE "{run_db}"')
     finally:
@@ -362,9 +366,13 @@ def database_name(database_url: str) -> str:
 
 
 async def drop_run_database(database_url: str, run_database_url: str) -> None:
-    """Drop the run database created by :func:`create_run_database` (its connections are terminated)."""
+    """Drop the run database created by :func:`create_run_database` (its connections are terminated).
+
+    Raises:
+        as :func:`streams.ledger.connect`.
+    """
     run_db = database_name(run_database_url)
-    conn = await asyncpg.connect(database_url)
+    conn = await connect(database_url)
     try:
         await conn.execute(f'DROP DATABASE IF EXISTS "{run_db}" WITH (FORCE)')
     finally:

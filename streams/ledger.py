@@ -152,6 +152,21 @@ async def create_pool(database_url: str, *, min_size: int = 2, max_size: int = 1
     return pool
 
 
+async def connect(database_url: str) -> asyncpg.Connection:
+    """One plain connection to ``database_url`` (no json codecs: for administration, not the ledger's rows).
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not accept the connection.
+        DatabaseConfigError: it refused the login, has no such database, or ``database_url`` does not parse.
+    """
+    try:
+        async with _guard("connect"):
+            conn: asyncpg.Connection = await asyncpg.connect(database_url)
+    except CONNECT_CONFIG_ERRORS as exc:
+        raise connect_config_error(database_url, exc) from exc
+    return conn
+
+
 #: What a connection attempt raises when its settings are wrong, not when the server is down: SQLSTATE class 28
 #: (invalid authorization: a wrong password, an unknown role), 3D000 (no such database), and ValueError (asyncpg
 #: could not parse the URL, e.g. a port that is not a number).

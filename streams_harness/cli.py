@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 
 import click
 
+from streams.cli import EXIT_CONFIG, CommandExit
 from streams.config import Settings
-from streams.errors import StreamsError
+from streams.errors import ConfigError, StreamsError
 
 T = TypeVar("T")
 
@@ -85,6 +86,8 @@ def _run_job(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(_until_sigterm(coro))
     except asyncio.CancelledError:
         raise click.ClickException("terminated (SIGTERM); the simulator and workers were stopped") from None
+    except ConfigError as exc:  # DatabaseConfigError: a refused login, no such database: as the product's commands
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
     except StreamsError as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -63,3 +63,34 @@ async def test_wrong_database_settings_exit_6_in_one_line(
     for text in expected:
         assert text in lines[0]
     assert WRONG_PASSWORD not in result.stderr + result.stdout
+
+
+#: The harness's runs: each creates its run's database next to the configured one before anything else needs it.
+HARNESS_COMMANDS = [
+    ["run", "--rows", "5"],
+    ["soak", "--rows", "5"],
+    ["bench", "--workers", "1", "--partitions", "4", "--no-naive", "--no-floor", "--no-profile", "--paced-rate", "0"],
+]
+
+
+@pytest.mark.parametrize("args", HARNESS_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("wrong_password", ["refused the login", "password authentication failed", "fix the user and password"]),
+        ("missing_database", ["does not exist", "create it", "fix the database name"]),
+    ],
+)
+async def test_harness_runs_with_wrong_database_settings_exit_6_with_one_error_line(
+    migrated: Settings, args: list[str], case: str, expected: list[str]
+) -> None:
+    """Their progress lines come first on stdout; the error is one line on stderr, as the product's commands."""
+    url, address = _wrong_url(migrated, case)
+    result = await streams_cli(migrated.replace(database_url=url), *args)
+    assert result.exit_code == 6, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert address in errors[0]
+    for text in expected:
+        assert text in errors[0]
+    assert WRONG_PASSWORD not in result.stderr + result.stdout
