@@ -15,6 +15,10 @@ Text line (``--log-format text``, the default of the other commands)::
     2026-05-02 10:00:00,123 WARNING streams.observer: ... [operation_id=op-1 remote_job_id=job-9 fencing_token=4]
 
 The format is chosen with ``--log-format`` or ``STREAMS_LOG_FORMAT`` (``json`` or ``text``).
+
+aiokafka logs every failed connection attempt and metadata refresh of a broker outage, at ERROR: about 290 lines
+per worker while a broker restarts for ten seconds. :class:`RepeatFilter` lets the first line of each kind through
+and holds back its repeats for :data:`REPEAT_WINDOW_S`; the next line of that kind says how many were held back.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from __future__ import annotations
 import contextvars
 import datetime as dt
 import logging
+import time
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -115,6 +120,40 @@ class TextFormatter(logging.Formatter):
         return first + suffix + newline + rest
 
 
+#: Seconds during which repeats of one library log line (same logger, same message template) are held back.
+REPEAT_WINDOW_S = 5.0
+#: Loggers (with their children) whose repeats :class:`RepeatFilter` holds back.
+REPEATING_LOGGERS = ("aiokafka",)
+
+
+class RepeatFilter(logging.Filter):
+    """A handler filter: of the records of :data:`REPEATING_LOGGERS`, the first of each (logger name, message
+    template) goes through, and its repeats within ``window_s`` seconds are held back (dropped and counted). The
+    first one through after the window says how many were held back (``... [37 more like it held back in 5 s]``).
+    Records of other loggers always go through. ``clock`` gives seconds (default ``time.monotonic``)."""
+
+    def __init__(self, window_s: float = REPEAT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.clock = clock
+        #: (logger name, template) -> (when its window opened, repeats held back since).
+        self._windows: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(REPEATING_LOGGERS):
+            return True
+        key = (record.name, str(record.msg))
+        now = self.clock()
+        window = self._windows.get(key)
+        if window is not None and now - window[0] < self.window_s:
+            self._windows[key] = (window[0], window[1] + 1)
+            return False
+        self._windows[key] = (now, 0)
+        if window is not None and window[1]:
+            record.msg = f"{record.msg} [{window[1]} more like it held back in {self.window_s:g} s]"
+        return True
+
+
 def formatter(fmt: str) -> logging.Formatter:
     """The formatter for ``fmt`` (``json`` or ``text``).
 
@@ -130,7 +169,8 @@ def formatter(fmt: str) -> logging.Formatter:
 
 def dict_config(fmt: str, level: str | int, stream: str = "ext://sys.stderr") -> dict[str, Any]:
     """A :func:`logging.config.dictConfig` dictionary: one stream handler with the ``fmt`` formatter on the
-    root logger at ``level``; ``httpx`` and ``aiokafka`` at WARNING or above (they log every request).
+    root logger at ``level``; ``httpx`` and ``aiokafka`` at WARNING or above (they log every request), and
+    aiokafka's repeats held back (:class:`RepeatFilter`).
 
     ``stream`` is a dictConfig reference (``ext://sys.stdout`` for a worker, whose output is its log).
 
@@ -146,7 +186,15 @@ def dict_config(fmt: str, level: str | int, stream: str = "ext://sys.stderr") ->
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"streams": {"()": f"{__name__}.{'JsonFormatter' if fmt == 'json' else 'TextFormatter'}"}},
-        "handlers": {"streams": {"class": "logging.StreamHandler", "formatter": "streams", "stream": stream}},
+        "filters": {"repeats": {"()": f"{__name__}.RepeatFilter"}},
+        "handlers": {
+            "streams": {
+                "class": "logging.StreamHandler",
+                "formatter": "streams",
+                "stream": stream,
+                "filters": ["repeats"],
+            }
+        },
         "root": {"level": numeric, "handlers": ["streams"]},
         "loggers": {name: {"level": quiet} for name in ("httpx", "aiokafka")},
     }

@@ -121,3 +121,57 @@ def test_dict_config_applies_and_refuses_bad_values() -> None:
         logs.dict_config("xml", "INFO")
     with pytest.raises(ValueError, match="not a logging level"):
         logs.dict_config("json", "LOUD")
+
+
+class Clock:
+    """A clock the test moves (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _record(name: str, msg: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, args, None)
+
+
+def test_repeats_of_a_library_line_are_held_back_and_counted() -> None:
+    clock = Clock()
+    repeats = logs.RepeatFilter(window_s=5.0, clock=clock)
+    template = "Unable connect to node with id %s: %s"
+    passed = []
+    for _ in range(12):  # one refused connection every 0.5 s for 6 s
+        record = _record("aiokafka.conn", template, 1, "[Errno 111] Connection refused")
+        if repeats.filter(record):
+            passed.append((clock.now, record.getMessage()))
+        clock.now += 0.5
+    assert passed == [
+        (100.0, "Unable connect to node with id 1: [Errno 111] Connection refused"),
+        (105.0, "Unable connect to node with id 1: [Errno 111] Connection refused [9 more like it held back in 5 s]"),
+    ]
+
+
+def test_other_templates_and_loggers_are_not_held_back() -> None:
+    repeats = logs.RepeatFilter(window_s=5.0, clock=Clock())
+    assert repeats.filter(_record("aiokafka.conn", "Unable connect to node with id %s", 1))
+    assert repeats.filter(_record("aiokafka.cluster", "Unable to update metadata from %s", [1]))
+    assert repeats.filter(_record("aiokafka.conn", "Unable connect to node with id %s", 2)) is False  # same template
+    for _ in range(3):  # the project's own lines are never held back
+        assert repeats.filter(_record("streams.observer", "lease %s not renewed", "k"))
+
+
+def test_the_configured_handler_holds_back_aiokafka_repeats(capsys: pytest.CaptureFixture[str]) -> None:
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        logging.config.dictConfig(logs.dict_config("json", "INFO", "ext://sys.stderr"))
+        for _ in range(20):
+            logging.getLogger("aiokafka.conn").error("Unable connect to node with id %s", 1)
+            logging.getLogger("streams.observer").warning("lease %s not renewed", "k")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    loggers = [json.loads(line)["logger"] for line in capsys.readouterr().err.splitlines()]
+    assert loggers.count("aiokafka.conn") == 1 and loggers.count("streams.observer") == 20
