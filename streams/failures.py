@@ -13,6 +13,8 @@ aiokafka ``KafkaConnectionError``, ``KafkaTimeoutError``,    OUTAGE
 any ``KafkaError`` marked retriable (no leader, request
 timed out, not enough replicas, ...); faust ``NotReady``
 ``OSError``/``TimeoutError`` a library let through          OUTAGE    (service "network")
+asyncpg ``ClientConfigurationError``, an ``InterfaceError`` ERROR     a wrong setting (the URL):
+(a URL parameter it refuses: ``sslmode=bogus``)                       waiting cannot fix it
 ``CoordinationBusyError``, redis ``MaxConnectionsError``    BUSY      retry shortly; not an outage
 anything else: ``TypeError``, ``KeyError``, a non-retriable ERROR     log with traceback, count in
 ``KafkaError`` (record too large, authorization), an                  ``streams_unexpected_errors_total``;
@@ -114,6 +116,8 @@ def is_outage(exc: BaseException) -> bool:
 
 
 def _classify_one(exc: BaseException) -> Failure | None:
+    if isinstance(exc, asyncpg.ClientConfigurationError):  # before POSTGRES_OUTAGE: it is an InterfaceError
+        return Failure(FailureKind.ERROR)
     if isinstance(exc, REDIS_BUSY):  # before REDIS_OUTAGE: MaxConnectionsError is a ConnectionError
         return Failure(FailureKind.BUSY, "Redis")
     if isinstance(exc, POSTGRES_OUTAGE):

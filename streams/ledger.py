@@ -169,7 +169,8 @@ async def connect(database_url: str) -> asyncpg.Connection:
 
 #: What a connection attempt raises when its settings are wrong, not when the server is down: SQLSTATE class 28
 #: (invalid authorization: a wrong password, an unknown role), 3D000 (no such database), and ValueError (asyncpg
-#: could not parse the URL, e.g. a port that is not a number).
+#: could not parse the URL, e.g. a port that is not a number, or refused one of its parameters with
+#: ``ClientConfigurationError``, e.g. ``sslmode=bogus``; :mod:`streams.failures` never counts those as outages).
 CONNECT_CONFIG_ERRORS = (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidCatalogNameError, ValueError)
 
 #: Seconds :func:`diagnose_connect` waits for PostgreSQL to answer a login.
@@ -183,10 +184,20 @@ def database_address(database_url: str) -> str:
     return rest.rpartition("@")[2].partition("?")[0]
 
 
+#: Characters that end the user info of a URL early when written unencoded in a password: the URL parser then
+#: reads a piece of the password as the port or the path, and a client's error may quote that piece.
+URL_DELIMITERS = "/?#"
+
+
+def _password(database_url: str) -> str:
+    """The password of a PostgreSQL URL as written (user info up to its last ``@``); empty when none."""
+    userinfo = (database_url.partition("://")[2] or database_url).rpartition("@")[0]
+    return userinfo.partition(":")[2]
+
+
 def _without_password(text: str, database_url: str) -> str:
     """``text`` with the URL's password (user info, as written or decoded) replaced by ``***``."""
-    userinfo = (database_url.partition("://")[2] or database_url).rpartition("@")[0]
-    password = userinfo.partition(":")[2]
+    password = _password(database_url)
     for secret in {password, unquote(password)} - {""}:
         text = text.replace(secret, "***")
     return text
@@ -206,6 +217,15 @@ def connect_config_error(database_url: str, exc: BaseException) -> DatabaseConfi
             f"PostgreSQL at {address}: {detail}; create it (as the database owner) or fix the database name in "
             "STREAMS_DATABASE_URL, then run streams migrate"
         )
+    elif any(char in _password(database_url) for char in URL_DELIMITERS):
+        # The client's error would quote a piece of the password (the part before the delimiter, read as the
+        # port): name the cause instead of echoing it.
+        message = (
+            f"STREAMS_DATABASE_URL ({address}) does not parse: its password holds an unencoded '/', '?' or '#'; "
+            "percent-encode them (%2F, %3F, %23)"
+        )
+    elif isinstance(exc, asyncpg.ClientConfigurationError):
+        message = f"STREAMS_DATABASE_URL ({address}): {detail}; fix that parameter of the URL"
     else:
         message = (
             f"STREAMS_DATABASE_URL ({address}) does not parse: {detail}; "

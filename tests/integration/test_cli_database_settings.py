@@ -4,6 +4,7 @@ exit 6 (a wrong setting, not an outage), never a traceback, never the password."
 
 from __future__ import annotations
 
+import time
 import uuid
 from urllib.parse import urlsplit
 
@@ -35,6 +36,10 @@ def _wrong_url(settings: Settings, case: str) -> tuple[str, str]:
         password = WRONG_PASSWORD
     elif case == "missing_database":  # reported only to a login that succeeds: the real password
         database = f"streams_missing_{uuid.uuid4().hex[:8]}"
+    elif case == "bad_sslmode":  # refused by the client before it connects (an asyncpg InterfaceError)
+        return f"postgresql://{user}:{WRONG_PASSWORD}@{host}:{port}/{database}?sslmode=bogus", f"{host}:{port}/{database}"
+    elif case == "slash_in_password":  # the URL parser reads the password's first part as the port
+        password = WRONG_PASSWORD.replace("-", "/")
     else:
         password, port = WRONG_PASSWORD, "notaport"
     return f"postgresql://{user}:{password}@{host}:{port}/{database}", f"{host}:{port}/{database}"
@@ -47,6 +52,8 @@ def _wrong_url(settings: Settings, case: str) -> tuple[str, str]:
         ("wrong_password", ["refused the login", "password authentication failed", "fix the user and password"]),
         ("missing_database", ["does not exist", "create it", "fix the database name"]),
         ("bad_port", ["does not parse", "notaport", "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"]),
+        ("bad_sslmode", ["`sslmode` parameter must be one of", "fix that parameter of the URL"]),
+        ("slash_in_password", ["does not parse", "password holds an unencoded '/'", "percent-encode"]),
     ],
 )
 async def test_wrong_database_settings_exit_6_in_one_line(
@@ -62,7 +69,19 @@ async def test_wrong_database_settings_exit_6_in_one_line(
     assert address in lines[0]
     for text in expected:
         assert text in lines[0]
-    assert WRONG_PASSWORD not in result.stderr + result.stdout
+    for piece in WRONG_PASSWORD.split("-"):  # nor a piece of it (the part a URL parser read as the port)
+        assert piece not in result.stderr + result.stdout
+
+
+async def test_ready_fails_at_once_on_a_url_parameter_the_client_refuses(migrated: Settings) -> None:
+    """asyncpg refuses ``sslmode=bogus`` with an ``InterfaceError`` (its ``ClientConfigurationError``), the class of
+    a broken connection: ``streams ready`` (and a starting worker) retried it until the deadline."""
+    url, address = _wrong_url(migrated, "bad_sslmode")
+    started = time.monotonic()
+    result = await streams_cli(migrated.replace(database_url=url), "ready", "--service", "postgres", "--timeout-s", "60")
+    assert result.exit_code == 6, result.stderr
+    assert time.monotonic() - started < 30  # the deadline was 60 s: no attempt was retried
+    assert address in result.stderr and "sslmode" in result.stderr
 
 
 #: The harness's runs: each creates its run's database next to the configured one before anything else needs it.

@@ -40,3 +40,25 @@ def test_refused_login_and_missing_database_say_what_to_fix() -> None:
     missing = connect_config_error(url, asyncpg.InvalidCatalogNameError('database "ledger" does not exist'))
     assert str(missing).startswith('PostgreSQL at db.example:5432/ledger: database "ledger" does not exist; create it')
     assert login.address == missing.address == "db.example:5432/ledger"
+
+
+@pytest.mark.parametrize("delimiter", ["/", "?", "#"])
+def test_a_password_the_url_parser_cuts_short_shows_no_piece_of_it(delimiter: str) -> None:
+    """Unencoded, the delimiter ends the user info: asyncpg reads the part before it as the port and quotes it in
+    its error (``invalid literal for int() with base 10: 'hx7Qa'``), which masking the whole password missed."""
+    url = f"postgresql://u:hx7Qa{delimiter}z9Lm@db.example:5432/ledger"
+    error = connect_config_error(url, ValueError("invalid literal for int() with base 10: 'hx7Qa'"))
+    assert "hx7Qa" not in str(error) and "z9Lm" not in str(error)
+    assert str(error) == (
+        "STREAMS_DATABASE_URL (db.example:5432/ledger) does not parse: its password holds an unencoded '/', '?' "
+        "or '#'; percent-encode them (%2F, %3F, %23)"
+    )
+
+
+def test_a_url_parameter_the_client_refuses_is_named() -> None:
+    url = "postgresql://u:s3cret@db.example:5432/ledger?sslmode=bogus"
+    refusal = asyncpg.ClientConfigurationError("`sslmode` parameter must be one of: disable, allow, prefer")
+    assert str(connect_config_error(url, refusal)) == (
+        "STREAMS_DATABASE_URL (db.example:5432/ledger): `sslmode` parameter must be one of: disable, allow, prefer; "
+        "fix that parameter of the URL"
+    )

@@ -38,6 +38,8 @@ def chained(outer: BaseException, cause: BaseException) -> BaseException:
         (asyncpg.AdminShutdownError("terminating connection"), Failure(OUTAGE, "PostgreSQL")),
         (asyncpg.TooManyConnectionsError("too many clients"), Failure(OUTAGE, "PostgreSQL")),
         (asyncpg.InterfaceError("connection is closed"), Failure(OUTAGE, "PostgreSQL")),
+        # an InterfaceError too, but a setting asyncpg refuses before connecting: waiting cannot fix it
+        (asyncpg.ClientConfigurationError("`sslmode` parameter must be one of: ..."), Failure(ERROR)),
         (asyncpg.UniqueViolationError("duplicate key"), Failure(ERROR)),
         (asyncpg.UndefinedColumnError("column does not exist"), Failure(ERROR)),
         (LedgerDataError("PostgreSQL refused the values"), Failure(ERROR)),
