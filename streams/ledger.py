@@ -170,8 +170,14 @@ async def connect(database_url: str) -> asyncpg.Connection:
 #: What a connection attempt raises when its settings are wrong, not when the server is down: SQLSTATE class 28
 #: (invalid authorization: a wrong password, an unknown role), 3D000 (no such database), and ValueError (asyncpg
 #: could not parse the URL, e.g. a port that is not a number, or refused one of its parameters with
-#: ``ClientConfigurationError``, e.g. ``sslmode=bogus``; :mod:`streams.failures` never counts those as outages).
-CONNECT_CONFIG_ERRORS = (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidCatalogNameError, ValueError)
+#: ``ClientConfigurationError``, e.g. ``sslmode=bogus``; :mod:`streams.failures` never counts those as outages), and
+#: OverflowError (a port above 65535: asyncpg parses it, the socket's connect refuses it).
+CONNECT_CONFIG_ERRORS = (
+    asyncpg.InvalidAuthorizationSpecificationError,
+    asyncpg.InvalidCatalogNameError,
+    ValueError,
+    OverflowError,
+)
 
 #: Seconds :func:`diagnose_connect` waits for PostgreSQL to answer a login.
 DIAGNOSE_TIMEOUT_S = 5.0
@@ -225,7 +231,10 @@ def connect_config_error(database_url: str, exc: BaseException) -> DatabaseConfi
             "percent-encode them (%2F, %3F, %23)"
         )
     elif isinstance(exc, asyncpg.ClientConfigurationError):
-        message = f"STREAMS_DATABASE_URL ({address}): {detail}; fix that parameter of the URL"
+        message = (
+            f"STREAMS_DATABASE_URL ({address}) is refused by the PostgreSQL client: {detail}; "
+            "write it as postgresql://USER:PASSWORD@HOST:PORT/DATABASE?PARAMETER=VALUE"
+        )
     else:
         message = (
             f"STREAMS_DATABASE_URL ({address}) does not parse: {detail}; "

@@ -37,7 +37,10 @@ def _wrong_url(settings: Settings, case: str) -> tuple[str, str]:
     elif case == "missing_database":  # reported only to a login that succeeds: the real password
         database = f"streams_missing_{uuid.uuid4().hex[:8]}"
     elif case == "bad_sslmode":  # refused by the client before it connects (an asyncpg InterfaceError)
-        return f"postgresql://{user}:{WRONG_PASSWORD}@{host}:{port}/{database}?sslmode=bogus", f"{host}:{port}/{database}"
+        url = f"postgresql://{user}:{WRONG_PASSWORD}@{host}:{port}/{database}?sslmode=bogus"
+        return url, f"{host}:{port}/{database}"
+    elif case == "port_out_of_range":  # parsed by asyncpg, refused by the socket's connect (OverflowError)
+        password, port = WRONG_PASSWORD, "99999"
     elif case == "slash_in_password":  # the URL parser reads the password's first part as the port
         password = WRONG_PASSWORD.replace("-", "/")
     else:
@@ -52,7 +55,8 @@ def _wrong_url(settings: Settings, case: str) -> tuple[str, str]:
         ("wrong_password", ["refused the login", "password authentication failed", "fix the user and password"]),
         ("missing_database", ["does not exist", "create it", "fix the database name"]),
         ("bad_port", ["does not parse", "notaport", "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"]),
-        ("bad_sslmode", ["`sslmode` parameter must be one of", "fix that parameter of the URL"]),
+        ("bad_sslmode", ["refused by the PostgreSQL client", "`sslmode` parameter must be one of"]),
+        ("port_out_of_range", ["does not parse", "0-65535"]),
         ("slash_in_password", ["does not parse", "password holds an unencoded '/'", "percent-encode"]),
     ],
 )
@@ -78,7 +82,8 @@ async def test_ready_fails_at_once_on_a_url_parameter_the_client_refuses(migrate
     a broken connection: ``streams ready`` (and a starting worker) retried it until the deadline."""
     url, address = _wrong_url(migrated, "bad_sslmode")
     started = time.monotonic()
-    result = await streams_cli(migrated.replace(database_url=url), "ready", "--service", "postgres", "--timeout-s", "60")
+    ready = ["ready", "--service", "postgres", "--timeout-s", "60"]
+    result = await streams_cli(migrated.replace(database_url=url), *ready)
     assert result.exit_code == 6, result.stderr
     assert time.monotonic() - started < 30  # the deadline was 60 s: no attempt was retried
     assert address in result.stderr and "sslmode" in result.stderr

@@ -59,6 +59,6 @@ def test_a_url_parameter_the_client_refuses_is_named() -> None:
     url = "postgresql://u:s3cret@db.example:5432/ledger?sslmode=bogus"
     refusal = asyncpg.ClientConfigurationError("`sslmode` parameter must be one of: disable, allow, prefer")
     assert str(connect_config_error(url, refusal)) == (
-        "STREAMS_DATABASE_URL (db.example:5432/ledger): `sslmode` parameter must be one of: disable, allow, prefer; "
-        "fix that parameter of the URL"
+        "STREAMS_DATABASE_URL (db.example:5432/ledger) is refused by the PostgreSQL client: `sslmode` parameter must "
+        "be one of: disable, allow, prefer; write it as postgresql://USER:PASSWORD@HOST:PORT/DATABASE?PARAMETER=VALUE"
     )
