@@ -35,7 +35,7 @@ import click
 
 from streams import exactjson, logs
 from streams.config import Settings
-from streams.errors import ConfigError, LedgerUnavailableError, StreamsError
+from streams.errors import EXIT_CONFIG, ConfigError, LedgerUnavailableError, StreamsError
 from streams.states import OperationState
 
 if TYPE_CHECKING:
@@ -107,7 +107,8 @@ def _unavailable(name: str, entry_point: EntryPoint, exc: ImportError) -> click.
 EXIT_REFUSED = 3  # the decision does not apply to the operation in its current state; nothing written
 EXIT_UNKNOWN_OPERATION = 4  # the ledger does not hold the operation
 EXIT_UNAVAILABLE = 5  # PostgreSQL did not answer
-EXIT_CONFIG = 6  # a setting is wrong: malformed, or PostgreSQL refused the login or has no such database
+# EXIT_CONFIG (6, streams.errors): a setting is wrong: malformed, or PostgreSQL refused the login or has no such
+# database; the worker exits with it too
 
 
 class CommandExit(click.ClickException):

@@ -59,6 +59,11 @@ class ConfigError(StreamsError):
     """A setting is missing or malformed; the message names the variable and what to set it to."""
 
 
+#: Exit status of a command (and of the worker) stopped by a :class:`ConfigError`: a supervisor restarting the
+#: process cannot fix it (README, "For the people on call").
+EXIT_CONFIG = 6
+
+
 class DatabaseConfigError(ConfigError):
     """The PostgreSQL connection settings are wrong, not the server down: it refused the user or password
     (SQLSTATE class 28), the database does not exist (3D000), or ``STREAMS_DATABASE_URL`` does not parse (a port

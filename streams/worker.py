@@ -13,7 +13,9 @@ starts raises. So:
    window). A start-up failure that is an outage (:func:`streams.failures.is_outage`) before every service of the
    worker started makes :func:`run_worker` start the process again in place (``exec`` of the same command line,
    same pid), at most :data:`MAX_START_ATTEMPTS` times in a row; anything else (a bug, a refused setting) ends the
-   process as before;
+   process as before, a wrong setting (:class:`streams.errors.ConfigError`: PostgreSQL refusing the login, no such
+   database, a URL the client refuses) with exit status 6 as every ``streams`` command, so a supervisor can tell
+   it from a crash (systemd: ``RestartPreventExitStatus=6``);
 3. once started, a worker rides out outages itself (see :mod:`streams.failures` for what waits), but Faust stops
    the whole worker when one of its own services crashes, and some of its calls to the broker are beyond this
    code's reach. A crash whose reason is an outage also starts the process again in place (unless the worker
@@ -39,6 +41,7 @@ import faust
 
 from streams import hooks
 from streams.config import Settings
+from streams.errors import EXIT_CONFIG, ConfigError
 from streams.failures import is_outage
 from streams.hooks import HookPoint
 from streams.readiness import SERVICES, wait_ready
@@ -146,7 +149,8 @@ def run_worker(app: faust.App, settings: Settings, **kwargs: Any) -> None:
     ``STREAMS_WORKER_START_ATTEMPT``.
 
     Raises:
-        SystemExit: always (Faust's exit status).
+        SystemExit: always: Faust's exit status, or ``EXIT_CONFIG`` (6, :mod:`streams.errors`) when a wrong
+            setting stopped the worker.
     """
     attempt = int(os.environ.get(START_ATTEMPT_ENV, "1"))
     worker = StreamsWorker(app, settings, **kwargs)
@@ -156,6 +160,8 @@ def run_worker(app: faust.App, settings: Settings, **kwargs: Any) -> None:
         failure = worker.failure
         following = None if worker.stop_requested else next_attempt(failure, attempt, worker.uptime_s())
         if following is None:
+            if isinstance(failure, ConfigError):  # logged by Faust ("Error: ..."); not a crash to restart after
+                raise SystemExit(EXIT_CONFIG) from failure
             raise
         when = "while this worker started" if worker.started_monotonic is None else "and crashed this worker"
         log.warning(

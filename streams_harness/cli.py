@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 
 import click
 
-from streams.cli import EXIT_CONFIG, CommandExit
+from streams.cli import CommandExit
 from streams.config import Settings
-from streams.errors import ConfigError, StreamsError
+from streams.errors import EXIT_CONFIG, ConfigError, StreamsError
 
 T = TypeVar("T")
 

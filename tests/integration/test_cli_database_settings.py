@@ -4,6 +4,7 @@ exit 6 (a wrong setting, not an outage), never a traceback, never the password."
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from urllib.parse import urlsplit
@@ -118,3 +119,20 @@ async def test_harness_runs_with_wrong_database_settings_exit_6_with_one_error_l
     for text in expected:
         assert text in errors[0]
     assert WRONG_PASSWORD not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("case", ["wrong_password", "missing_database", "bad_sslmode"])
+async def test_a_worker_with_wrong_database_settings_exits_6(migrated: Settings, case: str) -> None:
+    """The worker finds the settings wrong in its start-up wait: it exits as every command does (6, which a
+    supervisor can be told not to restart after), not 1 as a crash; it never starts again in place."""
+    url, address = _wrong_url(migrated, case)
+    with socket.socket() as free:  # a port nobody listens on, for the web server it never starts
+        free.bind(("127.0.0.1", 0))
+        web_port = free.getsockname()[1]
+    result = await streams_cli(migrated.replace(database_url=url, web_port=web_port), "worker")
+    output = result.stdout + result.stderr
+    assert result.exit_code == 6, output[-3000:]
+    assert "DatabaseConfigError" in output and address in output
+    assert "starting again" not in output
+    for piece in WRONG_PASSWORD.split("-"):
+        assert piece not in output
