@@ -107,6 +107,8 @@ class Runtime:
         # the provider account's rate budget, on the same Redis and through the same coalescing stage
         self.budget = RateBudget(leases.client, settings, stage=leases.stage)
         self._last_outage_log: dict[str, float] = {}
+        #: True once :meth:`close` began: a failure of a client being closed is this worker stopping, no outage.
+        self.closing = False
 
     @classmethod
     async def create(
@@ -130,6 +132,7 @@ class Runtime:
 
     async def close(self) -> None:
         """Close all clients."""
+        self.closing = True
         await self.remote.aclose()
         await self.leases.stage.drain()  # lease releases still queued or on the wire
         await self.leases.client.aclose()
@@ -139,6 +142,9 @@ class Runtime:
         """Log an outage of ``service`` (``PostgreSQL``, ``Redis``, ``Kafka``) at most once every
         :data:`OUTAGE_LOG_INTERVAL_S` per service (it can last minutes). Only for failures classified as an
         outage (:func:`streams.failures.classify`); anything else goes through :meth:`report_failure`."""
+        if self.closing:  # e.g. "pool is closed" from a timer still running while the worker stops
+            log.debug("%s closed while this worker stops: %s: %s", service, type(exc).__name__, exc)
+            return
         now = time.monotonic()
         if now - self._last_outage_log.get(service, 0.0) >= OUTAGE_LOG_INTERVAL_S:
             self._last_outage_log[service] = now

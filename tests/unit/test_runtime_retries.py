@@ -225,3 +225,18 @@ async def test_a_ledger_outage_past_the_deadline_raises_the_last_error(
     with pytest.raises(LedgerUnavailableError, match=r"attempt 2$"):
         await rt.until_ledger("test give up", call)
     assert (attempts, sleeps.waits) == ([1, 2], [])
+
+
+def test_an_outage_of_a_closing_runtime_is_not_logged_as_one(rt: Runtime, caplog: pytest.LogCaptureFixture) -> None:
+    """A timer still running while the worker stops meets its own closed pool ("pool is closed"): no warning."""
+    caplog.set_level(logging.DEBUG, logger="streams.runtime")
+    rt.log_outage("PostgreSQL", LedgerUnavailableError("PostgreSQL unavailable during fetch: pool is closed"))
+    assert len(outage_lines(caplog, "PostgreSQL")) == 1
+    rt._last_outage_log.clear()
+    caplog.clear()
+    rt.closing = True
+    rt.log_outage("PostgreSQL", LedgerUnavailableError("PostgreSQL unavailable during fetch: pool is closed"))
+    assert outage_lines(caplog, "PostgreSQL") == []
+    assert [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records] == [
+        (logging.DEBUG, "PostgreSQL closed while this worker stops")
+    ]
