@@ -49,18 +49,19 @@ def _wrong_url(settings: Settings, case: str) -> tuple[str, str]:
     return f"postgresql://{user}:{password}@{host}:{port}/{database}", f"{host}:{port}/{database}"
 
 
+#: (case, what its one error line must say) for :func:`_wrong_url`; the first two are the harness runs' cases too.
+CASES = [
+    ("wrong_password", ["refused the login", "password authentication failed", "fix the user and password"]),
+    ("missing_database", ["does not exist", "create it", "fix the database name"]),
+    ("bad_port", ["does not parse", "notaport", "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"]),
+    ("bad_sslmode", ["refused by the PostgreSQL client", "`sslmode` parameter must be one of"]),
+    ("port_out_of_range", ["does not parse", "0-65535"]),
+    ("slash_in_password", ["does not parse", "password holds an unencoded '/'", "percent-encode"]),
+]
+
+
 @pytest.mark.parametrize("args", COMMANDS, ids=" ".join)
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        ("wrong_password", ["refused the login", "password authentication failed", "fix the user and password"]),
-        ("missing_database", ["does not exist", "create it", "fix the database name"]),
-        ("bad_port", ["does not parse", "notaport", "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"]),
-        ("bad_sslmode", ["refused by the PostgreSQL client", "`sslmode` parameter must be one of"]),
-        ("port_out_of_range", ["does not parse", "0-65535"]),
-        ("slash_in_password", ["does not parse", "password holds an unencoded '/'", "percent-encode"]),
-    ],
-)
+@pytest.mark.parametrize(("case", "expected"), CASES)
 async def test_wrong_database_settings_exit_6_in_one_line(
     migrated: Settings, args: list[str], case: str, expected: list[str]
 ) -> None:
@@ -99,13 +100,7 @@ HARNESS_COMMANDS = [
 
 
 @pytest.mark.parametrize("args", HARNESS_COMMANDS, ids=" ".join)
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        ("wrong_password", ["refused the login", "password authentication failed", "fix the user and password"]),
-        ("missing_database", ["does not exist", "create it", "fix the database name"]),
-    ],
-)
+@pytest.mark.parametrize(("case", "expected"), CASES[:2])
 async def test_harness_runs_with_wrong_database_settings_exit_6_with_one_error_line(
     migrated: Settings, args: list[str], case: str, expected: list[str]
 ) -> None:
