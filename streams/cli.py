@@ -214,7 +214,7 @@ def ready(services: tuple[str, ...], timeout_s: float, pids: tuple[str, ...]) ->
 @main.command()
 @click.option(
     "--web-port",
-    type=int,
+    type=click.IntRange(1, 65535),
     default=None,
     help="Port of the live view, /metrics and /healthz (default STREAMS_WEB_PORT).",
 )

@@ -107,6 +107,8 @@ def _at_least_one(value: int) -> int:
 EnvBool = Annotated[bool, BeforeValidator(_parse_bool)]
 PositiveInt = Annotated[int, BeforeValidator(_int_text), Field(ge=0), AfterValidator(_at_least_one)]
 Count = Annotated[int, BeforeValidator(_int_text), Field(ge=0)]
+#: A TCP port to listen on (0, "any free port", would leave the live view and /metrics where nobody looks).
+Port = Annotated[int, BeforeValidator(_int_text), Field(ge=1, le=65535)]
 Seconds = Annotated[float, Field(ge=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 #: A provider account's name as this project writes it into Redis keys (never the API key).
@@ -290,7 +292,7 @@ class Settings(ExplicitSettings):
     coordination_retry_cap_s: Seconds = 5.0
 
     # Worker web server (metrics, health).
-    web_port: Count = 6066
+    web_port: Port = 6066
     web_enabled: EnvBool = True
 
     def __init__(self, **values: Any) -> None:
@@ -418,8 +420,10 @@ def _explain(exc: ValidationError) -> str:
         raw = error.get("input")
         if error["type"] == "at_least_one":
             lines.append(f"{var} must be at least 1 (got {raw!r})")
-        elif error["type"] == "greater_than_equal":
+        elif error["type"] == "greater_than_equal" and error.get("ctx", {}).get("ge") == 0:
             lines.append(f"{var}={raw!r} must not be negative")
+        elif error["type"] in ("greater_than_equal", "less_than_equal"):  # a bounded value (a port: 1-65535)
+            lines.append(f"{var}={raw!r} should be {message.removeprefix('Input should be ')}")
         elif error["type"] == "extra_forbidden":
             lines.append(f"{name!r} is not a setting")
         else:

@@ -105,6 +105,8 @@ def test_partitions_must_be_positive(raw: str, message: str) -> None:
         ({"STREAMS_POLL_BATCH_SIZE": "0"}, "STREAMS_POLL_BATCH_SIZE must be at least 1"),
         ({"STREAMS_RELAY_BATCH_SIZE": "-1"}, "must not be negative"),
         ({"STREAMS_WEB_ENABLED": "flase"}, "expected one of"),
+        ({"STREAMS_WEB_PORT": "0"}, "STREAMS_WEB_PORT='0' should be greater than or equal to 1"),
+        ({"STREAMS_WEB_PORT": "65536"}, "STREAMS_WEB_PORT='65536' should be less than or equal to 65535"),
         ({"STREAMS_SUBMIT_RETRY_DEADLINE_S": "300"}, "must exceed the POST budget"),
         (
             {"STREAMS_HTTP_TRANSPORT": "curl"},
@@ -284,3 +286,14 @@ def test_redis_versions_the_leases_work_on() -> None:
     refusal = redis_version_refusal("6.2.14")
     assert refusal is not None and "Redis 7.0 or later is required" in refusal and "'6.2.14'" in refusal
     assert redis_version_refusal("garbage") is not None
+
+
+@pytest.mark.parametrize("port", ["0", "65536"])
+def test_a_worker_web_port_out_of_range_is_refused_before_anything_starts(port: str) -> None:
+    from click.testing import CliRunner
+
+    from streams.cli import main
+
+    result = CliRunner().invoke(main, ["worker", "--web-port", port])
+    assert result.exit_code == 2 and "Invalid value for '--web-port'" in result.output
+    assert f"{port} is not in the range 1<=x<=65535" in result.output
