@@ -6,7 +6,7 @@ CREATE TYPE operation_state AS ENUM (
     'succeeded', 'failed', 'canceled', 'uncertain', 'rejected'
 );
 
--- Legal forward moves; mirrored by streams.states._ALLOWED (a test compares them).
+-- Legal forward moves; mirrored by streams.model.states._ALLOWED (a test compares them).
 CREATE TABLE operation_state_transitions (
     from_state operation_state NOT NULL,
     to_state   operation_state NOT NULL,

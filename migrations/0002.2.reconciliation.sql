@@ -3,7 +3,7 @@
 -- observation bookkeeping, and the accounting of remote jobs and refunds.
 -- depends: 0002.1.stalled-state
 
--- Legal moves added (mirrored by streams.states._ALLOWED):
+-- Legal moves added (mirrored by streams.model.states._ALLOWED):
 --   observer: a pollable job whose answers stopped making progress -> stalled;
 --   operator: stalled -> submitted (observe again) or failed; uncertain -> rejected (checked: not created).
 INSERT INTO operation_state_transitions (from_state, to_state) VALUES

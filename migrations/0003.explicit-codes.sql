@@ -1,7 +1,7 @@
 -- Explicit codes beside free text: the outcome of each remote call is one of a fixed list (mirrored by
--- streams.codes.RemoteCallOutcome), kept in a reference table the accounting rows point to; values written
+-- streams.model.codes.RemoteCallOutcome), kept in a reference table the accounting rows point to; values written
 -- before are renamed to it (class-name spellings, raw provider status words). Likewise an operation's
--- reason gets a machine code beside it (streams.codes.ReasonCode): both set or both empty; reasons written
+-- reason gets a machine code beside it (streams.model.codes.ReasonCode): both set or both empty; reasons written
 -- before carry 'unclassified'.
 -- depends: 0002.2.reconciliation
 

@@ -1,5 +1,5 @@
 -- Poll back-pressure: the scheduler keeps the polls claimed and not yet taken by an observer within what the
--- observers take before the visibility timeout (streams.scheduler). poll_claimed_at is set by a claim and
+-- observers take before the visibility timeout (streams.worker.stages.scheduler). poll_claimed_at is set by a claim and
 -- cleared when an observer takes the poll (claimed and not yet taken: NOT NULL); poll_taken_at is when an
 -- observer last took one (the observers' recent pace, read cluster-wide).
 -- depends: 0003.explicit-codes

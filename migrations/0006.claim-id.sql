@@ -7,9 +7,9 @@
 
 ALTER TABLE operations ADD COLUMN claim_id uuid;
 COMMENT ON COLUMN operations.claim_id IS
-    'the id of the dispatcher claim that moved the operation to submitting (streams/queries/ledger.sql claim_for_submit)';
+    'the id of the dispatcher claim that moved the operation to submitting (streams/ledger/queries/ledger.sql claim_for_submit)';
 
 ALTER TABLE remote_calls ADD COLUMN call_id uuid;
 CREATE UNIQUE INDEX remote_calls_call_id ON remote_calls (call_id);
 COMMENT ON COLUMN remote_calls.call_id IS
-    'the id the caller gave this accounting row (streams/queries/ledger.sql record_remote_call); NULL before 0006';
+    'the id the caller gave this accounting row (streams/ledger/queries/ledger.sql record_remote_call); NULL before 0006';

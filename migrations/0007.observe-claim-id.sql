@@ -5,4 +5,4 @@
 
 ALTER TABLE operations ADD COLUMN observe_claim_id uuid;
 COMMENT ON COLUMN operations.observe_claim_id IS
-    'the id of the latest observer claim of a poll (streams/queries/ledger.sql claim_for_observe)';
+    'the id of the latest observer claim of a poll (streams/ledger/queries/ledger.sql claim_for_observe)';

@@ -1,2 +1,2 @@
 """The JSON Schema of every topic's value, installed as the package ``streams.schemas`` (``pyproject.toml``)
-and read with :mod:`importlib.resources` by :mod:`streams.contracts`."""
+and read with :mod:`importlib.resources` by :mod:`streams.wire.contracts`."""

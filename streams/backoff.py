@@ -1,6 +1,6 @@
 """Delay before the next poll of a remote job (docs/design.md, "Leases, polls and the rate budget").
 
-The API's hint (``Retry-After`` or ``poll_after_ms``, read by :mod:`streams.remote`) wins when usable,
+The API's hint (``Retry-After`` or ``poll_after_ms``, read by :mod:`streams.remote.client`) wins when usable,
 clamped to ``[min_s, cap_s]``; otherwise a capped exponential with "equal jitter" (half fixed, half random; AWS
 Architecture Blog, "Exponential Backoff and Jitter"). The next poll is therefore never before now + ``min_s``,
 never after now + ``cap_s``, and an unreadable hint (None, NaN) gets the exponential fallback.

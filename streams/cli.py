@@ -33,15 +33,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from streams import exactjson, logs
+from streams import logs
 from streams.config import Settings
 from streams.errors import EXIT_CONFIG, ConfigError, LedgerUnavailableError, StreamsError
-from streams.states import OperationState
+from streams.model.states import OperationState
+from streams.wire import exactjson
 
 if TYPE_CHECKING:
     import asyncpg
 
-    from streams.ledger import Ledger, OperatorMove
+    from streams.ledger.store import Ledger, OperatorMove
 
 T = TypeVar("T")
 
@@ -154,8 +155,8 @@ def main(ctx: click.Context, log_level: str, log_format: str | None) -> None:
 @main.command()
 def migrate() -> None:
     """Apply pending SQL migrations (yoyo) and create the Kafka topics."""
-    from streams.admin import create_topics
-    from streams.admin import migrate as apply
+    from streams.setup.admin import create_topics
+    from streams.setup.admin import migrate as apply
 
     settings = _settings()
     try:
@@ -192,7 +193,7 @@ def ready(services: tuple[str, ...], timeout_s: float, pids: tuple[str, ...]) ->
     (STREAMS_REDIS_URL), Kafka a group coordinator look-up and describe of a throwaway consumer group
     (STREAMS_KAFKA_BOOTSTRAP). Exits 1 with the reason when one does not within --timeout-s, 6 when PostgreSQL's
     settings are wrong."""
-    from streams.readiness import SERVICES, wait_ready
+    from streams.setup.readiness import SERVICES, wait_ready
 
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # refused connections while waiting are expected
     watched: dict[str, int] = {}
@@ -227,8 +228,8 @@ def worker(obj: dict[str, str], web_port: int | None) -> None:
     unless --log-format text."""
     import mode.loop
 
-    from streams.app import create_app
-    from streams.worker import run_worker
+    from streams.worker.app import create_app
+    from streams.worker.process import run_worker
 
     settings = _settings()
     if settings.event_loop == "uvloop":
@@ -255,8 +256,8 @@ def submit(path: Path) -> None:
     32}}; it is sent as written. "submitted_at_ms" (the application's epoch ms) is kept as given, else stamped with
     the current time. Every line is checked before any is published: a bad line publishes nothing (exit 1).
     """
+    from streams.clients.submit import SubmissionProducer, submissions_from_jsonl
     from streams.errors import InvalidEventError
-    from streams.producer import SubmissionProducer, submissions_from_jsonl
 
     settings = _settings()
     try:
@@ -279,7 +280,7 @@ def submit(path: Path) -> None:
 @click.option("--operation-prefix", default="", help="Only outputs of operations whose id starts with this.")
 def follow(group_id: str | None, from_beginning: bool, count: int | None, operation_prefix: str) -> None:
     """Print each delivered output once, as JSON lines."""
-    from streams.downstream import follow_outputs
+    from streams.clients.follow import follow_outputs
 
     async def run() -> None:
         seen = 0
@@ -302,7 +303,8 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None, operat
 
 
 class Duration(click.ParamType):
-    """A duration such as ``30s``, ``5m``, ``2h``, ``1d`` or ``1h30m`` (:func:`streams.operators.parse_duration`),
+    """A duration such as ``30s``, ``5m``, ``2h``, ``1d`` or ``1h30m``
+    (:func:`streams.oncall.operations.parse_duration`),
     converted to seconds."""
 
     name = "duration"
@@ -310,7 +312,7 @@ class Duration(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         if isinstance(value, float):
             return value
-        from streams.operators import parse_duration
+        from streams.oncall.operations import parse_duration
 
         try:
             return parse_duration(str(value))
@@ -324,7 +326,7 @@ async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitabl
     from asyncpg import exceptions as asyncpg_errors
 
     from streams.errors import DatabaseConfigError, LedgerUnavailableError
-    from streams.ledger import create_pool
+    from streams.ledger.store import create_pool
 
     try:
         pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
@@ -343,7 +345,7 @@ async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitabl
 
 
 def _echo_json(value: Any) -> None:
-    from streams.operators import to_json
+    from streams.oncall.operations import to_json
 
     click.echo(to_json(value))
 
@@ -384,8 +386,7 @@ def list_operations(states: tuple[str, ...], older_than: float | None, limit: in
     \b
     streams operations list --state uncertain --older-than 10m
     """
-    from streams import operators
-
+    from streams.oncall import operations as operators
     result = asyncio.run(
         _with_pool(
             _settings(),
@@ -404,8 +405,8 @@ def list_operations(states: tuple[str, ...], older_than: float | None, limit: in
 def show_operation(operation_id: str, as_json: bool) -> None:
     """One operation in full: state, job id, fencing value, transition history, outputs with their outbox rows,
     remote calls, and the Redis leases held on it now (owner token, TTL left)."""
-    from streams import operators
-    from streams.lease import make_redis
+    from streams.coordination.lease import make_redis
+    from streams.oncall import operations as operators
 
     settings = _settings()
 
@@ -439,9 +440,9 @@ _ACTOR_OPTION = click.option(
 def _decide(decide: Callable[[Ledger, str], Awaitable[OperatorMove]], actor: str | None, as_json: bool) -> None:
     """Run one operator's decision (a fenced ledger statement) and print what was written; a refusal exits with
     EXIT_REFUSED, an unknown operation with EXIT_UNKNOWN_OPERATION. Never calls the remote API."""
-    from streams import operators
     from streams.errors import OperatorActionRefusedError, UnknownOperationError
-    from streams.ledger import Ledger
+    from streams.ledger.store import Ledger
+    from streams.oncall import operations as operators
 
     who = (actor if actor is not None else operators.actor_from_env()).strip()
 
@@ -516,8 +517,8 @@ def accounting_report(operation_prefix: str, as_json: bool) -> None:
     """Remote jobs by outcome and by how they were learned (only through a 502, duplicates), charges, refunds
     settled and pending, operations uncertain and stalled with the oldest age, POSTs per operation (at most one
     that may have created a job) and GETs per completed operation."""
-    from streams import operators
-    from streams.ledger import Ledger
+    from streams.ledger.store import Ledger
+    from streams.oncall import operations as operators
 
     pattern = operation_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 

@@ -1,6 +1,6 @@
 """Automatic batching of round trips ("group commit" for Redis commands and ledger statements).
 
-Each event is handled in its own task (:mod:`streams.app`), so at any moment many tasks of one worker are
+Each event is handled in its own task (:mod:`streams.worker.app`), so at any moment many tasks of one worker are
 at the same stage: acquiring a lease, claiming an operation, saving an observation. A :class:`Coalescer`
 gathers the requests those tasks make of one kind and sends them as one batch: every request made before the
 loop gets back to it joins the batch, and while ``max_in_flight`` batches are on the wire new requests wait
@@ -16,7 +16,8 @@ service did not answer) is raised to every caller of that batch.
 
 Cancellation: a caller cancelled while its request waits in the queue takes it out (nothing is sent); one
 cancelled while its batch is on the wire only stops waiting: the batch runs to its end. A request that must
-complete whatever happens to its caller is submitted from a shielded task (:meth:`streams.lease.Lease.release`).
+complete whatever happens to its caller is submitted from a shielded task
+(:meth:`streams.coordination.lease.Lease.release`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ TOPIC_DEAD_LETTER = "generation.dead-letter"
 #: Prefix of every setting's environment variable.
 ENV_PREFIX = "STREAMS_"
 
-#: Values of ``STREAMS_HTTP_TRANSPORT`` (see :func:`streams.remote.make_http_client`).
+#: Values of ``STREAMS_HTTP_TRANSPORT`` (see :func:`streams.remote.client.make_http_client`).
 HTTP_TRANSPORTS = ("aiohttp", "httpx")
 HttpTransport = Literal["aiohttp", "httpx"]
 
@@ -249,17 +249,18 @@ class Settings(ExplicitSettings):
     http_write_timeout_s: Seconds = 5.0
     http_pool_timeout_s: Seconds = 5.0
     submit_retry_deadline_s: Seconds = 60.0
-    #: What carries the remote client's requests: ``aiohttp`` (:mod:`streams.transport`, the default: about a
+    #: What carries the remote client's requests: ``aiohttp`` (:mod:`streams.remote.transport`, the default: about a
     #: fifth of httpx's own CPU per request) or ``httpx`` (httpx's own httpcore pool).
     http_transport: HttpTransport = "aiohttp"
     #: The worker's event loop: ``uvloop`` (the default; libuv under asyncio, what faust-streaming's own
     #: ``faust[uvloop]`` extra installs) or ``asyncio`` (the standard library's selector loop).
     event_loop: EventLoop = "uvloop"
     #: How long a starting worker waits for PostgreSQL, Redis and Kafka to answer real commands before it exits
-    #: non-zero naming the service (:mod:`streams.worker`).
+    #: non-zero naming the service (:mod:`streams.worker.process`).
     startup_timeout_s: Seconds = 300.0
 
-    # Rate budget of the provider account, shared by every worker process through Redis (streams/ratebudget.py,
+    # Rate budget of the provider account, shared by every worker process through Redis
+    # (streams/coordination/ratebudget.py,
     # README "Rate budget"). Rates in requests per second, POSTs and GETs apart; 0 = no pacing (a 429's
     # Retry-After still pauses every worker's calls of that kind). Bursts in requests: how many may go at once
     # after a quiet spell. Workers on the same Redis with the same key prefix and account share one budget;

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from streams.codes import RemoteCallOutcome
+from streams.model.codes import RemoteCallOutcome
 
 
 class StreamsError(Exception):
@@ -68,7 +68,7 @@ class DatabaseConfigError(ConfigError):
     """The PostgreSQL connection settings are wrong, not the server down: it refused the user or password
     (SQLSTATE class 28), the database does not exist (3D000), or ``STREAMS_DATABASE_URL`` does not parse (a port
     that is not a number). The message names host, port and database (never the password) and what to fix;
-    retrying cannot help (:func:`streams.ledger.connect_config_error`)."""
+    retrying cannot help (:func:`streams.ledger.store.connect_config_error`)."""
 
     def __init__(self, address: str, message: str) -> None:
         super().__init__(message)
@@ -81,7 +81,7 @@ class MissingResourceError(StreamsError):
 
 
 class QueryParametersError(StreamsError):
-    """A named query (``streams.sql``) was called with parameter names other than its own: ``missing`` (not
+    """A named query (``streams.ledger.sql``) was called with parameter names other than its own: ``missing`` (not
     given) and ``unknown`` (given, but the query does not take them). A bug at the call site; nothing was sent
     to PostgreSQL. Fix the call to name exactly the parameters the query's ``.sql`` file documents."""
 
@@ -119,7 +119,7 @@ class JsonValueError(StreamsError):
     """JSON text that is not JSON, or holds a value that cannot be carried exactly (``NaN``, a number too long).
 
     ``reason`` is ``not_json`` or ``number_out_of_range``; ``path`` names the field (``outputs/0/seed``,
-    ``(root)``) when the text parsed; the message says what was wrong (:mod:`streams.exactjson`).
+    ``(root)``) when the text parsed; the message says what was wrong (:mod:`streams.wire.exactjson`).
     """
 
     def __init__(self, reason: str, message: str, *, path: str | None = None) -> None:
@@ -165,7 +165,7 @@ class LeaseLostError(CoordinationError):
 
 
 class RateBudgetDeadlineError(CoordinationError):
-    """The provider account's rate budget (:mod:`streams.ratebudget`) had no slot for this call before the
+    """The provider account's rate budget (:mod:`streams.coordination.ratebudget`) had no slot for this call before the
     caller's deadline (budget spent, or a 429's pause lasting past it). Nothing was sent."""
 
     def __init__(self, kind: str, account: str, detail: str) -> None:

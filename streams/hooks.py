@@ -25,7 +25,7 @@ class HookPoint(StrEnum):
     PUBLISHED_BEFORE_MARK = "relay.published_before_mark"
     #: A starting worker found every service ready and has not started Faust's own clients yet. No context.
     SERVICES_READY_BEFORE_START = "worker.services_ready_before_start"
-    #: Faust reported the worker started. Context: ``worker`` (the :class:`streams.worker.StreamsWorker`).
+    #: Faust reported the worker started. Context: ``worker`` (the :class:`streams.worker.process.StreamsWorker`).
     WORKER_STARTED = "worker.started"
 
 

@@ -7,12 +7,12 @@ calls :func:`clear` before each event). ``extra`` wins over the bound value.
 
 JSON line (``--log-format json``, the default of ``streams worker``)::
 
-    {"ts":"2026-05-02T10:00:00.123Z","level":"WARNING","logger":"streams.observer","message":"...",
+    {"ts":"2026-05-02T10:00:00.123Z","level":"WARNING","logger":"streams.worker.stages.observer","message":"...",
      "operation_id":"op-1","remote_job_id":"job-9","fencing_token":4}
 
 Text line (``--log-format text``, the default of the other commands)::
 
-    2026-05-02 10:00:00,123 WARNING streams.observer: ... [operation_id=op-1 remote_job_id=job-9 fencing_token=4]
+    2026-05-02 10:00:00,123 WARNING streams.observer: [operation_id=op-1 remote_job_id=job-9 fencing_token=4]
 
 The format is chosen with ``--log-format`` or ``STREAMS_LOG_FORMAT`` (``json`` or ``text``).
 

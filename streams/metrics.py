@@ -37,7 +37,7 @@ UNEXPECTED_ERRORS = Counter(
 )
 HTTP_POOL_REPAIRS = Counter(
     "streams_http_pool_repairs_total",
-    "HTTP pool connections orphaned by a cancelled remote call and reclaimed (see streams.remote._PoolRepair).",
+    "HTTP pool connections orphaned by a cancelled remote call and reclaimed (see streams.remote.client._PoolRepair).",
 )
 ABANDONED_CALLS = Counter(
     "streams_remote_calls_abandoned_total",

@@ -37,7 +37,7 @@ TRACE_HELP = "conv, code, or a CSV path with the same columns."
 @click.option("--run-id", default=None, help="Operation id prefix (default: r<unix time>).")
 def replay(trace: str, start: int, rows: int, compression: float, run_id: str | None) -> None:
     """Publish trace rows as submissions at their (compressed) arrival times."""
-    from streams.producer import SubmissionProducer
+    from streams.clients.submit import SubmissionProducer
     from streams_harness.replay import replay_trace
     from streams_harness.trace import read_trace
 

@@ -20,10 +20,10 @@ from typing import Any, TextIO
 
 import asyncpg
 
-from streams.admin import create_topics, database_name, wait_group_stable
 from streams.config import Settings
 from streams.errors import StreamsError
-from streams.ledger import create_pool
+from streams.ledger.store import create_pool
+from streams.setup.admin import create_topics, database_name, wait_group_stable
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import free_port, free_port_block, tail, wait_healthy
 from streams_harness.report import REPORT

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from streams.config import Settings
 from streams.errors import ServiceNotReadyError
-from streams.readiness import wait_ready
+from streams.setup.readiness import wait_ready
 from streams_harness.fleet import ProcessError, free_port
 
 #: Seconds a started server has to answer SET/GET.
@@ -47,7 +47,8 @@ class PrivateRedis:
 
     async def start(self) -> None:
         """Start the server and wait until it answers SET/GET (the product's readiness check,
-        :func:`streams.readiness.wait_ready`, within :data:`START_TIMEOUT_S`; it fails at once if the server exits).
+        :func:`streams.setup.readiness.wait_ready`, within :data:`START_TIMEOUT_S`; it fails at once if the server
+        exits).
 
         Raises:
             ProcessError: no ``redis-server`` binary, or the server exited (e.g. its port was taken) or did not

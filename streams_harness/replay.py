@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from streams.producer import SubmissionProducer
+from streams.clients.submit import SubmissionProducer
 from streams_harness.trace import TraceRow
 
 #: Words of the replay's prompts (short ones: a prompt of the trace's longest context, 14,050 tokens, is ~68 KB).

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from streams.sql import Queries
-from streams.states import OperationState, can_transition
+from streams.ledger.sql import Queries
+from streams.model.states import OperationState, can_transition
 
 #: The report's named queries (``streams_harness/queries/report.sql``).
 REPORT = Queries("report.sql", package="streams_harness")
@@ -48,7 +48,7 @@ class LedgerAccounting:
 
 @dataclass(frozen=True)
 class LedgerOperation:
-    """One operation as the ledger holds it; ``reason_code`` is its :class:`streams.codes.ReasonCode` value (None
+    """One operation as the ledger holds it; ``reason_code`` is its :class:`streams.model.codes.ReasonCode` value (None
     when it has no reason), ``remote_job_id`` the job id saved on it (None: none)."""
 
     operation_id: str
@@ -72,7 +72,7 @@ def percentile(values: list[float], pct: float) -> float | None:
 def state_regressions(transitions: Iterable[tuple[str, str | None, str]]) -> int:
     """Count illegal steps in a transition log given as ``(operation_id, from_state, to_state)`` in order.
 
-    A step is illegal when it is not a legal forward move (:func:`streams.states.can_transition`; the first
+    A step is illegal when it is not a legal forward move (:func:`streams.model.states.can_transition`; the first
     step must be ``None -> accepted``) or when its ``from_state`` is not the previous step's ``to_state``.
     """
     bad = 0

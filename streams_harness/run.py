@@ -25,7 +25,12 @@ import asyncpg
 import httpx
 import orjson
 
-from streams.admin import (
+from streams.clients.follow import read_topic_to_end
+from streams.clients.submit import SubmissionProducer
+from streams.config import Settings
+from streams.ledger.store import Ledger
+from streams.outages import is_outage
+from streams.setup.admin import (
     create_run_database,
     create_topics,
     database_name,
@@ -33,11 +38,6 @@ from streams.admin import (
     drop_run_database,
     migrate,
 )
-from streams.config import Settings
-from streams.downstream import read_topic_to_end
-from streams.failures import is_outage
-from streams.ledger import Ledger
-from streams.producer import SubmissionProducer
 from streams_harness.checkout import checkout_dir
 from streams_harness.replay import replay_trace
 from streams_harness.report import (
@@ -168,7 +168,7 @@ async def isolated_run(settings: Settings, run_id: str, *, keep: bool, out: Text
 
 
 def migrate_quietly(database_url: str) -> list[str]:
-    """:func:`streams.admin.migrate` ``database_url`` with yoyo's step-by-step INFO log held back (a run's
+    """:func:`streams.setup.admin.migrate` ``database_url`` with yoyo's step-by-step INFO log held back (a run's
     database is new: every migration would log its lines); its warnings and errors still show, and a failure
     raises as ever. Returns the ids applied."""
     yoyo_log = logging.getLogger("yoyo")
@@ -189,7 +189,7 @@ def migrations_line(applied: list[str]) -> str:
 
 
 async def remove_run(run: Settings, admin_database_url: str, out: TextIO) -> None:
-    """Remove the run ``run``'s five topics (:func:`streams.admin.delete_topics`) and its database (dropped
+    """Remove the run ``run``'s five topics (:func:`streams.setup.admin.delete_topics`) and its database (dropped
     through ``admin_database_url``), its processes being stopped. A removal that fails is printed to ``out`` with
     what to remove by hand (the services may just have been restarted), never raised over the run's own outcome;
     the other removal still runs."""

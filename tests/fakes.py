@@ -1,11 +1,11 @@
 """Fakes for the fast unit tier: an in-memory ledger, leases on an in-process Redis, a provider behind
-``httpx.MockTransport``, and a :class:`~streams.runtime.Runtime` built from them.
+``httpx.MockTransport``, and a :class:`~streams.worker.runtime.Runtime` built from them.
 
-:class:`InMemoryLedger` implements the methods of :class:`streams.ledger.Ledger` that the dispatcher, the observer
+:class:`InMemoryLedger` implements the methods of :class:`streams.ledger.store.Ledger` that the dispatcher, the observer
 (with its stall rules), the poll scheduler, the reconciler and the outbox relay call, with the same rules as the
 SQL in ``streams/queries`` and the triggers of the migrations:
 
-* every state change must be legal (:func:`streams.states.can_transition`; the ``operations_guard`` trigger);
+* every state change must be legal (:func:`streams.model.states.can_transition`; the ``operations_guard`` trigger);
 * a fenced save names the fencing value of its claim and touches nothing when a newer claim took another one;
 * the fencing value never goes back; a saved job id never changes and belongs to one operation;
 * every state change writes one transition (``seq`` numbered) and its outbox event, as
@@ -30,16 +30,16 @@ from typing import Any
 import fakeredis
 import httpx
 
-from streams import exactjson
-from streams.answers import JobSnapshot, LookupJob, clean_text
-from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.config import Settings
+from streams.coordination.lease import LeaseManager
 from streams.errors import LedgerDataError, LedgerUnavailableError
-from streams.lease import LeaseManager
-from streams.ledger import ClaimBound, DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
-from streams.remote import RemoteClient
-from streams.runtime import Runtime
-from streams.states import POLLABLE, OperationState, can_transition, is_terminal
+from streams.ledger.store import ClaimBound, DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
+from streams.model.answers import JobSnapshot, LookupJob, clean_text
+from streams.model.codes import ReasonCode, RemoteCallOutcome
+from streams.model.states import POLLABLE, OperationState, can_transition, is_terminal
+from streams.remote.client import RemoteClient
+from streams.wire import exactjson
+from streams.worker.runtime import Runtime
 
 S = OperationState
 _REASON_CODES = frozenset(c.value for c in ReasonCode)
@@ -696,7 +696,8 @@ def fake_runtime(
 
 async def observed_again(ledger: Any, operation_id: str) -> ObserveClaim:
     """A second observer's claim of ``operation_id`` while the first still holds its own (``ledger``: the real
-    :class:`~streams.ledger.Ledger` or :class:`InMemoryLedger`): the poll claimed again by the scheduler (as once the
+    :class:`~streams.ledger.store.Ledger` or :class:`InMemoryLedger`): the poll claimed again by the scheduler (as once
+    the
     first claim's visibility timeout passed; here by rescheduling it due now), then claimed for observing. A poll
     claim is observed once, so a newer fencing value always comes with a newer poll claim."""
     row = await ledger.get_operation(operation_id)

@@ -21,7 +21,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
 from streams.config import Settings
-from streams.sql import Queries
+from streams.ledger.sql import Queries
 
 #: The benchmark's named queries (``streams_harness/queries/bench.sql``).
 BENCH = Queries("bench.sql", package="streams_harness")

@@ -30,9 +30,9 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from streams.config import Settings, lease_key
-from streams.lease import make_redis
-from streams.ledger import Ledger, create_pool
-from streams.states import is_terminal, state_for_remote_status
+from streams.coordination.lease import make_redis
+from streams.ledger.store import Ledger, create_pool
+from streams.model.states import is_terminal, state_for_remote_status
 from streams_harness.bench.counters import BENCH
 
 WORKER = "floor"

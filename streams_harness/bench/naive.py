@@ -25,9 +25,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from streams.config import Settings
 from streams.errors import RemoteError
-from streams.ledger import Ledger, create_pool
-from streams.remote import RemoteClient
-from streams.states import OperationState
+from streams.ledger.store import Ledger, create_pool
+from streams.model.states import OperationState
+from streams.remote.client import RemoteClient
 from streams_harness.bench.counters import BENCH
 
 WORKER = f"naive:{socket.gethostname()}:{os.getpid()}"

@@ -63,7 +63,7 @@ _SITE = re.compile(r"[/\\]site-packages[/\\](?P<package>[A-Za-z0-9_]+)")
 _LOOP_STEP = re.compile(
     r"^(?:\w+\.)?(?:_run_once|run_forever|run_until_complete|execute_from_commandline|_start_thread) \("
 )
-_OWN = re.compile(r"(?:^|[/\\])streams[/\\][^/\\]+\.py$")
+_OWN = re.compile(r"(?:^|[/\\])streams(?:[/\\][A-Za-z0-9_]+)*[/\\][^/\\]+\.py$")
 
 
 def py_spy() -> str | None:

@@ -1,4 +1,4 @@
-"""CPU per remote call of the product's :class:`~streams.remote.RemoteClient`, against the bundled simulator.
+"""CPU per remote call of the product's :class:`~streams.remote.client.RemoteClient`, against the bundled simulator.
 
 ``python -m streams_harness.bench.remote_calls`` starts ``streams simulator`` on a free port (no faults, no GET
 latency, no job duration) and, in this process, drives ``--requests`` POSTs (``RemoteClient.submit``) and then
@@ -28,7 +28,7 @@ import click
 import orjson
 
 from streams.config import Settings
-from streams.remote import RemoteClient
+from streams.remote.client import RemoteClient
 from streams_harness.bench.profile import Profiler, summarize
 from streams_harness.fleet import free_port, start_simulator, wait_healthy
 

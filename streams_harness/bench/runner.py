@@ -22,10 +22,10 @@ import asyncpg
 import httpx
 import orjson
 
-from streams.admin import create_run_database, create_topics, database_name, wait_group_stable
+from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
-from streams.ledger import create_pool
-from streams.producer import SubmissionProducer
+from streams.ledger.store import create_pool
+from streams.setup.admin import create_run_database, create_topics, database_name, wait_group_stable
 from streams_harness.bench.counters import (
     Counters,
     kafka_messages,

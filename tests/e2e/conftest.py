@@ -8,10 +8,10 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from streams.admin import create_topics, delete_topics, migrate
+from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
-from streams.ledger import create_pool
-from streams.producer import SubmissionProducer
+from streams.ledger.store import create_pool
+from streams.setup.admin import create_topics, delete_topics, migrate
 from streams_harness.fleet import Fleet
 from streams_harness.simulator import SimulatorConfig
 from tests.support import SimulatorServer, unique_settings

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import asyncpg
 import pytest
 
-from streams.producer import SubmissionProducer
+from streams.clients.submit import SubmissionProducer
 from streams_harness.fleet import Fleet
 from tests.support import SimulatorServer, provider_request, services, wait_for
 
@@ -33,7 +33,8 @@ async def trickle(producer: SubmissionProducer, prefix: str, n: int, per_s: floa
     return ids
 
 
-#: The reasons an operation becomes uncertain (streams.remote, streams.dispatcher, the reconciliation).
+#: The reasons an operation becomes uncertain (streams.remote.client, streams.worker.stages.dispatcher, the
+# reconciliation).
 UNKNOWN_OUTCOME = re.compile(
     r"timed out after send|connection lost after send|without error\.job_id|without a usable job id"
     r"|could not be saved|no outcome saved within"

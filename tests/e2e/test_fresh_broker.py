@@ -15,8 +15,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from streams.admin import create_topics, wait_group_stable
 from streams.config import Settings
+from streams.setup.admin import create_topics, wait_group_stable
 from tests.support import ThrowawayBroker, wait_for
 
 pytestmark = pytest.mark.e2e

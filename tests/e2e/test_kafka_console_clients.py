@@ -10,9 +10,9 @@ import asyncpg
 import orjson
 import pytest
 
-from streams import exactjson
+from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
-from streams.downstream import read_topic_to_end
+from streams.wire import exactjson
 from streams_harness.fleet import Fleet
 from tests.support import SimulatorServer, kafka_tool
 

@@ -13,9 +13,9 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from streams.admin import create_topics, delete_topics, migrate
+from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
-from streams.downstream import read_topic_to_end
+from streams.setup.admin import create_topics, delete_topics, migrate
 from streams_harness.mainjob import MainJobOptions, run_main_job
 
 pytestmark = pytest.mark.e2e

@@ -21,9 +21,9 @@ import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from streams.clients.submit import submission
 from streams.config import Settings, lease_key
-from streams.lease import LeaseManager, make_redis
-from streams.producer import submission
+from streams.coordination.lease import LeaseManager, make_redis
 from streams_harness.fleet import Fleet
 from tests.support import SimulatorServer, provider_request, wait_for
 

@@ -10,8 +10,8 @@ import uuid
 import asyncpg
 import pytest
 
-from streams.admin import wait_group_stable
-from streams.producer import SubmissionProducer
+from streams.clients.submit import SubmissionProducer
+from streams.setup.admin import wait_group_stable
 from streams_harness.fleet import Fleet
 from tests.support import SimulatorServer, provider_request, wait_for
 

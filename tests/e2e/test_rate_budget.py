@@ -10,9 +10,9 @@ import uuid
 import asyncpg
 import pytest
 
-from streams.admin import wait_group_stable
-from streams.producer import SubmissionProducer
-from streams.ratebudget import Pace
+from streams.clients.submit import SubmissionProducer
+from streams.coordination.ratebudget import Pace
+from streams.setup.admin import wait_group_stable
 from streams_harness.fleet import Fleet
 from tests.support import SimulatorServer, provider_request, wait_for
 

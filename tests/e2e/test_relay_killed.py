@@ -10,9 +10,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from streams.clients.follow import EventDeduplicator, read_topic_to_end
+from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
-from streams.downstream import EventDeduplicator, read_topic_to_end
-from streams.producer import SubmissionProducer
 from streams_harness import faults
 from streams_harness.fleet import Fleet
 from tests.support import provider_request, wait_for

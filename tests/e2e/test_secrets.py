@@ -12,9 +12,9 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from streams.clients.follow import read_topic_to_end
+from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
-from streams.downstream import read_topic_to_end
-from streams.producer import SubmissionProducer
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet
 from streams_harness.mainjob import MainJobOptions, run_main_job

@@ -11,8 +11,8 @@ from typing import Any
 import asyncpg
 import pytest
 
+from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
-from streams.producer import SubmissionProducer
 from streams_harness import faults
 from streams_harness.fleet import Fleet
 from streams_harness.toxiproxy import Toxiproxy

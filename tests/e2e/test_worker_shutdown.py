@@ -9,7 +9,7 @@ import uuid
 import asyncpg
 import pytest
 
-from streams.producer import SubmissionProducer
+from streams.clients.submit import SubmissionProducer
 from streams_harness.fleet import Fleet
 from tests.support import provider_request, wait_for
 

@@ -1,5 +1,6 @@
 """A worker started while Kafka is away waits for it, and one whose broker went away while Faust was starting
-starts again in place, instead of exiting (streams/worker.py). Kafka is reached through a Toxiproxy proxy that the
+starts again in place, instead of exiting (streams/worker/process.py). Kafka is reached through a Toxiproxy proxy that
+the
 test disables and enables; the broker itself keeps running."""
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from streams.app import faust_data_dir
+from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
-from streams.producer import SubmissionProducer
+from streams.worker.app import faust_data_dir
 from streams_harness import faults
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet, Worker

@@ -11,12 +11,12 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from streams.admin import create_topics, delete_topics, migrate
 from streams.config import Settings
-from streams.lease import LeaseManager, make_redis
-from streams.ledger import Ledger, create_pool
-from streams.remote import RemoteClient
-from streams.runtime import Runtime
+from streams.coordination.lease import LeaseManager, make_redis
+from streams.ledger.store import Ledger, create_pool
+from streams.remote.client import RemoteClient
+from streams.setup.admin import create_topics, delete_topics, migrate
+from streams.worker.runtime import Runtime
 from streams_harness.simulator import SimulatorConfig
 from tests.support import SimulatorServer as Simulator
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import asyncpg
 
-from streams.answers import JobSnapshot
-from streams.codes import ReasonCode
-from streams.codes import RemoteCallOutcome as Outcome
 from streams.config import Settings
-from streams.ledger import Ledger
-from streams.states import OperationState
+from streams.ledger.store import Ledger
+from streams.model.answers import JobSnapshot
+from streams.model.codes import ReasonCode
+from streams.model.codes import RemoteCallOutcome as Outcome
+from streams.model.states import OperationState
 from streams_harness.fleet import STREAMS
 from tests.fakes import observed_again
 from tests.support import ROOT

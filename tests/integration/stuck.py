@@ -8,8 +8,8 @@ from typing import Any
 import asyncpg
 import orjson
 
-from streams.observer import Observer
-from streams.runtime import RawMessage, Runtime
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.observer import Observer
 from tests.support import SimulatorServer
 
 POLLABLE = "('submitted', 'queued', 'running')"

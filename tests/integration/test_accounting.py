@@ -9,9 +9,9 @@ from decimal import Decimal
 import asyncpg
 import pytest
 
-from streams.codes import RemoteCallOutcome
-from streams.dispatcher import Dispatcher
-from streams.runtime import RawMessage, Runtime
+from streams.model.codes import RemoteCallOutcome
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.dispatcher import Dispatcher
 from tests.integration.stuck import operation, poll_now, request_text
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for

@@ -16,9 +16,9 @@ import asyncpg
 import pytest
 
 from streams.config import lease_key
-from streams.dispatcher import Dispatcher
-from streams.runtime import Runtime
-from streams.scheduler import PollScheduler
+from streams.worker.runtime import Runtime
+from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.stages.scheduler import PollScheduler
 from tests.integration.test_dispatcher import request_text, submission
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for

@@ -12,10 +12,10 @@ import asyncpg
 import orjson
 import pytest
 
-from streams import exactjson
 from streams.config import Settings
-from streams.dispatcher import Dispatcher
-from streams.runtime import RawMessage, Runtime
+from streams.wire import exactjson
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.dispatcher import Dispatcher
 from streams_harness.simulator import SimulatorConfig
 from streams_harness.simulator.model import prompt_tokens
 from tests.support import SimulatorServer as Simulator

@@ -13,13 +13,13 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
-from streams.dispatcher import Dispatcher
-from streams.downstream import read_topic_to_end
 from streams.errors import RemoteRateLimitedError
-from streams.observer import Observer
-from streams.relay import OutboxRelay
-from streams.runtime import RawMessage, Runtime
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.stages.observer import Observer
+from streams.worker.stages.relay import OutboxRelay
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for
 

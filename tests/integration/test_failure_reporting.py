@@ -14,12 +14,12 @@ from aiokafka import AIOKafkaProducer
 
 from streams import metrics
 from streams.config import Settings, lease_key
+from streams.coordination.lease import Lease, LeaseManager, make_redis
 from streams.errors import DeadLetterError, InvalidEventError
-from streams.lease import Lease, LeaseManager, make_redis
-from streams.observer import Observer
-from streams.relay import OutboxRelay
-from streams.runtime import RawMessage, Runtime
-from streams.scheduler import PollScheduler
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.observer import Observer
+from streams.worker.stages.relay import OutboxRelay
+from streams.worker.stages.scheduler import PollScheduler
 from tests.integration.test_observer import claim_poll, submitted_operation
 from tests.support import SimulatorServer as Simulator
 

@@ -14,16 +14,16 @@ import httpx
 import orjson
 import pytest
 
-from streams.answers import JobSnapshot
 from streams.config import Settings
-from streams.dispatcher import Dispatcher
-from streams.ledger import Ledger, ObserveClaim
-from streams.observer import Observer
-from streams.reconciler import Reconciler
-from streams.relay import OutboxRelay
-from streams.runtime import RawMessage, Runtime
-from streams.scheduler import PollScheduler
-from streams.states import POLLABLE, OperationState
+from streams.ledger.store import Ledger, ObserveClaim
+from streams.model.answers import JobSnapshot
+from streams.model.states import POLLABLE, OperationState
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.stages.observer import Observer
+from streams.worker.stages.reconciler import Reconciler
+from streams.worker.stages.relay import OutboxRelay
+from streams.worker.stages.scheduler import PollScheduler
 from tests.fakes import InMemoryLedger, Sent, fake_leases, mock_remote, observed_again
 
 pytestmark = pytest.mark.integration

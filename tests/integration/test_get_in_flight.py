@@ -22,9 +22,9 @@ import pytest
 from streams import metrics
 from streams.config import Settings, lease_key
 from streams.errors import RemoteNotSentError, RemoteUnknownOutcomeError
-from streams.observer import Observer
-from streams.remote import RemoteClient
-from streams.runtime import RawMessage, Runtime
+from streams.remote.client import RemoteClient
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.observer import Observer
 from tests.http_faults import TricklingProxy
 from tests.integration.test_observer import claim_poll, state_of, submitted_operation
 from tests.support import SimulatorServer as Simulator

@@ -13,11 +13,11 @@ import asyncpg
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from streams.admin import delete_topics, drop_run_database
+from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
-from streams.downstream import read_topic_to_end
 from streams.errors import StreamsError
-from streams.ledger import create_pool
+from streams.ledger.store import create_pool
+from streams.setup.admin import delete_topics, drop_run_database
 from streams_harness import run
 from streams_harness.run import RunOptions, isolated_run, migrations_line, replay_until_final
 from streams_harness.trace import read_trace

@@ -2,7 +2,7 @@
 
 For 5 s the provider (a real socket server, :class:`tests.http_faults.FlakyProvider`) accepts connections but
 answers only after 10 s and resets 20% of them, while 30% of the GETs in flight are cancelled by their callers;
-then it recovers. The product's :class:`~streams.remote.RemoteClient` must come out with a working pool: no
+then it recovers. The product's :class:`~streams.remote.client.RemoteClient` must come out with a working pool: no
 GET waiting for a connection in vain, at least 99% of GETs succeeding, and POSTs still classified by whether a
 byte was sent (checked against what the server actually received).
 """
@@ -21,7 +21,7 @@ import pytest
 from streams import metrics
 from streams.config import Settings
 from streams.errors import RemoteAbandonedError, RemoteNotSentError, RemoteTransientError, RemoteUnknownOutcomeError
-from streams.remote import RemoteClient
+from streams.remote.client import RemoteClient
 from tests.http_faults import FlakyProvider
 from tests.support import wait_for
 

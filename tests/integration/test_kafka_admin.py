@@ -10,10 +10,10 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import InvalidTopicError, KafkaConnectionError
 
-from streams.admin import KafkaAdmin, create_topics, delete_topics, wait_group_stable
 from streams.config import Settings
 from streams.errors import DatabaseConfigError, KafkaAdminError, ServiceNotReadyError
-from streams.readiness import wait_ready
+from streams.setup.admin import KafkaAdmin, create_topics, delete_topics, wait_group_stable
+from streams.setup.readiness import wait_ready
 from streams_harness.fleet import free_port
 from tests.support import unique_settings
 

@@ -8,8 +8,8 @@ import functools
 
 import pytest
 
+from streams.coordination.lease import LeaseManager, make_redis
 from streams.errors import CoordinationUnavailableError, LeaseLostError
-from streams.lease import LeaseManager, make_redis
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration

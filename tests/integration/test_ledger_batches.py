@@ -18,15 +18,15 @@ import asyncpg
 import pytest
 from prometheus_client import REGISTRY
 
-from streams import ledger as ledger_module
-from streams.answers import JobSnapshot
-from streams.codes import ReasonCode
-from streams.codes import RemoteCallOutcome as Outcome
 from streams.config import Settings
 from streams.errors import LedgerDataError, LedgerUnavailableError
-from streams.ledger import WAIT_FOR_LOCKS, Ledger, ObserveClaim, SaveOutcome, _init_connection
-from streams.sql import LEDGER as Q
-from streams.states import OperationState as S
+from streams.ledger.sql import LEDGER as Q
+from streams.ledger.store import WAIT_FOR_LOCKS, Ledger, ObserveClaim, SaveOutcome, _init_connection
+from streams.ledger import store as ledger_module
+from streams.model.answers import JobSnapshot
+from streams.model.codes import ReasonCode
+from streams.model.codes import RemoteCallOutcome as Outcome
+from streams.model.states import OperationState as S
 from tests.support import ReplyCutter, wait_for
 
 pytestmark = pytest.mark.integration

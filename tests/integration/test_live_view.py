@@ -19,11 +19,11 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from streams.admin import create_topics, delete_topics
+from streams.clients.follow import read_topic_to_end
 from streams.config import Settings, lease_key
-from streams.downstream import read_topic_to_end
-from streams.lease import LeaseManager, make_redis
-from streams.ledger import Ledger
+from streams.coordination.lease import LeaseManager, make_redis
+from streams.ledger.store import Ledger
+from streams.setup.admin import create_topics, delete_topics
 from streams_harness.fleet import Fleet, Worker
 from tests.conftest import SESSION_ID
 from tests.integration.operators_support import HOSTILE_REASON, STALLED_REASON, Seeded, backdate, seed_ledger
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 
 CHROMIUM = Path("/usr/bin/chromium")
 TERMINAL = ("succeeded", "failed", "canceled", "rejected")
-#: The relay's advisory lock (streams/queries/ledger.sql, try_relay_lock): holding it keeps the outbox still.
+#: The relay's advisory lock (streams/ledger/queries/ledger.sql, try_relay_lock): holding it keeps the outbox still.
 RELAY_LOCK = "SELECT pg_advisory_xact_lock(hashtext('generation-streams:outbox-relay'))"
 
 
@@ -74,7 +74,7 @@ async def test_worker_log_is_json_lines(worker_settings: Settings, tmp_path: Pat
     assert len(lines) > 10
     records = [json.loads(line) for line in lines]  # every line is one JSON object
     assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
-    assert any(r["logger"] == "streams.app" and r["message"].startswith("worker ") for r in records)
+    assert any(r["logger"] == "streams.worker.app" and r["message"].startswith("worker ") for r in records)
 
 
 @pytest.mark.skipif(

@@ -9,11 +9,11 @@ import asyncpg
 import pytest
 from yoyo import get_backend
 
-from streams.admin import create_run_database, drop_run_database, sql_migrations, yoyo_url
-from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.config import Settings
-from streams.sql import LEDGER
-from streams.states import OperationState, can_transition
+from streams.ledger.sql import LEDGER
+from streams.model.codes import ReasonCode, RemoteCallOutcome
+from streams.model.states import OperationState, can_transition
+from streams.setup.admin import create_run_database, drop_run_database, sql_migrations, yoyo_url
 
 pytestmark = pytest.mark.integration
 

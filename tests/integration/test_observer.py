@@ -10,12 +10,12 @@ import orjson
 import pytest
 
 from streams import metrics
-from streams.answers import JobSnapshot
 from streams.config import lease_key
-from streams.ledger import SaveOutcome
-from streams.observer import Observer
-from streams.runtime import RawMessage, Runtime
-from streams.states import OperationState
+from streams.ledger.store import SaveOutcome
+from streams.model.answers import JobSnapshot
+from streams.model.states import OperationState
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.observer import Observer
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for
 
@@ -103,7 +103,7 @@ async def test_redis_down_means_no_get_and_the_poll_comes_back(
 ) -> None:
     await submitted_operation(runtime, "op-noredis")
     poll = await claim_poll(runtime, "op-noredis")
-    from streams.lease import LeaseManager, make_redis
+    from streams.coordination.lease import LeaseManager, make_redis
 
     down = make_redis("redis://127.0.0.1:1/0", 0.3)
     real = runtime.leases

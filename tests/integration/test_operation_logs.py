@@ -16,13 +16,13 @@ import orjson
 import pytest
 
 from streams import logs
-from streams.app import handle_with_retries
-from streams.codes import ReasonCode
-from streams.dispatcher import Dispatcher
-from streams.observer import Observer
-from streams.reconciler import Reconciler
-from streams.runtime import RawMessage, Runtime
-from streams.states import OperationState
+from streams.model.codes import ReasonCode
+from streams.model.states import OperationState
+from streams.worker.app import handle_with_retries
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.stages.observer import Observer
+from streams.worker.stages.reconciler import Reconciler
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for
 
@@ -64,10 +64,10 @@ async def test_dispatcher_lines_name_operation_and_fencing_value(
     await handle_with_retries(runtime, dispatcher.handle, bad)
 
     fencing = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id = 'op-log-1'")
-    (post,) = records(json_lines, "streams.dispatcher")
+    (post,) = records(json_lines, "streams.worker.stages.dispatcher")
     assert "POST unknown_outcome" in post["message"]
     assert (post["operation_id"], post["fencing_token"]) == ("op-log-1", fencing) and "remote_job_id" not in post
-    (dead,) = records(json_lines, "streams.runtime")
+    (dead,) = records(json_lines, "streams.worker.runtime")
     assert "dead-letter" in dead["message"] and not {"operation_id", "fencing_token"} & set(dead)
 
 
@@ -92,7 +92,7 @@ async def test_observer_lines_name_operation_job_and_fencing_value(
 
     claimed = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id = $1", op)
     assert claimed == fencing + 1
-    lines = records(json_lines, "streams.observer")
+    lines = records(json_lines, "streams.worker.stages.observer")
     assert lines, "the 404 is logged"
     for line in lines:
         assert (line["operation_id"], line["remote_job_id"], line["fencing_token"]) == (
@@ -121,10 +121,10 @@ async def test_reconciler_lines_name_operation_job_and_fencing_value(
 
     async def both_looked_up() -> bool:
         await reconciler.tick()
-        return len(records(json_lines, "streams.reconciler")) == 2
+        return len(records(json_lines, "streams.worker.stages.reconciler")) == 2
 
     await wait_for(both_looked_up, 15, "both lookups to be logged")
-    lines = {line["operation_id"]: line for line in records(json_lines, "streams.reconciler")}
+    lines = {line["operation_id"]: line for line in records(json_lines, "streams.worker.stages.reconciler")}
     adopted = await pool.fetchrow("SELECT remote_job_id, fencing_token FROM operations WHERE operation_id='op-log-3'")
     assert "adopted job" in lines["op-log-3"]["message"]
     assert (lines["op-log-3"]["remote_job_id"], lines["op-log-3"]["fencing_token"]) == tuple(adopted.values())
@@ -142,7 +142,7 @@ async def test_redispatch_lines_name_the_operation(
     # The scheduler starts one task per operation to re-dispatch; nothing is bound in the task that starts it.
     assert await asyncio.create_task(Dispatcher(runtime).redispatch("op-log-5", request))
     fencing = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id = 'op-log-5'")
-    lines = records(json_lines, "streams.dispatcher")
+    lines = records(json_lines, "streams.worker.stages.dispatcher")
     assert len(lines) == 2 and all(line["operation_id"] == "op-log-5" for line in lines)
     (post,) = [line for line in lines if "POST unknown_outcome" in line["message"]]
     assert post["fencing_token"] == fencing

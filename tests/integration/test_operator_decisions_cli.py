@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from streams.codes import RemoteCallOutcome
 from streams.config import Settings
-from streams.ledger import Ledger
+from streams.ledger.store import Ledger
+from streams.model.codes import RemoteCallOutcome
 from tests.integration.operators_support import Seeded, backdate, seed_ledger, streams_cli
 from tests.support import SimulatorServer as Simulator
 

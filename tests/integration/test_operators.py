@@ -8,11 +8,11 @@ import time
 import asyncpg
 import pytest
 
-from streams.answers import JobSnapshot
-from streams.codes import ReasonCode, RemoteCallOutcome
 from streams.errors import OperatorActionRefusedError, UnknownOperationError
-from streams.ledger import Ledger
-from streams.states import OperationState
+from streams.ledger.store import Ledger
+from streams.model.answers import JobSnapshot
+from streams.model.codes import ReasonCode, RemoteCallOutcome
+from streams.model.states import OperationState
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import asyncpg
 import pytest
 
 from streams.config import Settings, lease_key
-from streams.lease import LeaseManager, make_redis
-from streams.ledger import Ledger
+from streams.coordination.lease import LeaseManager, make_redis
+from streams.ledger.store import Ledger
 from tests.integration.operators_support import HOSTILE_REASON, Seeded, backdate, seed_ledger, streams_cli
 
 pytestmark = pytest.mark.integration

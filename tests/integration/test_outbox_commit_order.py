@@ -14,10 +14,10 @@ import uuid
 import asyncpg
 import pytest
 
+from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
-from streams.downstream import read_topic_to_end
-from streams.relay import OutboxRelay
-from streams.runtime import Runtime
+from streams.worker.runtime import Runtime
+from streams.worker.stages.relay import OutboxRelay
 
 pytestmark = pytest.mark.integration
 

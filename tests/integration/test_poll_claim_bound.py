@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from streams.ledger import ClaimBound, Ledger
+from streams.ledger.store import ClaimBound, Ledger
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration

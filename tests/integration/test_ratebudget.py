@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 
 from streams import metrics
 from streams.config import Settings, budget_key
+from streams.coordination.lease import make_redis
+from streams.coordination.ratebudget import BudgetKind, Pace, RateBudget
 from streams.errors import CoordinationUnavailableError, LeaseLostError, RateBudgetDeadlineError
-from streams.lease import make_redis
-from streams.ratebudget import BudgetKind, Pace, RateBudget
 from streams_harness.fleet import free_port
 from tests.support import wait_for
 

@@ -16,13 +16,13 @@ import pytest
 
 from streams import metrics
 from streams.config import Settings, budget_key, lease_key
-from streams.dispatcher import Dispatcher
-from streams.lease import make_redis
-from streams.observer import Observer
-from streams.ratebudget import BudgetKind, Pace, RateBudget
-from streams.reconciler import Reconciler
-from streams.runtime import Runtime
-from streams.scheduler import PollScheduler
+from streams.coordination.lease import make_redis
+from streams.coordination.ratebudget import BudgetKind, Pace, RateBudget
+from streams.worker.runtime import Runtime
+from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.stages.observer import Observer
+from streams.worker.stages.reconciler import Reconciler
+from streams.worker.stages.scheduler import PollScheduler
 from streams_harness.fleet import free_port
 from tests.integration.test_dispatcher import request_text, submission
 from tests.integration.test_observer import claim_poll, submitted_operation
@@ -312,7 +312,7 @@ async def test_a_budget_outage_inside_the_claim_is_waited_out_not_spun(
     rt = await runtimes(submit_retry_deadline_s=3.0)
     working = rt.budget
     await simulator.configure(fault_429=1.0, retry_after_s=1)
-    caplog.set_level(logging.INFO, logger="streams.dispatcher")
+    caplog.set_level(logging.INFO, logger="streams.worker.stages.dispatcher")
     task = asyncio.create_task(Dispatcher(rt).handle(submission("op-sp")))
     pause_key = budget_key(rt.settings, "POST", "pause")
     await wait_for(lambda: rt.leases.client.exists(pause_key), 5, "the 429's pause in Redis")

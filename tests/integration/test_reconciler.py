@@ -10,12 +10,12 @@ import time
 import asyncpg
 import pytest
 
-from streams.codes import ReasonCode
-from streams.downstream import read_topic_to_end
-from streams.reconciler import Reconciler
-from streams.relay import OutboxRelay
-from streams.runtime import Runtime
-from streams.states import OperationState
+from streams.clients.follow import read_topic_to_end
+from streams.model.codes import ReasonCode
+from streams.model.states import OperationState
+from streams.worker.runtime import Runtime
+from streams.worker.stages.reconciler import Reconciler
+from streams.worker.stages.relay import OutboxRelay
 from tests.integration.stuck import operation, poll_now, request_text, transitions
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for

@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 
 from streams import metrics
 from streams.config import Settings
+from streams.coordination.lease import Lease, LeaseManager, make_redis
 from streams.errors import CoordinationBusyError, CoordinationUnavailableError, LeaseLostError
-from streams.lease import Lease, LeaseManager, make_redis
 from streams_harness.redis_server import PrivateRedis
 from tests.support import wait_for
 

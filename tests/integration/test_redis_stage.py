@@ -20,10 +20,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from streams.config import Settings, budget_key
+from streams.coordination.lease import RELEASE_LUA, RENEW_LUA, Lease, LeaseManager, make_redis
+from streams.coordination.ratebudget import BUDGET_LUA, BudgetKind, Grant, RateBudget
+from streams.coordination.redisstage import REDIS_MAX_IN_FLIGHT, RedisStage
 from streams.errors import CoordinationUnavailableError, LeaseLostError
-from streams.lease import RELEASE_LUA, RENEW_LUA, Lease, LeaseManager, make_redis
-from streams.ratebudget import BUDGET_LUA, BudgetKind, Grant, RateBudget
-from streams.redisstage import REDIS_MAX_IN_FLIGHT, RedisStage
 from streams_harness.redis_server import PrivateRedis
 from tests.support import ReplyCutter, wait_for
 
@@ -313,7 +313,8 @@ async def test_a_pipeline_whose_replies_are_lost_after_it_ran_is_not_run_twice(
     cutter: ReplyCutter, probe: aioredis.Redis
 ) -> None:
     """The connection drops after Redis ran a batch and before its replies were read (a network cut, Redis
-    killed right after answering). redis-py's retry (:func:`streams.lease.make_redis`) sends the whole pipeline
+    killed right after answering). redis-py's retry (:func:`streams.coordination.lease.make_redis`) sends the whole
+    pipeline
     again on a fresh connection. Safe for renewals and releases; not for the other commands:
 
     * ``SET NX`` finds the key set by its own first run: the acquisition answers "busy" while the key holds its

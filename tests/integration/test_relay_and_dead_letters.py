@@ -11,15 +11,15 @@ import asyncpg
 import orjson
 import pytest
 
-from streams.answers import JobSnapshot
+from streams.clients.follow import EventDeduplicator, read_topic_to_end
 from streams.config import Settings
-from streams.dispatcher import Dispatcher
-from streams.downstream import EventDeduplicator, read_topic_to_end
-from streams.ledger import SaveOutcome
-from streams.observer import Observer
-from streams.relay import OutboxRelay
-from streams.runtime import RawMessage, Runtime
-from streams.states import OperationState
+from streams.ledger.store import SaveOutcome
+from streams.model.answers import JobSnapshot
+from streams.model.states import OperationState
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.stages.observer import Observer
+from streams.worker.stages.relay import OutboxRelay
 
 pytestmark = pytest.mark.integration
 
@@ -147,8 +147,7 @@ async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
 
 
 async def test_unexpected_errors_are_retried_then_dead_lettered(runtime: Runtime, settings: Settings) -> None:
-    from streams import app
-
+    from streams.worker import app
     tag = uuid.uuid4().hex[:6]
     calls: list[int] = []
 

@@ -14,12 +14,12 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import MessageSizeTooLargeError
 
-from streams import exactjson
-from streams.admin import KafkaAdmin
+from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
-from streams.downstream import read_topic_to_end
-from streams.relay import OutboxRelay
-from streams.runtime import Runtime
+from streams.setup.admin import KafkaAdmin
+from streams.wire import exactjson
+from streams.worker.runtime import Runtime
+from streams.worker.stages.relay import OutboxRelay
 from tests.integration.test_relay_and_dead_letters import succeeded_operation
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from streams.sql import Queries, Query
+from streams.ledger.sql import Queries, Query
 
 pytestmark = pytest.mark.integration
 

@@ -8,12 +8,12 @@ import asyncpg
 import orjson
 import pytest
 
-from streams.answers import JobSnapshot
-from streams.downstream import read_topic_to_end
-from streams.ledger import SaveOutcome
-from streams.relay import OutboxRelay
-from streams.runtime import Runtime
-from streams.states import OperationState
+from streams.clients.follow import read_topic_to_end
+from streams.ledger.store import SaveOutcome
+from streams.model.answers import JobSnapshot
+from streams.model.states import OperationState
+from streams.worker.runtime import Runtime
+from streams.worker.stages.relay import OutboxRelay
 from tests.integration.stuck import (
     operation,
     poll_now,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from streams import exactjson
 from streams.config import Settings
+from streams.wire import exactjson
 from tests.integration.operators_support import streams_cli
 
 pytestmark = pytest.mark.integration

@@ -18,8 +18,8 @@ import yarl
 
 from streams.config import Settings
 from streams.errors import RemoteNotSentError, RemoteTransientError, RemoteUnknownOutcomeError
-from streams.remote import RemoteClient, make_http_client
-from streams.transport import AiohttpTransport, client_timeout
+from streams.remote.client import RemoteClient, make_http_client
+from streams.remote.transport import AiohttpTransport, client_timeout
 
 pytestmark = pytest.mark.integration
 

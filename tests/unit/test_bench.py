@@ -132,7 +132,8 @@ def test_components_of_frames() -> None:
     assert component_of(frame("AsyncClient.send", f"{SITE}/httpx/_client.py")) == "httpx"
     assert component_of(frame("AsyncConnectionPool.handle", f"{SITE}/httpcore/_async/pool.py")) == "httpx"
     assert component_of(frame("Connection.fetchval", f"{SITE}/asyncpg/connection.py")) == "asyncpg"
-    assert component_of(frame("Observer.handle", "/work/repo/streams/observer.py")) == "streams (own code)"
+    observer = frame("Observer.handle", "/work/repo/streams/worker/stages/observer.py")
+    assert component_of(observer) == "streams (own code)"
     assert component_of(frame("Something.run", f"{SITE}/unknownpkg/x.py")) == "unknownpkg"
     assert component_of(frame("BaseEventLoop._run_once", f"{STDLIB}/asyncio/base_events.py")) is None
     assert component_of(frame("worker", "/work/repo/streams_harness/cli.py")) is None
@@ -154,7 +155,7 @@ def test_samples_are_charged_below_the_event_loop(tmp_path: Path) -> None:
         + ";".join(
             [
                 frame("Handle._run", f"{STDLIB}/asyncio/events.py"),
-                frame("Observer.handle", "/work/repo/streams/observer.py"),
+                frame("Observer.handle", "/work/repo/streams/worker/stages/observer.py"),
                 frame("Redis.execute_command", f"{SITE}/redis/asyncio/client.py"),
                 frame("_SelectorSocketTransport.write", f"{STDLIB}/asyncio/selector_events.py"),
             ]
@@ -165,7 +166,7 @@ def test_samples_are_charged_below_the_event_loop(tmp_path: Path) -> None:
         + ";"
         + frame("Handle._run", f"{STDLIB}/asyncio/events.py")
         + ";"
-        + frame("Observer._delay", "/work/repo/streams/observer.py")
+        + frame("Observer._delay", "/work/repo/streams/worker/stages/observer.py")
     )
     path = tmp_path / "profile.txt"
     path.write_text(f"{select} 30\n{task} 60\n{own} 10\nnot a sample line\n")

@@ -278,7 +278,7 @@ def test_errors_about_secret_settings_do_not_show_them() -> None:
 
 
 def test_redis_versions_the_leases_work_on() -> None:
-    from streams.readiness import redis_version_refusal
+    from streams.setup.readiness import redis_version_refusal
 
     assert redis_version_refusal("7.0.15") is None
     assert redis_version_refusal("7.4.1") is None

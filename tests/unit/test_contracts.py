@@ -12,9 +12,9 @@ import jsonschema
 import orjson
 import pytest
 
-from streams import contracts
 from streams.errors import ConfigError, InvalidEventError
-from streams.states import OperationState
+from streams.model.states import OperationState
+from streams.wire import contracts
 
 SUB = "generation.submissions"
 POLLS = "generation.polls"
@@ -387,8 +387,7 @@ def test_submission_numbers_are_exact_or_refused_naming_the_field(rest: bytes, f
 
 def test_big_submission_numbers_are_written_back_exactly() -> None:
     data = SUBMISSION_PREFIX + b'"submitted_at_ms": 1, "source": {"a": 18446744073709551617, "b": 1.50}}'
-    from streams import exactjson
-
+    from streams.wire import exactjson
     assert exactjson.dumps(contracts.decode(SUB, data, LIMIT)["source"]) == b'{"a":18446744073709551617,"b":1.50}'
 
 
@@ -428,7 +427,7 @@ def test_interpreted_integers_have_a_maximum_in_every_schema() -> None:
 
 
 def test_latest_time_is_the_same_everywhere() -> None:
-    from streams.remote import MAX_EPOCH_MS
+    from streams.remote.client import MAX_EPOCH_MS
 
     sub = orjson.loads(contracts.schema_dir().joinpath("generation.submissions.json").read_bytes())
     assert sub["properties"]["submitted_at_ms"]["maximum"] == MAX_EPOCH_MS

@@ -1,4 +1,4 @@
-"""The two schema engines of :mod:`streams.contracts` agree: jsonschema-rs (which decides whether a consumed value
+"""The two schema engines of :mod:`streams.wire.contracts` agree: jsonschema-rs (which decides whether a consumed value
 conforms) and jsonschema (the reference, which names the failing field) give the same verdict on valid values
 of every topic and on many invalid ones derived from them, field by field: each required field dropped, each
 field replaced by values of every JSON type and by edge values (limits, limits plus one, integral decimals, huge
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from streams import contracts
+from streams.wire import contracts
 
 VALID: dict[str, dict[str, Any]] = {
     "generation.submissions": {

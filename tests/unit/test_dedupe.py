@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streams.downstream import EventDeduplicator
+from streams.clients.follow import EventDeduplicator
 
 
 def test_first_time_once_then_duplicates_counted() -> None:

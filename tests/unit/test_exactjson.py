@@ -8,8 +8,8 @@ from typing import Any
 import orjson
 import pytest
 
-from streams import exactjson
 from streams.errors import JsonValueError
+from streams.wire import exactjson
 
 TWO_64 = 2**64
 

@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 import pytest
 
-from streams import exactjson
 from streams.errors import JsonValueError
+from streams.wire import exactjson
 
 
 def test_what_orjson_reads_differently_from_the_reference() -> None:

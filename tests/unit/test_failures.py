@@ -17,7 +17,7 @@ from streams.errors import (
     LedgerDataError,
     LedgerUnavailableError,
 )
-from streams.failures import Failure, FailureKind, classify
+from streams.outages import Failure, FailureKind, classify
 
 OUTAGE, BUSY, ERROR = FailureKind.OUTAGE, FailureKind.BUSY, FailureKind.ERROR
 

@@ -8,8 +8,8 @@ from typing import Any
 import orjson
 import pytest
 
-from streams import contracts
 from streams.errors import ConfigError, InvalidEventError
+from streams.wire import contracts
 from tests.unit.test_contracts import LIMIT, VALID_POLL, VALID_SUBMISSION
 
 # Every format of JSON Schema 2020-12 -> (a value that breaks it, a value that satisfies it).

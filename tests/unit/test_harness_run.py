@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from streams.admin import run_topics
 from streams.config import Settings
+from streams.setup.admin import run_topics
 from streams_harness.mainjob import MainJobOptions, processes_env
 from streams_harness.run import (
     RUN_LOOKUP_LAG_S,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from streams.inflight import InOrderAcks
+from streams.worker.inflight import InOrderAcks
 
 
 def test_an_event_finished_early_waits_for_the_ones_before_it() -> None:

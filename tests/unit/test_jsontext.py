@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from streams import exactjson, jsontext
 from streams.errors import InvalidEventError
-from streams.remote import provider_request_body
+from streams.remote.client import provider_request_body
+from streams.wire import exactjson, jsontext
 
 OP = "op-1"
 MODEL = "sim-1"

@@ -10,10 +10,10 @@ from typing import Any
 import aiokafka.errors as ke
 import pytest
 
-from streams.admin import KafkaAdmin
 from streams.config import Settings
 from streams.errors import KafkaAdminError, StreamsError
-from streams.failures import is_outage
+from streams.outages import is_outage
+from streams.setup.admin import KafkaAdmin
 
 
 @pytest.mark.parametrize(

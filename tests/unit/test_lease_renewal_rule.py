@@ -1,4 +1,5 @@
-"""The rule that skips renewals that confirm nothing (streams.lease): a renewal before an action is skipped only
+"""The rule that skips renewals that confirm nothing (streams.coordination.lease): a renewal before an action is
+skipped only
 while the last confirmation leaves the key ours for more than ``reserve_s``; never for a lease found lost,
 never on a manager without a reserve. Leases on an in-process Redis (fakeredis) running the real scripts."""
 
@@ -12,9 +13,9 @@ import fakeredis
 import pytest
 
 from streams.config import Settings
+from streams.coordination.lease import Lease, LeaseManager
+from streams.coordination.redisstage import RedisCommand, RedisStage
 from streams.errors import CoordinationUnavailableError, LeaseLostError
-from streams.lease import Lease, LeaseManager
-from streams.redisstage import RedisCommand, RedisStage
 
 
 class CountingStage(RedisStage):

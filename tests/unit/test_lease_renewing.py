@@ -1,4 +1,5 @@
-"""``Lease.renewing`` (streams.lease) when the remote call ends while a renewal is answering: the renewal's outcome
+"""``Lease.renewing`` (streams.coordination.lease) when the remote call ends while a renewal is answering: the
+renewal's outcome
 (lease lost) is what the caller sees, and the call's own failure is retrieved, never left for asyncio to log as
 "Task exception was never retrieved" (seen in a soak: a GET abandoned at its deadline while the lease was lost)."""
 
@@ -11,8 +12,8 @@ from typing import Any
 import fakeredis
 import pytest
 
+from streams.coordination.lease import Lease, LeaseManager
 from streams.errors import LeaseLostError
-from streams.lease import Lease, LeaseManager
 
 
 class LostWhileTheCallEnds(Lease):

@@ -159,7 +159,7 @@ def test_other_templates_and_loggers_are_not_held_back() -> None:
     assert repeats.filter(_record("aiokafka.cluster", "Unable to update metadata from %s", [1]))
     assert repeats.filter(_record("aiokafka.conn", "Unable connect to node with id %s", 2)) is False  # same template
     for _ in range(3):  # the project's own lines are never held back
-        assert repeats.filter(_record("streams.observer", "lease %s not renewed", "k"))
+        assert repeats.filter(_record("streams.worker.stages.observer", "lease %s not renewed", "k"))
 
 
 def test_the_configured_handler_holds_back_aiokafka_repeats(capsys: pytest.CaptureFixture[str]) -> None:
@@ -169,9 +169,9 @@ def test_the_configured_handler_holds_back_aiokafka_repeats(capsys: pytest.Captu
         logging.config.dictConfig(logs.dict_config("json", "INFO", "ext://sys.stderr"))
         for _ in range(20):
             logging.getLogger("aiokafka.conn").error("Unable connect to node with id %s", 1)
-            logging.getLogger("streams.observer").warning("lease %s not renewed", "k")
+            logging.getLogger("streams.worker.stages.observer").warning("lease %s not renewed", "k")
     finally:
         root.handlers[:], level = saved
         root.setLevel(level)
     loggers = [json.loads(line)["logger"] for line in capsys.readouterr().err.splitlines()]
-    assert loggers.count("aiokafka.conn") == 1 and loggers.count("streams.observer") == 20
+    assert loggers.count("aiokafka.conn") == 1 and loggers.count("streams.worker.stages.observer") == 20

@@ -7,8 +7,9 @@ import html.parser
 
 import pytest
 
-from streams import operators, web
-from streams.operators import OperationList, actor_from_env, format_age, parse_duration
+from streams.oncall import liveview as web
+from streams.oncall import operations as operators
+from streams.oncall.operations import OperationList, actor_from_env, format_age, parse_duration
 
 
 @pytest.mark.parametrize(

@@ -19,14 +19,15 @@ import pytest
 from click.testing import CliRunner
 
 import streams
-from streams import admin, cli
+from streams import cli
 from streams.errors import MissingResourceError
+from streams.setup import admin
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ROOT / "streams"
 HARNESS_MODULES = ("streams_harness",)
 #: Distributions only the harness depends on (``pyproject.toml``, extra ``harness``); aiohttp is not listed: the
-#: product's HTTP transport (``streams/transport.py``) and faust-streaming's web server use it too.
+#: product's HTTP transport (``streams/remote/transport.py``) and faust-streaming's web server use it too.
 HARNESS_ONLY_IMPORTS = ("honcho",)
 
 
@@ -84,8 +85,8 @@ for args in (["worker"], ["migrate"], ["submit"], ["follow"], ["operations", "li
 for info in pkgutil.walk_packages(streams.__path__, "streams."):
     if info.name != "streams.__main__":  # runs the command line
         importlib.import_module(info.name)
-import streams.app
-streams.app.create_app(streams.config.Settings(web_enabled=False))
+import streams.worker.app
+streams.worker.app.create_app(streams.config.Settings(web_enabled=False))
 print(json.dumps(sorted(sys.modules)))
 """
 
@@ -98,7 +99,7 @@ def test_product_commands_and_the_worker_import_path_load_no_harness_module() ->
     )
     assert proc.returncode == 0, proc.stderr
     modules = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert "streams.app" in modules and "streams.observer" in modules and "faust" in modules
+    assert "streams.worker.app" in modules and "streams.worker.stages.observer" in modules and "faust" in modules
     assert [m for m in modules if m.split(".")[0] in (*HARNESS_MODULES, *HARNESS_ONLY_IMPORTS)] == []
 
 
@@ -132,7 +133,8 @@ def test_operator_commands_load_neither_faust_nor_the_http_stack_nor_jsonschema(
     )
     assert proc.returncode == 0, proc.stderr
     modules = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"streams.operators", "streams.ledger", "streams.failures", "asyncpg"} <= set(modules)  # they ran
+    ran = {"streams.oncall.operations", "streams.ledger.store", "streams.outages", "asyncpg"}
+    assert ran <= set(modules)  # they ran
     assert [m for m in modules if m.split(".")[0] in NOT_FOR_OPERATORS] == []
 
 

@@ -1,7 +1,7 @@
 """The pipeline's decisions in milliseconds: dispatcher, observer (with its stall rules), poll scheduler (with the
 reconciliation of stale ``submitting``), reconciler and outbox relay over the in-memory ledger
 (:mod:`tests.fakes`), leases on an in-process Redis running the real Lua scripts, and the real
-:class:`~streams.remote.RemoteClient` answered by an ``httpx.MockTransport``.
+:class:`~streams.remote.client.RemoteClient` answered by an ``httpx.MockTransport``.
 
 The same rules are checked against PostgreSQL in ``tests/integration``; ``test_fake_ledger_contract.py`` there
 runs one scenario on both ledgers and compares them.
@@ -20,16 +20,16 @@ import orjson
 import pytest
 from prometheus_client import REGISTRY
 
-from streams.codes import ReasonCode
 from streams.config import Settings, budget_key
-from streams.dispatcher import Dispatcher
 from streams.errors import LedgerDataError
-from streams.observer import Observer
-from streams.reconciler import Reconciler
-from streams.relay import OutboxRelay
-from streams.runtime import RawMessage, Runtime
-from streams.scheduler import PollScheduler
-from streams.states import OperationState
+from streams.model.codes import ReasonCode
+from streams.model.states import OperationState
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.stages.observer import Observer
+from streams.worker.stages.reconciler import Reconciler
+from streams.worker.stages.relay import OutboxRelay
+from streams.worker.stages.scheduler import PollScheduler
 from tests.fakes import InMemoryLedger, Sent, fake_leases, fake_runtime, observed_again
 from tests.support import wait_for
 

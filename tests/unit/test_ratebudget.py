@@ -8,7 +8,7 @@ import math
 import pytest
 
 from streams.config import ConfigError, Settings, budget_key
-from streams.ratebudget import Pace
+from streams.coordination.ratebudget import Pace
 from streams_harness.simulator.ratelimit import AccountLimiter, TokenBucket, retry_after_header
 
 

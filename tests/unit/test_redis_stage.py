@@ -9,9 +9,9 @@ from typing import Any
 import fakeredis
 import redis.exceptions
 
+from streams.coordination.lease import RENEW_LUA
+from streams.coordination.redisstage import LuaScript, RedisCommand, RedisStage, Sent
 from streams.errors import CoordinationUnavailableError
-from streams.lease import RENEW_LUA
-from streams.redisstage import LuaScript, RedisCommand, RedisStage, Sent
 
 
 class ResendRefused(RedisStage):

@@ -1,11 +1,12 @@
-"""Which failures of a record make the outbox relay dead-letter its row (:func:`streams.relay.refused_for_good`):
+"""Which failures of a record make the outbox relay dead-letter its row
+(:func:`streams.worker.stages.relay.refused_for_good`):
 only Kafka refusing the record itself for good, never an outage or a bug."""
 
 from __future__ import annotations
 
 import aiokafka.errors
 
-from streams.relay import refused_for_good
+from streams.worker.stages.relay import refused_for_good
 
 
 class ProducerSendError(Exception):

@@ -20,7 +20,7 @@ from streams.errors import (
     RemoteTransientError,
     RemoteUnknownOutcomeError,
 )
-from streams.remote import RemoteClient, make_http_client, parse_retry_after_s
+from streams.remote.client import RemoteClient, make_http_client, parse_retry_after_s
 
 OP = "op-numbers"
 REQUEST = '{"input": {"prompt": "p", "max_tokens": 1}}'
@@ -178,8 +178,8 @@ COMPLETED_AT: list[tuple[bytes, int | None, str | None]] = [
 
 @pytest.mark.parametrize(("text", "ms", "words"), COMPLETED_AT, ids=[c[0].decode() for c in COMPLETED_AT])
 def test_completed_at_is_read_or_its_reason_given(text: bytes, ms: int | None, words: str | None) -> None:
-    from streams import exactjson
-    from streams.remote import read_completed_at_ms
+    from streams.remote.client import read_completed_at_ms
+    from streams.wire import exactjson
 
     got_ms, problem = read_completed_at_ms(exactjson.loads(text))
     assert got_ms == ms

@@ -10,7 +10,6 @@ import httpx
 import orjson
 import pytest
 
-from streams.answers import JobSnapshot
 from streams.config import Settings
 from streams.errors import (
     RemoteContractError,
@@ -23,8 +22,9 @@ from streams.errors import (
     RemoteUnknownOutcomeError,
     RemoteUnknownStatusError,
 )
-from streams.remote import RemoteClient, SubmitResult, parse_retry_after_s
-from streams.states import OperationState
+from streams.model.answers import JobSnapshot
+from streams.model.states import OperationState
+from streams.remote.client import RemoteClient, SubmitResult, parse_retry_after_s
 
 OP = "operation-42"
 REQUEST = '{"input": {"prompt": "Write a haiku about leases", "max_tokens": 44}}'

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from streams.codes import ReasonCode
+from streams.model.codes import ReasonCode
 from streams_harness.report import LedgerAccounting, LedgerOperation, broken_promises, build_report
 
 

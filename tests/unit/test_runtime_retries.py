@@ -12,10 +12,11 @@ import fakeredis
 import httpx
 import pytest
 
-from streams import metrics, runtime
+from streams import metrics
 from streams.config import Settings
 from streams.errors import DeadLetterError, InvalidEventError, LedgerDataError, LedgerUnavailableError
-from streams.runtime import RawMessage, Runtime
+from streams.worker import runtime
+from streams.worker.runtime import RawMessage, Runtime
 from tests.fakes import fake_leases, fake_runtime
 
 CAP_S = 0.5
@@ -229,7 +230,7 @@ async def test_a_ledger_outage_past_the_deadline_raises_the_last_error(
 
 def test_an_outage_of_a_closing_runtime_is_not_logged_as_one(rt: Runtime, caplog: pytest.LogCaptureFixture) -> None:
     """A timer still running while the worker stops meets its own closed pool ("pool is closed"): no warning."""
-    caplog.set_level(logging.DEBUG, logger="streams.runtime")
+    caplog.set_level(logging.DEBUG, logger="streams.worker.runtime")
     rt.log_outage("PostgreSQL", LedgerUnavailableError("PostgreSQL unavailable during fetch: pool is closed"))
     assert len(outage_lines(caplog, "PostgreSQL")) == 1
     rt._last_outage_log.clear()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from streams.errors import QueryParametersError
-from streams.sql import LEDGER, Queries, Query, parse_queries
+from streams.ledger.sql import LEDGER, Queries, Query, parse_queries, query_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,7 +90,7 @@ async def test_wrong_parameter_names_fail_loudly_before_sending(
 
 
 EXPECTED = {
-    ("streams", "ledger.sql"): [
+    ("streams.ledger", "ledger.sql"): [
         "accept_operation",
         "claim_for_submit",
         "save_submitted",
@@ -110,10 +110,11 @@ EXPECTED = {
         "mark_outbox_published",
         "stale_accepted",
     ],
-    ("streams", "operators.sql"): ["adopt", "abandon", "repoll", "fail_stalled", "operation_holding_job"],
-    ("streams", "accounting.sql"): ["accounting_summary", "record_refund"],
-    ("streams", "reconcile.sql"): ["claim_due_lookups", "adopt_found_job", "give_up_lookup", "reschedule_lookup"],
-    ("streams", "inspect.sql"): [
+    ("streams.ledger", "operators.sql"): ["adopt", "abandon", "repoll", "fail_stalled", "operation_holding_job"],
+    ("streams.ledger", "accounting.sql"): ["accounting_summary", "record_refund"],
+    ("streams.ledger", "reconcile.sql"): ["claim_due_lookups", "adopt_found_job", "give_up_lookup",
+    "reschedule_lookup"],
+    ("streams.ledger", "inspect.sql"): [
         "list_operations",
         "operation_row",
         "operation_transitions",
@@ -155,7 +156,10 @@ ALL_QUERIES = [(f"{package}/{filename}", q) for (package, filename), qs in FILES
 
 
 def test_every_query_file_is_listed() -> None:
-    on_disk = {(p.parent.parent.name, p.name) for p in ROOT.glob("*/queries/*.sql")}
+    on_disk = {
+        (".".join(p.parent.parent.relative_to(ROOT).parts), p.name)
+        for p in (*ROOT.glob("*/queries/*.sql"), *ROOT.glob("*/*/queries/*.sql"))
+    }
     assert on_disk == set(EXPECTED)
 
 
@@ -167,7 +171,7 @@ def test_names_in_file_order(key: tuple[str, str]) -> None:
 def test_attribute_access() -> None:
     assert LEDGER.claim_for_submit.sql.endswith("WHERE locked.state = 'submitting' AND locked.claim_id = req.claim_id;")
     assert LEDGER.claim_for_submit.parameters == ("operation_ids", "claim_ids", "lock_timeout", "worker")
-    with pytest.raises(AttributeError, match=r"no query named 'nope' in streams/queries/ledger\.sql"):
+    with pytest.raises(AttributeError, match=r"no query named 'nope' in streams/ledger/queries/ledger\.sql"):
         _ = LEDGER.nope
 
 
@@ -249,7 +253,7 @@ SITES = _call_sites()
 
 def test_call_sites_found() -> None:
     assert len(SITES) >= 60
-    assert any(where.startswith("streams/ledger.py") for where, *_ in SITES)
+    assert any(where.startswith("streams/ledger/store.py") for where, *_ in SITES)
     assert any(where.startswith("streams_harness/bench/floor.py") for where, *_ in SITES)
 
 
@@ -270,6 +274,6 @@ def test_every_query_is_called_with_all_its_parameters(source: str, query: Query
     called = [
         where
         for where, queries, name, _ in SITES
-        if (f"{queries.package}/queries/{queries.filename}", name) == (query.source, query.name)
+        if (query_path(queries.package, queries.filename), name) == (query.source, query.name)
     ]
     assert called, f"{source}:{query.name} is called nowhere in streams/ or streams_harness/"

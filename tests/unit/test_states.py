@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
-from streams.states import OperationState, can_transition, is_terminal, state_for_remote_status
+from streams.model.states import OperationState, can_transition, is_terminal, state_for_remote_status
 
 S = OperationState
 
-# Written from the design's rules (README.md, "How it keeps its promises"), not from streams/states.py:
+# Written from the design's rules (README.md, "How it keeps its promises"), not from streams/model/states.py:
 # accepted -> submitting -> submitted -> queued -> running -> succeeded | failed | canceled (forward, skipping
 # intermediate observation states is allowed because a job may finish between two polls);
 # submitting -> rejected | uncertain; uncertain -> submitted (a job found: adopted) | rejected (an operator

@@ -1,4 +1,5 @@
-"""The aiohttp -> httpx exception mapping of :mod:`streams.transport`, class by class: what may have been sent must
+"""The aiohttp -> httpx exception mapping of :mod:`streams.remote.transport`, class by class: what may have been sent
+must
 never look unsent to the remote client's taxonomy (a POST that looks unsent is sent again)."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import pytest
 import yarl
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from streams.remote import _NOT_SENT
-from streams.transport import EXCEPTION_MAP, _client_timeout, _response, client_timeout, httpx_error_for
+from streams.remote.client import _NOT_SENT
+from streams.remote.transport import EXCEPTION_MAP, _client_timeout, _response, client_timeout, httpx_error_for
 
 REQUEST = httpx.Request("POST", "http://127.0.0.1:1/v1/generations")
 INFO = aiohttp.RequestInfo(

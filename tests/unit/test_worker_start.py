@@ -1,4 +1,4 @@
-"""When a worker that stopped starts again (streams/worker.py): only after an outage, a bounded number of times
+"""When a worker that stopped starts again (streams/worker/process.py): only after an outage, a bounded number of times
 in a row (a crash long after the start begins a new series)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import faust
 import pytest
 
 from streams.errors import ServiceNotReadyError
-from streams.worker import MAX_START_ATTEMPTS, STABLE_UPTIME_S, StreamsWorker, next_attempt
+from streams.worker.process import MAX_START_ATTEMPTS, STABLE_UPTIME_S, StreamsWorker, next_attempt
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,131 @@
+"""Downstream helper: follow ``generation.outputs.delivered`` and yield each output exactly once.
+
+The relay may repeat an event after a crash (same ``event_id``); :class:`EventDeduplicator` drops repeats.
+Values are read with :func:`streams.wire.exactjson.loads`: an output's numbers reach the reader exactly (a 2**64 stays
+an ``int``, a long fraction a ``Decimal``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_fixed
+
+from streams.config import Settings
+from streams.wire import exactjson
+
+#: How long a consumer without a group is given to be assigned its topic's partitions, and how often it is looked
+#: at meanwhile (s).
+ASSIGNMENT_TIMEOUT_S = 10.0
+ASSIGNMENT_LOOK_INTERVAL_S = 0.05
+
+
+class EventDeduplicator:
+    """Remembers the last ``capacity`` event ids; :meth:`first_time` is True once per id."""
+
+    def __init__(self, capacity: int = 1_000_000) -> None:
+        self.capacity = capacity
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self.duplicates = 0
+
+    def first_time(self, event_id: str) -> bool:
+        """True the first time ``event_id`` is seen (within the capacity window), False for a repeat."""
+        if event_id in self._seen:
+            self.duplicates += 1
+            return False
+        self._seen[event_id] = None
+        if len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+        return True
+
+
+@dataclass(frozen=True)
+class DeliveredRecord:
+    """One record read from a topic: the decoded value (numbers exact), its bytes and Kafka timestamp (epoch ms)."""
+
+    value: dict[str, Any]
+    timestamp_ms: int
+    partition: int
+    offset: int
+    raw: bytes
+
+
+async def read_topic_to_end(settings: Settings, role: str) -> list[DeliveredRecord]:
+    """Read the whole topic of ``role`` from the beginning up to its current end offsets (no consumer group)."""
+    topic = settings.topic(role)
+    # Without a group id a subscribing consumer is assigned every partition of the topic, no coordinator.
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    try:
+        tps = sorted(await _assignment(consumer))
+        if not tps:
+            return []
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        out: list[DeliveredRecord] = []
+        remaining = {tp for tp in tps if end[tp] > 0}
+        while remaining:
+            batch = await consumer.getmany(*remaining, timeout_ms=1000)
+            for tp, msgs in batch.items():
+                for m in msgs:
+                    if m.offset < end[tp]:
+                        out.append(
+                            DeliveredRecord(exactjson.loads(m.value), m.timestamp, tp.partition, m.offset, m.value)
+                        )
+                    if m.offset >= end[tp] - 1:
+                        remaining.discard(tp)
+            for tp in list(remaining):
+                if await consumer.position(tp) >= end[tp]:
+                    remaining.discard(tp)
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def _assignment(consumer: AIOKafkaConsumer) -> set[TopicPartition]:
+    """The partitions assigned to ``consumer`` once it has any: looked at every :data:`ASSIGNMENT_LOOK_INTERVAL_S`
+    (tenacity), for :data:`ASSIGNMENT_TIMEOUT_S` at most (then the empty set: the topic has no partition)."""
+
+    async def assigned() -> set[TopicPartition]:
+        return set(consumer.assignment())
+
+    retrying = AsyncRetrying(
+        retry=retry_if_result(lambda partitions: not partitions),
+        wait=wait_fixed(ASSIGNMENT_LOOK_INTERVAL_S),
+        stop=stop_after_delay(ASSIGNMENT_TIMEOUT_S),
+        retry_error_callback=lambda _: set(),
+    )
+    partitions: set[TopicPartition] = await retrying(assigned)
+    return partitions
+
+
+async def follow_outputs(
+    settings: Settings, *, group_id: str | None = None, from_beginning: bool = True
+) -> AsyncIterator[dict[str, Any]]:
+    """Yield each delivered output once (deduplicated by ``event_id``), following the topic forever.
+
+    With a ``group_id`` the consumer commits its offsets, so a restart resumes where it stopped.
+    """
+    consumer = AIOKafkaConsumer(
+        settings.topic("outputs_delivered"),
+        bootstrap_servers=settings.kafka_bootstrap,
+        group_id=group_id,
+        auto_offset_reset="earliest" if from_beginning else "latest",
+        enable_auto_commit=group_id is not None,
+    )
+    dedupe = EventDeduplicator()
+    await consumer.start()
+    try:
+        async for message in consumer:
+            value = exactjson.loads(message.value)
+            if dedupe.first_time(value["event_id"]):
+                yield value
+    finally:
+        await consumer.stop()

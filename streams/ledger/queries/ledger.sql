@@ -1,0 +1,469 @@
+-- Named queries of the ledger. Each query starts with its name line; the comment lines after it document its
+-- named parameters (:name) and its result. Loaded by streams.ledger.sql.Queries (aiosql).
+--
+-- Every query is one statement (one round trip, atomic). State changes are logged by the database itself:
+-- the operations_log_transition trigger writes the transition log row and the generation.transitions
+-- outbox event; operations_guard refuses illegal transitions, fencing regressions and job-id rewrites.
+-- The parameter :worker fills operations.updated_by, which the transition log records.
+--
+-- Batched queries (streams.ledger.store coalesces the requests of concurrent tasks): one row per request, given as
+-- parallel arrays read by unnest ... WITH ORDINALITY, so "i" is a request's position (from 1). The same
+-- operation appears at most once per statement (the ledger sends a repeat in a later statement). Rows of
+-- operations are locked first, in operation_id order (the "locked" step), so two batches over the same
+-- operations, in whatever order they were given, never wait on each other in a cycle. The parameter
+-- :lock_timeout bounds how long the statement waits for a lock held by another transaction (set for this
+-- statement only: a batch gives up rather than hold up every request in it; '0' waits as long as it takes). A
+-- JSON value travels as JSON text (text[]) and is cast in the statement. Conditions on indexed columns (state,
+-- remote_job_id) are read from the "locked" row, which is the row as it stands (locked, it cannot change before
+-- the update): the same test as on the updated row, but it leaves the planner no partial or state index to scan
+-- in full instead of looking the batch's rows up by primary key (a cached plan made while the table looked
+-- small did, reading every accepted or pollable operation for each batch).
+
+-- name: accept_operation
+-- Batched: insert new operations in state 'accepted' (idempotent: a replayed submission inserts nothing).
+-- :operation_ids (text[], distinct), :requests (JSON texts, stored as they are), :submitted_at_ms
+-- (bigint[]), :sources (JSON texts or NULLs), :worker, :lock_timeout. Returns operation_id, fencing_token of
+-- the rows newly inserted (inserted in operation_id order).
+INSERT INTO operations (operation_id, request, submitted_at_ms, source, updated_by)
+SELECT r.operation_id, r.request::json, r.submitted_at_ms, r.source::json, :worker
+FROM unnest(:operation_ids::text[], :requests::text[], :submitted_at_ms::bigint[], :sources::text[]) AS r(operation_id, request, submitted_at_ms, source)
+WHERE (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
+ORDER BY r.operation_id
+ON CONFLICT (operation_id) DO NOTHING
+RETURNING operation_id, fencing_token;
+
+-- name: claim_for_submit
+-- Batched: the dispatcher's claim: accepted -> submitting, written before the POST, with a new fencing value and
+-- the caller's claim id. The same claim sent again (its reply was lost after the commit) finds its claim id on the
+-- row, still submitting, and gets the fencing value it wrote; nothing is written again.
+-- :operation_ids (text[], distinct), :claim_ids (uuid[]), :worker, :lock_timeout. Returns i, fencing_token per
+-- claimed request; none for an operation past 'accepted' by another claim (or unknown).
+WITH req AS (
+    SELECT * FROM unnest(:operation_ids::text[], :claim_ids::uuid[]) WITH ORDINALITY AS r(operation_id, claim_id, i)
+), locked AS MATERIALIZED (
+    SELECT operation_id, state, fencing_token, claim_id FROM operations
+    WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
+    ORDER BY operation_id
+    FOR NO KEY UPDATE
+), claimed AS (
+    UPDATE operations AS o
+    SET state = 'submitting', fencing_token = o.fencing_token + 1, claim_id = req.claim_id, updated_by = :worker
+    FROM req JOIN locked USING (operation_id)
+    WHERE o.operation_id = req.operation_id AND locked.state = 'accepted'
+    RETURNING req.i, o.fencing_token
+)
+SELECT i, fencing_token FROM claimed
+UNION ALL
+SELECT req.i, locked.fencing_token
+FROM req JOIN locked USING (operation_id)
+WHERE locked.state = 'submitting' AND locked.claim_id = req.claim_id;
+
+-- name: save_submitted
+-- Batched, fenced: save the remote job id from a 2xx or from a 502's error.job_id; submitting|uncertain ->
+-- submitted. The job's accounting record is written by the same statement if the POST's accounting did not
+-- already.
+-- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :remote_job_ids (text[]), :first_poll_delays_s first poll
+-- delays (s, float8[]), :reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
+-- :worker, :lock_timeout. Returns i per saved request, and per request whose job id is already on the row (the
+-- same save sent again after its reply was lost: a job id belongs to the one POST that created it; the row's fencing
+-- value may have risen since, e.g. its first poll taken while the repeat waited out an outage); none when the
+-- fencing value is stale or another job id is already saved.
+WITH req AS (
+    SELECT * FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :remote_job_ids::text[], :first_poll_delays_s::float8[], :reasons::text[])
+        WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, reason, i)
+), locked AS MATERIALIZED (
+    SELECT operation_id, state, remote_job_id, fencing_token FROM operations
+    WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
+    ORDER BY operation_id
+    FOR NO KEY UPDATE
+), saved AS (
+    UPDATE operations AS o
+    SET state = 'submitted',
+        remote_job_id = req.remote_job_id,
+        reason = req.reason,
+        reason_code = CASE WHEN req.reason IS NULL THEN NULL ELSE 'job_id_via_error' END,
+        next_poll_at = now() + make_interval(secs => req.delay_s),
+        next_lookup_at = NULL,
+        updated_by = :worker
+    FROM req JOIN locked USING (operation_id)
+    WHERE o.operation_id = req.operation_id
+      AND o.fencing_token = req.fencing_token
+      AND locked.state IN ('submitting', 'uncertain')
+      AND locked.remote_job_id IS NULL
+    RETURNING req.i, o.operation_id, o.remote_job_id, req.reason
+), account AS (
+    INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
+    SELECT remote_job_id, operation_id, CASE WHEN reason IS NULL THEN 'post_2xx' ELSE 'post_502' END, :worker
+    FROM saved
+    ORDER BY remote_job_id
+    ON CONFLICT (remote_job_id) DO NOTHING
+)
+SELECT i FROM saved
+UNION ALL
+SELECT req.i FROM req JOIN locked USING (operation_id)
+WHERE locked.remote_job_id = req.remote_job_id AND locked.fencing_token >= req.fencing_token;
+
+-- name: save_submission_without_job
+-- Fenced: submitting -> rejected (definite refusal) or uncertain (unknown outcome), with its reason.
+-- :operation_id, :fencing_token, :state new state ('rejected' | 'uncertain'), :reason, :worker,
+-- :reason_code. Returns operation_id, also when the row already holds this end at this fencing value (state,
+-- reason and code: the same end sent again after its reply was lost; nothing is written again), or no row when
+-- refused by the fencing value or the state.
+WITH saved AS (
+    UPDATE operations
+    SET state = :state::operation_state, reason = :reason, reason_code = :reason_code, updated_by = :worker
+    WHERE operation_id = :operation_id AND fencing_token = :fencing_token AND state = 'submitting'
+    RETURNING operation_id
+)
+SELECT operation_id FROM saved
+UNION ALL
+SELECT operation_id FROM operations
+WHERE operation_id = :operation_id AND fencing_token = :fencing_token AND state = :state::operation_state
+  AND reason = :reason AND reason_code = :reason_code;
+
+-- name: reconcile_stale_submitting
+-- Reconciliation: an operation left in 'submitting' longer than :stale_after_s seconds had its dispatcher die or
+-- lose contact mid-flight. It becomes 'uncertain' with a reason; it is never resubmitted automatically.
+-- The fencing value is kept, so the same dispatcher may still save a late job id (uncertain -> submitted).
+-- :stale_after_s stale-after (s), :batch_size, :worker. Returns operation_id.
+UPDATE operations AS o
+SET state = 'uncertain',
+    reason = 'no outcome saved within ' || :stale_after_s::text || ' s of submitting (dispatcher died or lost contact '
+             'mid-flight); the POST may have created a job: reconcile, never resubmit automatically',
+    reason_code = 'no_outcome_saved',
+    updated_by = :worker
+FROM (SELECT operation_id FROM operations
+      WHERE state = 'submitting' AND updated_at < now() - make_interval(secs => :stale_after_s)
+      ORDER BY updated_at LIMIT :batch_size FOR UPDATE SKIP LOCKED) AS stale
+WHERE o.operation_id = stale.operation_id
+RETURNING o.operation_id;
+
+-- name: claim_due_polls
+-- The poll scheduler's claim: due operations get next_poll_at = now + visibility timeout, a new poll_claim_id and
+-- poll_claimed_at = now, so a poll lost with a dead worker comes back by itself. Back-pressure (cluster-wide, from
+-- the ledger): the polls claimed and not yet taken by an observer (their visibility timeout not passed) stay at
+-- most the larger of :least_in_flight and the polls observers took in the last :pace_window_s seconds scaled to
+-- :take_target_s seconds.
+-- :batch_size, :visibility_timeout_s visibility timeout (s), :least_in_flight (polls; NULL: no bound),
+-- :pace_window_s (s), :take_target_s (s). Returns operation_id, remote_job_id, poll_claim_id.
+WITH flow AS (
+    SELECT (SELECT count(*) FROM operations
+            WHERE poll_taken_at > now() - make_interval(secs => :pace_window_s)) AS taken,
+           (SELECT count(*) FROM operations
+            WHERE poll_claimed_at > now() - make_interval(secs => :visibility_timeout_s)
+              AND state IN ('submitted', 'queued', 'running')) AS claimed
+    WHERE :least_in_flight::int IS NOT NULL
+)
+UPDATE operations AS o
+SET next_poll_at = now() + make_interval(secs => :visibility_timeout_s),
+    poll_claim_id = o.poll_claim_id + 1,
+    poll_claimed_at = now()
+FROM (SELECT operation_id FROM operations
+      WHERE state IN ('submitted', 'queued', 'running') AND next_poll_at <= now()
+      ORDER BY next_poll_at
+      LIMIT COALESCE((SELECT LEAST(:batch_size, GREATEST(0, GREATEST(:least_in_flight::int,
+                                   ceil(taken * :take_target_s::float8 / :pace_window_s::float8)::int) - claimed))
+                      FROM flow), :batch_size)
+      FOR UPDATE SKIP LOCKED) AS due
+WHERE o.operation_id = due.operation_id
+RETURNING o.operation_id, o.remote_job_id, o.poll_claim_id;
+
+-- name: get_operation
+-- :operation_id. One row or none; request is the JSON text as submitted.
+SELECT operation_id, state::text AS state, remote_job_id, fencing_token, poll_claim_id, next_poll_at,
+       poll_count, reason, last_observation, request::text AS request
+FROM operations
+WHERE operation_id = :operation_id;
+
+-- name: claim_for_observe
+-- Batched: the observer's claim for one poll, taken after the Redis lease: a new fencing value and the caller's
+-- claim id.
+-- :operation_ids (text[], distinct), :poll_claim_ids of the poll events (bigint[]), :claim_ids (uuid[]), :worker,
+-- :lock_timeout.
+-- Returns i, fencing_token, remote_job_id, state, poll_count, observed_for_s (since the observation began: job id
+-- saved or repolled) per claimed request; none when the poll is stale (re-claimed since), already taken (the same
+-- poll event delivered again, e.g. after a rebalance: each scheduler claim is observed at most once, so a
+-- redelivered poll makes no second GET; it clears poll_claimed_at, as does a reschedule), the operation is no
+-- longer pollable, or it does not exist. The same claim sent again (its reply was lost after the commit) finds
+-- its claim id on the row with the same poll claim and gets the claim it wrote; nothing is written again.
+WITH req AS (
+    SELECT * FROM unnest(:operation_ids::text[], :poll_claim_ids::bigint[], :claim_ids::uuid[])
+        WITH ORDINALITY AS r(operation_id, poll_claim_id, claim_id, i)
+), locked AS MATERIALIZED (
+    SELECT operation_id, state, poll_claimed_at, poll_claim_id, observe_claim_id, fencing_token, remote_job_id,
+           poll_count, observing_since, accepted_at
+    FROM operations
+    WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
+    ORDER BY operation_id
+    FOR NO KEY UPDATE
+), claimed AS (
+    UPDATE operations AS o
+    SET fencing_token = o.fencing_token + 1, updated_by = :worker, poll_claimed_at = NULL, poll_taken_at = now(),
+        observe_claim_id = req.claim_id
+    FROM req JOIN locked USING (operation_id)
+    WHERE o.operation_id = req.operation_id
+      AND o.poll_claim_id = req.poll_claim_id
+      AND locked.poll_claimed_at IS NOT NULL
+      AND locked.state IN ('submitted', 'queued', 'running')
+    RETURNING req.i, o.fencing_token, o.remote_job_id, o.state::text AS state, o.poll_count,
+              extract(epoch FROM now() - COALESCE(o.observing_since, o.accepted_at))::float8 AS observed_for_s
+)
+SELECT * FROM claimed
+UNION ALL
+SELECT req.i, locked.fencing_token, locked.remote_job_id, locked.state::text, locked.poll_count,
+       extract(epoch FROM now() - COALESCE(locked.observing_since, locked.accepted_at))::float8
+FROM req JOIN locked USING (operation_id)
+WHERE locked.poll_claimed_at IS NULL
+  AND locked.observe_claim_id = req.claim_id
+  AND locked.poll_claim_id = req.poll_claim_id
+  AND locked.state IN ('submitted', 'queued', 'running');
+
+-- name: reschedule_poll
+-- Batched: move claimed polls to now + their delay (lease busy, GET failed, state order refused a save).
+-- :operation_ids (text[], distinct), :poll_claim_ids (bigint[]), :delays_s delays (s, float8[]), :lock_timeout.
+-- Returns i per rescheduled request; none when the claim is stale or the job no longer pollable.
+WITH req AS (
+    SELECT * FROM unnest(:operation_ids::text[], :poll_claim_ids::bigint[], :delays_s::float8[]) WITH ORDINALITY AS r(operation_id, poll_claim_id,
+                                                                                         delay_s, i)
+), locked AS MATERIALIZED (
+    SELECT operation_id, state FROM operations
+    WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
+    ORDER BY operation_id
+    FOR NO KEY UPDATE
+)
+UPDATE operations AS o
+SET next_poll_at = now() + make_interval(secs => req.delay_s),
+    poll_claimed_at = NULL,
+    poll_taken_at = CASE WHEN o.poll_claimed_at IS NULL THEN o.poll_taken_at ELSE now() END
+FROM req JOIN locked USING (operation_id)
+WHERE o.operation_id = req.operation_id
+  AND o.poll_claim_id = req.poll_claim_id
+  AND locked.state IN ('submitted', 'queued', 'running')
+RETURNING req.i;
+
+-- name: save_observation
+-- Batched, fenced, conditional save of GET snapshots; for a 'succeeded' one, the outputs and one outbox row per
+-- (operation_id, output_id) are written by the same statement (a second row is impossible: primary key and
+-- unique index; a repeat is skipped). A known status ends any run of unknown ones. When a snapshot is terminal,
+-- the job's accounting record takes its outcome and the provider's charge, and a refund is recorded once per
+-- (refund id, job id).
+-- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :states new states (text[]), :observations
+-- (JSON texts with "status", "charge", "refund"), :next_poll_delays_s next poll delays (s, float8[], NULL when terminal),
+-- :remote_completed_at_ms remote completion times (epoch ms, bigint[], NULL unless terminal), :reasons (text[]), :source_states states each new
+-- state may be saved over (operation_state[] literals, text[]), :outputs (JSON texts of arrays of
+-- {output_id, position, payload}), :worker, :lock_timeout. Returns one row per request: i, saved (boolean), and
+-- fencing_token: the operation's fencing value when its row was locked (NULL when the operation does not
+-- exist), which tells a stale fencing value from a refusal by the state order.
+WITH req AS (
+    SELECT r.i, r.operation_id, r.fencing_token, r.new_state::operation_state AS new_state,
+           r.observation::jsonb AS observation, r.delay_s, r.completed_ms, r.reason,
+           r.sources::operation_state[] AS sources, r.outputs::jsonb AS outputs
+    FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :states::text[], :observations::text[], :next_poll_delays_s::float8[], :remote_completed_at_ms::bigint[], :reasons::text[],
+                :source_states::text[], :outputs::text[])
+        WITH ORDINALITY AS r(operation_id, fencing_token, new_state, observation, delay_s, completed_ms, reason,
+                             sources, outputs, i)
+), locked AS MATERIALIZED (
+    SELECT operation_id, fencing_token FROM operations
+    WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
+    ORDER BY operation_id
+    FOR NO KEY UPDATE
+), saved AS (
+    UPDATE operations AS o
+    SET state = req.new_state,
+        last_observation = req.observation,
+        last_observed_at = now(),
+        poll_count = o.poll_count + 1,
+        unknown_status_count = 0,
+        next_poll_at = CASE WHEN req.delay_s IS NULL THEN NULL ELSE now() + make_interval(secs => req.delay_s) END,
+        remote_completed_at = COALESCE(to_timestamp(req.completed_ms::double precision / 1000.0),
+                                       o.remote_completed_at),
+        reason = req.reason,
+        reason_code = CASE WHEN req.reason IS NULL THEN NULL ELSE 'remote_job_failed' END,
+        updated_by = :worker
+    FROM req JOIN locked USING (operation_id)
+    WHERE o.operation_id = req.operation_id
+      AND o.fencing_token = req.fencing_token
+      AND o.state = ANY(req.sources)
+    RETURNING o.operation_id, o.state, o.remote_job_id
+), outs AS (
+    INSERT INTO outputs (operation_id, output_id, position, payload)
+    SELECT saved.operation_id, x.output_id, x.position, x.payload
+    FROM saved JOIN req USING (operation_id),
+         jsonb_to_recordset(req.outputs) AS x(output_id text, position integer, payload jsonb)
+    WHERE saved.state = 'succeeded'
+    ORDER BY saved.operation_id, x.position
+    ON CONFLICT (operation_id, output_id) DO NOTHING
+    RETURNING operation_id, output_id, position, payload, recorded_at
+), box AS (
+    INSERT INTO outbox (event_id, topic_role, operation_id, output_id, payload)
+    SELECT 'output:' || outs.operation_id || ':' || outs.output_id,
+           'outputs_delivered',
+           outs.operation_id,
+           outs.output_id,
+           jsonb_build_object(
+               'event_id', 'output:' || outs.operation_id || ':' || outs.output_id,
+               'operation_id', outs.operation_id,
+               'output_id', outs.output_id,
+               'position', outs.position,
+               'remote_job_id', saved.remote_job_id,
+               'output', outs.payload,
+               'remote_completed_at_ms', req.completed_ms,
+               'recorded_at_ms', floor(extract(epoch FROM outs.recorded_at) * 1000)::bigint)
+    FROM outs JOIN saved USING (operation_id) JOIN req USING (operation_id)
+    ORDER BY outs.operation_id, outs.position
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+), account AS (
+    UPDATE remote_jobs AS j
+    SET outcome = saved.state::text,
+        outcome_at = now(),
+        last_status = left(req.observation ->> 'status', 80),
+        charge = CASE WHEN jsonb_typeof(req.observation -> 'charge') = 'object' THEN req.observation -> 'charge' END,
+        charge_amount = CASE WHEN req.observation #>> '{charge,amount}' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$'
+                             THEN (req.observation #>> '{charge,amount}')::numeric END,
+        charge_currency = left(req.observation #>> '{charge,currency}', 16)
+    FROM saved JOIN req USING (operation_id)
+    WHERE j.remote_job_id = saved.remote_job_id AND saved.state IN ('succeeded', 'failed', 'canceled')
+    RETURNING j.remote_job_id, saved.operation_id
+), refund AS (
+    INSERT INTO refunds (refund_id, remote_job_id, refund, amount, currency)
+    SELECT req.observation #>> '{refund,id}',
+           account.remote_job_id,
+           req.observation -> 'refund',
+           CASE WHEN req.observation #>> '{refund,amount}' ~ '^-?[0-9]{1,30}(\.[0-9]{1,30})?$'
+                THEN (req.observation #>> '{refund,amount}')::numeric END,
+           left(req.observation #>> '{refund,currency}', 16)
+    FROM account JOIN req USING (operation_id)
+    WHERE jsonb_typeof(req.observation #> '{refund,id}') = 'string'
+    ON CONFLICT (refund_id, remote_job_id) DO NOTHING
+)
+SELECT req.i, saved.operation_id IS NOT NULL AS saved, locked.fencing_token
+FROM req LEFT JOIN saved USING (operation_id) LEFT JOIN locked USING (operation_id);
+
+-- name: save_stalled
+-- Fenced: a pollable operation whose provider answers stopped making progress -> stalled, with the reason and
+-- the raw last answer; nothing polls it until an operator repolls or fails it.
+-- :operation_id, :fencing_token, :reason, :last_answer (jsonb), :worker. Returns operation_id, or no
+-- row when refused (stale fencing value, or no longer pollable).
+WITH stalled AS (
+    UPDATE operations
+    SET state = 'stalled',
+        reason = :reason,
+        reason_code = 'max_age',
+        last_observation = :last_answer::jsonb,
+        last_observed_at = now(),
+        next_poll_at = NULL,
+        updated_by = :worker
+    WHERE operation_id = :operation_id AND fencing_token = :fencing_token AND state IN ('submitted', 'queued', 'running')
+    RETURNING operation_id, remote_job_id
+), account AS (
+    UPDATE remote_jobs AS j
+    SET last_status = left(:last_answer::jsonb ->> 'status', 80)
+    FROM stalled
+    WHERE j.remote_job_id = stalled.remote_job_id AND :last_answer::jsonb ? 'status'
+)
+SELECT operation_id FROM stalled;
+
+-- name: note_not_found
+-- Fenced: the job's GET answered 404. Within :grace_s seconds of saving the job id (providers commonly answer 404
+-- for a while after creating a job) the poll is only rescheduled :next_poll_delay_s seconds out; past it, -> stalled with the
+-- reason :reason and the raw answer :answer.
+-- :operation_id, :fencing_token, :grace_s grace (s), :next_poll_delay_s next poll delay (s), :reason, :answer (jsonb),
+-- :worker. Returns the state afterwards ('stalled' or the pollable state), or no row when refused.
+UPDATE operations AS o
+SET state = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :grace_s) THEN 'stalled'
+                 ELSE o.state END,
+    reason = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :grace_s) THEN :reason ELSE o.reason END,
+    reason_code = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :grace_s) THEN 'job_not_found'
+                       ELSE o.reason_code END,
+    last_observation = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :grace_s) THEN :answer::jsonb
+                            ELSE o.last_observation END,
+    next_poll_at = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :grace_s) THEN NULL
+                        ELSE now() + make_interval(secs => :next_poll_delay_s) END,
+    poll_count = o.poll_count + 1,
+    last_observed_at = now(),
+    updated_by = :worker
+WHERE o.operation_id = :operation_id AND o.fencing_token = :fencing_token AND o.state IN ('submitted', 'queued', 'running')
+RETURNING o.state::text AS state;
+
+-- name: note_unknown_status
+-- Fenced: the job's GET answered a status the client does not know. The :unknown_status_limit-th in a row -> stalled with the
+-- reason :reason and the raw answer :answer; before that the poll is rescheduled :next_poll_delay_s seconds out.
+-- :operation_id, :fencing_token, :unknown_status_limit (unknown statuses in a row), :next_poll_delay_s next poll delay (s), :reason, :answer (jsonb),
+-- :worker. Returns the state afterwards and unknown_status_count, or no row when refused.
+UPDATE operations AS o
+SET state = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN 'stalled' ELSE o.state END,
+    reason = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN :reason ELSE o.reason END,
+    reason_code = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN 'unknown_status' ELSE o.reason_code END,
+    last_observation = :answer::jsonb,
+    next_poll_at = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN NULL
+                        ELSE now() + make_interval(secs => :next_poll_delay_s) END,
+    unknown_status_count = o.unknown_status_count + 1,
+    poll_count = o.poll_count + 1,
+    last_observed_at = now(),
+    updated_by = :worker
+WHERE o.operation_id = :operation_id AND o.fencing_token = :fencing_token AND o.state IN ('submitted', 'queued', 'running')
+RETURNING o.state::text AS state, o.unknown_status_count;
+
+-- name: record_remote_call
+-- Batched accounting: one row per remote call attempt. A POST that reported a job id (outcome 'created' or
+-- 'created_via_502') also gives the job its accounting record, even if the id is never saved on the operation.
+-- A row whose call id is already written (the same record sent again after its reply was lost) is not written
+-- again.
+-- :operation_ids (text[]; may repeat), :call_ids (uuid[], distinct), :methods (text[]), :status_codes (integer[]),
+-- :outcomes (text[]), :remote_job_ids (text[]), :durations_ms durations (ms, float8[]), :fencing_tokens (bigint[]),
+-- :worker, :lock_timeout.
+WITH req AS (
+    SELECT * FROM unnest(:operation_ids::text[], :call_ids::uuid[], :methods::text[], :status_codes::integer[], :outcomes::text[], :remote_job_ids::text[], :durations_ms::float8[], :fencing_tokens::bigint[])
+        WITH ORDINALITY AS r(operation_id, call_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, i)
+    WHERE (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
+), call AS (
+    INSERT INTO remote_calls (operation_id, call_id, method, status_code, outcome, remote_job_id, duration_ms,
+                              fencing_token, worker)
+    SELECT operation_id, call_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, :worker
+    FROM req
+    ORDER BY i
+    ON CONFLICT (call_id) DO NOTHING
+)
+INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
+SELECT req.remote_job_id, req.operation_id,
+       CASE WHEN req.outcome = 'created_via_502' THEN 'post_502' ELSE 'post_2xx' END, :worker
+FROM req
+WHERE req.method = 'POST' AND req.remote_job_id IS NOT NULL AND req.outcome IN ('created', 'created_via_502')
+  AND EXISTS (SELECT 1 FROM operations WHERE operation_id = req.operation_id)
+ORDER BY req.remote_job_id, req.i
+ON CONFLICT (remote_job_id) DO NOTHING;
+
+-- name: try_relay_lock
+-- One relay publishes at a time (keeps each operation's events in order); transaction-scoped.
+-- Returns true when this transaction holds the relay lock.
+SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'));
+
+-- name: lock_unpublished_outbox
+-- Every unpublished row, never "ids above the last one published": an id is taken when its transaction
+-- writes the row, so a lower id can commit after a higher one was published; it is picked up next round.
+-- Rows of one operation are written under its row lock, so their ids follow their commit order.
+-- :batch_size. Returns id, event_id, topic_role, operation_id, payload (text) in id order.
+SELECT id, event_id, topic_role, operation_id, payload::text AS payload
+FROM outbox
+WHERE published_at IS NULL
+ORDER BY id
+LIMIT :batch_size
+FOR UPDATE SKIP LOCKED;
+
+-- name: mark_outbox_published!
+-- :outbox_ids (bigint[]).
+UPDATE outbox SET published_at = now() WHERE id = ANY(:outbox_ids::bigint[]);
+
+-- name: stale_accepted
+-- Defence in depth: operations still 'accepted' more than :stale_after_s seconds after their last change. A dispatcher
+-- claims an operation milliseconds after accepting it; one left here had its event handled by a worker that
+-- died before the claim (or never read again). Nothing was sent for it, so it may be dispatched again,
+-- through the dispatcher's own submit lease and fenced claim (accepted -> submitting): whoever claims first
+-- POSTs, the other finds it past 'accepted'.
+-- :stale_after_s stale-after (s), :batch_size. Returns operation_id, request (the JSON text as submitted), oldest first.
+SELECT operation_id, request::text AS request
+FROM operations
+WHERE state = 'accepted' AND updated_at < now() - make_interval(secs => :stale_after_s)
+ORDER BY updated_at
+LIMIT :batch_size;

@@ -1,0 +1,78 @@
+"""What the remote API's answers become once read, as the ledger records them: one GET of a job
+(:class:`JobSnapshot`), one job found by a lookup (:class:`LookupJob`), the job ids this client accepts
+(:data:`JOB_ID`), and text made storable (:func:`clean_text`).
+
+Apart from :mod:`streams.remote.client` (which reads the answers over HTTP) so that the ledger, and the operators'
+commands with it, need neither the HTTP stack nor the JSON Schemas.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from streams.model.states import OperationState
+
+#: Job ids this client accepts: they go into a URL path and the ledger (at most 256 characters).
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,255}")
+
+
+def clean_text(text: str, limit: int = 2000) -> str:
+    """``text`` made storable in PostgreSQL text/jsonb (no NUL) and at most ``limit`` characters."""
+    return text.replace("\x00", "\\0")[:limit]
+
+
+@dataclass(frozen=True)
+class LookupJob:
+    """One job a lookup by client reference found: its id, the provider's status word and creation time
+    (epoch ms, None when the answer did not carry a readable one)."""
+
+    job_id: str
+    status: str | None
+    created_at_ms: int | None
+
+    def as_record(self) -> dict[str, Any]:
+        """JSON-ready ``{"job_id", "status", "created_at_ms"}``."""
+        return {"job_id": self.job_id, "status": self.status, "created_at_ms": self.created_at_ms}
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """One GET of a remote job.
+
+    ``state`` is the operation state the remote ``status`` maps to; ``outputs`` is a list of dicts with at
+    least an ``id``, every number exact (:mod:`streams.wire.exactjson`); ``completed_at_ms`` is the remote completion
+    time (epoch ms) when terminal and readable, else None with ``completed_at_problem`` saying why
+    (:func:`read_completed_at_ms`). ``charge`` and ``refund`` are the provider's objects as it sent them
+    (``{"id", "amount", "currency"}`` in the simulator's dialect), or None; the ledger's accounting records
+    them, nothing else interprets them.
+    """
+
+    job_id: str
+    status: str
+    state: OperationState
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    poll_after_s: float | None = None
+    completed_at_ms: int | None = None
+    error: dict[str, Any] | None = None
+    status_code: int = 200
+    duration_ms: float = 0.0
+    completed_at_problem: str | None = None
+    charge: dict[str, Any] | None = None
+    refund: dict[str, Any] | None = None
+
+    def as_observation(self) -> dict[str, Any]:
+        """The JSON saved as the operation's ``last_observation`` (with ``completed_at_problem`` when set)."""
+        observation = {
+            "job_id": self.job_id,
+            "status": self.status,
+            "outputs": len(self.outputs),
+            "completed_at_ms": self.completed_at_ms,
+            "error": self.error,
+            "charge": self.charge,
+            "refund": self.refund,
+        }
+        if self.completed_at_problem is not None:
+            observation["completed_at_problem"] = self.completed_at_problem
+        return observation

@@ -1,0 +1,113 @@
+"""Machine codes stored in the ledger beside what people read: remote-call outcomes and reason codes.
+
+Each enumeration is mirrored by a reference table of the ledger (migration ``0003``): ``remote_calls.outcome``
+references ``remote_call_outcomes`` and ``operations.reason_code`` references ``reason_codes``, so a value
+unknown to the database is refused on insert. Adding a member means adding its row in a new migration
+(``tests/integration/test_migrations.py`` checks both sides agree).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from streams.model.states import OperationState
+
+
+class RemoteCallOutcome(enum.StrEnum):
+    """The classified outcome of one remote call attempt (``remote_calls.outcome``)."""
+
+    # POST
+    CREATED = "created"  # 2xx with a job id
+    CREATED_VIA_502 = "created_via_502"  # 502 whose error names the job id
+    REFUSED = "refused"  # a definite 4xx: nothing created
+    RATE_LIMITED = "rate_limited"  # 429 (POST, GET or lookup)
+    NOT_SENT = "not_sent"  # no byte left this process
+    UNKNOWN_OUTCOME = "unknown_outcome"  # sent, answer unknown: a job may exist
+    # GET answered: the operation state the provider's status maps to
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+    # GET not usable
+    JOB_NOT_FOUND = "job_not_found"
+    UNKNOWN_STATUS = "unknown_status"
+    CONTRACT_VIOLATION = "contract_violation"
+    TRANSIENT = "transient"  # failed in a retryable way
+    ABANDONED = "abandoned"  # cut off after it was sent
+    # lookup by client reference (a GET)
+    LOOKUP_FOUND_0 = "lookup_found_0"
+    LOOKUP_FOUND_1 = "lookup_found_1"
+    LOOKUP_FOUND_2 = "lookup_found_2"
+    LOOKUP_FOUND_3 = "lookup_found_3"
+    LOOKUP_FOUND_4 = "lookup_found_4"
+    LOOKUP_FOUND_5 = "lookup_found_5"
+    LOOKUP_FOUND_6 = "lookup_found_6"
+    LOOKUP_FOUND_7 = "lookup_found_7"
+    LOOKUP_FOUND_8 = "lookup_found_8"
+    LOOKUP_FOUND_9_OR_MORE = "lookup_found_9"
+    LOOKUP_REFUSED = "lookup_refused"
+    LOOKUP_RATE_LIMITED = "lookup_rate_limited"
+    LOOKUP_CONTRACT_VIOLATION = "lookup_contract_violation"
+    LOOKUP_TRANSIENT = "lookup_transient"
+
+    @classmethod
+    def answered(cls, state: OperationState) -> RemoteCallOutcome:
+        """The outcome of a GET whose status maps to ``state`` (queued, running or a terminal state).
+
+        Raises:
+            ValueError: ``state`` is not one a remote status maps to.
+        """
+        return cls(state.value)
+
+    @classmethod
+    def lookup_found(cls, jobs: int) -> RemoteCallOutcome:
+        """The outcome of a lookup that found ``jobs`` jobs (9 and more share one code)."""
+        return cls(f"lookup_found_{min(max(jobs, 0), 9)}")
+
+    @classmethod
+    def of_lookup(cls, outcome: RemoteCallOutcome) -> RemoteCallOutcome:
+        """The lookup form of a failed call's ``outcome`` (``refused`` -> ``lookup_refused``, ...).
+
+        Raises:
+            KeyError: ``outcome`` is not one a lookup fails with.
+        """
+        return _LOOKUP_FAILURES[outcome]
+
+
+_LOOKUP_FAILURES = {
+    RemoteCallOutcome.REFUSED: RemoteCallOutcome.LOOKUP_REFUSED,
+    RemoteCallOutcome.RATE_LIMITED: RemoteCallOutcome.LOOKUP_RATE_LIMITED,
+    RemoteCallOutcome.CONTRACT_VIOLATION: RemoteCallOutcome.LOOKUP_CONTRACT_VIOLATION,
+    RemoteCallOutcome.TRANSIENT: RemoteCallOutcome.LOOKUP_TRANSIENT,
+    RemoteCallOutcome.ABANDONED: RemoteCallOutcome.LOOKUP_TRANSIENT,
+    RemoteCallOutcome.NOT_SENT: RemoteCallOutcome.LOOKUP_TRANSIENT,
+    RemoteCallOutcome.UNKNOWN_OUTCOME: RemoteCallOutcome.LOOKUP_TRANSIENT,
+    RemoteCallOutcome.JOB_NOT_FOUND: RemoteCallOutcome.LOOKUP_TRANSIENT,
+    RemoteCallOutcome.UNKNOWN_STATUS: RemoteCallOutcome.LOOKUP_TRANSIENT,
+}
+
+
+class ReasonCode(enum.StrEnum):
+    """Why an operation carries its reason (``operations.reason_code``, stored beside the text ``reason`` people
+    read; a report groups by it). The ledger keeps both set or both empty; rows written before the codes
+    existed carry :attr:`UNCLASSIFIED`."""
+
+    UNCLASSIFIED = "unclassified"  # written before reason codes existed
+    JOB_ID_VIA_ERROR = "job_id_via_error"  # submitted: the job id came from a 502's error.job_id
+    REFUSED = "refused"  # rejected: a definite 4xx
+    RATE_LIMITED = "rate_limited"  # rejected: still 429 at the submit retry deadline
+    NOT_SENT = "not_sent"  # rejected: never sent within the submit retry deadline
+    UNKNOWN_OUTCOME = "unknown_outcome"  # uncertain: sent, answer unknown
+    JOB_ID_NOT_SAVED = "job_id_not_saved"  # uncertain: a job was created but its id could not be saved
+    NO_OUTCOME_SAVED = "no_outcome_saved"  # uncertain: left in submitting (dispatcher died mid-POST)
+    NOT_FOUND_BY_LOOKUP = "not_found_by_lookup"  # uncertain: the reconciler's lookup found no job
+    ADOPTED_BY_LOOKUP = "adopted_by_lookup"  # submitted: the reconciler adopted the job it found
+    REMOTE_JOB_FAILED = "remote_job_failed"  # failed: the provider's error (or an unusable answer)
+    MAX_AGE = "max_age"  # stalled: observed too long without reaching a terminal state
+    JOB_NOT_FOUND = "job_not_found"  # stalled: 404 past the grace window
+    UNKNOWN_STATUS = "unknown_status"  # stalled: unknown statuses in a row
+    ADOPTED_BY_OPERATOR = "adopted_by_operator"
+    ABANDONED_BY_OPERATOR = "abandoned_by_operator"
+    REPOLLED_BY_OPERATOR = "repolled_by_operator"
+    FAILED_BY_OPERATOR = "failed_by_operator"

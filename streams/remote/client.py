@@ -1,0 +1,699 @@
+"""The remote generation API client: one place for timeouts, auth, status mapping and error taxonomy.
+
+Classification (docs/design.md, "Contracts at the edges"):
+
+=============================================== ================================== =====================
+what happened                                   result                             POST retried?
+=============================================== ================================== =====================
+2xx with ``id``                                 :class:`SubmitResult` (created)    --
+502 with ``error.job_id``                       :class:`SubmitResult` (created)    --
+429                                             :class:`RemoteRateLimitedError`    yes, after Retry-After
+other 4xx (400, 401, 403, 409, 422, ...)        :class:`RemoteRefusedError`        no (ends ``rejected``)
+connection refused / not established / no       :class:`RemoteNotSentError`        yes (nothing was sent)
+pooled connection free (no byte sent)
+timeout or connection lost after send, 5xx      :class:`RemoteUnknownOutcomeError` no (ends ``uncertain``)
+without job id, 2xx without a readable id, an
+answer whose Content-Encoding does not decode
+=============================================== ================================== =====================
+
+Answers are read with every number exact (:mod:`streams.wire.exactjson`). A 2xx whose body cannot be read exactly
+(``NaN``, a number too long) counts as "without a readable id"; on a GET, such a 200 is a contract violation
+naming the field. ``Retry-After`` is read by :func:`parse_retry_after_s`, ``completed_at`` by
+:func:`read_completed_at_ms`.
+
+Every call (POST and GET) runs under one overall deadline, ``remote_call_deadline_s`` (``asyncio.timeout``
+around the whole request: pool wait, connect, send and the entire answer), on top of httpx's per-phase
+timeouts: a provider trickling its answer one byte per read timeout cannot keep a call open. Whether the
+deadline struck before or after the request was sent is read from httpcore's ``trace`` extension
+(``*.send_request_headers.started``): before -> not sent; after -> a POST's outcome is unknown, a GET is
+*abandoned* (:class:`RemoteAbandonedError`: the provider may still be serving it). With an injected transport
+that does not report the trace, a deadline always counts as "after" (never re-send on a guess).
+
+The ``httpx.AsyncClient`` is built in one factory, :func:`make_http_client`, so tests and benchmarks inject a
+transport instead of patching. URLs, headers and timeouts of each kind of call are resolved against it once
+(:class:`_Call`); with the default aiohttp transport the client calls it directly
+(:meth:`streams.remote.transport.AiohttpTransport.send`), any other transport gets each request through
+``AsyncClient.send``. Either way the same answers and the same httpx exceptions reach the classification.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import email.utils
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+from urllib.parse import quote
+
+import httpcore
+import httpx
+import yarl
+from multidict import CIMultiDict
+
+from streams import metrics
+from streams.config import Settings
+from streams.errors import (
+    JsonValueError,
+    RemoteAbandonedError,
+    RemoteContractError,
+    RemoteJobNotFoundError,
+    RemoteNotSentError,
+    RemoteRateLimitedError,
+    RemoteRefusedError,
+    RemoteTransientError,
+    RemoteUnknownOutcomeError,
+    RemoteUnknownStatusError,
+)
+from streams.model.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
+from streams.model.states import state_for_remote_status
+from streams.remote.transport import AiohttpTransport, client_timeout
+from streams.wire import contracts, exactjson, jsontext
+
+log = logging.getLogger(__name__)
+
+#: ``Retry-After`` delay-seconds: ASCII digits (RFC 9110, 10.2.3), a decimal fraction tolerated; any length.
+_DELTA_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
+
+#: httpx exceptions raised before any byte of the request was written.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
+
+
+#: The default of ``Settings.remote_call_deadline_s`` (seconds), for clients built without settings.
+DEFAULT_CALL_DEADLINE_S: float = Settings.model_fields["remote_call_deadline_s"].default
+
+
+class _SendProbe:
+    """httpcore ``trace`` callback: records whether writing the request started (headers, HTTP/1.1 or 2)."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if event.endswith(".send_request_headers.started"):
+            self.sent = True
+
+
+class _PoolRepair:
+    """Gives back the pool slots that httpcore 1.0.9 loses when a request is cancelled mid-way (upstream bug,
+    open and unreleased; httpx 0.28 gets no more releases).
+
+    httpcore's cleanup after a cancellation is not itself safe from an asyncio cancellation: a request cancelled
+    after the pool assigned it a new connection but before it connected leaves that connection "connecting"
+    forever (or HTTP/1.1 "NEW" when the cancellation falls between connecting and sending), and one cancelled
+    while its answer is being closed stays listed as active with its connection. Neither is idle, closed nor
+    available, so each holds a slot until every call fails with ``PoolTimeout`` against a healthy provider
+    (reproduced in about one second of cancelled calls on a pool of 2; ``tests/integration/
+    test_http_pool_storm.py``). Cancellations are routine in this worker: the call deadline, a lease lost
+    during a GET, rebalances.
+
+    :meth:`repair` runs (synchronously: nothing can interrupt it) after every call that did not return an answer:
+    it removes the call's own request if the pool still lists it, then every connection that no listed request
+    owns and that is neither idle nor closed (an orphan: with HTTP/1.1 a connection in use always belongs to a
+    listed request), hands the freed slots to queued requests and closes the orphans in the background. It
+    touches httpcore's private pool state, checked at start-up; without it, it does nothing.
+    """
+
+    _ATTRIBUTES = ("_requests", "_connections", "_optional_thread_lock", "_assign_requests_to_connections")
+
+    def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
+        pool = getattr(transport, "_pool", None)  # httpx's own transport, or its proxy transport: httpcore's pool
+        usable = isinstance(pool, httpcore.AsyncConnectionPool) and all(hasattr(pool, a) for a in self._ATTRIBUTES)
+        self.pool: Any = pool if usable else None
+        self._closing: set[asyncio.Future[None]] = set()
+
+    def repair(self, probe: _SendProbe) -> int:
+        """Free what the call traced by ``probe`` left behind; returns the orphaned connections reclaimed."""
+        pool = self.pool
+        if pool is None:
+            return 0
+        with pool._optional_thread_lock:
+            for leftover in [r for r in pool._requests if r.request.extensions.get("trace") is probe]:
+                pool._requests.remove(leftover)
+            owned = {id(r.connection) for r in pool._requests if r.connection is not None}
+            orphans = [c for c in pool._connections if id(c) not in owned and not c.is_idle() and not c.is_closed()]
+            for connection in orphans:
+                pool._connections.remove(connection)
+            closing = orphans + pool._assign_requests_to_connections()
+        if closing:
+            task = asyncio.ensure_future(self._close(closing))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        if orphans:
+            metrics.HTTP_POOL_REPAIRS.inc(len(orphans))
+            log.info("HTTP pool: %d connection(s) orphaned by a cancelled call reclaimed", len(orphans))
+        return len(orphans)
+
+    @staticmethod
+    async def _close(connections: list[Any]) -> None:
+        for connection in connections:
+            with contextlib.suppress(Exception):
+                await connection.aclose()
+
+
+class _DeadlineExceeded(Exception):
+    """The overall deadline cut a call; ``sent`` tells whether the request may have reached the provider."""
+
+    def __init__(self, deadline_s: float, sent: bool) -> None:
+        super().__init__(f"no complete answer within the {deadline_s:g} s call deadline")
+        self.sent = sent
+
+
+def _path_segment(text: str) -> str:
+    """``text`` as one percent-encoded path segment: every character but the unreserved ones encoded, and a
+    segment of dots (``.``, ``..``) encoded too, so that no URL normalization can read it as a step up."""
+    quoted = quote(text, safe="")
+    return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
+
+
+class _Call:
+    """One kind of request resolved once against the client (``http.build_request``): its method, absolute URL
+    (text), headers (the client's merged with the call's; ``Content-Length`` left to the sender) and httpx
+    timeouts. Building them per call costs httpx ~30 µs of URL parsing and header and cookie merging; a GET
+    differs from the next only by the job id appended to :attr:`url`."""
+
+    def __init__(self, request: httpx.Request) -> None:
+        self.method = request.method
+        self.url = str(request.url)
+        self.headers = httpx.Headers([(k, v) for k, v in request.headers.multi_items() if k != "content-length"])
+        self.fields: CIMultiDict[str] = CIMultiDict(self.headers.multi_items())  # the same, for aiohttp
+        self.timeout: dict[str, float | None] = request.extensions.get("timeout", {})
+
+
+def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The worker's single ``httpx.AsyncClient`` for the remote API.
+
+    Timeouts (seconds) come from ``settings.http_*_timeout_s``; auth is ``Authorization: Bearer <key>``.
+    Requests go through ``transport`` when given (tests, benchmarks), else the one ``settings.http_transport``
+    names: ``aiohttp`` (:class:`streams.remote.transport.AiohttpTransport`, whose exception mapping keeps the taxonomy
+    above) or ``httpx`` (httpcore's pool); both hold at most ``settings.http_max_connections`` connections.
+    """
+    limits = httpx.Limits(
+        max_connections=settings.http_max_connections,
+        max_keepalive_connections=settings.http_max_connections,
+    )
+    if transport is None and settings.http_transport == "aiohttp":
+        transport = AiohttpTransport(max_connections=settings.http_max_connections)
+    return httpx.AsyncClient(
+        base_url=settings.remote_base_url.get_secret_value(),
+        headers={
+            "Authorization": f"Bearer {settings.remote_api_key.get_secret_value()}",
+            "User-Agent": "generation-streams/0.1",
+        },
+        timeout=httpx.Timeout(
+            connect=settings.http_connect_timeout_s,
+            read=settings.http_read_timeout_s,
+            write=settings.http_write_timeout_s,
+            pool=settings.http_pool_timeout_s,
+        ),
+        limits=limits,
+        transport=transport,
+    )
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    """A POST that created a remote job.
+
+    ``via_error`` is True when the job id came from an HTTP 502's ``error.job_id``.
+    ``poll_after_s`` is the API's hint for the first GET, if it gave one.
+    """
+
+    job_id: str
+    status_code: int
+    via_error: bool
+    poll_after_s: float | None
+    duration_ms: float
+
+
+#: Upper bound of any poll hint from the API (s): a broken or hostile hint cannot park a job for years.
+MAX_POLL_HINT_S = 3600.0
+
+#: Wait after a 429 whose ``Retry-After`` is absent or unreadable (s).
+RATE_LIMITED_FALLBACK_S = 1.0
+
+#: Latest time the ledger and the topic schemas accept (epoch ms of 9999-12-31T23:59:59.999Z).
+MAX_EPOCH_MS = 253_402_300_799_999
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def parse_retry_after_s(
+    value: str | None, *, cap_s: float = MAX_POLL_HINT_S, now: dt.datetime | None = None
+) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (RFC 9110, 10.2.3), or None when absent or unreadable.
+
+    * delay-seconds (ASCII digits, a decimal fraction tolerated, surrounding spaces ignored): that many
+      seconds, capped at ``cap_s`` (``86400000`` -> ``cap_s``; a long number is read, not refused);
+    * an HTTP-date: seconds from ``now`` (default: the wall clock) until then, 0 when it is past, capped;
+    * anything else (``-1``, ``nan``, ``1e999``, ``inf``, empty): None, and the caller falls back to its own
+      backoff. The result is never negative, never NaN and never above ``cap_s``.
+    """
+    if value is None:
+        return None
+    text = value.strip(" \t")
+    if _DELTA_SECONDS.fullmatch(text):
+        return min(cap_s, float(text))  # float() of a very long number is inf: capped like the rest
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)  # an HTTP-date is always GMT
+    seconds = (when - (now or dt.datetime.now(dt.UTC))).total_seconds()
+    return min(cap_s, max(0.0, seconds))
+
+
+def _read_json(response: httpx.Response) -> tuple[Any, JsonValueError | None]:
+    """The answer's JSON with every number exact, or None and why it could not be read."""
+    try:
+        return exactjson.loads(response.content), None
+    except JsonValueError as exc:
+        return None, exc
+
+
+def _poll_after_s(body: dict[str, Any] | None, response: httpx.Response) -> float | None:
+    """The API's poll hint in seconds: ``Retry-After`` when readable, else ``poll_after_ms``; clamped to
+    ``[0, MAX_POLL_HINT_S]``; None when neither is usable."""
+    hint = parse_retry_after_s(response.headers.get("Retry-After"))
+    if hint is not None:
+        return hint
+    value = body.get("poll_after_ms") if body is not None else None
+    if not exactjson.is_number(value):
+        return None
+    seconds = float(value) / 1000.0  # a huge value is inf here: capped below
+    return min(MAX_POLL_HINT_S, max(0.0, seconds)) if not math.isnan(seconds) else None
+
+
+def read_completed_at_ms(value: Any) -> tuple[int | None, str | None]:
+    """The remote ``completed_at`` as epoch milliseconds, or None and the reason it was not read.
+
+    ================================================ =====================================================
+    ``completed_at``                                 result
+    ================================================ =====================================================
+    absent or ``null``                               ``(None, None)``
+    a number below 1e11                              unix seconds -> ms (sub-millisecond digits dropped)
+    a larger number                                  epoch ms
+    an RFC 3339 date-time with ``Z`` or ``±hh:mm``   that instant in epoch ms
+    a date-time without an offset                    ``(None, reason)``: not guessed as UTC (an hours-wide
+                                                     error would pass unseen)
+    negative, after 9999-12-31, other text, a bool   ``(None, reason)``
+    ================================================ =====================================================
+
+    The caller records the reason with the observation (``completed_at_problem``) and logs it.
+    """
+    if value is None:
+        return None, None
+    shown = _shown(value)
+    ms: int | None = None
+    if exactjson.is_number(value):
+        number = value if isinstance(value, Decimal) else Decimal(repr(value) if isinstance(value, float) else value)
+        if number.is_finite():
+            ms = int(number * 1000) if number < Decimal("1e11") else int(number)
+    elif isinstance(value, str):
+        if not contracts.format_conforms(value, "date-time"):
+            try:
+                naive = "T" in value.upper() and dt.datetime.fromisoformat(value.upper()).tzinfo is None
+            except ValueError:
+                naive = False
+            if naive:
+                return None, f"completed_at {shown} has no UTC offset (RFC 3339 requires Z or +hh:mm); not read"
+            return None, f"completed_at {shown} is not an RFC 3339 date-time; not read"
+        try:
+            when = dt.datetime.fromisoformat(value.upper())
+        except ValueError as exc:  # e.g. a leap second: valid RFC 3339, not representable
+            return None, f"completed_at {shown} cannot be represented ({exc}); not read"
+        ms = (when - _EPOCH) // dt.timedelta(milliseconds=1)
+    else:
+        return None, f"completed_at {shown} is neither a number nor a date-time; not read"
+    if ms is None or not 0 <= ms <= MAX_EPOCH_MS:
+        return None, f"completed_at {shown} is outside 1970-01-01 .. 9999-12-31; not read"
+    return ms, None
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``value`` as short text for a reason (numbers exactly as they came: ``JsonDecimal`` shows its JSON)."""
+    return clean_text(repr(value), limit)
+
+
+def provider_request_body(request_text: str, operation_id: str, default_model: str) -> bytes:
+    """The POST body for one operation (UTF-8): the application's request text with every character kept,
+    plus what the product adds (README, "Submitting"):
+
+    * ``metadata.client_reference``: the operation id, so the provider's record of the job names the operation
+      (an operator can find the job of an ``uncertain`` operation). It is NOT an idempotency key: nothing says
+      the provider refuses a second job with the same reference; the product itself never re-sends a POST whose
+      outcome is unknown.
+    * ``model``: ``default_model`` (``STREAMS_REMOTE_MODEL``) when the request names none.
+
+    ``request_text`` is a JSON object whose ``metadata``, if present, is an object without ``client_reference``
+    (``schemas/generation.submissions.json`` guarantees both); numbers and strings are never re-encoded.
+    """
+    found = jsontext.members(request_text)
+    reference = exactjson.dumps(operation_id).decode()
+    added: list[tuple[str, str]] = []
+    if not any(m.key == "model" for m in found):
+        added.append(("model", exactjson.dumps(default_model).decode()))
+    text = request_text
+    metadata = next((m for m in found if m.key == "metadata"), None)
+    if metadata is None:
+        added.append(("metadata", '{"client_reference":' + reference + "}"))
+    else:
+        inner = jsontext.append_members(text[metadata.start : metadata.end], [("client_reference", reference)])
+        text = text[: metadata.start] + inner + text[metadata.end :]
+    return jsontext.append_members(text, added, empty=not found).encode()
+
+
+#: Characters of a raw answer's body kept (it is stored when an operation stalls).
+RAW_ANSWER_CHARS = 4000
+
+
+def raw_answer(response: httpx.Response) -> dict[str, Any]:
+    """``{"http_status": int, "body": str}``: an answer kept as it came (body text, storable, truncated)."""
+    return {"http_status": response.status_code, "body": clean_text(response.text, RAW_ANSWER_CHARS)}
+
+
+class RemoteClient:
+    """Calls the remote generation API for one worker; see the module docstring for the taxonomy.
+
+    Args:
+        http: the client from :func:`make_http_client` (owned by the caller, closed by :meth:`aclose`).
+        model: the model name sent with each POST.
+        call_deadline_s: overall deadline of one call, seconds (``Settings.remote_call_deadline_s``; the default
+            is that setting's default: a worker builds its client with :meth:`from_settings`).
+        traced: True when ``http`` uses httpx's own transport (httpcore), whose ``trace`` extension tells
+            whether a request was sent when the deadline struck; False for injected transports.
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        model: str,
+        *,
+        call_deadline_s: float = DEFAULT_CALL_DEADLINE_S,
+        traced: bool = False,
+    ) -> None:
+        self.http = http
+        self.model = model
+        self.call_deadline_s = call_deadline_s
+        self.traced = traced
+        self._post = _Call(http.build_request("POST", "/v1/generations", headers={"Content-Type": "application/json"}))
+        self._get = _Call(http.build_request("GET", "/v1/generations/"))  # + the quoted job id
+        # The aiohttp transport is called directly (the client's auth, redirect, cookie and event-hook layers do
+        # nothing here: no auth, no redirects followed, no cookies, no hooks); any other transport (httpcore, a
+        # test's MockTransport) gets each request through ``http.send``. Chosen as httpx routes the base URL: a
+        # client given a transport ignores proxies from the environment; without one (``http_transport=httpx``)
+        # ``HTTP_PROXY`` routes to httpx's proxy transport, whose pool is then the one to repair.
+        routed = http._transport_for_url(httpx.URL(self._post.url))
+        self._aiohttp = routed if isinstance(routed, AiohttpTransport) else None
+        self._pool_repair = _PoolRepair(routed)
+        timeout = self._post.timeout
+        self._client_timeout = client_timeout(timeout.get("connect"), timeout.get("read"), timeout.get("pool"))
+
+    @classmethod
+    def from_settings(cls, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> RemoteClient:
+        """The worker's client: :func:`make_http_client` plus the settings' model and call deadline."""
+        return cls(
+            make_http_client(settings, transport),
+            settings.remote_model,
+            call_deadline_s=settings.remote_call_deadline_s,
+            traced=transport is None,
+        )
+
+    async def aclose(self) -> None:
+        """Close the underlying HTTP client."""
+        await self.http.aclose()
+
+    async def _request(self, call: _Call, url: str, body: bytes | None = None) -> httpx.Response:
+        """``call`` to ``url`` (absolute, encoded) with ``body``, within :attr:`call_deadline_s`, the whole answer
+        read.
+
+        Raises:
+            _DeadlineExceeded: the deadline struck (``sent`` as far as can be told; True when unknown).
+            httpx.HTTPError, httpx.InvalidURL: as httpx (or the aiohttp transport, mapped) raised them.
+        """
+        probe = _SendProbe()
+        deadline = asyncio.timeout(self.call_deadline_s)
+        try:
+            async with deadline:
+                if self._aiohttp is not None:
+                    target = yarl.URL(url, encoded=True)
+                    return await self._aiohttp.send(call.method, target, call.fields, body, self._client_timeout, probe)
+                request = httpx.Request(
+                    call.method,
+                    url,
+                    headers=call.headers,
+                    content=body,
+                    extensions={"timeout": call.timeout, "trace": probe},
+                )
+                return await self.http.send(request)
+        except TimeoutError as exc:
+            self._pool_repair.repair(probe)
+            if not deadline.expired():
+                raise
+            raise _DeadlineExceeded(self.call_deadline_s, probe.sent or not self.traced) from exc
+        except BaseException:  # cancelled, or an httpx error: give back what the pool may have lost
+            self._pool_repair.repair(probe)
+            raise
+
+    async def submit(self, operation_id: str, request_text: str) -> SubmitResult:
+        """POST one generation; returns the created job or raises a classified :class:`RemoteError`.
+
+        ``request_text`` is the provider's request body as JSON text (an object); it is sent as
+        :func:`provider_request_body` makes it: unchanged but for ``metadata.client_reference`` and a default
+        ``model``.
+
+        Raises:
+            RemoteRateLimitedError: 429, nothing created; retry after ``retry_after_s``.
+            RemoteRefusedError: other 4xx, nothing created.
+            RemoteNotSentError: no byte was sent; safe to retry.
+            RemoteUnknownOutcomeError: sent and outcome unknown (an answer that could not be read too); never
+                retry.
+        """
+        body = provider_request_body(request_text, operation_id, self.model)
+        started = time.perf_counter()
+        try:
+            response = await self._request(self._post, self._post.url, body)
+        except _DeadlineExceeded as exc:
+            if not exc.sent:
+                raise RemoteNotSentError(operation_id, f"POST not sent: {exc}") from exc
+            why = f"POST timed out after send ({exc}); a job may exist"
+            raise RemoteUnknownOutcomeError(operation_id, why) from exc
+        except _NOT_SENT as exc:
+            raise RemoteNotSentError(operation_id, f"POST not sent ({type(exc).__name__}: {exc})") from exc
+        except httpx.TimeoutException as exc:
+            raise RemoteUnknownOutcomeError(
+                operation_id, f"POST timed out after send ({type(exc).__name__}); a job may exist"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise RemoteUnknownOutcomeError(
+                operation_id, f"connection lost after send ({type(exc).__name__}: {exc}); a job may exist"
+            ) from exc
+        except httpx.HTTPError as exc:  # answered, but the answer could not be read (DecodingError: a bad gzip)
+            raise RemoteUnknownOutcomeError(
+                operation_id, f"POST answer could not be read ({type(exc).__name__}: {exc}); a job may exist"
+            ) from exc
+        duration_ms = (time.perf_counter() - started) * 1000.0
+        return self._classify_submit(operation_id, response, duration_ms)
+
+    def _classify_submit(self, operation_id: str, response: httpx.Response, duration_ms: float) -> SubmitResult:
+        status = response.status_code
+        parsed, unreadable = _read_json(response)
+        body = parsed if isinstance(parsed, dict) else None
+        error = body.get("error") if body is not None else None
+        error = error if isinstance(error, dict) else {}
+        # An answer that cannot be read exactly (NaN, a number too long, not JSON) is not trusted in part.
+        why_unreadable = f" (body not read: {clean_text(str(unreadable), 300)})" if unreadable is not None else ""
+        if 200 <= status < 300:
+            job_id = body.get("id") if body is not None else None
+            if isinstance(job_id, str) and JOB_ID.fullmatch(job_id):
+                return SubmitResult(job_id, status, False, _poll_after_s(body, response), duration_ms)
+            raise RemoteUnknownOutcomeError(
+                operation_id,
+                f"HTTP {status} without a usable job id ({_shown(job_id)}){why_unreadable}; a job may exist",
+                status_code=status,
+            )
+        if status == 502 and isinstance(error.get("job_id"), str) and JOB_ID.fullmatch(error["job_id"]):
+            return SubmitResult(error["job_id"], status, True, _poll_after_s(body, response), duration_ms)
+        if status == 429:
+            retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+            raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
+        if 400 <= status < 500:
+            code = clean_text(str(error.get("code", f"http_{status}")), 80)
+            message = clean_text(str(error.get("message", response.reason_phrase)), 500)
+            raise RemoteRefusedError(
+                operation_id, f"refused with HTTP {status} {code}: {message}", status_code=status, code=code
+            )
+        raise RemoteUnknownOutcomeError(
+            operation_id, f"HTTP {status} without error.job_id{why_unreadable}; a job may exist", status_code=status
+        )
+
+    async def observe(self, operation_id: str, job_id: str) -> JobSnapshot:
+        """GET one remote job.
+
+        Raises:
+            RemoteJobNotFoundError: 404 for this job id (with the raw answer).
+            RemoteUnknownStatusError: a 200 whose ``status`` is missing, not a string, or not a known word
+                (with the raw answer).
+            RemoteContractError: a 200 whose outputs break the contract (ids missing, not strings, repeated), or
+                with a value that cannot be carried exactly (``NaN``, ``Infinity``, a number too long), naming it.
+            RemoteRateLimitedError: 429 (retry after its hint).
+            RemoteAbandonedError: cut off after the request was sent (deadline, timeout, connection lost): the
+                provider may still be serving it.
+            RemoteTransientError: any other failure (not sent, 5xx, a body that is not JSON, a 200 whose ``id``
+                names another job).
+        """
+        started = time.perf_counter()
+        try:
+            response = await self._request(self._get, self._get.url + _path_segment(job_id))
+        except _DeadlineExceeded as exc:
+            if exc.sent:
+                raise RemoteAbandonedError(operation_id, f"GET {job_id} abandoned: {exc}") from exc
+            raise RemoteTransientError(operation_id, f"GET {job_id} not sent: {exc}") from exc
+        except _NOT_SENT as exc:
+            raise RemoteTransientError(operation_id, f"GET {job_id} not sent ({type(exc).__name__}: {exc})") from exc
+        except httpx.TransportError as exc:
+            raise RemoteAbandonedError(
+                operation_id, f"GET {job_id} abandoned after send ({type(exc).__name__}: {exc})"
+            ) from exc
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            raise RemoteTransientError(operation_id, f"GET {job_id} failed ({type(exc).__name__}: {exc})") from exc
+        duration_ms = (time.perf_counter() - started) * 1000.0
+        return parse_job_answer(operation_id, job_id, response, duration_ms)
+
+    async def lookup(self, operation_id: str) -> list[LookupJob]:
+        """The jobs the provider lists for client reference ``operation_id`` (``GET /v1/generations?
+        client_reference=...``), oldest first (by creation time, then id). Only for providers that offer it.
+
+        Raises:
+            RemoteRateLimitedError: 429 (retry after its hint).
+            RemoteRefusedError: another 4xx: the provider does not offer the lookup (turn it off) or refused it.
+            RemoteContractError: a 200 whose ``data`` is not a list of objects with usable job ids.
+            RemoteTransientError: any other failure (the call deadline, timeouts, I/O, 5xx, unreadable body).
+        """
+        try:
+            call = _Call(self.http.build_request("GET", "/v1/generations", params={"client_reference": operation_id}))
+            response = await self._request(call, call.url)
+        except (_DeadlineExceeded, httpx.HTTPError, httpx.InvalidURL) as exc:
+            raise RemoteTransientError(operation_id, f"lookup failed ({type(exc).__name__}: {exc})") from exc
+        status = response.status_code
+        body, _ = _read_json(response)
+        body = body if isinstance(body, dict) else None
+        if status == 429:
+            retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+            raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
+        if 400 <= status < 500:
+            error = body.get("error") if body is not None else None
+            code = (
+                clean_text(str(error.get("code", f"http_{status}")), 80)
+                if isinstance(error, dict)
+                else f"http_{status}"
+            )
+            raise RemoteRefusedError(
+                operation_id,
+                f"lookup by client reference refused with HTTP {status} {code}; does the provider offer it?",
+                status_code=status,
+                code=code,
+            )
+        if status != 200 or body is None:
+            raise RemoteTransientError(operation_id, f"lookup answered HTTP {status}", status_code=status)
+        data = body.get("data")
+        if not isinstance(data, list) or not all(
+            isinstance(j, dict) and isinstance(j.get("id"), str) and JOB_ID.fullmatch(j["id"]) for j in data
+        ):
+            raise RemoteContractError(
+                operation_id,
+                f"lookup answer without a list of jobs with usable ids: {clean_text(repr(data), 300)}",
+                status_code=status,
+            )
+        jobs = [
+            LookupJob(
+                job_id=j["id"],
+                status=clean_text(j["status"], 80) if isinstance(j.get("status"), str) else None,
+                created_at_ms=read_completed_at_ms(j.get("created_at"))[0],
+            )
+            for j in data
+        ]
+        return sorted(jobs, key=lambda j: (j.created_at_ms is None, j.created_at_ms or 0, j.job_id))
+
+
+def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, duration_ms: float) -> JobSnapshot:
+    """Classify one answer to ``GET /v1/generations/{job_id}`` (see :meth:`RemoteClient.observe`).
+
+    Every number of the answer is read exactly (:mod:`streams.wire.exactjson`): outputs carry big integers and long
+    fractions unchanged. A 200 with ``NaN``/``Infinity`` or a number too long to carry is a contract violation
+    naming the field; a 200 that is not JSON at all is retried, with what was wrong in the reason.
+
+    Raises:
+        RemoteJobNotFoundError, RemoteUnknownStatusError, RemoteRateLimitedError, RemoteContractError,
+        RemoteTransientError.
+    """
+    status = response.status_code
+    if status == 404:
+        raise RemoteJobNotFoundError(operation_id, f"remote job {job_id} not found (404)", answer=raw_answer(response))
+    if status == 429:
+        retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+        raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
+    if status != 200:
+        raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP {status}", status_code=status)
+    body, unreadable = _read_json(response)
+    if unreadable is not None and unreadable.path is not None:
+        raise RemoteContractError(
+            operation_id,
+            f"GET {job_id} answered HTTP 200 with a value that cannot be carried exactly: "
+            f"{clean_text(str(unreadable), 300)}",
+            status_code=status,
+        )
+    if not isinstance(body, dict):
+        what = clean_text(str(unreadable), 300) if unreadable is not None else "JSON that is not an object"
+        raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP 200 with {what}", status_code=status)
+    answered_for = body.get("id")
+    if answered_for is not None and answered_for != job_id:  # another request's answer (a mixed-up connection)
+        raise RemoteTransientError(
+            operation_id, f"GET {job_id} answered HTTP 200 for another job ({_shown(answered_for)}); not read"
+        )
+    raw_status = body.get("status")
+    state = state_for_remote_status(raw_status) if isinstance(raw_status, str) else None
+    if state is None:
+        raise RemoteUnknownStatusError(
+            operation_id,
+            f"GET {job_id} returned unknown status {clean_text(repr(raw_status), 80)}",
+            answer=raw_answer(response),
+        )
+    remote_status = str(raw_status)
+    outputs = body.get("outputs") or []
+    ids = (
+        [o.get("id") for o in outputs]
+        if isinstance(outputs, list) and all(isinstance(o, dict) for o in outputs)
+        else None
+    )
+    if ids is None or not all(isinstance(i, str) and i for i in ids) or len(set(ids)) != len(ids):
+        raise RemoteContractError(
+            operation_id,
+            f"GET {job_id} returned outputs without distinct string ids: {clean_text(repr(outputs), 300)}",
+            status_code=status,
+        )
+    error = body.get("error")
+    charge, refund = body.get("charge"), body.get("refund")
+    completed_at_ms, completed_at_problem = read_completed_at_ms(body.get("completed_at"))
+    if completed_at_problem is not None:
+        log.warning("operation %s: GET %s: %s", operation_id, job_id, completed_at_problem)
+    return JobSnapshot(
+        job_id=job_id,
+        status=remote_status,
+        state=state,
+        outputs=outputs,
+        poll_after_s=_poll_after_s(body, response),
+        completed_at_ms=completed_at_ms,
+        completed_at_problem=completed_at_problem,
+        error=error if isinstance(error, dict) else None,
+        status_code=status,
+        duration_ms=duration_ms,
+        charge=charge if isinstance(charge, dict) else None,
+        refund=refund if isinstance(refund, dict) else None,
+    )

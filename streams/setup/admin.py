@@ -1,0 +1,409 @@
+"""Set-up tasks: apply migrations (yoyo-migrations), Kafka admin calls (topics, consumer groups).
+
+Migrations are the plain SQL files in ``migrations/`` (installed as the package ``streams.migrations``); yoyo
+applies them in order and records each in its ``_yoyo_migration`` table, under a lock, so concurrent callers
+are safe.
+
+Every Kafka admin call goes through :class:`KafkaAdmin`, which retries the broker's retriable errors (tenacity)
+within a deadline. A broker that has just started answers on its port before it can coordinate a consumer
+group: its internal ``__consumer_offsets`` topic is created on the first coordinator look-up, and until its
+partitions are loaded, look-ups and describes answer "coordinator not available" or "load in progress". aiokafka's
+admin client raises those at once, and reports per-topic errors of create/delete in the response without
+raising; both are handled here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import psycopg
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaError,
+    TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
+    for_code,
+)
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    retry_if_result,
+    stop_after_delay,
+    stop_before_delay,
+    wait_exponential,
+    wait_fixed,
+    wait_random,
+)
+from yoyo import get_backend, read_migrations
+from yoyo.migrations import MigrationList
+
+from streams.config import Settings, mask_url
+from streams.errors import KafkaAdminError, LedgerUnavailableError, MissingResourceError, StreamsError
+from streams.ledger.store import connect, connect_config_error, database_address, diagnose_connect
+from streams.outages import is_outage
+
+log = logging.getLogger(__name__)
+
+#: The package that holds the migrations (``migrations/`` of the repository, see ``pyproject.toml``).
+MIGRATIONS_PACKAGE = "streams.migrations"
+
+
+def yoyo_url(database_url: str) -> str:
+    """The yoyo backend URL (psycopg 3 driver) for a ``postgresql://`` URL."""
+    scheme, sep, rest = database_url.partition("://")
+    if not sep or not scheme.startswith("postgres"):
+        raise ValueError(f"not a PostgreSQL URL: {mask_url(database_url)!r}")
+    return f"postgresql+psycopg://{rest}"
+
+
+def sql_migrations(directory: Path) -> MigrationList:
+    """The SQL migrations (``*.sql``, rollbacks paired by yoyo) of ``directory``.
+
+    Raises:
+        MissingResourceError: the directory holds none; an installation without its migrations must not
+            report a database as up to date.
+    """
+    found = read_migrations(str(directory))
+    migrations = MigrationList([m for m in found if m.path.endswith(".sql")], found.post_apply)
+    if not migrations:
+        raise MissingResourceError(
+            f"no migration (*.sql) found in {directory}: the installed package {MIGRATIONS_PACKAGE} is incomplete; "
+            "reinstall generation-streams. Nothing was applied."
+        )
+    return migrations
+
+
+def migrate(database_url: str) -> list[str]:
+    """Apply pending migrations of :data:`MIGRATIONS_PACKAGE`; returns the ids applied (empty when up to date).
+
+    Raises:
+        MissingResourceError: the package is not installed or holds no migration (nothing is applied).
+        DatabaseConfigError: PostgreSQL refused the login, has no such database, or the URL does not parse.
+        LedgerUnavailableError: PostgreSQL did not accept the connection for another reason (nothing applied).
+    """
+    try:
+        package = resources.files(MIGRATIONS_PACKAGE)
+    except ModuleNotFoundError as exc:
+        raise MissingResourceError(
+            f"package {MIGRATIONS_PACKAGE} is not installed: reinstall generation-streams. Nothing was applied."
+        ) from exc
+    with resources.as_file(package) as directory:
+        migrations = sql_migrations(directory)
+        try:
+            backend = get_backend(yoyo_url(database_url))
+        except psycopg.OperationalError as exc:
+            raise _connect_failure(database_url, exc) from exc
+        except ValueError as exc:  # the URL does not parse (a port that is not a number, another scheme)
+            raise connect_config_error(database_url, exc) from exc
+        with backend.lock():
+            pending = backend.to_apply(migrations)
+            backend.apply_migrations(pending)
+    return [m.id for m in pending]
+
+
+def _connect_failure(database_url: str, exc: psycopg.OperationalError) -> StreamsError:
+    """What psycopg's failure to connect means: psycopg gives no SQLSTATE for a refused login, so one asyncpg login
+    (:func:`streams.ledger.store.diagnose_connect`, on a thread of its own: a caller may be running an event loop) tells
+    wrong settings (:class:`DatabaseConfigError`) from an outage (:class:`LedgerUnavailableError`)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        config_error = pool.submit(asyncio.run, diagnose_connect(database_url)).result()
+    if config_error is not None:
+        return config_error
+    return LedgerUnavailableError(
+        f"PostgreSQL at {database_address(database_url)} did not accept the connection for the migrations: "
+        f"{' '.join(str(exc).split())}; check that it is up (streams ready --service postgres) "
+        "and run again. Nothing was applied."
+    )
+
+
+T = TypeVar("T")
+
+#: Backoff between attempts of a Kafka admin call: exponential from 0.1 s up to 2 s, plus up to 0.1 s of jitter.
+ADMIN_RETRY_INITIAL_S = 0.1
+ADMIN_RETRY_MAX_S = 2.0
+ADMIN_RETRY_JITTER_S = 0.1
+
+#: Seconds between two looks at a consumer group that is not stable yet (:func:`wait_group_stable`).
+GROUP_LOOK_INTERVAL_S = 0.25
+
+
+def _raise_for_code(error_code: int, message: str) -> None:
+    """Raise the aiokafka error of a non-zero Kafka protocol ``error_code`` (responses carry them unraised)."""
+    if error_code:
+        raise for_code(error_code)(message)
+
+
+async def _nothing(client: AIOKafkaAdminClient) -> None:
+    """An admin request that only needs the client connected (used to connect with retries)."""
+
+
+@dataclass(frozen=True)
+class GroupDescription:
+    """A consumer group as its coordinator describes it: ``state`` (``Stable``, ``PreparingRebalance``,
+    ``CompletingRebalance``, ``Empty``, ``Dead`` for an unknown group) and the number of ``members``."""
+
+    group_id: str
+    state: str
+    members: int
+
+
+class KafkaAdmin:
+    """A Kafka admin client whose every call retries the broker's retriable errors within a deadline.
+
+    Use ``async with KafkaAdmin(settings) as admin``. Each call may take up to ``deadline_s`` seconds (default
+    ``settings.kafka_admin_deadline_s``), including connecting; :func:`streams.outages.is_outage` decides what is
+    retried (exponential backoff with jitter, 0.1 s up to 2 s). A connection error drops the client, so the next
+    attempt bootstraps afresh.
+
+    Raises:
+        KafkaAdminError: from any call, when the broker answers with a definite error, or still answers with a
+            retriable one at the deadline; the message names the call and the broker.
+    """
+
+    def __init__(self, settings: Settings, deadline_s: float | None = None) -> None:
+        self.bootstrap = settings.kafka_bootstrap
+        self.deadline_s = settings.kafka_admin_deadline_s if deadline_s is None else deadline_s
+        self._client: AIOKafkaAdminClient | None = None
+
+    async def __aenter__(self) -> KafkaAdmin:
+        await self.call("connect", _nothing)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._drop_client()
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+    async def _connected(self) -> AIOKafkaAdminClient:
+        if self._client is None:
+            client = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+            try:
+                await client.start()
+            except BaseException:
+                await client.close()
+                raise
+            self._client = client
+        return self._client
+
+    async def call(
+        self,
+        what: str,
+        request: Callable[[AIOKafkaAdminClient], Awaitable[T]],
+        deadline_s: float | None = None,
+    ) -> T:
+        """Run ``request(client)`` until it succeeds, a definite error, or ``deadline_s`` (default: the admin's).
+
+        Each attempt is bounded by the time left (at least 1 s). Raises :class:`KafkaAdminError` naming ``what``.
+        """
+        budget_s = self.deadline_s if deadline_s is None else deadline_s
+        started = time.monotonic()
+        attempts = 0
+
+        async def attempt() -> T:
+            nonlocal attempts
+            attempts += 1
+            left_s = max(1.0, budget_s - (time.monotonic() - started))
+            try:
+                async with asyncio.timeout(left_s):
+                    return await request(await self._connected())
+            except (KafkaConnectionError, OSError, TimeoutError):
+                await self._drop_client()
+                raise
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(is_outage),
+            stop=stop_after_delay(budget_s),
+            wait=wait_exponential(multiplier=ADMIN_RETRY_INITIAL_S, max=ADMIN_RETRY_MAX_S)
+            + wait_random(0, ADMIN_RETRY_JITTER_S),
+            before_sleep=lambda state: log.debug(
+                "Kafka admin call %r on %s: attempt %d failed (%r), retrying",
+                what,
+                self.bootstrap,
+                state.attempt_number,
+                state.outcome.exception() if state.outcome else None,
+            ),
+            reraise=True,
+        )
+        try:
+            return await retrying(attempt)
+        except (KafkaError, OSError, TimeoutError) as exc:
+            raise KafkaAdminError(
+                what, self.bootstrap, attempts=attempts, elapsed_s=time.monotonic() - started, cause=exc
+            ) from exc
+
+    async def create_topics(self, names: list[str], partitions: int) -> list[str]:
+        """Create ``names`` with ``partitions`` partitions each (replication factor 1); returns those created.
+
+        Topics that already exist are left as they are. Raises :class:`KafkaAdminError` for any other per-topic
+        error the broker reports (e.g. an invalid name).
+        """
+
+        async def request(client: AIOKafkaAdminClient) -> list[str]:
+            existing = set(await client.list_topics())
+            wanted = [name for name in names if name not in existing]
+            if not wanted:
+                return []
+            response: Any = await client.create_topics(
+                [NewTopic(name, num_partitions=partitions, replication_factor=1) for name in wanted]
+            )
+            created = []
+            for topic, error_code, *rest in response.topic_errors:
+                if error_code == TopicAlreadyExistsError.errno:
+                    continue
+                _raise_for_code(error_code, f"creating topic {topic!r}" + (f": {rest[0]}" if rest and rest[0] else ""))
+                created.append(topic)
+            return created
+
+        return await self.call(f"create topics {names}", request)
+
+    async def delete_topics(self, names: list[str]) -> list[str]:
+        """Delete those of ``names`` that exist; returns the names deleted (a topic already gone is no error)."""
+
+        async def request(client: AIOKafkaAdminClient) -> list[str]:
+            existing = set(await client.list_topics())
+            doomed = [name for name in names if name in existing]
+            if not doomed:
+                return []
+            response: Any = await client.delete_topics(doomed)
+            deleted = []
+            for topic, error_code, *_ in response.topic_error_codes:
+                if error_code == UnknownTopicOrPartitionError.errno:
+                    continue
+                _raise_for_code(error_code, f"deleting topic {topic!r}")
+                deleted.append(topic)
+            return deleted
+
+        return await self.call(f"delete topics {names}", request)
+
+    async def find_coordinator(self, group_id: str, deadline_s: float | None = None) -> int:
+        """The broker id coordinating consumer group ``group_id`` (a FindCoordinator request)."""
+
+        async def request(client: AIOKafkaAdminClient) -> int:
+            coordinator: int = await client.find_coordinator(group_id)
+            return coordinator
+
+        return await self.call(f"find the coordinator of consumer group {group_id!r}", request, deadline_s)
+
+    async def describe_group(self, group_id: str, deadline_s: float | None = None) -> GroupDescription:
+        """Consumer group ``group_id`` as its coordinator describes it (``Dead`` with 0 members when unknown)."""
+
+        async def request(client: AIOKafkaAdminClient) -> GroupDescription:
+            [response] = await client.describe_consumer_groups([group_id])
+            error_code, _, state, _, _, members, *_ = response.groups[0]
+            _raise_for_code(error_code, f"describing consumer group {group_id!r}")
+            return GroupDescription(group_id, state, len(members))
+
+        return await self.call(f"describe consumer group {group_id!r}", request, deadline_s)
+
+
+async def create_topics(settings: Settings) -> list[str]:
+    """Create the five topics with ``settings.partitions`` partitions (replication 1); returns those created.
+
+    Existing topics are left as they are (their partition count is not changed). Raises
+    :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
+    """
+    async with KafkaAdmin(settings) as admin:
+        return await admin.create_topics(list(settings.topics.values()), settings.partitions)
+
+
+def run_topics(settings: Settings) -> list[str]:
+    """Every topic of a run on ``settings``: its five (:attr:`Settings.topics`), by exact name. Faust adds none:
+    the app keeps no tables and its leader topic is disabled (:func:`streams.worker.app.create_app`)."""
+    return list(settings.topics.values())
+
+
+async def delete_topics(settings: Settings) -> list[str]:
+    """Delete a run's topics (:func:`run_topics`) that exist; returns the names deleted.
+
+    Meant for isolated runs (the main job, the soak, the benchmark, test sessions) whose topics carry their own
+    prefix and whose consumer group its own app id; their workers must have stopped. Raises
+    :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
+    """
+    async with KafkaAdmin(settings) as admin:
+        return await admin.delete_topics(run_topics(settings))
+
+
+async def create_run_database(database_url: str, run_id: str) -> str:
+    """Create an empty database ``<name>_<run_id>`` next to ``database_url``'s and return its URL.
+
+    Harness runs (main job, soak) use one each, so an aborted run's leftovers never reach the next run's
+    workers.
+
+    Raises:
+        DatabaseConfigError: PostgreSQL refused the login, or has no database ``database_url`` names.
+        LedgerUnavailableError: PostgreSQL did not accept the connection.
+        asyncpg.PostgresError: the role may not create databases.
+    """
+    base, _, name = database_url.rpartition("/")
+    name, _, query = name.partition("?")
+    run_db = f"{name}_{run_id}".lower()
+    conn = await connect(database_url)
+    try:
+        await conn.execute(f'CREATE DATABASE "{run_db}"')
+    finally:
+        await conn.close()
+    return f"{base}/{run_db}" + (f"?{query}" if query else "")
+
+
+def database_name(database_url: str) -> str:
+    """The database name of a ``postgresql://`` URL (no credentials)."""
+    return database_url.rpartition("/")[2].partition("?")[0]
+
+
+async def drop_run_database(database_url: str, run_database_url: str) -> None:
+    """Drop the run database created by :func:`create_run_database` (its connections are terminated).
+
+    Raises:
+        as :func:`streams.ledger.store.connect`.
+    """
+    run_db = database_name(run_database_url)
+    conn = await connect(database_url)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{run_db}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+async def wait_group_stable(settings: Settings, members: int, timeout_s: float) -> bool:
+    """Wait until the consumer group ``settings.app_id`` is ``Stable`` with at least ``members`` members, looking
+    every :data:`GROUP_LOOK_INTERVAL_S` (tenacity) while it is not.
+
+    Returns False when the group did not settle within ``timeout_s`` (the caller decides whether that matters).
+    Retriable broker errors (a new broker without a group coordinator yet) are retried within the same time.
+
+    Raises:
+        KafkaAdminError: the broker could not describe the group at all within ``timeout_s``, or refused.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with KafkaAdmin(settings, deadline_s=timeout_s) as admin:
+
+        async def stable() -> bool:
+            group = await admin.describe_group(settings.app_id, deadline_s=deadline - loop.time())
+            return group.state == "Stable" and group.members >= members
+
+        left_s = deadline - loop.time()
+        if left_s <= 0:
+            return False
+        retrying = AsyncRetrying(
+            retry=retry_if_result(lambda is_stable: not is_stable),
+            wait=wait_fixed(GROUP_LOOK_INTERVAL_S),
+            stop=stop_before_delay(left_s),  # no look would start after the deadline
+            retry_error_callback=lambda _: False,
+        )
+        return bool(await retrying(stable))

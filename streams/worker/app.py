@@ -1,0 +1,301 @@
+"""The Faust application: topics, agents, timers and web views of one worker process.
+
+Layout (faust-streaming user guide, "medium/large projects"): the pipeline logic lives in plain classes
+(:mod:`streams.worker.stages.dispatcher`, :mod:`streams.worker.stages.observer`,
+:mod:`streams.worker.stages.scheduler`, :mod:`streams.worker.stages.relay`); this
+module only wires them to Kafka.
+
+* ``dispatch`` agent: ``generation.submissions`` -> :class:`~streams.worker.stages.dispatcher.Dispatcher`.
+* ``observe`` agent: ``generation.polls`` -> :class:`~streams.worker.stages.observer.Observer`.
+* ``schedule_polls`` task: :class:`~streams.worker.stages.scheduler.PollScheduler` (due polls, reconciliation,
+re-dispatch
+  of forgotten ``accepted`` operations), in a loop.
+* ``relay_outbox`` task: :class:`~streams.worker.stages.relay.OutboxRelay`, in a loop.
+* ``reconcile_lookups`` task (only with ``lookup_enabled``): :class:`~streams.worker.stages.reconciler.Reconciler`, in
+a loop
+  of its own, so a slow lookup never delays poll scheduling.
+* Web: ``GET /metrics`` (Prometheus text), ``GET /healthz``, and the live view (:mod:`streams.oncall.liveview`).
+
+Offsets (see :mod:`streams.worker.inflight`): each agent has one actor per worker, reading a ``noack`` stream, so
+faust never acknowledges an event by itself (a plain stream acknowledges the event it yielded when the actor
+moves on, raises or is cancelled; ``take()`` acknowledges its whole batch in a ``finally``). Each event is
+handled in its own task, up to ``dispatcher_concurrency`` / ``observer_concurrency`` at once, and
+acknowledged only when it and every earlier event of its partition are handled: the committed offset never
+passes an event whose handling has not finished, and a worker killed at any moment leaves its unfinished
+events to the next owner of the partition. Behind an event that stays in flight, later events are still
+handled (their acknowledgements wait), up to :data:`UNACKED_PER_SLOT` per slot; then intake pauses.
+
+An unexpected exception while handling an event never stops the partition: the event is retried
+(:data:`HANDLER_ATTEMPTS`), then goes to the dead-letter topic with reason ``processing_error`` and its
+original bytes, so it can be replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import faust
+import tenacity
+from prometheus_client import generate_latest
+
+from streams import logs
+from streams.config import Settings
+from streams.errors import InvalidEventError
+from streams.oncall.liveview import register_pages
+from streams.outages import is_outage
+from streams.retrying import first_attempt_plain
+from streams.worker.inflight import InOrderAcks, Ticket
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.stages.observer import Observer
+from streams.worker.stages.reconciler import Reconciler
+from streams.worker.stages.relay import OutboxRelay
+from streams.worker.stages.scheduler import PollScheduler
+
+log = logging.getLogger(__name__)
+
+
+#: Attempts at an event whose handling raised unexpectedly, before it is dead-lettered (handlers are
+#: idempotent, so a retry is safe; outages of PostgreSQL and Redis are waited out inside the handlers).
+HANDLER_ATTEMPTS = 5
+
+#: Pause of the reconciler's loop when no lookup was due (s).
+RECONCILER_IDLE_S = 1.0
+
+#: Pause between attempts to connect the worker's clients while PostgreSQL is unavailable at start (s).
+RUNTIME_RETRY_S = 2.0
+
+#: Events received and not yet acknowledged, per handling slot, before an agent stops taking new ones. Behind
+#: an event that stays in flight the later ones are handled but cannot be acknowledged; this bounds the memory
+#: they hold and what the next owner of the partition reads again after a crash.
+UNACKED_PER_SLOT = 16
+
+
+async def handle_with_retries(rt: Runtime, handle: Callable[[RawMessage], Awaitable[None]], raw: RawMessage) -> None:
+    """Run ``handle(raw)``; retry unexpected errors with backoff, then dead-letter the event with reason
+    ``processing_error`` and its original bytes (it can be replayed from there). Never raises.
+
+    The retry policy is built only after a first attempt failed (:func:`streams.retrying.first_attempt_plain`):
+    tenacity costs about 30 µs per event otherwise."""
+
+    async def attempt() -> None:
+        logs.clear()  # log lines carry this event's operation fields only (streams.logs)
+        await handle(raw)
+
+    try:
+        await first_attempt_plain(attempt, _handler_retrying)
+    except Exception as exc:
+        log.exception(
+            "handling %s[%s]@%s failed %d times; dead-lettering it",
+            raw.topic,
+            raw.partition,
+            raw.offset,
+            HANDLER_ATTEMPTS,
+        )
+        await rt.dead_letter(raw, InvalidEventError("processing_error", f"{type(exc).__name__}: {exc}"))
+
+
+def _handler_retrying() -> tenacity.AsyncRetrying:
+    return tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_attempt(HANDLER_ATTEMPTS),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0),
+        reraise=True,
+    )
+
+
+class Intake:
+    """The in-flight state of one agent in this worker; it outlives a restart of the agent's actor.
+
+    Args:
+        concurrency: events handled at once (``dispatcher_concurrency`` / ``observer_concurrency``).
+        generation: the consumer group generation now (``app.consumer_generation_id``).
+    """
+
+    def __init__(self, concurrency: int, generation: Callable[[], int]) -> None:
+        self.generation = generation
+        self.acks: InOrderAcks[Any] = InOrderAcks()
+        self.slots = asyncio.Semaphore(concurrency)
+        self.unacked = asyncio.Semaphore(concurrency * UNACKED_PER_SLOT)
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def reserve(self) -> None:
+        """Wait for room for one more event: a handling slot and an unacknowledged place."""
+        await self.unacked.acquire()
+        try:
+            await self.slots.acquire()
+        except BaseException:
+            self.unacked.release()
+            raise
+
+    def unreserve(self) -> None:
+        """Give back a reservation that received no event."""
+        self.slots.release()
+        self.unacked.release()
+
+    async def run(self, ticket: Ticket[Any], handle: Callable[[RawMessage], Awaitable[None]], rt: Runtime) -> None:
+        """Handle one event; once handled, acknowledge every event this releases (in offset order).
+
+        A cancelled handling (the worker stopping) acknowledges nothing: its event is read again by the next
+        owner of the partition, and so is every later event of the partition. An event received before the
+        latest rebalance is not acknowledged either (rebalances wait for events in flight, so this only
+        happens when that wait was cut short): its partition was sought back to the committed offset, which
+        such a late acknowledgement could otherwise carry past events read again and not yet handled.
+        """
+        m = ticket.event.message
+        try:
+            await handle_with_retries(rt, handle, RawMessage(m.topic, m.partition, m.offset, m.key, m.value))
+        finally:
+            self.slots.release()
+        for event in self.acks.finish(ticket):
+            if event.message.generation_id == self.generation():
+                event.ack()
+            self.unacked.release()
+
+    async def consume(self, stream: Any, handle: Callable[[RawMessage], Awaitable[None]], rt: Runtime) -> None:
+        """Read ``stream`` without faust's acknowledgements; start a task per event as room allows."""
+        events = stream.noack().events().__aiter__()
+        while True:
+            await self.reserve()
+            try:
+                event = await events.__anext__()
+            except StopAsyncIteration:
+                self.unreserve()
+                return
+            except BaseException:
+                self.unreserve()
+                raise
+            # No await between receiving the event and tracking it: a cancellation cannot lose it here.
+            ticket = self.acks.track(event.message.tp, event)
+            task = asyncio.create_task(self.run(ticket, handle, rt))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+
+def faust_data_dir(app_id: str) -> Path:
+    """Faust's data directory for the app ``app_id``: ``<temp dir>/<app id>-data`` (nothing is kept in it)."""
+    return Path(tempfile.gettempdir()) / f"{app_id}-data"
+
+
+def create_app(settings: Settings) -> faust.App:
+    """Build the Faust app for ``settings`` (consumer group = ``settings.app_id``)."""
+    app = faust.App(
+        settings.app_id,
+        broker=[f"kafka://{host}" for host in settings.kafka_bootstrap.split(",")],
+        key_serializer="raw",
+        value_serializer="raw",
+        topic_partitions=settings.partitions,
+        topic_replication_factor=1,
+        consumer_auto_offset_reset="earliest",
+        producer_acks=-1,
+        producer_linger_ms=2,
+        broker_session_timeout=settings.kafka_session_timeout_s,
+        broker_heartbeat_interval=settings.kafka_heartbeat_interval_s,
+        # Wait for events in flight (acknowledged only when handled, see Intake) before a rebalance and before
+        # stopping. With False, a rebalance during a PostgreSQL restart lost submissions in 2 of 3 runs
+        # (tests/e2e/test_faults_under_load.py).
+        stream_wait_empty=True,
+        autodiscover=False,
+        # No leader election: no timer or agent here runs on the leader only. Faust's leader topic would be one
+        # more topic per consumer group (``<app id>-__assignor-__leader``, left behind by every run), created by a
+        # CreateTopics call in the Conductor's first subscription, after the worker reported started: a broker
+        # restarting then crashed the worker (NodeNotReadyError, exit 1; tests/e2e/test_worker_start.py).
+        topic_disable_leader=True,
+        store="memory://",
+        # Faust creates its data directory (``<app id>-data/v1/tables``) at start even though the memory store
+        # keeps nothing there; by default in the working directory, where every worker, test and benchmark run
+        # would leave one behind. The system's temporary directory instead.
+        datadir=faust_data_dir(settings.app_id),
+        web_enabled=settings.web_enabled,
+        web_port=settings.web_port,
+        web_bind="0.0.0.0",
+        web_in_thread=False,
+    )
+    lock = asyncio.Lock()
+    holder: dict[str, Runtime] = {}
+
+    async def enqueue(topic: str, key: bytes, value: bytes) -> Awaitable[Any]:
+        return await app.producer.send(topic, key, value, None, None, None)
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        await (await enqueue(topic, key, value))
+
+    async def runtime() -> Runtime:
+        async with lock:
+            while "rt" not in holder:
+                try:
+                    holder["rt"] = await Runtime.create(settings, send, enqueue=enqueue)
+                except Exception as exc:  # PostgreSQL went away since the start-up check: wait, as every stage
+                    if not is_outage(exc):
+                        raise
+                    log.warning("PostgreSQL unavailable while the worker starts, waiting: %s", exc)
+                    await asyncio.sleep(RUNTIME_RETRY_S)
+                    continue
+                log.info("worker %s ready (settings: %s)", holder["rt"].worker, settings)
+            return holder["rt"]
+
+    @app.on_before_shutdown.connect  # type: ignore[arg-type]  # mode types receivers as sync-or-awaitable unions
+    async def close_runtime(sender: Any, **kwargs: Any) -> None:
+        # Sent once the consumer stopped and in-flight events finished: close the pool, Redis and the HTTP
+        # transport's pooled connections (aiohttp logs every session left open at exit as an error).
+        rt = holder.pop("rt", None)
+        if rt is not None:
+            await rt.close()
+
+    def topic(role: str) -> Any:
+        return app.topic(settings.topic(role), key_type=bytes, value_type=bytes, partitions=settings.partitions)
+
+    submissions = Intake(settings.dispatcher_concurrency, lambda: int(app.consumer_generation_id))
+    polls = Intake(settings.observer_concurrency, lambda: int(app.consumer_generation_id))
+
+    # One actor per agent (concurrency 1): it only reads; handling runs in the Intake's tasks.
+    @app.agent(topic("submissions"))
+    async def dispatch(stream: Any) -> None:
+        rt = await runtime()
+        await submissions.consume(stream, Dispatcher(rt).handle, rt)
+
+    @app.agent(topic("polls"))
+    async def observe(stream: Any) -> None:
+        rt = await runtime()
+        await polls.consume(stream, Observer(rt).handle, rt)
+
+    async def run_forever(tick: Callable[[], Awaitable[int]], idle_s: float) -> None:
+        """Run ``tick`` back to back while it finds work, sleeping ``idle_s`` when it finds none."""
+        while True:
+            try:
+                busy = await tick()
+            except Exception:
+                log.exception("periodic task failed; retrying")
+                busy = 0
+            if not busy:
+                await asyncio.sleep(idle_s)
+
+    @app.task
+    async def schedule_polls() -> None:
+        await run_forever(PollScheduler(await runtime()).tick, settings.poll_scheduler_interval_s)
+
+    @app.task
+    async def relay_outbox() -> None:
+        await run_forever(OutboxRelay(await runtime()).tick, settings.relay_interval_s)
+
+    @app.task
+    async def reconcile_lookups() -> None:
+        if settings.lookup_enabled:
+            await run_forever(Reconciler(await runtime()).tick, RECONCILER_IDLE_S)
+
+    @app.page("/metrics")
+    async def metrics_view(web: Any, request: Any) -> Any:
+        return web.bytes(generate_latest(), content_type="text/plain")
+
+    @app.page("/healthz")
+    async def health_view(web: Any, request: Any) -> Any:
+        rt = await runtime()
+        redis_ok = await rt.leases.healthy()
+        return web.json({"worker": rt.worker, "redis": redis_ok})
+
+    register_pages(app, runtime)  # the live view: / and /operations/{operation_id} (streams.oncall.liveview)
+    return app

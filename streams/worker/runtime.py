@@ -1,0 +1,354 @@
+"""A worker's shared resources and the waiting/retrying helpers the pipeline stages use.
+
+One :class:`Runtime` per worker process: one asyncpg pool (the ledger), one Redis client and its coalescing
+stage (leases and the account's rate budget, :mod:`streams.coordination.redisstage`), one ``httpx.AsyncClient`` (the
+remote
+API) and one Kafka producer (through a :data:`SendFn`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import tenacity
+
+from streams import metrics
+from streams.config import Settings
+from streams.coordination.lease import Lease, LeaseManager, make_redis
+from streams.coordination.ratebudget import RateBudget
+from streams.errors import (
+    CoordinationUnavailableError,
+    DeadLetterError,
+    InvalidEventError,
+    LedgerUnavailableError,
+    RemoteError,
+)
+from streams.ledger.store import Ledger, create_pool
+from streams.model.codes import RemoteCallOutcome
+from streams.outages import Failure, FailureKind, classify
+from streams.remote.client import RemoteClient
+from streams.retrying import failure_of, retry_without_deadline
+from streams.wire import contracts, exactjson
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Send one record and wait until Kafka acknowledged it: ``await send(topic, key, value)``.
+SendFn = Callable[[str, bytes, bytes], Awaitable[Any]]
+
+#: Hand one record to the producer's buffer and return at once with what completes when Kafka acknowledged it:
+#: ``ack = await enqueue(topic, key, value); await ack`` (aiokafka's ``send``; records keep the order they were
+#: handed over in, per partition).
+EnqueueFn = Callable[[str, bytes, bytes], Awaitable[Awaitable[Any]]]
+
+#: One record: ``(topic, key, value)``.
+Record = tuple[str, bytes, bytes]
+
+#: Attempts at publishing one dead letter when the failure is not an outage (e.g. the broker refuses the record
+#: as too large): waiting cannot fix it, so after these the failure surfaces as :class:`DeadLetterError`.
+#: Outages of Kafka are waited out without a limit (a dead letter is the event's only record).
+DEAD_LETTER_ATTEMPTS = 3
+
+#: Seconds between two log lines about the same ongoing outage.
+OUTAGE_LOG_INTERVAL_S = 5.0
+
+#: Seconds :meth:`Runtime.until_ledger` waits out a PostgreSQL outage before it gives up.
+LEDGER_OUTAGE_DEADLINE_S = 600.0
+
+#: First wait (s) after Redis did not answer a lease acquisition or a rate budget request, and after a dead letter
+#: was not published; each next wait doubles, up to ``Settings.coordination_retry_cap_s``.
+REDIS_RETRY_FIRST_WAIT_S = 0.1
+DEAD_LETTER_RETRY_FIRST_WAIT_S = 0.2
+
+
+@dataclass(frozen=True)
+class RawMessage:
+    """One consumed Kafka record as raw bytes, with where it came from."""
+
+    topic: str
+    partition: int | None
+    offset: int | None
+    key: bytes | None
+    value: bytes | None
+
+
+def worker_name() -> str:
+    """``<hostname>:<pid>``, written into the transition log and accounting."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Runtime:
+    """Resources of one worker and the helpers that wait out outages instead of dropping work."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        ledger: Ledger,
+        leases: LeaseManager,
+        remote: RemoteClient,
+        send: SendFn,
+        worker: str,
+        enqueue: EnqueueFn | None = None,
+    ) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.leases = leases
+        self.remote = remote
+        self.send = send
+        self.enqueue = enqueue
+        self.worker = worker
+        # the provider account's rate budget, on the same Redis and through the same coalescing stage
+        self.budget = RateBudget(leases.client, settings, stage=leases.stage)
+        self._last_outage_log: dict[str, float] = {}
+        #: True once :meth:`close` began: a failure of a client being closed is this worker stopping, no outage.
+        self.closing = False
+
+    @classmethod
+    async def create(
+        cls, settings: Settings, send: SendFn, worker: str | None = None, enqueue: EnqueueFn | None = None
+    ) -> Runtime:
+        """Connect to PostgreSQL and build the Redis and HTTP clients (Redis may still be down). ``enqueue``, when
+        given, lets :meth:`send_all` hand many records over without a task each."""
+        name = worker or worker_name()
+        database_url = settings.database_url.get_secret_value()
+        pool = await create_pool(database_url, min_size=2, max_size=settings.db_pool_max_size)
+        redis = make_redis(
+            settings.redis_url.get_secret_value(),
+            settings.redis_socket_timeout_s,
+            connect_timeout_s=settings.redis_connect_timeout_s,
+            max_connections=settings.redis_max_connections,
+            pool_timeout_s=settings.redis_pool_timeout_s,
+        )
+        remote = RemoteClient.from_settings(settings)
+        leases = LeaseManager.from_settings(redis, settings)
+        return cls(settings, Ledger(pool, name), leases, remote, send, name, enqueue)
+
+    async def close(self) -> None:
+        """Close all clients."""
+        self.closing = True
+        await self.remote.aclose()
+        await self.leases.stage.drain()  # lease releases still queued or on the wire
+        await self.leases.client.aclose()
+        await self.ledger.close()
+
+    def log_outage(self, service: str, exc: BaseException) -> None:
+        """Log an outage of ``service`` (``PostgreSQL``, ``Redis``, ``Kafka``) at most once every
+        :data:`OUTAGE_LOG_INTERVAL_S` per service (it can last minutes). Only for failures classified as an
+        outage (:func:`streams.outages.classify`); anything else goes through :meth:`report_failure`."""
+        if self.closing:  # e.g. "pool is closed" from a timer still running while the worker stops
+            log.debug("%s closed while this worker stops: %s: %s", service, type(exc).__name__, exc)
+            return
+        now = time.monotonic()
+        if now - self._last_outage_log.get(service, 0.0) >= OUTAGE_LOG_INTERVAL_S:
+            self._last_outage_log[service] = now
+            log.warning("%s unavailable, waiting: %s: %s", service, type(exc).__name__, exc)
+
+    def report_failure(self, where: str, exc: BaseException) -> Failure:
+        """Classify ``exc`` by type (:func:`streams.outages.classify`) and report it for the stage ``where``.
+
+        * outage: counted in ``streams_outage_waits_total{service,where}``, logged by :meth:`log_outage`; the
+          caller waits and tries again.
+        * busy (this worker's own pool): counted in ``streams_redis_pool_busy_total``, logged at INFO.
+        * anything else (a programming error, a refusal): logged at ERROR with its traceback and counted in
+          ``streams_unexpected_errors_total{where}``; never reported as an outage.
+
+        Returns the classification so the caller can decide (retry, bounded retry, raise).
+        """
+        failure = classify(exc)
+        if failure.kind is FailureKind.OUTAGE:
+            metrics.OUTAGE_WAITS.labels(failure.service, where).inc()
+            self.log_outage(failure.service, exc)
+        elif failure.kind is FailureKind.BUSY:
+            metrics.REDIS_POOL_BUSY.labels(where).inc()
+            log.info("%s: %s busy: %s", where, failure.service, exc)
+        else:
+            metrics.UNEXPECTED_ERRORS.labels(where).inc()
+            log.error("%s failed unexpectedly (not an outage): %s: %s", where, type(exc).__name__, exc, exc_info=exc)
+        return failure
+
+    async def until_ledger(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn`` until it does not raise :class:`LedgerUnavailableError` (PostgreSQL restarts).
+
+        The first attempt runs outside tenacity (its machinery costs tens of µs a call, paid only once PostgreSQL
+        failed); its failure is counted in ``streams_ledger_unavailable_total{what}`` and logged
+        (:meth:`log_outage`) like every failed attempt after it, and the second attempt follows at once (a
+        connection the restart broke is replaced by a fresh one). From then on tenacity waits with capped
+        exponential backoff and jitter (0.1 s doubling, plus up to 1 s, at most ``coordination_retry_cap_s``);
+        it gives up :data:`LEDGER_OUTAGE_DEADLINE_S` (10 minutes) after the second attempt, raising the last
+        :class:`LedgerUnavailableError`. Any other exception is raised at once.
+        """
+        try:
+            return await fn()  # the fast path: no retry machinery unless PostgreSQL is actually down
+        except LedgerUnavailableError as exc:
+            self._on_ledger_retry(what, exc)
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(LedgerUnavailableError),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=self.settings.coordination_retry_cap_s),
+            stop=tenacity.stop_after_delay(LEDGER_OUTAGE_DEADLINE_S),
+            reraise=True,
+            before_sleep=lambda rs: self._on_ledger_retry(what, failure_of(rs)),
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await fn()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _on_ledger_retry(self, what: str, exc: BaseException | None) -> None:
+        metrics.LEDGER_UNAVAILABLE.labels(what).inc()
+        self.log_outage("PostgreSQL", exc if isinstance(exc, Exception) else Exception(what))
+
+    async def acquire_waiting(self, key: str, action: str) -> Lease | None:
+        """Try to take lease ``key``; while Redis is down, wait (no claim, no remote call) and retry, without a
+        deadline: every failed attempt is counted in ``streams_coordination_unavailable_total{action}`` and
+        logged (:meth:`log_outage`), then waited after (tenacity: 0.1 s doubling, at most
+        ``coordination_retry_cap_s``). Any other exception is raised at once.
+
+        Returns the lease, or None when another owner holds it.
+        """
+        return await retry_without_deadline(  # a plain first attempt: no retry machinery while Redis answers
+            lambda: self.leases.acquire(key),
+            retry_on=CoordinationUnavailableError,
+            wait=self.redis_retry_wait,
+            on_retry=lambda exc: self._on_redis_retry(action, exc),
+        )
+
+    def redis_retry_wait(self, retry_state: tenacity.RetryCallState) -> float:
+        """A tenacity wait (seconds) after a Redis call failed for lack of Redis or of a pooled connection:
+        :data:`REDIS_RETRY_FIRST_WAIT_S` doubling with each failure, at most ``coordination_retry_cap_s``."""
+        cap_s = self.settings.coordination_retry_cap_s
+        return float(tenacity.wait_exponential(multiplier=REDIS_RETRY_FIRST_WAIT_S, max=cap_s)(retry_state))
+
+    def _on_redis_retry(self, action: str, exc: BaseException) -> None:
+        metrics.COORDINATION_UNAVAILABLE.labels(action).inc()
+        self.log_outage("Redis", exc)
+
+    async def send_all(self, records: Sequence[Record]) -> list[BaseException | None]:
+        """Send ``records`` and wait until Kafka acknowledged (or refused) each; returns, per record in order, None
+        (acknowledged) or the exception that record met. Never raises but for cancellation.
+
+        With an ``enqueue`` (the worker's producer) every record is handed to the producer's buffer in order, then
+        their acknowledgements are awaited together: no task per record. Without one, :attr:`send` runs for each
+        record concurrently."""
+        if self.enqueue is None:
+            sent = await asyncio.gather(*(self.send(*record) for record in records), return_exceptions=True)
+            return [r if isinstance(r, BaseException) else None for r in sent]
+        acks: list[Awaitable[Any]] = []
+        refused: dict[int, BaseException] = {}
+        for i, record in enumerate(records):
+            try:
+                acks.append(await self.enqueue(*record))
+            except Exception as exc:  # not even buffered (no metadata for the topic, a record too large, ...)
+                refused[i] = exc
+        results = iter(await asyncio.gather(*acks, return_exceptions=True))
+        out: list[BaseException | None] = []
+        for i in range(len(records)):
+            result = refused[i] if i in refused else next(results)
+            out.append(result if isinstance(result, BaseException) else None)
+        return out
+
+    async def publish(self, role: str, key: str, value: dict[str, Any]) -> None:
+        """Send ``value`` as JSON (numbers exact) to the topic of ``role`` keyed by ``key``; returns once acked."""
+        await self.send(self.settings.topic(role), key.encode(), exactjson.dumps(value))
+
+    async def dead_letter(self, message: RawMessage, error: InvalidEventError) -> None:
+        """Send ``message`` with its reason and original bytes to the dead-letter topic (waits for the ack)."""
+        envelope = contracts.dead_letter(
+            source_topic=message.topic,
+            partition=message.partition,
+            offset=message.offset,
+            key=message.key,
+            original=message.value,
+            error=error,
+            worker=self.worker,
+        )
+        metrics.DEAD_LETTERS.labels(message.topic, error.reason).inc()
+        log.warning(
+            "dead-lettered %s[%s]@%s: %s (%s)", message.topic, message.partition, message.offset, error.reason, error
+        )
+        key = (message.key or b"").decode("utf-8", "replace")
+        # A dead letter is the event's only record: never drop it. Every failed attempt is reported
+        # (:meth:`report_failure`) and waited after (tenacity: 0.2 s doubling, at most coordination_retry_cap_s);
+        # outages are waited out without a limit, other failures end it at the DEAD_LETTER_ATTEMPTS-th.
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(Exception),
+            after=self._on_dead_letter_failure,
+            wait=tenacity.wait_exponential(
+                multiplier=DEAD_LETTER_RETRY_FIRST_WAIT_S, max=self.settings.coordination_retry_cap_s
+            ),
+            stop=_StopAfterErrors(DEAD_LETTER_ATTEMPTS),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await self.publish("dead_letter", key, envelope)
+        except Exception as exc:  # only a failure that is not an outage stops the retrying
+            raise DeadLetterError(
+                f"dead letter for {message.topic}[{message.partition}]@{message.offset} not published "
+                f"after {DEAD_LETTER_ATTEMPTS} attempts ({type(exc).__name__}: {exc}); the event is "
+                "neither processed nor recorded: fix the cause and consume it again"
+            ) from exc
+
+    def _on_dead_letter_failure(self, retry_state: tenacity.RetryCallState) -> None:
+        self.report_failure("dead letter", failure_of(retry_state) or Exception("dead letter"))
+
+    async def account(
+        self,
+        operation_id: str,
+        method: str,
+        status_code: int | None,
+        outcome: RemoteCallOutcome,
+        remote_job_id: str | None,
+        duration_ms: float,
+        fencing_token: int | None,
+    ) -> None:
+        """Record one remote call in metrics and in the ledger's accounting (waits out PostgreSQL outages)."""
+        metrics.REMOTE_CALLS.labels(method, outcome).inc()
+        metrics.REMOTE_CALL_SECONDS.labels(method).observe(duration_ms / 1000.0)
+        call_id = uuid.uuid4()  # the same through until_ledger's repeats: one row per call
+        await self.until_ledger(
+            f"account {method}",
+            lambda: self.ledger.record_remote_call(
+                operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, call_id
+            ),
+        )
+
+    async def account_failure(
+        self,
+        operation_id: str,
+        method: str,
+        exc: RemoteError,
+        started: float,
+        remote_job_id: str | None,
+        fencing_token: int | None,
+        outcome: RemoteCallOutcome | None = None,
+    ) -> None:
+        """Record (:meth:`account`) one remote call that raised ``exc``: its status code, its outcome (``outcome``,
+        default ``exc.outcome``) and its duration from ``started`` (a ``time.perf_counter()`` reading) to now."""
+        duration_ms = (time.perf_counter() - started) * 1000.0
+        outcome = exc.outcome if outcome is None else outcome
+        await self.account(operation_id, method, exc.status_code, outcome, remote_job_id, duration_ms, fencing_token)
+
+
+class _StopAfterErrors(tenacity.stop.stop_base):
+    """Stop retrying at the ``limit``-th failure classified :attr:`FailureKind.ERROR` (a refusal or a bug that
+    waiting cannot fix); outages and busy pools never stop it. One instance per retried call (it counts)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.errors = 0
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        failure = failure_of(retry_state)
+        if failure is not None and classify(failure).kind is FailureKind.ERROR:
+            self.errors += 1
+        return self.errors >= self.limit

@@ -1,0 +1,330 @@
+"""The observer: one due-poll event -> Redis lease -> fenced claim -> GET -> renew -> fenced save -> release.
+
+* Lease not acquired: another worker is observing (or this worker's Redis pool was full); the poll is
+  rescheduled (same job id), no spin, no failure.
+* Redis unavailable: no claim and no GET; the poll comes back after its visibility timeout.
+* Rate budget (:mod:`streams.coordination.ratebudget`): after the claim, the GET waits for a slot of the account's GET
+  budget, renewing the lease meanwhile; lease lost or Redis unavailable while waiting: no GET (the poll comes
+  back after its visibility timeout). Right before the GET the lease is renewed unless it was confirmed recently
+  enough to hold through the GET's deadline and the lease margin (the rule: :mod:`streams.coordination.lease`), e.g.
+  acquired
+  a moment ago with no wait since.
+* GET: at most one in flight per job. It runs under the client's overall deadline (shorter than the lease TTL
+  by the lease margin) while the lease is renewed every third of its TTL; a renewal that finds the lease lost
+  cancels it.
+* GET failed with a complete answer or before sending: classified, accounted, rescheduled with backoff (429
+  after its ``Retry-After``, which also pauses every worker's GETs).
+* GET abandoned after sending (deadline, timeout, connection lost, lease lost, cancelled): the provider may
+  still be serving it, so the lease is left to expire (renewed to a full TTL, not released) and the next poll is
+  scheduled after it: the job's next GET starts only once the abandoned one has had a full TTL to end.
+* The job's answers stop making progress (404 past the grace window, an unknown status N times in a row, older
+  than the maximum observation age): ``stalled``, polling stops (:mod:`streams.worker.stages.stalling`).
+* Renewal before the save fails (:class:`LeaseLostError`): no save and no further GET for this poll.
+* Save refused by the fencing value: the result is dropped, counted (``streams_fencing_refusals_total``) and
+  logged. A late ``running`` over a saved ``succeeded`` is refused by the state order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from streams import hooks, logs, metrics
+from streams.backoff import next_poll_delay_s
+from streams.config import lease_key
+from streams.coordination.lease import Lease
+from streams.coordination.ratebudget import BudgetKind
+from streams.errors import (
+    CoordinationBusyError,
+    CoordinationError,
+    CoordinationUnavailableError,
+    InvalidEventError,
+    LeaseLostError,
+    LedgerDataError,
+    RemoteAbandonedError,
+    RemoteContractError,
+    RemoteError,
+    RemoteJobNotFoundError,
+    RemoteRateLimitedError,
+    RemoteUnknownStatusError,
+)
+from streams.ledger.store import ObserveClaim, SaveOutcome
+from streams.model.answers import JobSnapshot, clean_text
+from streams.model.codes import RemoteCallOutcome
+from streams.model.states import OperationState, is_terminal
+from streams.wire import contracts
+from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.stages.stalling import StallGuard
+
+log = logging.getLogger(__name__)
+
+POLLS_TOPIC = "generation.polls"
+
+
+def _failed(job_id: str, code: str, message: str) -> JobSnapshot:
+    """A ``failed`` snapshot standing for an answer that cannot be used as it is."""
+    return JobSnapshot(
+        job_id=job_id,
+        status="failed",
+        state=OperationState.FAILED,
+        error={"code": code, "message": clean_text(message, 1000)},
+    )
+
+
+class Observer:
+    """Handles ``generation.polls`` events for one worker (see module docstring)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self.stalls = StallGuard(runtime)
+
+    async def handle(self, message: RawMessage) -> None:
+        """Process one raw poll event; invalid input or an unknown operation goes to the dead-letter topic."""
+        rt = self.rt
+        try:
+            event = contracts.decode(POLLS_TOPIC, message.value, rt.settings.max_value_bytes)
+        except InvalidEventError as exc:
+            await rt.dead_letter(message, exc)
+            return
+        operation_id: str = event["operation_id"]
+        logs.bind(operation_id=operation_id)
+        poll_claim_id: int = event["poll_claim_id"]
+        try:
+            lease = await rt.leases.acquire(lease_key(rt.settings, "observe", operation_id))
+        except CoordinationUnavailableError as exc:
+            metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
+            rt.log_outage("Redis", exc)
+            return  # no claim and no GET without a lease; the visibility timeout brings the poll back
+        if lease is None:
+            metrics.LEASE_BUSY.labels("observe").inc()
+            await self._reschedule(operation_id, poll_claim_id, rt.settings.lease_busy_retry_s)
+            return
+        claim_id = uuid.uuid4()  # the same through until_ledger's repeats: a repeat gets the claim it committed
+        try:
+            claim = await rt.until_ledger(
+                "claim observe", lambda: rt.ledger.claim_for_observe(operation_id, poll_claim_id, claim_id)
+            )
+            if claim is None:
+                await self._not_claimed(message, operation_id)
+                return
+            logs.bind(fencing_token=claim.fencing_token, remote_job_id=claim.remote_job_id)
+            await self._observe(operation_id, poll_claim_id, claim, lease)
+        finally:
+            await lease.release()  # a no-op when a GET was abandoned: the lease is then left to expire
+
+    async def _not_claimed(self, message: RawMessage, operation_id: str) -> None:
+        """A poll that claims nothing: stale (counted), or for an unknown operation (dead-lettered)."""
+        row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
+        if row is None:
+            error = InvalidEventError(
+                "unknown_operation",
+                f"operation {operation_id!r} is not in the ledger; the event goes to the dead-letter topic",
+            )
+            await self.rt.dead_letter(message, error)
+        else:
+            metrics.STALE_POLLS.inc()
+
+    async def _reschedule(self, operation_id: str, poll_claim_id: int, delay_s: float) -> None:
+        await self.rt.until_ledger(
+            "reschedule", lambda: self.rt.ledger.reschedule_poll(operation_id, poll_claim_id, delay_s)
+        )
+
+    def _delay(self, poll_count: int, hint_s: float | None) -> float:
+        s = self.rt.settings
+        return next_poll_delay_s(
+            poll_count,
+            hint_s,
+            base_s=s.poll_backoff_base_s,
+            cap_s=s.poll_backoff_cap_s,
+            min_s=s.poll_min_delay_s,
+            hints_trusted_polls=s.poll_hint_trusted_polls,
+        )
+
+    async def _renewed(self, lease: Lease, operation_id: str, what: str, *, if_due: bool = False) -> bool:
+        """Renew ``lease`` before ``what`` (``if_due``: only when :meth:`Lease.renew_if_due` would); False (logged
+        and counted by cause) when it cannot be confirmed."""
+        try:
+            if if_due:
+                await lease.renew_if_due()
+            else:
+                await lease.renew()
+            return True
+        except (LeaseLostError, CoordinationUnavailableError, CoordinationBusyError) as exc:
+            self._not_confirmed(operation_id, what, exc)
+            return False
+
+    def _not_confirmed(self, operation_id: str, what: str, exc: CoordinationError) -> None:
+        """Count and log why the lease could not be confirmed, so that ``what`` is not done: lost (counted,
+        WARNING), Redis unavailable (counted, logged as an outage) or this worker's Redis pool full (INFO)."""
+        if isinstance(exc, LeaseLostError):
+            metrics.LEASE_LOST.labels("observe").inc()
+            log.warning("operation %s: %s: %s", operation_id, what, exc)
+        elif isinstance(exc, CoordinationUnavailableError):
+            metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
+            self.rt.log_outage("Redis", exc)
+        else:
+            log.info("operation %s: %s: %s", operation_id, what, exc)
+
+    async def _observe(self, operation_id: str, poll_claim_id: int, claim: ObserveClaim, lease: Lease) -> None:
+        rt = self.rt
+        poll_count = claim.poll_count
+        claimed_at = time.monotonic()
+        if not await self._get_slot(operation_id, lease):
+            return
+        # The claim or the budget may have waited (a PostgreSQL outage): still ours before the GET? (If not, the
+        # poll comes back after its visibility timeout.) Not asked when confirmed recently enough
+        # (streams.coordination.lease).
+        if not await self._renewed(lease, operation_id, "no GET", if_due=True):
+            return
+        snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim, lease, claimed_at)
+        if snapshot is None:
+            return
+        if not await self._renewed(lease, operation_id, "not saving the GET result"):
+            return
+        # A worker can be paused right here, after a successful renewal: only the fencing value protects the
+        # save below. A test harness makes that pause happen on purpose here (streams/hooks.py).
+        hooks.reach(hooks.HookPoint.OBSERVED_BEFORE_SAVE, operation_id=operation_id)
+        if not is_terminal(snapshot.state) and self.stalls.too_old(claim, claimed_at):
+            await self.stalls.stall_too_old(operation_id, claim, snapshot.as_observation())
+            return
+        delay = self._delay(poll_count, snapshot.poll_after_s)
+        try:
+            outcome = await rt.until_ledger(
+                "save observation",
+                lambda: rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay),
+            )
+        except LedgerDataError as exc:  # e.g. a NUL in an output: the answer cannot be stored as it is
+            log.error("operation %s: the remote answer cannot be stored (%s); recording failed", operation_id, exc)
+            unstorable = _failed(snapshot.job_id, "unstorable_response", str(exc))
+            outcome = await rt.until_ledger(
+                "save observation",
+                lambda: rt.ledger.save_observation(operation_id, claim.fencing_token, unstorable, None),
+            )
+        if outcome is SaveOutcome.REFUSED_FENCING:
+            metrics.FENCING_REFUSALS.labels("observe").inc()
+            log.warning(
+                "operation %s: observation %s dropped: fencing value %s is stale (a newer claim saved since)",
+                operation_id,
+                snapshot.status,
+                claim.fencing_token,
+            )
+        elif outcome is SaveOutcome.REFUSED_ORDER:
+            metrics.ORDER_REFUSALS.inc()
+            log.info("operation %s: %s not saved over a later state", operation_id, snapshot.status)
+            await self._reschedule(operation_id, poll_claim_id, delay)  # still pollable: poll again soon
+
+    async def _get_slot(self, operation_id: str, lease: Lease) -> bool:
+        """Wait for a GET slot of the account's rate budget, renewing ``lease`` meanwhile. False (counted, logged)
+        when the lease was lost, Redis did not answer or this worker's Redis pool was full: then no GET (the poll
+        comes back after its visibility timeout)."""
+        try:
+            await self.rt.budget.wait_for_slot(
+                BudgetKind.GET, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000
+            )
+            return True
+        except (LeaseLostError, CoordinationUnavailableError, CoordinationBusyError) as exc:
+            self._not_confirmed(operation_id, "no GET (waiting for the rate budget)", exc)
+            return False
+
+    async def _get(
+        self,
+        operation_id: str,
+        poll_claim_id: int,
+        poll_count: int,
+        claim: ObserveClaim,
+        lease: Lease,
+        claimed_at: float,
+    ) -> JobSnapshot | None:
+        """GET the job under ``lease`` (renewed during the call); on a classified failure account it, reschedule
+        (or stall), and return None. An abandoned GET leaves the lease to expire and polls again only after it."""
+        rt = self.rt
+        job_id = claim.remote_job_id
+        started = time.perf_counter()
+        try:
+            snapshot = await lease.renewing(rt.remote.observe(operation_id, job_id))
+        except (RemoteAbandonedError, LeaseLostError) as exc:
+            duration_ms = (time.perf_counter() - started) * 1000.0
+            await self._abandoned(operation_id, poll_claim_id, poll_count, claim, lease, exc, duration_ms, claimed_at)
+            return None
+        except asyncio.CancelledError:  # cancelled mid-GET (rebalance, shutdown): the GET may still be in flight
+            lease.keep_until_expiry()  # not released; the visibility timeout brings the poll back after it
+            raise
+        except RemoteError as exc:
+            await rt.account_failure(operation_id, "GET", exc, started, job_id, claim.fencing_token)
+            return await self._get_failed(operation_id, poll_claim_id, poll_count, claim, exc, claimed_at)
+        answered = RemoteCallOutcome.answered(snapshot.state)
+        fencing = claim.fencing_token
+        await rt.account(operation_id, "GET", snapshot.status_code, answered, job_id, snapshot.duration_ms, fencing)
+        return snapshot
+
+    async def _get_failed(
+        self,
+        operation_id: str,
+        poll_claim_id: int,
+        poll_count: int,
+        claim: ObserveClaim,
+        exc: RemoteError,
+        claimed_at: float,
+    ) -> JobSnapshot | None:
+        """Where a GET that failed with a classified answer goes (accounted already): a 404 or an unknown status to
+        the stall guard (rescheduled, or ``stalled``), an answer that breaks the API's contract to a ``failed``
+        snapshot (returned, saved like an answer), anything else to another poll with backoff (after a 429's
+        ``Retry-After``, which pauses every worker's GETs) unless the job is too old to poll (``stalled``)."""
+        if isinstance(exc, RemoteJobNotFoundError):
+            log.info("operation %s: %s", operation_id, exc)
+            await self.stalls.not_found(operation_id, claim, exc, self._delay(poll_count, None))
+            return None
+        if isinstance(exc, RemoteUnknownStatusError):
+            log.warning("operation %s: %s", operation_id, exc)
+            await self.stalls.unknown_status(operation_id, claim, exc, self._delay(poll_count, None))
+            return None
+        if isinstance(exc, RemoteContractError):
+            log.error("operation %s: %s; recording it as failed", operation_id, exc)
+            return _failed(claim.remote_job_id, "contract_violation", str(exc))
+        if self.stalls.too_old(claim, claimed_at):
+            await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
+            return None
+        hint = exc.retry_after_s if isinstance(exc, RemoteRateLimitedError) else None
+        if hint is not None:
+            await self.rt.budget.note_rate_limited(BudgetKind.GET, hint)
+        log.info("operation %s: GET %s, retrying: %s", operation_id, exc.outcome, exc)
+        await self._reschedule(operation_id, poll_claim_id, self._delay(poll_count, hint))
+        return None
+
+    async def _abandoned(
+        self,
+        operation_id: str,
+        poll_claim_id: int,
+        poll_count: int,
+        claim: ObserveClaim,
+        lease: Lease,
+        exc: Exception,
+        duration_ms: float,
+        claimed_at: float,
+    ) -> None:
+        """A GET cut off after it was sent: keep other workers off the job (the lease, renewed to a full TTL, is
+        left to expire) and poll again only after the lease is gone (or stall it when it is too old to poll)."""
+        rt = self.rt
+        metrics.ABANDONED_CALLS.labels("GET").inc()
+        if isinstance(exc, LeaseLostError):
+            metrics.LEASE_LOST.labels("observe").inc()
+        quarantine_s = await lease.leave_to_expire()
+        status = exc.status_code if isinstance(exc, RemoteError) else None
+        job_id = claim.remote_job_id
+        await rt.account(
+            operation_id, "GET", status, RemoteCallOutcome.ABANDONED, job_id, duration_ms, claim.fencing_token
+        )
+        if self.stalls.too_old(claim, claimed_at):
+            await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
+            return
+        log.warning(
+            "operation %s: GET %s abandoned (%s); lease %s left to expire, next poll in %.1f s",
+            operation_id,
+            job_id,
+            exc,
+            lease.key,
+            quarantine_s,
+        )
+        await self._reschedule(operation_id, poll_claim_id, max(quarantine_s, self._delay(poll_count, None)))

@@ -1,0 +1,101 @@
+"""The outbox relay: publishes outbox rows to their topics, then marks them published.
+
+Each ``(operation_id, output_id)`` has exactly one outbox row (unique key) and is published once; a crash
+between publishing and marking republishes it with the same deterministic ``event_id`` (header and value),
+which downstream drops (:mod:`streams.clients.follow`).
+
+Each round selects every unpublished row (``published_at IS NULL``), in id order, never the ids above the
+last one published: a transaction takes its outbox id before it commits, so a lower id can become visible
+after a higher one was published, and it is published the next round.
+
+A row Kafka refuses for good (:func:`refused_for_good`: an output over the broker's or producer's record size
+limit, say) goes to the dead-letter topic with reason ``unpublishable``, its topic and its bytes (cut as every
+dead letter's, with their size and SHA-256), and is marked like a published row: otherwise the relay would offer
+it again every round, and every row after it would wait behind it for good. An outage (Kafka not answering) or a
+bug marks nothing: the whole batch goes again next round.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiokafka.errors
+
+from streams import hooks, metrics
+from streams.errors import InvalidEventError
+from streams.outages import FailureKind, classify
+from streams.worker.runtime import RawMessage, Runtime
+
+log = logging.getLogger(__name__)
+
+
+def refused_for_good(exc: BaseException) -> bool:
+    """True when Kafka refused the record itself and sending it again cannot help: a non-retriable aiokafka
+    ``KafkaError`` (``MessageSizeTooLargeError``: the record is over the producer's ``max_request_size`` or the
+    broker's ``message.max.bytes``; an invalid record), raised as it is or chained as the ``__cause__`` of a wrapper
+    (faust's ``ProducerSendError``). An outage (a retriable ``KafkaError``) or any other exception (a bug) is not."""
+    if classify(exc).kind is not FailureKind.ERROR:  # an outage (a timeout is not marked retriable by aiokafka)
+        return False
+    seen: BaseException | None = exc
+    for _ in range(3):
+        if isinstance(seen, aiokafka.errors.KafkaError):
+            return not seen.retriable
+        if seen is None:
+            return False
+        seen = seen.__cause__
+    return False
+
+
+class OutboxRelay:
+    """Publishes outbox batches for one worker (only one relay is active at a time, see the ledger)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def _publish(self, rows: list[dict[str, Any]]) -> None:
+        rt = self.rt
+        topic = rt.settings.topic
+        records = [(topic(row["topic_role"]), row["operation_id"].encode(), row["payload"].encode()) for row in rows]
+        refused = [
+            (row, record, exc)
+            for row, record, exc in zip(rows, records, await rt.send_all(records), strict=True)
+            if exc is not None
+        ]
+        retried = [exc for _, _, exc in refused if not refused_for_good(exc)]
+        if retried:  # an outage, or a bug (reported as one): nothing is marked, the whole batch goes again next
+            raise retried[0]  # round (its event ids are deterministic)
+        for row, (target, key, value), exc in refused:  # refused for good: to the dead-letter topic, then marked
+            log.error(
+                "outbox row %s (%s) of operation %s refused by Kafka for %s (%s: %s); sent to the dead-letter topic",
+                row["id"],
+                row["event_id"],
+                row["operation_id"],
+                target,
+                type(exc).__name__,
+                exc,
+            )
+            why = (
+                f"outbox row {row['id']} ({row['event_id']}) of operation {row['operation_id']} refused by Kafka "
+                f"for {target}: {type(exc).__name__}: {exc}; its bytes are here: raise the topic's and the "
+                "producer's record size limits and republish them"
+            )
+            await rt.dead_letter(RawMessage(target, None, None, key, value), InvalidEventError("unpublishable", why))
+        dead_lettered = {id(row) for row, _, _ in refused}
+        for row in rows:
+            if id(row) not in dead_lettered:
+                metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
+        hooks.reach(hooks.HookPoint.PUBLISHED_BEFORE_MARK, rows=rows)
+
+    async def tick(self) -> int:
+        """Publish until the outbox is drained or a batch fails; returns rows published. Never raises."""
+        total = 0
+        while True:
+            try:
+                n = await self.rt.ledger.relay_outbox(self.rt.settings.relay_batch_size, self._publish)
+            except Exception as exc:  # nothing was marked; the next tick retries (an outage is waited out there)
+                self.rt.report_failure("outbox relay", exc)
+                return total
+            total += n
+            if n < self.rt.settings.relay_batch_size:
+                return total

@@ -1,0 +1,172 @@
+"""The poll scheduler and the reconciler, run on a timer in every worker.
+
+* Poll scheduling lives in PostgreSQL: due operations (``next_poll_at <= now()``) are claimed with
+  ``FOR UPDATE SKIP LOCKED`` (workers never claim the same poll twice), their ``next_poll_at`` moves to
+  now + visibility timeout, and one event per claim goes to ``generation.polls`` keyed by operation id.
+  A poll lost with a crashed worker comes back when its visibility timeout passes.
+* Back-pressure: a poll must reach an observer before its visibility timeout passes, or it is claimed again
+  and its first event arrives stale (the topic then fills with polls nobody can use, and a burst never ends).
+  So the polls claimed and not yet taken by an observer (cluster-wide, read from the ledger in the claiming
+  statement, so any number of workers agree) stay at most what the observers of every worker took in the last
+  ``PACE_WINDOW_S`` seconds, scaled to half the visibility timeout (``TAKE_WITHIN_FRACTION``): at the
+  observers' pace they are all taken within half of it. When the observers took few or none lately (start, a
+  burst), the bound is ``observer_concurrency``: one worker's slots, which take them within one lease TTL, at
+  most the visibility timeout (a setting check). The bound follows the pace up as the observers keep up (each
+  round refills what they took), so throughput is not capped; due polls beyond it wait in PostgreSQL, oldest
+  first. Claims of workers' rounds at the same instant may each use the room they read: the bound holds
+  within one round's room per worker.
+* Redis unreachable: no new claims (a poll without a lease would only be dropped by the observer).
+* Rate budget: a round claims no more due polls than the account's ``claims`` budget (the GET rate and burst,
+  shared by every worker, stopped by a GET's 429 pause) grants for the next round, and gives back what it did
+  not use (:mod:`streams.coordination.ratebudget`). Polls thus slow down before the GET budget runs out: due polls wait
+  in
+  PostgreSQL, oldest first, rather than at observers.
+* Reconciliation: an operation left in ``submitting`` longer than ``submitting_stale_after_s`` becomes
+  ``uncertain`` with a reason; it is never resubmitted automatically. ``uncertain`` operations are then looked
+  up at the provider by :class:`~streams.worker.stages.reconciler.Reconciler` (its own task, when ``lookup_enabled``) or
+  decided by an operator.
+* Re-dispatch: an operation left in ``accepted`` longer than ``accepted_stale_after_s`` (nothing was sent
+  for it) is dispatched again (:meth:`~streams.worker.stages.dispatcher.Dispatcher.redispatch`), in the
+  background, through
+  the dispatcher's submit lease and fenced claim. Defence in depth: the submission event of an operation is
+  acknowledged only once handled (:mod:`streams.worker.inflight`), so its next reader dispatches it anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from streams import metrics
+from streams.config import Settings
+from streams.coordination.ratebudget import BudgetKind
+from streams.ledger.store import ClaimBound
+from streams.wire import exactjson
+from streams.worker.runtime import Runtime
+from streams.worker.stages.dispatcher import Dispatcher
+
+log = logging.getLogger(__name__)
+
+#: Share of the visibility timeout within which the polls claimed and not yet taken should be taken, at the
+#: observers' recent pace; the rest is margin for a pace that drops (a slower provider, a worker lost).
+TAKE_WITHIN_FRACTION = 0.5
+#: How far back the observers' pace is read (s); a shorter take target is read over itself.
+PACE_WINDOW_S = 5.0
+
+#: Re-dispatches a worker runs at once. A safety net for rare leftovers, kept small: they run beside the agents'
+#: slots, from which the HTTP and Redis pool sizes are derived, so they use the Redis pool's spare connections.
+REDISPATCH_AT_ONCE = 2
+
+
+def claim_bound(settings: Settings) -> ClaimBound:
+    """The back-pressure on poll claims for these settings (see the module docstring)."""
+    take_target_s = settings.visibility_timeout_s * TAKE_WITHIN_FRACTION
+    return ClaimBound(
+        least=settings.observer_concurrency,
+        pace_window_s=min(PACE_WINDOW_S, take_target_s),
+        take_target_s=take_target_s,
+    )
+
+
+class PollScheduler:
+    """Claims due polls and publishes them; reconciles stale ``submitting`` operations; re-dispatches operations
+    left ``accepted``."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self._last_reconcile = 0.0
+        self._dispatcher = Dispatcher(runtime)
+        #: Re-dispatches running in this worker, by operation id.
+        self.redispatching: dict[str, asyncio.Task[bool]] = {}
+
+    async def tick(self) -> int:
+        """One scheduling round; returns the number of polls published. Never raises for outages."""
+        rt = self.rt
+        if not await rt.leases.healthy():
+            metrics.COORDINATION_UNAVAILABLE.labels("schedule").inc()
+            rt.log_outage("Redis", Exception("PING failed; not claiming polls"))
+            return 0
+        try:
+            await self._maybe_reconcile()
+            limit = await self._claim_limit()
+            vt_s = rt.settings.visibility_timeout_s
+            polls = await rt.ledger.claim_due_polls(limit, vt_s, claim_bound(rt.settings)) if limit else []
+            await rt.budget.refund(BudgetKind.CLAIMS, limit - len(polls))  # a no-op when not paced or all used
+        except Exception as exc:  # classified by type: an outage waits for the next tick, a bug is logged loudly
+            rt.report_failure("poll scheduler", exc)
+            return 0
+        if not polls:
+            return 0
+        metrics.POLLS_CLAIMED.inc(len(polls))
+        now_ms = int(time.time() * 1000)
+        topic = rt.settings.topic("polls")
+        results = await rt.send_all(
+            [
+                (
+                    topic,
+                    p.operation_id.encode(),
+                    exactjson.dumps(
+                        {
+                            "operation_id": p.operation_id,
+                            "remote_job_id": p.remote_job_id,
+                            "poll_claim_id": p.poll_claim_id,
+                            "claimed_at_ms": now_ms,
+                        }
+                    ),
+                )
+                for p in polls
+            ]
+        )
+        failed = [r for r in results if r is not None]
+        for error in {type(r): r for r in failed}.values():  # each kind of failure reported once per tick
+            rt.report_failure("poll publish", error)
+        if failed:
+            log.warning(
+                "%d of %d polls not published (%s); they return after the visibility timeout",
+                len(failed),
+                len(polls),
+                failed[0],
+            )
+        return len(polls) - len(failed)
+
+    async def _claim_limit(self) -> int:
+        """How many due polls this round may claim: the batch size, or what the ``claims`` budget grants for the
+        next round when the GET rate is set (a round that gets none counts in
+        ``streams_rate_budget_waits_total{kind="claims"}``)."""
+        s = self.rt.settings
+        if not self.rt.budget.paces[BudgetKind.CLAIMS].paced:
+            return s.poll_batch_size
+        grant = await self.rt.budget.take(BudgetKind.CLAIMS, s.poll_batch_size, s.poll_scheduler_interval_s)
+        if grant.granted == 0:
+            metrics.BUDGET_WAITS.labels(BudgetKind.CLAIMS.value).inc()
+        return grant.granted
+
+    async def _maybe_reconcile(self) -> None:
+        now = time.monotonic()
+        if now - self._last_reconcile < 1.0:
+            return
+        self._last_reconcile = now
+        s = self.rt.settings
+        ids = await self.rt.ledger.reconcile_stale_submitting(s.submitting_stale_after_s, s.poll_batch_size)
+        if ids:
+            metrics.RECONCILED_UNCERTAIN.inc(len(ids))
+            log.warning("reconciliation: %d operation(s) stuck in submitting marked uncertain: %s", len(ids), ids[:10])
+        room = REDISPATCH_AT_ONCE - len(self.redispatching)
+        if room > 0:
+            for operation_id, request_text in await self.rt.ledger.stale_accepted(s.accepted_stale_after_s, room):
+                if operation_id not in self.redispatching:
+                    self._start_redispatch(operation_id, request_text)
+
+    def _start_redispatch(self, operation_id: str, request_text: str) -> None:
+        task = asyncio.create_task(self._dispatcher.redispatch(operation_id, request_text))
+        self.redispatching[operation_id] = task
+
+        def done(t: asyncio.Task[bool]) -> None:
+            self.redispatching.pop(operation_id, None)
+            if not t.cancelled() and t.exception() is not None:
+                log.error(
+                    "re-dispatch of operation %s failed; retried next round", operation_id, exc_info=t.exception()
+                )
+
+        task.add_done_callback(done)

@@ -1,0 +1,134 @@
+"""When a known job's answers stop making progress: the observer's way to ``stalled`` (polling stops there until
+an operator repolls or fails the operation; :mod:`streams.model.states`).
+
+Three signs, each bounded by a setting, so the GETs spent on a stuck job are bounded too:
+
+* 404 longer than ``not_found_grace_s`` after the job id was saved. Inside the window a 404 only reschedules
+  the poll (providers commonly answer 404 for a few seconds after creating a job).
+* a status the client does not know (``aborted``, ``paused``, ``null``, ...) ``unknown_status_limit`` GETs
+  in a row (a known status resets the count).
+* observed longer than ``max_observation_age_s`` without becoming terminal (whatever the answers: a job that
+  never finishes, or GETs that keep failing).
+
+Every decision is one fenced statement of the ledger; the reason and the raw last answer are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from streams import metrics
+from streams.errors import RemoteJobNotFoundError, RemoteUnknownStatusError
+from streams.ledger.store import ObserveClaim
+from streams.model.states import OperationState
+from streams.worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+class StallGuard:
+    """The observer's checks for a job that stopped making progress (see module docstring).
+
+    Args:
+        runtime: the worker's runtime (settings and ledger).
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    def too_old(self, claim: ObserveClaim, claimed_at: float) -> bool:
+        """True when the job has been observed longer than ``max_observation_age_s``.
+
+        ``claimed_at`` is ``time.monotonic()`` when the claim was taken (its ``observed_for_s`` is as of then).
+        """
+        observed_for_s = claim.observed_for_s + (time.monotonic() - claimed_at)
+        return observed_for_s > self.rt.settings.max_observation_age_s
+
+    async def stall_too_old(self, operation_id: str, claim: ObserveClaim, last_answer: dict[str, Any]) -> bool:
+        """Fenced: ``stalled`` because the job is older than the maximum observation age. False when refused."""
+        rt = self.rt
+        reason = (
+            f"observed for more than {rt.settings.max_observation_age_s:.0f} s without becoming terminal; remote job "
+            f"{claim.remote_job_id}, last answer: {_short(last_answer)}; repoll or fail it"
+        )
+
+        async def save() -> OperationState | None:
+            saved = await rt.ledger.save_stalled(operation_id, claim.fencing_token, reason, last_answer)
+            return OperationState.STALLED if saved else None
+
+        return await self._decide(operation_id, "max_age", reason, "save stalled", save) is not None
+
+    async def not_found(
+        self, operation_id: str, claim: ObserveClaim, exc: RemoteJobNotFoundError, next_poll_delay_s: float
+    ) -> OperationState | None:
+        """Fenced: a 404 for the saved job id; rescheduled inside the grace window, ``stalled`` past it.
+
+        Returns the state afterwards, None when refused by the fencing value.
+        """
+        rt = self.rt
+        grace_s = rt.settings.not_found_grace_s
+        reason = (
+            f"not found (404) more than {grace_s:.0f} s after the job id was saved; remote job "
+            f"{claim.remote_job_id} may be lost at the provider; repoll or fail it"
+        )
+        return await self._decide(
+            operation_id,
+            "not_found",
+            reason,
+            "note 404",
+            lambda: rt.ledger.note_not_found(
+                operation_id, claim.fencing_token, grace_s, next_poll_delay_s, reason, exc.answer
+            ),
+        )
+
+    async def unknown_status(
+        self, operation_id: str, claim: ObserveClaim, exc: RemoteUnknownStatusError, next_poll_delay_s: float
+    ) -> OperationState | None:
+        """Fenced: a status the client does not know; ``stalled`` at the ``unknown_status_limit``-th in a row.
+
+        Returns the state afterwards, None when refused by the fencing value.
+        """
+        rt = self.rt
+        limit = rt.settings.unknown_status_limit
+        reason = (
+            f"a status this client does not know, {limit} times in a row; remote job {claim.remote_job_id}, "
+            f"last answer: {_short(exc.answer)}; repoll or fail it"
+        )
+
+        async def note() -> OperationState | None:
+            noted = await rt.ledger.note_unknown_status(
+                operation_id, claim.fencing_token, limit, next_poll_delay_s, reason, exc.answer
+            )
+            return None if noted is None else noted[0]
+
+        return await self._decide(operation_id, "unknown_status", reason, "note unknown status", note)
+
+    async def _decide(
+        self,
+        operation_id: str,
+        kind: str,
+        reason: str,
+        what: str,
+        decide: Callable[[], Awaitable[OperationState | None]],
+    ) -> OperationState | None:
+        """Run the fenced statement ``decide`` (waiting out PostgreSQL as ``what``) and report its outcome for the
+        sign ``kind`` (``max_age``, ``not_found``, ``unknown_status``): the state afterwards, None when refused."""
+        state = await self.rt.until_ledger(what, decide)
+        self._report(operation_id, state, kind, reason)
+        return state
+
+    def _report(self, operation_id: str, state: OperationState | None, kind: str, reason: str) -> None:
+        if state is None:
+            metrics.FENCING_REFUSALS.labels("observe").inc()
+            log.warning("operation %s: %s not noted: a newer claim holds the operation", operation_id, kind)
+        elif state is OperationState.STALLED:
+            metrics.STALLED.labels(kind).inc()
+            log.warning("operation %s stalled: %s", operation_id, reason)
+
+
+def _short(answer: dict[str, Any], limit: int = 300) -> str:
+    text = ", ".join(f"{k}={v!r}" for k, v in answer.items())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
