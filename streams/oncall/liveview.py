@@ -17,12 +17,11 @@ from __future__ import annotations
 import html
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streams.errors import LedgerUnavailableError
 from streams.oncall import operations as operators
 from streams.oncall.operations import format_age, format_time
-from streams.worker.runtime import Runtime
 
 #: Seconds between the overview's automatic reloads.
 REFRESH_S = 10
@@ -32,7 +31,10 @@ MAX_WINDOW_MIN = 120
 #: Rows shown per on-call queue.
 QUEUE_ROWS = 50
 
-RuntimeFn = Callable[[], Awaitable[Runtime]]
+if TYPE_CHECKING:  # the worker serves these pages; on call imports nothing of it at run time
+    from streams.worker.runtime import Runtime
+
+RuntimeFn = Callable[[], Awaitable["Runtime"]]
 
 _STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}

@@ -13,11 +13,11 @@ pytestmark = pytest.mark.integration
 FILES = [
     Queries(filename, package)
     for package, filename in [
-        ("streams", "ledger.sql"),
-        ("streams", "operators.sql"),
-        ("streams", "accounting.sql"),
-        ("streams", "reconcile.sql"),
-        ("streams", "inspect.sql"),
+        ("streams.ledger", "ledger.sql"),
+        ("streams.ledger", "operators.sql"),
+        ("streams.ledger", "accounting.sql"),
+        ("streams.ledger", "reconcile.sql"),
+        ("streams.ledger", "inspect.sql"),
         ("streams_harness", "report.sql"),
         ("streams_harness", "bench.sql"),
     ]
