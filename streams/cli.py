@@ -42,7 +42,8 @@ from streams.wire import exactjson
 if TYPE_CHECKING:
     import asyncpg
 
-    from streams.ledger.store import Ledger, OperatorMove
+    from streams.ledger.records import OperatorMove
+    from streams.ledger.store import Ledger
 
 T = TypeVar("T")
 
@@ -326,7 +327,7 @@ async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitabl
     from asyncpg import exceptions as asyncpg_errors
 
     from streams.errors import DatabaseConfigError, LedgerUnavailableError
-    from streams.ledger.store import create_pool
+    from streams.ledger.pool import create_pool
 
     try:
         pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)

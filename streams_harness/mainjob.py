@@ -22,7 +22,7 @@ import asyncpg
 
 from streams.config import Settings
 from streams.errors import StreamsError
-from streams.ledger.store import create_pool
+from streams.ledger.pool import create_pool
 from streams.setup.admin import create_topics, database_name, wait_group_stable
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import free_port, free_port_block, tail, wait_healthy

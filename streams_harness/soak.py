@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from streams.config import Settings
 from streams.errors import StreamsError
-from streams.ledger.store import create_pool
+from streams.ledger.pool import create_pool
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet, Worker, free_port, start_simulator
 from streams_harness.run import (

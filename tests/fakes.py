@@ -33,7 +33,7 @@ import httpx
 from streams.config import Settings
 from streams.coordination.lease import LeaseManager
 from streams.errors import LedgerDataError, LedgerUnavailableError
-from streams.ledger.store import ClaimBound, DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
+from streams.ledger.records import ClaimBound, DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
 from streams.model.codes import ReasonCode, RemoteCallOutcome
 from streams.model.states import POLLABLE, OperationState, can_transition, is_terminal

@@ -40,7 +40,7 @@ class Query:
 
     Its methods are asyncpg's, with the parameters by name. Raises :class:`QueryParametersError` when the
     names given are not exactly ``parameters``; asyncpg's and PostgreSQL's errors pass through unchanged (the
-    ledger maps them, ``streams.ledger.store._guard``).
+    ledger maps them, ``streams.ledger.pool.guard``).
     """
 
     __slots__ = ("_names", "doc", "name", "parameters", "source", "sql")

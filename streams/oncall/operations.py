@@ -29,9 +29,9 @@ from prometheus_client import REGISTRY
 
 from streams.config import Settings, lease_key
 from streams.coordination.lease import REDIS_POOL_EXHAUSTED, REDIS_UNAVAILABLE
+from streams.ledger.pool import guard as ledger_guard  # PostgreSQL errors -> LedgerUnavailableError/LedgerDataError
+from streams.ledger.records import OperatorMove
 from streams.ledger.sql import INSPECT
-from streams.ledger.store import OperatorMove
-from streams.ledger.store import _guard as ledger_guard  # PostgreSQL errors -> LedgerUnavailableError/LedgerDataError
 from streams.model.codes import RemoteCallOutcome
 from streams.model.states import OperationState, is_terminal
 from streams.wire import exactjson

@@ -49,7 +49,7 @@ from yoyo.migrations import MigrationList
 
 from streams.config import Settings, mask_url
 from streams.errors import KafkaAdminError, LedgerUnavailableError, MissingResourceError, StreamsError
-from streams.ledger.store import connect, connect_config_error, database_address, diagnose_connect
+from streams.ledger.pool import connect, connect_config_error, database_address, diagnose_connect
 from streams.outages import is_outage
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 
 from streams.config import Settings
 from streams.errors import KafkaAdminError, ServiceNotReadyError
-from streams.ledger.store import CONNECT_CONFIG_ERRORS, connect_config_error, database_address
+from streams.ledger.pool import CONNECT_CONFIG_ERRORS, connect_config_error, database_address
 from streams.outages import is_outage
 from streams.setup.admin import KafkaAdmin
 

@@ -31,7 +31,8 @@ from streams.errors import (
     LedgerUnavailableError,
     RemoteError,
 )
-from streams.ledger.store import Ledger, create_pool
+from streams.ledger.pool import create_pool
+from streams.ledger.store import Ledger
 from streams.model.codes import RemoteCallOutcome
 from streams.outages import Failure, FailureKind, classify
 from streams.remote.client import RemoteClient

@@ -31,7 +31,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from streams.config import Settings, lease_key
 from streams.coordination.lease import make_redis
-from streams.ledger.store import Ledger, create_pool
+from streams.ledger.pool import create_pool
+from streams.ledger.store import Ledger
 from streams.model.states import is_terminal, state_for_remote_status
 from streams_harness.bench.counters import BENCH
 

@@ -25,7 +25,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from streams.config import Settings
 from streams.errors import RemoteError
-from streams.ledger.store import Ledger, create_pool
+from streams.ledger.pool import create_pool
+from streams.ledger.store import Ledger
 from streams.model.states import OperationState
 from streams.remote.client import RemoteClient
 from streams_harness.bench.counters import BENCH

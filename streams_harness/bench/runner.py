@@ -24,7 +24,7 @@ import orjson
 
 from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
-from streams.ledger.store import create_pool
+from streams.ledger.pool import create_pool
 from streams.setup.admin import create_run_database, create_topics, database_name, wait_group_stable
 from streams_harness.bench.counters import (
     Counters,

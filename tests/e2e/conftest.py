@@ -10,7 +10,7 @@ import pytest
 
 from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
-from streams.ledger.store import create_pool
+from streams.ledger.pool import create_pool
 from streams.setup.admin import create_topics, delete_topics, migrate
 from streams_harness.fleet import Fleet
 from streams_harness.simulator import SimulatorConfig

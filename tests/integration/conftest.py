@@ -13,7 +13,8 @@ from aiokafka import AIOKafkaProducer
 
 from streams.config import Settings
 from streams.coordination.lease import LeaseManager, make_redis
-from streams.ledger.store import Ledger, create_pool
+from streams.ledger.pool import create_pool
+from streams.ledger.store import Ledger
 from streams.remote.client import RemoteClient
 from streams.setup.admin import create_topics, delete_topics, migrate
 from streams.worker.runtime import Runtime

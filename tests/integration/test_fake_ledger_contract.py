@@ -15,7 +15,8 @@ import orjson
 import pytest
 
 from streams.config import Settings
-from streams.ledger.store import Ledger, ObserveClaim
+from streams.ledger.records import ObserveClaim
+from streams.ledger.store import Ledger
 from streams.model.answers import JobSnapshot
 from streams.model.states import POLLABLE, OperationState
 from streams.worker.runtime import RawMessage, Runtime

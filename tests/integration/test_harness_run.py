@@ -16,7 +16,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
 from streams.errors import StreamsError
-from streams.ledger.store import create_pool
+from streams.ledger.pool import create_pool
 from streams.setup.admin import delete_topics, drop_run_database
 from streams_harness import run
 from streams_harness.run import RunOptions, isolated_run, migrations_line, replay_until_final

@@ -20,9 +20,11 @@ from prometheus_client import REGISTRY
 
 from streams.config import Settings
 from streams.errors import LedgerDataError, LedgerUnavailableError
+from streams.ledger import batching as ledger_module
+from streams.ledger.batching import WAIT_FOR_LOCKS
+from streams.ledger.records import ObserveClaim, SaveOutcome
 from streams.ledger.sql import LEDGER as Q
-from streams.ledger.store import WAIT_FOR_LOCKS, Ledger, ObserveClaim, SaveOutcome, _init_connection
-from streams.ledger import store as ledger_module
+from streams.ledger.store import Ledger, _init_connection
 from streams.model.answers import JobSnapshot
 from streams.model.codes import ReasonCode
 from streams.model.codes import RemoteCallOutcome as Outcome

@@ -11,7 +11,7 @@ import pytest
 
 from streams import metrics
 from streams.config import lease_key
-from streams.ledger.store import SaveOutcome
+from streams.ledger.records import SaveOutcome
 from streams.model.answers import JobSnapshot
 from streams.model.states import OperationState
 from streams.worker.runtime import RawMessage, Runtime

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from streams.ledger.store import ClaimBound, Ledger
+from streams.ledger.records import ClaimBound
+from streams.ledger.store import Ledger
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ import pytest
 
 from streams.clients.follow import EventDeduplicator, read_topic_to_end
 from streams.config import Settings
-from streams.ledger.store import SaveOutcome
+from streams.ledger.records import SaveOutcome
 from streams.model.answers import JobSnapshot
 from streams.model.states import OperationState
 from streams.worker.runtime import RawMessage, Runtime

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from streams.clients.follow import read_topic_to_end
-from streams.ledger.store import SaveOutcome
+from streams.ledger.records import SaveOutcome
 from streams.model.answers import JobSnapshot
 from streams.model.states import OperationState
 from streams.worker.runtime import Runtime

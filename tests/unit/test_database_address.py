@@ -6,7 +6,7 @@ import asyncpg
 import pytest
 
 from streams.errors import ConfigError, DatabaseConfigError
-from streams.ledger.store import connect_config_error, database_address
+from streams.ledger.pool import connect_config_error, database_address
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from streams.errors import LedgerDataError, LedgerUnavailableError
-from streams.ledger.store import RUN_ALONE, WAIT_FOR_LOCKS, Ledger, Request, _rounds
-from streams.ledger import store as ledger_module
+from streams.ledger import batching as ledger_module
+from streams.ledger.batching import RUN_ALONE, WAIT_FOR_LOCKS, Batcher, Request, _rounds
 
 
 def test_rounds_put_each_operation_once_per_statement_in_the_order_requests_were_made() -> None:
@@ -58,8 +58,8 @@ class Statements:
         return [f"{r[0]}#{r[1]}" for r in batch]
 
 
-def ledger() -> Ledger:
-    return Ledger(None, "w")  # type: ignore[arg-type]  # the stubbed statements never use the pool
+def ledger() -> Batcher:
+    return Batcher()
 
 
 async def test_a_batch_refused_for_one_request_is_run_one_by_one_and_only_that_request_fails() -> None:
@@ -103,9 +103,9 @@ async def test_a_statement_that_keeps_being_rolled_back_becomes_unavailable_whic
 async def test_concurrent_callers_share_a_statement_and_get_their_own_results() -> None:
     led = ledger()
     stmt = Statements(bad={"x"})
-    led._stage("t5", stmt)
+    led.stage("t5", stmt)
     results = await asyncio.gather(
-        *(led._submit("t5", (op, n)) for op, n in [("b", 1), ("x", 1), ("a", 1), ("b", 2)]), return_exceptions=True
+        *(led.submit("t5", (op, n)) for op, n in [("b", 1), ("x", 1), ("a", 1), ("b", 2)]), return_exceptions=True
     )
     assert results[0] == "b#1" and results[2] == "a#1" and results[3] == "b#2"
     assert isinstance(results[1], LedgerDataError)
@@ -118,13 +118,13 @@ async def test_a_batch_that_waits_too_long_for_a_lock_lets_each_request_run_alon
     finish at once and the next batches of the kind go out, while the held one waits for its lock alone."""
     led = ledger()
     stmt = Statements(held={"h"})
-    led._stage("t6", stmt)
+    led.stage("t6", stmt)
     labels = {"stage": "t6", "reason": "lock_wait"}
     before = REGISTRY.get_sample_value("streams_ledger_batch_fallbacks_total", labels) or 0.0
-    held = asyncio.ensure_future(led._submit("t6", ("h", 1)))
-    first = await asyncio.gather(led._submit("t6", ("a", 1)), led._submit("t6", ("b", 1)))
+    held = asyncio.ensure_future(led.submit("t6", ("h", 1)))
+    first = await asyncio.gather(led.submit("t6", ("a", 1)), led.submit("t6", ("b", 1)))
     assert first == ["a#1", "b#1"]
-    assert await led._submit("t6", ("c", 1)) == "c#1"  # a later batch of the same kind is not held up
+    assert await led.submit("t6", ("c", 1)) == "c#1"  # a later batch of the same kind is not held up
     assert not held.done()
     stmt.released.set()
     assert await held == "h#1"
@@ -136,10 +136,10 @@ async def test_a_batch_that_waits_too_long_for_a_lock_lets_each_request_run_alon
 
 
 async def test_without_batching_each_call_is_its_own_statement_and_raises_its_own_error() -> None:
-    led = Ledger(None, "w", batching=False)  # type: ignore[arg-type]
+    led = Batcher(batching=False)
     stmt = Statements(bad={"x"})
-    led._stage("t7", stmt)
-    assert await led._submit("t7", ("a", 1)) == "a#1"
+    led.stage("t7", stmt)
+    assert await led.submit("t7", ("a", 1)) == "a#1"
     with pytest.raises(LedgerDataError):
-        await led._submit("t7", ("x", 1))
+        await led.submit("t7", ("x", 1))
     assert stmt.calls == [["a"], ["x"]] and stmt.lock_timeouts == [WAIT_FOR_LOCKS] * 2

@@ -50,7 +50,7 @@ from streams.errors import (
     RemoteRateLimitedError,
     RemoteUnknownStatusError,
 )
-from streams.ledger.store import ObserveClaim, SaveOutcome
+from streams.ledger.records import ObserveClaim, SaveOutcome
 from streams.model.answers import JobSnapshot, clean_text
 from streams.model.codes import RemoteCallOutcome
 from streams.model.states import OperationState, is_terminal

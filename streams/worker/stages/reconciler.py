@@ -37,7 +37,7 @@ from streams.errors import (
     RemoteRateLimitedError,
     RemoteRefusedError,
 )
-from streams.ledger.store import LookupClaim
+from streams.ledger.records import LookupClaim
 from streams.model.codes import RemoteCallOutcome
 from streams.worker.runtime import Runtime
 

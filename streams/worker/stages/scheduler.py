@@ -41,7 +41,7 @@ import time
 from streams import metrics
 from streams.config import Settings
 from streams.coordination.ratebudget import BudgetKind
-from streams.ledger.store import ClaimBound
+from streams.ledger.records import ClaimBound
 from streams.wire import exactjson
 from streams.worker.runtime import Runtime
 from streams.worker.stages.dispatcher import Dispatcher

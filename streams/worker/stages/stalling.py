@@ -22,7 +22,7 @@ from typing import Any
 
 from streams import metrics
 from streams.errors import RemoteJobNotFoundError, RemoteUnknownStatusError
-from streams.ledger.store import ObserveClaim
+from streams.ledger.records import ObserveClaim
 from streams.model.states import OperationState
 from streams.worker.runtime import Runtime
 

@@ -1,0 +1,89 @@
+"""The shapes the ledger's statements return: claims, due polls, save outcomes and operators' moves."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from streams.model.states import POLLABLE, OperationState, can_transition, is_terminal
+
+
+class SaveOutcome(enum.StrEnum):
+    """What happened to a fenced save."""
+
+    SAVED = "saved"  # written (a transition, or a refresh of the same state)
+    REFUSED_FENCING = "refused_fencing"  # a newer claim exists: the caller drops its result
+    REFUSED_ORDER = "refused_order"  # the row is already at or past this state (e.g. late running)
+
+
+@dataclass(frozen=True)
+class ClaimBound:
+    """The scheduler's back-pressure on poll claims (:mod:`streams.worker.stages.scheduler`): the polls claimed and not
+    yet taken
+    by an observer stay at most ``max(least, taken * take_target_s / pace_window_s)``, where ``taken`` is the number
+    of polls the observers of every worker took in the last ``pace_window_s`` seconds (read from the ledger)."""
+
+    #: The bound when the observers took few or none lately (polls).
+    least: int
+    #: How far back the observers' pace is read (s, > 0).
+    pace_window_s: float
+    #: How long the claimed polls may wait for an observer at that pace (s).
+    take_target_s: float
+
+
+@dataclass(frozen=True)
+class DuePoll:
+    """One poll claimed by the scheduler."""
+
+    operation_id: str
+    remote_job_id: str
+    poll_claim_id: int
+
+
+@dataclass(frozen=True)
+class ObserveClaim:
+    """The observer's claim: the fencing value every save must name; ``observed_for_s`` is how long the job has
+    been observed (since its id was saved or an operator repolled it), by the database's clock."""
+
+    fencing_token: int
+    remote_job_id: str
+    state: OperationState
+    poll_count: int
+    observed_for_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LookupClaim:
+    """The reconciler's claim of one ``uncertain`` operation for a lookup: the fencing value its save must name,
+    how long the operation has been uncertain (s), and the lookups claimed so far (this one included)."""
+
+    operation_id: str
+    fencing_token: int
+    uncertain_for_s: float
+    lookup_count: int
+
+
+def sources_for(new: OperationState) -> list[str]:
+    """States over which an observation of ``new`` may be saved: its legal predecessors among the pollable
+    states, plus ``new`` itself when not terminal (a refresh). Never over ``stalled``: only an operator moves
+    work out of it."""
+    allowed = [s.value for s in OperationState if s in POLLABLE and can_transition(s, new)]
+    if not is_terminal(new) and new in POLLABLE:
+        allowed.append(new.value)
+    return allowed
+
+
+@dataclass(frozen=True)
+class OperatorMove:
+    """The result of an operator's decision: the transition written.
+
+    ``transition_seq`` is the operation's transition sequence number (the event id is
+    ``transition:<operation_id>:<transition_seq>:<to_state>``); ``fencing_token`` the value the decision took.
+    """
+
+    operation_id: str
+    action: str
+    from_state: OperationState
+    to_state: OperationState
+    transition_seq: int
+    fencing_token: int
