@@ -33,6 +33,8 @@ import httpx
 from streams.config import Settings
 from streams.coordination.lease import LeaseManager
 from streams.errors import LedgerDataError, LedgerUnavailableError
+from streams.ledger.protocol import PipelineLedger
+from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.ledger.records import ClaimBound, DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
 from streams.model.codes import ReasonCode, RemoteCallOutcome
@@ -122,10 +124,12 @@ class RemoteCall:
 
 
 @dataclass
-class InMemoryLedger:
+class InMemoryLedger(WaitsOutOutages):
     """The ledger in memory (see module docstring). ``worker`` is written as ``updated_by``.
 
-    Set ``unavailable_calls`` to make the next N calls raise :class:`LedgerUnavailableError` (PostgreSQL down).
+    Set ``unavailable_calls`` to make the next N calls raise :class:`LedgerUnavailableError` (PostgreSQL down);
+    the statements the real ledger waits out (:func:`streams.ledger.waiting.waits_out_outages`) are waited out
+    here too, with the policy the runtime gives. Implements :class:`streams.ledger.protocol.PipelineLedger`.
     """
 
     worker: str = "fake-worker"
@@ -226,6 +230,7 @@ class InMemoryLedger:
     async def close(self) -> None:
         """Nothing to close."""
 
+    @waits_out_outages("accept")
     async def accept(
         self, operation_id: str, request_text: str, *, submitted_at_ms: int, source_text: str | None = None
     ) -> bool:
@@ -247,6 +252,7 @@ class InMemoryLedger:
         self._log_transition(op, None)
         return True
 
+    @waits_out_outages("read")
     async def get_operation(self, operation_id: str) -> dict[str, Any] | None:
         self._call(f"read {operation_id}")
         op = self.operations.get(operation_id)
@@ -265,6 +271,7 @@ class InMemoryLedger:
             "request": op.request,
         }
 
+    @waits_out_outages("claim submit")
     async def claim_for_submit(self, operation_id: str, claim_id: uuid.UUID | None = None) -> int | None:
         self._call(f"claim {operation_id}")
         op = self.operations.get(operation_id)
@@ -278,6 +285,7 @@ class InMemoryLedger:
         )
         return op.fencing_token + 1
 
+    @waits_out_outages("save job id")
     async def save_submitted(
         self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
     ) -> bool:
@@ -300,6 +308,7 @@ class InMemoryLedger:
         )
         return True
 
+    @waits_out_outages("save without job")
     async def save_submission_without_job(
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode
     ) -> bool:
@@ -367,6 +376,7 @@ class InMemoryLedger:
             polls.append(DuePoll(op.operation_id, op.remote_job_id, op.poll_claim_id + 1))
         return polls
 
+    @waits_out_outages("claim observe")
     async def claim_for_observe(
         self, operation_id: str, poll_claim_id: int, claim_id: uuid.UUID | None = None
     ) -> ObserveClaim | None:
@@ -389,6 +399,7 @@ class InMemoryLedger:
         )
         return ObserveClaim(op.fencing_token + 1, op.remote_job_id, op.state, op.poll_count, self._t - since)
 
+    @waits_out_outages("reschedule")
     async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
         self._call(f"reschedule {operation_id}")
         op = self.operations.get(operation_id)
@@ -397,6 +408,7 @@ class InMemoryLedger:
         self._write(op, next_poll_at=self._t + delay_s, poll_claimed=False)
         return True
 
+    @waits_out_outages("save observation")
     async def save_observation(
         self, operation_id: str, fencing_token: int, snapshot: JobSnapshot, next_poll_delay_s: float | None
     ) -> SaveOutcome:
@@ -452,6 +464,7 @@ class InMemoryLedger:
         )
         return SaveOutcome.SAVED
 
+    @waits_out_outages("save stalled")
     async def save_stalled(
         self, operation_id: str, fencing_token: int, reason: str, last_answer: dict[str, Any]
     ) -> bool:
@@ -470,6 +483,7 @@ class InMemoryLedger:
         )
         return True
 
+    @waits_out_outages("note not found")
     async def note_not_found(
         self,
         operation_id: str,
@@ -498,6 +512,7 @@ class InMemoryLedger:
         self._write(op, poll_count=op.poll_count + 1, updated_by=self.worker, **changes)
         return self.operations[operation_id].state
 
+    @waits_out_outages("note unknown status")
     async def note_unknown_status(
         self,
         operation_id: str,
@@ -560,6 +575,7 @@ class InMemoryLedger:
             )
         return claims
 
+    @waits_out_outages("adopt found job")
     async def adopt_found_job(
         self, claim: LookupClaim, found: list[LookupJob], reason: str, first_poll_delay_s: float
     ) -> bool:
@@ -581,6 +597,7 @@ class InMemoryLedger:
         )
         return True
 
+    @waits_out_outages("give up lookup")
     async def give_up_lookup(self, claim: LookupClaim, reason: str) -> bool:
         self._call(f"give up lookup for {claim.operation_id}")
         op = self._fenced(claim.operation_id, claim.fencing_token, frozenset({S.UNCERTAIN}))
@@ -596,6 +613,7 @@ class InMemoryLedger:
         )
         return True
 
+    @waits_out_outages("reschedule lookup")
     async def reschedule_lookup(self, claim: LookupClaim, delay_s: float) -> bool:
         self._call(f"reschedule lookup for {claim.operation_id}")
         op = self._fenced(claim.operation_id, claim.fencing_token, frozenset({S.UNCERTAIN}))
@@ -604,6 +622,7 @@ class InMemoryLedger:
         self._write(op, next_lookup_at=self._t + delay_s)
         return True
 
+    @waits_out_outages("account")
     async def record_remote_call(
         self,
         operation_id: str,
@@ -677,6 +696,11 @@ def mock_remote(settings: Settings, handler: Handler) -> RemoteClient:
     """The worker's :class:`RemoteClient` (as :meth:`RemoteClient.from_settings` builds it) whose HTTP calls are
     answered by ``handler`` (``httpx.MockTransport``)."""
     return RemoteClient.from_settings(settings, transport=httpx.MockTransport(handler))
+
+
+def as_pipeline_ledger(ledger: InMemoryLedger) -> PipelineLedger:
+    """The in-memory ledger as the runtime takes it: ``mypy --strict`` checks it implements the protocol."""
+    return ledger
 
 
 def fake_runtime(

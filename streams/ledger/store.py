@@ -30,6 +30,7 @@ from streams.ledger.records import (
 )
 from streams.ledger.sql import LEDGER as Q
 from streams.ledger.sql import RECONCILE
+from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
 from streams.model.codes import ReasonCode, RemoteCallOutcome
 from streams.model.states import OperationState, is_terminal
@@ -40,7 +41,7 @@ def _json_text(value: Any) -> str:
     return exactjson.dumps(value).decode()
 
 
-class Ledger(Decisions, Accounting):
+class Ledger(WaitsOutOutages, Decisions, Accounting):
     """Typed access to the ledger's named queries (``streams/ledger/queries/ledger.sql``).
 
     Args:
@@ -78,6 +79,7 @@ class Ledger(Decisions, Accounting):
         await self._batches.drain()
         await self.pool.close()
 
+    @waits_out_outages("accept")
     async def accept(
         self, operation_id: str, request_text: str, *, submitted_at_ms: int, source_text: str | None = None
     ) -> bool:
@@ -104,6 +106,7 @@ class Ledger(Decisions, Accounting):
         inserted = {row["operation_id"] for row in rows}
         return [request[0] in inserted for request in batch]
 
+    @waits_out_outages("claim submit")
     async def claim_for_submit(self, operation_id: str, claim_id: uuid.UUID | None = None) -> int | None:
         """``accepted -> submitting`` with a new fencing value, written before the POST.
 
@@ -127,6 +130,7 @@ class Ledger(Decisions, Accounting):
         )
         return [None if row is None else row["fencing_token"] for row in by_position(rows, len(batch))]
 
+    @waits_out_outages("save job id")
     async def save_submitted(
         self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
     ) -> bool:
@@ -150,6 +154,7 @@ class Ledger(Decisions, Accounting):
         )
         return [row is not None for row in by_position(rows, len(batch))]
 
+    @waits_out_outages("save without job")
     async def save_submission_without_job(
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode
     ) -> bool:
@@ -203,12 +208,14 @@ class Ledger(Decisions, Accounting):
             )
         return [DuePoll(r["operation_id"], r["remote_job_id"], r["poll_claim_id"]) for r in rows]
 
+    @waits_out_outages("read")
     async def get_operation(self, operation_id: str) -> dict[str, Any] | None:
         """The operation's row as a dict, or None when the ledger does not hold it."""
         async with guard(f"read {operation_id}"):
             row = await Q.get_operation.fetchrow(self.pool, operation_id=operation_id)
         return dict(row) if row is not None else None
 
+    @waits_out_outages("claim observe")
     async def claim_for_observe(
         self, operation_id: str, poll_claim_id: int, claim_id: uuid.UUID | None = None
     ) -> ObserveClaim | None:
@@ -247,6 +254,7 @@ class Ledger(Decisions, Accounting):
             for row in by_position(rows, len(batch))
         ]
 
+    @waits_out_outages("reschedule")
     async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
         """Move the claimed poll to now + ``delay_s``; False when the claim is stale or the job not pollable."""
         rescheduled: bool = await self._batches.submit("reschedule_poll", (operation_id, poll_claim_id, delay_s))
@@ -263,6 +271,7 @@ class Ledger(Decisions, Accounting):
         )
         return [row is not None for row in by_position(rows, len(batch))]
 
+    @waits_out_outages("save observation")
     async def save_observation(
         self, operation_id: str, fencing_token: int, snapshot: JobSnapshot, next_poll_delay_s: float | None
     ) -> SaveOutcome:
@@ -328,6 +337,7 @@ class Ledger(Decisions, Accounting):
                 outcomes.append(SaveOutcome.REFUSED_ORDER)
         return outcomes
 
+    @waits_out_outages("save stalled")
     async def save_stalled(
         self, operation_id: str, fencing_token: int, reason: str, last_answer: dict[str, Any]
     ) -> bool:
@@ -344,6 +354,7 @@ class Ledger(Decisions, Accounting):
             )
         return saved is not None
 
+    @waits_out_outages("note not found")
     async def note_not_found(
         self,
         operation_id: str,
@@ -371,6 +382,7 @@ class Ledger(Decisions, Accounting):
             )
         return None if state is None else OperationState(state)
 
+    @waits_out_outages("note unknown status")
     async def note_unknown_status(
         self,
         operation_id: str,
@@ -415,6 +427,7 @@ class Ledger(Decisions, Accounting):
             LookupClaim(r["operation_id"], r["fencing_token"], r["uncertain_for_s"], r["lookup_count"]) for r in rows
         ]
 
+    @waits_out_outages("adopt found job")
     async def adopt_found_job(
         self, claim: LookupClaim, found: list[LookupJob], reason: str, first_poll_delay_s: float
     ) -> bool:
@@ -440,6 +453,7 @@ class Ledger(Decisions, Accounting):
             )
         return adopted
 
+    @waits_out_outages("give up lookup")
     async def give_up_lookup(self, claim: LookupClaim, reason: str) -> bool:
         """Fenced: nothing found after the lag; the operation stays ``uncertain`` for a person, ``reason`` first
         in its reason. False when refused."""
@@ -453,6 +467,7 @@ class Ledger(Decisions, Accounting):
             )
         return row is not None
 
+    @waits_out_outages("reschedule lookup")
     async def reschedule_lookup(self, claim: LookupClaim, delay_s: float) -> bool:
         """Fenced: try the lookup again ``delay_s`` from now. False when refused."""
         async with guard(f"reschedule lookup for {claim.operation_id}"):
@@ -461,6 +476,7 @@ class Ledger(Decisions, Accounting):
             )
         return row is not None
 
+    @waits_out_outages("account")
     async def record_remote_call(
         self,
         operation_id: str,

@@ -325,6 +325,13 @@ def _error_page(title: str, message: str) -> str:
     return _page(title, f'<p><a href="/">&larr; live view</a></p><h1>{esc(title)}</h1><p>{esc(message)}</p>')
 
 
+def _pool(rt: Runtime) -> Any:
+    """The worker's ledger pool (a worker always has one; an in-memory ledger has none)."""
+    if rt.pool is None:
+        raise LedgerUnavailableError("the live view needs the worker's PostgreSQL pool; this runtime has none")
+    return rt.pool
+
+
 def register_pages(app: Any, runtime: RuntimeFn) -> None:
     """Add the live view's pages to the Faust ``app``; ``runtime`` gives the worker's resources (its ledger pool
     and Redis client)."""
@@ -340,7 +347,7 @@ def register_pages(app: Any, runtime: RuntimeFn) -> None:
         minutes = min(max(minutes, 1), MAX_WINDOW_MIN)
         rt = await runtime()
         try:
-            data = await operators.overview(rt.ledger.pool, window_min=minutes, queue_limit=QUEUE_ROWS)
+            data = await operators.overview(_pool(rt), window_min=minutes, queue_limit=QUEUE_ROWS)
         except LedgerUnavailableError as exc:
             message = str(exc)
             return web.html(_error_page("ledger unavailable", message), status=503)
@@ -354,7 +361,7 @@ def register_pages(app: Any, runtime: RuntimeFn) -> None:
     async def operation_page(web: Any, request: Any, operation_id: str) -> Any:
         rt = await runtime()
         try:
-            detail = await operators.operation_detail(rt.ledger.pool, rt.leases.client, rt.settings, operation_id)
+            detail = await operators.operation_detail(_pool(rt), rt.leases.client, rt.settings, operation_id)
         except LedgerUnavailableError as exc:
             message = str(exc)
             return web.html(_error_page("ledger unavailable", message), status=503)

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import asyncpg
 import tenacity
 
 from streams import metrics
@@ -28,11 +29,12 @@ from streams.errors import (
     CoordinationUnavailableError,
     DeadLetterError,
     InvalidEventError,
-    LedgerUnavailableError,
     RemoteError,
 )
 from streams.ledger.pool import create_pool
+from streams.ledger.protocol import PipelineLedger
 from streams.ledger.store import Ledger
+from streams.ledger.waiting import OutageWait
 from streams.model.codes import RemoteCallOutcome
 from streams.outages import Failure, FailureKind, classify
 from streams.remote.client import RemoteClient
@@ -62,9 +64,6 @@ DEAD_LETTER_ATTEMPTS = 3
 #: Seconds between two log lines about the same ongoing outage.
 OUTAGE_LOG_INTERVAL_S = 5.0
 
-#: Seconds :meth:`Runtime.until_ledger` waits out a PostgreSQL outage before it gives up.
-LEDGER_OUTAGE_DEADLINE_S = 600.0
-
 #: First wait (s) after Redis did not answer a lease acquisition or a rate budget request, and after a dead letter
 #: was not published; each next wait doubles, up to ``Settings.coordination_retry_cap_s``.
 REDIS_RETRY_FIRST_WAIT_S = 0.1
@@ -93,15 +92,19 @@ class Runtime:
     def __init__(
         self,
         settings: Settings,
-        ledger: Ledger,
+        ledger: PipelineLedger,
         leases: LeaseManager,
         remote: RemoteClient,
         send: SendFn,
         worker: str,
         enqueue: EnqueueFn | None = None,
+        *,
+        pool: asyncpg.Pool | None = None,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
+        #: The ledger's pool, for the live view's read-only queries (None with an in-memory ledger).
+        self.pool = pool
         self.leases = leases
         self.remote = remote
         self.send = send
@@ -109,6 +112,9 @@ class Runtime:
         self.worker = worker
         # the provider account's rate budget, on the same Redis and through the same coalescing stage
         self.budget = RateBudget(leases.client, settings, stage=leases.stage)
+        # the pipeline's statements wait out PostgreSQL outages inside the ledger, counted and logged here
+        waiting = OutageWait(retry_cap_s=settings.coordination_retry_cap_s, on_retry=self._on_ledger_retry)
+        ledger.wait_out_outages(waiting)
         self._last_outage_log: dict[str, float] = {}
         #: True once :meth:`close` began: a failure of a client being closed is this worker stopping, no outage.
         self.closing = False
@@ -131,7 +137,7 @@ class Runtime:
         )
         remote = RemoteClient.from_settings(settings)
         leases = LeaseManager.from_settings(redis, settings)
-        return cls(settings, Ledger(pool, name), leases, remote, send, name, enqueue)
+        return cls(settings, Ledger(pool, name), leases, remote, send, name, enqueue, pool=pool)
 
     async def close(self) -> None:
         """Close all clients."""
@@ -176,34 +182,7 @@ class Runtime:
             log.error("%s failed unexpectedly (not an outage): %s: %s", where, type(exc).__name__, exc, exc_info=exc)
         return failure
 
-    async def until_ledger(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run ``fn`` until it does not raise :class:`LedgerUnavailableError` (PostgreSQL restarts).
-
-        The first attempt runs outside tenacity (its machinery costs tens of µs a call, paid only once PostgreSQL
-        failed); its failure is counted in ``streams_ledger_unavailable_total{what}`` and logged
-        (:meth:`log_outage`) like every failed attempt after it, and the second attempt follows at once (a
-        connection the restart broke is replaced by a fresh one). From then on tenacity waits with capped
-        exponential backoff and jitter (0.1 s doubling, plus up to 1 s, at most ``coordination_retry_cap_s``);
-        it gives up :data:`LEDGER_OUTAGE_DEADLINE_S` (10 minutes) after the second attempt, raising the last
-        :class:`LedgerUnavailableError`. Any other exception is raised at once.
-        """
-        try:
-            return await fn()  # the fast path: no retry machinery unless PostgreSQL is actually down
-        except LedgerUnavailableError as exc:
-            self._on_ledger_retry(what, exc)
-        retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception_type(LedgerUnavailableError),
-            wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=self.settings.coordination_retry_cap_s),
-            stop=tenacity.stop_after_delay(LEDGER_OUTAGE_DEADLINE_S),
-            reraise=True,
-            before_sleep=lambda rs: self._on_ledger_retry(what, failure_of(rs)),
-        )
-        async for attempt in retrying:
-            with attempt:
-                return await fn()
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _on_ledger_retry(self, what: str, exc: BaseException | None) -> None:
+    def _on_ledger_retry(self, what: str, exc: BaseException) -> None:
         metrics.LEDGER_UNAVAILABLE.labels(what).inc()
         self.log_outage("PostgreSQL", exc if isinstance(exc, Exception) else Exception(what))
 
@@ -315,12 +294,9 @@ class Runtime:
         """Record one remote call in metrics and in the ledger's accounting (waits out PostgreSQL outages)."""
         metrics.REMOTE_CALLS.labels(method, outcome).inc()
         metrics.REMOTE_CALL_SECONDS.labels(method).observe(duration_ms / 1000.0)
-        call_id = uuid.uuid4()  # the same through until_ledger's repeats: one row per call
-        await self.until_ledger(
-            f"account {method}",
-            lambda: self.ledger.record_remote_call(
-                operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, call_id
-            ),
+        call_id = uuid.uuid4()  # the same through the ledger's repeats during an outage: one row per call
+        await self.ledger.record_remote_call(
+            operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, call_id
         )
 
     async def account_failure(

@@ -15,6 +15,7 @@ import pytest
 from streams import metrics
 from streams.config import Settings
 from streams.errors import DeadLetterError, InvalidEventError, LedgerDataError, LedgerUnavailableError
+from streams.ledger import waiting
 from streams.worker import runtime
 from streams.worker.runtime import RawMessage, Runtime
 from tests.fakes import fake_leases, fake_runtime
@@ -168,7 +169,14 @@ async def test_outages_do_not_count_towards_the_dead_letter_attempts(rt: Runtime
     assert len(sleeps) == 5
 
 
-# --- until_ledger: PostgreSQL outages waited out for 10 minutes ---------------------------------------------------
+# --- the ledger's outage wait, as the runtime sets it: PostgreSQL outages waited out for 10 minutes ---------------------------------------------------
+
+
+def outage_wait(rt: Runtime) -> waiting.OutageWait:
+    """The wait the runtime gave its ledger."""
+    wait = rt.ledger.outage_wait
+    assert wait is not None
+    return wait
 
 
 def flaky(failures: list[BaseException]) -> tuple[Callable[[], Awaitable[str]], list[int]]:
@@ -194,7 +202,7 @@ async def test_a_ledger_outage_is_retried_at_once_then_with_backoff(
     call, attempts = flaky(unavailable(4))
     before = count(metrics.LEDGER_UNAVAILABLE, "test save")
     with caplog.at_level(logging.WARNING):
-        assert await rt.until_ledger("test save", call) == "done"
+        assert await outage_wait(rt).run("test save", call) == "done"
     assert attempts == [1, 2, 3, 4, 5]
     # the second attempt follows the first at once; then 0.1 s doubling plus up to 1 s of jitter, capped
     assert len(sleeps) == 3
@@ -205,7 +213,7 @@ async def test_a_ledger_outage_is_retried_at_once_then_with_backoff(
 
 async def test_the_fast_path_makes_no_wait(rt: Runtime, sleeps: Sleeps) -> None:
     call, attempts = flaky([])
-    assert await rt.until_ledger("test read", call) == "done"
+    assert await outage_wait(rt).run("test read", call) == "done"
     assert (attempts, sleeps.waits) == ([1], [])
 
 
@@ -213,7 +221,7 @@ async def test_a_refusal_by_postgresql_is_not_retried(rt: Runtime, sleeps: Sleep
     call, attempts = flaky([LedgerDataError("PostgreSQL refused the value: invalid input")])
     before = count(metrics.LEDGER_UNAVAILABLE, "test refused")
     with pytest.raises(LedgerDataError, match="refused the value"):
-        await rt.until_ledger("test refused", call)
+        await outage_wait(rt).run("test refused", call)
     assert (attempts, sleeps.waits) == ([1], [])
     assert count(metrics.LEDGER_UNAVAILABLE, "test refused") == before
 
@@ -221,10 +229,10 @@ async def test_a_refusal_by_postgresql_is_not_retried(rt: Runtime, sleeps: Sleep
 async def test_a_ledger_outage_past_the_deadline_raises_the_last_error(
     rt: Runtime, sleeps: Sleeps, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runtime, "LEDGER_OUTAGE_DEADLINE_S", 0.0)
+    monkeypatch.setattr(waiting, "LEDGER_OUTAGE_DEADLINE_S", 0.0)
     call, attempts = flaky(unavailable(10))
     with pytest.raises(LedgerUnavailableError, match=r"attempt 2$"):
-        await rt.until_ledger("test give up", call)
+        await outage_wait(rt).run("test give up", call)
     assert (attempts, sleeps.waits) == ([1, 2], [])
 
 

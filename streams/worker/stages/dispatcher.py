@@ -172,14 +172,11 @@ class Dispatcher:
         assert message.value is not None  # decode refuses a tombstone
         parts = jsontext.member_texts(message.value.decode("utf-8"))
         request_text = parts["request"]
-        accepted = await self.rt.until_ledger(
-            "accept",
-            lambda: self.rt.ledger.accept(
-                operation_id, request_text, submitted_at_ms=event["submitted_at_ms"], source_text=parts.get("source")
-            ),
+        accepted = await self.rt.ledger.accept(
+            operation_id, request_text, submitted_at_ms=event["submitted_at_ms"], source_text=parts.get("source")
         )
         if not accepted:  # a replay: it must ask for the same request (canonical forms, not texts, compared)
-            row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
+            row = await self.rt.ledger.get_operation(operation_id)
             previous = request_digest(exactjson.loads(row["request"])) if row is not None else None
             if previous is not None and previous != request_digest(event["request"]):
                 await self._reject_input(
@@ -244,11 +241,9 @@ class Dispatcher:
     async def _claim_and_submit(
         self, operation_id: str, request_text: str, lease: Lease, slot_at: float | None = None
     ) -> bool:
-        claim_id = uuid.uuid4()  # the same through until_ledger's repeats: a repeat gets the claim it committed
+        claim_id = uuid.uuid4()  # the same through the ledger's repeats: a repeat gets the claim it committed
         try:
-            fencing = await self.rt.until_ledger(
-                "claim submit", lambda: self.rt.ledger.claim_for_submit(operation_id, claim_id)
-            )
+            fencing = await self.rt.ledger.claim_for_submit(operation_id, claim_id)
         except BaseException:
             await lease.release()
             raise
@@ -277,7 +272,7 @@ class Dispatcher:
             if lease is not None:
                 return lease
             metrics.LEASE_BUSY.labels("submit").inc()
-            row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
+            row = await self.rt.ledger.get_operation(operation_id)
             if row is None or row["state"] != OperationState.ACCEPTED:
                 return None
             raise _LeaseHeld(key)
@@ -457,10 +452,7 @@ class Dispatcher:
         reason = f"job id from HTTP {result.status_code} error.job_id" if result.via_error else None
         first_poll_s = result.poll_after_s if result.poll_after_s is not None else settings.poll_backoff_base_s
         try:
-            saved = await self.rt.until_ledger(
-                "save job id",
-                lambda: self.rt.ledger.save_submitted(operation_id, fencing, result.job_id, first_poll_s, reason),
-            )
+            saved = await self.rt.ledger.save_submitted(operation_id, fencing, result.job_id, first_poll_s, reason)
         except LedgerDataError as exc:  # e.g. the API returned a job id another operation already holds
             log.error("operation %s: job %s created but its id cannot be saved: %s", operation_id, result.job_id, exc)
             why = f"remote job {result.job_id} was created but its id could not be saved ({exc}); reconcile by hand"
@@ -480,7 +472,7 @@ class Dispatcher:
             )
 
     async def _still_ours(self, operation_id: str, fencing: int) -> bool:
-        row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
+        row = await self.rt.ledger.get_operation(operation_id)
         return row is not None and row["state"] == OperationState.SUBMITTING and row["fencing_token"] == fencing
 
     async def _post_once(self, operation_id: str, request_text: str, fencing: int) -> SubmitResult:
@@ -503,10 +495,7 @@ class Dispatcher:
     async def _finish_without_job(
         self, operation_id: str, fencing: int, state: OperationState, reason: str, code: ReasonCode
     ) -> None:
-        saved = await self.rt.until_ledger(
-            f"save {state}",
-            lambda: self.rt.ledger.save_submission_without_job(operation_id, fencing, state, reason, code),
-        )
+        saved = await self.rt.ledger.save_submission_without_job(operation_id, fencing, state, reason, code)
         if saved:
             metrics.SUBMISSIONS.labels(state.value).inc()
         else:

@@ -101,11 +101,9 @@ class Observer:
             metrics.LEASE_BUSY.labels("observe").inc()
             await self._reschedule(operation_id, poll_claim_id, rt.settings.lease_busy_retry_s)
             return
-        claim_id = uuid.uuid4()  # the same through until_ledger's repeats: a repeat gets the claim it committed
+        claim_id = uuid.uuid4()  # the same through the ledger's repeats: a repeat gets the claim it committed
         try:
-            claim = await rt.until_ledger(
-                "claim observe", lambda: rt.ledger.claim_for_observe(operation_id, poll_claim_id, claim_id)
-            )
+            claim = await rt.ledger.claim_for_observe(operation_id, poll_claim_id, claim_id)
             if claim is None:
                 await self._not_claimed(message, operation_id)
                 return
@@ -116,7 +114,7 @@ class Observer:
 
     async def _not_claimed(self, message: RawMessage, operation_id: str) -> None:
         """A poll that claims nothing: stale (counted), or for an unknown operation (dead-lettered)."""
-        row = await self.rt.until_ledger("read", lambda: self.rt.ledger.get_operation(operation_id))
+        row = await self.rt.ledger.get_operation(operation_id)
         if row is None:
             error = InvalidEventError(
                 "unknown_operation",
@@ -127,9 +125,7 @@ class Observer:
             metrics.STALE_POLLS.inc()
 
     async def _reschedule(self, operation_id: str, poll_claim_id: int, delay_s: float) -> None:
-        await self.rt.until_ledger(
-            "reschedule", lambda: self.rt.ledger.reschedule_poll(operation_id, poll_claim_id, delay_s)
-        )
+        await self.rt.ledger.reschedule_poll(operation_id, poll_claim_id, delay_s)
 
     def _delay(self, poll_count: int, hint_s: float | None) -> float:
         s = self.rt.settings
@@ -191,17 +187,11 @@ class Observer:
             return
         delay = self._delay(poll_count, snapshot.poll_after_s)
         try:
-            outcome = await rt.until_ledger(
-                "save observation",
-                lambda: rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay),
-            )
+            outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay)
         except LedgerDataError as exc:  # e.g. a NUL in an output: the answer cannot be stored as it is
             log.error("operation %s: the remote answer cannot be stored (%s); recording failed", operation_id, exc)
             unstorable = _failed(snapshot.job_id, "unstorable_response", str(exc))
-            outcome = await rt.until_ledger(
-                "save observation",
-                lambda: rt.ledger.save_observation(operation_id, claim.fencing_token, unstorable, None),
-            )
+            outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, unstorable, None)
         if outcome is SaveOutcome.REFUSED_FENCING:
             metrics.FENCING_REFUSALS.labels("observe").inc()
             log.warning(

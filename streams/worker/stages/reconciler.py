@@ -76,7 +76,7 @@ class Reconciler:
             await rt.budget.wait_for_slot(BudgetKind.GET, deadline=deadline)
         except (CoordinationUnavailableError, CoordinationBusyError, RateBudgetDeadlineError) as exc:
             log.info("operation %s: no lookup now (%s)", op, exc)
-            await rt.until_ledger("reschedule lookup", lambda: rt.ledger.reschedule_lookup(claim, self._delay(claim)))
+            await rt.ledger.reschedule_lookup(claim, self._delay(claim))
             return
         started = time.perf_counter()
         try:
@@ -94,7 +94,7 @@ class Reconciler:
                     rt.report_failure("lookup by client reference", exc)
                 else:
                     log.info("operation %s: lookup failed, retrying in %.1f s: %s", op, delay, exc)
-            await rt.until_ledger("reschedule lookup", lambda: rt.ledger.reschedule_lookup(claim, delay))
+            await rt.ledger.reschedule_lookup(claim, delay)
             return
         duration_ms = (time.perf_counter() - started) * 1000.0
         await rt.account(
@@ -106,7 +106,7 @@ class Reconciler:
                 f"(provider's consistency lag {rt.settings.lookup_lag_s:.0f} s): check at the provider, then adopt "
                 "or abandon"
             )
-            if await rt.until_ledger("give up lookup", lambda: rt.ledger.give_up_lookup(claim, reason)):
+            if await rt.ledger.give_up_lookup(claim, reason):
                 metrics.LOOKUPS.labels("not_found").inc()
                 log.warning("operation %s: %s", op, reason)
             else:
@@ -120,9 +120,7 @@ class Reconciler:
                 j.job_id for j in duplicates[:10]
             )
         first_poll_s = rt.settings.poll_backoff_base_s
-        saved = await rt.until_ledger(
-            "adopt found job", lambda: rt.ledger.adopt_found_job(claim, found, reason, first_poll_s)
-        )
+        saved = await rt.ledger.adopt_found_job(claim, found, reason, first_poll_s)
         metrics.DUPLICATE_CREATIONS.inc(len(duplicates))
         if saved:
             metrics.LOOKUPS.labels("adopted").inc()

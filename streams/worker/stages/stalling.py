@@ -59,7 +59,7 @@ class StallGuard:
             saved = await rt.ledger.save_stalled(operation_id, claim.fencing_token, reason, last_answer)
             return OperationState.STALLED if saved else None
 
-        return await self._decide(operation_id, "max_age", reason, "save stalled", save) is not None
+        return await self._decide(operation_id, "max_age", reason, save) is not None
 
     async def not_found(
         self, operation_id: str, claim: ObserveClaim, exc: RemoteJobNotFoundError, next_poll_delay_s: float
@@ -78,7 +78,6 @@ class StallGuard:
             operation_id,
             "not_found",
             reason,
-            "note 404",
             lambda: rt.ledger.note_not_found(
                 operation_id, claim.fencing_token, grace_s, next_poll_delay_s, reason, exc.answer
             ),
@@ -104,19 +103,18 @@ class StallGuard:
             )
             return None if noted is None else noted[0]
 
-        return await self._decide(operation_id, "unknown_status", reason, "note unknown status", note)
+        return await self._decide(operation_id, "unknown_status", reason, note)
 
     async def _decide(
         self,
         operation_id: str,
         kind: str,
         reason: str,
-        what: str,
         decide: Callable[[], Awaitable[OperationState | None]],
     ) -> OperationState | None:
-        """Run the fenced statement ``decide`` (waiting out PostgreSQL as ``what``) and report its outcome for the
+        """Run the fenced statement ``decide`` (the ledger waits out PostgreSQL) and report its outcome for the
         sign ``kind`` (``max_age``, ``not_found``, ``unknown_status``): the state afterwards, None when refused."""
-        state = await self.rt.until_ledger(what, decide)
+        state = await decide()
         self._report(operation_id, state, kind, reason)
         return state
 
