@@ -34,8 +34,8 @@ from streams.config import Settings
 from streams.coordination.lease import LeaseManager
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.ledger.protocol import PipelineLedger
-from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.ledger.records import ClaimBound, DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
+from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
 from streams.model.codes import ReasonCode, RemoteCallOutcome
 from streams.model.states import POLLABLE, OperationState, can_transition, is_terminal

@@ -16,7 +16,6 @@ from streams import metrics
 from streams.config import Settings
 from streams.errors import DeadLetterError, InvalidEventError, LedgerDataError, LedgerUnavailableError
 from streams.ledger import waiting
-from streams.worker import runtime
 from streams.worker.runtime import RawMessage, Runtime
 from tests.fakes import fake_leases, fake_runtime
 
