@@ -554,7 +554,7 @@ async def test_a_claim_or_save_whose_reply_was_lost_after_it_committed_is_still_
     pool: asyncpg.Pool, migrated: Settings
 ) -> None:
     """The connection drops after PostgreSQL committed a batch of claims and before their replies were read: every
-    caller gets LedgerUnavailableError and sends its claim again (the ledger's outage wait, ``streams.ledger.waiting``). The repeat must give
+    caller gets LedgerUnavailableError and sends its claim again (``ledger.waiting``). The repeat must give
     the caller its claim (the fencing value written), not "already dispatched"; the same for the job ids' save
     ("saved", not "refused by fencing") and for an accounting row (written once)."""
     setup = Ledger(pool, "w", batching=False)
@@ -614,7 +614,7 @@ async def test_a_save_sent_again_after_its_first_poll_was_taken_is_still_saved(
     pool: asyncpg.Pool, migrated: Settings
 ) -> None:
     """A job id's save whose reply was lost stays "saved" when it is sent again after the operation moved on: a
-    the ledger's outage wait, ``streams.ledger.waiting`` repeat can come after PostgreSQL's outage outlasted the first poll's delay, and taking
+    ``ledger.waiting`` repeat can come after PostgreSQL's outage outlasted the first poll's delay, and taking
     that poll raised the fencing value. The job id on the row is the one this save wrote (a job id belongs to the
     one POST that created it), so "refused by fencing" would be a false alarm."""
     ledger = Ledger(pool, "w", batching=False)
@@ -629,7 +629,7 @@ async def test_a_save_sent_again_after_its_first_poll_was_taken_is_still_saved(
 async def test_an_end_without_a_job_sent_again_after_its_reply_was_lost_is_still_saved(
     pool: asyncpg.Pool, migrated: Settings
 ) -> None:
-    """``submitting -> rejected|uncertain`` committed, its reply lost, sent again by the ledger's outage wait, ``streams.ledger.waiting``: the
+    """``submitting -> rejected|uncertain`` committed, its reply lost, sent again by ``ledger.waiting``: the
     repeat is told "saved" (the row holds its state, reason and code at its fencing value), not "refused by fencing";
     another end, or a stale claim's, is still refused and changes nothing."""
     ledger = Ledger(pool, "w", batching=False)
@@ -696,7 +696,7 @@ async def test_a_batch_cancelled_by_postgresql_is_unavailable_to_its_callers_not
 ) -> None:
     """An operator's ``pg_cancel_backend`` (or a ``statement_timeout``) cancels a batched statement: nothing was
     written and running it again is safe, so every caller of the batch gets LedgerUnavailableError, which it waits
-    out (the ledger's outage wait, ``streams.ledger.waiting``), never asyncpg's QueryCanceledError (raised at once, the event's handling
+    out (``ledger.waiting``), never asyncpg's QueryCanceledError (raised at once, the event's handling
     dropped) for every operation that shared the statement."""
     monkeypatch.setattr(ledger_module, "BATCH_LOCK_TIMEOUT", WAIT_FOR_LOCKS)  # the batch waits: time to cancel it
     setup = Ledger(pool, "w", batching=False)

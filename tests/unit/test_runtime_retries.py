@@ -168,7 +168,7 @@ async def test_outages_do_not_count_towards_the_dead_letter_attempts(rt: Runtime
     assert len(sleeps) == 5
 
 
-# --- the ledger's outage wait, as the runtime sets it: PostgreSQL outages waited out for 10 minutes ---------------------------------------------------
+# --- the ledger's outage wait as the runtime sets it: PostgreSQL outages waited out for 10 minutes ---------------
 
 
 def outage_wait(rt: Runtime) -> waiting.OutageWait:
