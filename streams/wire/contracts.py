@@ -197,7 +197,8 @@ def decode(topic: str, raw: bytes | None, max_value_bytes: int) -> dict[str, Any
     Returns the value as a dict. Raises :class:`InvalidEventError` with ``reason`` ``oversized`` (more than
     ``max_value_bytes`` bytes), ``not_json`` (not UTF-8 JSON, a tombstone, ``NaN``/``Infinity`` or a key
     repeated in one object, naming the field), ``number_out_of_range`` (a number too long to carry exactly,
-    naming the field) or ``schema`` (the message names the first failing field).
+    naming the field), ``too_deep`` (nested more than :data:`~streams.wire.exactjson.MAX_DEPTH` levels) or
+    ``schema`` (the message names the first failing field).
     """
     if raw is None:
         raise InvalidEventError("not_json", "value is empty (tombstone)")

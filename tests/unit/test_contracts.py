@@ -14,7 +14,8 @@ import pytest
 
 from streams.errors import ConfigError, InvalidEventError
 from streams.model.states import OperationState
-from streams.wire import contracts
+from streams.wire import contracts, exactjson
+from streams.wire.exactjson import MAX_DEPTH
 
 SUB = "generation.submissions"
 POLLS = "generation.polls"
@@ -203,13 +204,33 @@ def test_the_provider_request_is_opaque_and_exact() -> None:
         (b'{"operation_id": "a", "submitted_at_ms": 0, "request": {"x": Infinity}}', "Infinity is not a JSON number"),
         (b'{"operation_id": "a", "submitted_at_ms": 0, "request": {"x": 1, "x": 2}}', "key 'x' appears twice"),
         (b'{"operation_id": "a", "operation_id": "b", "submitted_at_ms": 0, "request": {}}', "appears twice"),
-        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     ],
 )
 def test_values_without_one_meaning_are_not_json(data: bytes, fragment: str) -> None:
     err = decode_error(SUB, data, limit=len(data))
     assert err.reason == "not_json"
     assert fragment in str(err)
+
+
+def _nested_submission(levels: int) -> bytes:
+    """A submission value nested ``levels`` deep in all (the envelope is level 1, the request level 2)."""
+    inner = levels - 2
+    return b'{"operation_id": "a", "submitted_at_ms": 0, "request": {"x": ' + b"[" * inner + b"]" * inner + b"}}"
+
+
+@pytest.mark.parametrize("levels", [MAX_DEPTH + 1, 300, 985, 100_000])
+def test_values_nested_over_the_depth_limit_are_too_deep(levels: int) -> None:
+    data = _nested_submission(levels)
+    err = decode_error(SUB, data, limit=len(data))
+    assert err.reason == "too_deep"
+    assert str(err) == f"{SUB} value: nested more than {MAX_DEPTH} levels deep (at most {MAX_DEPTH} are read)"
+
+
+@pytest.mark.parametrize("levels", [MAX_DEPTH - 1, MAX_DEPTH])
+def test_values_at_the_depth_limit_are_read(levels: int) -> None:
+    data = _nested_submission(levels)
+    value = contracts.decode(SUB, data, len(data))
+    assert exactjson.depth(value) == levels
 
 
 @pytest.mark.parametrize("value", [[1, 2], "text", 3, None])
