@@ -150,10 +150,10 @@ def mutated(path: list[str], value: Any = None, *, delete: bool = False) -> dict
         (mutated(["submitted_at_ms"], delete=True), "(root)", "'submitted_at_ms' is a required property"),
         (mutated(["operation_id"], delete=True), "(root)", "'operation_id' is a required property"),
         (mutated(["request"], delete=True), "(root)", "'request' is a required property"),
-        (mutated(["request"], [1]), "request", "[1] is not of type 'object'"),
+        (mutated(["request"], [1]), "request", "an array of 1 item is not of type 'object'"),
         (mutated(["request", "model"], ""), "request/model", "should be non-empty"),
         (mutated(["request", "model"], 7), "request/model", "7 is not of type 'string'"),
-        (mutated(["request", "metadata"], "x"), "request/metadata", "'x' is not of type 'object'"),
+        (mutated(["request", "metadata"], "x"), "request/metadata", "a string of 1 character is not of type 'object'"),
         (
             mutated(["request", "metadata"], {"client_reference": "mine"}),
             "request/metadata/client_reference",
@@ -167,15 +167,23 @@ def mutated(path: list[str], value: Any = None, *, delete: bool = False) -> dict
         (mutated(["operation_id"], "has space"), "operation_id", "'has space' does not match"),
         (mutated(["operation_id"], "x" * 129), "operation_id", "does not match"),
         (mutated(["operation_id"], 42), "operation_id", "42 is not of type 'string'"),
-        (mutated(["source", "nested"], {"a": 1}), "source/nested", "is not of type"),
+        (mutated(["source", "nested"], {"a": 1}), "source/nested", "an object of 1 member is not of type"),
+        (mutated(["source", "n"], {"prompt": "MARK" * 25_000}), "source/n", "an object of 1 member is not of type"),
+        (
+            mutated(["request", "metadata"], "MARK" * 25_000),
+            "request/metadata",
+            "a string of 100000 characters is not of type 'object'",
+        ),
+        (mutated(["operation_id"], "MARK" * 25_000), "operation_id", "a string of 100000 characters does not match"),
     ],
 )
 def test_schema_errors_name_the_field(doc: dict[str, Any], where: str, fragment: str) -> None:
-    err = decode_error(SUB, raw(doc))
+    err = decode_error(SUB, raw(doc), limit=1_000_000)
     assert err.reason == "schema"
     message = str(err)
     assert message.startswith(f"{SUB} schema: at {where}: ")
     assert fragment in message
+    assert "MARK" not in message and len(message) <= len(f"{SUB} schema: at {where}: ") + 300
 
 
 def test_operation_id_pattern_accepts_its_alphabet() -> None:
