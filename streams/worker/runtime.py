@@ -124,7 +124,12 @@ class Runtime:
         given, lets :meth:`send_all` hand many records over without a task each."""
         name = worker or worker_name()
         database_url = settings.database_url.get_secret_value()
-        pool = await create_pool(database_url, min_size=2, max_size=settings.db_pool_max_size)
+        pool = await create_pool(
+            database_url,
+            min_size=2,
+            max_size=settings.db_pool_max_size,
+            idle_lifetime_s=settings.db_pool_idle_lifetime_s,
+        )
         redis = make_redis(
             settings.redis_url.get_secret_value(),
             settings.redis_socket_timeout_s,

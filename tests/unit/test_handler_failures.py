@@ -58,3 +58,22 @@ def test_an_error_text_is_cut_in_the_log_line(caplog: pytest.LogCaptureFixture) 
     with caplog.at_level(logging.WARNING, logger="streams.worker.app"):
         failures.failed(RawMessage("t-cut", 0, 1, b"op", b"{}"), RuntimeError("x" * 100_000), 1)
     assert len(caplog.records[0].getMessage()) < 700
+
+
+def test_a_start_up_wait_is_explained_at_once_then_every_interval(caplog: pytest.LogCaptureFixture) -> None:
+    from streams.setup.readiness import WaitLog
+
+    now = [0.0]
+    waits = WaitLog("postgres (db:5432/streams)", interval_s=5.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="streams.setup.readiness"):
+        for _ in range(12):  # an attempt every second
+            waits.failed(OSError("sorry, too many clients already"))
+            now[0] += 1.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "postgres (db:5432/streams) not ready after 0.0 s (1 attempt), waiting: OSError: sorry, too many clients "
+        "already",
+        "postgres (db:5432/streams) not ready after 5.0 s (6 attempts), waiting: OSError: sorry, too many clients "
+        "already",
+        "postgres (db:5432/streams) not ready after 10.0 s (11 attempts), waiting: OSError: sorry, too many clients "
+        "already",
+    ]
