@@ -292,6 +292,11 @@ class Settings(ExplicitSettings):
     max_value_bytes: PositiveInt = 262_144
     coordination_retry_cap_s: Seconds = 5.0
 
+    # Seconds a pooled PostgreSQL connection may stay idle before the pool closes it (asyncpg's
+    # ``max_inactive_connection_lifetime``; 0 keeps them open): a quiet worker gives back the connections that the
+    # fleet shares against the server's ``max_connections``, and opens them again when work comes.
+    db_pool_idle_lifetime_s: Seconds = 60.0
+
     # Worker web server (metrics, health).
     web_port: Port = 6066
     web_enabled: EnvBool = True

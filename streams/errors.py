@@ -104,10 +104,10 @@ class QueryParametersError(StreamsError):
 class InvalidEventError(StreamsError):
     """A Kafka value is not JSON, is too large, or fails its topic's JSON Schema.
 
-    ``reason`` is a short machine-readable code (``not_json``, ``number_out_of_range``, ``schema``, ``oversized``,
-    ``unknown_operation``, ``key_mismatch``, ``conflicting_duplicate``, ``processing_error``, ``unpublishable``: an
-    outbox row Kafka refused for good) and the message says what was wrong; the original bytes go to the
-    dead-letter topic with both.
+    ``reason`` is a short machine-readable code (``not_json``, ``number_out_of_range``, ``too_deep``, ``schema``,
+    ``oversized``, ``unknown_operation``, ``key_mismatch``, ``conflicting_duplicate``, ``processing_error``,
+    ``unpublishable``: an outbox row Kafka refused for good) and the message says what was wrong; the original
+    bytes go to the dead-letter topic with both.
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -118,7 +118,8 @@ class InvalidEventError(StreamsError):
 class JsonValueError(StreamsError):
     """JSON text that is not JSON, or holds a value that cannot be carried exactly (``NaN``, a number too long).
 
-    ``reason`` is ``not_json`` or ``number_out_of_range``; ``path`` names the field (``outputs/0/seed``,
+    ``reason`` is ``not_json``, ``number_out_of_range`` or ``too_deep`` (nested more than
+    :data:`streams.wire.exactjson.MAX_DEPTH` levels); ``path`` names the field (``outputs/0/seed``,
     ``(root)``) when the text parsed; the message says what was wrong (:mod:`streams.wire.exactjson`).
     """
 

@@ -30,6 +30,12 @@ OUTAGE_WAITS = Counter(
     "Failures classified as an outage of a service (connection refused/lost, timeouts), waited out.",
     ["service", "where"],
 )
+HANDLER_FAILURES = Counter(
+    "streams_handler_failures_total",
+    "Failed attempts at handling one consumed event, by topic, failure class (outage, busy, error) and what "
+    "followed (retried, dead_lettered).",
+    ["topic", "kind", "then"],
+)
 UNEXPECTED_ERRORS = Counter(
     "streams_unexpected_errors_total",
     "Failures that are not outages (programming errors, refusals that waiting cannot fix); logged with traceback.",

@@ -21,7 +21,7 @@ def _json_text(value: JsonObject) -> str:
     """``value`` as JSON text; a text is checked to be one whole JSON value (it is spliced into the event).
 
     Raises:
-        InvalidEventError: reason ``not_json`` or ``number_out_of_range``.
+        InvalidEventError: reason ``not_json``, ``number_out_of_range`` or ``too_deep``.
     """
     if isinstance(value, str):
         try:

@@ -57,8 +57,11 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     (no SET, LISTEN, cursors or session advisory locks), so the default reset round trip is skipped."""
 
 
-async def create_pool(database_url: str, *, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
-    """An asyncpg pool whose connections encode/decode json and jsonb with every number exact.
+async def create_pool(
+    database_url: str, *, min_size: int = 2, max_size: int = 10, idle_lifetime_s: float = 60.0
+) -> asyncpg.Pool:
+    """An asyncpg pool whose connections encode/decode json and jsonb with every number exact; a connection idle
+    for ``idle_lifetime_s`` seconds is closed (0: never), and opened again when next needed.
 
     Raises:
         LedgerUnavailableError: PostgreSQL did not accept the connection.
@@ -73,6 +76,7 @@ async def create_pool(database_url: str, *, min_size: int = 2, max_size: int = 1
                 init=_init_connection,
                 reset=_keep_session,
                 command_timeout=30,
+                max_inactive_connection_lifetime=idle_lifetime_s,
             )
     except CONNECT_CONFIG_ERRORS as exc:
         raise connect_config_error(database_url, exc) from exc

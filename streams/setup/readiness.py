@@ -14,6 +14,7 @@ errors) are retried with tenacity until the deadline; anything else fails at onc
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
@@ -31,6 +32,8 @@ from streams.ledger.pool import CONNECT_CONFIG_ERRORS, connect_config_error, dat
 from streams.outages import is_outage
 from streams.setup.admin import KafkaAdmin
 
+log = logging.getLogger(__name__)
+
 SERVICES = ("postgres", "redis", "kafka")
 #: Redis key of a readiness probe (one per check, expires by itself).
 READY_KEY_FORMAT = "{prefix}:ready:{token}"
@@ -39,15 +42,52 @@ READY_KEY_TTL_MS = 10_000
 RETRY_INITIAL_S = 0.1
 RETRY_MAX_S = 1.0
 RETRY_JITTER_S = 0.05
+#: Seconds between two log lines saying why a service is still waited for (the first failure is logged at once).
+WAIT_LOG_INTERVAL_S = 5.0
 #: How often a watched server process is checked for having exited (seconds).
 PID_CHECK_INTERVAL_S = 0.2
 
 
-async def _retry_transient(check: Callable[[], Awaitable[str]], deadline_s: float) -> str:
+class WaitLog:
+    """Says why a service is waited for: the first failed attempt at once, then at most one line every
+    ``interval_s`` (with the attempts made since), each naming the service and the last error (e.g. PostgreSQL's
+    ``TooManyConnectionsError: sorry, too many clients already``). ``clock`` gives seconds."""
+
+    def __init__(
+        self, service: str, interval_s: float = WAIT_LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.service = service
+        self.interval_s = interval_s
+        self.clock = clock
+        self.started = clock()
+        self._last: float | None = None
+        self._attempts = 0
+
+    def failed(self, exc: BaseException | None) -> None:
+        """One attempt failed with ``exc`` and will be retried."""
+        self._attempts += 1
+        now = self.clock()
+        if self._last is not None and now - self._last < self.interval_s:
+            return
+        self._last = now
+        log.warning(
+            "%s not ready after %.1f s (%d attempt%s), waiting: %s: %s",
+            self.service,
+            now - self.started,
+            self._attempts,
+            "s" * (self._attempts != 1),
+            type(exc).__name__,
+            exc,
+        )
+
+
+async def _retry_transient(check: Callable[[], Awaitable[str]], deadline_s: float, service: str) -> str:
+    waits = WaitLog(service)
     retrying = AsyncRetrying(
         retry=retry_if_exception(is_outage),
         stop=stop_after_delay(deadline_s),
         wait=wait_exponential(multiplier=RETRY_INITIAL_S, max=RETRY_MAX_S) + wait_random(0, RETRY_JITTER_S),
+        before_sleep=lambda state: waits.failed(state.outcome.exception() if state.outcome is not None else None),
         reraise=True,
     )
     return await retrying(check)
@@ -79,7 +119,7 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
 
     database_url = settings.database_url.get_secret_value()
     try:
-        return await _retry_transient(check, deadline_s)
+        return await _retry_transient(check, deadline_s, f"postgres ({database_address(database_url)})")
     except CONNECT_CONFIG_ERRORS as exc:
         raise connect_config_error(database_url, exc) from exc
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
@@ -133,7 +173,7 @@ async def check_redis(settings: Settings, deadline_s: float) -> str:
             await client.aclose()
 
     try:
-        return await _retry_transient(check, deadline_s)
+        return await _retry_transient(check, deadline_s, "redis")
     except (OSError, TimeoutError, redis.exceptions.RedisError) as exc:
         raise ServiceNotReadyError(
             # a SecretUrl formats with its password masked

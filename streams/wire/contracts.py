@@ -170,14 +170,62 @@ def schema_error(topic: str, value: Any) -> str | None:
     return f"at {where}: {explain(first)}"
 
 
+#: Top-level members whose values are the applications' or the provider's payload (prompts, outputs): a schema
+#: error inside them describes a refused value by its kind and size, never by its text.
+PAYLOAD_MEMBERS = frozenset({"request", "source", "output", "outputs"})
+
+#: Most characters of a refused value's text that a schema error shows (outside :data:`PAYLOAD_MEMBERS`, and
+#: only scalars), and most characters of the whole explanation.
+MAX_SHOWN_VALUE_CHARS = 80
+MAX_EXPLANATION_CHARS = 300
+
+
+def described(value: Any) -> str:
+    """What ``value`` is without its content: ``a string of 12 characters``, ``an object of 3 members``,
+    ``an array of 2 items``, ``a number of 40 digits``, or ``true``/``false``/``null``."""
+    if isinstance(value, str):
+        return f"a string of {len(value)} character{'s' * (len(value) != 1)}"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} member{'s' * (len(value) != 1)}"
+    if isinstance(value, list | tuple):
+        return f"an array of {len(value)} item{'s' * (len(value) != 1)}"
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    return f"a number of {len(str(value))} characters"
+
+
+def _shown(value: Any, in_payload: bool) -> str | None:
+    """The text jsonschema writes for ``value`` when a message may show it, else None: a scalar outside the
+    payload (a string only outside it) whose text is at most :data:`MAX_SHOWN_VALUE_CHARS` characters."""
+    if isinstance(value, dict | list | tuple) or (in_payload and isinstance(value, str)):
+        return None
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_VALUE_CHARS else None
+
+
 def explain(error: jsonschema.exceptions.ValidationError) -> str:
-    """``error``'s message for a person. A field the schema forbids (``{"not": {}}``: nothing is valid there) is
-    explained by that field's ``description`` (which says why it may not be given) instead of jsonschema's
-    ``... should not be valid under {}``."""
+    """``error``'s message for a person, with no payload in it and at most :data:`MAX_EXPLANATION_CHARS`
+    characters: the refused value is named by jsonschema's text only when :func:`_shown` allows it, else by
+    :func:`described` (its kind and size; a prompt never reaches a log line or a dead letter's ``error``). A field
+    the schema forbids (``{"not": {}}``: nothing is valid there) is explained by that field's ``description``
+    (which says why it may not be given) instead of jsonschema's ``... should not be valid under {}``."""
     if error.validator == "not" and error.validator_value == {}:
         description = error.schema.get("description") if isinstance(error.schema, dict) else None
         return str(description) if description else "this field may not be given"
-    return str(error.message)
+    path = list(error.absolute_path)
+    in_payload = bool(path) and path[0] in PAYLOAD_MEMBERS
+    message = str(error.message)
+    instance_text = repr(error.instance)
+    if _shown(error.instance, in_payload) is None:
+        if message.startswith(instance_text):
+            message = described(error.instance) + message[len(instance_text) :]
+        elif in_payload and error.validator in ("additionalProperties", "unevaluatedProperties", "propertyNames"):
+            message = f"{described(error.instance)} with members the schema does not allow"
+        elif instance_text in message:
+            message = message.replace(instance_text, described(error.instance))
+    if len(message) > MAX_EXPLANATION_CHARS:
+        message = message[: MAX_EXPLANATION_CHARS - 3] + "..."
+    return message
 
 
 def format_conforms(value: Any, fmt: str) -> bool:
@@ -197,7 +245,8 @@ def decode(topic: str, raw: bytes | None, max_value_bytes: int) -> dict[str, Any
     Returns the value as a dict. Raises :class:`InvalidEventError` with ``reason`` ``oversized`` (more than
     ``max_value_bytes`` bytes), ``not_json`` (not UTF-8 JSON, a tombstone, ``NaN``/``Infinity`` or a key
     repeated in one object, naming the field), ``number_out_of_range`` (a number too long to carry exactly,
-    naming the field) or ``schema`` (the message names the first failing field).
+    naming the field), ``too_deep`` (nested more than :data:`~streams.wire.exactjson.MAX_DEPTH` levels) or
+    ``schema`` (the message names the first failing field).
     """
     if raw is None:
         raise InvalidEventError("not_json", "value is empty (tombstone)")

@@ -27,7 +27,9 @@ What cannot be carried exactly is refused with :class:`~streams.errors.JsonValue
 * a number whose plain decimal form has more than :data:`MAX_NUMBER_DIGITS` digits (Python's own limit for
   integers, and beyond what PostgreSQL's ``numeric`` stores past the decimal point), or numbers in exponent form
   that would expand by more than :data:`MAX_EXPANSION_CHARS` characters in all once stored -> ``number_out_of_range``;
-* text that is not UTF-8, not JSON, nested too deeply, or a string with an unpaired surrogate -> ``not_json``;
+* text that is not UTF-8, not JSON, or a string with an unpaired surrogate -> ``not_json``;
+* a document nested more than :data:`MAX_DEPTH` levels deep (the one depth limit of every document the system
+  reads: submissions, the provider's answers, outputs, jsonb read back) -> ``too_deep``, path ``(root)``;
 * on request (``unique_keys``, every Kafka value), a key repeated in one object -> ``not_json``.
 """
 
@@ -57,9 +59,15 @@ _ORJSON_INT_MIN, _ORJSON_INT_MAX = -(2**63), 2**64 - 1
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
-#: Most levels of nesting that :func:`loads` reads with orjson; deeper documents go to :func:`reference_loads`,
-#: whose limit is Python's recursion limit less the caller's stack (orjson's is 1024).
-_FAST_MAX_DEPTH = 200
+#: Most levels of nesting of a document (``[]`` is 1 level, ``{"a": [1]}`` 2): the one depth limit of every document
+#: the system reads, checked by :func:`loads` where it enters. Far below what every walk over a value can take:
+#: orjson writes at most 254 levels, the standard parser and recursive walks stop near Python's recursion limit
+#: (1000 frames, less the caller's stack), so the envelopes the system puts around a document (a few levels) and
+#: recursive walks of two frames per level (:func:`streams.wire.jsontext.canonical`) stay well within them.
+MAX_DEPTH = 64
+
+#: Most levels of nesting that ``orjson.dumps`` writes (its own limit).
+_ORJSON_MAX_DEPTH = 254
 
 
 class JsonDecimal(Decimal):
@@ -122,8 +130,8 @@ def loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
             parsers disagree on which one counts (RFC 8259, section 4), so such a value has no single meaning.
 
     Raises:
-        JsonValueError: ``reason`` ``not_json`` or ``number_out_of_range``, ``path`` the field (``a/0/b``,
-            ``(root)``), the message what was wrong.
+        JsonValueError: ``reason`` ``not_json``, ``number_out_of_range`` or ``too_deep`` (over :data:`MAX_DEPTH`
+            levels), ``path`` the field (``a/0/b``, ``(root)``), the message what was wrong.
     """
     try:
         value = orjson.loads(data)
@@ -222,8 +230,8 @@ def _exact_value(data: bytes | str, value: Any, unique_keys: bool) -> Any:
     * a number with a fraction or an exponent, and an integer outside ``[-2**63, 2**64 - 1]``, become a
       ``float``: a document with a float is read exactly only as :func:`_floats_as_written` says;
     * it reads up to 1024 levels of nesting, the reference as deep as Python's recursion limit lets it (less
-      than 1000, fewer when called from deep in a stack): more than :data:`_FAST_MAX_DEPTH` levels go to the
-      reference;
+      than 1000, fewer when called from deep in a stack): both refuse more than :data:`MAX_DEPTH` levels
+      (:func:`_too_deep`), checked here;
     * a repeated key is read silently (the last value counts, in the place of the first, as the reference does
       without ``unique_keys``): with ``unique_keys``, the document must be shown to repeat none (below).
 
@@ -254,8 +262,8 @@ def _exact_value(data: bytes | str, value: Any, unique_keys: bool) -> Any:
             strings += 1
         elif kind is float:
             floats = True
-    if len(containers) > _FAST_MAX_DEPTH and _depth(value) > _FAST_MAX_DEPTH:
-        return _NOT_EXACT
+    if len(containers) > MAX_DEPTH and depth(value) > MAX_DEPTH:
+        raise _too_deep()
     if floats:
         return _floats_as_written(data, value, containers)
     if not unique_keys or pairs == 0:
@@ -303,16 +311,33 @@ def _fraction_or_not_exact(token: str) -> Any:
         return _NOT_EXACT
 
 
-def _depth(value: Any) -> int:
-    """Levels of nesting of ``value`` (a scalar: 0, ``[]``: 1, ``[[]]``: 2)."""
+def _too_deep() -> JsonValueError:
+    """The refusal of a document nested more than :data:`MAX_DEPTH` levels (no field named: the path to it could
+    be as long as the document)."""
+    why = f"nested more than {MAX_DEPTH} levels deep (at most {MAX_DEPTH} are read)"
+    return JsonValueError("too_deep", why, path="(root)")
+
+
+def check_depth(value: Any) -> None:
+    """Refuse a value (built in Python, not read by :func:`loads`) nested more than :data:`MAX_DEPTH` levels.
+
+    Raises:
+        JsonValueError: reason ``too_deep``.
+    """
+    if depth(value) > MAX_DEPTH:
+        raise _too_deep()
+
+
+def depth(value: Any) -> int:
+    """Levels of nesting of ``value`` (a scalar: 0, ``[]``: 1, ``[[]]``: 2); iterative, so any depth."""
     deepest = 0
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
-        item, depth = stack.pop()
+        item, level = stack.pop()
         if isinstance(item, dict | list):
-            depth += 1
-            deepest = max(deepest, depth)
-            stack.extend((v, depth) for v in (item.values() if isinstance(item, dict) else item))
+            level += 1
+            deepest = max(deepest, level)
+            stack.extend((v, level) for v in (item.values() if isinstance(item, dict) else item))
     return deepest
 
 
@@ -377,9 +402,11 @@ def reference_loads(data: bytes | str, *, unique_keys: bool = False) -> Any:
         except json.JSONDecodeError as exc:
             raise JsonValueError("not_json", f"not JSON: {exc}") from exc
         except RecursionError as exc:
-            raise JsonValueError("not_json", "not JSON: nested too deeply") from exc
+            raise _too_deep() from exc
 
     value = decode(unique if unique_keys else None)
+    if depth(value) > MAX_DEPTH:
+        raise _too_deep()
     if refused:
         found = _first_refused(value)
         if found is None:  # in a value that a repeated key replaced: read again keeping it, to name its field
@@ -455,12 +482,16 @@ def dumps(value: Any) -> bytes:
     """``value`` as compact UTF-8 JSON, every ``int`` and :class:`~decimal.Decimal` written exactly.
 
     Raises:
-        TypeError: a value JSON cannot hold (an unsupported type, a non-finite Decimal, an unpaired surrogate).
+        TypeError: a value JSON cannot hold (an unsupported type, a non-finite Decimal, an unpaired surrogate,
+            nesting deeper than orjson writes: 254 levels, far over :data:`MAX_DEPTH`).
     """
     try:
         return orjson.dumps(value, default=_default)
     except orjson.JSONEncodeError:
         pass  # most often an integer beyond 64 bits: write those from their text, or raise the real error
+    deepest = depth(value)  # iterative: the copy below recurses, within the depth checked here
+    if deepest > _ORJSON_MAX_DEPTH:
+        raise TypeError(f"a value nested {deepest} levels deep cannot be written (at most {_ORJSON_MAX_DEPTH})")
     return orjson.dumps(_wide_ints_as_text(value), default=_default)
 
 

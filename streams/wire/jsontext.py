@@ -117,7 +117,10 @@ def _canonical_number(value: int | decimal.Decimal) -> str:
 def canonical(value: Any) -> str:
     """A canonical JSON-like text of a value from :func:`streams.wire.exactjson.loads`: two values have the same text
     exactly when they mean the same JSON (keys sorted, numbers compared by exact value, strings by their
-    characters whatever their escapes; ``true`` is not ``1``)."""
+    characters whatever their escapes; ``true`` is not ``1``).
+
+    Recursive, two frames per level: within Python's recursion limit for every value that
+    :func:`streams.wire.exactjson.loads` returns (at most :data:`streams.wire.exactjson.MAX_DEPTH` levels)."""
     if isinstance(value, dict):
         items = sorted(value.items())
         return "{" + ",".join(f"{json.dumps(k)}:{canonical(v)}" for k, v in items) + "}"

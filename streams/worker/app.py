@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,15 @@ import faust
 import tenacity
 from prometheus_client import generate_latest
 
-from streams import logs
+from streams import logs, metrics
 from streams.config import Settings
 from streams.errors import InvalidEventError
+from streams.model.answers import clean_text
 from streams.oncall.liveview import register_pages
-from streams.outages import is_outage
-from streams.retrying import first_attempt_plain
+from streams.outages import classify, is_outage
+from streams.retrying import failure_of, first_attempt_plain
 from streams.worker.inflight import InOrderAcks, Ticket
-from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.runtime import MAX_LOGGED_ERROR_CHARS, RawMessage, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.observer import Observer
 from streams.worker.stages.reconciler import Reconciler
@@ -80,30 +82,100 @@ async def handle_with_retries(rt: Runtime, handle: Callable[[RawMessage], Awaita
     """Run ``handle(raw)``; retry unexpected errors with backoff, then dead-letter the event with reason
     ``processing_error`` and its original bytes (it can be replayed from there). Never raises.
 
-    The retry policy is built only after a first attempt failed (:func:`streams.retrying.first_attempt_plain`):
-    tenacity costs about 30 µs per event otherwise."""
+    Every failed attempt is counted in ``streams_handler_failures_total{topic,kind,then}`` (``kind`` the
+    failure's class, :func:`streams.outages.classify`; ``then`` ``retried`` or ``dead_lettered``) and logged
+    (:class:`HandlerFailureLog`: at most once per topic, key and exception type every
+    :data:`HANDLER_FAILURE_LOG_INTERVAL_S`; the last attempt always, with its traceback). The retry policy is
+    built only after a first attempt failed (:func:`streams.retrying.first_attempt_plain`): tenacity costs about
+    30 µs per event otherwise."""
 
     async def attempt() -> None:
         logs.clear()  # log lines carry this event's operation fields only (streams.logs)
         await handle(raw)
 
     try:
-        await first_attempt_plain(attempt, _handler_retrying)
+        await first_attempt_plain(attempt, lambda: _handler_retrying(raw))
     except Exception as exc:
-        log.exception(
-            "handling %s[%s]@%s failed %d times; dead-lettering it",
+        kind = classify(exc).kind
+        metrics.HANDLER_FAILURES.labels(raw.topic, kind, "dead_lettered").inc()
+        log.error(
+            "handling %s[%s]@%s failed %d times (%s, last: %s); dead-lettering it",
             raw.topic,
             raw.partition,
             raw.offset,
             HANDLER_ATTEMPTS,
+            kind,
+            type(exc).__name__,
+            exc_info=exc,
         )
-        await rt.dead_letter(raw, InvalidEventError("processing_error", f"{type(exc).__name__}: {exc}"))
+        message = clean_text(f"{type(exc).__name__}: {exc}", MAX_LOGGED_ERROR_CHARS)
+        await rt.dead_letter(raw, InvalidEventError("processing_error", message))
 
 
-def _handler_retrying() -> tenacity.AsyncRetrying:
+#: Seconds between two log lines about failed attempts at events of one topic and key with one exception type.
+HANDLER_FAILURE_LOG_INTERVAL_S = 10.0
+
+
+class HandlerFailureLog:
+    """Logs a retried failure of a handler at most once per (topic, key, exception type) every ``interval_s``,
+    saying how many were held back since; keeps at most ``max_keys`` keys (the oldest are forgotten)."""
+
+    def __init__(
+        self,
+        interval_s: float = HANDLER_FAILURE_LOG_INTERVAL_S,
+        max_keys: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.interval_s = interval_s
+        self.max_keys = max_keys
+        self.clock = clock
+        #: (topic, key, exception type) -> (when last logged, attempts held back since).
+        self._last: dict[tuple[str, bytes, str], tuple[float, int]] = {}
+
+    def failed(self, raw: RawMessage, exc: BaseException, attempt: int) -> bool:
+        """Count and maybe log attempt ``attempt`` at ``raw`` that raised ``exc`` (it is retried). True when
+        logged."""
+        kind = classify(exc).kind
+        metrics.HANDLER_FAILURES.labels(raw.topic, kind, "retried").inc()
+        key = (raw.topic, raw.key or b"", type(exc).__name__)
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self.interval_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return False
+        if last is None and len(self._last) >= self.max_keys:
+            self._last.pop(next(iter(self._last)))
+        self._last[key] = (now, 0)
+        held = f" [{last[1]} more like it held back]" if last is not None and last[1] else ""
+        log.warning(
+            "handling %s[%s]@%s failed (attempt %d of %d, %s): %s: %s; retrying%s",
+            raw.topic,
+            raw.partition,
+            raw.offset,
+            attempt,
+            HANDLER_ATTEMPTS,
+            kind,
+            type(exc).__name__,
+            clean_text(str(exc), MAX_LOGGED_ERROR_CHARS),
+            held,
+        )
+        return True
+
+
+#: The failure log of this process's handlers.
+HANDLER_FAILURE_LOG = HandlerFailureLog()
+
+
+def _handler_retrying(raw: RawMessage) -> tenacity.AsyncRetrying:
+    def report(state: tenacity.RetryCallState) -> None:
+        failure = failure_of(state)
+        if failure is not None:
+            HANDLER_FAILURE_LOG.failed(raw, failure, state.attempt_number)
+
     return tenacity.AsyncRetrying(
         stop=tenacity.stop_after_attempt(HANDLER_ATTEMPTS),
         wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0),
+        before_sleep=report,
         reraise=True,
     )
 

@@ -35,6 +35,7 @@ from streams.ledger.pool import create_pool
 from streams.ledger.protocol import PipelineLedger
 from streams.ledger.store import Ledger
 from streams.ledger.waiting import OutageWait
+from streams.model.answers import clean_text
 from streams.model.codes import RemoteCallOutcome
 from streams.outages import Failure, FailureKind, classify
 from streams.remote.client import RemoteClient
@@ -60,6 +61,9 @@ Record = tuple[str, bytes, bytes]
 #: as too large): waiting cannot fix it, so after these the failure surfaces as :class:`DeadLetterError`.
 #: Outages of Kafka are waited out without a limit (a dead letter is the event's only record).
 DEAD_LETTER_ATTEMPTS = 3
+
+#: Most characters of an error's text in one log line.
+MAX_LOGGED_ERROR_CHARS = 500
 
 #: Seconds between two log lines about the same ongoing outage.
 OUTAGE_LOG_INTERVAL_S = 5.0
@@ -127,7 +131,12 @@ class Runtime:
         given, lets :meth:`send_all` hand many records over without a task each."""
         name = worker or worker_name()
         database_url = settings.database_url.get_secret_value()
-        pool = await create_pool(database_url, min_size=2, max_size=settings.db_pool_max_size)
+        pool = await create_pool(
+            database_url,
+            min_size=2,
+            max_size=settings.db_pool_max_size,
+            idle_lifetime_s=settings.db_pool_idle_lifetime_s,
+        )
         redis = make_redis(
             settings.redis_url.get_secret_value(),
             settings.redis_socket_timeout_s,
@@ -251,8 +260,17 @@ class Runtime:
             worker=self.worker,
         )
         metrics.DEAD_LETTERS.labels(message.topic, error.reason).inc()
+        # the value's size and digest, never the value: the error's text names fields and kinds, not content
+        # (streams.wire.contracts.explain), and is cut to a bounded length all the same
         log.warning(
-            "dead-lettered %s[%s]@%s: %s (%s)", message.topic, message.partition, message.offset, error.reason, error
+            "dead-lettered %s[%s]@%s: %s, %d bytes, sha256 %s: %s",
+            message.topic,
+            message.partition,
+            message.offset,
+            error.reason,
+            envelope["original_size"],
+            envelope["original_sha256"],
+            clean_text(str(error), MAX_LOGGED_ERROR_CHARS),
         )
         key = (message.key or b"").decode("utf-8", "replace")
         # A dead letter is the event's only record: never drop it. Every failed attempt is reported

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import logging
 import time
 import uuid
 from typing import Any
@@ -146,8 +147,12 @@ async def test_bad_input_reaches_dead_letter_topic_with_reason_and_bytes(
     assert await pool.fetchval("SELECT count(*) FROM operations") == 0  # nothing bad entered the ledger
 
 
-async def test_unexpected_errors_are_retried_then_dead_lettered(runtime: Runtime, settings: Settings) -> None:
+async def test_unexpected_errors_are_retried_then_dead_lettered(
+    runtime: Runtime, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
     from streams.worker import app
+
+    caplog.set_level(logging.WARNING, logger="streams.worker.app")
     tag = uuid.uuid4().hex[:6]
     calls: list[int] = []
 
@@ -159,6 +164,11 @@ async def test_unexpected_errors_are_retried_then_dead_lettered(runtime: Runtime
     ok = RawMessage(settings.topic("submissions"), 0, 1, f"ok-{tag}".encode(), b"{}")
     await app.handle_with_retries(runtime, flaky, ok)
     assert len(calls) == 3
+    retried = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert retried == [  # the first failure logged, the second of the same type and key held back
+        f"handling {ok.topic}[0]@1 failed (attempt 1 of {app.HANDLER_ATTEMPTS}, error): RuntimeError: transient; "
+        "retrying"
+    ]
 
     broken_calls: list[int] = []
 

@@ -14,7 +14,8 @@ import pytest
 
 from streams.errors import ConfigError, InvalidEventError
 from streams.model.states import OperationState
-from streams.wire import contracts
+from streams.wire import contracts, exactjson
+from streams.wire.exactjson import MAX_DEPTH
 
 SUB = "generation.submissions"
 POLLS = "generation.polls"
@@ -149,10 +150,10 @@ def mutated(path: list[str], value: Any = None, *, delete: bool = False) -> dict
         (mutated(["submitted_at_ms"], delete=True), "(root)", "'submitted_at_ms' is a required property"),
         (mutated(["operation_id"], delete=True), "(root)", "'operation_id' is a required property"),
         (mutated(["request"], delete=True), "(root)", "'request' is a required property"),
-        (mutated(["request"], [1]), "request", "[1] is not of type 'object'"),
+        (mutated(["request"], [1]), "request", "an array of 1 item is not of type 'object'"),
         (mutated(["request", "model"], ""), "request/model", "should be non-empty"),
         (mutated(["request", "model"], 7), "request/model", "7 is not of type 'string'"),
-        (mutated(["request", "metadata"], "x"), "request/metadata", "'x' is not of type 'object'"),
+        (mutated(["request", "metadata"], "x"), "request/metadata", "a string of 1 character is not of type 'object'"),
         (
             mutated(["request", "metadata"], {"client_reference": "mine"}),
             "request/metadata/client_reference",
@@ -166,15 +167,23 @@ def mutated(path: list[str], value: Any = None, *, delete: bool = False) -> dict
         (mutated(["operation_id"], "has space"), "operation_id", "'has space' does not match"),
         (mutated(["operation_id"], "x" * 129), "operation_id", "does not match"),
         (mutated(["operation_id"], 42), "operation_id", "42 is not of type 'string'"),
-        (mutated(["source", "nested"], {"a": 1}), "source/nested", "is not of type"),
+        (mutated(["source", "nested"], {"a": 1}), "source/nested", "an object of 1 member is not of type"),
+        (mutated(["source", "n"], {"prompt": "MARK" * 25_000}), "source/n", "an object of 1 member is not of type"),
+        (
+            mutated(["request", "metadata"], "MARK" * 25_000),
+            "request/metadata",
+            "a string of 100000 characters is not of type 'object'",
+        ),
+        (mutated(["operation_id"], "MARK" * 25_000), "operation_id", "a string of 100000 characters does not match"),
     ],
 )
 def test_schema_errors_name_the_field(doc: dict[str, Any], where: str, fragment: str) -> None:
-    err = decode_error(SUB, raw(doc))
+    err = decode_error(SUB, raw(doc), limit=1_000_000)
     assert err.reason == "schema"
     message = str(err)
     assert message.startswith(f"{SUB} schema: at {where}: ")
     assert fragment in message
+    assert "MARK" not in message and len(message) <= len(f"{SUB} schema: at {where}: ") + 300
 
 
 def test_operation_id_pattern_accepts_its_alphabet() -> None:
@@ -203,13 +212,33 @@ def test_the_provider_request_is_opaque_and_exact() -> None:
         (b'{"operation_id": "a", "submitted_at_ms": 0, "request": {"x": Infinity}}', "Infinity is not a JSON number"),
         (b'{"operation_id": "a", "submitted_at_ms": 0, "request": {"x": 1, "x": 2}}', "key 'x' appears twice"),
         (b'{"operation_id": "a", "operation_id": "b", "submitted_at_ms": 0, "request": {}}', "appears twice"),
-        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     ],
 )
 def test_values_without_one_meaning_are_not_json(data: bytes, fragment: str) -> None:
     err = decode_error(SUB, data, limit=len(data))
     assert err.reason == "not_json"
     assert fragment in str(err)
+
+
+def _nested_submission(levels: int) -> bytes:
+    """A submission value nested ``levels`` deep in all (the envelope is level 1, the request level 2)."""
+    inner = levels - 2
+    return b'{"operation_id": "a", "submitted_at_ms": 0, "request": {"x": ' + b"[" * inner + b"]" * inner + b"}}"
+
+
+@pytest.mark.parametrize("levels", [MAX_DEPTH + 1, 300, 985, 100_000])
+def test_values_nested_over_the_depth_limit_are_too_deep(levels: int) -> None:
+    data = _nested_submission(levels)
+    err = decode_error(SUB, data, limit=len(data))
+    assert err.reason == "too_deep"
+    assert str(err) == f"{SUB} value: nested more than {MAX_DEPTH} levels deep (at most {MAX_DEPTH} are read)"
+
+
+@pytest.mark.parametrize("levels", [MAX_DEPTH - 1, MAX_DEPTH])
+def test_values_at_the_depth_limit_are_read(levels: int) -> None:
+    data = _nested_submission(levels)
+    value = contracts.decode(SUB, data, len(data))
+    assert exactjson.depth(value) == levels
 
 
 @pytest.mark.parametrize("value", [[1, 2], "text", 3, None])

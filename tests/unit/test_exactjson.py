@@ -91,7 +91,9 @@ REFUSED: list[tuple[bytes, str, str | None, str]] = [
     (b"\xff\xfe{}", "not_json", None, "not UTF-8"),
     (b'{"a": 1', "not_json", None, "not JSON"),
     (b"", "not_json", None, "not JSON"),
-    (b"[" * 100_000 + b"]" * 100_000, "not_json", None, "nested too deeply"),
+    (b"[" * 100_000 + b"]" * 100_000, "too_deep", "(root)", "nested more than 64 levels deep"),
+    (b"[" * 65 + b"]" * 65, "too_deep", "(root)", "nested more than 64 levels deep"),
+    (b'{"a": ' * 65 + b"1" + b"}" * 65, "too_deep", "(root)", "nested more than 64 levels deep"),
     # in a value that a repeated key replaces: still refused, naming that field
     (b'{"a": NaN, "a": 1}', "not_json", "a", "NaN is not a JSON number"),
     (b'[{"a": {"b": [1e5000]}, "a": 1}]', "number_out_of_range", "0/a/b/0", "5001 digits written out"),
@@ -108,7 +110,7 @@ def test_values_that_cannot_be_carried_exactly_are_refused_naming_the_field(
         exactjson.loads(text)
     assert (info.value.reason, info.value.path) == (reason, path)
     assert words in str(info.value)
-    if path is not None:
+    if path is not None and reason != "too_deep":
         assert str(info.value).startswith(f"at {path}: ")
 
 
@@ -118,6 +120,21 @@ def test_dumps_refuses_what_json_cannot_hold() -> None:
     assert "NaN cannot be written as a JSON number" in str(info.value.__cause__)
     with pytest.raises(TypeError):
         exactjson.dumps({"x": object()})
+
+
+@pytest.mark.parametrize("levels", [exactjson.MAX_DEPTH - 1, exactjson.MAX_DEPTH])
+def test_documents_at_the_depth_limit_are_read_and_written_back(levels: int) -> None:
+    text = b'{"a":' * levels + b"18446744073709551616" + b"}" * levels  # a wide int: dumps' second writer too
+    assert exactjson.depth(exactjson.loads(text)) == levels
+    assert exactjson.dumps(exactjson.loads(text)) == text
+
+
+def test_dumps_refuses_what_orjson_cannot_nest_without_recursing() -> None:
+    value: list[object] = [2**70]
+    for _ in range(100_000):
+        value = [value]
+    with pytest.raises(TypeError, match="nested 100001 levels deep cannot be written"):
+        exactjson.dumps(value)
 
 
 def test_dumps_writes_wide_ints_anywhere_in_the_document() -> None:

@@ -29,9 +29,11 @@ def test_what_orjson_reads_differently_from_the_reference() -> None:
     pairs = list(orjson.loads(b'{"a": 1, "b": 2, "a": 3}').items())
     assert pairs == [("a", 3), ("b", 2)] == list(exactjson.reference_loads(b'{"a": 1, "b": 2, "a": 3}').items())
     deep = b"[" * 1024 + b"]" * 1024
-    assert isinstance(orjson.loads(deep), list)  # the reference refuses it: nested too deeply
-    with pytest.raises(JsonValueError, match="nested too deeply"):
+    assert isinstance(orjson.loads(deep), list)  # both refuse it: over the depth limit
+    with pytest.raises(JsonValueError, match="nested more than 64 levels deep"):
         exactjson.reference_loads(deep)
+    with pytest.raises(JsonValueError, match="nested more than 64 levels deep"):
+        exactjson.loads(deep)
     # Refused by orjson, as by the reference: the fast path never returns a value for these.
     for text in (b'"\\ud800"', b'"\\udc00\\ud800"', b"\xef\xbb\xbf{}", "\ufeff{}", b'"\x01"', b"NaN", b"{} x", b"\xff"):
         with pytest.raises(orjson.JSONDecodeError):
@@ -280,8 +282,8 @@ def test_each_document_counts_its_own_exponents(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_nesting_is_read_as_the_reference_reads_it_from_deep_in_a_stack() -> None:
-    """The reference's depth limit is the recursion limit less the caller's frames; orjson's is 1024."""
-    texts = [b"[" * 150 + b"1" + b"]" * 150, b"[" * 230 + b"1" + b"]" * 230, b"[" * 230 + b"1.5" + b"]" * 230]
+    """Both refuse more than MAX_DEPTH levels, even where the reference's parser would stop sooner or later."""
+    texts = [b"[" * 64 + b"1.5" + b"]" * 64, b"[" * 65 + b"1" + b"]" * 65, b"[" * 230 + b"1.5" + b"]" * 230]
 
     def read(text: bytes, loads: Any) -> Any:
         try:
