@@ -49,6 +49,9 @@ T = TypeVar("T")
 #: Entry-point group through which installed packages add commands to ``streams``.
 COMMANDS_GROUP = "streams.commands"
 
+#: The installed distribution whose version ``streams --version`` prints (``pyproject.toml`` ``[project] name``).
+DISTRIBUTION = "generation-streams"
+
 
 class PluginGroup(click.Group):
     """A click group that also offers the commands of the ``streams.commands`` entry-point group, importing
@@ -130,6 +133,7 @@ def _settings() -> Settings:
 
 
 @click.group(cls=PluginGroup)
+@click.version_option(package_name=DISTRIBUTION, message="%(prog)s (%(package)s) %(version)s")
 @click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
 @click.option(
     "--log-format",
