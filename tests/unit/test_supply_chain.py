@@ -56,8 +56,14 @@ def test_the_lock_files_hold_every_dependency_within_its_bounds() -> None:
     project = PYPROJECT["project"]
     wanted = {
         "product": [Requirement(t) for t in project["dependencies"]],
-        "dev": [Requirement(t) for t in [*project["dependencies"], *project["optional-dependencies"]["dev"],
-                                         *project["optional-dependencies"]["harness"]]],
+        "dev": [
+            Requirement(t)
+            for t in [
+                *project["dependencies"],
+                *project["optional-dependencies"]["dev"],
+                *project["optional-dependencies"]["harness"],
+            ]
+        ],
     }
     for name, lock in LOCKS.items():
         pins = _pins(lock)
