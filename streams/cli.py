@@ -7,6 +7,7 @@
     streams worker [--web-port N]    run one Faust worker process (dispatcher, observer, scheduler, relay)
     streams submit FILE.jsonl        publish submissions from JSONL (one {"operation_id", "request"} a line)
     streams follow                   print delivered outputs, each once
+    streams teardown --run-id RUN    remove a run's (or a prefix's) database, topics and consumer groups
     streams operations list|show     operations by state and age; one operation in full (read-only)
     streams operations adopt|abandon|repoll|fail
                                      an operator's fenced decision on an uncertain or stalled operation
@@ -49,6 +50,9 @@ T = TypeVar("T")
 
 #: Entry-point group through which installed packages add commands to ``streams``.
 COMMANDS_GROUP = "streams.commands"
+
+#: The installed distribution whose version ``streams --version`` prints (``pyproject.toml`` ``[project] name``).
+DISTRIBUTION = "generation-streams"
 
 
 class PluginGroup(click.Group):
@@ -131,6 +135,7 @@ def _settings() -> Settings:
 
 
 @click.group(cls=PluginGroup)
+@click.version_option(package_name=DISTRIBUTION, message="%(prog)s (%(package)s) %(version)s")
 @click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
 @click.option(
     "--log-format",
@@ -532,3 +537,62 @@ def accounting_report(operation_prefix: str, as_json: bool) -> None:
         _echo_json(report)
     else:
         click.echo(operators.format_accounting(report))
+
+
+@main.command()
+@click.option("--run-id", default=None, help="A harness run's id: its database, topics and consumer group.")
+@click.option("--topic-prefix", default=None, help="Remove every topic whose name starts with this.")
+@click.option("--database", default=None, help="Remove this database (on STREAMS_DATABASE_URL's server).")
+@click.option("--group", "groups", multiple=True, help="Remove this consumer group (repeatable).")
+@click.option(
+    "--include-shared",
+    is_flag=True,
+    help="Allow a topic prefix reaching the unprefixed generation.* topics, or the database STREAMS_DATABASE_URL "
+    "names.",
+)
+@click.option("--dry-run", is_flag=True, help="Print what would be removed; remove nothing.")
+def teardown(
+    run_id: str | None,
+    topic_prefix: str | None,
+    database: str | None,
+    groups: tuple[str, ...],
+    include_shared: bool,
+    dry_run: bool,
+) -> None:
+    """Remove a run's or a prefix's leftovers: its consumer groups, topics and database, printing each name.
+
+    \b
+    streams teardown --run-id main-20260502-1012         what `streams run --keep` printed
+    streams teardown --topic-prefix ci-42. --database streams_ci42 --group generation-streams-ci42
+
+    The run id is resolved with the current settings (STREAMS_DATABASE_URL, STREAMS_TOPIC_PREFIX,
+    STREAMS_APP_ID), as the run derived it. Refused (exit 3, nothing removed) when it would reach the unprefixed
+    generation.* topics or the ledger itself, unless --include-shared. The run's workers must have stopped.
+    """
+    from streams.errors import SharedResourceRefusedError
+    from streams.setup.teardown import Selection, run_names
+    from streams.setup.teardown import teardown as remove
+
+    settings = _settings()
+    if run_id is not None:
+        if topic_prefix is not None or database is not None or groups:
+            raise click.UsageError("--run-id names everything: give it alone, or --topic-prefix/--database/--group")
+        selection = run_names(settings, run_id)
+    elif topic_prefix is None and database is None and not groups:
+        raise click.UsageError("give --run-id, or at least one of --topic-prefix, --database, --group")
+    else:
+        selection = Selection(database=database, topic_prefix=topic_prefix, groups=groups)
+    try:
+        removed = asyncio.run(
+            remove(settings, selection, include_shared=include_shared, dry_run=dry_run, report=click.echo)
+        )
+    except SharedResourceRefusedError as exc:
+        raise CommandExit(str(exc), EXIT_REFUSED) from exc
+    except LedgerUnavailableError as exc:
+        raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
+    except ConfigError as exc:
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
+    except StreamsError as exc:
+        raise click.ClickException(str(exc)) from exc
+    found = len(removed.topics) + len(removed.groups) + (removed.database is not None)
+    click.echo(f"{'would remove' if dry_run else 'removed'} {found} (nothing else matched)")

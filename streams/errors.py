@@ -26,6 +26,8 @@
     │   └── OperatorActionRefusedError     an operator's command does not apply (wrong state, bad job id)
     ├── KafkaAdminError              a Kafka admin call (topics, consumer groups) failed, or kept failing past its
     │                                deadline with errors the broker calls retriable
+    ├── SharedResourceRefusedError   a removal would touch unprefixed (shared) topics or the ledger the
+    │                                settings name, without the explicit flag: nothing removed
     ├── ServiceNotReadyError         a backing service did not answer real commands within the deadline
     └── RemoteError                  the remote generation API (always carries ``operation_id``)
         ├── RemoteRefusedError             definite refusal, nothing created (4xx such as 400/422)
@@ -208,6 +210,12 @@ class KafkaAdminError(StreamsError):
         self.attempts = attempts
         self.elapsed_s = elapsed_s
         self.cause = cause
+
+
+class SharedResourceRefusedError(StreamsError):
+    """A removal (``streams teardown``, :func:`streams.setup.admin.delete_topics`) would touch the shared names:
+    topics without a prefix (``generation.*``, every deployment's on this broker) or the database the settings
+    name. Nothing was removed; give a prefix or a run id, or pass the explicit flag the message names."""
 
 
 class ServiceNotReadyError(StreamsError):

@@ -38,6 +38,7 @@ from streams.setup.admin import (
     drop_run_database,
     migrate,
 )
+from streams.setup.teardown import Selection, run_names, teardown_command
 from streams_harness.checkout import checkout_dir
 from streams_harness.replay import replay_trace
 from streams_harness.report import (
@@ -135,10 +136,11 @@ def isolate(settings: Settings, run_id: str, database_url: str) -> Settings:
     """``settings`` of the run ``run_id``: the ledger ``database_url``, topics ``<prefix><run id>.generation.*``,
     consumer group ``<app id>-<run id>`` and provider account ``run_id`` (the run's simulator is an account of its
     own: its own rate budget)."""
+    names = run_names(settings, run_id)  # the names `streams teardown --run-id` resolves too
     return settings.replace(
         database_url=database_url,
-        topic_prefix=f"{settings.topic_prefix}{run_id}.",
-        app_id=f"{settings.app_id}-{run_id}",
+        topic_prefix=names.topic_prefix,
+        app_id=names.groups[0],
         remote_account=run_id,
     )
 
@@ -163,8 +165,23 @@ async def isolated_run(settings: Settings, run_id: str, *, keep: bool, out: Text
         await create_topics(run)
         yield run
     finally:
-        if not keep:
+        if keep:
+            print_kept(run, out)
+        else:
             await remove_run(run, database_url, out)
+
+
+def print_kept(run: Settings, out: TextIO) -> None:
+    """Say what ``--keep`` kept of the run on ``run`` (its database, topics and consumer group) and the command
+    that removes exactly that (:func:`streams.setup.teardown.teardown_command`)."""
+    kept = Selection(
+        database=database_name(run.database_url.get_secret_value()), topic_prefix=run.topic_prefix, groups=(run.app_id,)
+    )
+    print(
+        f"kept (--keep): database {kept.database}, topics {kept.topic_prefix}*, consumer group {run.app_id}; "
+        f"remove them with: {teardown_command(kept)}",
+        file=out,
+    )
 
 
 def migrate_quietly(database_url: str) -> list[str]:

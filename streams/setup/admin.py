@@ -48,7 +48,13 @@ from yoyo import get_backend, read_migrations
 from yoyo.migrations import MigrationList
 
 from streams.config import Settings, mask_url
-from streams.errors import KafkaAdminError, LedgerUnavailableError, MissingResourceError, StreamsError
+from streams.errors import (
+    KafkaAdminError,
+    LedgerUnavailableError,
+    MissingResourceError,
+    SharedResourceRefusedError,
+    StreamsError,
+)
 from streams.ledger.pool import connect, connect_config_error, database_address, diagnose_connect
 from streams.outages import is_outage
 
@@ -327,13 +333,23 @@ def run_topics(settings: Settings) -> list[str]:
     return list(settings.topics.values())
 
 
-async def delete_topics(settings: Settings) -> list[str]:
+async def delete_topics(settings: Settings, *, include_unprefixed: bool = False) -> list[str]:
     """Delete a run's topics (:func:`run_topics`) that exist; returns the names deleted.
 
     Meant for isolated runs (the main job, the soak, the benchmark, test sessions) whose topics carry their own
-    prefix and whose consumer group its own app id; their workers must have stopped. Raises
-    :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
+    prefix and whose consumer group its own app id; their workers must have stopped.
+
+    Raises:
+        SharedResourceRefusedError: ``settings.topic_prefix`` is empty (the names are the shared ``generation.*``
+            topics) and ``include_unprefixed`` is not set; nothing was deleted.
+        KafkaAdminError: see :class:`KafkaAdmin`.
     """
+    if not settings.topic_prefix and not include_unprefixed:
+        raise SharedResourceRefusedError(
+            f"delete topics {run_topics(settings)}: refused, STREAMS_TOPIC_PREFIX is empty, so these are the shared, "
+            "unprefixed topics; set the run's prefix, or pass include_unprefixed=True to delete them. "
+            "Nothing was deleted"
+        )
     async with KafkaAdmin(settings) as admin:
         return await admin.delete_topics(run_topics(settings))
 

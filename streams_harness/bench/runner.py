@@ -39,7 +39,7 @@ from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulato
 from streams_harness.redis_server import PrivateRedis
 from streams_harness.replay import trace_request
 from streams_harness.report import broken_promises
-from streams_harness.run import collect_report, migrate_quietly, progress, remove_run, settled
+from streams_harness.run import collect_report, migrate_quietly, print_kept, progress, remove_run, settled
 from streams_harness.trace import read_trace
 
 PIPELINE, FLOOR, NAIVE, PACED = "pipeline", "floor", "naive", "paced"
@@ -226,7 +226,9 @@ class Bench:
                 (await sim.post("/_sim/reset")).raise_for_status()
             return await self._measure(spec, settings, run_id, log_dir)
         finally:
-            if not self.opts.keep:
+            if self.opts.keep:
+                print_kept(settings, self.out)
+            else:
                 await remove_run(settings, admin_url, self.out)
 
     async def _start(self, spec: RunSpec, settings: Settings, log_dir: Path) -> Fleet:

@@ -12,7 +12,7 @@ import pytest
 
 from streams.config import Settings
 from streams.errors import ServiceNotReadyError
-from streams.ledger.store import create_pool
+from streams.ledger.pool import create_pool
 from streams.setup import readiness
 from tests.support import wait_for
 

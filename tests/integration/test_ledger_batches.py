@@ -22,9 +22,10 @@ from streams.config import Settings
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.ledger import batching as ledger_module
 from streams.ledger.batching import WAIT_FOR_LOCKS
+from streams.ledger.pool import _init_connection
 from streams.ledger.records import ObserveClaim, SaveOutcome
 from streams.ledger.sql import LEDGER as Q
-from streams.ledger.store import Ledger, _init_connection
+from streams.ledger.store import Ledger
 from streams.model.answers import JobSnapshot
 from streams.model.codes import ReasonCode
 from streams.model.codes import RemoteCallOutcome as Outcome

@@ -179,3 +179,38 @@ def test_kafka_has_the_same_major_line_port_and_broker_settings(compose: dict[st
         if name != "KAFKA_HEAP_OPTS"
     }
     assert {k: v for k, v in in_compose.items() if k not in KAFKA_NETWORK_AND_PATHS} == wanted
+
+
+DOCKERFILE = ROOT / "compose" / "Dockerfile"
+
+
+def _dockerfile_stages() -> list[list[str]]:
+    """The Dockerfile's instructions (continuation lines joined, comments dropped), one list per ``FROM``."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text(encoding="utf-8"))
+    stages: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append([])
+        stages[-1].append(line)
+    return stages
+
+
+def test_the_image_installs_the_locked_product_and_the_built_wheel_only() -> None:
+    image = _dockerfile_stages()[-1]
+    runs = " ".join(i for i in image if i.upper().startswith("RUN "))
+    assert "pip install --require-hashes -r /tmp/product.lock" in runs
+    assert "COPY requirements/product.lock /tmp/product.lock" in image
+    assert re.search(r"pip install --no-deps /tmp/dist/\*\.whl", runs)
+    assert " -e " not in runs and "harness" not in runs and "dev.lock" not in runs
+    copies = [i for i in image if i.upper().startswith("COPY ")]
+    assert all(c.startswith(("COPY requirements/product.lock", "COPY --from=")) for c in copies), copies
+    builder = _dockerfile_stages()[0]
+    assert any("pip wheel --no-deps --wheel-dir /dist ." in i for i in builder)
+
+
+def test_the_image_runs_as_an_unprivileged_user() -> None:
+    users = [i.split()[1] for i in _dockerfile_stages()[-1] if i.upper().startswith("USER ")]
+    assert users and users[-1] not in ("root", "0"), users

@@ -114,6 +114,7 @@ EXPECTED = {
     ("streams.ledger", "accounting.sql"): ["accounting_summary", "record_refund"],
     ("streams.ledger", "reconcile.sql"): ["claim_due_lookups", "adopt_found_job", "give_up_lookup",
     "reschedule_lookup"],
+    ("streams.ledger", "databases.sql"): ["database_exists"],
     ("streams.ledger", "inspect.sql"): [
         "list_operations",
         "operation_row",

@@ -1,0 +1,35 @@
+"""Databases next to the ledger's on the same server: whether one exists, and dropping one (``streams teardown``).
+
+``DROP DATABASE`` takes its name as an identifier, which no query parameter can carry: the name is quoted here
+(:func:`quote_identifier`), the only statement of the ledger package not in ``queries/*.sql``.
+"""
+
+from __future__ import annotations
+
+from streams.ledger.pool import connect
+from streams.ledger.sql import Queries
+
+DATABASES = Queries("databases.sql")
+
+
+def quote_identifier(name: str) -> str:
+    """``name`` as a PostgreSQL quoted identifier (``"a""b"`` for ``a"b``)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+async def drop_database(server_url: str, name: str, *, dry_run: bool = False) -> bool:
+    """Drop database ``name`` (its connections terminated: ``WITH (FORCE)``) through a connection to
+    ``server_url``'s database; returns whether it existed. On ``dry_run`` only looks.
+
+    Raises:
+        DatabaseConfigError, LedgerUnavailableError: as :func:`streams.ledger.store.connect`.
+        asyncpg.PostgresError: the role may not drop it (not its owner).
+    """
+    conn = await connect(server_url)
+    try:
+        exists = bool(await DATABASES.database_exists.fetchval(conn, name=name))
+        if exists and not dry_run:
+            await conn.execute(f"DROP DATABASE IF EXISTS {quote_identifier(name)} WITH (FORCE)")
+        return exists
+    finally:
+        await conn.close()
