@@ -153,7 +153,13 @@ def main(ctx: click.Context, log_level: str, log_format: str | None) -> None:
 
 
 @main.command()
-def migrate() -> None:
+@click.option(
+    "--strict-topics",
+    is_flag=True,
+    help="Refuse (exit 6) when an existing topic's partitions, replication factor or min.insync.replicas differ "
+    "from the settings; without it, each difference is a warning.",
+)
+def migrate(strict_topics: bool) -> None:
     """Apply pending SQL migrations (yoyo) and create the Kafka topics."""
     from streams.setup.admin import create_topics
     from streams.setup.admin import migrate as apply
@@ -168,7 +174,10 @@ def migrate() -> None:
     except StreamsError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"migrations applied: {applied or 'none (up to date)'}")
-    created = asyncio.run(create_topics(settings))
+    try:
+        created = asyncio.run(create_topics(settings, strict=strict_topics))
+    except ConfigError as exc:  # TopicLayoutError, KafkaSecurityError
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
     click.echo(f"topics created: {created or 'none (all exist)'} ({settings.partitions} partitions)")
 
 
@@ -387,6 +396,7 @@ def list_operations(states: tuple[str, ...], older_than: float | None, limit: in
     streams operations list --state uncertain --older-than 10m
     """
     from streams.oncall import operations as operators
+
     result = asyncio.run(
         _with_pool(
             _settings(),

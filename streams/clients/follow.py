@@ -17,6 +17,7 @@ from aiokafka.structs import TopicPartition
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_fixed
 
 from streams.config import Settings
+from streams.kafka_security import client_kwargs
 from streams.wire import exactjson
 
 #: How long a consumer without a group is given to be assigned its topic's partitions, and how often it is looked
@@ -60,7 +61,7 @@ async def read_topic_to_end(settings: Settings, role: str) -> list[DeliveredReco
     topic = settings.topic(role)
     # Without a group id a subscribing consumer is assigned every partition of the topic, no coordinator.
     consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+        topic, **client_kwargs(settings), enable_auto_commit=False, auto_offset_reset="earliest"
     )
     await consumer.start()
     try:
@@ -115,7 +116,7 @@ async def follow_outputs(
     """
     consumer = AIOKafkaConsumer(
         settings.topic("outputs_delivered"),
-        bootstrap_servers=settings.kafka_bootstrap,
+        **client_kwargs(settings),
         group_id=group_id,
         auto_offset_reset="earliest" if from_beginning else "latest",
         enable_auto_commit=group_id is not None,

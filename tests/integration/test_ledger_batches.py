@@ -20,9 +20,9 @@ from prometheus_client import REGISTRY
 
 from streams.config import Settings
 from streams.errors import LedgerDataError, LedgerUnavailableError
+from streams.ledger import store as ledger_module
 from streams.ledger.sql import LEDGER as Q
 from streams.ledger.store import WAIT_FOR_LOCKS, Ledger, ObserveClaim, SaveOutcome, _init_connection
-from streams.ledger import store as ledger_module
 from streams.model.answers import JobSnapshot
 from streams.model.codes import ReasonCode
 from streams.model.codes import RemoteCallOutcome as Outcome
