@@ -279,7 +279,11 @@ def submit(path: Path) -> None:
             await asyncio.gather(*[await producer.publish(operation_id, value) for operation_id, value in values])
         return len(values)
 
-    click.echo(f"published {asyncio.run(run())} submissions")
+    try:
+        published = asyncio.run(run())
+    except ConfigError as exc:  # KafkaSecurityError: a wrong security setting
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
+    click.echo(f"published {published} submissions")
 
 
 @main.command()
@@ -306,6 +310,8 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None, operat
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
+    except ConfigError as exc:  # KafkaSecurityError: a wrong security setting
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
 
 
 # --- operators' commands -----------------------------------------------------------------------------------------

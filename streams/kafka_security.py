@@ -25,13 +25,17 @@ should be or the token provider cannot be loaded: never a fallback to plaintext.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import ssl
 from typing import Any
 
+from aiokafka.conn import create_conn
+from aiokafka.errors import KafkaConnectionError, KafkaError, SaslAuthenticationFailed
+
 from streams.config import Settings
-from streams.errors import ConfigError
+from streams.errors import ConfigError, KafkaSecurityError
 
 
 def ssl_context(
@@ -169,3 +173,89 @@ def faust_settings(settings: Settings) -> dict[str, Any]:
     if settings.kafka_replication_factor >= 1:
         out["topic_replication_factor"] = settings.kafka_replication_factor
     return out
+
+
+#: Seconds :func:`diagnose` waits for each connection it tries.
+DIAGNOSE_TIMEOUT_S = 5.0
+
+
+async def _speaks_tls(host: str, port: int) -> bool:
+    """True when ``host:port`` completes a TLS handshake (any certificate: only the protocol is asked)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        async with asyncio.timeout(DIAGNOSE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(host, port, ssl=context)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+async def _speaks_plain_kafka(host: str, port: int) -> bool:
+    """True when ``host:port`` answers a plaintext Kafka connection (ApiVersions)."""
+    try:
+        async with asyncio.timeout(DIAGNOSE_TIMEOUT_S):
+            conn = await create_conn(host, port, security_protocol="PLAINTEXT")
+    except (KafkaError, OSError, TimeoutError):
+        return False
+    conn.close()
+    return True
+
+
+async def diagnose(settings: Settings) -> str | None:
+    """Why the first bootstrap server refuses this client's security settings, or None when it does not (it
+    connects and logs in, or fails as an outage would: nothing listening, a timeout). One connection (and, to
+    name a protocol mismatch, one probe), each within :data:`DIAGNOSE_TIMEOUT_S`; never shows a password.
+
+    The causes: the SASL login refused; the broker's certificate not trusted (or not naming the host); a TLS
+    client against a plaintext port, a plaintext client against a TLS port; a TLS port that closes the connection
+    of a client without a certificate (mutual TLS).
+    """
+    host, _, port_text = settings.kafka_bootstrap.split(",")[0].strip().rpartition(":")
+    port = int(port_text)
+    protocol = settings.kafka_security_protocol
+    kwargs = security_kwargs(settings)
+    try:
+        async with asyncio.timeout(DIAGNOSE_TIMEOUT_S):
+            conn = await create_conn(host, port, **kwargs)
+    except SaslAuthenticationFailed as exc:
+        return (
+            f"the broker refused the SASL login of user {settings.kafka_sasl_username!r} "
+            f"({settings.kafka_sasl_mechanism}): {exc}"
+        )
+    except ssl.SSLCertVerificationError as exc:
+        return (
+            f"the broker's certificate is not trusted ({exc.verify_message}); check STREAMS_KAFKA_SSL_CA_FILE "
+            f"({settings.kafka_ssl_ca_file or 'system CAs'}) and STREAMS_KAFKA_SSL_CHECK_HOSTNAME"
+        )
+    except (KafkaError, OSError, TimeoutError) as exc:
+        tls = protocol in ("SSL", "SASL_SSL")
+        if isinstance(exc, TimeoutError):
+            return None
+        if tls and await _speaks_plain_kafka(host, port):
+            return f"STREAMS_KAFKA_SECURITY_PROTOCOL={protocol} uses TLS, but {host}:{port} is a plaintext listener"
+        if not tls and await _speaks_tls(host, port):
+            return (
+                f"{host}:{port} is a TLS listener, but STREAMS_KAFKA_SECURITY_PROTOCOL={protocol}: set SSL or SASL_SSL "
+                "(and STREAMS_KAFKA_SSL_CA_FILE)"
+            )
+        if tls and not settings.kafka_ssl_cert_file and isinstance(exc, KafkaConnectionError):
+            return (
+                f"{host}:{port} closed the connection after the TLS handshake: it may require a client certificate "
+                "(STREAMS_KAFKA_SSL_CERT_FILE and STREAMS_KAFKA_SSL_KEY_FILE)"
+            )
+        return None
+    conn.close()
+    return None
+
+
+async def raise_for_security(settings: Settings, exc: BaseException) -> None:
+    """After a client failed to connect with ``exc``: raise :class:`~streams.errors.KafkaSecurityError` when
+    :func:`diagnose` names a wrong security setting; return otherwise (an outage: the caller goes on as before)."""
+    if not isinstance(exc, (KafkaConnectionError, OSError)):
+        return
+    cause = await diagnose(settings)
+    if cause is not None:
+        raise KafkaSecurityError(settings.kafka_bootstrap, cause) from exc

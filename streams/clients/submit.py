@@ -14,7 +14,7 @@ from aiokafka.errors import KafkaTimeoutError, OutOfOrderSequenceNumber
 
 from streams.config import Settings
 from streams.errors import InvalidEventError, JsonValueError
-from streams.kafka_security import producer_kwargs
+from streams.kafka_security import producer_kwargs, raise_for_security
 from streams.metrics import SUBMISSION_RESENDS
 from streams.outages import is_outage
 from streams.wire import contracts, exactjson, jsontext
@@ -192,7 +192,11 @@ class SubmissionProducer:
         self._recover_again: BaseException | None = None
 
     async def __aenter__(self) -> SubmissionProducer:
-        await self._producer.start()
+        try:
+            await self._producer.start()
+        except Exception as exc:
+            await raise_for_security(self.settings, exc)  # KafkaSecurityError: a wrong security setting
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

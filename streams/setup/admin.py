@@ -56,7 +56,7 @@ from streams.errors import (
     StreamsError,
     TopicLayoutError,
 )
-from streams.kafka_security import client_kwargs
+from streams.kafka_security import client_kwargs, raise_for_security
 from streams.ledger.store import connect, connect_config_error, database_address, diagnose_connect
 from streams.outages import is_outage
 
@@ -180,6 +180,7 @@ class KafkaAdmin:
 
     def __init__(self, settings: Settings, deadline_s: float | None = None) -> None:
         self.bootstrap = settings.kafka_bootstrap
+        self.settings = settings
         self._client_kwargs = client_kwargs(settings)
         self.deadline_s = settings.kafka_admin_deadline_s if deadline_s is None else deadline_s
         self._client: AIOKafkaAdminClient | None = None
@@ -203,8 +204,9 @@ class KafkaAdmin:
             client = AIOKafkaAdminClient(**self._client_kwargs)
             try:
                 await client.start()
-            except BaseException:
+            except BaseException as exc:
                 await client.close()
+                await raise_for_security(self.settings, exc)  # a wrong security setting: not waited out
                 raise
             self._client = client
         return self._client
