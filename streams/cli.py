@@ -344,7 +344,12 @@ async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitabl
     from streams.ledger.store import create_pool
 
     try:
-        pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
+        pool = await create_pool(
+            settings.database_url.get_secret_value(),
+            min_size=1,
+            max_size=2,
+            statement_cache_size=settings.database_statement_cache_size,
+        )
         try:
             return await work(pool)
         finally:

@@ -53,6 +53,7 @@ from streams.errors import (
     OperatorActionRefusedError,
     UnknownOperationError,
 )
+from streams.ledger import connect_options
 from streams.ledger.sql import ACCOUNTING, RECONCILE
 from streams.ledger.sql import LEDGER as Q
 from streams.ledger.sql import OPERATORS as OPS
@@ -131,8 +132,12 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     (no SET, LISTEN, cursors or session advisory locks), so the default reset round trip is skipped."""
 
 
-async def create_pool(database_url: str, *, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
-    """An asyncpg pool whose connections encode/decode json and jsonb with every number exact.
+async def create_pool(
+    database_url: str, *, min_size: int = 2, max_size: int = 10, statement_cache_size: int = 100
+) -> asyncpg.Pool:
+    """An asyncpg pool whose connections encode/decode json and jsonb with every number exact, connected by
+    :func:`streams.ledger.connect_options.connect` (``statement_cache_size``: 0 behind PgBouncer in
+    transaction mode).
 
     Raises:
         LedgerUnavailableError: PostgreSQL did not accept the connection.
@@ -147,6 +152,8 @@ async def create_pool(database_url: str, *, min_size: int = 2, max_size: int = 1
                 init=_init_connection,
                 reset=_keep_session,
                 command_timeout=30,
+                connect=connect_options.connect,
+                **connect_options.connect_kwargs(statement_cache_size),
             )
     except CONNECT_CONFIG_ERRORS as exc:
         raise connect_config_error(database_url, exc) from exc
@@ -162,7 +169,7 @@ async def connect(database_url: str) -> asyncpg.Connection:
     """
     try:
         async with _guard("connect"):
-            conn: asyncpg.Connection = await asyncpg.connect(database_url)
+            conn: asyncpg.Connection = await connect_options.connect(database_url)
     except CONNECT_CONFIG_ERRORS as exc:
         raise connect_config_error(database_url, exc) from exc
     return conn
@@ -224,6 +231,8 @@ def connect_config_error(database_url: str, exc: BaseException) -> DatabaseConfi
             f"PostgreSQL at {address}: {detail}; create it (as the database owner) or fix the database name in "
             "STREAMS_DATABASE_URL, then run streams migrate"
         )
+    elif isinstance(exc, connect_options.TlsSettingRefused):
+        message = _without_password(str(exc), database_url)
     elif any(char in _password(database_url) for char in URL_DELIMITERS):
         # The client's error would quote a piece of the password (the part before the delimiter, read as the
         # port): name the cause instead of echoing it.
@@ -253,7 +262,7 @@ async def diagnose_connect(database_url: str) -> DatabaseConfigError | None:
         another reason (an outage: the caller reports its own error).
     """
     try:
-        conn = await asyncpg.connect(database_url, timeout=DIAGNOSE_TIMEOUT_S)
+        conn = await connect_options.connect(database_url, timeout=DIAGNOSE_TIMEOUT_S)
     except CONNECT_CONFIG_ERRORS as exc:
         return connect_config_error(database_url, exc)
     except Exception:  # an outage or anything else: not the settings' fault as far as a login can tell

@@ -27,6 +27,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 
 from streams.config import Settings
 from streams.errors import KafkaAdminError, ServiceNotReadyError
+from streams.ledger import connect_options
 from streams.ledger.store import CONNECT_CONFIG_ERRORS, connect_config_error, database_address
 from streams.outages import is_outage
 from streams.setup.admin import KafkaAdmin
@@ -70,7 +71,7 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
     """
 
     async def check() -> str:
-        conn = await asyncpg.connect(settings.database_url.get_secret_value(), timeout=min(5.0, deadline_s))
+        conn = await connect_options.connect(settings.database_url.get_secret_value(), timeout=min(5.0, deadline_s))
         try:
             version: str = await conn.fetchval("SELECT current_setting('server_version')")
             return f"PostgreSQL {version}"

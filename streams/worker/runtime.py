@@ -120,7 +120,12 @@ class Runtime:
         given, lets :meth:`send_all` hand many records over without a task each."""
         name = worker or worker_name()
         database_url = settings.database_url.get_secret_value()
-        pool = await create_pool(database_url, min_size=2, max_size=settings.db_pool_max_size)
+        pool = await create_pool(
+            database_url,
+            min_size=2,
+            max_size=settings.db_pool_max_size,
+            statement_cache_size=settings.database_statement_cache_size,
+        )
         redis = make_redis(
             settings.redis_url.get_secret_value(),
             settings.redis_socket_timeout_s,
