@@ -426,17 +426,13 @@ def list_operations(states: tuple[str, ...], older_than: float | None, limit: in
 def show_operation(operation_id: str, as_json: bool) -> None:
     """One operation in full: state, job id, fencing value, transition history, outputs with their outbox rows,
     remote calls, and the Redis leases held on it now (owner token, TTL left)."""
-    from streams.coordination.lease import make_redis
+    from streams.coordination.lease import redis_for
     from streams.oncall import operations as operators
 
     settings = _settings()
 
     async def read(pool: asyncpg.Pool) -> dict[str, Any] | None:
-        redis = make_redis(
-            settings.redis_url.get_secret_value(),
-            settings.redis_socket_timeout_s,
-            connect_timeout_s=settings.redis_connect_timeout_s,
-        )
+        redis = redis_for(settings, settings.redis_socket_timeout_s, connect_timeout_s=settings.redis_connect_timeout_s)
         try:
             return await operators.operation_detail(pool, redis, settings, operation_id)
         finally:

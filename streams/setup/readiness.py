@@ -21,11 +21,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import asyncpg
-import redis.asyncio as aioredis
 import redis.exceptions
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
 
 from streams.config import Settings
+from streams.coordination.lease import redis_for
 from streams.errors import KafkaAdminError, ServiceNotReadyError
 from streams.ledger import connect_options
 from streams.ledger.store import CONNECT_CONFIG_ERRORS, connect_config_error, database_address
@@ -117,7 +117,7 @@ async def check_redis(settings: Settings, deadline_s: float) -> str:
     key = READY_KEY_FORMAT.format(prefix=settings.lease_key_prefix, token=uuid.uuid4().hex)
 
     async def check() -> str:
-        client = aioredis.from_url(settings.redis_url.get_secret_value(), socket_timeout=min(5.0, deadline_s))
+        client = redis_for(settings, min(5.0, deadline_s), max_connections=2)
         try:
             info = await client.info("server")
             version = str(info.get("redis_version", "?"))

@@ -22,7 +22,7 @@ import tenacity
 
 from streams import metrics
 from streams.config import Settings
-from streams.coordination.lease import Lease, LeaseManager, make_redis
+from streams.coordination.lease import Lease, LeaseManager, redis_for
 from streams.coordination.ratebudget import RateBudget
 from streams.errors import (
     CoordinationUnavailableError,
@@ -126,8 +126,8 @@ class Runtime:
             max_size=settings.db_pool_max_size,
             statement_cache_size=settings.database_statement_cache_size,
         )
-        redis = make_redis(
-            settings.redis_url.get_secret_value(),
+        redis = redis_for(
+            settings,
             settings.redis_socket_timeout_s,
             connect_timeout_s=settings.redis_connect_timeout_s,
             max_connections=settings.redis_max_connections,
