@@ -159,7 +159,13 @@ def main(ctx: click.Context, log_level: str, log_format: str | None) -> None:
 
 
 @main.command()
-def migrate() -> None:
+@click.option(
+    "--strict-topics",
+    is_flag=True,
+    help="Refuse (exit 6) when an existing topic's partitions, replication factor or min.insync.replicas differ "
+    "from the settings; without it, each difference is a warning.",
+)
+def migrate(strict_topics: bool) -> None:
     """Apply pending SQL migrations (yoyo) and create the Kafka topics."""
     from streams.setup.admin import create_topics
     from streams.setup.admin import migrate as apply
@@ -174,7 +180,10 @@ def migrate() -> None:
     except StreamsError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"migrations applied: {applied or 'none (up to date)'}")
-    created = asyncio.run(create_topics(settings))
+    try:
+        created = asyncio.run(create_topics(settings, strict=strict_topics))
+    except ConfigError as exc:  # TopicLayoutError, KafkaSecurityError
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
     click.echo(f"topics created: {created or 'none (all exist)'} ({settings.partitions} partitions)")
 
 
@@ -276,7 +285,11 @@ def submit(path: Path) -> None:
             await asyncio.gather(*[await producer.publish(operation_id, value) for operation_id, value in values])
         return len(values)
 
-    click.echo(f"published {asyncio.run(run())} submissions")
+    try:
+        published = asyncio.run(run())
+    except ConfigError as exc:  # KafkaSecurityError: a wrong security setting
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
+    click.echo(f"published {published} submissions")
 
 
 @main.command()
@@ -303,6 +316,8 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None, operat
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
+    except ConfigError as exc:  # KafkaSecurityError: a wrong security setting
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
 
 
 # --- operators' commands -----------------------------------------------------------------------------------------
@@ -335,7 +350,12 @@ async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitabl
     from streams.ledger.pool import create_pool
 
     try:
-        pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
+        pool = await create_pool(
+            settings.database_url.get_secret_value(),
+            min_size=1,
+            max_size=2,
+            statement_cache_size=settings.database_statement_cache_size,
+        )
         try:
             return await work(pool)
         finally:
@@ -393,6 +413,7 @@ def list_operations(states: tuple[str, ...], older_than: float | None, limit: in
     streams operations list --state uncertain --older-than 10m
     """
     from streams.oncall import operations as operators
+
     result = asyncio.run(
         _with_pool(
             _settings(),
@@ -411,17 +432,13 @@ def list_operations(states: tuple[str, ...], older_than: float | None, limit: in
 def show_operation(operation_id: str, as_json: bool) -> None:
     """One operation in full: state, job id, fencing value, transition history, outputs with their outbox rows,
     remote calls, and the Redis leases held on it now (owner token, TTL left)."""
-    from streams.coordination.lease import make_redis
+    from streams.coordination.lease import redis_for
     from streams.oncall import operations as operators
 
     settings = _settings()
 
     async def read(pool: asyncpg.Pool) -> dict[str, Any] | None:
-        redis = make_redis(
-            settings.redis_url.get_secret_value(),
-            settings.redis_socket_timeout_s,
-            connect_timeout_s=settings.redis_connect_timeout_s,
-        )
+        redis = redis_for(settings, settings.redis_socket_timeout_s, connect_timeout_s=settings.redis_connect_timeout_s)
         try:
             return await operators.operation_detail(pool, redis, settings, operation_id)
         finally:

@@ -111,6 +111,19 @@ Count = Annotated[int, BeforeValidator(_int_text), Field(ge=0)]
 Port = Annotated[int, BeforeValidator(_int_text), Field(ge=1, le=65535)]
 Seconds = Annotated[float, Field(ge=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
+#: Values of ``STREAMS_KAFKA_SECURITY_PROTOCOL`` and ``STREAMS_KAFKA_SASL_MECHANISM`` (:mod:`streams.kafka_security`).
+KafkaSecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+KafkaSaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"]
+
+
+def _replication(value: int) -> int:
+    if value == 0 or value < -1:
+        raise PydanticCustomError("replication", "must be -1 (the broker's default) or at least 1")
+    return value
+
+
+#: A topic's replication factor: -1 lets the broker decide (CreateTopics' "use the default").
+KafkaReplication = Annotated[int, BeforeValidator(_int_text), AfterValidator(_replication)]
 #: A provider account's name as this project writes it into Redis keys (never the API key).
 AccountName = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 
@@ -131,6 +144,29 @@ def env_values(settings_cls: type[BaseSettings], environ: Mapping[str, str] | No
     field from ``<env_prefix><FIELD>`` in any case, as text, unknown variables ignored. The one environment
     loader of the project (the worker's :class:`Settings`, the simulator's ``SIM_*`` configuration)."""
     return _EnvironSource(settings_cls, os.environ if environ is None else environ)()
+
+
+#: Variables under :data:`ENV_PREFIX` that are the test suite's and the harness's, never the product's settings.
+TEST_ENV_PREFIX = "STREAMS_TEST_"
+#: ``STREAMS_*`` variables of the product that are not :class:`Settings` fields: the operator's name
+#: (:func:`streams.oncall.operations.actor_from_env`), the log format (:data:`streams.logs.FORMAT_ENV`) and the
+#: worker's start attempt (:data:`streams.worker.process.START_ATTEMPT_ENV`).
+OTHER_PRODUCT_VARIABLES = frozenset({"STREAMS_ACTOR", "STREAMS_LOG_FORMAT", "STREAMS_WORKER_START_ATTEMPT"})
+
+
+def unknown_variables(settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> list[str]:
+    """The variables of ``environ`` under :data:`ENV_PREFIX` (any case, as pydantic-settings reads them) that name
+    no field of ``settings_cls`` and are neither :data:`OTHER_PRODUCT_VARIABLES` nor under :data:`TEST_ENV_PREFIX`,
+    sorted."""
+    fields = {ENV_PREFIX + name.upper() for name in settings_cls.model_fields}
+    known = fields | OTHER_PRODUCT_VARIABLES
+    return sorted(
+        name
+        for name in environ
+        if name.upper().startswith(ENV_PREFIX)
+        and not name.upper().startswith(TEST_ENV_PREFIX)
+        and name.upper() not in known
+    )
 
 
 class ExplicitSettings(BaseSettings):
@@ -165,7 +201,15 @@ class Settings(ExplicitSettings):
 
     #: Fields whose values are secrets (never shown, not even in an error message).
     SECRET_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"remote_api_key", "database_url", "redis_url", "remote_base_url"}
+        {
+            "remote_api_key",
+            "database_url",
+            "redis_url",
+            "remote_base_url",
+            "kafka_sasl_password",
+            "kafka_ssl_key_password",
+            "redis_sentinel_password",
+        }
     )
 
     kafka_bootstrap: str = "127.0.0.1:9092"
@@ -301,6 +345,64 @@ class Settings(ExplicitSettings):
     web_port: Port = 6066
     web_enabled: EnvBool = True
 
+    # Secured and replicated services (docs/production-services.md). Every Kafka client of the product (the
+    # worker's Faust app, the admin calls, the submission producer, ``follow``, the operators' topic reads) takes
+    # these from one place, :mod:`streams.kafka_security`. File settings are paths to PEM files; empty = unset.
+    kafka_security_protocol: KafkaSecurityProtocol = Field(
+        "PLAINTEXT",
+        description="PLAINTEXT, SSL (TLS, optionally with a client certificate), SASL_PLAINTEXT or SASL_SSL",
+    )
+    kafka_ssl_ca_file: str = Field("", description="CA bundle that signs the brokers' certificates (empty: system CAs)")
+    kafka_ssl_cert_file: str = Field("", description="client certificate for mutual TLS (with kafka_ssl_key_file)")
+    kafka_ssl_key_file: str = Field("", description="private key of the client certificate")
+    kafka_ssl_key_password: SecretStr = Field(SecretStr(""), description="password of the key file, if encrypted")
+    kafka_ssl_check_hostname: EnvBool = Field(True, description="check the broker's certificate names its host")
+    kafka_sasl_mechanism: KafkaSaslMechanism = Field(
+        "PLAIN", description="PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (SASL_* protocols only)"
+    )
+    kafka_sasl_username: str = Field("", description="SASL user (PLAIN, SCRAM-*)")
+    kafka_sasl_password: SecretStr = Field(SecretStr(""), description="SASL password (PLAIN, SCRAM-*)")
+    kafka_sasl_oauth_token_provider: str = Field(
+        "",
+        description="module:callable returning an aiokafka AbstractTokenProvider (OAUTHBEARER only)",
+    )
+    kafka_replication_factor: KafkaReplication = Field(
+        -1, description="replicas of each product topic; -1 = the broker's default.replication.factor"
+    )
+    kafka_min_insync_replicas: Count = Field(
+        0, description="min.insync.replicas of each product topic; 0 = the broker's default"
+    )
+    kafka_delivery_timeout_s: Seconds = Field(
+        30.0, description="seconds a produced record may wait for its acknowledgement (acks=all) before it fails"
+    )
+    kafka_metadata_max_age_s: Seconds = Field(
+        30.0, description="seconds between metadata refreshes: new partitions are read within this"
+    )
+    redis_ssl_ca_file: str = Field("", description="CA bundle for a rediss:// Redis (empty: system CAs)")
+    redis_ssl_cert_file: str = Field("", description="client certificate for Redis TLS (with redis_ssl_key_file)")
+    redis_ssl_key_file: str = Field("", description="private key of the Redis client certificate")
+    redis_ssl_check_hostname: EnvBool = Field(True, description="check the Redis certificate names its host")
+    redis_sentinels: str = Field("", description="Redis Sentinel addresses host:port,...; empty = no Sentinel")
+    redis_sentinel_master: str = Field("", description="name of the master the sentinels watch")
+    redis_sentinel_password: SecretStr = Field(SecretStr(""), description="password of the sentinels themselves")
+    database_statement_cache_size: Count = Field(
+        100, description="asyncpg's prepared statement cache per connection; 0 behind PgBouncer in transaction mode"
+    )
+    remote_ca_file: str = Field("", description="CA bundle that signs the provider's certificate (empty: system CAs)")
+    remote_client_cert_file: str = Field("", description="client certificate for the provider (mutual TLS)")
+    remote_client_key_file: str = Field("", description="private key of the provider client certificate")
+    remote_auth_header: str = Field(
+        "Authorization", pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$", description="header that carries the API key"
+    )
+    remote_auth_scheme: str = Field(
+        "Bearer",
+        pattern=r"^[A-Za-z0-9._~+/-]*$",
+        description="scheme before the key in that header; empty = the key alone",
+    )
+    remote_allow_plain_http: EnvBool = Field(
+        False, description="allow an http:// provider URL other than loopback (the API key then travels unencrypted)"
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -331,6 +433,9 @@ class Settings(ExplicitSettings):
                 "STREAMS_VISIBILITY_TIMEOUT_S must be at least the lease TTL "
                 f"({self.lease_ttl_ms} ms), or a paused worker's poll returns while its lease still holds"
             )
+        refusal = _services_refusal(self)
+        if refusal is not None:
+            raise ValueError(refusal)
         return self
 
     @functools.cached_property
@@ -407,7 +512,88 @@ class Settings(ExplicitSettings):
             ConfigError: a variable does not parse as its setting's type, is out of range, or the combination
                 would break a worker (the message names the variable, never a secret's value).
         """
-        return cls(**env_values(cls, environ))
+        source = os.environ if environ is None else environ
+        unknown = unknown_variables(cls, source)
+        if unknown:
+            raise ConfigError(
+                f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a setting (misspelt?): a "
+                f"{ENV_PREFIX} variable that names no setting is refused, so that a misspelt security setting "
+                f"never falls back to its default; unset it (the test suite's own are {TEST_ENV_PREFIX}*)"
+            )
+        return cls(**env_values(cls, source))
+
+
+#: Hosts an ``http://`` provider URL may name with an API key without ``STREAMS_REMOTE_ALLOW_PLAIN_HTTP``.
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+def _pair_refusal(prefix: str, cert: str, key: str) -> str | None:
+    """A client certificate needs its key and the reverse (``prefix``: the variables' common part)."""
+    if bool(cert) != bool(key):
+        return f"{ENV_PREFIX}{prefix}_CERT_FILE and {ENV_PREFIX}{prefix}_KEY_FILE go together (one is set, not both)"
+    return None
+
+
+def _services_refusal(s: Settings) -> str | None:
+    """Why the security, replication and Sentinel settings contradict each other (a setting that would be
+    silently ignored, or a secured connection missing a part), or None. Source: docs/production-services.md."""
+    protocol = s.kafka_security_protocol
+    sasl = protocol.startswith("SASL_")
+    tls = protocol in ("SSL", "SASL_SSL")
+    if not tls and (s.kafka_ssl_ca_file or s.kafka_ssl_cert_file or s.kafka_ssl_key_file):
+        return f"STREAMS_KAFKA_SSL_* files are set but STREAMS_KAFKA_SECURITY_PROTOCOL={protocol} uses no TLS"
+    oauth = s.kafka_sasl_mechanism == "OAUTHBEARER"
+    has_password = bool(s.kafka_sasl_password.get_secret_value())
+    if not sasl and (s.kafka_sasl_username or has_password or s.kafka_sasl_oauth_token_provider):
+        return f"STREAMS_KAFKA_SASL_* credentials are set but STREAMS_KAFKA_SECURITY_PROTOCOL={protocol} uses no SASL"
+    if sasl and not oauth and not (s.kafka_sasl_username and has_password):
+        return (
+            f"STREAMS_KAFKA_SASL_MECHANISM={s.kafka_sasl_mechanism} needs STREAMS_KAFKA_SASL_USERNAME and "
+            "STREAMS_KAFKA_SASL_PASSWORD"
+        )
+    if sasl and oauth and not s.kafka_sasl_oauth_token_provider:
+        return (
+            "STREAMS_KAFKA_SASL_MECHANISM=OAUTHBEARER needs STREAMS_KAFKA_SASL_OAUTH_TOKEN_PROVIDER (module:callable)"
+        )
+    if s.kafka_sasl_oauth_token_provider and not oauth:
+        return "STREAMS_KAFKA_SASL_OAUTH_TOKEN_PROVIDER is set but STREAMS_KAFKA_SASL_MECHANISM is not OAUTHBEARER"
+    if 0 < s.kafka_replication_factor < s.kafka_min_insync_replicas:
+        return (
+            f"STREAMS_KAFKA_MIN_INSYNC_REPLICAS ({s.kafka_min_insync_replicas}) must not exceed "
+            f"STREAMS_KAFKA_REPLICATION_FACTOR ({s.kafka_replication_factor}): no write would ever be acknowledged"
+        )
+    if s.kafka_delivery_timeout_s <= 0 or s.kafka_metadata_max_age_s <= 0:
+        return "STREAMS_KAFKA_DELIVERY_TIMEOUT_S and STREAMS_KAFKA_METADATA_MAX_AGE_S must be more than 0 seconds"
+    for prefix, cert, key in (
+        ("KAFKA_SSL", s.kafka_ssl_cert_file, s.kafka_ssl_key_file),
+        ("REDIS_SSL", s.redis_ssl_cert_file, s.redis_ssl_key_file),
+        ("REMOTE_CLIENT", s.remote_client_cert_file, s.remote_client_key_file),
+    ):
+        refusal = _pair_refusal(prefix, cert, key)
+        if refusal is not None:
+            return refusal
+    redis_scheme = urlsplit(s.redis_url.get_secret_value()).scheme
+    if redis_scheme != "rediss" and (s.redis_ssl_ca_file or s.redis_ssl_cert_file or s.redis_ssl_key_file):
+        return "STREAMS_REDIS_SSL_* files are set but STREAMS_REDIS_URL is not rediss:// (TLS)"
+    if bool(s.redis_sentinels) != bool(s.redis_sentinel_master):
+        return "STREAMS_REDIS_SENTINELS and STREAMS_REDIS_SENTINEL_MASTER go together (one is set, not both)"
+    if s.redis_sentinels:
+        for address in s.redis_sentinels.split(","):
+            host, _, port = address.strip().rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                return f"STREAMS_REDIS_SENTINELS holds {address.strip()!r}: write host:port,host:port,..."
+    remote = urlsplit(s.remote_base_url.get_secret_value())
+    if (
+        remote.scheme == "http"
+        and (remote.hostname or "") not in LOOPBACK_HOSTS
+        and s.remote_api_key.get_secret_value()
+        and not s.remote_allow_plain_http
+    ):
+        return (
+            f"STREAMS_REMOTE_BASE_URL is http:// to {remote.hostname}: the API key would travel unencrypted; use "
+            "https://, or set STREAMS_REMOTE_ALLOW_PLAIN_HTTP=true if the network is trusted"
+        )
+    return None
 
 
 def _explain(exc: ValidationError) -> str:

@@ -4,8 +4,10 @@
 
     StreamsError
     ├── ConfigError                  a setting is missing or malformed (fix the environment and restart)
-    │   └── DatabaseConfigError            PostgreSQL refused the login, has no such database, or its URL does
-    │                                      not parse: not an outage, retrying cannot help
+    │   ├── DatabaseConfigError            PostgreSQL refused the login, has no such database, its URL does
+    │   │                                  not parse, or it refused the URL's TLS settings: not an outage
+    │   ├── KafkaSecurityError             Kafka refused the SASL login or the TLS handshake failed
+    │   └── TopicLayoutError               ``migrate --strict-topics``: a topic differs from the settings
     ├── MissingResourceError         a file the package ships (schema, migration, query) is not installed
     ├── QueryParametersError         a named query called without one of its parameters, or with one it does not
     │                                take: a bug at the call site, nothing was sent
@@ -216,6 +218,28 @@ class SharedResourceRefusedError(StreamsError):
     """A removal (``streams teardown``, :func:`streams.setup.admin.delete_topics`) would touch the shared names:
     topics without a prefix (``generation.*``, every deployment's on this broker) or the database the settings
     name. Nothing was removed; give a prefix or a run id, or pass the explicit flag the message names."""
+
+
+class TopicLayoutError(ConfigError):
+    """``streams migrate --strict-topics``: an existing topic's partitions, replication factor or
+    ``min.insync.replicas`` differ from the settings (``differences``: one ``topic: what`` phrase each)."""
+
+    def __init__(self, differences: list[str]) -> None:
+        super().__init__(
+            "topics differ from the settings: " + "; ".join(differences) + ". Change the topics (kafka-topics "
+            "--alter, kafka-reassign-partitions, kafka-configs) or the settings, then run streams migrate again"
+        )
+        self.differences = differences
+
+
+class KafkaSecurityError(ConfigError):
+    """A Kafka client could not connect with its security settings: the broker refused the SASL login, the
+    broker's certificate is not trusted or does not name its host, or TLS met a plaintext port (or the reverse).
+    Waiting cannot fix it: exit 6."""
+
+    def __init__(self, bootstrap: str, cause: str) -> None:
+        super().__init__(f"Kafka at {bootstrap}: {cause}; fix the STREAMS_KAFKA_* security settings")
+        self.bootstrap = bootstrap
 
 
 class ServiceNotReadyError(StreamsError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 FENCING_REFUSALS = Counter(
     "streams_fencing_refusals_total",
@@ -102,4 +102,16 @@ BUDGET_PAUSES = Counter(
     "streams_rate_budget_pauses_total",
     "429 answers whose Retry-After paused every worker's calls of that kind (POST, GET).",
     ["kind"],
+)
+
+# Secured and replicated Kafka (docs/production-services.md).
+SUBMISSION_RESENDS = Counter(
+    "streams_submission_resends_total",
+    "Submissions sent again by a new producer after a failed batch (ledger accepts an operation id once).",
+    ["reason"],
+)
+KAFKA_PARTITIONS_BLOCKED = Gauge(
+    "streams_kafka_partitions_blocked",
+    "1 while a product topic's partition has no leader in this worker's metadata (its writes wait), else 0.",
+    ["topic", "partition"],
 )

@@ -17,6 +17,7 @@ from aiokafka.structs import TopicPartition
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_fixed
 
 from streams.config import Settings
+from streams.kafka_security import client_kwargs, raise_for_security
 from streams.wire import exactjson
 
 #: How long a consumer without a group is given to be assigned its topic's partitions, and how often it is looked
@@ -60,9 +61,13 @@ async def read_topic_to_end(settings: Settings, role: str) -> list[DeliveredReco
     topic = settings.topic(role)
     # Without a group id a subscribing consumer is assigned every partition of the topic, no coordinator.
     consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+        topic, **client_kwargs(settings), enable_auto_commit=False, auto_offset_reset="earliest"
     )
-    await consumer.start()
+    try:
+        await consumer.start()
+    except Exception as exc:
+        await raise_for_security(settings, exc)  # KafkaSecurityError: a wrong security setting
+        raise
     try:
         tps = sorted(await _assignment(consumer))
         if not tps:
@@ -115,13 +120,17 @@ async def follow_outputs(
     """
     consumer = AIOKafkaConsumer(
         settings.topic("outputs_delivered"),
-        bootstrap_servers=settings.kafka_bootstrap,
+        **client_kwargs(settings),
         group_id=group_id,
         auto_offset_reset="earliest" if from_beginning else "latest",
         enable_auto_commit=group_id is not None,
     )
     dedupe = EventDeduplicator()
-    await consumer.start()
+    try:
+        await consumer.start()
+    except Exception as exc:
+        await raise_for_security(settings, exc)  # KafkaSecurityError: a wrong security setting
+        raise
     try:
         async for message in consumer:
             value = exactjson.loads(message.value)

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaTimeoutError, OutOfOrderSequenceNumber
 
 from streams.config import Settings
 from streams.errors import InvalidEventError, JsonValueError
+from streams.kafka_security import producer_kwargs, raise_for_security
+from streams.metrics import SUBMISSION_RESENDS
+from streams.outages import is_outage
 from streams.wire import contracts, exactjson, jsontext
+
+log = logging.getLogger(__name__)
 
 #: A JSON object given as its text (carried verbatim) or as a mapping (written with :func:`exactjson.dumps`).
 JsonObject = str | Mapping[str, Any]
@@ -133,24 +141,67 @@ def submissions_from_jsonl(text: str, max_value_bytes: int) -> list[tuple[str, b
     return out
 
 
+#: Times one submission is sent again after the batch carrying it failed (then its future fails).
+RESEND_ATTEMPTS = 3
+
+
+def needs_new_producer(exc: BaseException) -> bool:
+    """True when a failed send leaves aiokafka's idempotent producer unusable for its partition, or is an outage a
+    fresh producer may get past: a batch past its delivery timeout (``KafkaTimeoutError``: its sequence numbers
+    were spent, so every later batch to that partition fails with ``OutOfOrderSequenceNumber``), that error
+    itself, and the outages of :func:`streams.outages.is_outage`. Anything else (a record too large, an
+    authorization refusal) fails the submission."""
+    return isinstance(exc, (KafkaTimeoutError, OutOfOrderSequenceNumber)) or is_outage(exc)
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One submission not yet acknowledged: its key and value, the future its caller holds, the producer
+    generation it was last sent with (0: not sent yet) and how many times it was sent again."""
+
+    key: bytes
+    value: bytes
+    future: asyncio.Future[Any]
+    generation: int = 0
+    resends: int = 0
+
+
 class SubmissionProducer:
     """Publishes submissions; each value is checked against its schema before it is sent.
 
-    Use as ``async with SubmissionProducer(settings) as p: await p.submit(...)``.
+    Use as ``async with SubmissionProducer(settings) as p: await p.submit(...)``. The producer is idempotent with
+    ``acks=all`` (:func:`streams.kafka_security.producer_kwargs`). When a batch fails in a way that leaves it
+    unusable (:func:`needs_new_producer`), the producer is replaced by a new one and every submission not yet
+    acknowledged is sent again in the order it was first published (at most :data:`RESEND_ATTEMPTS` times each;
+    each time logged and counted in ``streams_submission_resends_total``). A submission whose first copy was
+    written after all is then in the topic twice: the workers accept an operation id once (the ledger's
+    idempotent accept), so none is lost, reordered among those sent again, or handled twice.
+
+    ``producer_factory`` makes each producer (default: an ``AIOKafkaProducer`` from the settings; tests pass
+    their own).
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, producer_factory: Callable[[], AIOKafkaProducer] | None = None) -> None:
         self.settings = settings
         self.topic = settings.topic("submissions")
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=settings.kafka_bootstrap, acks="all", linger_ms=5, enable_idempotence=True
-        )
+        self._factory = producer_factory or (lambda: AIOKafkaProducer(**producer_kwargs(settings), linger_ms=5))
+        self._producer = self._factory()
+        self._generation = 1
+        self._pending: dict[_Pending, None] = {}  # insertion-ordered: publication order
+        self._recovery: asyncio.Task[None] | None = None
+        self._recover_again: BaseException | None = None
 
     async def __aenter__(self) -> SubmissionProducer:
-        await self._producer.start()
+        try:
+            await self._producer.start()
+        except Exception as exc:
+            await raise_for_security(self.settings, exc)  # KafkaSecurityError: a wrong security setting
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        while self._recovery is not None:
+            await asyncio.gather(self._recovery, return_exceptions=True)
         await self._producer.stop()
 
     async def submit(
@@ -171,6 +222,82 @@ class SubmissionProducer:
 
     async def publish(self, operation_id: str, value: bytes) -> asyncio.Future[Any]:
         """Queue one value made by :func:`checked_submission` (keyed by ``operation_id``); returns a future that
-        resolves when Kafka acknowledged it."""
-        fut: asyncio.Future[Any] = await self._producer.send(self.topic, value, key=operation_id.encode())
-        return fut
+        resolves with Kafka's record metadata when acknowledged, or fails with the send's error once the
+        submission failed :data:`RESEND_ATTEMPTS` resends or failed for a reason a new producer cannot help."""
+        entry = _Pending(operation_id.encode(), value, asyncio.get_running_loop().create_future())
+        self._pending[entry] = None
+        if self._recovery is None:  # during a recovery the resend loop sends it, after the older ones
+            await self._send(entry)
+        return entry.future
+
+    async def _send(self, entry: _Pending) -> None:
+        generation = entry.generation = self._generation
+        try:
+            sent: asyncio.Future[Any] = await self._producer.send(self.topic, entry.value, key=entry.key)
+        except Exception as exc:
+            self._failed(entry, generation, exc)
+            return
+        sent.add_done_callback(lambda fut: self._done(entry, generation, fut))
+
+    def _done(self, entry: _Pending, generation: int, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            self._failed(entry, generation, asyncio.CancelledError())
+        elif fut.exception() is not None:
+            self._failed(entry, generation, fut.exception())  # type: ignore[arg-type]
+        else:  # written: also when by a producer replaced since (it is then not sent again)
+            self._pending.pop(entry, None)
+            if not entry.future.done():
+                entry.future.set_result(fut.result())
+
+    def _failed(self, entry: _Pending, generation: int, exc: BaseException) -> None:
+        if entry not in self._pending or generation != self._generation:
+            return  # acknowledged meanwhile, or a failure of a replaced producer: the resend loop has it
+        if not needs_new_producer(exc) or entry.resends >= RESEND_ATTEMPTS:
+            self._pending.pop(entry, None)
+            if not entry.future.done():
+                entry.future.set_exception(exc)
+            return
+        if self._recovery is None:
+            self._recovery = asyncio.get_running_loop().create_task(self._recover(exc))
+        else:  # a resend of the running recovery failed: one more recovery after it
+            self._recover_again = exc
+
+    async def _recover(self, exc: BaseException) -> None:
+        """Replace the producer and send every unacknowledged submission again, in publication order."""
+        old = self._producer
+        self._generation += 1
+        reason = type(exc).__name__
+        try:
+            try:  # its callbacks run now: what it did write is acknowledged, the rest stays pending
+                async with asyncio.timeout(self.settings.kafka_delivery_timeout_s):
+                    await old.stop()
+            except Exception as stop_exc:  # a stuck or broken producer: dropped either way
+                log.debug("submission producer: the replaced producer stopped with %r", stop_exc)
+            log.warning(
+                "submission producer: a send to %s failed (%s); sending the %d unacknowledged submissions again "
+                "with a new producer, in order",
+                self.topic,
+                reason,
+                len(self._pending),
+            )
+            self._producer = self._factory()
+            await self._producer.start()
+            while True:
+                unsent = [entry for entry in self._pending if entry.generation != self._generation]
+                if not unsent:
+                    break
+                for entry in unsent:
+                    if entry.generation:  # sent before: a resend
+                        entry.resends += 1
+                        SUBMISSION_RESENDS.labels(reason=reason).inc()
+                    await self._send(entry)
+        except Exception as recover_exc:  # the new producer cannot start: fail what is pending
+            for entry in list(self._pending):
+                self._pending.pop(entry, None)
+                if not entry.future.done():
+                    entry.future.set_exception(recover_exc)
+        finally:
+            self._recovery = None
+            again, self._recover_again = self._recover_again, None
+            if again is not None and self._pending:
+                self._recovery = asyncio.get_running_loop().create_task(self._recover(again))

@@ -56,6 +56,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -119,6 +120,7 @@ def make_redis(
     connect_timeout_s: float | None = None,
     max_connections: int = 100,
     pool_timeout_s: float = 5.0,
+    **tls: Any,
 ) -> aioredis.Redis:
     """A redis-py asyncio client with bounded command and connect timeouts (seconds; ``connect_timeout_s``
     defaults to ``socket_timeout_s``) on a :class:`WaitingConnectionPool` of ``max_connections``
@@ -128,7 +130,8 @@ def make_redis(
     whose pooled connection turns out closed (Redis restarted since it was last used: redis-py 8 does not check
     a pooled connection before reuse) is sent once more on a fresh connection; the lease commands are safe to
     repeat (``SET NX ... GET`` then reads back our own token: acquired; the scripts compare the token).
-    Timeouts are not repeated: a silent Redis is reported as unavailable after one socket timeout.
+    Timeouts are not repeated: a silent Redis is reported as unavailable after one socket timeout. ``tls``:
+    redis-py's ``ssl_*`` arguments (:func:`redis_tls_kwargs`).
     """
     pool = WaitingConnectionPool.from_url(
         url,
@@ -139,8 +142,61 @@ def make_redis(
         health_check_interval=5,
         retry=Retry(NoBackoff(), retries=1, supported_errors=(redis.exceptions.ConnectionError,)),
         decode_responses=False,
+        **tls,
     )
     return aioredis.Redis.from_pool(pool)
+
+
+def redis_tls_kwargs(settings: Settings) -> dict[str, Any]:
+    """redis-py's TLS keyword arguments for a ``rediss://`` URL: CA bundle, client certificate and key, host name
+    check (``STREAMS_REDIS_SSL_*``); empty when none is set (the URL alone decides)."""
+    out: dict[str, Any] = {}
+    if settings.redis_ssl_ca_file:
+        out["ssl_ca_certs"] = settings.redis_ssl_ca_file
+    if settings.redis_ssl_cert_file:
+        out["ssl_certfile"] = settings.redis_ssl_cert_file
+        out["ssl_keyfile"] = settings.redis_ssl_key_file
+    if not settings.redis_ssl_check_hostname:
+        out["ssl_check_hostname"] = False
+    return out
+
+
+def redis_for(settings: Settings, socket_timeout_s: float, **kwargs: Any) -> aioredis.Redis:
+    """The product's Redis client for ``settings``: :func:`make_redis` on ``redis_url`` with its TLS settings, or,
+    with ``STREAMS_REDIS_SENTINELS``, the master the sentinels name ``redis_sentinel_master`` (redis-py's
+    ``Sentinel.master_for``: user, password, database and TLS from ``redis_url``; the sentinels' own password
+    ``redis_sentinel_password``). ``kwargs`` as :func:`make_redis` takes them."""
+    url = settings.redis_url.get_secret_value()
+    tls = redis_tls_kwargs(settings)
+    if not settings.redis_sentinels:
+        return make_redis(url, socket_timeout_s, **kwargs, **tls)
+    from redis.asyncio.sentinel import Sentinel
+
+    parts = urlsplit(url)
+    sentinels = [
+        (host, int(port))
+        for host, _, port in (address.strip().rpartition(":") for address in settings.redis_sentinels.split(","))
+    ]
+    connect_timeout_s = kwargs.get("connect_timeout_s") or socket_timeout_s
+    sentinel_password = settings.redis_sentinel_password.get_secret_value() or None
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        sentinels,
+        sentinel_kwargs={"password": sentinel_password, "socket_timeout": socket_timeout_s},
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+        db=int(parts.path.lstrip("/") or 0),
+        ssl=parts.scheme == "rediss",
+        **tls,
+    )
+    client: aioredis.Redis = sentinel.master_for(
+        settings.redis_sentinel_master,
+        max_connections=kwargs.get("max_connections", 100),
+        retry=Retry(NoBackoff(), retries=1, supported_errors=(redis.exceptions.ConnectionError,)),
+        decode_responses=False,
+    )
+    return client
 
 
 class Lease:

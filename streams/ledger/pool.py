@@ -16,6 +16,7 @@ from urllib.parse import unquote
 import asyncpg
 
 from streams.errors import DatabaseConfigError, LedgerDataError, LedgerUnavailableError
+from streams.ledger import connect_options
 from streams.outages import is_outage
 from streams.wire import exactjson
 
@@ -58,10 +59,17 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 
 
 async def create_pool(
-    database_url: str, *, min_size: int = 2, max_size: int = 10, idle_lifetime_s: float = 60.0
+    database_url: str,
+    *,
+    min_size: int = 2,
+    max_size: int = 10,
+    idle_lifetime_s: float = 60.0,
+    statement_cache_size: int = 100,
 ) -> asyncpg.Pool:
-    """An asyncpg pool whose connections encode/decode json and jsonb with every number exact; a connection idle
-    for ``idle_lifetime_s`` seconds is closed (0: never), and opened again when next needed.
+    """An asyncpg pool whose connections encode/decode json and jsonb with every number exact, connected by
+    :func:`streams.ledger.connect_options.connect`; a connection idle for ``idle_lifetime_s`` seconds is closed
+    (0: never) and opened again when next needed; ``statement_cache_size``: 0 behind PgBouncer in transaction
+    mode.
 
     Raises:
         LedgerUnavailableError: PostgreSQL did not accept the connection.
@@ -77,6 +85,8 @@ async def create_pool(
                 reset=_keep_session,
                 command_timeout=30,
                 max_inactive_connection_lifetime=idle_lifetime_s,
+                connect=connect_options.connect,
+                **connect_options.connect_kwargs(statement_cache_size),
             )
     except CONNECT_CONFIG_ERRORS as exc:
         raise connect_config_error(database_url, exc) from exc
@@ -92,7 +102,7 @@ async def connect(database_url: str) -> asyncpg.Connection:
     """
     try:
         async with guard("connect"):
-            conn: asyncpg.Connection = await asyncpg.connect(database_url)
+            conn: asyncpg.Connection = await connect_options.connect(database_url)
     except CONNECT_CONFIG_ERRORS as exc:
         raise connect_config_error(database_url, exc) from exc
     return conn
@@ -154,6 +164,8 @@ def connect_config_error(database_url: str, exc: BaseException) -> DatabaseConfi
             f"PostgreSQL at {address}: {detail}; create it (as the database owner) or fix the database name in "
             "STREAMS_DATABASE_URL, then run streams migrate"
         )
+    elif isinstance(exc, connect_options.TlsSettingRefused):
+        message = _without_password(str(exc), database_url)
     elif any(char in _password(database_url) for char in URL_DELIMITERS):
         # The client's error would quote a piece of the password (the part before the delimiter, read as the
         # port): name the cause instead of echoing it.
@@ -183,7 +195,7 @@ async def diagnose_connect(database_url: str) -> DatabaseConfigError | None:
         another reason (an outage: the caller reports its own error).
     """
     try:
-        conn = await asyncpg.connect(database_url, timeout=DIAGNOSE_TIMEOUT_S)
+        conn = await connect_options.connect(database_url, timeout=DIAGNOSE_TIMEOUT_S)
     except CONNECT_CONFIG_ERRORS as exc:
         return connect_config_error(database_url, exc)
     except Exception:  # an outage or anything else: not the settings' fault as far as a login can tell

@@ -29,6 +29,7 @@ from prometheus_client import REGISTRY
 
 from streams.config import Settings, lease_key
 from streams.coordination.lease import REDIS_POOL_EXHAUSTED, REDIS_UNAVAILABLE
+from streams.kafka_security import client_kwargs
 from streams.ledger.pool import guard as ledger_guard  # PostgreSQL errors -> LedgerUnavailableError/LedgerDataError
 from streams.ledger.records import OperatorMove
 from streams.ledger.sql import INSPECT
@@ -317,9 +318,9 @@ async def dead_letter_topic(settings: Settings, *, timeout_s: float = 3.0) -> di
     read
     within ``timeout_s`` (then ``retained`` is None). Never raises for an unreachable broker."""
     topic = settings.topic("dead_letter")
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, request_timeout_ms=int(timeout_s * 1000))
+    admin = AIOKafkaAdminClient(**client_kwargs(settings), request_timeout_ms=int(timeout_s * 1000))
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, request_timeout_ms=int(timeout_s * 1000)
+        **client_kwargs(settings), enable_auto_commit=False, request_timeout_ms=int(timeout_s * 1000)
     )
 
     async def read() -> dict[str, int]:

@@ -45,6 +45,7 @@ import email.utils
 import logging
 import math
 import re
+import ssl
 import time
 from dataclasses import dataclass
 from decimal import Decimal
@@ -70,6 +71,7 @@ from streams.errors import (
     RemoteUnknownOutcomeError,
     RemoteUnknownStatusError,
 )
+from streams.kafka_security import ssl_context
 from streams.model.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.model.states import state_for_remote_status
 from streams.remote.transport import AiohttpTransport, client_timeout
@@ -185,10 +187,30 @@ class _Call:
         self.timeout: dict[str, float | None] = request.extensions.get("timeout", {})
 
 
+def provider_ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """TLS of the provider's client: the CA ``remote_ca_file`` and the client certificate
+    ``remote_client_cert_file`` + ``remote_client_key_file``; None when neither is set (the system's CAs).
+
+    Raises:
+        ConfigError: a file cannot be read as PEM (the message names the variable).
+    """
+    if not (settings.remote_ca_file or settings.remote_client_cert_file):
+        return None
+    return ssl_context(
+        settings.remote_ca_file,
+        settings.remote_client_cert_file,
+        settings.remote_client_key_file,
+        check_hostname=True,
+        what="STREAMS_REMOTE",
+    )
+
+
 def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
     """The worker's single ``httpx.AsyncClient`` for the remote API.
 
-    Timeouts (seconds) come from ``settings.http_*_timeout_s``; auth is ``Authorization: Bearer <key>``.
+    Timeouts (seconds) come from ``settings.http_*_timeout_s``; auth is ``<remote_auth_header>: <remote_auth_scheme>
+    <key>`` (default ``Authorization: Bearer <key>``; no scheme: the key alone); TLS from
+    :func:`provider_ssl_context`.
     Requests go through ``transport`` when given (tests, benchmarks), else the one ``settings.http_transport``
     names: ``aiohttp`` (:class:`streams.remote.transport.AiohttpTransport`, whose exception mapping keeps the taxonomy
     above) or ``httpx`` (httpcore's pool); both hold at most ``settings.http_max_connections`` connections.
@@ -197,14 +219,17 @@ def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | N
         max_connections=settings.http_max_connections,
         max_keepalive_connections=settings.http_max_connections,
     )
+    context = provider_ssl_context(settings)
     if transport is None and settings.http_transport == "aiohttp":
-        transport = AiohttpTransport(max_connections=settings.http_max_connections)
+        transport = AiohttpTransport(max_connections=settings.http_max_connections, ssl_context=context)
+    key = settings.remote_api_key.get_secret_value()
     return httpx.AsyncClient(
         base_url=settings.remote_base_url.get_secret_value(),
         headers={
-            "Authorization": f"Bearer {settings.remote_api_key.get_secret_value()}",
+            settings.remote_auth_header: f"{settings.remote_auth_scheme} {key}" if settings.remote_auth_scheme else key,
             "User-Agent": "generation-streams/0.1",
         },
+        verify=context if context is not None else True,
         timeout=httpx.Timeout(
             connect=settings.http_connect_timeout_s,
             read=settings.http_read_timeout_s,

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -190,21 +191,32 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         max_connections: most connections open at once (aiohttp's ``limit``); requests beyond wait for one,
             within the request's pool timeout, then fail with ``httpx.ConnectTimeout`` (nothing sent).
         keepalive_expiry_s: seconds an idle connection stays in the pool.
+        ssl_context: TLS for ``https://`` (the provider's CA, a client certificate); None: the system's CAs.
 
     The session is created on the first request, inside the running event loop; :meth:`aclose` closes it.
     Cookies are not kept (httpx does that above the transport), redirects are not followed and bodies are passed
     through undecoded (httpx decodes ``Content-Encoding``), exactly as httpx's own transport does.
     """
 
-    def __init__(self, *, max_connections: int, keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S) -> None:
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.max_connections = max_connections
         self.keepalive_expiry_s = keepalive_expiry_s
+        self.ssl_context = ssl_context  # None: aiohttp's default (the system's CAs)
         self._session: aiohttp.ClientSession | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = _ReportingConnector(
-                limit=self.max_connections, limit_per_host=0, keepalive_timeout=self.keepalive_expiry_s
+                limit=self.max_connections,
+                limit_per_host=0,
+                keepalive_timeout=self.keepalive_expiry_s,
+                ssl=self.ssl_context if self.ssl_context is not None else True,
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
     KafkaConnectionError,
     KafkaError,
@@ -54,7 +55,9 @@ from streams.errors import (
     MissingResourceError,
     SharedResourceRefusedError,
     StreamsError,
+    TopicLayoutError,
 )
+from streams.kafka_security import client_kwargs, raise_for_security
 from streams.ledger.pool import connect, connect_config_error, database_address, diagnose_connect
 from streams.outages import is_outage
 
@@ -178,6 +181,8 @@ class KafkaAdmin:
 
     def __init__(self, settings: Settings, deadline_s: float | None = None) -> None:
         self.bootstrap = settings.kafka_bootstrap
+        self.settings = settings
+        self._client_kwargs = client_kwargs(settings)
         self.deadline_s = settings.kafka_admin_deadline_s if deadline_s is None else deadline_s
         self._client: AIOKafkaAdminClient | None = None
 
@@ -197,11 +202,12 @@ class KafkaAdmin:
 
     async def _connected(self) -> AIOKafkaAdminClient:
         if self._client is None:
-            client = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+            client = AIOKafkaAdminClient(**self._client_kwargs)
             try:
                 await client.start()
-            except BaseException:
+            except BaseException as exc:
                 await client.close()
+                await raise_for_security(self.settings, exc)  # a wrong security setting: not waited out
                 raise
             self._client = client
         return self._client
@@ -252,12 +258,17 @@ class KafkaAdmin:
                 what, self.bootstrap, attempts=attempts, elapsed_s=time.monotonic() - started, cause=exc
             ) from exc
 
-    async def create_topics(self, names: list[str], partitions: int) -> list[str]:
-        """Create ``names`` with ``partitions`` partitions each (replication factor 1); returns those created.
+    async def create_topics(
+        self, names: list[str], partitions: int, replication_factor: int = -1, min_insync_replicas: int = 0
+    ) -> list[str]:
+        """Create ``names`` with ``partitions`` partitions each, ``replication_factor`` replicas (-1: the broker's
+        ``default.replication.factor``) and ``min.insync.replicas`` (0: the broker's); returns those created.
 
-        Topics that already exist are left as they are. Raises :class:`KafkaAdminError` for any other per-topic
-        error the broker reports (e.g. an invalid name).
+        Topics that already exist are left as they are (see :meth:`topic_layouts`). Raises
+        :class:`KafkaAdminError` for any other per-topic error the broker reports (e.g. an invalid name, more
+        replicas than brokers).
         """
+        configs = {"min.insync.replicas": str(min_insync_replicas)} if min_insync_replicas else {}
 
         async def request(client: AIOKafkaAdminClient) -> list[str]:
             existing = set(await client.list_topics())
@@ -265,7 +276,15 @@ class KafkaAdmin:
             if not wanted:
                 return []
             response: Any = await client.create_topics(
-                [NewTopic(name, num_partitions=partitions, replication_factor=1) for name in wanted]
+                [
+                    NewTopic(
+                        name,
+                        num_partitions=partitions,
+                        replication_factor=replication_factor,
+                        topic_configs=configs,
+                    )
+                    for name in wanted
+                ]
             )
             created = []
             for topic, error_code, *rest in response.topic_errors:
@@ -276,6 +295,53 @@ class KafkaAdmin:
             return created
 
         return await self.call(f"create topics {names}", request)
+
+    async def topic_layouts(self, names: list[str]) -> dict[str, TopicLayout]:
+        """Partitions, replication factor and ``min.insync.replicas`` of those of ``names`` that exist, and the
+        broker's defaults for the last two (``default.replication.factor``, ``min.insync.replicas``)."""
+
+        async def request(client: AIOKafkaAdminClient) -> dict[str, TopicLayout]:
+            existing = set(await client.list_topics())
+            present = [name for name in names if name in existing]
+            if not present:
+                return {}
+            described = await client.describe_topics(present)
+            cluster = await client.describe_cluster()
+            broker_id = str(cluster["brokers"][0]["node_id"])
+            resources = [
+                ConfigResource(ConfigResourceType.TOPIC, name, {"min.insync.replicas": None}) for name in present
+            ]
+            resources.append(
+                ConfigResource(
+                    ConfigResourceType.BROKER,
+                    broker_id,
+                    {"default.replication.factor": None, "min.insync.replicas": None},
+                )
+            )
+            values: dict[tuple[int, str], dict[str, str]] = {}
+            for response in await client.describe_configs(resources):
+                for error_code, error_message, resource_type, resource_name, entries, *_ in response.resources:
+                    _raise_for_code(error_code, f"describing the configuration of {resource_name!r}: {error_message}")
+                    values[(resource_type, resource_name)] = {entry[0]: entry[1] for entry in entries}
+            broker = values.get((int(ConfigResourceType.BROKER), broker_id), {})
+            layouts = {}
+            for topic in described:
+                _raise_for_code(topic["error_code"], f"describing topic {topic['topic']!r}")
+                replicas = {len(p["replicas"]) for p in topic["partitions"]}
+                isr = min((len(p["isr"]) for p in topic["partitions"]), default=0)
+                topic_config = values.get((int(ConfigResourceType.TOPIC), topic["topic"]), {})
+                layouts[topic["topic"]] = TopicLayout(
+                    name=topic["topic"],
+                    partitions=len(topic["partitions"]),
+                    replication_factor=max(replicas, default=0),
+                    min_insync_replicas=int(topic_config.get("min.insync.replicas") or 1),
+                    in_sync_replicas=isr,
+                    broker_replication_factor=int(broker.get("default.replication.factor") or 1),
+                    broker_min_insync_replicas=int(broker.get("min.insync.replicas") or 1),
+                )
+            return layouts
+
+        return await self.call(f"describe topics {names}", request)
 
     async def delete_topics(self, names: list[str]) -> list[str]:
         """Delete those of ``names`` that exist; returns the names deleted (a topic already gone is no error)."""
@@ -317,14 +383,72 @@ class KafkaAdmin:
         return await self.call(f"describe consumer group {group_id!r}", request, deadline_s)
 
 
-async def create_topics(settings: Settings) -> list[str]:
-    """Create the five topics with ``settings.partitions`` partitions (replication 1); returns those created.
+@dataclass(frozen=True)
+class TopicLayout:
+    """A topic as the cluster holds it: ``partitions``, ``replication_factor`` (replicas of its partitions),
+    ``min_insync_replicas`` (its ``min.insync.replicas``), ``in_sync_replicas`` (the fewest of any partition), and
+    the broker's ``default.replication.factor`` and ``min.insync.replicas``."""
 
-    Existing topics are left as they are (their partition count is not changed). Raises
-    :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
+    name: str
+    partitions: int
+    replication_factor: int
+    min_insync_replicas: int
+    in_sync_replicas: int
+    broker_replication_factor: int
+    broker_min_insync_replicas: int
+
+
+def layout_differences(settings: Settings, layout: TopicLayout) -> list[str]:
+    """How ``layout`` differs from what ``settings`` ask (``partitions``, ``kafka_replication_factor``,
+    ``kafka_min_insync_replicas``; -1/0 stand for the broker's defaults), one phrase each; empty when it does not.
+    A partition with fewer in-sync replicas than ``min.insync.replicas`` is reported too (it refuses writes)."""
+    wanted_rf = settings.kafka_replication_factor
+    if wanted_rf == -1:
+        wanted_rf = layout.broker_replication_factor
+    wanted_isr = settings.kafka_min_insync_replicas or layout.broker_min_insync_replicas
+    out = []
+    if layout.partitions != settings.partitions:
+        out.append(f"{layout.partitions} partitions, STREAMS_PARTITIONS={settings.partitions}")
+    if layout.replication_factor != wanted_rf:
+        out.append(f"replication factor {layout.replication_factor}, wanted {wanted_rf}")
+    if layout.min_insync_replicas != wanted_isr:
+        out.append(f"min.insync.replicas {layout.min_insync_replicas}, wanted {wanted_isr}")
+    if layout.in_sync_replicas < layout.min_insync_replicas:
+        out.append(
+            f"a partition has {layout.in_sync_replicas} in-sync replicas, below min.insync.replicas "
+            f"{layout.min_insync_replicas}: writes to it are refused"
+        )
+    return out
+
+
+async def create_topics(settings: Settings, *, strict: bool = False) -> list[str]:
+    """Create the five topics with ``settings.partitions`` partitions, ``kafka_replication_factor`` replicas and
+    ``kafka_min_insync_replicas``; returns those created. Then check every topic (:func:`layout_differences`):
+    each difference is logged as a warning, or with ``strict`` refused.
+
+    Existing topics are left as they are (their partition count is not changed).
+
+    Raises:
+        KafkaAdminError: see :class:`KafkaAdmin`.
+        TopicLayoutError: ``strict`` and a topic differs from the settings (the message names each difference).
     """
+    names = list(settings.topics.values())
     async with KafkaAdmin(settings) as admin:
-        return await admin.create_topics(list(settings.topics.values()), settings.partitions)
+        created = await admin.create_topics(
+            names, settings.partitions, settings.kafka_replication_factor, settings.kafka_min_insync_replicas
+        )
+        layouts = await admin.topic_layouts(names)
+    differences = [
+        f"{name}: {difference}"
+        for name in names
+        if name in layouts
+        for difference in layout_differences(settings, layouts[name])
+    ]
+    for difference in differences:
+        log.warning("topic differs from the settings: %s", difference)
+    if differences and strict:
+        raise TopicLayoutError(differences)
+    return created
 
 
 def run_topics(settings: Settings) -> list[str]:

@@ -22,12 +22,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import asyncpg
-import redis.asyncio as aioredis
 import redis.exceptions
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
 
 from streams.config import Settings
+from streams.coordination.lease import redis_for
 from streams.errors import KafkaAdminError, ServiceNotReadyError
+from streams.ledger import connect_options
 from streams.ledger.pool import CONNECT_CONFIG_ERRORS, connect_config_error, database_address
 from streams.outages import is_outage
 from streams.setup.admin import KafkaAdmin
@@ -110,7 +111,7 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
     """
 
     async def check() -> str:
-        conn = await asyncpg.connect(settings.database_url.get_secret_value(), timeout=min(5.0, deadline_s))
+        conn = await connect_options.connect(settings.database_url.get_secret_value(), timeout=min(5.0, deadline_s))
         try:
             version: str = await conn.fetchval("SELECT current_setting('server_version')")
             return f"PostgreSQL {version}"
@@ -156,7 +157,7 @@ async def check_redis(settings: Settings, deadline_s: float) -> str:
     key = READY_KEY_FORMAT.format(prefix=settings.lease_key_prefix, token=uuid.uuid4().hex)
 
     async def check() -> str:
-        client = aioredis.from_url(settings.redis_url.get_secret_value(), socket_timeout=min(5.0, deadline_s))
+        client = redis_for(settings, min(5.0, deadline_s), max_connections=2)
         try:
             info = await client.info("server")
             version = str(info.get("redis_version", "?"))

@@ -36,22 +36,25 @@ import asyncio
 import logging
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import faust
 import tenacity
+from faust.transport.drivers.aiokafka import Producer as FaustKafkaProducer
 from prometheus_client import generate_latest
 
 from streams import logs, metrics
 from streams.config import Settings
 from streams.errors import InvalidEventError
+from streams.kafka_security import faust_settings
 from streams.model.answers import clean_text
 from streams.oncall.liveview import register_pages
 from streams.outages import classify, is_outage
 from streams.retrying import failure_of, first_attempt_plain
 from streams.worker.inflight import InOrderAcks, Ticket
+from streams.worker.partitions import BLOCKED_CHECK_INTERVAL_S, BlockedPartitions, blocked_partitions
 from streams.worker.runtime import MAX_LOGGED_ERROR_CHARS, RawMessage, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.observer import Observer
@@ -253,17 +256,32 @@ def faust_data_dir(app_id: str) -> Path:
     return Path(tempfile.gettempdir()) / f"{app_id}-data"
 
 
+class _IdempotentProducer(FaustKafkaProducer):
+    """Faust's aiokafka producer, idempotent with ``acks=all`` outside transactions too (Faust sets both only
+    in a transaction): a retried batch is never written twice, nor out of order."""
+
+    def _settings_extra(self) -> Mapping[str, Any]:
+        return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
+
+
+class _App(faust.App):
+    """The worker's Faust app: its producer is :class:`_IdempotentProducer`."""
+
+    def _new_producer(self) -> Any:
+        return _IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+
 def create_app(settings: Settings) -> faust.App:
     """Build the Faust app for ``settings`` (consumer group = ``settings.app_id``)."""
-    app = faust.App(
+    app = _App(
         settings.app_id,
         broker=[f"kafka://{host}" for host in settings.kafka_bootstrap.split(",")],
         key_serializer="raw",
         value_serializer="raw",
         topic_partitions=settings.partitions,
-        topic_replication_factor=1,
+        # TLS/SASL credentials, metadata age, acks=all, delivery timeout, replication (streams.kafka_security)
+        **faust_settings(settings),
         consumer_auto_offset_reset="earliest",
-        producer_acks=-1,
         producer_linger_ms=2,
         broker_session_timeout=settings.kafka_session_timeout_s,
         broker_heartbeat_interval=settings.kafka_heartbeat_interval_s,
@@ -358,6 +376,17 @@ def create_app(settings: Settings) -> faust.App:
     async def reconcile_lookups() -> None:
         if settings.lookup_enabled:
             await run_forever(Reconciler(await runtime()).tick, RECONCILER_IDLE_S)
+
+    @app.task
+    async def watch_partitions() -> None:
+        """Name the product's partitions without a leader (log line, gauge), from the producer's metadata."""
+        blocked = BlockedPartitions()
+        produced = [settings.topic(role) for role in ("polls", "outputs_delivered", "transitions", "dead_letter")]
+        while True:
+            await asyncio.sleep(BLOCKED_CHECK_INTERVAL_S)
+            client = getattr(getattr(app.producer, "_producer", None), "client", None)
+            if client is not None:
+                blocked.update(blocked_partitions(client.cluster, produced))
 
     @app.page("/metrics")
     async def metrics_view(web: Any, request: Any) -> Any:

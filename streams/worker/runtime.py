@@ -23,7 +23,7 @@ import tenacity
 
 from streams import metrics
 from streams.config import Settings
-from streams.coordination.lease import Lease, LeaseManager, make_redis
+from streams.coordination.lease import Lease, LeaseManager, redis_for
 from streams.coordination.ratebudget import RateBudget
 from streams.errors import (
     CoordinationUnavailableError,
@@ -136,9 +136,10 @@ class Runtime:
             min_size=2,
             max_size=settings.db_pool_max_size,
             idle_lifetime_s=settings.db_pool_idle_lifetime_s,
+            statement_cache_size=settings.database_statement_cache_size,
         )
-        redis = make_redis(
-            settings.redis_url.get_secret_value(),
+        redis = redis_for(
+            settings,
             settings.redis_socket_timeout_s,
             connect_timeout_s=settings.redis_connect_timeout_s,
             max_connections=settings.redis_max_connections,

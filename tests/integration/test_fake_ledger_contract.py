@@ -210,6 +210,7 @@ def fake_records(ledger: InMemoryLedger) -> dict[str, Any]:
 async def test_the_fake_ledger_decides_as_the_real_one(migrated: Settings, pool: asyncpg.Pool) -> None:
     settings = migrated.replace(
         remote_base_url="http://provider.test",
+        remote_allow_plain_http=True,
         poll_min_delay_s=0.0,
         poll_backoff_base_s=0.0,
         not_found_grace_s=0.0,
@@ -254,7 +255,9 @@ async def test_an_operation_left_accepted_is_found_and_dispatched_again_alike(
 ) -> None:
     """An operation whose dispatcher died after accepting it: ``stale_accepted`` finds it on both ledgers and the
     re-dispatch leaves the same records."""
-    settings = migrated.replace(remote_base_url="http://provider.test", coordination_retry_cap_s=0.05)
+    settings = migrated.replace(
+        remote_base_url="http://provider.test", remote_allow_plain_http=True, coordination_retry_cap_s=0.05
+    )
     fake = InMemoryLedger()
     for ledger in (fake, Ledger(pool, "contract")):
         provider = ScriptedProvider()

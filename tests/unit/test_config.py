@@ -27,7 +27,13 @@ def test_defaults() -> None:
 
 def test_empty_environment_gives_defaults() -> None:
     assert Settings.from_env({}) == Settings()
-    assert Settings.from_env({"UNRELATED": "1", "STREAMS_NOT_A_SETTING": "x"}) == Settings()
+    assert Settings.from_env({"UNRELATED": "1", "STREAMS_TEST_DATABASE_URL": "x", "STREAMS_ACTOR": "a"}) == Settings()
+
+
+@pytest.mark.parametrize("var", ["STREAMS_NOT_A_SETTING", "STREAMS_KAFKA_SASL_PASWORD", "streams_kafka_ssl_cafile"])
+def test_a_variable_that_names_no_setting_is_refused_by_name(var: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{var} is not a setting"):
+        Settings.from_env({var: "x"})
 
 
 def test_partitions_and_prefix() -> None:
@@ -55,6 +61,7 @@ def test_types_are_parsed() -> None:
             "STREAMS_REMOTE_CALL_DEADLINE_S": "15",
             "STREAMS_WEB_ENABLED": "false",
             "STREAMS_REMOTE_BASE_URL": "http://remote:9000",
+            "STREAMS_REMOTE_ALLOW_PLAIN_HTTP": "true",
             "STREAMS_KAFKA_BOOTSTRAP": "k1:9092,k2:9092",
         }
     )

@@ -110,6 +110,7 @@ def submission(op: str = OP, request: str = REQUEST) -> RawMessage:
 def settings(base_settings: Settings) -> Settings:
     return base_settings.replace(
         remote_base_url="http://provider.test",
+        remote_allow_plain_http=True,
         poll_min_delay_s=0.0,
         submitting_stale_after_s=30.0,
         not_found_grace_s=10.0,
