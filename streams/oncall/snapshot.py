@@ -12,6 +12,7 @@ worker's intake (partitions whose commits are blocked, from a callable the worke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -152,9 +153,10 @@ class Snapshotter:
         self.latest = Snapshot()
 
     async def take(self) -> Snapshot:
-        """Read every part (each bounded by :data:`PART_TIMEOUT_S`), update :attr:`latest` and the gauges.
-        Never raises for a service that does not answer."""
-        snap = self.latest
+        """Read every part (each bounded by :data:`PART_TIMEOUT_S`), then replace :attr:`latest` (readers see one
+        whole snapshot, never one half taken) and set the gauges. Never raises for a service that does not
+        answer."""
+        snap = dataclasses.replace(self.latest)
         snap.blocked = dict(self.blocked())
         try:
             figures, overview = await asyncio.wait_for(self._ledger(), PART_TIMEOUT_S)
@@ -177,6 +179,7 @@ class Snapshotter:
                 time.time(),
                 None,
             )
+        self.latest = snap
         export(snap)
         return snap
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import faust
 import tenacity
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 
 from streams import logs, metrics
 from streams.config import Settings
@@ -335,7 +335,7 @@ def create_app(settings: Settings) -> faust.App:
 
     @app.page("/metrics")
     async def metrics_view(web: Any, request: Any) -> Any:
-        return web.bytes(generate_latest(), content_type=CONTENT_TYPE_LATEST)
+        return web.bytes(generate_latest(), content_type="text/plain")
 
     @app.page("/livez")
     async def liveness_view(web: Any, request: Any) -> Any:
