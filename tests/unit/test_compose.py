@@ -179,3 +179,15 @@ def test_kafka_has_the_same_major_line_port_and_broker_settings(compose: dict[st
         if name != "KAFKA_HEAP_OPTS"
     }
     assert {k: v for k, v in in_compose.items() if k not in KAFKA_NETWORK_AND_PATHS} == wanted
+
+
+def test_workers_serve_the_network_with_probes_and_no_written_secret(compose: dict[str, Any]) -> None:
+    worker = compose["services"]["worker"]
+    env = environment(worker)
+    assert env["STREAMS_WEB_BIND"] == "0.0.0.0"  # a container's loopback is nobody's
+    assert Settings.from_env(env).web_port == 6066
+    assert env["STREAMS_WEB_AUTH_TOKEN"] in ("${STREAMS_WEB_AUTH_TOKEN:-}", "")  # from the caller's environment
+    assert env["STREAMS_KAFKA_BOOTSTRAP"] == "kafka:9092"  # the shared settings still apply
+    probe = " ".join(worker["healthcheck"]["test"])
+    assert "http://127.0.0.1:6066/readyz" in probe
+    assert not worker.get("ports")  # not published on the host
