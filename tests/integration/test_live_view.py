@@ -196,8 +196,13 @@ async def test_live_view_in_chromium(
             busy_on_page = int((await busy_row.locator("td").all_inner_texts())[-1])
             busy_now = await worker.metric("streams_lease_busy_total", busy_labels)
             assert 1 <= busy_on_page <= busy_now
-            dead_row = page.locator("#outbox tr", has_text="reason=not_json")
+            submissions_topic = worker_settings.topic("submissions")
+            dead_row = page.locator("#outbox tr", has_text=f"reason=not_json, topic={submissions_topic}")
             assert (await dead_row.locator("td").all_inner_texts())[-1] == "1"
+            # Counters that never fired are listed at 0 (every counter is exported from the start).
+            fencing = page.locator("#contention tr", has_text="streams_fencing_refusals_total")
+            assert await fencing.count() == 3  # stage=submit, observe, reconcile
+            assert {(await row.locator("td").all_inner_texts())[-1] for row in await fencing.all()} == {"0"}
             # The dead-letter topic, against Kafka's own offsets read here.
             dead_topic = worker_settings.topic("dead_letter")
             retained = len(await read_topic_to_end(worker_settings, "dead_letter"))
