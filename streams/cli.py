@@ -232,12 +232,12 @@ def ready(services: tuple[str, ...], timeout_s: float, pids: tuple[str, ...]) ->
     "--web-port",
     type=click.IntRange(1, 65535),
     default=None,
-    help="Port of the live view, /metrics and /healthz (default STREAMS_WEB_PORT).",
+    help="Port of the live view, /metrics and the probes /livez and /readyz (default STREAMS_WEB_PORT).",
 )
 @click.pass_obj
 def worker(obj: dict[str, str], web_port: int | None) -> None:
     """Run one worker process (Faust): dispatcher and observer agents, poll scheduler and outbox relay timers,
-    and a web server with the live view (/), one operation (/operations/OP), /metrics and /healthz.
+    and a web server with the live view (/), one operation (/operations/OP), /metrics, /livez and /readyz.
 
     Waits first for PostgreSQL, Redis and Kafka (up to STREAMS_STARTUP_TIMEOUT_S). Logs are JSON lines on stdout
     unless --log-format text."""

@@ -209,6 +209,8 @@ class Settings(ExplicitSettings):
             "kafka_sasl_password",
             "kafka_ssl_key_password",
             "redis_sentinel_password",
+            "web_auth_token",
+            "web_auth_password",
         }
     )
 
@@ -403,6 +405,36 @@ class Settings(ExplicitSettings):
         False, description="allow an http:// provider URL other than loopback (the API key then travels unencrypted)"
     )
 
+    # The worker's web server, safe to expose (docs/operations-http-and-alerts.md).
+    web_bind: str = Field(
+        "127.0.0.1",
+        description="Address the worker's web server listens on (loopback by default; 0.0.0.0 in a container).",
+    )
+    web_allowed_hosts: str = Field(
+        "127.0.0.1,localhost,::1",
+        description="Comma-separated host names the web server answers (the Host header without its port); "
+        "'*' answers any. Other hosts get 421.",
+    )
+    web_auth_token: SecretStr = Field(
+        SecretStr(""),
+        description="Bearer token that opens the live view (Authorization: Bearer <token>); empty: no token.",
+    )
+    web_auth_user: str = Field("", description="User name of the live view's basic credentials; empty: none.")
+    web_auth_password: SecretStr = Field(
+        SecretStr(""), description="Password of the live view's basic credentials (with web_auth_user)."
+    )
+    web_auth_probes: EnvBool = Field(False, description="Ask credentials for /livez, /readyz and /healthz too.")
+    web_auth_metrics: EnvBool = Field(False, description="Ask credentials for /metrics too.")
+    web_show_payloads: EnvBool = Field(
+        False, description="Show operations' requests, sources and outputs' payloads in the live view."
+    )
+    web_snapshot_interval_s: Seconds = Field(
+        10.0, description="Seconds between the worker's snapshots of the ledger and Kafka (gauges, live view)."
+    )
+    web_probe_timeout_s: Seconds = Field(
+        2.0, description="Seconds /readyz waits for each service's answer before it reports it unavailable."
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -412,7 +444,13 @@ class Settings(ExplicitSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         """Refuse combinations that would break a worker at run time."""
-        for name in ("remote_call_deadline_s", "redis_pool_timeout_s", "redis_connect_timeout_s"):
+        for name in (
+            "remote_call_deadline_s",
+            "redis_pool_timeout_s",
+            "redis_connect_timeout_s",
+            "web_snapshot_interval_s",
+            "web_probe_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"STREAMS_{name.upper()} must be more than 0 seconds")
         if self.remote_call_deadline_s + self.lease_margin_s >= self.lease_ttl_s:
@@ -437,6 +475,11 @@ class Settings(ExplicitSettings):
         if refusal is not None:
             raise ValueError(refusal)
         return self
+
+    @property
+    def web_allowed_host_names(self) -> frozenset[str]:
+        """:attr:`web_allowed_hosts` as lower-case host names (``*`` when any host is answered)."""
+        return frozenset(h.strip().lower() for h in self.web_allowed_hosts.split(",") if h.strip())
 
     @functools.cached_property
     def topics(self) -> dict[str, str]:

@@ -1,8 +1,20 @@
-"""Prometheus metrics of one worker process (served at ``/metrics`` by the worker's web server)."""
+"""Prometheus metrics of one worker process (served at ``/metrics`` by the worker's web server).
+
+Counters count this process's events since it started; every counter is exported from the start, at 0 for each
+known label value (:func:`preinitialise`), so a rate and an alert see the series before its first event. The
+gauges are the figures of the worker's periodic snapshot (:mod:`streams.oncall.snapshot`, every
+``web_snapshot_interval_s``): the ledger's and Kafka's state, the same in every worker.
+Names and units follow the Prometheus conventions (``_total``, ``_seconds``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from streams.model.codes import RemoteCallOutcome
+from streams.model.states import OperationState
 
 FENCING_REFUSALS = Counter(
     "streams_fencing_refusals_total",
@@ -115,3 +127,93 @@ KAFKA_PARTITIONS_BLOCKED = Gauge(
     "1 while a product topic's partition has no leader in this worker's metadata (its writes wait), else 0.",
     ["topic", "partition"],
 )
+
+# The periodic snapshot's gauges (streams.oncall.snapshot).
+OPERATIONS = Gauge("streams_operations", "Operations in the ledger, by state (at the last snapshot).", ["state"])
+DECISION_WAITING = Gauge(
+    "streams_decision_waiting",
+    "Operations waiting for an operator's decision (state uncertain or stalled), at the last snapshot.",
+    ["state"],
+)
+DECISION_OLDEST_AGE_SECONDS = Gauge(
+    "streams_decision_oldest_age_seconds",
+    "Seconds the oldest operation waiting for a decision has been in its state (0 when none waits).",
+    ["state"],
+)
+OUTBOX_UNPUBLISHED = Gauge("streams_outbox_unpublished", "Outbox rows not yet published (at the last snapshot).")
+OUTBOX_OLDEST_AGE_SECONDS = Gauge(
+    "streams_outbox_oldest_age_seconds", "Seconds since the oldest unpublished outbox row was written (0 when none)."
+)
+CONSUMER_LAG = Gauge(
+    "streams_consumer_lag",
+    "Records of the topic not yet committed by the worker's consumer group (end offset - committed offset, summed "
+    "over partitions; the whole group's, as Kafka has it).",
+    ["topic"],
+)
+PARTITIONS_BLOCKED = Gauge(
+    "streams_partitions_blocked",
+    "This worker's partitions whose offset commits wait behind an event still being handled (later events done).",
+    ["agent"],
+)
+DEAD_LETTERS_RETAINED = Gauge(
+    "streams_dead_letters_retained", "Records the dead-letter topic retains (every worker's), at the last snapshot."
+)
+SNAPSHOT_TIMESTAMP_SECONDS = Gauge(
+    "streams_snapshot_timestamp_seconds", "Unix time of the last snapshot that read the ledger (0 before the first)."
+)
+SNAPSHOT_FAILURES = Counter(
+    "streams_snapshot_failures_total", "Snapshots of which a part could not be read (service not answering).", ["part"]
+)
+
+#: Label values of each labelled counter that :func:`preinitialise` exports at 0.
+_STAGES = ("submit", "observe", "reconcile")
+_ACTIONS = ("submit", "observe")
+_METHODS = ("POST", "GET")
+_BUDGET_KINDS = ("POST", "GET", "claims")
+#: The reasons an input is dead-lettered (``streams.errors.InvalidEventError``'s reasons).
+DEAD_LETTER_REASONS = ("not_json", "oversized", "schema", "unpublishable", "processing_error")
+#: The snapshot's parts (:data:`SNAPSHOT_FAILURES`).
+SNAPSHOT_PARTS = ("ledger", "kafka")
+#: The agents whose partitions :data:`PARTITIONS_BLOCKED` counts.
+AGENTS = ("dispatch", "observe")
+
+
+def preinitialise(consumed_topics: Iterable[str]) -> None:
+    """Export every counter at 0 for its known label values, and the gauges' known series: call once at a worker's
+    start. ``consumed_topics``: the full names of the topics whose events may be dead-lettered (submissions,
+    polls). Idempotent (``labels()`` of an existing series returns it)."""
+    for stage in _STAGES:
+        FENCING_REFUSALS.labels(stage)
+    for action in _ACTIONS:
+        LEASE_BUSY.labels(action)
+        LEASE_LOST.labels(action)
+    for action in (*_ACTIONS, "schedule"):
+        COORDINATION_UNAVAILABLE.labels(action)
+    for method in _METHODS:
+        ABANDONED_CALLS.labels(method)
+        for outcome in RemoteCallOutcome:
+            REMOTE_CALLS.labels(method, outcome.value)
+    for role in ("outputs_delivered", "transitions"):
+        OUTBOX_PUBLISHED.labels(role)
+    for result in ("submitted", "already_dispatched", "redispatched", "dead_letter"):
+        SUBMISSIONS.labels(result)
+    for kind in ("max_age", "not_found", "unknown_status"):
+        STALLED.labels(kind)
+    for result in ("adopted", "not_found", "failed"):
+        LOOKUPS.labels(result)
+    for kind in _BUDGET_KINDS:
+        BUDGET_WAITS.labels(kind)
+        BUDGET_WAIT_SECONDS.labels(kind)
+        BUDGET_PAUSES.labels(kind)
+    for topic in consumed_topics:
+        for reason in DEAD_LETTER_REASONS:
+            DEAD_LETTERS.labels(topic, reason)
+    for part in SNAPSHOT_PARTS:
+        SNAPSHOT_FAILURES.labels(part)
+    for operation_state in OperationState:
+        OPERATIONS.labels(operation_state.value)
+    for decision_state in ("uncertain", "stalled"):
+        DECISION_WAITING.labels(decision_state)
+        DECISION_OLDEST_AGE_SECONDS.labels(decision_state)
+    for agent in AGENTS:
+        PARTITIONS_BLOCKED.labels(agent)

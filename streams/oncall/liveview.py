@@ -3,38 +3,45 @@
 * ``GET /`` — operations by state, throughput over the last minutes (from the transition log), the
   ``uncertain`` and ``stalled`` queues with their ages and reasons, lease contention (this worker's counters),
   the outbox backlog, the dead-letter topic's records (Kafka's offsets) and this worker's dead letters by reason;
-  every operation links to its page. ``?minutes=N`` (1..120, default 10)
-  sets the throughput window. Refreshes itself every :data:`REFRESH_S` seconds.
-* ``GET /operations/{operation_id}`` — one operation, the same data as ``streams operations show``.
+  every operation links to its page. The figures are the worker's latest snapshot
+  (:mod:`streams.oncall.snapshot`, taken every ``web_snapshot_interval_s`` by one background task; a request
+  opens no client and runs no query); the page says when it was taken. Refreshes itself every
+  :data:`REFRESH_S` seconds.
+* ``GET /operations/{operation_id}`` — one operation, the same data as ``streams operations show``, without its
+  payloads (``request``, ``source``, the last observation, the outputs' payloads: :data:`PAYLOAD_FIELDS`) unless
+  ``web_show_payloads`` is set, and never with a lease's owner token.
 
 Both answer ``?format=json`` with the data instead of the page. Server-rendered HTML, every value escaped, no
-script. Read-only: the pages never write to the ledger and never call the remote API. PostgreSQL not answering
-gives a 503 page saying so.
+script. Read-only: the pages never write to the ledger and never call the remote API. No snapshot yet, or
+PostgreSQL not answering for an operation's page, gives a 503 page saying so. Access (credentials, hosts,
+headers): :mod:`streams.oncall.webaccess`.
 """
-
 from __future__ import annotations
 
 import html
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from streams.config import Settings
 from streams.errors import LedgerUnavailableError
 from streams.oncall import operations as operators
 from streams.oncall.operations import format_age, format_time
+from streams.oncall.snapshot import Snapshot
 
 #: Seconds between the overview's automatic reloads.
 REFRESH_S = 10
-#: Default and largest throughput window of the overview (minutes).
-WINDOW_MIN = 10
-MAX_WINDOW_MIN = 120
-#: Rows shown per on-call queue.
-QUEUE_ROWS = 50
+#: What an operation's page leaves out unless ``web_show_payloads`` is set: users' data.
+PAYLOAD_FIELDS = ("operation.request", "operation.source", "operation.last_observation", "outputs.payload")
+#: What a hidden payload reads as.
+HIDDEN = "hidden (STREAMS_WEB_SHOW_PAYLOADS shows it)"
 
 if TYPE_CHECKING:  # the worker serves these pages; on call imports nothing of it at run time
     from streams.worker.runtime import Runtime
 
 RuntimeFn = Callable[[], Awaitable["Runtime"]]
+SnapshotFn = Callable[[], Snapshot]
 
 _STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
@@ -85,9 +92,12 @@ def render_overview(
     worker: str,
     counters: Sequence[Mapping[str, Any]],
     dead_letters: Mapping[str, Any],
+    *,
+    stale: str | None = None,
 ) -> str:
     """The overview page from :func:`streams.oncall.operations.overview` data, this worker's counter samples and
-    :func:`streams.oncall.operations.dead_letter_topic`."""
+    :func:`streams.oncall.operations.dead_letter_topic`; ``stale`` says why the figures may be old (None: they
+    are the last snapshot's)."""
     states = data["states"]
     state_rows = (
         [f'<span class="mono">{esc(s)}</span>', f'<span class="count" data-state="{esc(s)}">{esc(n)}</span>']
@@ -121,6 +131,7 @@ def render_overview(
 <p class="muted">worker <span class="mono" id="worker">{esc(worker)}</span> &middot; database clock
 <span id="now">{esc(format_time(data["now"]))}</span> &middot; reloads every {REFRESH_S} s &middot;
 <a href="?format=json">JSON</a></p>
+{f'<p class="warn" id="stale">{esc(stale)}</p>' if stale else ""}
 
 <section id="states"><h2>Operations by state
 (<span id="total">{esc(sum(states.values()))}</span>)</h2>
@@ -196,6 +207,13 @@ def _counters(samples: Sequence[Mapping[str, Any]], empty: str) -> str:
 def render_operation(detail: Mapping[str, Any]) -> str:
     """One operation's page from :func:`streams.oncall.operations.operation_detail` data."""
     op = detail["operation"]
+    hidden = set(detail.get("hidden", ()))
+
+    def payload(path: str, value: Any) -> str:
+        if path in hidden:
+            return f'<span class="muted hidden">{esc(HIDDEN)}</span>'
+        return f"<code>{esc(operators.compact_json(value))}</code>"
+
     facts = [
         ("operation", f'<span class="mono" id="operation-id">{esc(op["operation_id"])}</span>'),
         (
@@ -223,11 +241,11 @@ def render_operation(detail: Mapping[str, Any]) -> str:
             f"{esc(format_time(op['lookup_gave_up_at']))})",
         ),
         ("last observed", esc(format_time(op["last_observed_at"]))),
-        ("last observation", f"<code>{esc(operators.compact_json(op['last_observation']))}</code>"),
+        ("last observation", payload("operation.last_observation", op["last_observation"])),
         ("remote completed", esc(format_time(op["remote_completed_at"]))),
-        ("request", f"<code>{esc(operators.compact_json(op['request']))}</code>"),
+        ("request", payload("operation.request", op["request"])),
         ("submitted at", esc(operators.format_epoch_ms(op["submitted_at_ms"]))),
-        ("source", f"<code>{esc(operators.compact_json(op['source']))}</code>"),
+        ("source", payload("operation.source", op["source"])),
     ]
     fact_rows = "".join(f"<tr><th>{esc(k)}</th><td>{v}</td></tr>" for k, v in facts)
     transitions = _table(
@@ -303,9 +321,9 @@ def render_operation(detail: Mapping[str, Any]) -> str:
         leases = '<p class="muted" id="leases">none held</p>'
     else:
         leases = _table(
-            ["action", "key", "owner token", "TTL left (ms)"],
-            ([esc(x["action"]), esc(x["key"]), esc(x["owner_token"]), esc(x["ttl_ms"])] for x in detail["leases"]),
-            numeric=[3],
+            ["action", "key", "TTL left (ms)"],
+            ([esc(x["action"]), esc(x["key"]), esc(x["ttl_ms"])] for x in detail["leases"]),
+            numeric=[2],
             id="leases",
         )
     body = f"""
@@ -325,49 +343,86 @@ def _error_page(title: str, message: str) -> str:
     return _page(title, f'<p><a href="/">&larr; live view</a></p><h1>{esc(title)}</h1><p>{esc(message)}</p>')
 
 
-def _pool(rt: Runtime) -> Any:
-    """The worker's ledger pool (a worker always has one; an in-memory ledger has none)."""
-    if rt.pool is None:
-        raise LedgerUnavailableError("the live view needs the worker's PostgreSQL pool; this runtime has none")
-    return rt.pool
+def shown_detail(detail: Mapping[str, Any], *, show_payloads: bool) -> dict[str, Any]:
+    """``detail`` (:func:`streams.oncall.operations.operation_detail`) as the live view shows it: without the
+    leases' owner tokens, and without :data:`PAYLOAD_FIELDS` (each None, named in ``hidden``) unless
+    ``show_payloads``."""
+    shown = dict(detail)
+    shown["leases"] = [{k: v for k, v in x.items() if k != "owner_token"} for x in detail["leases"]]
+    shown["hidden"] = []
+    if not show_payloads:
+        shown["operation"] = {
+            **detail["operation"],
+            **{f.partition(".")[2]: None for f in PAYLOAD_FIELDS if f.startswith("operation.")},
+        }
+        shown["outputs"] = [{**o, "payload": None} for o in detail["outputs"]]
+        shown["hidden"] = list(PAYLOAD_FIELDS)
+    return shown
 
 
-def register_pages(app: Any, runtime: RuntimeFn) -> None:
+def _snapshot_state(snap: Snapshot, now_s: float) -> str | None:
+    """Why the snapshot's figures may be old, or None."""
+    notes = []
+    if snap.ledger_error:
+        notes.append(f"the ledger did not answer the last snapshot ({snap.ledger_error})")
+    if snap.kafka_error:
+        notes.append(f"Kafka did not answer the last snapshot ({snap.kafka_error})")
+    if not notes:
+        return None
+    return f"figures from {format_age(now_s - snap.ledger_at)} ago: " + "; ".join(notes)
+
+
+def register_pages(app: Any, runtime: RuntimeFn, snapshot: SnapshotFn, settings: Settings) -> None:
     """Add the live view's pages to the Faust ``app``; ``runtime`` gives the worker's resources (its ledger pool
-    and Redis client)."""
+    and Redis client), ``snapshot`` the latest snapshot (:class:`streams.oncall.snapshot.Snapshot`)."""
 
     def wants_json(request: Any) -> bool:
         return bool(request.query.get("format") == "json")
 
     async def overview_page(web: Any, request: Any) -> Any:
-        try:
-            minutes = int(request.query.get("minutes", WINDOW_MIN))
-        except ValueError:
-            minutes = WINDOW_MIN
-        minutes = min(max(minutes, 1), MAX_WINDOW_MIN)
-        rt = await runtime()
-        try:
-            data = await operators.overview(_pool(rt), window_min=minutes, queue_limit=QUEUE_ROWS)
-        except LedgerUnavailableError as exc:
-            message = str(exc)
-            return web.html(_error_page("ledger unavailable", message), status=503)
+        snap = snapshot()
+        if snap.overview is None:
+            message = "no snapshot of the ledger yet: " + (snap.ledger_error or "the first one is being taken")
+            return web.html(_error_page("no figures yet", message), status=503)
+        data = snap.overview
         counters = operators.worker_counters((*operators.CONTENTION_METRICS, *operators.DEAD_LETTER_METRICS))
-        dead_letters = await operators.dead_letter_topic(rt.settings)
+        dead_letters = snap.dead_letter_topic or {
+            "topic": settings.topic("dead_letter"),
+            "retained": None,
+            "by_partition": {},
+            "error": snap.kafka_error or "not read yet",
+        }
+        stale = _snapshot_state(snap, time.time())
+        worker = (await runtime()).worker  # there is a snapshot: the runtime exists
         if wants_json(request):
-            payload = {**data, "worker": rt.worker, "counters": counters, "dead_letter_topic": dead_letters}
+            payload = {
+                **data,
+                "worker": worker,
+                "counters": counters,
+                "dead_letter_topic": dead_letters,
+                "consumer_lag": snap.consumer_lag,
+                "partitions_blocked": snap.blocked,
+                "snapshot": {
+                    "ledger_at": snap.ledger_at,
+                    "ledger_error": snap.ledger_error,
+                    "kafka_at": snap.kafka_at,
+                    "kafka_error": snap.kafka_error,
+                },
+            }
             return web.bytes(operators.to_json(payload).encode(), content_type="application/json")
-        return web.html(render_overview(data, rt.worker, counters, dead_letters))
+        return web.html(render_overview(data, worker, counters, dead_letters, stale=stale))
 
     async def operation_page(web: Any, request: Any, operation_id: str) -> Any:
         rt = await runtime()
         try:
-            detail = await operators.operation_detail(_pool(rt), rt.leases.client, rt.settings, operation_id)
+            found = await operators.operation_detail(rt.ledger_pool(), rt.leases.client, rt.settings, operation_id)
         except LedgerUnavailableError as exc:
             message = str(exc)
             return web.html(_error_page("ledger unavailable", message), status=503)
-        if detail is None:
+        if found is None:
             message = f"operation {operation_id!r} is not in the ledger"
             return web.html(_error_page("no such operation", message), status=404)
+        detail = shown_detail(found, show_payloads=settings.web_show_payloads)
         if wants_json(request):
             return web.bytes(operators.to_json(detail).encode(), content_type="application/json")
         return web.html(render_operation(detail))

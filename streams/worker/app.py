@@ -14,7 +14,11 @@ re-dispatch
 * ``reconcile_lookups`` task (only with ``lookup_enabled``): :class:`~streams.worker.stages.reconciler.Reconciler`, in
 a loop
   of its own, so a slow lookup never delays poll scheduling.
-* Web: ``GET /metrics`` (Prometheus text), ``GET /healthz``, and the live view (:mod:`streams.oncall.liveview`).
+* ``take_snapshots`` task (with ``web_enabled``): :class:`~streams.oncall.snapshot.Snapshotter` every
+  ``web_snapshot_interval_s``: the gauges of ``/metrics`` and the live view's figures.
+* Web (``web_bind``:``web_port``): ``GET /metrics`` (Prometheus text), the probes ``GET /livez`` and ``GET /readyz``
+  (``/healthz``: the same as ``/readyz``), and the live view (:mod:`streams.oncall.liveview`); access and headers
+  by :mod:`streams.oncall.webaccess`. Faust's own pages are off.
 
 Offsets (see :mod:`streams.worker.inflight`): each agent has one actor per worker, reading a ``noack`` stream, so
 faust never acknowledges an event by itself (a plain stream acknowledges the event it yielded when the actor
@@ -47,10 +51,13 @@ from prometheus_client import generate_latest
 
 from streams import logs, metrics
 from streams.config import Settings
-from streams.errors import InvalidEventError
+from streams.errors import InvalidEventError, LedgerUnavailableError
 from streams.kafka_security import faust_settings
+from streams.ledger.snapshot import ping as ping_ledger
 from streams.model.answers import clean_text
+from streams.oncall import webaccess
 from streams.oncall.liveview import register_pages
+from streams.oncall.snapshot import Snapshot, Snapshotter
 from streams.outages import classify, is_outage
 from streams.retrying import failure_of, first_attempt_plain
 from streams.worker.inflight import InOrderAcks, Ticket
@@ -302,9 +309,19 @@ def create_app(settings: Settings) -> faust.App:
         datadir=faust_data_dir(settings.app_id),
         web_enabled=settings.web_enabled,
         web_port=settings.web_port,
-        web_bind="0.0.0.0",
+        web_bind=settings.web_bind,
         web_in_thread=False,
+        # Faust's own pages (/router/, /table/, /graph/, statistics) are off: they tell anyone the app's
+        # partitions and tables (docs/operations-http-and-alerts.md).
+        web_router_enabled=False,
+        web_tables_enabled=False,
+        web_graph_enabled=False,
+        web_stats_enabled=False,
+        web_metrics_enabled=False,
     )
+    metrics.preinitialise([settings.topic("submissions"), settings.topic("polls")])
+    if settings.web_enabled:
+        webaccess.install(app.web.web_app, settings)  # type: ignore[attr-defined]  # the aiohttp driver's app
     lock = asyncio.Lock()
     holder: dict[str, Runtime] = {}
 
@@ -388,15 +405,112 @@ def create_app(settings: Settings) -> faust.App:
             if client is not None:
                 blocked.update(blocked_partitions(client.cluster, produced))
 
+    snapshots: dict[str, Snapshotter] = {}
+    no_snapshot = Snapshot()
+
+    def latest_snapshot() -> Snapshot:
+        taker = snapshots.get("taker")
+        return taker.latest if taker is not None else no_snapshot
+
+    def blocked() -> dict[str, int]:
+        return {"dispatch": submissions.acks.blocked_partitions(), "observe": polls.acks.blocked_partitions()}
+
+    @app.task
+    async def take_snapshots() -> None:
+        if not settings.web_enabled:
+            return
+        taker = Snapshotter((await runtime()).ledger_pool(), settings, blocked)
+        snapshots["taker"] = taker
+        try:
+            while True:
+                await taker.take()
+                await asyncio.sleep(settings.web_snapshot_interval_s)
+        finally:
+            await taker.close()
+
+    assignment: dict[str, bool] = {"received": False}
+
+    @app.on_partitions_assigned.connect  # type: ignore[arg-type]  # mode types receivers as unions
+    async def note_assignment(sender: Any, *args: Any, **kwargs: Any) -> None:
+        assignment["received"] = True
+
     @app.page("/metrics")
     async def metrics_view(web: Any, request: Any) -> Any:
         return web.bytes(generate_latest(), content_type="text/plain")
 
-    @app.page("/healthz")
-    async def health_view(web: Any, request: Any) -> Any:
-        rt = await runtime()
-        redis_ok = await rt.leases.healthy()
-        return web.json({"worker": rt.worker, "redis": redis_ok})
+    @app.page("/livez")
+    async def liveness_view(web: Any, request: Any) -> Any:
+        reasons = liveness_failures(app)
+        return web.json({"live": not reasons, "reasons": reasons}, status=503 if reasons else 200)
 
-    register_pages(app, runtime)  # the live view: / and /operations/{operation_id} (streams.oncall.liveview)
+    async def readiness(web: Any, request: Any) -> Any:
+        checks = await readiness_checks(app, holder.get("rt"), settings, assignment["received"])
+        reasons = [f"{name}: {detail}" for name, (ok, detail) in checks.items() if not ok]
+        body = {
+            "ready": not reasons,
+            "worker": holder["rt"].worker if "rt" in holder else None,
+            "checks": {name: {"ok": ok, "detail": detail} for name, (ok, detail) in checks.items()},
+            "reasons": reasons,
+        }
+        return web.json(body, status=503 if reasons else 200)
+
+    app.page("/readyz")(readiness)
+    app.page("/healthz")(readiness)  # the harness's and older deployments' probe: the same answer as /readyz
+    # The live view: / and /operations/{operation_id} (streams.oncall.liveview).
+    register_pages(app, runtime, latest_snapshot, settings)
     return app
+
+
+def liveness_failures(app: faust.App) -> list[str]:
+    """Why the worker is not live (empty when it is): the app or an agent crashed or stopped, or an agent has no
+    running actor. Answering at all shows the event loop turns."""
+    reasons = []
+    if app.crashed or app.should_stop:
+        reasons.append(f"the app is {app.state}")
+    for name, agent in app.agents.items():
+        if agent.crashed or agent.should_stop:
+            reasons.append(f"agent {name} is {agent.state}")
+            continue
+        actors = list(getattr(agent, "_actors", ()))
+        running = [a for a in actors if getattr(a, "actor_task", None) is not None and not a.actor_task.done()]
+        if agent.started and not running:
+            reasons.append(f"agent {name} has no running actor")
+    return reasons
+
+
+async def readiness_checks(
+    app: faust.App, rt: Runtime | None, settings: Settings, assigned: bool
+) -> dict[str, tuple[bool, str]]:
+    """{service: (ok, detail)} for ``postgres``, ``redis`` and ``kafka`` (the consumer group's assignment
+    received and no rebalance under way), each bounded by ``web_probe_timeout_s``; never raises."""
+    timeout_s = settings.web_probe_timeout_s
+
+    async def postgres() -> tuple[bool, str]:
+        if rt is None:
+            return False, "not connected yet (the worker is starting or waiting for PostgreSQL)"
+        try:
+            await asyncio.wait_for(ping_ledger(rt.ledger_pool()), timeout_s)
+        except TimeoutError:
+            return False, f"no answer within {timeout_s} s"
+        except LedgerUnavailableError as exc:
+            return False, str(exc)
+        return True, "answers"
+
+    async def redis() -> tuple[bool, str]:
+        if rt is None:
+            return False, "not connected yet (the worker is starting)"
+        try:
+            healthy = await asyncio.wait_for(rt.leases.healthy(), timeout_s)
+        except TimeoutError:
+            return False, f"no answer within {timeout_s} s"
+        return (True, "answers") if healthy else (False, "does not answer PING")
+
+    async def kafka() -> tuple[bool, str]:
+        if not assigned:
+            return False, "no partition assignment received yet (joining the consumer group)"
+        if app.rebalancing:
+            return False, "the consumer group is rebalancing"
+        return True, f"{len(app.consumer.assignment())} partitions assigned"
+
+    pg, rd, kf = await asyncio.gather(postgres(), redis(), kafka())
+    return {"postgres": pg, "redis": rd, "kafka": kf}

@@ -73,6 +73,11 @@ class InOrderAcks(Generic[E]):
             del self._queues[ticket.partition]
         return released
 
+    def blocked_partitions(self) -> int:
+        """Partitions whose acknowledgements wait behind an event still being handled: the oldest tracked event is
+        unfinished and a later one of the same partition has finished."""
+        return sum(1 for q in self._queues.values() if not q[0].finished and any(t.finished for t in q))
+
     def in_flight(self) -> int:
         """Events tracked and not yet released (handled or not)."""
         return sum(len(q) for q in self._queues.values())

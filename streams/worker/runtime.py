@@ -29,6 +29,7 @@ from streams.errors import (
     CoordinationUnavailableError,
     DeadLetterError,
     InvalidEventError,
+    LedgerUnavailableError,
     RemoteError,
 )
 from streams.ledger.pool import create_pool
@@ -148,6 +149,16 @@ class Runtime:
         remote = RemoteClient.from_settings(settings)
         leases = LeaseManager.from_settings(redis, settings)
         return cls(settings, Ledger(pool, name), leases, remote, send, name, enqueue, pool=pool)
+
+    def ledger_pool(self) -> asyncpg.Pool:
+        """The ledger's pool for read-only queries (the live view, the snapshot, the readiness probe).
+
+        Raises:
+            LedgerUnavailableError: this runtime has none (an in-memory ledger).
+        """
+        if self.pool is None:
+            raise LedgerUnavailableError("this runtime has no PostgreSQL pool (an in-memory ledger)")
+        return self.pool
 
     async def close(self) -> None:
         """Close all clients."""

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
@@ -34,6 +35,9 @@ pytestmark = pytest.mark.integration
 CHROMIUM = Path("/usr/bin/chromium")
 TERMINAL = ("succeeded", "failed", "canceled", "rejected")
 #: The relay's advisory lock (streams/ledger/queries/ledger.sql, try_relay_lock): holding it keeps the outbox still.
+#: The live view's bearer token in these tests (STREAMS_WEB_AUTH_TOKEN).
+TOKEN = "live-view-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 RELAY_LOCK = "SELECT pg_advisory_xact_lock(hashtext('generation-streams:outbox-relay'))"
 
 
@@ -47,6 +51,8 @@ async def worker_settings(migrated: Settings) -> AsyncIterator[Settings]:
         app_id=f"streams-live-{tag}",
         lease_key_prefix=f"t{tag}",
         remote_base_url="http://127.0.0.1:1",
+        web_auth_token=TOKEN,
+        web_snapshot_interval_s=0.5,
     )
     await create_topics(settings)
     yield settings
@@ -69,7 +75,7 @@ async def live_worker(settings: Settings, log_dir: Path) -> AsyncIterator[Worker
 async def test_worker_log_is_json_lines(worker_settings: Settings, tmp_path: Path) -> None:
     async with live_worker(worker_settings, tmp_path) as worker:
         async with httpx.AsyncClient(timeout=10) as c:
-            assert (await c.get(worker.url + "/")).status_code == 200
+            assert (await c.get(worker.url + "/livez")).status_code == 200
     lines = [line for line in worker.log_text().splitlines() if line.strip()]
     assert len(lines) > 10
     records = [json.loads(line) for line in lines]  # every line is one JSON object
@@ -122,7 +128,19 @@ async def test_live_view_in_chromium(
             await wait_for(met_the_lease, 60, "the worker to meet the held lease")
             await wait_for(dead_lettered, 60, "the bad record to be dead-lettered")
             browser = await pw.chromium.launch(executable_path=str(CHROMIUM))
-            page = await browser.new_page(viewport={"width": 1300, "height": 900})
+            page = await browser.new_page(viewport={"width": 1300, "height": 900}, extra_http_headers=AUTH)
+
+            async def snapshot_shows(predicate: Callable[[dict[str, Any]], bool]) -> None:
+                """Wait until the worker's snapshot (its overview's JSON) satisfies ``predicate``."""
+
+                async def shown() -> bool:
+                    async with httpx.AsyncClient(timeout=10) as c:
+                        answer = await c.get(worker.url + "/?format=json", headers=AUTH)
+                    return answer.status_code == 200 and predicate(answer.json())
+
+                await wait_for(shown, 30, "the worker's snapshot")
+
+            await snapshot_shows(lambda d: d["dead_letter_topic"]["retained"] == 1 and d["outbox"]["unpublished"] > 0)
             await page.goto(worker.url + "/")
 
             # Operations by state, against the ledger.
@@ -178,8 +196,13 @@ async def test_live_view_in_chromium(
             busy_on_page = int((await busy_row.locator("td").all_inner_texts())[-1])
             busy_now = await worker.metric("streams_lease_busy_total", busy_labels)
             assert 1 <= busy_on_page <= busy_now
-            dead_row = page.locator("#outbox tr", has_text="reason=not_json")
+            submissions_topic = worker_settings.topic("submissions")
+            dead_row = page.locator("#outbox tr", has_text=f"reason=not_json, topic={submissions_topic}")
             assert (await dead_row.locator("td").all_inner_texts())[-1] == "1"
+            # Counters that never fired are listed at 0 (every counter is exported from the start).
+            fencing = page.locator("#contention tr", has_text="streams_fencing_refusals_total")
+            assert await fencing.count() == 3  # stage=submit, observe, reconcile
+            assert {(await row.locator("td").all_inner_texts())[-1] for row in await fencing.all()} == {"0"}
             # The dead-letter topic, against Kafka's own offsets read here.
             dead_topic = worker_settings.topic("dead_letter")
             retained = len(await read_topic_to_end(worker_settings, "dead_letter"))
@@ -189,8 +212,8 @@ async def test_live_view_in_chromium(
 
             # The same figures as JSON, for programs.
             async with httpx.AsyncClient(timeout=10) as c:
-                as_json = (await c.get(worker.url + "/?format=json")).json()
-                detail_json = (await c.get(f"{worker.url}/operations/{old}?format=json")).json()
+                as_json = (await c.get(worker.url + "/?format=json", headers=AUTH)).json()
+                detail_json = (await c.get(f"{worker.url}/operations/{old}?format=json", headers=AUTH)).json()
             assert {s: n for s, n in as_json["states"].items() if n} == counts
             assert as_json["outbox"]["unpublished"] == backlog and as_json["throughput"]["finished"] == finished
             assert as_json["dead_letter_topic"]["retained"] == retained and as_json["worker"]
@@ -217,10 +240,11 @@ async def test_live_view_in_chromium(
             assert await page.locator("#remote-calls tbody tr").count() == 1
             await page.screenshot(path=str(shots / "uncertain-operation.png"), full_page=True)
 
-            # The contended operation's page names the lease holder's token and its TTL.
+            # The contended operation's page names the lease and its TTL, never the holder's token.
             await page.goto(worker.url + "/operations/" + contended)
             lease_cells = await page.locator("#leases tbody tr td").all_inner_texts()
-            assert lease_cells[:3] == ["observe", lease.key, lease.token] and 0 < int(lease_cells[3]) <= 60_000
+            assert lease_cells[:2] == ["observe", lease.key] and 0 < int(lease_cells[2]) <= 60_000
+            assert lease.token not in await page.content()
 
             # Release the relay: the backlog drains, and the page says so.
             await hold.rollback()
@@ -231,6 +255,7 @@ async def test_live_view_in_chromium(
                 return await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
 
             await wait_for(drained, 30, "the relay to publish the backlog")
+            await snapshot_shows(lambda d: d["outbox"]["unpublished"] == 0)
             await page.goto(worker.url + "/")
             assert int(await page.locator("#outbox-unpublished").inner_text()) == 0
             succeeded = seeded.by_state["succeeded"][0]

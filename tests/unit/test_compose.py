@@ -214,3 +214,15 @@ def test_the_image_installs_the_locked_product_and_the_built_wheel_only() -> Non
 def test_the_image_runs_as_an_unprivileged_user() -> None:
     users = [i.split()[1] for i in _dockerfile_stages()[-1] if i.upper().startswith("USER ")]
     assert users and users[-1] not in ("root", "0"), users
+
+
+def test_workers_serve_the_network_with_probes_and_no_written_secret(compose: dict[str, Any]) -> None:
+    worker = compose["services"]["worker"]
+    env = environment(worker)
+    assert env["STREAMS_WEB_BIND"] == "0.0.0.0"  # a container's loopback is nobody's
+    assert Settings.from_env(env).web_port == 6066
+    assert env["STREAMS_WEB_AUTH_TOKEN"] in ("${STREAMS_WEB_AUTH_TOKEN:-}", "")  # from the caller's environment
+    assert env["STREAMS_KAFKA_BOOTSTRAP"] == "kafka:9092"  # the shared settings still apply
+    probe = " ".join(worker["healthcheck"]["test"])
+    assert "http://127.0.0.1:6066/readyz" in probe
+    assert not worker.get("ports")  # not published on the host
