@@ -296,6 +296,23 @@ class Settings(ExplicitSettings):
     web_port: Port = 6066
     web_enabled: EnvBool = True
 
+    # Edges toward the provider (docs/provider-edges.md).
+    #: Largest answer body accepted from the remote API, in bytes after ``Content-Encoding`` is decoded (and
+    #: before: a body is never held beyond it). An answer over it is classified: a POST's -> ``uncertain`` (a
+    #: job may exist), a GET's -> another poll with backoff, counted as a failed poll.
+    remote_answer_max_bytes: PositiveInt = 4 * 1024 * 1024
+    #: Failed polls of a job in a row (5xx, 3xx, an unreadable or oversized body, a 200 for another job, a 429,
+    #: connection errors and timeouts) after which it becomes ``stalled`` (reason code ``poll_failures``).
+    failed_poll_limit: PositiveInt = 20
+    #: Longest pause (s) one worker may write into the account's shared rate budget after a 429: a longer
+    #: ``Retry-After`` (or one skewed by a clock) delays only that worker's own retry of the call.
+    remote_shared_pause_cap_s: Seconds = 60.0
+    #: Largest clock difference (s) a ``Retry-After`` HTTP-date is trusted over when the answer has no usable
+    #: ``Date``: the worker's own clock is then the reference, and a date further off is capped at this.
+    retry_after_date_cap_s: Seconds = 300.0
+    #: How often (s) a worker measures its clock against PostgreSQL's (``streams_clock_skew_seconds``).
+    clock_skew_check_interval_s: Seconds = 60.0
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)

@@ -13,8 +13,12 @@ connection refused / not established / no       :class:`RemoteNotSentError`     
 pooled connection free (no byte sent)
 timeout or connection lost after send, 5xx      :class:`RemoteUnknownOutcomeError` no (ends ``uncertain``)
 without job id, 2xx without a readable id, an
-answer whose Content-Encoding does not decode
+answer whose Content-Encoding does not decode,
+an answer over ``remote_answer_max_bytes``
 =============================================== ================================== =====================
+
+Every answer's body is read within ``remote_answer_max_bytes`` (decoded or not: a compressed answer is decoded
+as it arrives and cut off at the limit, :class:`streams.remote.transport.BoundedBody`), whatever the transport.
 
 Answers are read with every number exact (:mod:`streams.wire.exactjson`). A 2xx whose body cannot be read exactly
 (``NaN``, a number too long) counts as "without a readable id"; on a GET, such a 200 is a contract violation
@@ -72,7 +76,14 @@ from streams.errors import (
 )
 from streams.model.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.model.states import state_for_remote_status
-from streams.remote.transport import AiohttpTransport, client_timeout
+from streams.remote.transport import (
+    DEFAULT_ANSWER_MAX_BYTES,
+    AiohttpTransport,
+    AnswerTooLargeError,
+    BoundedBody,
+    client_timeout,
+    make_response,
+)
 from streams.wire import contracts, exactjson, jsontext
 
 log = logging.getLogger(__name__)
@@ -198,7 +209,9 @@ def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | N
         max_keepalive_connections=settings.http_max_connections,
     )
     if transport is None and settings.http_transport == "aiohttp":
-        transport = AiohttpTransport(max_connections=settings.http_max_connections)
+        transport = AiohttpTransport(
+            max_connections=settings.http_max_connections, max_answer_bytes=settings.remote_answer_max_bytes
+        )
     return httpx.AsyncClient(
         base_url=settings.remote_base_url.get_secret_value(),
         headers={
@@ -388,6 +401,8 @@ class RemoteClient:
             is that setting's default: a worker builds its client with :meth:`from_settings`).
         traced: True when ``http`` uses httpx's own transport (httpcore), whose ``trace`` extension tells
             whether a request was sent when the deadline struck; False for injected transports.
+        max_answer_bytes: most bytes of one answer's body read, decoded (``Settings.remote_answer_max_bytes``;
+            the aiohttp transport enforces its own, set from the same setting by :func:`make_http_client`).
     """
 
     def __init__(
@@ -397,11 +412,13 @@ class RemoteClient:
         *,
         call_deadline_s: float = DEFAULT_CALL_DEADLINE_S,
         traced: bool = False,
+        max_answer_bytes: int = DEFAULT_ANSWER_MAX_BYTES,
     ) -> None:
         self.http = http
         self.model = model
         self.call_deadline_s = call_deadline_s
         self.traced = traced
+        self.max_answer_bytes = max_answer_bytes
         self._post = _Call(http.build_request("POST", "/v1/generations", headers={"Content-Type": "application/json"}))
         self._get = _Call(http.build_request("GET", "/v1/generations/"))  # + the quoted job id
         # The aiohttp transport is called directly (the client's auth, redirect, cookie and event-hook layers do
@@ -423,6 +440,7 @@ class RemoteClient:
             settings.remote_model,
             call_deadline_s=settings.remote_call_deadline_s,
             traced=transport is None,
+            max_answer_bytes=settings.remote_answer_max_bytes,
         )
 
     async def aclose(self) -> None:
@@ -451,7 +469,7 @@ class RemoteClient:
                     content=body,
                     extensions={"timeout": call.timeout, "trace": probe},
                 )
-                return await self.http.send(request)
+                return await self._read_bounded(await self.http.send(request, stream=True), request)
         except TimeoutError as exc:
             self._pool_repair.repair(probe)
             if not deadline.expired():
@@ -460,6 +478,27 @@ class RemoteClient:
         except BaseException:  # cancelled, or an httpx error: give back what the pool may have lost
             self._pool_repair.repair(probe)
             raise
+
+    async def _read_bounded(self, response: httpx.Response, request: httpx.Request) -> httpx.Response:
+        """``response`` (streamed, from a transport other than aiohttp) read and decoded within
+        :attr:`max_answer_bytes`, then closed.
+
+        Raises:
+            AnswerTooLargeError, httpx.DecodingError: as :class:`BoundedBody`; httpx's read errors.
+        """
+        try:
+            reader = BoundedBody(response.headers.get_list("content-encoding"), self.max_answer_bytes, request)
+            if hasattr(response, "_content"):  # an in-memory answer (a test's MockTransport): already decoded
+                if len(response.content) > self.max_answer_bytes:
+                    raise AnswerTooLargeError(self.max_answer_bytes, f"{len(response.content)} bytes", request)
+                return response
+            length = response.headers.get("content-length")
+            reader.check_length(int(length) if length is not None and length.strip().isdigit() else None)
+            content = await reader.read(response.aiter_raw())
+        finally:
+            await response.aclose()
+        reason = response.extensions.get("reason_phrase", b"").decode("ascii", "replace") or None
+        return make_response(response.status_code, reason, response.headers.raw, content, request)
 
     async def submit(self, operation_id: str, request_text: str) -> SubmitResult:
         """POST one generation; returns the created job or raises a classified :class:`RemoteError`.
