@@ -256,14 +256,25 @@ MAX_EPOCH_MS = 253_402_300_799_999
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
+#: Most seconds an HTTP-date ``Retry-After`` is taken for when the answer carries no usable ``Date`` (the worker's
+#: own clock is then the reference, and a skewed clock must not turn a date into a long pause).
+UNDATED_RETRY_AFTER_CAP_S = 60.0
+
+
 def parse_retry_after_s(
-    value: str | None, *, cap_s: float = MAX_POLL_HINT_S, now: dt.datetime | None = None
+    value: str | None,
+    *,
+    cap_s: float = MAX_POLL_HINT_S,
+    now: dt.datetime | None = None,
+    date: str | None = None,
 ) -> float | None:
     """Seconds to wait from a ``Retry-After`` header (RFC 9110, 10.2.3), or None when absent or unreadable.
 
     * delay-seconds (ASCII digits, a decimal fraction tolerated, surrounding spaces ignored): that many
       seconds, capped at ``cap_s`` (``86400000`` -> ``cap_s``; a long number is read, not refused);
-    * an HTTP-date: seconds from ``now`` (default: the wall clock) until then, 0 when it is past, capped;
+    * an HTTP-date: seconds from the answer's own ``Date`` header (``date``; RFC 9110 10.2.3: the two are on the
+      server's clock) until then, 0 when it is past, capped. Without a readable ``Date`` the reference is ``now``
+      (default: the worker's wall clock), and the result is also capped at :data:`UNDATED_RETRY_AFTER_CAP_S`;
     * anything else (``-1``, ``nan``, ``1e999``, ``inf``, empty): None, and the caller falls back to its own
       backoff. The result is never negative, never NaN and never above ``cap_s``.
     """
@@ -272,14 +283,28 @@ def parse_retry_after_s(
     text = value.strip(" \t")
     if _DELTA_SECONDS.fullmatch(text):
         return min(cap_s, float(text))  # float() of a very long number is inf: capped like the rest
+    when = _http_date(text)
+    if when is None:
+        return None
+    sent = _http_date(date.strip(" \t")) if date is not None else None
+    if sent is None:
+        cap_s = min(cap_s, UNDATED_RETRY_AFTER_CAP_S)
+    reference = sent or now or dt.datetime.now(dt.UTC)
+    return min(cap_s, max(0.0, (when - reference).total_seconds()))
+
+
+def _http_date(text: str) -> dt.datetime | None:
+    """An HTTP-date (IMF-fixdate or the obsolete forms) as an aware UTC datetime, None when unreadable."""
     try:
         when = email.utils.parsedate_to_datetime(text)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.UTC)  # an HTTP-date is always GMT
-    seconds = (when - (now or dt.datetime.now(dt.UTC))).total_seconds()
-    return min(cap_s, max(0.0, seconds))
+    return when.replace(tzinfo=dt.UTC) if when.tzinfo is None else when  # an HTTP-date is always GMT
+
+
+def retry_after_s(response: httpx.Response) -> float | None:
+    """The answer's ``Retry-After`` in seconds, read against its own ``Date`` (:func:`parse_retry_after_s`)."""
+    return parse_retry_after_s(response.headers.get("Retry-After"), date=response.headers.get("Date"))
 
 
 def _read_json(response: httpx.Response) -> tuple[Any, JsonValueError | None]:
@@ -293,7 +318,7 @@ def _read_json(response: httpx.Response) -> tuple[Any, JsonValueError | None]:
 def _poll_after_s(body: dict[str, Any] | None, response: httpx.Response) -> float | None:
     """The API's poll hint in seconds: ``Retry-After`` when readable, else ``poll_after_ms``; clamped to
     ``[0, MAX_POLL_HINT_S]``; None when neither is usable."""
-    hint = parse_retry_after_s(response.headers.get("Retry-After"))
+    hint = retry_after_s(response)
     if hint is not None:
         return hint
     value = body.get("poll_after_ms") if body is not None else None
@@ -560,7 +585,7 @@ class RemoteClient:
         if status == 502 and isinstance(error.get("job_id"), str) and JOB_ID.fullmatch(error["job_id"]):
             return SubmitResult(error["job_id"], status, True, _poll_after_s(body, response), duration_ms)
         if status == 429:
-            retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+            retry_after = retry_after_s(response)
             raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
         if 400 <= status < 500:
             code = clean_text(str(error.get("code", f"http_{status}")), 80)
@@ -624,7 +649,7 @@ class RemoteClient:
         body, _ = _read_json(response)
         body = body if isinstance(body, dict) else None
         if status == 429:
-            retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+            retry_after = retry_after_s(response)
             raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
         if 400 <= status < 500:
             error = body.get("error") if body is not None else None
@@ -676,7 +701,7 @@ def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, d
     if status == 404:
         raise RemoteJobNotFoundError(operation_id, f"remote job {job_id} not found (404)", answer=raw_answer(response))
     if status == 429:
-        retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+        retry_after = retry_after_s(response)
         raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
     if status != 200:
         raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP {status}", status_code=status)

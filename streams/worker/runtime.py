@@ -107,7 +107,7 @@ class Runtime:
         self.enqueue = enqueue
         self.worker = worker
         # the provider account's rate budget, on the same Redis and through the same coalescing stage
-        self.budget = RateBudget(leases.client, settings, stage=leases.stage)
+        self.budget = RateBudget(leases.client, settings, stage=leases.stage, owner=worker)
         self._last_outage_log: dict[str, float] = {}
         #: True once :meth:`close` began: a failure of a client being closed is this worker stopping, no outage.
         self.closing = False
