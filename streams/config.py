@@ -307,8 +307,6 @@ class Settings(ExplicitSettings):
     #: Longest pause (s) one worker may write into the account's shared rate budget after a 429: a longer
     #: ``Retry-After`` (or one skewed by a clock) delays only that worker's own retry of the call.
     remote_shared_pause_cap_s: Seconds = 60.0
-    #: How often (s) a worker measures its clock against PostgreSQL's (``streams_clock_skew_seconds``).
-    clock_skew_check_interval_s: Seconds = 60.0
 
     def __init__(self, **values: Any) -> None:
         try:
