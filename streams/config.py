@@ -435,6 +435,18 @@ class Settings(ExplicitSettings):
         2.0, description="Seconds /readyz waits for each service's answer before it reports it unavailable."
     )
 
+    # Edges toward the provider (docs/provider-edges.md).
+    #: Largest answer body accepted from the remote API, in bytes after ``Content-Encoding`` is decoded (and
+    #: before: a body is never held beyond it). An answer over it is classified: a POST's -> ``uncertain`` (a
+    #: job may exist), a GET's -> another poll with backoff, counted as a failed poll.
+    remote_answer_max_bytes: PositiveInt = 4 * 1024 * 1024
+    #: Failed polls of a job in a row (5xx, 3xx, an unreadable or oversized body, a 200 for another job, a 429,
+    #: connection errors and timeouts) after which it becomes ``stalled`` (reason code ``poll_failures``).
+    failed_poll_limit: PositiveInt = 20
+    #: Longest pause (s) one worker may write into the account's shared rate budget after a 429: a longer
+    #: ``Retry-After`` (or one skewed by a clock) delays only that worker's own retry of the call.
+    remote_shared_pause_cap_s: Seconds = 60.0
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)

@@ -81,6 +81,7 @@ class Operation:
     remote_job_id_saved_at: float | None = None
     observing_since: float | None = None
     unknown_status_count: int = 0
+    failed_poll_count: int = 0
     next_lookup_at: float | None = None
     lookup_count: int = 0
     lookup_gave_up_at: float | None = None
@@ -456,6 +457,7 @@ class InMemoryLedger(WaitsOutOutages):
             last_observation=snapshot.as_observation(),
             poll_count=op.poll_count + 1,
             unknown_status_count=0,
+            failed_poll_count=0,
             next_poll_at=None if terminal or next_poll_delay_s is None else self._t + next_poll_delay_s,
             remote_completed_at_ms=snapshot.completed_at_ms if terminal else op.remote_completed_at_ms,
             reason=reason,
@@ -544,6 +546,34 @@ class InMemoryLedger(WaitsOutOutages):
             updated_by=self.worker,
             **changes,
         )
+        return self.operations[operation_id].state, count
+
+    @waits_out_outages("note failed poll")
+    async def note_failed_poll(
+        self,
+        operation_id: str,
+        fencing_token: int,
+        limit: int,
+        next_poll_delay_s: float,
+        reason: str,
+        last_answer: dict[str, Any],
+    ) -> tuple[OperationState, int] | None:
+        self._call(f"note failed poll for {operation_id}")
+        op = self._fenced(operation_id, fencing_token, POLLABLE)
+        if op is None:
+            return None
+        count = op.failed_poll_count + 1
+        if count >= limit:
+            changes: dict[str, Any] = {
+                "state": S.STALLED,
+                "reason": clean_text(reason),
+                "reason_code": ReasonCode.POLL_FAILURES,
+                "next_poll_at": None,
+                "last_observation": last_answer,
+            }
+        else:
+            changes = {"next_poll_at": self._t + next_poll_delay_s}
+        self._write(op, failed_poll_count=count, poll_count=op.poll_count + 1, updated_by=self.worker, **changes)
         return self.operations[operation_id].state, count
 
     async def claim_due_lookups(self, batch_size: int, lag_s: float, visibility_timeout_s: float) -> list[LookupClaim]:

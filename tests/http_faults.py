@@ -17,6 +17,7 @@ import re
 import socket
 import struct
 import uuid
+import zlib
 from collections import Counter
 
 import orjson
@@ -212,3 +213,84 @@ class FlakyProvider:
         data = orjson.dumps(body)
         head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
         return head.encode() + data
+
+
+#: A well-formed small answer to a POST (the job ``job1``) and to its GET.
+_CREATED = b'HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n{"id":"job1"}'
+_RUNNING = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 33\r\n\r\n"
+    b'{"id":"job1","status":"running"}\n'
+)
+
+
+class GzipBomb:
+    """A loopback generation API whose first ``good`` answers are well-formed (a POST's 201, a GET's 200) and
+    every later one a gzip answer of ``expanded_bytes`` zeros (chunked; about a thousandth of that on the wire),
+    generated as it is sent (``zlib.compressobj`` over repeated zero chunks, never held whole). ``sent_bytes``
+    counts the compressed bytes written before the client stopped reading; ``answers`` the answers begun."""
+
+    def __init__(self, expanded_bytes: int, good: int = 2) -> None:
+        self.expanded_bytes = expanded_bytes
+        self.good = good
+        self.answers = 0
+        self.sent_bytes = 0
+        self.server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aenter__(self) -> GzipBomb:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while (message := await read_message(reader)) is not None:
+                self.answers += 1
+                if self.answers <= self.good:
+                    writer.write(_CREATED if message.startswith(b"POST") else _RUNNING)
+                    await writer.drain()
+                    continue
+                status = b"201 Created" if message.startswith(b"POST") else b"200 OK"
+                await self._bomb(writer, status)
+        except (PeerGone, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def _bomb(self, writer: asyncio.StreamWriter, status: bytes) -> None:
+        writer.write(
+            b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        # After a full flush the compressor forgets its history, so every further MiB of zeros compresses to the
+        # same bytes: computed once, then repeated (cheap to send however far it expands).
+        compressor = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+        zeros = bytes(1 << 20)
+        first = compressor.compress(zeros) + compressor.flush(zlib.Z_FULL_FLUSH)
+        again = compressor.compress(zeros) + compressor.flush(zlib.Z_FULL_FLUSH)
+        chunks = self.expanded_bytes // len(zeros)
+        await self._chunk(writer, first)
+        for _ in range(chunks - 1):
+            await self._chunk(writer, again)
+        crc = 0
+        for _ in range(chunks):  # reached only by a client that read it all
+            crc = zlib.crc32(zeros, crc)
+        end = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS).flush()  # an empty final block
+        await self._chunk(writer, end + struct.pack("<II", crc, (chunks * len(zeros)) & 0xFFFFFFFF))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def _chunk(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        if writer.is_closing():  # the client stopped reading: generate no more
+            raise PeerGone()
+        if data:
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.sent_bytes += len(data)
+            await writer.drain()

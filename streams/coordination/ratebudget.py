@@ -12,7 +12,9 @@ Redis, so N workers together stay under the limit whatever N is (README, "Rate b
   ``floor(W * rate) + burst`` requests of one kind are granted (:meth:`Pace.window_bound`).
 * A 429: its ``Retry-After`` pauses every worker's calls of that kind until it passes (a key with a PX expiry,
   read by the same script); a reservation granted before the pause is void (checked after the sleep), and the
-  pace restarts after the pause without a burst.
+  pace restarts after the pause without a burst. The pause one worker writes is capped at
+  ``remote_shared_pause_cap_s`` (a longer ``Retry-After``, or one misread through a skewed clock, delays only
+  that worker's own retry), and its key holds who set it (:meth:`RateBudget.pause_record`), also logged.
 * Polls slow down before the GET budget runs out: each scheduler round claims no more due polls than the
   ``claims`` budget (the GET rate and burst, shared by all workers, also stopped by a GET pause) grants for the
   next round, and gives back what it did not use. Due polls wait in PostgreSQL, oldest first, instead of
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 
 from streams import metrics
@@ -75,7 +78,7 @@ REFUND_MEMORY_MS = 60_000
 #:   ARGV[3] burst (>= 1). ARGV[4] count: units wanted (``take``) or given back (``refund``).
 #:   ARGV[5] horizon in microseconds (``take``: grant only units that may be sent within it). ARGV[6] pause in
 #:   milliseconds (``pause``; a pause never shortens one already set). ARGV[7] (``refund``) how long KEYS[3]
-#:   is kept, in milliseconds.
+#:   is kept, in milliseconds; (``pause``) the record stored as the pause key's value (who set it).
 #: * Returns ``{granted, wait_us, paused, at_us}``. ``take``: ``granted`` units (0..count) with the first one's
 #:   send time ``wait_us`` from now (0 = now); or 0 and the time after which asking again can succeed. ``check``:
 #:   1 when not paused, else 0 and the pause's rest. ``pause``: 0 and the pause in force. ``refund``: count.
@@ -113,7 +116,7 @@ end
 if op == 'pause' then
   local ms = tonumber(ARGV[6])
   if ms > pause_ms then
-    redis.call('SET', KEYS[2], '1', 'PX', ms)
+    redis.call('SET', KEYS[2], ARGV[7] or '1', 'PX', ms)
     pause_ms = ms
     if interval > 0 then
       local after = now + ms * 1000 + tau
@@ -230,10 +233,14 @@ class RateBudget:
         settings: rates, bursts, the account and the key prefix (:func:`streams.config.budget_key`).
         stage: the worker's coalescing Redis stage on ``client`` (shared with the leases), through which every
             request of the script goes; default: one of this budget's own.
+        owner: the worker's name, stored with every pause it sets (:meth:`pause_record`).
     """
 
-    def __init__(self, client: aioredis.Redis, settings: Settings, *, stage: RedisStage | None = None) -> None:
+    def __init__(
+        self, client: aioredis.Redis, settings: Settings, *, stage: RedisStage | None = None, owner: str = "unnamed"
+    ) -> None:
         self.client = client
+        self.owner = owner
         self.stage = RedisStage(client) if stage is None else stage
         self.settings = settings
         get_pace = Pace.from_rate(settings.remote_get_rate_per_s, settings.remote_get_burst)
@@ -249,7 +256,13 @@ class RateBudget:
         return [budget_key(self.settings, kind.value, "tat"), budget_key(self.settings, paused_by.value, "pause")]
 
     async def _run(
-        self, kind: BudgetKind, op: str, count: int = 1, horizon_s: float = 0.0, pause_s: float = 0.0
+        self,
+        kind: BudgetKind,
+        op: str,
+        count: int = 1,
+        horizon_s: float = 0.0,
+        pause_s: float = 0.0,
+        record: str | None = None,
     ) -> Grant:
         pace = self.paces[kind]
         args: list[str | int] = [
@@ -264,6 +277,8 @@ class RateBudget:
         if op == "refund":  # its own key: run twice, it gives back once (BUDGET_LUA)
             keys.append(budget_key(self.settings, kind.value, f"refund:{secrets.token_hex(16)}"))
             args.append(REFUND_MEMORY_MS)
+        elif record is not None:
+            args.append(record)
         what = f"the {kind} rate budget of account {self.settings.remote_account!r}"
         command = RedisCommand.script(self._script, keys, args, what=what, busy_label="rate budget")
         granted, wait_us, paused, at_us = await self.stage.execute(command)
@@ -296,28 +311,56 @@ class RateBudget:
             await self._run(kind, "refund", count)
 
     async def pause(self, kind: BudgetKind, seconds: float) -> float:
-        """Pause every worker's calls of ``kind`` (``POST`` or ``GET``) for ``seconds`` (a 429's ``Retry-After``);
-        a longer pause in force is kept. Returns the pause in force (s).
+        """Pause every worker's calls of ``kind`` (``POST`` or ``GET``) for ``seconds`` (a 429's ``Retry-After``),
+        recording :attr:`owner` as who set it; a longer pause in force is kept. Returns the pause in force (s).
 
         Raises:
             CoordinationUnavailableError: Redis did not answer.
         """
-        grant = await self._run(kind, "pause", pause_s=seconds)
+        record = orjson.dumps({"by": self.owner, "pause_s": seconds, "set_at_ms": int(time.time() * 1000)}).decode()
+        grant = await self._run(kind, "pause", pause_s=seconds, record=record)
         return grant.wait_s
 
+    async def pause_record(self, kind: BudgetKind) -> dict[str, Any] | None:
+        """Who set the pause of ``kind`` in force: ``{"by", "pause_s", "set_at_ms"}`` (epoch ms of that worker's
+        clock), None when no pause is in force (or it was set without a record).
+
+        Raises:
+            redis.exceptions.RedisError: Redis did not answer (an operator's read, not on the call path).
+        """
+        raw = await self.client.get(self._keys(kind)[1])
+        if raw is None:
+            return None
+        try:
+            record = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        return record if isinstance(record, dict) else None
+
     async def note_rate_limited(self, kind: BudgetKind, retry_after_s: float) -> None:
-        """After a 429 to a call of ``kind``: pause the kind for ``retry_after_s`` (counted in
-        ``streams_rate_budget_pauses_total``). Best effort: with Redis unavailable it is logged, and the caller's
-        own wait before retrying still applies (the next call needs Redis anyway)."""
+        """After a 429 to a call of ``kind``: pause the kind for ``retry_after_s``, at most
+        ``remote_shared_pause_cap_s`` (counted in ``streams_rate_budget_pauses_total``; the pause and who set it
+        logged). Best effort: with Redis unavailable it is logged, and the caller's own wait before retrying still
+        applies (the next call needs Redis anyway)."""
         if retry_after_s <= 0:
             return
+        cap_s = self.settings.remote_shared_pause_cap_s
+        shared_s = min(retry_after_s, cap_s)
+        if shared_s < retry_after_s:
+            log.warning(
+                "a 429 to a %s asked for %.1f s; the account's shared pause is capped at %.1f s "
+                "(STREAMS_REMOTE_SHARED_PAUSE_CAP_S); this call alone waits the rest",
+                kind,
+                retry_after_s,
+                cap_s,
+            )
         try:
-            in_force_s = await self.pause(kind, retry_after_s)
+            in_force_s = await self.pause(kind, shared_s)
         except (CoordinationUnavailableError, CoordinationBusyError) as exc:
             log.warning("a 429 to a %s could not pause the account's %ss: %s", kind, kind, exc)
             return
         metrics.BUDGET_PAUSES.labels(kind.value).inc()
-        log.info("429 to a %s: every worker's %ss paused for %.3f s", kind, kind, in_force_s)
+        log.info("429 to a %s: every worker's %ss paused for %.3f s, set by %s", kind, kind, in_force_s, self.owner)
 
     async def wait_for_slot(
         self,

@@ -410,6 +410,35 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             )
         return None if row is None else (OperationState(row["state"]), row["unknown_status_count"])
 
+    @waits_out_outages("note failed poll")
+    async def note_failed_poll(
+        self,
+        operation_id: str,
+        fencing_token: int,
+        limit: int,
+        next_poll_delay_s: float,
+        reason: str,
+        last_answer: dict[str, Any],
+    ) -> tuple[OperationState, int] | None:
+        """Fenced: the job's GET failed (counted as a poll, so the backoff grows). The ``limit``-th failure in a
+        row makes the operation ``stalled`` with ``reason`` and ``last_answer``; before that the poll is
+        rescheduled ``next_poll_delay_s`` out.
+
+        Returns (state afterwards, failed polls in a row), None when refused.
+        """
+        async with guard(f"note failed poll for {operation_id}"):
+            row = await Q.note_failed_poll.fetchrow(
+                self.pool,
+                operation_id=operation_id,
+                fencing_token=fencing_token,
+                failed_poll_limit=limit,
+                next_poll_delay_s=next_poll_delay_s,
+                reason=clean_text(reason),
+                last_answer=last_answer,
+                worker=self.worker,
+            )
+        return None if row is None else (OperationState(row["state"]), row["failed_poll_count"])
+
     # --- reconciliation by lookup -----------------------------------------------------------------------------
 
     async def claim_due_lookups(self, batch_size: int, lag_s: float, visibility_timeout_s: float) -> list[LookupClaim]:

@@ -107,6 +107,7 @@ class ReasonCode(enum.StrEnum):
     MAX_AGE = "max_age"  # stalled: observed too long without reaching a terminal state
     JOB_NOT_FOUND = "job_not_found"  # stalled: 404 past the grace window
     UNKNOWN_STATUS = "unknown_status"  # stalled: unknown statuses in a row
+    POLL_FAILURES = "poll_failures"  # stalled: failed polls in a row (unusable answers, timeouts, 429s)
     ADOPTED_BY_OPERATOR = "adopted_by_operator"
     ABANDONED_BY_OPERATOR = "abandoned_by_operator"
     REPOLLED_BY_OPERATOR = "repolled_by_operator"

@@ -13,8 +13,12 @@ connection refused / not established / no       :class:`RemoteNotSentError`     
 pooled connection free (no byte sent)
 timeout or connection lost after send, 5xx      :class:`RemoteUnknownOutcomeError` no (ends ``uncertain``)
 without job id, 2xx without a readable id, an
-answer whose Content-Encoding does not decode
+answer whose Content-Encoding does not decode,
+an answer over ``remote_answer_max_bytes``
 =============================================== ================================== =====================
+
+Every answer's body is read within ``remote_answer_max_bytes`` (decoded or not: a compressed answer is decoded
+as it arrives and cut off at the limit, :class:`streams.remote.transport.BoundedBody`), whatever the transport.
 
 Answers are read with every number exact (:mod:`streams.wire.exactjson`). A 2xx whose body cannot be read exactly
 (``NaN``, a number too long) counts as "without a readable id"; on a GET, such a 200 is a contract violation
@@ -74,7 +78,14 @@ from streams.errors import (
 from streams.kafka_security import ssl_context
 from streams.model.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.model.states import state_for_remote_status
-from streams.remote.transport import AiohttpTransport, client_timeout
+from streams.remote.transport import (
+    DEFAULT_ANSWER_MAX_BYTES,
+    AiohttpTransport,
+    AnswerTooLargeError,
+    BoundedBody,
+    client_timeout,
+    make_response,
+)
 from streams.wire import contracts, exactjson, jsontext
 
 log = logging.getLogger(__name__)
@@ -221,7 +232,11 @@ def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | N
     )
     context = provider_ssl_context(settings)
     if transport is None and settings.http_transport == "aiohttp":
-        transport = AiohttpTransport(max_connections=settings.http_max_connections, ssl_context=context)
+        transport = AiohttpTransport(
+            max_connections=settings.http_max_connections,
+            ssl_context=context,
+            max_answer_bytes=settings.remote_answer_max_bytes,
+        )
     key = settings.remote_api_key.get_secret_value()
     return httpx.AsyncClient(
         base_url=settings.remote_base_url.get_secret_value(),
@@ -268,14 +283,25 @@ MAX_EPOCH_MS = 253_402_300_799_999
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
+#: Most seconds an HTTP-date ``Retry-After`` is taken for when the answer carries no usable ``Date`` (the worker's
+#: own clock is then the reference, and a skewed clock must not turn a date into a long pause).
+UNDATED_RETRY_AFTER_CAP_S = 60.0
+
+
 def parse_retry_after_s(
-    value: str | None, *, cap_s: float = MAX_POLL_HINT_S, now: dt.datetime | None = None
+    value: str | None,
+    *,
+    cap_s: float = MAX_POLL_HINT_S,
+    now: dt.datetime | None = None,
+    date: str | None = None,
 ) -> float | None:
     """Seconds to wait from a ``Retry-After`` header (RFC 9110, 10.2.3), or None when absent or unreadable.
 
     * delay-seconds (ASCII digits, a decimal fraction tolerated, surrounding spaces ignored): that many
       seconds, capped at ``cap_s`` (``86400000`` -> ``cap_s``; a long number is read, not refused);
-    * an HTTP-date: seconds from ``now`` (default: the wall clock) until then, 0 when it is past, capped;
+    * an HTTP-date: seconds from the answer's own ``Date`` header (``date``; RFC 9110 10.2.3: the two are on the
+      server's clock) until then, 0 when it is past, capped. Without a readable ``Date`` the reference is ``now``
+      (default: the worker's wall clock), and the result is also capped at :data:`UNDATED_RETRY_AFTER_CAP_S`;
     * anything else (``-1``, ``nan``, ``1e999``, ``inf``, empty): None, and the caller falls back to its own
       backoff. The result is never negative, never NaN and never above ``cap_s``.
     """
@@ -284,14 +310,28 @@ def parse_retry_after_s(
     text = value.strip(" \t")
     if _DELTA_SECONDS.fullmatch(text):
         return min(cap_s, float(text))  # float() of a very long number is inf: capped like the rest
+    when = _http_date(text)
+    if when is None:
+        return None
+    sent = _http_date(date.strip(" \t")) if date is not None else None
+    if sent is None:
+        cap_s = min(cap_s, UNDATED_RETRY_AFTER_CAP_S)
+    reference = sent or now or dt.datetime.now(dt.UTC)
+    return min(cap_s, max(0.0, (when - reference).total_seconds()))
+
+
+def _http_date(text: str) -> dt.datetime | None:
+    """An HTTP-date (IMF-fixdate or the obsolete forms) as an aware UTC datetime, None when unreadable."""
     try:
         when = email.utils.parsedate_to_datetime(text)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.UTC)  # an HTTP-date is always GMT
-    seconds = (when - (now or dt.datetime.now(dt.UTC))).total_seconds()
-    return min(cap_s, max(0.0, seconds))
+    return when.replace(tzinfo=dt.UTC) if when.tzinfo is None else when  # an HTTP-date is always GMT
+
+
+def retry_after_s(response: httpx.Response) -> float | None:
+    """The answer's ``Retry-After`` in seconds, read against its own ``Date`` (:func:`parse_retry_after_s`)."""
+    return parse_retry_after_s(response.headers.get("Retry-After"), date=response.headers.get("Date"))
 
 
 def _read_json(response: httpx.Response) -> tuple[Any, JsonValueError | None]:
@@ -305,7 +345,7 @@ def _read_json(response: httpx.Response) -> tuple[Any, JsonValueError | None]:
 def _poll_after_s(body: dict[str, Any] | None, response: httpx.Response) -> float | None:
     """The API's poll hint in seconds: ``Retry-After`` when readable, else ``poll_after_ms``; clamped to
     ``[0, MAX_POLL_HINT_S]``; None when neither is usable."""
-    hint = parse_retry_after_s(response.headers.get("Retry-After"))
+    hint = retry_after_s(response)
     if hint is not None:
         return hint
     value = body.get("poll_after_ms") if body is not None else None
@@ -413,6 +453,8 @@ class RemoteClient:
             is that setting's default: a worker builds its client with :meth:`from_settings`).
         traced: True when ``http`` uses httpx's own transport (httpcore), whose ``trace`` extension tells
             whether a request was sent when the deadline struck; False for injected transports.
+        max_answer_bytes: most bytes of one answer's body read, decoded (``Settings.remote_answer_max_bytes``;
+            the aiohttp transport enforces its own, set from the same setting by :func:`make_http_client`).
     """
 
     def __init__(
@@ -422,11 +464,13 @@ class RemoteClient:
         *,
         call_deadline_s: float = DEFAULT_CALL_DEADLINE_S,
         traced: bool = False,
+        max_answer_bytes: int = DEFAULT_ANSWER_MAX_BYTES,
     ) -> None:
         self.http = http
         self.model = model
         self.call_deadline_s = call_deadline_s
         self.traced = traced
+        self.max_answer_bytes = max_answer_bytes
         self._post = _Call(http.build_request("POST", "/v1/generations", headers={"Content-Type": "application/json"}))
         self._get = _Call(http.build_request("GET", "/v1/generations/"))  # + the quoted job id
         # The aiohttp transport is called directly (the client's auth, redirect, cookie and event-hook layers do
@@ -448,6 +492,7 @@ class RemoteClient:
             settings.remote_model,
             call_deadline_s=settings.remote_call_deadline_s,
             traced=transport is None,
+            max_answer_bytes=settings.remote_answer_max_bytes,
         )
 
     async def aclose(self) -> None:
@@ -476,7 +521,7 @@ class RemoteClient:
                     content=body,
                     extensions={"timeout": call.timeout, "trace": probe},
                 )
-                return await self.http.send(request)
+                return await self._read_bounded(await self.http.send(request, stream=True), request)
         except TimeoutError as exc:
             self._pool_repair.repair(probe)
             if not deadline.expired():
@@ -485,6 +530,27 @@ class RemoteClient:
         except BaseException:  # cancelled, or an httpx error: give back what the pool may have lost
             self._pool_repair.repair(probe)
             raise
+
+    async def _read_bounded(self, response: httpx.Response, request: httpx.Request) -> httpx.Response:
+        """``response`` (streamed, from a transport other than aiohttp) read and decoded within
+        :attr:`max_answer_bytes`, then closed.
+
+        Raises:
+            AnswerTooLargeError, httpx.DecodingError: as :class:`BoundedBody`; httpx's read errors.
+        """
+        try:
+            reader = BoundedBody(response.headers.get_list("content-encoding"), self.max_answer_bytes, request)
+            if hasattr(response, "_content"):  # an in-memory answer (a test's MockTransport): already decoded
+                if len(response.content) > self.max_answer_bytes:
+                    raise AnswerTooLargeError(self.max_answer_bytes, f"{len(response.content)} bytes", request)
+                return response
+            length = response.headers.get("content-length")
+            reader.check_length(int(length) if length is not None and length.strip().isdigit() else None)
+            content = await reader.read(response.aiter_raw())
+        finally:
+            await response.aclose()
+        reason = response.extensions.get("reason_phrase", b"").decode("ascii", "replace") or None
+        return make_response(response.status_code, reason, response.headers.raw, content, request)
 
     async def submit(self, operation_id: str, request_text: str) -> SubmitResult:
         """POST one generation; returns the created job or raises a classified :class:`RemoteError`.
@@ -546,7 +612,7 @@ class RemoteClient:
         if status == 502 and isinstance(error.get("job_id"), str) and JOB_ID.fullmatch(error["job_id"]):
             return SubmitResult(error["job_id"], status, True, _poll_after_s(body, response), duration_ms)
         if status == 429:
-            retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+            retry_after = retry_after_s(response)
             raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
         if 400 <= status < 500:
             code = clean_text(str(error.get("code", f"http_{status}")), 80)
@@ -610,7 +676,7 @@ class RemoteClient:
         body, _ = _read_json(response)
         body = body if isinstance(body, dict) else None
         if status == 429:
-            retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+            retry_after = retry_after_s(response)
             raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
         if 400 <= status < 500:
             error = body.get("error") if body is not None else None
@@ -662,7 +728,7 @@ def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, d
     if status == 404:
         raise RemoteJobNotFoundError(operation_id, f"remote job {job_id} not found (404)", answer=raw_answer(response))
     if status == 429:
-        retry_after = parse_retry_after_s(response.headers.get("Retry-After"))
+        retry_after = retry_after_s(response)
         raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
     if status != 200:
         raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP {status}", status_code=status)

@@ -48,6 +48,13 @@ connection (aiohttp's ``connect`` covers waiting for the pool and connecting), `
 ``read`` each socket read (aiohttp starts it when the request is handed to the connection, so it also bounds the
 write of these small bodies); aiohttp has no separate write timeout. The whole body is read inside the
 transport, so every failure surfaces here, mapped.
+
+Answer size: a body is read chunk by chunk and decoded as it arrives (:class:`BoundedBody`: ``gzip``,
+``x-gzip``, ``deflate``, ``identity``; other codings pass through as httpx leaves them), never holding more than
+``max_answer_bytes`` of it, before or after decoding (a 2 MB gzip answer may expand to gigabytes). An answer
+over the limit raises :class:`AnswerTooLargeError` (an ``httpx.DecodingError``: the request was sent and
+answered, so the remote client classifies it as an answer that could not be read) and its connection is closed,
+not reused. A ``Content-Length`` over the limit is refused before any byte of the body is read.
 """
 
 from __future__ import annotations
@@ -55,7 +62,8 @@ from __future__ import annotations
 import functools
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -163,24 +171,152 @@ def client_timeout(connect_s: float | None, read_s: float | None, pool_s: float 
     return _client_timeout({"connect": connect_s, "read": read_s, "pool": pool_s})
 
 
-def _response(
+#: Default of ``Settings.remote_answer_max_bytes``: the most bytes of one answer's body kept, decoded.
+DEFAULT_ANSWER_MAX_BYTES = 4 * 1024 * 1024
+
+
+class AnswerTooLargeError(httpx.DecodingError):
+    """An answer's body is over ``limit_bytes`` (as sent, or once decoded): it was not read to its end.
+
+    An ``httpx.DecodingError``, so the remote client's table classifies it as an answer that could not be read
+    (a POST: a job may exist; a GET: another poll with backoff). The message carries sizes, never the body.
+    """
+
+    def __init__(self, limit_bytes: int, what: str, request: httpx.Request | None = None) -> None:
+        super().__init__(f"answer body over the {limit_bytes} byte limit ({what}); not read", request=request)
+        self.limit_bytes = limit_bytes
+
+
+class _Inflater:
+    """One ``gzip``/``deflate`` layer, decoded incrementally: never more than ``room`` bytes out per call (zlib's
+    ``max_length``), the rest of the input kept compressed in zlib's ``unconsumed_tail``. ``deflate`` is tried
+    zlib-wrapped, then raw (RFC 9110 says wrapped; servers send both, httpx accepts both)."""
+
+    def __init__(self, coding: str) -> None:
+        self.coding = coding
+        self.raw_fallback = coding == "deflate"
+        wbits = zlib.MAX_WBITS | 16 if coding in ("gzip", "x-gzip") else zlib.MAX_WBITS
+        self.z = zlib.decompressobj(wbits)
+
+    def pieces(self, data: bytes, room: int) -> list[bytes]:
+        """``data`` decoded, in pieces of at most ``room`` bytes each; raises ``OverflowError`` as soon as the
+        total passes ``room`` (the caller's remaining budget).
+
+        Raises:
+            httpx.DecodingError: the data is not of this coding.
+        """
+        out: list[bytes] = []
+        total = 0
+        while data and not self.z.eof:
+            try:
+                piece = self.z.decompress(data, room - total + 1)
+            except zlib.error as exc:
+                if self.raw_fallback:
+                    self.raw_fallback = False
+                    self.z = zlib.decompressobj(-zlib.MAX_WBITS)
+                    continue
+                raise httpx.DecodingError(f"{self.coding} answer does not decode: {exc}") from exc
+            self.raw_fallback = False
+            total += len(piece)
+            if total > room:
+                raise OverflowError
+            out.append(piece)
+            data = self.z.unconsumed_tail
+        return out
+
+
+class BoundedBody:
+    """Reads one answer's body into at most ``limit_bytes`` bytes, decoding its ``Content-Encoding`` (a list of
+    codings, in the order applied) as it comes.
+
+    Codings: ``gzip``, ``x-gzip``, ``deflate``, ``identity``; any other passes through undecoded, as httpx
+    leaves codings it has no decoder for. Every layer's output is bounded by ``limit_bytes`` too, so a nested
+    bomb holds no more than the limit at any step.
+    """
+
+    def __init__(self, codings: Sequence[str], limit_bytes: int, request: httpx.Request | None = None) -> None:
+        self.limit_bytes = limit_bytes
+        self.request = request
+        names = [c.strip().lower() for value in codings for c in value.split(",")]
+        self.layers = [_Inflater(c) for c in reversed(names) if c in ("gzip", "x-gzip", "deflate")]
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.received = 0
+
+    def _too_large(self, what: str) -> AnswerTooLargeError:
+        return AnswerTooLargeError(self.limit_bytes, what, self.request)
+
+    def check_length(self, content_length: int | None) -> None:
+        """Refuse a body announced (``Content-Length``) over the limit before reading it."""
+        if content_length is not None and content_length > self.limit_bytes:
+            raise self._too_large(f"Content-Length {content_length}")
+
+    def feed(self, chunk: bytes) -> None:
+        """Take the next ``chunk`` as received.
+
+        Raises:
+            AnswerTooLargeError: the body (received or decoded) passed the limit.
+            httpx.DecodingError: the body does not decode.
+        """
+        self.received += len(chunk)
+        if self.received > self.limit_bytes:
+            raise self._too_large(f"more than {self.limit_bytes} bytes received")
+        pieces = [chunk]
+        for layer in self.layers:
+            decoded: list[bytes] = []
+            for piece in pieces:
+                try:
+                    decoded.extend(layer.pieces(piece, self.limit_bytes - self.size))
+                except OverflowError:
+                    raise self._too_large(f"{layer.coding} expands beyond it") from None
+            pieces = decoded
+        for piece in pieces:
+            self.size += len(piece)
+            if self.size > self.limit_bytes:
+                raise self._too_large("decoded")
+            self.parts.append(piece)
+
+    def content(self) -> bytes:
+        """The body read so far, decoded."""
+        return b"".join(self.parts)
+
+    async def read(self, chunks: AsyncIterator[bytes]) -> bytes:
+        """Feed every chunk of ``chunks`` and return the decoded body (raises as :meth:`feed`)."""
+        async for chunk in chunks:
+            self.feed(chunk)
+        return self.content()
+
+
+def content_length(raw_headers: Any) -> int | None:
+    """The answer's ``Content-Length`` as an int, None when absent or unreadable (aiohttp reads the body either
+    way)."""
+    for name, value in raw_headers:
+        if name.lower() == b"content-length":
+            text = value.decode("latin-1").strip()
+            return int(text) if text.isdigit() else None
+    return None
+
+
+def content_codings(raw_headers: Any) -> list[str]:
+    """The answer's ``Content-Encoding`` values, as text."""
+    return [value.decode("latin-1") for name, value in raw_headers if name.lower() == b"content-encoding"]
+
+
+def make_response(
     status: int, reason: str | None, raw_headers: Any, content: bytes, request: httpx.Request | None
 ) -> httpx.Response:
-    """The ``httpx.Response`` of a fully read answer, decoded as httpx decodes it.
-
-    Without a ``Content-Encoding`` the body is the content as it is: it is handed over directly (httpx's
-    ``Response(content=...)`` reads its own byte stream through the decoder machinery, ~10 µs). With one, httpx
-    decodes it (gzip, deflate, ...) as its own transport's answers are.
+    """The ``httpx.Response`` of a fully read answer whose body ``content`` is already decoded
+    (:class:`BoundedBody`): handed over as it is, no decoder pass (httpx's ``Response(content=...)`` reads its
+    own byte stream through the decoder machinery, ~10 µs). The headers are kept as received, ``Content-Encoding``
+    included.
     """
     extensions: dict[str, Any] = {"http_version": b"HTTP/1.1"}
     if reason:
         extensions["reason_phrase"] = reason.encode("ascii", "replace")
-    if any(name.lower() == b"content-encoding" for name, _ in raw_headers):
-        return httpx.Response(status, headers=raw_headers, content=content, request=request, extensions=extensions)
     response = httpx.Response(
         status, headers=raw_headers, stream=httpx.ByteStream(content), request=request, extensions=extensions
     )
-    response._content = content  # what Response.read() would set: the same bytes, no decoder involved
+    response._content = content  # what Response.read() would set: the decoded bytes
     return response
 
 
@@ -192,10 +328,11 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             within the request's pool timeout, then fail with ``httpx.ConnectTimeout`` (nothing sent).
         keepalive_expiry_s: seconds an idle connection stays in the pool.
         ssl_context: TLS for ``https://`` (the provider's CA, a client certificate); None: the system's CAs.
+        max_answer_bytes: most bytes of one answer's body read and kept, decoded (:class:`BoundedBody`).
 
     The session is created on the first request, inside the running event loop; :meth:`aclose` closes it.
-    Cookies are not kept (httpx does that above the transport), redirects are not followed and bodies are passed
-    through undecoded (httpx decodes ``Content-Encoding``), exactly as httpx's own transport does.
+    Cookies are not kept (httpx does that above the transport) and redirects are not followed, as httpx's own
+    transport does; bodies are decoded here, within ``max_answer_bytes`` (the module docstring).
     """
 
     def __init__(
@@ -204,10 +341,12 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         max_connections: int,
         keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S,
         ssl_context: ssl.SSLContext | None = None,
+        max_answer_bytes: int = DEFAULT_ANSWER_MAX_BYTES,
     ) -> None:
         self.max_connections = max_connections
         self.keepalive_expiry_s = keepalive_expiry_s
         self.ssl_context = ssl_context  # None: aiohttp's default (the system's CAs)
+        self.max_answer_bytes = max_answer_bytes
         self._session: aiohttp.ClientSession | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
@@ -237,7 +376,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         trace: Trace | None = None,
         request: httpx.Request | None = None,
     ) -> httpx.Response:
-        """Send one request and read the whole answer: the remote client's path, without an ``httpx.Request``.
+        """Send one request and read the whole answer (decoded, at most :attr:`max_answer_bytes`): the remote
+        client's path, without an ``httpx.Request``.
 
         ``url`` is absolute and already encoded; ``headers`` are sent as given (aiohttp adds ``Host`` and
         ``Content-Length`` when absent); ``timeouts`` come from :func:`client_timeout`; ``trace`` gets
@@ -247,6 +387,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
         Raises:
             httpx.TransportError: the types of the module docstring.
+            AnswerTooLargeError: the body is over :attr:`max_answer_bytes` (the connection is closed).
+            httpx.DecodingError: the body does not decode as its ``Content-Encoding`` says.
         """
         session = self._get_session()
         token = _SENDING_TRACE.set(trace)
@@ -254,7 +396,13 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             async with session.request(
                 method, url, headers=headers, data=body or None, allow_redirects=False, compress=None, timeout=timeouts
             ) as answer:
-                content = await answer.read()
+                reader = BoundedBody(content_codings(answer.raw_headers), self.max_answer_bytes, request)
+                try:
+                    reader.check_length(content_length(answer.raw_headers))
+                    content = await reader.read(answer.content.iter_any())
+                except httpx.DecodingError:
+                    answer.close()  # the rest of the body is never read: the connection cannot be reused
+                    raise
         except BaseException as exc:
             mapped = httpx_error_for(exc, request)
             if mapped is None:
@@ -264,7 +412,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             raise mapped from exc
         finally:
             _SENDING_TRACE.reset(token)
-        return _response(answer.status, answer.reason, answer.raw_headers, content, request)
+        return make_response(answer.status, answer.reason, answer.raw_headers, content, request)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send ``request`` and read the whole answer; failures raise the httpx types of the module docstring."""

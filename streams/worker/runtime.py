@@ -116,7 +116,7 @@ class Runtime:
         self.enqueue = enqueue
         self.worker = worker
         # the provider account's rate budget, on the same Redis and through the same coalescing stage
-        self.budget = RateBudget(leases.client, settings, stage=leases.stage)
+        self.budget = RateBudget(leases.client, settings, stage=leases.stage, owner=worker)
         # the pipeline's statements wait out PostgreSQL outages inside the ledger, counted and logged here
         waiting = OutageWait(retry_cap_s=settings.coordination_retry_cap_s, on_retry=self._on_ledger_retry)
         ledger.wait_out_outages(waiting)

@@ -245,3 +245,20 @@ async def test_many_tasks_of_several_workers_never_exceed_the_budget(settings: S
     # The calls go when their tasks wake, never before their slots (the same machine's clocks); a late wake-up
     # (a loaded machine) brings a call closer to the next one, so only the whole run's rate is compared.
     assert len(sent) <= (pace.window_bound(sent[-1] - sent[0] + 0.2) or 0)
+
+
+async def test_a_pause_one_worker_shares_is_capped_and_says_who_set_it(
+    client: aioredis.Redis, settings: Settings
+) -> None:
+    # A 429 whose Retry-After says 120 s (or a date misread through a skewed clock): the account's shared pause
+    # is at most remote_shared_pause_cap_s, and its record names the worker that set it.
+    capped = RateBudget(client, settings.replace(remote_shared_pause_cap_s=2.0), owner="worker-a")
+    await capped.note_rate_limited(BudgetKind.GET, 120.0)
+    pause_ms = await client.pttl(budget_key(settings, "GET", "pause"))
+    assert 0 < pause_ms <= 2000
+    record = await capped.pause_record(BudgetKind.GET)
+    assert record is not None and (record["by"], record["pause_s"]) == ("worker-a", 2.0)
+    other = RateBudget(client, settings, owner="worker-b")
+    grant = await other.check(BudgetKind.GET)  # every worker sees the same, capped pause
+    assert grant.granted == 0 and 0 < grant.wait_s <= 2.0
+    assert await other.pause_record(BudgetKind.POST) is None

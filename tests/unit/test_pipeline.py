@@ -467,6 +467,7 @@ async def test_a_failed_get_is_rescheduled_with_backoff(pipeline: Callable[..., 
     assert op.state is S.SUBMITTED
     assert op.next_poll_at is not None and op.next_poll_at > op.updated_at
     assert [c.outcome for c in p.ledger.remote_calls if c.method == "GET"] == ["transient"]
+    assert (op.poll_count, op.failed_poll_count) == (1, 1)  # counted: the next failure backs off further
     p.ledger.advance(60.0)
     await p.observe_due()
     assert p.ledger.state(OP) is S.RUNNING

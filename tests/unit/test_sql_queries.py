@@ -104,6 +104,7 @@ EXPECTED = {
         "save_stalled",
         "note_not_found",
         "note_unknown_status",
+        "note_failed_poll",
         "record_remote_call",
         "try_relay_lock",
         "lock_unpublished_outbox",

@@ -15,7 +15,14 @@ import yarl
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from streams.remote.client import _NOT_SENT
-from streams.remote.transport import EXCEPTION_MAP, _client_timeout, _response, client_timeout, httpx_error_for
+from streams.remote.transport import (
+    EXCEPTION_MAP,
+    BoundedBody,
+    _client_timeout,
+    client_timeout,
+    httpx_error_for,
+    make_response,
+)
 
 REQUEST = httpx.Request("POST", "http://127.0.0.1:1/v1/generations")
 INFO = aiohttp.RequestInfo(
@@ -116,10 +123,12 @@ BODY = b'{"id":"job1","n":1.50,"text":"caf\xc3\xa9"}'
     ids=["plain", "latin-1", "gzip", "gzip-lowercase", "empty"],
 )
 def test_an_answer_reads_as_httpx_reads_its_own(headers: list[tuple[bytes, bytes]], content: bytes) -> None:
-    # The transport hands a plain body to httpx as read (no decoder pass); what the remote client reads of it
-    # (status, headers, bytes, text, reason) must be what httpx's own Response(content=...) gives, and an encoded
-    # body must still be decoded.
-    ours = _response(201, "Created", headers, content, REQUEST)
+    # The transport decodes the body as it reads it (BoundedBody) and hands it to httpx with no decoder pass; what
+    # the remote client reads of it (status, headers, bytes, text, reason) must be what httpx's own
+    # Response(content=...) gives, an encoded body decoded.
+    decoded = BoundedBody([v.decode() for k, v in headers if k.lower() == b"content-encoding"], 1 << 20)
+    decoded.feed(content)
+    ours = make_response(201, "Created", headers, decoded.content(), REQUEST)
     expected = httpx.Response(201, headers=headers, content=content, request=REQUEST)
     assert ours.content == expected.content
     assert ours.text == expected.text
@@ -132,7 +141,7 @@ def test_an_answer_reads_as_httpx_reads_its_own(headers: list[tuple[bytes, bytes
 
 
 async def test_an_answer_is_read_and_closed() -> None:
-    response = _response(200, None, [], BODY, None)
+    response = make_response(200, None, [], BODY, None)
     assert await response.aread() == BODY
     await response.aclose()
     assert response.is_closed and response.reason_phrase == "OK"

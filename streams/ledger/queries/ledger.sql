@@ -244,7 +244,7 @@ RETURNING req.i;
 -- name: save_observation
 -- Batched, fenced, conditional save of GET snapshots; for a 'succeeded' one, the outputs and one outbox row per
 -- (operation_id, output_id) are written by the same statement (a second row is impossible: primary key and
--- unique index; a repeat is skipped). A known status ends any run of unknown ones. When a snapshot is terminal,
+-- unique index; a repeat is skipped). A known status ends any run of unknown ones and of failed polls. When a snapshot is terminal,
 -- the job's accounting record takes its outcome and the provider's charge, and a refund is recorded once per
 -- (refund id, job id).
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :states new states (text[]), :observations
@@ -274,6 +274,7 @@ WITH req AS (
         last_observed_at = now(),
         poll_count = o.poll_count + 1,
         unknown_status_count = 0,
+        failed_poll_count = 0,
         next_poll_at = CASE WHEN req.delay_s IS NULL THEN NULL ELSE now() + make_interval(secs => req.delay_s) END,
         remote_completed_at = COALESCE(to_timestamp(req.completed_ms::double precision / 1000.0),
                                        o.remote_completed_at),
@@ -404,6 +405,28 @@ SET state = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN '
     updated_by = :worker
 WHERE o.operation_id = :operation_id AND o.fencing_token = :fencing_token AND o.state IN ('submitted', 'queued', 'running')
 RETURNING o.state::text AS state, o.unknown_status_count;
+
+-- name: note_failed_poll
+-- Fenced: the job's GET failed (an answer that cannot be used, a timeout, a lost connection, a 429). It counts
+-- as a poll (poll_count: the backoff grows) and as a failed one in a row; the :failed_poll_limit-th in a row ->
+-- stalled with the reason :reason and :last_answer kept; before that the poll is rescheduled :next_poll_delay_s
+-- seconds out.
+-- :operation_id, :fencing_token, :failed_poll_limit (failed polls in a row), :next_poll_delay_s next poll delay
+-- (s), :reason, :last_answer (jsonb), :worker. Returns the state afterwards and failed_poll_count, or no row when
+-- refused (stale fencing value, or no longer pollable).
+UPDATE operations AS o
+SET state = CASE WHEN o.failed_poll_count + 1 >= :failed_poll_limit THEN 'stalled' ELSE o.state END,
+    reason = CASE WHEN o.failed_poll_count + 1 >= :failed_poll_limit THEN :reason ELSE o.reason END,
+    reason_code = CASE WHEN o.failed_poll_count + 1 >= :failed_poll_limit THEN 'poll_failures' ELSE o.reason_code END,
+    last_observation = CASE WHEN o.failed_poll_count + 1 >= :failed_poll_limit THEN :last_answer::jsonb
+                            ELSE o.last_observation END,
+    next_poll_at = CASE WHEN o.failed_poll_count + 1 >= :failed_poll_limit THEN NULL
+                        ELSE now() + make_interval(secs => :next_poll_delay_s) END,
+    failed_poll_count = o.failed_poll_count + 1,
+    poll_count = o.poll_count + 1,
+    updated_by = :worker
+WHERE o.operation_id = :operation_id AND o.fencing_token = :fencing_token AND o.state IN ('submitted', 'queued', 'running')
+RETURNING o.state::text AS state, o.failed_poll_count;
 
 -- name: record_remote_call
 -- Batched accounting: one row per remote call attempt. A POST that reported a job id (outcome 'created' or

@@ -43,7 +43,7 @@ RETURNING transition_seq, fencing_token;
 
 -- name: repoll
 -- stalled -> submitted: observe the same job again, due now, with a fresh observation window (maximum age and
--- unknown-status count start over; the 404 grace window still counts from when the job id was saved).
+-- unknown-status and failed-poll counts start over; the 404 grace window still counts from when the job id was saved).
 -- :operation_id, :reason, :actor. Returns transition_seq, fencing_token.
 UPDATE operations
 SET state = 'submitted',
@@ -53,6 +53,7 @@ SET state = 'submitted',
     next_poll_at = now(),
     observing_since = now(),
     unknown_status_count = 0,
+    failed_poll_count = 0,
     updated_by = :actor
 WHERE operation_id = :operation_id AND state = 'stalled'
 RETURNING transition_seq, fencing_token;

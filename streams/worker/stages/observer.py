@@ -12,13 +12,18 @@
 * GET: at most one in flight per job. It runs under the client's overall deadline (shorter than the lease TTL
   by the lease margin) while the lease is renewed every third of its TTL; a renewal that finds the lease lost
   cancels it.
-* GET failed with a complete answer or before sending: classified, accounted, rescheduled with backoff (429
-  after its ``Retry-After``, which also pauses every worker's GETs).
+* GET failed with a complete answer or before sending: classified, accounted, counted as a poll (so the backoff
+  grows) and as a failed one in a row, and rescheduled with backoff; ``failed_poll_limit`` failures in a row end
+  in ``stalled`` (:mod:`streams.worker.stages.stalling`). A 429 is rescheduled after its ``Retry-After`` (which
+  also pauses every worker's GETs, up to ``remote_shared_pause_cap_s``) without counting as a failure: the
+  account, not the job, is limited.
 * GET abandoned after sending (deadline, timeout, connection lost, lease lost, cancelled): the provider may
   still be serving it, so the lease is left to expire (renewed to a full TTL, not released) and the next poll is
-  scheduled after it: the job's next GET starts only once the abandoned one has had a full TTL to end.
-* The job's answers stop making progress (404 past the grace window, an unknown status N times in a row, older
-  than the maximum observation age): ``stalled``, polling stops (:mod:`streams.worker.stages.stalling`).
+  scheduled after it: the job's next GET starts only once the abandoned one has had a full TTL to end. It counts
+  as a failed poll like the above (a lease lost during the GET does not: the provider did nothing wrong).
+* The job's answers stop making progress (404 past the grace window, an unknown status N times in a row, failed
+  GETs N times in a row, older than the maximum observation age): ``stalled``, polling stops
+  (:mod:`streams.worker.stages.stalling`).
 * Renewal before the save fails (:class:`LeaseLostError`): no save and no further GET for this poll.
 * Save refused by the fencing value: the result is dropped, counted (``streams_fencing_refusals_total``) and
   logged. A late ``running`` over a saved ``succeeded`` is refused by the state order.
@@ -260,8 +265,9 @@ class Observer:
     ) -> JobSnapshot | None:
         """Where a GET that failed with a classified answer goes (accounted already): a 404 or an unknown status to
         the stall guard (rescheduled, or ``stalled``), an answer that breaks the API's contract to a ``failed``
-        snapshot (returned, saved like an answer), anything else to another poll with backoff (after a 429's
-        ``Retry-After``, which pauses every worker's GETs) unless the job is too old to poll (``stalled``)."""
+        snapshot (returned, saved like an answer), a 429 to another poll after its ``Retry-After`` (which pauses every
+        worker's GETs), anything else to the stall guard as a failed poll (another poll with backoff, or ``stalled``
+        at ``failed_poll_limit`` in a row); a job too old to poll is ``stalled``."""
         if isinstance(exc, RemoteJobNotFoundError):
             log.info("operation %s: %s", operation_id, exc)
             await self.stalls.not_found(operation_id, claim, exc, self._delay(poll_count, None))
@@ -276,11 +282,14 @@ class Observer:
         if self.stalls.too_old(claim, claimed_at):
             await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
             return None
-        hint = exc.retry_after_s if isinstance(exc, RemoteRateLimitedError) else None
-        if hint is not None:
-            await self.rt.budget.note_rate_limited(BudgetKind.GET, hint)
-        log.info("operation %s: GET %s, retrying: %s", operation_id, exc.outcome, exc)
-        await self._reschedule(operation_id, poll_claim_id, self._delay(poll_count, hint))
+        if isinstance(exc, RemoteRateLimitedError):
+            await self.rt.budget.note_rate_limited(BudgetKind.GET, exc.retry_after_s)
+            log.info("operation %s: GET %s, retrying: %s", operation_id, exc.outcome, exc)
+            await self._reschedule(operation_id, poll_claim_id, self._delay(poll_count, exc.retry_after_s))
+            return None
+        delay = self._delay(poll_count, None)
+        log.info("operation %s: GET %s, retrying in %.1f s: %s", operation_id, exc.outcome, delay, exc)
+        await self.stalls.failed_poll(operation_id, claim, exc, delay)
         return None
 
     async def _abandoned(
@@ -317,4 +326,8 @@ class Observer:
             lease.key,
             quarantine_s,
         )
-        await self._reschedule(operation_id, poll_claim_id, max(quarantine_s, self._delay(poll_count, None)))
+        delay = max(quarantine_s, self._delay(poll_count, None))
+        if isinstance(exc, RemoteAbandonedError):
+            await self.stalls.failed_poll(operation_id, claim, exc, delay)
+        else:
+            await self._reschedule(operation_id, poll_claim_id, delay)

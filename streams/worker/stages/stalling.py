@@ -7,6 +7,9 @@ Three signs, each bounded by a setting, so the GETs spent on a stuck job are bou
   the poll (providers commonly answer 404 for a few seconds after creating a job).
 * a status the client does not know (``aborted``, ``paused``, ``null``, ...) ``unknown_status_limit`` GETs
   in a row (a known status resets the count).
+* ``failed_poll_limit`` failed GETs in a row (5xx, 3xx, an unreadable or oversized body, a 200 for another job,
+  not sent, timeouts and lost connections), each of which also counts toward the job's backoff (a usable answer
+  resets the count);
 * observed longer than ``max_observation_age_s`` without becoming terminal (whatever the answers: a job that
   never finishes, or GETs that keep failing).
 
@@ -21,8 +24,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from streams import metrics
-from streams.errors import RemoteJobNotFoundError, RemoteUnknownStatusError
+from streams.errors import RemoteError, RemoteJobNotFoundError, RemoteUnknownStatusError
 from streams.ledger.records import ObserveClaim
+from streams.model.answers import clean_text
 from streams.model.states import OperationState
 from streams.worker.runtime import Runtime
 
@@ -105,6 +109,30 @@ class StallGuard:
 
         return await self._decide(operation_id, "unknown_status", reason, note)
 
+    async def failed_poll(
+        self, operation_id: str, claim: ObserveClaim, exc: RemoteError, next_poll_delay_s: float
+    ) -> OperationState | None:
+        """Fenced: a GET that failed (counted toward the backoff); ``stalled`` at the ``failed_poll_limit``-th in a
+        row, else rescheduled ``next_poll_delay_s`` out.
+
+        Returns the state afterwards, None when refused by the fencing value.
+        """
+        rt = self.rt
+        limit = rt.settings.failed_poll_limit
+        last_answer: dict[str, Any] = {"error": clean_text(str(exc), 1000), "http_status": exc.status_code}
+        reason = (
+            f"{limit} failed polls in a row; remote job {claim.remote_job_id}, last failure: "
+            f"{_short(last_answer)}; repoll or fail it"
+        )
+
+        async def note() -> OperationState | None:
+            noted = await rt.ledger.note_failed_poll(
+                operation_id, claim.fencing_token, limit, next_poll_delay_s, reason, last_answer
+            )
+            return None if noted is None else noted[0]
+
+        return await self._decide(operation_id, "poll_failures", reason, note)
+
     async def _decide(
         self,
         operation_id: str,
@@ -113,7 +141,8 @@ class StallGuard:
         decide: Callable[[], Awaitable[OperationState | None]],
     ) -> OperationState | None:
         """Run the fenced statement ``decide`` (the ledger waits out PostgreSQL) and report its outcome for the
-        sign ``kind`` (``max_age``, ``not_found``, ``unknown_status``): the state afterwards, None when refused."""
+        sign ``kind`` (``max_age``, ``not_found``, ``unknown_status``, ``poll_failures``): the state afterwards,
+        None when refused."""
         state = await decide()
         self._report(operation_id, state, kind, reason)
         return state
