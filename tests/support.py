@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from streams.config import Settings
@@ -43,6 +44,11 @@ async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float, w
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+async def key_exists(client: aioredis.Redis, key: str | bytes) -> bool:
+    """Whether ``key`` is set in Redis (a :func:`wait_for` predicate)."""
+    return await client.exists(key) == 1
 
 
 class SimulatorServer:

@@ -102,7 +102,8 @@ async def test_429_is_retried_after_retry_after_and_creates_one_job(
     task = asyncio.create_task(Dispatcher(runtime).handle(submission("op-429")))
 
     async def posted() -> bool:
-        return (await simulator.get("/_sim/operations/op-429"))["posts"] >= 1
+        posts: int = (await simulator.get("/_sim/operations/op-429"))["posts"]
+        return posts >= 1
 
     await wait_for(posted, 10, "the first POST (answered 429)")
     await simulator.configure(fault_429=0.0)

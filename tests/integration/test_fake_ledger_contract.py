@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import httpx
@@ -97,7 +97,7 @@ class ScriptedProvider:
             if self.during_get is not None:
                 await self.during_get(job_id)
             queue = self.gets[job_id]
-        answer = queue.pop(0) if len(queue) > 1 else queue[0]
+        answer: httpx.Response | Exception = queue.pop(0) if len(queue) > 1 else queue[0]
         if isinstance(answer, Exception):
             raise answer
         return answer
@@ -257,7 +257,9 @@ async def test_an_operation_left_accepted_is_found_and_dispatched_again_alike(
     fake = InMemoryLedger()
     for ledger in (fake, Ledger(pool, "contract")):
         provider = ScriptedProvider()
-        rt = Runtime(settings, ledger, fake_leases(settings), mock_remote(settings, provider), Sent(), "contract")
+        # InMemoryLedger has the methods of Ledger that the worker calls, not its class
+        as_ledger = cast(Ledger, ledger)
+        rt = Runtime(settings, as_ledger, fake_leases(settings), mock_remote(settings, provider), Sent(), "contract")
         assert await ledger.accept("op-ok", REQUEST, submitted_at_ms=1700000000000)
         assert await ledger.stale_accepted(0.0, 100) == [("op-ok", REQUEST)]
         assert await Dispatcher(rt).redispatch("op-ok", REQUEST) is True

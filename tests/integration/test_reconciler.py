@@ -91,7 +91,8 @@ async def test_one_job_found_is_adopted_then_observed_as_usual_and_published(
 
     async def succeeded() -> bool:
         await poll_now(runtime, pool, "op-one")
-        return (await operation(pool, "op-one"))["state"] == "succeeded"
+        state: str = (await operation(pool, "op-one"))["state"]
+        return state == "succeeded"
 
     await wait_for(succeeded, 10, "the adopted job to be observed to the end")
     assert await posts(simulator, "op-one") == 1  # the reconciler never POSTs

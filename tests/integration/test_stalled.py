@@ -66,7 +66,8 @@ async def test_404_window_shorter_than_the_grace_ends_observed_as_usual(
 
     async def succeeded() -> bool:
         await poll_now(runtime, pool, "op-404-short")
-        return (await operation(pool, "op-404-short"))["state"] == "succeeded"
+        state: str = (await operation(pool, "op-404-short"))["state"]
+        return state == "succeeded"
 
     await wait_for(succeeded, 15, "the job to be observed past its 404 window")
     assert (await sim_job(simulator, "op-404-short"))["gets_not_found"] >= 1
@@ -141,7 +142,8 @@ async def test_a_job_that_never_finishes_stalls_at_the_maximum_age_with_gets_bou
 
     async def stalled() -> bool:
         await poll_now(runtime, pool, "op-forever")
-        return (await operation(pool, "op-forever"))["state"] == "stalled"
+        state: str = (await operation(pool, "op-forever"))["state"]
+        return state == "stalled"
 
     await wait_for(stalled, 10, "the job to stall at the maximum observation age")
     row = await operation(pool, "op-forever")

@@ -105,7 +105,7 @@ async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 
 def settings_for(url: str, **changes: object) -> Settings:
     values: dict[str, object] = {"http_read_timeout_s": 0.5, "http_transport": "aiohttp", **changes}
-    return Settings(remote_base_url=url, **values)  # type: ignore[arg-type]
+    return Settings(remote_base_url=url, **values)
 
 
 @pytest.fixture

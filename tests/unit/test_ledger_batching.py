@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from streams.errors import LedgerDataError, LedgerUnavailableError
-from streams.ledger.store import RUN_ALONE, WAIT_FOR_LOCKS, Ledger, Request, _rounds
 from streams.ledger import store as ledger_module
+from streams.ledger.store import RUN_ALONE, WAIT_FOR_LOCKS, Ledger, Request, _rounds
 
 
 def test_rounds_put_each_operation_once_per_statement_in_the_order_requests_were_made() -> None:
