@@ -155,10 +155,12 @@ async def test_a_kafka_outage_is_waited_out_for_a_dead_letter(
 
 async def test_outages_do_not_count_towards_the_dead_letter_attempts(rt: Runtime, sleeps: Sleeps) -> None:
     def refused() -> BaseException:
-        return aiokafka.errors.MessageSizeTooLargeError()
+        error: BaseException = aiokafka.errors.MessageSizeTooLargeError()  # aiokafka is untyped
+        return error
 
     def outage() -> BaseException:
-        return aiokafka.errors.KafkaConnectionError()
+        error: BaseException = aiokafka.errors.KafkaConnectionError()
+        return error
 
     failures: list[BaseException | None] = [refused(), outage(), refused(), outage(), outage(), refused(), None]
     rt.send, acknowledged = failing_send(failures)
