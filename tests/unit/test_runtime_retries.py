@@ -11,6 +11,7 @@ import aiokafka.errors
 import fakeredis
 import httpx
 import pytest
+from prometheus_client import Counter
 
 from streams import metrics
 from streams.config import Settings
@@ -62,8 +63,8 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sleeps]:
     yield recorded
 
 
-def count(counter: object, *labels: str) -> float:
-    return float(counter.labels(*labels)._value.get())  # type: ignore[attr-defined]
+def count(counter: Counter, *labels: str) -> float:
+    return float(counter.labels(*labels)._value.get())
 
 
 def outage_lines(caplog: pytest.LogCaptureFixture, service: str) -> list[str]:
