@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -419,7 +419,9 @@ class InMemoryLedger(WaitsOutOutages):
         reason = None
         if new is S.FAILED and snapshot.error:
             reason = clean_text(f"remote job failed: {exactjson.dumps(snapshot.error).decode()}")
-        outputs = [{"output_id": str(o["id"]), "position": i, "payload": o} for i, o in enumerate(snapshot.outputs)]
+        outputs: list[dict[str, Any]] = [
+            {"output_id": str(o["id"]), "position": i, "payload": o} for i, o in enumerate(snapshot.outputs)
+        ]
         if "\\u0000" in exactjson.dumps([snapshot.as_observation(), outputs]).decode():
             raise LedgerDataError(f"PostgreSQL refused the values of save observation of {operation_id}: NUL in jsonb")
         op = self.operations.get(operation_id)
@@ -712,7 +714,8 @@ class Sent:
         return [exactjson.loads(v) for t, _, v in self.records if t == topic]
 
 
-Handler = Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]
+#: A provider answering one request, plain or ``async`` (what ``httpx.MockTransport`` takes).
+Handler = Callable[[httpx.Request], httpx.Response] | Callable[[httpx.Request], Coroutine[Any, Any, httpx.Response]]
 
 
 def fake_leases(settings: Settings, server: fakeredis.FakeServer | None = None) -> LeaseManager:
@@ -759,6 +762,6 @@ async def observed_again(ledger: Any, operation_id: str) -> ObserveClaim:
     assert await ledger.reschedule_poll(operation_id, row["poll_claim_id"], 0.0)
     polls = [p for p in await ledger.claim_due_polls(100, 60.0) if p.operation_id == operation_id]
     assert len(polls) == 1
-    claim = await ledger.claim_for_observe(operation_id, polls[0].poll_claim_id)
+    claim: ObserveClaim | None = await ledger.claim_for_observe(operation_id, polls[0].poll_claim_id)
     assert claim is not None
     return claim

@@ -205,6 +205,7 @@ class FlakyProvider:
             writer.close()
 
     def _answer(self, request: bytes) -> bytes:
+        body: dict[str, object]
         if request.startswith(b"POST "):
             status, body = "201 Created", {"id": f"job-{uuid.uuid4().hex[:12]}", "status": "queued"}
         else:

@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from streams.config import Settings
+from streams.ledger.store import Ledger
+from streams.worker.runtime import Runtime
 from streams_harness.fleet import free_port_block
 from streams_harness.replay import trace_request
 from streams_harness.simulator import SimulatorConfig, make_app
@@ -43,6 +46,11 @@ async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float, w
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+async def key_exists(client: aioredis.Redis, key: str | bytes) -> bool:
+    """Whether ``key`` is set in Redis (a :func:`wait_for` predicate)."""
+    return await client.exists(key) == 1
 
 
 class SimulatorServer:
@@ -217,3 +225,10 @@ class ReplyCutter:
             task = asyncio.ensure_future(coro)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+
+def real_ledger(rt: Runtime) -> Ledger:
+    """The PostgreSQL ledger of a runtime the integration tier built (its operators' and accounting calls are not
+    part of :class:`streams.ledger.protocol.PipelineLedger`)."""
+    assert isinstance(rt.ledger, Ledger), type(rt.ledger)
+    return rt.ledger

@@ -79,12 +79,10 @@ async def check_promises(pool: asyncpg.Pool, sim: SimulatorServer, ids: list[str
     )
 
     async def drained() -> bool:
-        return (
-            await pool.fetchval(
-                "SELECT count(*) FROM outbox WHERE operation_id = ANY($1) AND published_at IS NULL", succeeded
-            )
-            == 0
+        left: int = await pool.fetchval(
+            "SELECT count(*) FROM outbox WHERE operation_id = ANY($1) AND published_at IS NULL", succeeded
         )
+        return left == 0
 
     if undelivered:
         await wait_for(drained, 30, "outbox drained")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import uuid
+from typing import Any
 
 import asyncpg
 import pytest
@@ -42,7 +43,7 @@ async def test_workers_under_one_budget_get_no_429_and_finish_everything(
     await sim.configure(
         rate_limit_post_per_s=LIMIT_POST_PER_S, rate_limit_get_per_s=LIMIT_GET_PER_S, rate_limit_burst=LIMIT_BURST
     )
-    budget = {
+    budget: dict[str, Any] = {  # Settings.replace overrides
         # A Redis hiccup of the loaded machine inside a claim must not use up the retry budget (rejected).
         "submit_retry_deadline_s": 20.0,
         "submitting_stale_after_s": 40.0,

@@ -213,7 +213,8 @@ async def test_dispatcher_killed_mid_post_ends_uncertain_with_one_post(
     await fleet.wait_ready("b")
 
     async def uncertain() -> bool:
-        return await ledger_pool.fetchval("SELECT state::text FROM operations WHERE operation_id=$1", op) == "uncertain"
+        state: str = await ledger_pool.fetchval("SELECT state::text FROM operations WHERE operation_id=$1", op)
+        return state == "uncertain"
 
     await wait_for(uncertain, 60, "reconciliation to mark the operation uncertain")
     reason = await ledger_pool.fetchval("SELECT reason FROM operations WHERE operation_id=$1", op)

@@ -14,7 +14,7 @@ from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from tests.integration.stuck import operation, poll_now, request_text
 from tests.support import SimulatorServer as Simulator
-from tests.support import wait_for
+from tests.support import real_ledger, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ async def test_a_2xx_and_a_502_job_are_accounted_with_how_they_were_learned(
         row = await account(pool, op)
         job = (await simulator.get(f"/_sim/operations/{op}"))["jobs"][0]
         assert (row["remote_job_id"], row["learned_via"], row["outcome"]) == (job["job_id"], via, None)
-    summary = await runtime.ledger.accounting_summary()
+    summary = await real_ledger(runtime).accounting_summary()
     assert summary["learned_only_via_502"] == 1
     assert summary["jobs_by_learned_via"] == {"post_2xx": 1, "post_502": 1}
     assert summary["jobs_by_outcome"] == {"not_terminal": 2}
@@ -77,7 +77,7 @@ async def test_charge_of_a_succeeded_job_is_recorded_as_observed(
     assert row["charge_amount"] == Decimal(job["charge_amount"]) == Decimal("0.0005") + Decimal("0.00003")
     assert row["charge"]["id"].startswith("ch_")
     assert await pool.fetchval("SELECT count(*) FROM refunds") == 0
-    summary = await runtime.ledger.accounting_summary()
+    summary = await real_ledger(runtime).accounting_summary()
     [charges] = summary["charges"]
     assert (charges["currency"], Decimal(charges["amount"]), charges["jobs"]) == ("USD", Decimal("0.00053"), 1)
     assert summary["refunds_pending"] == 0
@@ -93,14 +93,14 @@ async def test_refund_of_a_failed_job_is_recorded_once(
     refunds = await pool.fetch("SELECT refund_id, remote_job_id, amount, currency FROM refunds")
     assert [tuple(r) for r in refunds] == [(job["refund_id"], job["job_id"], Decimal(job["charge_amount"]), "USD")]
     refund = {"id": job["refund_id"], "amount": job["charge_amount"], "currency": "USD"}
-    assert await runtime.ledger.record_refund(job["job_id"], refund) is False  # the same refund again
-    assert await runtime.ledger.record_refund(job["job_id"], dict(refund)) is False
+    assert await real_ledger(runtime).record_refund(job["job_id"], refund) is False  # the same refund again
+    assert await real_ledger(runtime).record_refund(job["job_id"], dict(refund)) is False
     assert await pool.fetchval("SELECT count(*) FROM refunds") == 1
     second = {"id": "rf_second", "amount": "0.00001", "currency": "USD"}
-    assert await runtime.ledger.record_refund(job["job_id"], second) is True  # another refund id: a new row
-    assert await runtime.ledger.record_refund(job["job_id"], second) is False
-    assert await runtime.ledger.record_refund("job-unknown", second) is False  # no accounting record: nothing
-    summary = await runtime.ledger.accounting_summary()
+    assert await real_ledger(runtime).record_refund(job["job_id"], second) is True  # another refund id: a new row
+    assert await real_ledger(runtime).record_refund(job["job_id"], second) is False
+    assert await real_ledger(runtime).record_refund("job-unknown", second) is False  # no accounting record: nothing
+    summary = await real_ledger(runtime).accounting_summary()
     assert summary["jobs_by_outcome"] == {"failed": 1}
     [settled] = summary["refunds_settled"]
     assert (settled["currency"], Decimal(settled["amount"]), settled["refunds"]) == (
@@ -118,6 +118,6 @@ async def test_a_failed_job_with_a_charge_and_no_refund_is_pending(runtime: Runt
     await pool.execute(
         "UPDATE remote_jobs SET outcome = 'failed', charge = '{}', charge_amount = 0.5 WHERE remote_job_id = 'job-p'"
     )
-    assert (await runtime.ledger.accounting_summary())["refunds_pending"] == 1
-    assert await runtime.ledger.record_refund("job-p", {"id": "rf-p", "amount": "0.5", "currency": "USD"})
-    assert (await runtime.ledger.accounting_summary())["refunds_pending"] == 0
+    assert (await real_ledger(runtime).accounting_summary())["refunds_pending"] == 1
+    assert await real_ledger(runtime).record_refund("job-p", {"id": "rf-p", "amount": "0.5", "currency": "USD"})
+    assert (await real_ledger(runtime).accounting_summary())["refunds_pending"] == 0

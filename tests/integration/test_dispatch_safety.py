@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 
 from streams.config import lease_key
+from streams.remote.client import SubmitResult
 from streams.worker.runtime import Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.scheduler import PollScheduler
@@ -38,7 +39,7 @@ async def posts_and_jobs(simulator: Simulator, op: str) -> tuple[int, list[str]]
 
 @pytest.mark.parametrize("point", ["before_send", "after_send", "after_answer"])
 async def test_cancelled_dispatcher_posts_once_and_saves_the_outcome(
-    point: str, runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator
+    point: str, runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Cancelled before the request is sent, after it is sent and before the answer, or after the answer and
     before the save: exactly one POST, and the job id is saved (``submitted``) well before the reconciliation
@@ -52,21 +53,23 @@ async def test_cancelled_dispatcher_posts_once_and_saves_the_outcome(
     if point == "before_send":
         real_submit = runtime.remote.submit
 
-        async def submit(operation_id: str, request: dict[str, Any]) -> Any:
+        async def submit(operation_id: str, request_text: str) -> SubmitResult:
             cancel_handler()
             await asyncio.sleep(0)  # the cancellation lands here unless the POST runs shielded from it
-            return await real_submit(operation_id, request)
+            return await real_submit(operation_id, request_text)
 
-        runtime.remote.submit = submit  # type: ignore[method-assign]
+        monkeypatch.setattr(runtime.remote, "submit", submit)
     elif point == "after_answer":
         real_save = runtime.ledger.save_submitted
 
-        async def save_submitted(*args: Any) -> bool:
+        async def save_submitted(
+            operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
+        ) -> bool:
             cancel_handler()
             await asyncio.sleep(0)
-            return await real_save(*args)
+            return await real_save(operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason)
 
-        runtime.ledger.save_submitted = save_submitted  # type: ignore[method-assign]
+        monkeypatch.setattr(runtime.ledger, "save_submitted", save_submitted)
     else:  # the simulator creates the job, then holds its answer for 1 s (the read timeout is 2 s)
         await simulator.configure(fault_slow=1.0, slow_response_s=1.0)
 

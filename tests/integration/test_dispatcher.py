@@ -14,7 +14,7 @@ import pytest
 
 from streams.config import Settings
 from streams.wire import exactjson
-from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.runtime import RawMessage, Runtime, SendFn
 from streams.worker.stages.dispatcher import Dispatcher
 from streams_harness.simulator import SimulatorConfig
 from streams_harness.simulator.model import prompt_tokens
@@ -102,7 +102,8 @@ async def test_429_is_retried_after_retry_after_and_creates_one_job(
     task = asyncio.create_task(Dispatcher(runtime).handle(submission("op-429")))
 
     async def posted() -> bool:
-        return (await simulator.get("/_sim/operations/op-429"))["posts"] >= 1
+        posts: int = (await simulator.get("/_sim/operations/op-429"))["posts"]
+        return posts >= 1
 
     await wait_for(posted, 10, "the first POST (answered 429)")
     await simulator.configure(fault_429=0.0)
@@ -114,12 +115,12 @@ async def test_429_is_retried_after_retry_after_and_creates_one_job(
 
 
 async def test_connection_refused_is_retried_and_exactly_one_job_exists(
-    settings: Settings, pool: asyncpg.Pool, kafka_send: object
+    settings: Settings, pool: asyncpg.Pool, kafka_send: SendFn
 ) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rt = await Runtime.create(settings.replace(remote_base_url=f"http://127.0.0.1:{port}"), kafka_send, "w")  # type: ignore[arg-type]
+    rt = await Runtime.create(settings.replace(remote_base_url=f"http://127.0.0.1:{port}"), kafka_send, "w")
     late = Simulator()
     try:
         task = asyncio.create_task(Dispatcher(rt).handle(submission("op-refused")))

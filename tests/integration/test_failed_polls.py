@@ -102,7 +102,7 @@ def use_provider(runtime: Runtime, url: str, clients: list[RemoteClient]) -> Non
 def schedule_floor_s(runtime: Runtime, poll_count: int) -> float:
     """The shortest delay the backoff gives after ``poll_count`` polls (equal jitter: half the ceiling)."""
     s = runtime.settings
-    return max(s.poll_min_delay_s, min(s.poll_backoff_cap_s, s.poll_backoff_base_s * 2**poll_count) / 2)
+    return float(max(s.poll_min_delay_s, min(s.poll_backoff_cap_s, s.poll_backoff_base_s * 2**poll_count) / 2))
 
 
 async def next_poll_in_s(pool: asyncpg.Pool, op: str) -> float:

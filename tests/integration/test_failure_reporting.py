@@ -38,7 +38,7 @@ async def test_a_bug_in_the_scheduler_is_logged_with_its_traceback_not_as_an_out
     runtime: Runtime, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def broken(batch_size: int, visibility_timeout_s: float, bound: object = None) -> list[object]:
-        return [None][batch_size]  # an IndexError: a programming error, PostgreSQL is fine
+        return [[]][batch_size]  # an IndexError: a programming error, PostgreSQL is fine
 
     monkeypatch.setattr(runtime.ledger, "claim_due_polls", broken)
     before = unexpected("poll scheduler")
@@ -59,7 +59,7 @@ async def test_postgresql_down_in_the_scheduler_is_an_outage(
 
     rt = await Runtime.create(settings, no_send, worker="pg-down")
     try:
-        await rt.ledger.pool.close()  # every statement now fails like a broken connection
+        await rt.ledger_pool().close()  # every statement now fails like a broken connection
         before = metrics.OUTAGE_WAITS.labels("PostgreSQL", "poll scheduler")._value.get()
         unexpected_before = unexpected("poll scheduler")
         with caplog.at_level(logging.INFO):

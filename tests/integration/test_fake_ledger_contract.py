@@ -98,7 +98,7 @@ class ScriptedProvider:
             if self.during_get is not None:
                 await self.during_get(job_id)
             queue = self.gets[job_id]
-        answer = queue.pop(0) if len(queue) > 1 else queue[0]
+        answer: httpx.Response | Exception = queue.pop(0) if len(queue) > 1 else queue[0]
         if isinstance(answer, Exception):
             raise answer
         return answer

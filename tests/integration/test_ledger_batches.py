@@ -64,7 +64,7 @@ class Logged:
 @pytest.fixture
 async def logged(pool: asyncpg.Pool, migrated: Settings) -> AsyncIterator[Logged]:
     """A second pool on the test database (after ``pool`` emptied the tables), every statement logged."""
-    holder = Logged(None)  # type: ignore[arg-type]
+    holder = Logged(None)
 
     async def init(conn: asyncpg.Connection) -> None:
         await _init_connection(conn)
@@ -369,7 +369,7 @@ async def test_two_requests_for_one_operation_in_a_batch_act_as_if_made_one_afte
         batched.save_observation("op-twice", fencing, succeeded(job, "x"), None),
         batched.save_observation("op-twice", fencing, succeeded(job, "x"), None),
     )
-    assert outcomes == [
+    assert list(outcomes) == [  # gather's list, typed as a tuple
         SaveOutcome.REFUSED_FENCING,
         SaveOutcome.SAVED,
         SaveOutcome.SAVED,
@@ -793,7 +793,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
     fixed = {"worker": "w", "lock_timeout": "0"}
     async with pool.acquire() as conn:
         await conn.execute("SET plan_cache_mode = force_generic_plan")  # the plan made at the first run is kept
-        warm = {  # first run of each on the empty table: its plan is made now
+        warm: dict[str, dict[str, object]] = {  # first run of each on the empty table: its plan is made now
             "claim_for_submit": {"operation_ids": [], "claim_ids": [], **fixed},
             "save_submitted": {
                 "operation_ids": [],
@@ -833,7 +833,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
         # the scheduler's claim of two polls (claim id 0 kept): claim_for_observe takes only a claimed poll
         await pool.execute("UPDATE operations SET poll_claimed_at = now() WHERE operation_id = ANY($1)", submitted[:2])
 
-        runs = {
+        runs: dict[str, dict[str, object]] = {
             "claim_for_submit": {"operation_ids": accepted[:2], "claim_ids": [uuid.uuid4(), uuid.uuid4()], **fixed},
             "save_submitted": {
                 "operation_ids": submitting[:2],

@@ -252,7 +252,8 @@ async def test_live_view_in_chromium(
             relay_lock = None
 
             async def drained() -> bool:
-                return await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
+                left: int = await pool.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                return left == 0
 
             await wait_for(drained, 30, "the relay to publish the backlog")
             await snapshot_shows(lambda d: d["outbox"]["unpublished"] == 0)

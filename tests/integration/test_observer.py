@@ -157,7 +157,7 @@ async def test_stale_fencing_value_is_refused_and_counted(runtime: Runtime, pool
 
 
 async def test_lost_lease_before_save_means_no_save_and_no_second_get(
-    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ownership changes while the GET is in flight; the renewal before the save fails with
     LeaseLostError, nothing is saved, no second GET, and the newer holder's key is untouched."""
@@ -174,7 +174,7 @@ async def test_lost_lease_before_save_means_no_save_and_no_second_get(
         await runtime.leases.client.set(key, "someone-else", px=5000)  # meanwhile the lease changed hands
         return snapshot
 
-    runtime.remote.observe = observe_then_lose_ownership  # type: ignore[method-assign]
+    monkeypatch.setattr(runtime.remote, "observe", observe_then_lose_ownership)
     before = metrics.LEASE_LOST.labels("observe")._value.get()
     claim = await runtime.ledger.claim_for_observe("op-lost", claim_id)
     assert claim is not None

@@ -18,7 +18,7 @@ from streams.coordination.lease import make_redis
 from streams.coordination.ratebudget import BudgetKind, Pace, RateBudget
 from streams.errors import CoordinationUnavailableError, LeaseLostError, RateBudgetDeadlineError
 from streams_harness.fleet import free_port
-from tests.support import wait_for
+from tests.support import key_exists, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -178,7 +178,7 @@ async def test_a_wait_of_many_short_sleeps_keeps_the_caller_alive(client: aiored
             await asyncio.sleep(0.1)
 
     pauser = asyncio.create_task(pause_again_and_again())
-    await wait_for(lambda: client.exists(budget_key(b.settings, "POST", "pause")), 2, "the first pause")
+    await wait_for(lambda: key_exists(client, budget_key(b.settings, "POST", "pause")), 2, "the first pause")
     started = time.monotonic()
     await b.wait_for_slot(BudgetKind.POST, keep_alive=renew, keep_alive_every_s=0.3)
     await pauser

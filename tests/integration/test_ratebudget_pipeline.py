@@ -28,7 +28,7 @@ from tests.integration.test_dispatcher import request_text, submission
 from tests.integration.test_observer import claim_poll, submitted_operation
 from tests.integration.test_reconciler import uncertain_operation
 from tests.support import SimulatorServer as Simulator
-from tests.support import wait_for
+from tests.support import key_exists, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -248,7 +248,7 @@ async def test_submit_lease_lost_while_waiting_for_a_post_slot_claims_and_sends_
     client = rt.leases.client
     lost = counter(metrics.LEASE_LOST, "submit")
     task = asyncio.create_task(Dispatcher(rt).redispatch("op-ll", request_text()))
-    await wait_for(lambda: client.exists(key), 5, "the submit lease taken")
+    await wait_for(lambda: key_exists(client, key), 5, "the submit lease taken")
     taken_at = time.monotonic()
     await client.set(key, b"another-holder", px=60_000)  # it ran out and another worker took it
     assert await task is False
@@ -267,7 +267,7 @@ async def test_a_submission_whose_lease_was_lost_while_waiting_takes_it_again_th
     client = rt.leases.client
     lost, busy = counter(metrics.LEASE_LOST, "submit"), counter(metrics.LEASE_BUSY, "submit")
     task = asyncio.create_task(Dispatcher(rt).handle(submission("op-lt")))
-    await wait_for(lambda: client.exists(key), 5, "the submit lease taken")
+    await wait_for(lambda: key_exists(client, key), 5, "the submit lease taken")
     await client.set(key, b"another-holder", px=60_000)
 
     async def waits_for_the_other_holder() -> bool:
@@ -291,7 +291,7 @@ async def test_a_submission_cancelled_while_waiting_for_a_post_slot_releases_its
     key = await waiting_for_a_post_slot(rt, "op-lc")
     client = rt.leases.client
     task = asyncio.create_task(Dispatcher(rt).handle(submission("op-lc")))
-    await wait_for(lambda: client.exists(key), 5, "the submit lease taken")
+    await wait_for(lambda: key_exists(client, key), 5, "the submit lease taken")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -315,7 +315,7 @@ async def test_a_budget_outage_inside_the_claim_is_waited_out_not_spun(
     caplog.set_level(logging.INFO, logger="streams.worker.stages.dispatcher")
     task = asyncio.create_task(Dispatcher(rt).handle(submission("op-sp")))
     pause_key = budget_key(rt.settings, "POST", "pause")
-    await wait_for(lambda: rt.leases.client.exists(pause_key), 5, "the 429's pause in Redis")
+    await wait_for(lambda: key_exists(rt.leases.client, pause_key), 5, "the 429's pause in Redis")
     dead = make_redis(f"redis://127.0.0.1:{free_port()}/0", 0.5)
     rt.budget = RateBudget(dead, rt.settings)  # from the retry on, the budget's Redis refuses
     try:

@@ -18,7 +18,7 @@ from streams.worker.stages.reconciler import Reconciler
 from streams.worker.stages.relay import OutboxRelay
 from tests.integration.stuck import operation, poll_now, request_text, transitions
 from tests.support import SimulatorServer as Simulator
-from tests.support import wait_for
+from tests.support import real_ledger, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -91,7 +91,8 @@ async def test_one_job_found_is_adopted_then_observed_as_usual_and_published(
 
     async def succeeded() -> bool:
         await poll_now(runtime, pool, "op-one")
-        return (await operation(pool, "op-one"))["state"] == "succeeded"
+        state: str = (await operation(pool, "op-one"))["state"]
+        return state == "succeeded"
 
     await wait_for(succeeded, 10, "the adopted job to be observed to the end")
     assert await posts(simulator, "op-one") == 1  # the reconciler never POSTs
@@ -125,9 +126,9 @@ async def test_none_found_after_the_lag_is_left_for_a_person(
     assert await reconciler.tick() == 0  # looked up once after the lag; then it is a person's
     assert await posts(simulator, "op-none") == 0
     assert await accounting(pool, "op-none") == []
-    summary = await runtime.ledger.accounting_summary()
+    summary = await real_ledger(runtime).accounting_summary()
     assert summary["needs_decision"]["uncertain"]["operations"] == 1
-    move = await runtime.ledger.abandon("op-none", "nothing at the provider", "alice")
+    move = await real_ledger(runtime).abandon("op-none", "nothing at the provider", "alice")
     assert move.to_state is OperationState.REJECTED
 
 
@@ -143,7 +144,7 @@ async def test_several_found_adopts_the_oldest_and_records_the_others_as_duplica
     assert sorted(await accounting(pool, "op-dup")) == sorted(
         [(first, "lookup"), (second, "duplicate"), (third, "duplicate")]
     )
-    summary = await runtime.ledger.accounting_summary()
+    summary = await real_ledger(runtime).accounting_summary()
     assert summary["duplicate_creations"] == 2
     assert summary["jobs_by_learned_via"] == {"lookup": 1, "duplicate": 2}
     assert await posts(simulator, "op-dup") == 3  # only the test's POSTs
@@ -193,7 +194,7 @@ async def test_an_adoption_after_a_newer_claim_is_refused_but_the_jobs_are_recor
 
     await wait_for(listed, 5, "the job to be listed after the simulator's lag")
     found = await runtime.remote.lookup("op-race")
-    await runtime.ledger.adopt("op-race", job, "found in the console first", "alice")  # a newer fencing value
+    await real_ledger(runtime).adopt("op-race", job, "found in the console first", "alice")  # a newer fencing value
     assert await runtime.ledger.adopt_found_job(claim, found, "adopted by lookup", 0.1) is False
     assert (await transitions(pool, "op-race"))[-1] == (4, "uncertain", "submitted")  # the operator's, once
     assert await accounting(pool, "op-race") == [(job, "adopted")]

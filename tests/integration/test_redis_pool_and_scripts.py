@@ -65,7 +65,7 @@ async def test_a_pool_wait_that_runs_out_is_busy_not_an_outage(settings: Setting
     lease = await manager.acquire(key)
     assert lease is not None
     busy = metrics.REDIS_POOL_BUSY.labels("acquire")._value.get()
-    holder = asyncio.create_task(client.blpop([f"{settings.lease_key_prefix}:never"], timeout=1.5))
+    holder = asyncio.ensure_future(client.blpop([f"{settings.lease_key_prefix}:never"], timeout=1.5))
     try:
 
         async def held() -> bool:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import redis.asyncio as aioredis
@@ -28,6 +29,8 @@ from streams_harness.redis_server import PrivateRedis
 from tests.support import ReplyCutter, wait_for
 
 pytestmark = pytest.mark.integration
+
+T = TypeVar("T")
 
 TTL_MS = 10_000
 
@@ -93,7 +96,7 @@ class RoundTrips:
         first = await self._reads()
         self.reading_cost = await self._reads() - first
 
-    async def measure(self, block: Awaitable[list[object]]) -> list[object]:
+    async def measure(self, block: Awaitable[T]) -> T:
         before = await self._reads()
         results = await block
         self.used = await self._reads() - before - self.reading_cost

@@ -32,7 +32,7 @@ async def login_as(migrated: Settings, pool: asyncpg.Pool) -> AsyncIterator[Call
         made.append((role, conn))
         return conn
 
-    yield login  # type: ignore[misc]
+    yield login
     for role, conn in made:
         await conn.close()
         await pool.execute(f"DROP ROLE {role}")

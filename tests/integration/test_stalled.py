@@ -23,7 +23,7 @@ from tests.integration.stuck import (
     transitions,
 )
 from tests.support import SimulatorServer as Simulator
-from tests.support import wait_for
+from tests.support import real_ledger, wait_for
 
 
 async def grace_passed(pool: asyncpg.Pool, op: str, grace_s: float) -> bool:
@@ -66,7 +66,8 @@ async def test_404_window_shorter_than_the_grace_ends_observed_as_usual(
 
     async def succeeded() -> bool:
         await poll_now(runtime, pool, "op-404-short")
-        return (await operation(pool, "op-404-short"))["state"] == "succeeded"
+        state: str = (await operation(pool, "op-404-short"))["state"]
+        return state == "succeeded"
 
     await wait_for(succeeded, 15, "the job to be observed past its 404 window")
     assert (await sim_job(simulator, "op-404-short"))["gets_not_found"] >= 1
@@ -141,7 +142,8 @@ async def test_a_job_that_never_finishes_stalls_at_the_maximum_age_with_gets_bou
 
     async def stalled() -> bool:
         await poll_now(runtime, pool, "op-forever")
-        return (await operation(pool, "op-forever"))["state"] == "stalled"
+        state: str = (await operation(pool, "op-forever"))["state"]
+        return state == "stalled"
 
     await wait_for(stalled, 10, "the job to stall at the maximum observation age")
     row = await operation(pool, "op-forever")
@@ -187,7 +189,7 @@ async def test_a_state_entered_twice_reaches_generation_transitions_with_distinc
     runtime.settings = runtime.settings.replace(unknown_status_limit=1)
     await submitted_operation(runtime, "op-pub")
     assert await poll_now(runtime, pool, "op-pub")
-    await runtime.ledger.repoll("op-pub", "alice")
+    await real_ledger(runtime).repoll("op-pub", "alice")
     assert await poll_now(runtime, pool, "op-pub")  # stalls again: a state entered twice
     assert await OutboxRelay(runtime).tick() == 6  # accepted, submitting, submitted, stalled, submitted, stalled
     events = [r.value for r in await read_topic_to_end(runtime.settings, "transitions")]

@@ -108,4 +108,5 @@ async def test_submitted_at_ms_is_kept_when_given_and_stamped_when_not(migrated:
     stamped = values[f"{prefix}stamped"]["submitted_at_ms"]
     assert isinstance(stamped, int) and before_ms <= stamped <= after_ms
     assert values[f"{prefix}stamped"]["source"] == {"row": 7}
-    assert values[f"{prefix}given"]["request"]["input"]["max_tokens"] == 18446744073709551617  # type: ignore[index]
+    given = values[f"{prefix}given"]["request"]
+    assert isinstance(given, dict) and given["input"]["max_tokens"] == 18446744073709551617

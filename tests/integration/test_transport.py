@@ -105,7 +105,7 @@ async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 
 def settings_for(url: str, **changes: object) -> Settings:
     values: dict[str, object] = {"http_read_timeout_s": 0.5, "http_transport": "aiohttp", **changes}
-    return Settings(remote_base_url=url, **values)  # type: ignore[arg-type]
+    return Settings(remote_base_url=url, **values)
 
 
 @pytest.fixture
@@ -352,7 +352,7 @@ async def test_an_answer_that_cannot_be_decoded_is_classified(transport: str) ->
     assert server.posts() == 1
 
 
-async def test_a_waiter_cancelled_as_it_is_woken_passes_the_free_connection_on() -> None:
+async def test_a_waiter_cancelled_as_it_is_woken_passes_the_free_connection_on(monkeypatch: pytest.MonkeyPatch) -> None:
     # One pooled connection, held by a slow GET; A and B wait for it. When it comes free, aiohttp wakes A, and A
     # is cancelled before it runs (its call deadline or its caller, in the same loop turn): B must get the
     # connection then, not wait idle beside it until its own pool timeout ("not sent" against a healthy server).
@@ -385,7 +385,7 @@ async def test_a_waiter_cancelled_as_it_is_woken_passes_the_free_connection_on()
                 if not a.done():
                     a.cancel()
 
-            connector._release_waiter = wake_then_cancel_the_woken  # type: ignore[method-assign]
+            monkeypatch.setattr(connector, "_release_waiter", wake_then_cancel_the_woken)
             assert (await holder).status_code == 200
             with pytest.raises(asyncio.CancelledError):
                 await a

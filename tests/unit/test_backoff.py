@@ -11,9 +11,16 @@ from streams.backoff import next_poll_delay_s
 BASE, CAP, MIN = 0.5, 30.0, 0.05
 
 
-def delay(poll_count: int, hint: float | None, rng: random.Random | None = None, **kw: float) -> float:
-    params = {"base_s": BASE, "cap_s": CAP, "min_s": MIN, **kw}
-    return next_poll_delay_s(poll_count, hint, rng=rng, **params)
+def delay(
+    poll_count: int,
+    hint: float | None,
+    rng: random.Random | None = None,
+    base_s: float = BASE,
+    hints_trusted_polls: int | None = None,
+) -> float:
+    return next_poll_delay_s(
+        poll_count, hint, base_s=base_s, cap_s=CAP, min_s=MIN, rng=rng, hints_trusted_polls=hints_trusted_polls
+    )
 
 
 @pytest.mark.parametrize(

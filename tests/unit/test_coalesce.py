@@ -143,7 +143,7 @@ async def test_a_request_made_while_nothing_is_in_flight_is_flushed_in_the_next_
     assert rec.batches == []
     await asyncio.sleep(0)  # the next pass: both in one batch, flushed
     assert rec.batches == [[2, 4]]
-    assert await asyncio.gather(first, joins) == [20, 40]
+    assert list(await asyncio.gather(first, joins)) == [20, 40]
 
 
 async def test_a_burst_of_5000_requests_with_cancellations_stays_bounded_ordered_and_answered() -> None:
@@ -212,7 +212,7 @@ async def _passes(n: int) -> None:
 async def test_under_load_a_batch_lingers_for_the_requests_that_follow() -> None:
     rec = Recorder()
     c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=30.0)
-    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]  # a batch of two: load
+    assert list(await asyncio.gather(c.submit(2), c.submit(4))) == [20, 40]  # a batch of two: load
     first = asyncio.ensure_future(c.submit(6))
     await _passes(10)
     assert rec.batches == [[2, 4]]  # the next batch waits for more (up to linger_s)
@@ -224,7 +224,7 @@ async def test_under_load_a_batch_lingers_for_the_requests_that_follow() -> None
     assert lingering is not None
     lingering.cancel()
     c.linger_s = 0.0
-    assert await asyncio.wait_for(asyncio.gather(first, second), 5) == [60, 80]
+    assert list(await asyncio.wait_for(asyncio.gather(first, second), 5)) == [60, 80]
     assert rec.batches == [[2, 4], [6, 8]]
 
 
@@ -239,8 +239,8 @@ async def test_at_low_load_a_batch_goes_at_once() -> None:
 async def test_a_full_queue_does_not_linger() -> None:
     rec = Recorder()
     c: Coalescer[int, int] = Coalescer("test", rec.flush, max_batch=2, max_in_flight=1, linger_s=30.0)
-    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]
-    assert await asyncio.wait_for(asyncio.gather(c.submit(6), c.submit(8)), 5) == [60, 80]
+    assert list(await asyncio.gather(c.submit(2), c.submit(4))) == [20, 40]
+    assert list(await asyncio.wait_for(asyncio.gather(c.submit(6), c.submit(8)), 5)) == [60, 80]
     assert rec.batches == [[2, 4], [6, 8]]
 
 
@@ -252,7 +252,7 @@ def test_a_negative_linger_is_refused() -> None:
 async def test_a_lingering_batch_goes_by_itself_after_linger_s() -> None:
     rec = Recorder()
     c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=0.05)
-    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]
+    assert list(await asyncio.gather(c.submit(2), c.submit(4))) == [20, 40]
     loop = asyncio.get_running_loop()
     submitted_at = loop.time()
     assert await asyncio.wait_for(c.submit(6), 5) == 60
@@ -263,7 +263,7 @@ async def test_a_lingering_batch_goes_by_itself_after_linger_s() -> None:
 async def test_after_a_burst_and_an_idle_spell_a_lone_request_goes_at_once() -> None:
     rec = Recorder()
     c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=0.2)
-    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]  # a burst: a batch of two
+    assert list(await asyncio.gather(c.submit(2), c.submit(4))) == [20, 40]  # a burst: a batch of two
     loop = asyncio.get_running_loop()
     idle_until = loop.time() + 0.2
     while loop.time() <= idle_until:  # the stage idles for longer than linger_s: no load any more
@@ -277,14 +277,14 @@ async def test_after_a_burst_and_an_idle_spell_a_lone_request_goes_at_once() -> 
 async def test_callers_cancelled_while_their_batch_lingers_send_nothing() -> None:
     rec = Recorder()
     c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=0.05)
-    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]
+    assert list(await asyncio.gather(c.submit(2), c.submit(4))) == [20, 40]
     gone, stays = asyncio.ensure_future(c.submit(6)), asyncio.ensure_future(c.submit(8))
     await _passes(5)
     assert c.queued == 2 and rec.batches == [[2, 4]]
     gone.cancel()
     assert await asyncio.wait_for(stays, 5) == 80
     assert rec.batches == [[2, 4], [8]]
-    assert await asyncio.gather(c.submit(10), c.submit(12)) == [100, 120]  # load again
+    assert list(await asyncio.gather(c.submit(10), c.submit(12))) == [100, 120]  # load again
     alone = asyncio.ensure_future(c.submit(14))
     await _passes(5)
     alone.cancel()  # every caller of the lingering batch went away: nothing is sent
@@ -296,7 +296,7 @@ async def test_callers_cancelled_while_their_batch_lingers_send_nothing() -> Non
 async def test_drain_waits_for_a_lingering_batch_even_when_its_task_is_cancelled() -> None:
     rec = Recorder()
     c: Coalescer[int, int] = Coalescer("test", rec.flush, max_in_flight=1, linger_s=0.05)
-    assert await asyncio.gather(c.submit(2), c.submit(4)) == [20, 40]
+    assert list(await asyncio.gather(c.submit(2), c.submit(4))) == [20, 40]
     waiting = asyncio.ensure_future(c.submit(6))
     await _passes(5)
     draining = asyncio.ensure_future(c.drain())

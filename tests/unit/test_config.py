@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from streams.config import ConfigError, ExplicitSettings, Settings, lease_key, mask_url
+from streams.config import ExplicitSettings, Settings, lease_key, mask_url
+from streams.errors import ConfigError
 from streams_harness.simulator.config import SimulatorConfig
 
 DEFAULT_TOPICS = {
@@ -280,7 +281,7 @@ def test_mask_url(url: str, shown: str) -> None:
 
 def test_errors_about_secret_settings_do_not_show_them() -> None:
     with pytest.raises(ConfigError) as info:
-        Settings(database_url=12345678)  # type: ignore[arg-type]
+        Settings(database_url=12345678)
     assert "STREAMS_DATABASE_URL is not valid" in str(info.value) and "12345678" not in str(info.value)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from streams.errors import InvalidEventError
 from streams.wire import contracts
 
 VALID: dict[str, dict[str, Any]] = {
@@ -55,7 +56,7 @@ VALID: dict[str, dict[str, Any]] = {
         offset=42,
         key=b"conv-000001",
         original=b"{not json",
-        error=contracts.InvalidEventError("not_json", "value is not JSON"),
+        error=InvalidEventError("not_json", "value is not JSON"),
         worker="host:1",
     ),
 }

@@ -61,7 +61,12 @@ def test_signal_self_once_fires_once_and_removes_the_file(tmp_path: Path) -> Non
 
 def test_armed_actions_signal_at_their_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fired: list[tuple[str, signal.Signals]] = []
-    monkeypatch.setattr(faults, "signal_self_once", lambda path, sig, where: fired.append((path, sig)) or True)
+
+    def signal_self_once(path: str, sig: signal.Signals, where: str) -> bool:
+        fired.append((path, sig))
+        return True
+
+    monkeypatch.setattr(faults, "signal_self_once", signal_self_once)
     pause, kill, ready = str(tmp_path / "pause"), str(tmp_path / "kill"), str(tmp_path / "ready")
     armed = faults.install_from_env(
         {

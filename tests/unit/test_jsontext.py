@@ -91,7 +91,10 @@ def _random_value(rng: random.Random, depth: int = 0) -> Any:
 
 def _dumps(value: Any, rng: random.Random) -> str:
     """JSON text of ``value`` with random blanks and escapes (numbers written from their exact text)."""
-    blank = lambda: rng.choice(["", " ", "\n  ", "\t"])  # noqa: E731
+
+    def blank() -> str:
+        return rng.choice(["", " ", "\n  ", "\t"])
+
     if isinstance(value, dict):
         parts = [
             f"{blank()}{json.dumps(k, ensure_ascii=rng.random() < 0.5)}{blank()}:{blank()}{_dumps(v, rng)}"

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from faust.auth import OAuthCredentials, SASLCredentials, SSLCredentials
 
-from streams.config import ConfigError, Settings
+from streams.config import Settings
+from streams.errors import ConfigError
 from streams.kafka_security import client_kwargs, faust_settings, producer_kwargs
 
 SASL = {

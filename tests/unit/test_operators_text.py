@@ -139,7 +139,12 @@ def test_overview_escapes_every_value() -> None:
     assert HOSTILE in text and "w<1>" in text and "reason=<i>x</i>" in text and "3 records on <u>dl</u>" in text
     assert "u" not in parser.tags
     assert 'href="/operations/op%3C1%3E%22"' in page
-    unreachable = {"topic": "t", "retained": None, "by_partition": {}, "error": "KafkaConnectionError: <down>"}
+    unreachable: dict[str, object] = {
+        "topic": "t",
+        "retained": None,
+        "by_partition": {},
+        "error": "KafkaConnectionError: <down>",
+    }
     page = web.render_overview(_overview(), worker="w", counters=[], dead_letters=unreachable)
     assert "Kafka did not answer for t: KafkaConnectionError: &lt;down&gt;" in page
 

@@ -130,7 +130,8 @@ class Pipeline:
         self.provider = provider
         self.redis = redis or fakeredis.FakeServer()
         self.rt: Runtime = fake_runtime(settings, provider, self.ledger, fake_leases(settings, self.redis))
-        self.sent: Sent = self.rt.send  # type: ignore[assignment]
+        assert isinstance(self.rt.send, Sent)  # what fake_runtime gives
+        self.sent = self.rt.send
         self.dispatcher = Dispatcher(self.rt)
         self.observer = Observer(self.rt)
         self.scheduler = PollScheduler(self.rt)

@@ -7,7 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from streams.config import ConfigError, Settings
+from streams.config import Settings
+from streams.errors import ConfigError
 from streams.remote.client import make_http_client, provider_ssl_context
 
 

@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from streams.config import ConfigError, Settings, budget_key
+from streams.config import Settings, budget_key
 from streams.coordination.ratebudget import Pace
+from streams.errors import ConfigError
 from streams_harness.simulator.ratelimit import AccountLimiter, TokenBucket, retry_after_header
 
 

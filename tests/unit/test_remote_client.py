@@ -186,7 +186,9 @@ async def test_submit_2xx_without_id_is_unknown(make_client: ClientFactory, body
 @pytest.mark.parametrize(
     "exc_type", [httpx.ReadTimeout, httpx.WriteTimeout, httpx.RemoteProtocolError, httpx.WriteError, httpx.ReadError]
 )
-async def test_submit_failure_after_send_is_unknown(make_client: ClientFactory, exc_type: type[Exception]) -> None:
+async def test_submit_failure_after_send_is_unknown(
+    make_client: ClientFactory, exc_type: type[httpx.TransportError]
+) -> None:
     client, _ = make_client(raising(exc_type))
     with pytest.raises(RemoteUnknownOutcomeError) as info:
         await client.submit(OP, REQUEST)
@@ -199,7 +201,7 @@ async def test_submit_failure_after_send_is_unknown(make_client: ClientFactory, 
 
 
 @pytest.mark.parametrize("exc_type", [httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout])
-async def test_submit_not_sent(make_client: ClientFactory, exc_type: type[Exception]) -> None:
+async def test_submit_not_sent(make_client: ClientFactory, exc_type: type[httpx.TransportError]) -> None:
     client, _ = make_client(raising(exc_type))
     with pytest.raises(RemoteNotSentError) as info:
         await client.submit(OP, REQUEST)
@@ -419,7 +421,9 @@ async def test_hints_are_capped_and_absurd_times_ignored(make_client: ClientFact
 
 
 @pytest.mark.parametrize("exc_type", [httpx.ConnectError, httpx.ReadTimeout, httpx.RemoteProtocolError])
-async def test_observe_transport_error_is_transient(make_client: ClientFactory, exc_type: type[Exception]) -> None:
+async def test_observe_transport_error_is_transient(
+    make_client: ClientFactory, exc_type: type[httpx.TransportError]
+) -> None:
     client, _ = make_client(raising(exc_type))
     with pytest.raises(RemoteTransientError) as info:
         await client.observe(OP, "job-1")

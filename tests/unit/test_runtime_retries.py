@@ -11,6 +11,7 @@ import aiokafka.errors
 import fakeredis
 import httpx
 import pytest
+from prometheus_client import Counter
 
 from streams import metrics
 from streams.config import Settings
@@ -62,8 +63,8 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sleeps]:
     yield recorded
 
 
-def count(counter: object, *labels: str) -> float:
-    return float(counter.labels(*labels)._value.get())  # type: ignore[attr-defined]
+def count(counter: Counter, *labels: str) -> float:
+    return float(counter.labels(*labels)._value.get())
 
 
 def outage_lines(caplog: pytest.LogCaptureFixture, service: str) -> list[str]:
@@ -155,10 +156,12 @@ async def test_a_kafka_outage_is_waited_out_for_a_dead_letter(
 
 async def test_outages_do_not_count_towards_the_dead_letter_attempts(rt: Runtime, sleeps: Sleeps) -> None:
     def refused() -> BaseException:
-        return aiokafka.errors.MessageSizeTooLargeError()
+        error: BaseException = aiokafka.errors.MessageSizeTooLargeError()  # aiokafka is untyped
+        return error
 
     def outage() -> BaseException:
-        return aiokafka.errors.KafkaConnectionError()
+        error: BaseException = aiokafka.errors.KafkaConnectionError()
+        return error
 
     failures: list[BaseException | None] = [refused(), outage(), refused(), outage(), outage(), refused(), None]
     rt.send, acknowledged = failing_send(failures)

@@ -81,11 +81,11 @@ async def test_wrong_parameter_names_fail_loudly_before_sending(
             return "UPDATE 1"
 
     with pytest.raises(QueryParametersError) as info:
-        await second.execute(Db(), **values)  # type: ignore[arg-type]
+        await second.execute(Db(), **values)
     assert (info.value.missing, info.value.unknown, info.value.query) == (missing, unknown, "second")
     assert "query 'second' of test.sql called with the wrong parameters" in str(info.value)
     assert sent == []
-    assert await second.execute(Db(), id=1, x="v") == "UPDATE 1"  # type: ignore[arg-type]
+    assert await second.execute(Db(), id=1, x="v") == "UPDATE 1"
     assert sent == [(second.sql, "v", 1)]
 
 
@@ -267,8 +267,9 @@ def test_call_site_names_exactly_the_parameters_of_an_existing_query(
     assert name in queries.names(), f"{where}: no query {name!r} in {queries.filename}"
     query = getattr(queries, name)
     assert len(call.args) == 1 and not isinstance(call.args[0], ast.Starred), f"{where}: only the pool/connection"
-    given = [k.arg for k in call.keywords]
-    assert None not in given, f"{where}: parameters by name, not **mapping (so that this test can read them)"
+    given = [k.arg for k in call.keywords if k.arg is not None]  # k.arg is None for a **mapping
+    by_name = len(given) == len(call.keywords)
+    assert by_name, f"{where}: parameters by name, not **mapping (so that this test can read them)"
     assert sorted(given) == sorted(query.parameters), f"{where}: {name} takes {sorted(query.parameters)}"
 
 

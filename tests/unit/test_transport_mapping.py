@@ -32,6 +32,7 @@ KEY = SimpleNamespace(host="127.0.0.1", port=1, ssl=True, is_ssl=False)
 
 
 def connector_error(cls: type[aiohttp.ClientConnectorError] = aiohttp.ClientConnectorError) -> BaseException:
+    # KEY stands in for aiohttp's ConnectionKey, whose fields differ between aiohttp releases
     return cls(KEY, ConnectionRefusedError(111, "Connection refused"))  # type: ignore[arg-type]
 
 

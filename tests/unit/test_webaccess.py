@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -109,7 +110,7 @@ async def test_any_host_when_allowed(client_for) -> None:  # type: ignore[no-unt
 
 
 def test_shown_detail_hides_payloads_and_never_shows_lease_tokens() -> None:
-    detail = {
+    detail: dict[str, Any] = {
         "operation": {
             "operation_id": "op",
             "request": {"prompt": "secret"},
