@@ -109,7 +109,7 @@ def _unavailable(name: str, entry_point: EntryPoint, exc: ImportError) -> click.
     )
 
 
-#: Exit statuses (1 is click's for other errors, 2 for bad usage); README "For the people on call".
+#: Exit statuses (1 is click's for other errors, 2 for bad usage); docs/operations.md.
 EXIT_REFUSED = 3  # the decision does not apply to the operation in its current state; nothing written
 EXIT_UNKNOWN_OPERATION = 4  # the ledger does not hold the operation
 EXIT_UNAVAILABLE = 5  # PostgreSQL did not answer

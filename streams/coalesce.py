@@ -36,9 +36,8 @@ Req = TypeVar("Req")
 Res = TypeVar("Res")
 
 #: How long a batch waits for more requests when the stage's latest batch held several (load): 5 ms, as Kafka's
-#: producer ``linger.ms`` default since Kafka 4.0 (KIP-1030). Measured with ``streams bench`` (README "Benchmark"):
-#: against no wait, PostgreSQL round trips per operation about halved and Redis round trips per observation cut to
-#: 0.2-0.3, for 20-35% more operations/s; a request at low load (batches of one) never waits.
+#: producer ``linger.ms`` default since Kafka 4.0 (KIP-1030): fewer round trips per operation under load (by
+#: ``streams bench``: CHANGELOG.md); a request at low load (batches of one) never waits.
 LINGER_UNDER_LOAD_S = 0.005
 
 #: One flush: the requests of a batch, in order -> one result (or exception) per request, in the same order.

@@ -307,7 +307,7 @@ class Settings(ExplicitSettings):
 
     # Rate budget of the provider account, shared by every worker process through Redis
     # (streams/coordination/ratebudget.py,
-    # README "Rate budget"). Rates in requests per second, POSTs and GETs apart; 0 = no pacing (a 429's
+    # docs/guarantees.md, "Rate budget"). Rates in requests per second, POSTs and GETs apart; 0 = no pacing (a 429's
     # Retry-After still pauses every worker's calls of that kind). Bursts in requests: how many may go at once
     # after a quiet spell. Workers on the same Redis with the same key prefix and account share one budget;
     # set the rates a little below the provider's limits (network jitter bunches requests on the way).
@@ -326,9 +326,7 @@ class Settings(ExplicitSettings):
     # against the server's ``max_connections``, so ``db_pool_max_size`` is set per worker and agents queue on
     # the pool (asyncpg waits for a free connection without a limit; statements are short). Size it so that
     # workers x db_pool_max_size + other clients stays below the server's ``max_connections``.
-    # Defaults measured with ``streams bench`` (README "Benchmark"): twice 32/64 let the batched round trips carry
-    # twice the operations (Redis and PostgreSQL round trips per operation down by a fifth to a third) for
-    # 10-30% more operations/s with 1 and 2 workers.
+    # Defaults chosen with ``streams bench`` (docs/benchmark.md; the measurements in CHANGELOG.md).
     dispatcher_concurrency: PositiveInt = 64
     observer_concurrency: PositiveInt = 128
     db_pool_max_size: PositiveInt = 10

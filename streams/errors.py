@@ -45,7 +45,7 @@
                                            connection lost): the provider may still be serving it
 
 A POST is retried only on :class:`RemoteNotSentError` and :class:`RemoteRateLimitedError`; everything else that
-was sent is never re-sent (README.md, "How it keeps its promises").
+was sent is never re-sent (docs/guarantees.md).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class ConfigError(StreamsError):
 
 
 #: Exit status of a command (and of the worker) stopped by a :class:`ConfigError`: a supervisor restarting the
-#: process cannot fix it (README, "For the people on call").
+#: process cannot fix it (docs/operations.md).
 EXIT_CONFIG = 6
 
 

@@ -281,7 +281,7 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 def bench_command(**options: Any) -> None:
     """The benchmark: the pipeline (1, 2, 4 workers; two partition counts) against the floor (the same calls,
     batched, no logic) and a naive peer (several processes polling PostgreSQL, no lease), N operations submitted
-    at once per run; a JSON report, a PNG chart and a profile of one worker (README, "Benchmark")."""
+    at once per run; a JSON report, a PNG chart and a profile of one worker (docs/benchmark.md)."""
     from streams_harness.bench import BenchOptions, run_bench
 
     opts = BenchOptions(**options)

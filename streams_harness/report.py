@@ -110,7 +110,7 @@ def build_report(
         transitions: the run's transition log, ``(operation_id, from_state, to_state)`` in order.
         accounting: what the ledger's accounting learned (compared with the simulator's record).
 
-    Returns the report dict (see README for the field list).
+    Returns the report dict (the fields: docs/harness.md).
     """
     ids = set(submitted_ids)
     ops = {o.operation_id: o for o in ledger if o.operation_id in ids}

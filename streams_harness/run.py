@@ -337,7 +337,7 @@ async def replay_until_final(
 def run_meta(
     opts: RunOptions, run_id: str, *, partitions: int, rows: int, faults: Mapping[str, float], elapsed_s: float
 ) -> dict[str, Any]:
-    """The report's fields that describe the run (README, "Report fields")."""
+    """The report's fields that describe the run (docs/harness.md)."""
     return {
         "run_id": run_id,
         "workers": opts.workers,

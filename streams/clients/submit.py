@@ -49,8 +49,8 @@ def submission(
 ) -> bytes:
     """A submission value (``schemas/generation.submissions.json``).
 
-    ``submitted_at_ms`` is the application's epoch ms (README "Submitting"): an int, or JSON text carried as
-    written (the schema judges it); None stamps the current time. ``request`` and ``source`` given as JSON text are
+    ``submitted_at_ms`` is the application's epoch ms (docs/guarantees.md, "Submissions"): an int, or JSON text
+    carried as written (the schema judges it); None stamps the current time. ``request`` and ``source`` given as JSON text are
     written into the value as they are, so that a number or a string reaches the provider exactly as written.
 
     Raises:

@@ -1,7 +1,7 @@
 """One request budget per provider account, shared by every worker process through Redis.
 
 The provider limits requests per account, not per worker: every worker's calls draw from one budget kept in
-Redis, so N workers together stay under the limit whatever N is (README, "Rate budget").
+Redis, so N workers together stay under the limit whatever N is (docs/guarantees.md, "Rate budget").
 
 * Kinds: ``POST`` (submissions) and ``GET`` (observations) are budgeted apart, each with its rate
   (``remote_post_rate_per_s``, ``remote_get_rate_per_s``; 0 = no pacing) and burst (``remote_*_burst``).

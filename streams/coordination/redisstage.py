@@ -67,9 +67,9 @@ REDIS_POOL_EXHAUSTED = redis.exceptions.MaxConnectionsError
 REDIS_MAX_BATCH = 256
 
 #: Most pipelines on the wire at once, each on its own pooled connection; further commands wait for the next.
-#: One, as the ledger's statements (:data:`streams.ledger.store.BATCH_IN_FLIGHT`): measured against two with
-#: ``streams bench``, Redis round trips per observation fell from 0.9-1.3 to 0.55-0.75 and operations/s rose
-#: 5-15% (README "Benchmark"); a command waits at most for the pipeline on the wire, then goes in the next.
+#: One, as the ledger's statements (:data:`streams.ledger.batching.BATCH_IN_FLIGHT`): fewer round trips per
+#: observation than two (by ``streams bench``: CHANGELOG.md); a command waits at most for the pipeline on the
+#: wire, then goes in the next.
 REDIS_MAX_IN_FLIGHT = 1
 
 #: A value Redis accepts as a command argument.

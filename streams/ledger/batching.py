@@ -1,6 +1,6 @@
 """The batching engine of the ledger's hot-path statements (group commit over :mod:`streams.coalesce`).
 
-Batching (group commit, :mod:`streams.coalesce`; README "How it keeps its promises"): the statements every
+Batching (group commit, :mod:`streams.coalesce`; docs/guarantees.md): the statements every
 operation makes on the hot path (accept, the dispatcher's claim and job-id save, the observer's claim, save and
 reschedule, the accounting of remote calls) are coalesced across this worker's concurrent tasks: the requests made
 while the previous batch of the same kind is on the wire go out as one statement over parallel arrays
@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 BATCH_MAX = 256
 
 #: Batched statements of one kind on the wire at once per worker; the requests made meanwhile form the next one.
-#: One: measured against two with ``streams bench`` (fewer, larger batches: less CPU and fewer round trips per
-#: operation, README "Benchmark"), and seven kinds then need at most seven pooled connections.
+#: One: fewer, larger batches (less CPU and fewer round trips per operation than two, by ``streams bench``:
+#: CHANGELOG.md), and seven kinds then need at most seven pooled connections.
 BATCH_IN_FLIGHT = 1
 
 #: Attempts at one statement that PostgreSQL rolled back as a deadlock victim or a serialization failure

@@ -408,7 +408,7 @@ def _shown(value: Any, limit: int = 80) -> str:
 
 def provider_request_body(request_text: str, operation_id: str, default_model: str) -> bytes:
     """The POST body for one operation (UTF-8): the application's request text with every character kept,
-    plus what the product adds (README, "Submitting"):
+    plus what the product adds (docs/guarantees.md, "Submissions"):
 
     * ``metadata.client_reference``: the operation id, so the provider's record of the job names the operation
       (an operator can find the job of an ``uncertain`` operation). It is NOT an idempotency key: nothing says

@@ -1,5 +1,5 @@
 """An ``httpx`` transport backed by aiohttp: the httpx API for the remote client, aiohttp's cheaper HTTP/1.1
-engine underneath (measured with ``streams bench``: README, "Benchmark").
+engine underneath (measured with ``streams bench``: docs/benchmark.md).
 
 The remote client's error taxonomy (:mod:`streams.remote.client`) decides from the httpx exception type whether a
 request may have reached the API. This module maps every aiohttp failure to the httpx type that tells the truth:
@@ -115,8 +115,8 @@ Trace = Callable[[str, dict[str, Any]], Awaitable[None]]
 #: The ``trace`` callback of the request the current task is sending (set around each request): the connector
 #: below reads it when it hands the request a connection. A context variable, because aiohttp calls
 #: :meth:`_ReportingConnector.connect` inside the task that called ``session.request``, with no per-request slot
-#: of ours on the way (aiohttp's own ``trace_configs`` cost 50-60 µs of CPU per request in the remote-call
-#: benchmark, README "Benchmark": a ``Trace`` per request and a signal dispatch per event, listened to or not).
+#: of ours on the way (aiohttp's own ``trace_configs`` make a ``Trace`` per request and a signal dispatch per
+#: event, listened to or not: a cost the remote-call benchmark shows, docs/benchmark.md).
 _SENDING_TRACE: ContextVar[Trace | None] = ContextVar("streams_transport_sending_trace", default=None)
 
 

@@ -26,7 +26,7 @@ starts raises. So:
    :data:`MAX_START_ATTEMPTS`, while a worker that meets an outage once a week never runs out of attempts.
 
 A started worker also calls ``gc.freeze()``: what was made while starting stays out of the cyclic collector's full
-collections (README, "Benchmark": 6-20% less CPU per operation).
+collections (measured with ``streams bench``: CHANGELOG.md).
 """
 
 from __future__ import annotations

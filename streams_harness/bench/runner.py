@@ -363,7 +363,7 @@ def process_cpu_s(pid: int) -> float:
 
 def figures(spec: RunSpec, report: dict[str, Any], sim: dict[str, Any], cost: Counters, n: int) -> dict[str, Any]:
     """A run's record: throughput from the ledger, calls per operation from the simulator's record and the
-    services' counters (field names in README, "Benchmark")."""
+    services' counters (field names in docs/benchmark.md)."""
     throughput = float(report["throughput_ops_per_s"])
     final = int(report["operations_final"])
     span_s = final / throughput if throughput else 0.0

@@ -1,5 +1,5 @@
 """An answer too large to hold (a gzip bomb) to a POST and to a GET, over real loopback sockets: the worker's
-memory stays near its idle figure and both calls are classified (README "Contracts at the edges";
+memory stays near its idle figure and both calls are classified (docs/guarantees.md;
 docs/provider-edges.md)."""
 
 from __future__ import annotations
