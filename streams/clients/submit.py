@@ -50,8 +50,9 @@ def submission(
     """A submission value (``schemas/generation.submissions.json``).
 
     ``submitted_at_ms`` is the application's epoch ms (docs/guarantees.md, "Submissions"): an int, or JSON text
-    carried as written (the schema judges it); None stamps the current time. ``request`` and ``source`` given as JSON text are
-    written into the value as they are, so that a number or a string reaches the provider exactly as written.
+    carried as written (the schema judges it); None stamps the current time. ``request`` and ``source`` given as
+    JSON text are written into the value as they are, so that a number or a string reaches the provider exactly
+    as written.
 
     Raises:
         InvalidEventError: a text is not one JSON value (nothing else is checked here: see
