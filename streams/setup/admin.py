@@ -281,6 +281,9 @@ class KafkaAdmin:
                         name,
                         num_partitions=partitions,
                         replication_factor=replication_factor,
+                        # aiokafka 0.14's check wants an assignment whenever a count is -1 (the broker's
+                        # default, CreateTopics v4+); an empty one assigns nothing and passes it
+                        replica_assignments={} if replication_factor == -1 else None,
                         topic_configs=configs,
                     )
                     for name in wanted
