@@ -29,6 +29,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -37,6 +38,7 @@ from streams import metrics
 from streams.coalesce import LINGER_UNDER_LOAD_S, Coalescer
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.ledger.pool import guard
+from streams.ledger.sql import Query
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,46 @@ def by_position(rows: Sequence[asyncpg.Record], n: int) -> list[asyncpg.Record |
 def columns(requests: Sequence[Request], width: int) -> list[list[Any]]:
     """The parallel arrays of a batched statement: column ``k`` of every request."""
     return [[request[k] for request in requests] for k in range(width)]
+
+
+@dataclass(frozen=True)
+class BatchedStatement:
+    """One batched statement, declared: its ``name`` (the stage, the metrics' label), its ``query`` over parallel
+    arrays, the query's array parameters in the order of a request's fields (``columns``, the operation id's
+    first), how the rows become one result per request (``results``), and whether an operation may appear only
+    once per statement (``distinct``).
+
+    Raises:
+        ValueError: ``columns``, with ``lock_timeout`` and, when the query takes it, ``worker``, are not exactly
+            the query's parameters (checked when declared, at import).
+    """
+
+    name: str
+    query: Query
+    columns: tuple[str, ...]
+    results: Callable[[list[asyncpg.Record], list[Request]], list[Any]]
+    distinct: bool = True
+
+    def __post_init__(self) -> None:
+        given = {*self.columns, "lock_timeout", *(("worker",) if "worker" in self.query.parameters else ())}
+        if given != set(self.query.parameters) or len(self.columns) != len(set(self.columns)):
+            raise ValueError(
+                f"batched statement {self.name}: columns {self.columns} do not match the parameters of "
+                f"{self.query.source}:{self.query.name} {self.query.parameters}"
+            )
+
+    def bind(self, pool: asyncpg.Pool, worker: str) -> Statement:
+        """The statement as the engine runs it on ``pool`` for ``worker``: (requests, lock_timeout) -> results."""
+        takes_worker = "worker" in self.query.parameters
+
+        async def run(batch: list[Request], lock_timeout: str) -> list[Any]:
+            values: dict[str, Any] = dict(zip(self.columns, columns(batch, len(self.columns)), strict=True))
+            values["lock_timeout"] = lock_timeout
+            if takes_worker:
+                values["worker"] = worker
+            return self.results(await self.query.fetch(pool, **values), batch)
+
+        return run
 
 
 class Batcher:

@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 
 from streams.ledger.accounting import Accounting
-from streams.ledger.batching import Batcher, Request, Statement, by_position, columns
+from streams.ledger.batching import BatchedStatement, Batcher, Request, by_position
 from streams.ledger.decisions import Decisions
 from streams.ledger.pool import guard
 from streams.ledger.records import (
@@ -41,6 +41,112 @@ def _json_text(value: Any) -> str:
     return exactjson.dumps(value).decode()
 
 
+
+def _inserted(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
+    """``accept``: True for each operation inserted now (its row came back), False for a replay."""
+    inserted = {row["operation_id"] for row in rows}
+    return [request[0] in inserted for request in batch]
+
+
+def _fencing_token(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
+    """``claim_submit``: the fencing value the claim wrote, None where another claim is past it."""
+    return [None if row is None else row["fencing_token"] for row in by_position(rows, len(batch))]
+
+
+def _written(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
+    """A fenced write: True where its row came back (written), False where fencing or the state refused it."""
+    return [row is not None for row in by_position(rows, len(batch))]
+
+
+def _observe_claim(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
+    """``claim_observe``: the claim, None where the poll's claim is stale or the job is not pollable."""
+    return [
+        None
+        if row is None
+        else ObserveClaim(
+            row["fencing_token"],
+            row["remote_job_id"],
+            OperationState(row["state"]),
+            row["poll_count"],
+            row["observed_for_s"],
+        )
+        for row in by_position(rows, len(batch))
+    ]
+
+
+def _save_outcome(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
+    """``save_observation``: one row per request; saved, refused by a newer claim, or refused by the state order
+    (or no such operation)."""
+    outcomes: list[Any] = []
+    for request, row in zip(batch, by_position(rows, len(batch)), strict=True):
+        assert row is not None  # one row per request
+        if row["saved"]:
+            outcomes.append(SaveOutcome.SAVED)
+        elif row["fencing_token"] is not None and row["fencing_token"] != request[1]:
+            outcomes.append(SaveOutcome.REFUSED_FENCING)
+        else:
+            outcomes.append(SaveOutcome.REFUSED_ORDER)
+    return outcomes
+
+
+def _nothing(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
+    """A write whose callers need no answer (the accounting of remote calls)."""
+    return [None] * len(batch)
+
+
+#: The hot path's batched statements: each request's fields name the query's parallel arrays in order (the
+#: operation id first); ``worker`` and ``lock_timeout`` are added by the engine. An operation appears once per
+#: statement except in the accounting of remote calls (``distinct=False``: an append, never a conflict).
+BATCHED: tuple[BatchedStatement, ...] = (
+    BatchedStatement(
+        "accept", Q.accept_operation, ("operation_ids", "requests", "submitted_at_ms", "sources"), _inserted
+    ),
+    BatchedStatement("claim_submit", Q.claim_for_submit, ("operation_ids", "claim_ids"), _fencing_token),
+    BatchedStatement(
+        "save_submitted",
+        Q.save_submitted,
+        ("operation_ids", "fencing_tokens", "remote_job_ids", "first_poll_delays_s", "reasons"),
+        _written,
+    ),
+    BatchedStatement(
+        "claim_observe", Q.claim_for_observe, ("operation_ids", "poll_claim_ids", "claim_ids"), _observe_claim
+    ),
+    BatchedStatement("reschedule_poll", Q.reschedule_poll, ("operation_ids", "poll_claim_ids", "delays_s"), _written),
+    BatchedStatement(
+        "save_observation",
+        Q.save_observation,
+        (
+            "operation_ids",
+            "fencing_tokens",
+            "states",
+            "observations",
+            "next_poll_delays_s",
+            "remote_completed_at_ms",
+            "reasons",
+            "source_states",
+            "outputs",
+        ),
+        _save_outcome,
+    ),
+    BatchedStatement(
+        "record_remote_call",
+        Q.record_remote_call,
+        (
+            "operation_ids",
+            "call_ids",
+            "methods",
+            "status_codes",
+            "outcomes",
+            "remote_job_ids",
+            "durations_ms",
+            "fencing_tokens",
+        ),
+        _nothing,
+        distinct=False,
+    ),
+)
+
+
 class Ledger(WaitsOutOutages, Decisions, Accounting):
     """Typed access to the ledger's named queries (``streams/ledger/queries/ledger.sql``).
 
@@ -61,18 +167,8 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         self.worker = worker
         self.batching = batching
         self._batches = Batcher(batching=batching)
-        # The batched statements: (name, statement over parallel arrays, an operation at most once per statement)
-        batched: tuple[tuple[str, Statement, bool], ...] = (
-            ("accept", self._accept_many, True),
-            ("claim_submit", self._claim_submit_many, True),
-            ("save_submitted", self._save_submitted_many, True),
-            ("claim_observe", self._claim_observe_many, True),
-            ("reschedule_poll", self._reschedule_many, True),
-            ("save_observation", self._save_observation_many, True),
-            ("record_remote_call", self._record_calls_many, False),
-        )
-        for name, statement, distinct in batched:
-            self._batches.stage(name, statement, distinct=distinct)
+        for statement in BATCHED:
+            self._batches.stage(statement.name, statement.bind(pool, worker), distinct=statement.distinct)
 
     async def close(self) -> None:
         """Finish the batches on the wire or queued, then close the pool."""
@@ -92,20 +188,6 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         inserted: bool = await self._batches.submit("accept", request)
         return inserted
 
-    async def _accept_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        operation_ids, requests, submitted_at_ms, sources = columns(batch, 4)
-        rows = await Q.accept_operation.fetch(
-            self.pool,
-            operation_ids=operation_ids,
-            requests=requests,
-            submitted_at_ms=submitted_at_ms,
-            sources=sources,
-            worker=self.worker,
-            lock_timeout=lock_timeout,
-        )
-        inserted = {row["operation_id"] for row in rows}
-        return [request[0] in inserted for request in batch]
-
     @waits_out_outages("claim submit")
     async def claim_for_submit(self, operation_id: str, claim_id: uuid.UUID | None = None) -> int | None:
         """``accepted -> submitting`` with a new fencing value, written before the POST.
@@ -123,13 +205,6 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         fencing: int | None = await self._batches.submit("claim_submit", (operation_id, claim_id or uuid.uuid4()))
         return fencing
 
-    async def _claim_submit_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        operation_ids, claim_ids = columns(batch, 2)
-        rows = await Q.claim_for_submit.fetch(
-            self.pool, operation_ids=operation_ids, claim_ids=claim_ids, worker=self.worker, lock_timeout=lock_timeout
-        )
-        return [None if row is None else row["fencing_token"] for row in by_position(rows, len(batch))]
-
     @waits_out_outages("save job id")
     async def save_submitted(
         self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
@@ -139,20 +214,6 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             "save_submitted", (operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason)
         )
         return saved
-
-    async def _save_submitted_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        operation_ids, fencing_tokens, remote_job_ids, first_poll_delays_s, reasons = columns(batch, 5)
-        rows = await Q.save_submitted.fetch(
-            self.pool,
-            operation_ids=operation_ids,
-            fencing_tokens=fencing_tokens,
-            remote_job_ids=remote_job_ids,
-            first_poll_delays_s=first_poll_delays_s,
-            reasons=reasons,
-            worker=self.worker,
-            lock_timeout=lock_timeout,
-        )
-        return [row is not None for row in by_position(rows, len(batch))]
 
     @waits_out_outages("save without job")
     async def save_submission_without_job(
@@ -231,45 +292,11 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         )
         return claim
 
-    async def _claim_observe_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        operation_ids, poll_claim_ids, claim_ids = columns(batch, 3)
-        rows = await Q.claim_for_observe.fetch(
-            self.pool,
-            operation_ids=operation_ids,
-            poll_claim_ids=poll_claim_ids,
-            claim_ids=claim_ids,
-            worker=self.worker,
-            lock_timeout=lock_timeout,
-        )
-        return [
-            None
-            if row is None
-            else ObserveClaim(
-                row["fencing_token"],
-                row["remote_job_id"],
-                OperationState(row["state"]),
-                row["poll_count"],
-                row["observed_for_s"],
-            )
-            for row in by_position(rows, len(batch))
-        ]
-
     @waits_out_outages("reschedule")
     async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
         """Move the claimed poll to now + ``delay_s``; False when the claim is stale or the job not pollable."""
         rescheduled: bool = await self._batches.submit("reschedule_poll", (operation_id, poll_claim_id, delay_s))
         return rescheduled
-
-    async def _reschedule_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        operation_ids, poll_claim_ids, delays_s = columns(batch, 3)
-        rows = await Q.reschedule_poll.fetch(
-            self.pool,
-            operation_ids=operation_ids,
-            poll_claim_ids=poll_claim_ids,
-            delays_s=delays_s,
-            lock_timeout=lock_timeout,
-        )
-        return [row is not None for row in by_position(rows, len(batch))]
 
     @waits_out_outages("save observation")
     async def save_observation(
@@ -299,43 +326,6 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         )
         outcome: SaveOutcome = await self._batches.submit("save_observation", request)
         return outcome
-
-    async def _save_observation_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        (
-            operation_ids,
-            fencing_tokens,
-            states,
-            observations,
-            next_poll_delays_s,
-            remote_completed_at_ms,
-            reasons,
-            source_states,
-            outputs,
-        ) = columns(batch, 9)
-        rows = await Q.save_observation.fetch(
-            self.pool,
-            operation_ids=operation_ids,
-            fencing_tokens=fencing_tokens,
-            states=states,
-            observations=observations,
-            next_poll_delays_s=next_poll_delays_s,
-            remote_completed_at_ms=remote_completed_at_ms,
-            reasons=reasons,
-            source_states=source_states,
-            outputs=outputs,
-            worker=self.worker,
-            lock_timeout=lock_timeout,
-        )
-        outcomes: list[Any] = []
-        for request, row in zip(batch, by_position(rows, len(batch)), strict=True):
-            assert row is not None  # one row per request
-            if row["saved"]:
-                outcomes.append(SaveOutcome.SAVED)
-            elif row["fencing_token"] is not None and row["fencing_token"] != request[1]:
-                outcomes.append(SaveOutcome.REFUSED_FENCING)
-            else:  # the state order refused it, or the operation does not exist
-                outcomes.append(SaveOutcome.REFUSED_ORDER)
-        return outcomes
 
     @waits_out_outages("save stalled")
     async def save_stalled(
@@ -537,25 +527,6 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
                 fencing_token,
             ),
         )
-
-    async def _record_calls_many(self, batch: list[Request], lock_timeout: str) -> list[Any]:
-        operation_ids, call_ids, methods, status_codes, outcomes, remote_job_ids, durations_ms, fencing_tokens = (
-            columns(batch, 8)
-        )
-        await Q.record_remote_call.execute(
-            self.pool,
-            operation_ids=operation_ids,
-            call_ids=call_ids,
-            methods=methods,
-            status_codes=status_codes,
-            outcomes=outcomes,
-            remote_job_ids=remote_job_ids,
-            durations_ms=durations_ms,
-            fencing_tokens=fencing_tokens,
-            worker=self.worker,
-            lock_timeout=lock_timeout,
-        )
-        return [None] * len(batch)
 
     async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
         """Publish one batch of unpublished outbox rows with ``publish`` and mark them published.

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from streams.errors import QueryParametersError
+from streams.ledger.batching import BatchedStatement
 from streams.ledger.sql import LEDGER, Queries, Query, parse_queries, query_path
+from streams.ledger.store import BATCHED
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -255,7 +257,7 @@ SITES = _call_sites()
 
 
 def test_call_sites_found() -> None:
-    assert len(SITES) >= 60
+    assert len(SITES) + len(DECLARED) >= 60
     assert any(where.startswith("streams/ledger/store.py") for where, *_ in SITES)
     assert any(where.startswith("streams_harness/bench/floor.py") for where, *_ in SITES)
 
@@ -273,11 +275,22 @@ def test_call_site_names_exactly_the_parameters_of_an_existing_query(
     assert sorted(given) == sorted(query.parameters), f"{where}: {name} takes {sorted(query.parameters)}"
 
 
+#: The batched statements are declared, not called by name: their declaration checks their parameters.
+DECLARED = [(f"streams/ledger/store.py:BATCHED[{s.name}]", s.query) for s in BATCHED]
+
+
+def test_a_batched_statement_whose_columns_miss_a_parameter_is_refused_when_declared() -> None:
+    with pytest.raises(ValueError, match=r"batched statement t: columns \('operation_ids',\) do not match"):
+        BatchedStatement("t", LEDGER.claim_for_submit, ("operation_ids",), lambda rows, batch: [])
+    with pytest.raises(ValueError, match="do not match"):  # a name the query does not take
+        BatchedStatement("t", LEDGER.claim_for_submit, ("operation_ids", "claim_ids", "nope"), lambda r, b: [])
+
+
 @pytest.mark.parametrize(("source", "query"), ALL_QUERIES, ids=[f"{s}:{q.name}" for s, q in ALL_QUERIES])
 def test_every_query_is_called_with_all_its_parameters(source: str, query: Query) -> None:
     called = [
         where
         for where, queries, name, _ in SITES
         if (query_path(queries.package, queries.filename), name) == (query.source, query.name)
-    ]
+    ] + [where for where, declared in DECLARED if (declared.source, declared.name) == (query.source, query.name)]
     assert called, f"{source}:{query.name} is called nowhere in streams/ or streams_harness/"
