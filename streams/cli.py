@@ -462,7 +462,8 @@ _ACTOR_OPTION = click.option(
 
 def _decide(decide: Callable[[Ledger, str], Awaitable[OperatorMove]], actor: str | None, as_json: bool) -> None:
     """Run one operator's decision (a fenced ledger statement) and print what was written; a refusal exits with
-    EXIT_REFUSED, an unknown operation with EXIT_UNKNOWN_OPERATION. Never calls the remote API."""
+    EXIT_REFUSED, an unknown operation with EXIT_UNKNOWN_OPERATION. Only ``adopt`` calls the remote API (one GET
+    of the job, its provider check)."""
     from streams.errors import OperatorActionRefusedError, UnknownOperationError
     from streams.ledger.store import Ledger
     from streams.oncall import operations as operators
@@ -488,12 +489,30 @@ def _decide(decide: Callable[[Ledger, str], Awaitable[OperatorMove]], actor: str
 @click.argument("operation_id")
 @click.argument("job_id")
 @click.option("--reason", required=True, help="Why, e.g. where the job was found (recorded).")
+@click.option(
+    "--without-provider-check",
+    is_flag=True,
+    help="Adopt without asking the provider for JOB_ID first (recorded in the reason).",
+)
 @_ACTOR_OPTION
 @_JSON_OPTION
-def adopt(operation_id: str, job_id: str, reason: str, actor: str | None, as_json: bool) -> None:
+def adopt(
+    operation_id: str, job_id: str, reason: str, without_provider_check: bool, actor: str | None, as_json: bool
+) -> None:
     """An uncertain operation's job was found at the provider: uncertain -> submitted with JOB_ID, observed from
-    now on. Refused (exit 3) in any other state, or when JOB_ID belongs to another operation."""
-    _decide(lambda ledger, who: ledger.adopt(operation_id, job_id, reason, who), actor, as_json)
+    now on. A rejected operation whose POST answer arrived after the decision: rejected -> submitted with that
+    job only (streams accounting report lists them). JOB_ID is first asked for at the provider (one GET):
+    refused (exit 3) when the provider answers 404 or cannot be asked, unless --without-provider-check.
+    Refused (exit 3) in any other state, or when JOB_ID belongs to another operation. Corrections:
+    docs/decisions.md."""
+    settings = _settings()
+
+    async def checked() -> str:  # imports the HTTP stack only once the ledger found the operation adoptable
+        from streams.oncall.provider_check import SKIPPED, check_job_at_provider
+
+        return SKIPPED if without_provider_check else await check_job_at_provider(settings, operation_id, job_id)
+
+    _decide(lambda ledger, who: ledger.adopt(operation_id, job_id, reason, who, checked), actor, as_json)
 
 
 @operations.command("abandon", short_help="uncertain -> rejected: checked, no job.")

@@ -101,6 +101,12 @@ LOOKUPS = Counter(
 DUPLICATE_CREATIONS = Counter(
     "streams_duplicate_creations_total", "Further jobs the provider created for one operation, found by lookup."
 )
+JOBS_CREATED_AFTER_DECISION = Counter(
+    "streams_jobs_created_after_decision_total",
+    "POST answers whose job arrived after an operator decided the operation (accounted created_after_decision;"
+    " adopt it or cancel it at the provider: docs/decisions.md), by the operation's state then.",
+    ["state"],
+)
 BUDGET_WAITS = Counter(
     "streams_rate_budget_waits_total",
     "Remote calls (kind POST, GET) that waited for the account's rate budget; for kind claims, scheduler rounds "

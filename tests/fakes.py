@@ -309,6 +309,15 @@ class InMemoryLedger(WaitsOutOutages):
         )
         return True
 
+    @waits_out_outages("record late job")
+    async def record_late_job(self, operation_id: str, remote_job_id: str) -> str | None:
+        """The decided operation's state (accounting not modelled), or None as the real ledger answers."""
+        self._call(f"record late job {remote_job_id} for {operation_id}")
+        op = self.operations.get(operation_id)
+        if op is None or op.state in (S.ACCEPTED, S.SUBMITTING, S.UNCERTAIN) or op.remote_job_id == remote_job_id:
+            return None
+        return op.state.value
+
     @waits_out_outages("save without job")
     async def save_submission_without_job(
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode

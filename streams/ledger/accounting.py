@@ -33,11 +33,14 @@ class Accounting:
         """The accounting summary of the operations whose id matches ``operation_pattern`` (SQL ``LIKE``).
 
         Returns a dict: ``jobs_by_outcome`` ({outcome or ``not_terminal``: n}), ``jobs_by_learned_via``
-        ({``post_2xx``/``post_502``/``adopted``/``lookup``/``duplicate``: n}), ``learned_only_via_502``,
+        ({``post_2xx``/``post_502``/``adopted``/``lookup``/``duplicate``/
+        ``created_after_decision``: n}), ``learned_only_via_502``,
         ``duplicate_creations``, ``charges`` ([{currency, amount (decimal text), jobs}]), ``refunds_settled``
         ([{currency, amount, refunds}]), ``refunds_pending`` (failed/canceled jobs with a charge and no refund
         recorded), ``needs_decision`` ({``uncertain``/``stalled``: {operations, oldest_age_s}}),
-        ``posts_per_operation`` and ``gets_per_completed_operation`` ({operations, mean, max}).
+        ``posts_per_operation`` and ``gets_per_completed_operation`` ({operations, mean, max}),
+        ``created_after_decision`` ({``jobs``, ``unobserved``, ``first``: [{operation_id, remote_job_id, state}],
+        the unobserved, oldest first, at most 20}: jobs a POST answer reported after an operator's decision).
         """
         async with guard("accounting summary"):
             row = await ACCOUNTING.accounting_summary.fetchrow(self.pool, operation_pattern=operation_pattern)

@@ -215,6 +215,19 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         )
         return saved
 
+    @waits_out_outages("record late job")
+    async def record_late_job(self, operation_id: str, remote_job_id: str) -> str | None:
+        """A POST answer's job that :meth:`save_submitted` refused, for an operation already decided (past
+        ``submitting`` and ``uncertain``, not observing this job): its accounting record becomes
+        ``created_after_decision``. Returns the operation's state when recorded, None when the operation is not
+        decided (still ``submitting``/``uncertain``: the reconciler or an operator decides it), already observes
+        this job, or the job belongs to another operation."""
+        async with guard(f"record late job {remote_job_id} for {operation_id}"):
+            state: str | None = await Q.record_late_job.fetchval(
+                self.pool, operation_id=operation_id, remote_job_id=remote_job_id, worker=self.worker
+            )
+        return state
+
     @waits_out_outages("save without job")
     async def save_submission_without_job(
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode

@@ -112,3 +112,4 @@ class ReasonCode(enum.StrEnum):
     ABANDONED_BY_OPERATOR = "abandoned_by_operator"
     REPOLLED_BY_OPERATOR = "repolled_by_operator"
     FAILED_BY_OPERATOR = "failed_by_operator"
+    ADOPTED_AFTER_DECISION = "adopted_after_decision"  # submitted: an operator adopted a job created after abandon

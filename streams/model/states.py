@@ -26,7 +26,11 @@ stalled        an operator: ``repoll`` (-> ``submitted``, observed again) or ``f
 succeeded      nobody (terminal)
 failed         nobody (terminal)
 canceled       nobody (terminal)
-rejected       nobody (terminal: the API refused definitely, or an operator checked that nothing was created)
+rejected       nobody (terminal: the API refused definitely, or an operator checked that nothing was created),
+               with one exception: an operator ``adopt`` of the job a POST answer reported *after* the decision
+               (``remote_jobs.learned_via = 'created_after_decision'``) -> ``submitted``; the trigger
+               ``operations_late_job_guard`` (migration 0010) refuses the move for any other job
+               (docs/decisions.md).
 ============== ==============================================================================
 
 A state may be entered more than once (``stalled -> submitted -> stalled``): the transition log numbers each
@@ -85,15 +89,22 @@ _ALLOWED: dict[OperationState, frozenset[OperationState]] = {
     S.QUEUED: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELED, S.STALLED}),
     S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELED, S.STALLED}),
     S.STALLED: frozenset({S.SUBMITTED, S.FAILED}),
+    S.REJECTED: frozenset({S.SUBMITTED}),
+}
+
+#: Legal moves allowed only under a condition the ledger's trigger checks, and that condition.
+CONDITIONAL: dict[tuple[OperationState, OperationState], str] = {
+    (S.REJECTED, S.SUBMITTED): "an operator adopts the job created after the decision (migration 0010)",
 }
 
 
 def can_transition(current: OperationState, new: OperationState) -> bool:
     """True when ``current -> new`` is a legal move.
 
-    Moves go forward, except an operator's ``stalled -> submitted`` (observe again). Terminal states never
-    change; a late ``running`` can never replace ``succeeded``, nor ``queued`` a saved ``running``; staying in
-    the same state is not a transition (returns False).
+    Moves go forward, except an operator's ``stalled -> submitted`` (observe again) and ``rejected -> submitted``
+    (adopt the job created after the decision: :data:`CONDITIONAL`). Other terminal states never change; a late
+    ``running`` can never replace ``succeeded``, nor ``queued`` a saved ``running``; staying in the same state is
+    not a transition (returns False).
     """
     return new in _ALLOWED.get(current, frozenset())
 

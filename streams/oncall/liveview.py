@@ -145,6 +145,8 @@ transition log:</p>
 
 {queues}
 
+{_late_jobs_section(data["late_jobs"])}
+
 <section id="contention"><h2>Lease contention and fencing (this worker, since it started)</h2>
 {_counters(contention, "no contention counted yet")}</section>
 
@@ -178,6 +180,27 @@ def _queue_section(state: str, queue: Mapping[str, Any]) -> str:
         f'<section id="queue-{esc(state)}"><h2 class="{"warn" if shown else ""}">{esc(state)}: '
         f'<span class="queue-count">{esc(queue["matched"])}</span> waiting for a decision'
         f"{f' (oldest {esc(oldest)})' if shown else ''}</h2>{table}{more}</section>"
+    )
+
+
+def _late_jobs_section(late: Mapping[str, Any]) -> str:
+    """Jobs created after an operator's decision and not observed (docs/decisions.md)."""
+    rows = (
+        [
+            _link(r["operation_id"]),
+            f'<span class="mono">{esc(r["state"])}</span>',
+            f'<span class="mono" data-late-job="{esc(r["remote_job_id"])}">{esc(r["remote_job_id"])}</span>',
+            esc(format_age(r["learned_age_s"])),
+        ]
+        for r in late["rows"]
+    )
+    shown = len(late["rows"])
+    more = f'<p class="muted">{esc(late["matched"] - shown)} more not shown</p>' if late["matched"] > shown else ""
+    table = _table(["operation", "state", "job id", "learned"], rows, numeric=[3]) if shown else ""
+    return (
+        f'<section id="late-jobs"><h2 class="{"warn" if shown else ""}">created after a decision: '
+        f'<span id="late-jobs-count">{esc(late["matched"])}</span> jobs not observed (adopt or cancel each: '
+        f"docs/decisions.md)</h2>{table}{more}</section>"
     )
 
 

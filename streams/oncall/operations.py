@@ -242,7 +242,10 @@ async def overview(pool: asyncpg.Pool, *, window_min: int, queue_limit: int) -> 
       transitions into terminal states);
     * ``queues``: {state: {matched, oldest_age_s, rows}} for :data:`DECISION_STATES`, at most ``queue_limit``
       rows each, oldest first;
-    * ``outbox``: ``{unpublished, oldest_age_s, by_topic_role: {role: {unpublished, oldest_age_s}}}``.
+    * ``outbox``: ``{unpublished, oldest_age_s, by_topic_role: {role: {unpublished, oldest_age_s}}}``;
+    * ``late_jobs``: ``{matched, rows: [{operation_id, remote_job_id, state, learned_age_s}]}``: jobs created
+      after an operator's decision and not observed, oldest first, at most ``queue_limit`` rows
+      (docs/decisions.md).
 
     Raises:
         LedgerUnavailableError: PostgreSQL did not answer.
@@ -270,6 +273,7 @@ async def _overview(pool: asyncpg.Pool, window_min: int, queue_limit: int) -> di
         for r in await INSPECT.outbox_backlog.fetch(pool)
     }
     ages = [b["oldest_age_s"] for b in backlog.values()]
+    late = [dict(r) for r in await INSPECT.late_jobs.fetch(pool, limit=queue_limit)]
     return {
         "now": now,
         "states": states,
@@ -279,6 +283,10 @@ async def _overview(pool: asyncpg.Pool, window_min: int, queue_limit: int) -> di
             "unpublished": sum(b["unpublished"] for b in backlog.values()),
             "oldest_age_s": max(ages) if ages else None,
             "by_topic_role": backlog,
+        },
+        "late_jobs": {
+            "matched": late[0]["matched"] if late else 0,
+            "rows": [{k: v for k, v in r.items() if k != "matched"} for r in late],
         },
     }
 
@@ -585,6 +593,18 @@ def format_accounting(report: Mapping[str, Any]) -> str:
         + ("" if sent_ok else f"; BROKEN for {attempts['operations_sent_twice']} operations")
         + ")",
         f"GETs per completed operation       {_stats(gets)}",
+    ]
+    late = report.get("created_after_decision") or {"jobs": 0, "unobserved": 0, "first": []}
+    lines.append(
+        f"created after a decision           {late['jobs']} ({late['unobserved']} not observed"
+        + ("" if not late["unobserved"] else ": adopt or cancel each, docs/decisions.md")
+        + ")"
+    )
+    lines += [
+        f"  {j['operation_id']} ({j['state']}): job {j['remote_job_id']}"
+        + (f"  -> streams operations adopt {j['operation_id']} {j['remote_job_id']} --reason ..."
+           if j["state"] == "rejected" else "  -> cancel it at the provider")
+        for j in late["first"]
     ]
     return "\n".join(lines)
 

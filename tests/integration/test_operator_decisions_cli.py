@@ -1,6 +1,7 @@
 """The operators' decisions and the accounting report through the ``streams`` script, on the real ledger: each
 decision is one fenced transition naming who, when and why; any other state is refused with a message and exit
-status 3, an unknown operation with 4; nothing calls the remote API (the simulator counts every request)."""
+status 3, an unknown operation with 4; nothing but adopt's provider check (tests/integration/test_late_answers.py)
+calls the remote API (the simulator counts every request)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,16 @@ async def test_adopt_writes_one_fenced_transition_by_the_actor(
     op = seeded.by_state["uncertain"][1]
     before = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id = $1", op)
     result = await streams_cli(
-        cli, "operations", "adopt", op, "job_found_1", "--reason", "found in the provider's console", "--actor", "alice"
+        cli,
+        "operations",
+        "adopt",
+        op,
+        "job_found_1",
+        "--reason",
+        "found in the provider's console",
+        "--actor",
+        "alice",
+        "--without-provider-check",
     )
     assert result.exit_code == 0, result.stderr
     row = await pool.fetchrow(
@@ -77,6 +87,7 @@ async def test_adopt_writes_one_fenced_transition_by_the_actor(
         "alice",
     )
     assert "found in the provider's console" in t["reason"] and "alice" in t["reason"]
+    assert "not checked at the provider (--without-provider-check)" in t["reason"]
     assert result.stdout.strip() == (
         f"adopt: operation {op} uncertain -> submitted (transition 4, fencing value {before + 1}), by alice"
     )

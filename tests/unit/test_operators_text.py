@@ -122,6 +122,10 @@ def _overview() -> dict[str, object]:
             "stalled": {"matched": 0, "oldest_age_s": None, "rows": []},
         },
         "outbox": {"unpublished": 0, "oldest_age_s": None, "by_topic_role": {}},
+        "late_jobs": {
+            "matched": 1,
+            "rows": [{"operation_id": "op-late", "remote_job_id": "job<b>", "state": "rejected", "learned_age_s": 5.0}],
+        },
     }
 
 
@@ -139,6 +143,7 @@ def test_overview_escapes_every_value() -> None:
     assert HOSTILE in text and "w<1>" in text and "reason=<i>x</i>" in text and "3 records on <u>dl</u>" in text
     assert "u" not in parser.tags
     assert 'href="/operations/op%3C1%3E%22"' in page
+    assert '<span id="late-jobs-count">1</span> jobs not observed' in page and "job<b>" in text
     unreachable: dict[str, object] = {
         "topic": "t",
         "retained": None,

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from streams.model.states import OperationState, can_transition, is_terminal, state_for_remote_status
+from streams.model.states import CONDITIONAL, OperationState, can_transition, is_terminal, state_for_remote_status
 
 S = OperationState
 
@@ -15,7 +15,8 @@ S = OperationState
 # intermediate observation states is allowed because a job may finish between two polls);
 # submitting -> rejected | uncertain; uncertain -> submitted (a job found: adopted) | rejected (an operator
 # checked nothing was created); a pollable job whose answers stop making progress -> stalled, left only by an
-# operator: -> submitted (observe again) | failed; terminal states never change.
+# operator: -> submitted (observe again) | failed; terminal states never change, but for an operator's adoption of
+# the job a POST answer reported after an abandon (rejected -> submitted, conditional: docs/decisions.md).
 LEGAL: frozenset[tuple[OperationState, OperationState]] = frozenset(
     {
         (S.ACCEPTED, S.SUBMITTING),
@@ -41,6 +42,7 @@ LEGAL: frozenset[tuple[OperationState, OperationState]] = frozenset(
         (S.RUNNING, S.STALLED),
         (S.STALLED, S.SUBMITTED),
         (S.STALLED, S.FAILED),
+        (S.REJECTED, S.SUBMITTED),
     }
 )
 
@@ -70,7 +72,7 @@ def test_can_transition_every_pair(current: OperationState, new: OperationState)
 
 def test_table_size() -> None:
     assert len(ALL_PAIRS) == 121
-    assert sum(can_transition(a, b) for a, b in ALL_PAIRS) == len(LEGAL) == 23
+    assert sum(can_transition(a, b) for a, b in ALL_PAIRS) == len(LEGAL) == 24
 
 
 @pytest.mark.parametrize("state", list(S))
@@ -78,9 +80,15 @@ def test_same_state_is_not_a_transition(state: OperationState) -> None:
     assert can_transition(state, state) is False
 
 
-@pytest.mark.parametrize("terminal", [S.SUCCEEDED, S.FAILED, S.CANCELED, S.REJECTED])
+@pytest.mark.parametrize("terminal", [S.SUCCEEDED, S.FAILED, S.CANCELED])
 def test_terminal_never_changes(terminal: OperationState) -> None:
     assert [s for s in S if can_transition(terminal, s)] == []
+
+
+def test_rejected_is_left_only_by_adopting_a_job_created_after_the_decision() -> None:
+    assert [s for s in S if can_transition(S.REJECTED, s)] == [S.SUBMITTED]
+    assert set(CONDITIONAL) == {(S.REJECTED, S.SUBMITTED)}
+    assert is_terminal(S.REJECTED)  # nothing automatic moves it
 
 
 def test_late_running_never_replaces_succeeded() -> None:

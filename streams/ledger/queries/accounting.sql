@@ -8,7 +8,9 @@
 --   charges [{currency, amount, jobs}], refunds_settled [{currency, amount, refunds}],
 --   refunds_pending n (jobs that failed or were canceled with a charge and no refund recorded),
 --   needs_decision {state: {operations, oldest_age_s}} for uncertain and stalled,
---   posts_per_operation {operations, mean, max}, gets_per_completed_operation {operations, mean, max}.
+--   posts_per_operation {operations, mean, max}, gets_per_completed_operation {operations, mean, max},
+--   created_after_decision {jobs n, unobserved n, first [{operation_id, remote_job_id, state}] (the unobserved,
+--   oldest first, at most 20)}: jobs a POST answer reported after an operator decided the operation.
 WITH jobs AS (
     SELECT * FROM remote_jobs WHERE operation_id LIKE :operation_pattern
 ), calls AS (
@@ -61,7 +63,23 @@ SELECT
         AS posts_per_operation,
     (SELECT jsonb_build_object('operations', count(*), 'mean', round(avg(gets), 3)::float8, 'max', max(gets))
      FROM completed)
-        AS gets_per_completed_operation;
+        AS gets_per_completed_operation,
+    (SELECT jsonb_build_object(
+                'jobs', count(*),
+                'unobserved', count(*) FILTER (WHERE o.remote_job_id IS DISTINCT FROM j.remote_job_id),
+                'first', COALESCE((
+                    SELECT jsonb_agg(jsonb_build_object('operation_id', x.operation_id,
+                                                        'remote_job_id', x.remote_job_id, 'state', x.state)
+                                     ORDER BY x.learned_at, x.remote_job_id)
+                    FROM (SELECT lj.operation_id, lj.remote_job_id, lo.state::text AS state, lj.learned_at
+                          FROM jobs lj JOIN operations lo USING (operation_id)
+                          WHERE lj.learned_via = 'created_after_decision'
+                            AND lo.remote_job_id IS DISTINCT FROM lj.remote_job_id
+                          ORDER BY lj.learned_at, lj.remote_job_id
+                          LIMIT 20) AS x), '[]'::jsonb))
+     FROM jobs j JOIN operations o USING (operation_id)
+     WHERE j.learned_via = 'created_after_decision')
+        AS created_after_decision;
 
 -- name: record_refund
 -- A refund the provider reported for a job, recorded once per (refund id, job id): a repeat inserts nothing.

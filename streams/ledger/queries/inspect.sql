@@ -78,6 +78,17 @@ WHERE state::text = :state
 ORDER BY state_entered_at, operation_id
 LIMIT :limit;
 
+-- name: late_jobs
+-- Jobs a POST answer reported after an operator decided their operation, not observed for it (accounted
+-- 'created_after_decision'), oldest first, for the on-call overview.
+-- :limit. Returns operation_id, remote_job_id, state (the operation's), learned_age_s, matched.
+SELECT j.operation_id, j.remote_job_id, o.state::text AS state,
+       extract(epoch FROM now() - j.learned_at)::float8 AS learned_age_s, count(*) OVER ()::integer AS matched
+FROM remote_jobs j JOIN operations o USING (operation_id)
+WHERE j.learned_via = 'created_after_decision' AND o.remote_job_id IS DISTINCT FROM j.remote_job_id
+ORDER BY j.learned_at, j.remote_job_id
+LIMIT :limit;
+
 -- name: transitions_per_minute
 -- Transitions of the last :window_min minutes (the current, partial minute included), by minute and target state.
 -- Returns minute (timestamptz, start of the minute), to_state, transitions.

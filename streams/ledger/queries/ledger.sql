@@ -103,6 +103,26 @@ UNION ALL
 SELECT req.i FROM req JOIN locked USING (operation_id)
 WHERE locked.remote_job_id = req.remote_job_id AND locked.fencing_token >= req.fencing_token;
 
+-- name: record_late_job
+-- A POST answer whose job id could not be saved (fencing value refused) for an operation already decided: it left
+-- submitting and uncertain (an operator's abandon, or an adoption of another job) and does not observe this job.
+-- The job's accounting record says 'created_after_decision' (written now if the POST's accounting has not); an
+-- operator adopts it (rejected operations) or cancels it at the provider (docs/decisions.md).
+-- :operation_id, :remote_job_id, :worker. Returns state (the operation's) when recorded, no row when the operation
+-- is not decided (still submitting or uncertain), observes this job, or the job belongs to another operation.
+WITH op AS (
+    SELECT operation_id, state::text AS state FROM operations
+    WHERE operation_id = :operation_id AND state NOT IN ('accepted', 'submitting', 'uncertain')
+      AND remote_job_id IS DISTINCT FROM :remote_job_id
+), recorded AS (
+    INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
+    SELECT :remote_job_id, operation_id, 'created_after_decision', :worker FROM op
+    ON CONFLICT (remote_job_id) DO UPDATE SET learned_via = 'created_after_decision'
+    WHERE remote_jobs.operation_id = EXCLUDED.operation_id
+    RETURNING operation_id
+)
+SELECT op.state FROM recorded JOIN op USING (operation_id);
+
 -- name: save_submission_without_job
 -- Fenced: submitting -> rejected (definite refusal) or uncertain (unknown outcome), with its reason.
 -- :operation_id, :fencing_token, :state new state ('rejected' | 'uncertain'), :reason, :worker,

@@ -74,3 +74,32 @@ RETURNING transition_seq, fencing_token;
 -- name: operation_holding_job
 -- :remote_job_id. The operation that saved this job id, if any.
 SELECT operation_id FROM operations WHERE remote_job_id = :remote_job_id;
+
+-- name: adopt_late_job
+-- rejected -> submitted with the job a POST answer reported after the operation was decided (the accounting
+-- holds it for this operation as 'created_after_decision'; the trigger operations_late_job_guard refuses any
+-- other job): the job is observed from now on.
+-- :operation_id, :remote_job_id, :reason, :actor. Returns transition_seq, fencing_token.
+UPDATE operations AS o
+SET state = 'submitted',
+    remote_job_id = :remote_job_id,
+    reason = :reason,
+    reason_code = 'adopted_after_decision',
+    fencing_token = o.fencing_token + 1,
+    next_poll_at = now(),
+    next_lookup_at = NULL,
+    updated_by = :actor
+WHERE o.operation_id = :operation_id AND o.state = 'rejected' AND o.remote_job_id IS NULL
+  AND EXISTS (SELECT 1 FROM remote_jobs j
+              WHERE j.remote_job_id = :remote_job_id AND j.operation_id = o.operation_id
+                AND j.learned_via = 'created_after_decision')
+RETURNING o.transition_seq, o.fencing_token;
+
+-- name: late_jobs_of_operation
+-- :operation_id. The jobs created after a decision on this operation and not observed for it, oldest first:
+-- remote_job_id.
+SELECT j.remote_job_id
+FROM remote_jobs j JOIN operations o USING (operation_id)
+WHERE j.operation_id = :operation_id AND j.learned_via = 'created_after_decision'
+  AND o.remote_job_id IS DISTINCT FROM j.remote_job_id
+ORDER BY j.learned_at, j.remote_job_id;

@@ -463,13 +463,39 @@ class Dispatcher:
             metrics.SUBMISSIONS.labels("submitted").inc()
         else:
             metrics.FENCING_REFUSALS.labels("submit").inc()
+            await self._record_late_job(operation_id, result.job_id, fencing)
+
+    async def _record_late_job(self, operation_id: str, job_id: str, fencing: int) -> None:
+        """The POST's job could not be saved (fencing value ``fencing`` refused): when the operation was decided
+        meanwhile (abandoned, or adopted with another job), account the job as created after the decision, count
+        it and say what to do (docs/decisions.md); otherwise (still uncertain, a lookup's newer claim) leave it to
+        the reconciler or an operator, as recorded in remote_calls and remote_jobs."""
+        state = await self.rt.ledger.record_late_job(operation_id, job_id)
+        if state is None:
             log.error(
                 "operation %s: job id %s NOT saved: fencing value %s refused (the operation was claimed again or "
                 "reconciled meanwhile); the job is recorded in remote_calls for reconciliation",
                 operation_id,
-                result.job_id,
+                job_id,
                 fencing,
             )
+            return
+        metrics.JOBS_CREATED_AFTER_DECISION.labels(state).inc()
+        action = (
+            f"adopt it (streams operations adopt {operation_id} {job_id} --reason ...) or cancel it at the provider"
+            if state == OperationState.REJECTED
+            else "cancel it at the provider (the operation observes another job)"
+        )
+        log.error(
+            "operation %s: job %s was created after the operation was decided (%s; fencing value %s refused): it is "
+            "not observed and may be charged; recorded as created_after_decision in the accounting: %s "
+            "(docs/decisions.md)",
+            operation_id,
+            job_id,
+            state,
+            fencing,
+            action,
+        )
 
     async def _still_ours(self, operation_id: str, fencing: int) -> bool:
         row = await self.rt.ledger.get_operation(operation_id)
