@@ -301,6 +301,10 @@ class Settings(ExplicitSettings):
     web_port: Port = 6066
     web_enabled: EnvBool = True
 
+    # Retention of the dead-letter topic: `streams migrate` sets its retention.ms to this (dead letters hold
+    # user prompts; docs/operating-data.md "Retention and erasure").
+    dead_letter_retention_ms: PositiveInt = 14 * 86_400_000
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
