@@ -31,6 +31,7 @@ from typing import Any
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from streams.config import Settings
@@ -175,16 +176,19 @@ async def scan(settings: Settings, selection: Filter, *, limit: int, timeout_s: 
     """
     topic = settings.topic("dead_letter")
     result = Scan(topic)
+    timeout_ms = max(int(timeout_s * 1000), 1000)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.kafka_bootstrap,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        request_timeout_ms=max(int(timeout_s * 1000), 1000),
+        request_timeout_ms=timeout_ms,
         max_partition_fetch_bytes=1024 * 1024,
     )
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
-        await asyncio.wait_for(_scan(consumer, topic, selection, limit, deadline, result), timeout_s)
+        await asyncio.wait_for(
+            _scan(consumer, settings.kafka_bootstrap, timeout_ms, topic, selection, limit, deadline, result), timeout_s
+        )
     except TimeoutError:
         if result.read == 0 and not result.letters and result.retained == 0:
             raise DeadLetterReadError(f"Kafka did not answer within {timeout_s} s reading {topic}") from None
@@ -197,16 +201,17 @@ async def scan(settings: Settings, selection: Filter, *, limit: int, timeout_s: 
 
 
 async def _scan(
-    consumer: AIOKafkaConsumer, topic: str, selection: Filter, limit: int, deadline: float, result: Scan
+    consumer: AIOKafkaConsumer,
+    bootstrap: str,
+    timeout_ms: int,
+    topic: str,
+    selection: Filter,
+    limit: int,
+    deadline: float,
+    result: Scan,
 ) -> None:
-    await consumer.start()
-    partitions = consumer.partitions_for_topic(topic)
-    if partitions is None:
-        await consumer.client.force_metadata_update()  # metadata of every topic: creates none
-        partitions = consumer.partitions_for_topic(topic)
-    if not partitions:
-        raise DeadLetterReadError(f"topic {topic} does not exist: run streams migrate")
-    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    partitions = await _partitions(consumer, bootstrap, topic, timeout_ms)
+    tps = [TopicPartition(topic, p) for p in partitions]
     consumer.assign(tps)
     first = await consumer.beginning_offsets(tps)
     end = await consumer.end_offsets(tps)
@@ -248,6 +253,25 @@ async def _scan(
         if remaining and loop.time() >= deadline:
             result.stopped = "time budget"
             return
+
+
+async def _partitions(consumer: AIOKafkaConsumer, bootstrap: str, topic: str, timeout_ms: int) -> list[int]:
+    """The partitions of ``topic``, asked of the admin API (listed first: a metadata request naming a missing
+    topic may have the broker create it); starts ``consumer``.
+
+    Raises:
+        DeadLetterReadError: the topic does not exist.
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=timeout_ms)
+    try:
+        await admin.start()
+        if topic not in await admin.list_topics():
+            raise DeadLetterReadError(f"topic {topic} does not exist: run streams migrate")
+        (described,) = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    await consumer.start()
+    return sorted(p["partition"] for p in described["partitions"])
 
 
 def _more_to_read(tp: TopicPartition, offset: int, end: dict[TopicPartition, int], remaining: set[Any]) -> bool:
