@@ -907,6 +907,24 @@ def accounting_report(operation_prefix: str, as_json: bool) -> None:
         click.echo(operators.format_accounting(report))
 
 
+@main.group("config")
+def config_group() -> None:
+    """The settings (STREAMS_* environment variables)."""
+
+
+@config_group.command("reference", short_help="Print docs/settings.md: every setting, generated.")
+def config_reference() -> None:
+    """Print the settings reference (Markdown) generated from the settings class: name, environment variable,
+    type, default (secrets shown as secret) and description of every setting.
+
+    \b
+    streams config reference > docs/settings.md
+    """
+    from streams.config import settings_reference
+
+    click.echo(settings_reference(), nl=False)
+
+
 @main.command()
 @click.option("--run-id", default=None, help="A harness run's id: its database, topics and consumer group.")
 @click.option("--topic-prefix", default=None, help="Remove every topic whose name starts with this.")

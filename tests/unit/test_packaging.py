@@ -153,6 +153,7 @@ def test_harness_commands_are_offered_through_the_entry_point_group() -> None:
         "teardown",
         "purge",
         "dead-letters",
+        "config",
     }
     assert set(group.commands) == product  # the product's own
     result = CliRunner().invoke(group, ["--help"])
