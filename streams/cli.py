@@ -167,7 +167,7 @@ def main(ctx: click.Context, log_level: str, log_format: str | None) -> None:
 )
 def migrate(strict_topics: bool) -> None:
     """Apply pending SQL migrations (yoyo) and create the Kafka topics."""
-    from streams.setup.admin import create_topics
+    from streams.setup.admin import RETENTION_MS, create_topics, set_dead_letter_retention
     from streams.setup.admin import migrate as apply
 
     settings = _settings()
@@ -185,6 +185,8 @@ def migrate(strict_topics: bool) -> None:
     except ConfigError as exc:  # TopicLayoutError, KafkaSecurityError
         raise CommandExit(str(exc), EXIT_CONFIG) from exc
     click.echo(f"topics created: {created or 'none (all exist)'} ({settings.partitions} partitions)")
+    retention_ms = asyncio.run(set_dead_letter_retention(settings))
+    click.echo(f"dead-letter retention: {RETENTION_MS}={retention_ms} on {settings.topic('dead_letter')}")
 
 
 @main.command()
@@ -456,8 +458,18 @@ def show_operation(operation_id: str, as_json: bool) -> None:
 _ACTOR_OPTION = click.option(
     "--actor",
     default=None,
-    help="Who decides, recorded in the transition log (default: STREAMS_ACTOR, else USER or LOGNAME).",
+    help="Who you are, recorded beside the database role and the OS user, never instead of them (default: "
+    "STREAMS_ACTOR, else only the role and the user: e.g. streams@postgres-role/alice@os).",
 )
+
+
+async def _actor(pool: asyncpg.Pool, given: str | None) -> str:
+    """The actor of an operator's command: the pool's login role and the OS user, with ``given`` (``--actor``,
+    else ``STREAMS_ACTOR``) beside them (:func:`streams.oncall.operations.actor`)."""
+    from streams.ledger.retention import database_role
+    from streams.oncall import operations as operators
+
+    return operators.actor(await database_role(pool), operators.os_user(), operators.given_actor(given))
 
 
 def _decide(decide: Callable[[Ledger, str], Awaitable[OperatorMove]], actor: str | None, as_json: bool) -> None:
@@ -468,13 +480,12 @@ def _decide(decide: Callable[[Ledger, str], Awaitable[OperatorMove]], actor: str
     from streams.ledger.store import Ledger
     from streams.oncall import operations as operators
 
-    who = (actor if actor is not None else operators.actor_from_env()).strip()
-
-    async def run(pool: asyncpg.Pool) -> OperatorMove:
-        return await decide(Ledger(pool, who), who)
+    async def run(pool: asyncpg.Pool) -> tuple[OperatorMove, str]:
+        who = await _actor(pool, actor)
+        return await decide(Ledger(pool, who), who), who
 
     try:
-        move = asyncio.run(_with_pool(_settings(), run))
+        move, who = asyncio.run(_with_pool(_settings(), run))
     except UnknownOperationError as exc:
         raise CommandExit(str(exc), EXIT_UNKNOWN_OPERATION) from exc
     except OperatorActionRefusedError as exc:
@@ -547,6 +558,362 @@ def fail(operation_id: str, reason: str, actor: str | None, as_json: bool) -> No
     _decide(lambda ledger, who: ledger.fail(operation_id, reason, who), actor, as_json)
 
 
+@operations.command("forget", short_help="Erase an operation's request, source and outputs (recorded).")
+@click.argument("operation_id")
+@click.option("--reason", required=True, help="Why, e.g. the erasure request's reference (recorded).")
+@_ACTOR_OPTION
+@_JSON_OPTION
+def forget(operation_id: str, reason: str, actor: str | None, as_json: bool) -> None:
+    """Erase a terminal operation's request body, source, last observation and outputs (in the ledger and its
+    published outbox rows), recording who, when and why in the ledger's erasures. Its state, transition log and
+    accounting stay. Refused (exit 3) while it is not terminal or an outbox row of it is unpublished. Copies
+    already on Kafka topics (submissions, outputs, dead letters) go with the topics' retention."""
+    from streams.errors import OperatorActionRefusedError, UnknownOperationError
+    from streams.ledger.retention import Erasure
+    from streams.ledger.retention import forget as erase
+
+    async def run(pool: asyncpg.Pool) -> tuple[Erasure, str]:
+        who = await _actor(pool, actor)
+        return await erase(pool, operation_id, reason, who), who
+
+    try:
+        erasure, who = asyncio.run(_with_pool(_settings(), run))
+    except UnknownOperationError as exc:
+        raise CommandExit(str(exc), EXIT_UNKNOWN_OPERATION) from exc
+    except OperatorActionRefusedError as exc:
+        raise CommandExit(f"{exc}; nothing was written", EXIT_REFUSED) from exc
+    if as_json:
+        _echo_json({**dataclasses.asdict(erasure), "actor": who})
+    else:
+        click.echo(
+            f"forget: operation {operation_id}: request, source and {erasure.outputs_erased} outputs erased "
+            f"(erasure {erasure.id}), by {who}"
+        )
+
+
+@main.command()
+@click.option(
+    "--older-than",
+    type=Duration(),
+    required=True,
+    help="Delete operations terminal for longer than this (30s, 5m, 2h, 7d, 1h30m).",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 10_000),
+    default=500,
+    show_default=True,
+    help="Operations per transaction.",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@_JSON_OPTION
+def purge(older_than: float, batch_size: int, dry_run: bool, as_json: bool) -> None:
+    """Delete terminal operations (succeeded, failed, canceled, rejected) older than --older-than in their state,
+    with their transitions, outputs and outbox rows, in batches of --batch-size, one transaction each. The
+    accounting (remote_calls, remote_jobs, refunds) and the records of erasures and re-drives are kept; an
+    operation whose outbox row is not yet published is kept until the relay publishes it.
+
+    \b
+    streams purge --older-than 30d --dry-run
+    """
+    from streams.ledger import retention
+
+    async def run(pool: asyncpg.Pool) -> dict[str, Any]:
+        if dry_run:
+            return {"dry_run": True, **await retention.purge_preview(pool, older_than)}
+        batches: list[retention.PurgeCounts] = []
+
+        def told(counts: retention.PurgeCounts) -> None:
+            batches.append(counts)
+            if not as_json:
+                click.echo(f"batch {len(batches)}: {counts.operations} operations deleted")
+
+        total = await retention.purge(pool, older_than, batch_size, on_batch=told)
+        return {"dry_run": False, "batches": len(batches), **dataclasses.asdict(total)}
+
+    result = asyncio.run(_with_pool(_settings(), run))
+    if as_json:
+        _echo_json(result)
+    elif dry_run:
+        click.echo(
+            f"would delete {result['operations']} operations with {result['transitions']} transitions, "
+            f"{result['outputs']} outputs and {result['outbox']} outbox rows (oldest terminal for "
+            f"{operators_age(result['oldest_age_s'])}); {result['held_by_outbox']} kept for their unpublished "
+            "outbox rows"
+        )
+    else:
+        click.echo(
+            f"deleted {result['operations']} operations with {result['transitions']} transitions, "
+            f"{result['outputs']} outputs and {result['outbox']} outbox rows in {result['batches']} batches"
+        )
+
+
+def operators_age(seconds: float | None) -> str:
+    """An age as the operators' commands show it (:func:`streams.oncall.operations.format_age`)."""
+    from streams.oncall.operations import format_age
+
+    return format_age(seconds)
+
+
+# --- dead letters --------------------------------------------------------------------------------------------------
+
+
+@main.group("dead-letters")
+def dead_letters() -> None:
+    """The dead-letter topic's records: list them, show one decoded, re-drive them after a fix.
+
+    \b
+    A dead letter is named by its place in the dead-letter topic, PARTITION:OFFSET (as list prints it).
+    Exit statuses: 0 done; 2 bad usage; 3 a re-drive refused (nothing published for it); 4 no such dead letter;
+    5 Kafka or PostgreSQL did not answer; 6 a wrong setting; 1 any other error.
+    """
+
+
+def _record(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> frozenset[tuple[int, int]]:
+    from streams.oncall.deadletters import parse_record
+
+    try:
+        return frozenset(parse_record(v) for v in values)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+_DL_REASON = click.option("--reason", "reasons", multiple=True, help="Only dead letters with this reason (repeatable).")
+_DL_OPERATION = click.option(
+    "--operation-id", "operation_ids", multiple=True, help="Only dead letters of this operation (repeatable)."
+)
+_DL_LIMIT = click.option(
+    "--limit", type=click.IntRange(min=1), default=100, show_default=True, help="At most this many dead letters."
+)
+_DL_TIMEOUT = click.option(
+    "--timeout-s",
+    type=click.FloatRange(min=0.1),
+    default=30.0,
+    show_default=True,
+    help="Stop reading the topic after this long (what was read is shown, marked incomplete).",
+)
+
+
+def _scan(selection: Any, limit: int, timeout_s: float) -> Any:
+    from streams.errors import DeadLetterReadError
+    from streams.oncall.deadletters import scan
+
+    try:
+        return asyncio.run(scan(_settings(), selection, limit=limit, timeout_s=timeout_s))
+    except DeadLetterReadError as exc:
+        raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
+
+
+def _stopped_note(found: Any) -> str:
+    if found.stopped == "limit":
+        return "; stopped at --limit, more may follow"
+    if found.stopped == "time budget":
+        return "; stopped at --timeout-s before the end of the topic: INCOMPLETE"
+    return ""
+
+
+@dead_letters.command("list", short_help="Dead letters with reason and age, oldest first per partition.")
+@_DL_REASON
+@_DL_OPERATION
+@_DL_LIMIT
+@_DL_TIMEOUT
+@_JSON_OPTION
+def list_dead_letters(
+    reasons: tuple[str, ...], operation_ids: tuple[str, ...], limit: int, timeout_s: float, as_json: bool
+) -> None:
+    """The dead letters the topic retains: PARTITION:OFFSET, reason, age, operation id, where the input came
+    from, its size and the error (no payload). Reads at most --limit matching records within --timeout-s."""
+    from streams.oncall import operations as operators
+    from streams.oncall.deadletters import Filter, now_ms
+
+    found = _scan(Filter(reasons=frozenset(reasons), operation_ids=frozenset(operation_ids)), limit, timeout_s)
+    at_ms = now_ms()
+    rows = [letter.summary(at_ms) for letter in found.letters]
+    if as_json:
+        _echo_json(
+            {
+                "topic": found.topic,
+                "retained": found.retained,
+                "read": found.read,
+                "stopped": found.stopped,
+                "dead_letters": rows,
+            }
+        )
+        return
+    if rows:
+        click.echo(
+            operators.table(
+                ["RECORD", "REASON", "AGE", "OPERATION", "FROM", "BYTES", "ERROR"],
+                (
+                    [
+                        r["record"],
+                        r["reason"],
+                        operators.format_age(r["age_s"]),
+                        r["operation_id"],
+                        r["source"],
+                        r["original_size"],
+                        operators.compact_json(r["error"])[:100],
+                    ]
+                    for r in rows
+                ),
+            )
+        )
+    click.echo(
+        f"{len(rows)} dead letters shown of {found.read} read; {found.topic} retains {found.retained}"
+        + _stopped_note(found)
+    )
+
+
+@dead_letters.command("show", short_help="One dead letter decoded.")
+@click.argument("record", callback=lambda ctx, param, v: _record(ctx, param, (v,)))
+@click.option("--show-payload", is_flag=True, help="Also print the original value (it holds the user's prompt).")
+@_DL_TIMEOUT
+@_JSON_OPTION
+def show_dead_letter(record: frozenset[tuple[int, int]], show_payload: bool, timeout_s: float, as_json: bool) -> None:
+    """One dead letter: its envelope decoded (reason, error, where it came from, key, size, SHA-256) and the
+    re-drives recorded of it; the original value only with --show-payload."""
+    from streams.ledger.redrives import redrives_of
+    from streams.oncall import operations as operators
+    from streams.oncall.deadletters import Filter, detail
+
+    ((partition, offset),) = record
+    found = _scan(Filter(records=record), 1, timeout_s)
+    if not found.letters:
+        raise CommandExit(
+            f"no dead letter at {partition}:{offset} of {found.topic} (retention may have removed it)",
+            EXIT_UNKNOWN_OPERATION,
+        )
+    letter = found.letters[0]
+    settings = _settings()
+    done = asyncio.run(_with_pool(settings, lambda pool: redrives_of(pool, found.topic, [(partition, offset)])))
+    shown = detail(letter, show_payload=show_payload, redrives_done=done)
+    if as_json:
+        _echo_json(shown)
+        return
+    lines = [
+        f"dead letter      {shown['record']} of {found.topic}",
+        f"reason           {shown['reason']}",
+        f"error            {shown['error']}",
+        f"failed at        {operators.format_epoch_ms(shown['failed_at_ms'])} "
+        f"(age {operators.format_age(shown['age_s'])}) by {shown['worker']}",
+        f"from             {shown['source']}",
+        f"key              {shown['key'] if shown['key'] is not None else '-'}",
+        f"operation        {shown['operation_id'] or '-'}",
+        f"original         {shown['original_size']} bytes, sha256 {shown['original_sha256']}"
+        + (" (cut at 512 KiB)" if shown["original_truncated"] else ""),
+    ]
+    lines += [f"re-driven        {len(done)} times"]
+    lines += [
+        f"  {operators.format_time(r['at'])} to {r['target_topic']}[{r['target_partition']}]@{r['target_offset']} "
+        f"({r['value_source']} value) by {r['actor']}: {r['why']}"
+        for r in done
+    ]
+    lines.append("payload          " + (shown["payload"] if show_payload else "(hidden: --show-payload shows it)"))
+    click.echo("\n".join(lines))
+
+
+@dead_letters.command("redrive", short_help="Publish dead letters again after a fix (recorded).")
+@click.argument("records", nargs=-1, callback=_record)
+@_DL_REASON
+@_DL_OPERATION
+@click.option(
+    "--value-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The fixed submission value (one JSON object) to publish instead of the original; one dead letter only.",
+)
+@click.option("--why", required=True, help="What was fixed, or why the original is good now (recorded).")
+@_ACTOR_OPTION
+@click.option("--dry-run", is_flag=True, help="Check each selected dead letter; publish nothing.")
+@_DL_LIMIT
+@_DL_TIMEOUT
+@_JSON_OPTION
+def redrive_dead_letters(
+    records: frozenset[tuple[int, int]],
+    reasons: tuple[str, ...],
+    operation_ids: tuple[str, ...],
+    value_file: Path | None,
+    why: str,
+    actor: str | None,
+    dry_run: bool,
+    limit: int,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    """Publish the selected dead letters (RECORDS as PARTITION:OFFSET, and/or --reason, --operation-id: all must
+    hold) to the submissions topic again, keyed by their operation id: the original value, or the fixed value of
+    --value-file. Each is recorded in the ledger (dead_letter_redrives: the record, where it went, the value's
+    SHA-256, --why, the actor).
+
+    \b
+    Refused (exit 3, nothing published for it): a value that is still invalid; an original cut at 512 KiB without
+    --value-file; a dead letter that did not come from the submissions topic; an operation the ledger holds with
+    another request (canonical comparison, as the dispatcher compares replays).
+    \b
+    streams dead-letters redrive 2:17 --value-file fixed.json --why "closed the prompt's JSON string"
+    """
+    from streams.errors import DeadLetterReadError, RedriveRefusedError
+    from streams.oncall.deadletters import Filter, RedriveResult, redrive
+
+    selection = Filter(records=records, reasons=frozenset(reasons), operation_ids=frozenset(operation_ids))
+    if selection.empty:
+        raise click.UsageError("select dead letters: give RECORDS, --reason or --operation-id")
+    found = _scan(selection, limit, timeout_s)
+    if found.stopped == "time budget":
+        raise CommandExit(
+            f"the dead-letter topic was not read to its end within --timeout-s {timeout_s}; nothing was "
+            "published: raise --timeout-s or select fewer",
+            EXIT_UNAVAILABLE,
+        )
+    if not found.letters:
+        raise CommandExit(f"no dead letter of {found.topic} matches; nothing was published", EXIT_UNKNOWN_OPERATION)
+    fixed = value_file.read_bytes() if value_file is not None else None
+    settings = _settings()
+
+    async def run(pool: asyncpg.Pool) -> tuple[list[RedriveResult], str]:
+        who = await _actor(pool, actor)
+        done = await redrive(
+            settings, pool, found.letters, fixed_value=fixed, why=why, actor=who, dry_run=dry_run, timeout_s=timeout_s
+        )
+        return done, who
+
+    try:
+        results, who = asyncio.run(_with_pool(settings, run))
+    except RedriveRefusedError as exc:
+        raise CommandExit(str(exc), EXIT_REFUSED) from exc
+    except DeadLetterReadError as exc:
+        raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
+    rows: list[dict[str, Any]] = [
+        {
+            "record": r.letter.record,
+            "reason": r.letter.reason,
+            "operation_id": r.operation_id,
+            "value_source": r.value_source,
+            "refused": r.refused,
+            "published": None
+            if r.published is None
+            else {"topic": r.published[0], "partition": r.published[1], "offset": r.published[2]},
+            "redrive_id": r.redrive_id,
+        }
+        for r in results
+    ]
+    if as_json:
+        _echo_json({"actor": who, "dry_run": dry_run, "stopped": found.stopped, "redrives": rows})
+    else:
+        for r in rows:
+            if r["refused"]:
+                outcome = f"refused: {r['refused']}"
+            elif r["published"] is None:
+                outcome = "would be re-driven (dry run)"
+            else:
+                p = r["published"]
+                outcome = f"re-driven to {p['topic']}[{p['partition']}]@{p['offset']} (re-drive {r['redrive_id']})"
+            click.echo(f"{r['record']} {r['reason']} operation {r['operation_id'] or '-'}: {outcome}")
+        click.echo(f"by {who}" + _stopped_note(found))
+    if any(r["refused"] for r in rows):
+        raise CommandExit(f"{sum(1 for r in rows if r['refused'])} of {len(rows)} re-drives refused", EXIT_REFUSED)
+
+
 @main.group()
 def accounting() -> None:
     """What the provider was asked, what it created, what it charged and refunded (from the ledger)."""
@@ -573,6 +940,24 @@ def accounting_report(operation_prefix: str, as_json: bool) -> None:
         _echo_json(report)
     else:
         click.echo(operators.format_accounting(report))
+
+
+@main.group("config")
+def config_group() -> None:
+    """The settings (STREAMS_* environment variables)."""
+
+
+@config_group.command("reference", short_help="Print docs/settings.md: every setting, generated.")
+def config_reference() -> None:
+    """Print the settings reference (Markdown) generated from the settings class: name, environment variable,
+    type, default (secrets shown as secret) and description of every setting.
+
+    \b
+    streams config reference > docs/settings.md
+    """
+    from streams.config import settings_reference
+
+    click.echo(settings_reference(), nl=False)
 
 
 @main.command()

@@ -214,69 +214,111 @@ class Settings(ExplicitSettings):
         }
     )
 
-    kafka_bootstrap: str = "127.0.0.1:9092"
-    redis_url: SecretUrl = SecretUrl("redis://127.0.0.1:6379/0")
-    database_url: SecretUrl = SecretUrl("postgresql://streams:streams@127.0.0.1:5432/streams")
-    remote_base_url: SecretUrl = SecretUrl("http://127.0.0.1:8900")
-    remote_api_key: SecretStr = SecretStr("dev-key")
-    remote_model: str = "sim-1"
+    kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (host:port, comma-separated).")
+    redis_url: SecretUrl = Field(
+        SecretUrl("redis://127.0.0.1:6379/0"),
+        description="Redis URL of the leases and the rate budget (a password in it is masked when shown).",
+    )
+    database_url: SecretUrl = Field(
+        SecretUrl("postgresql://streams:streams@127.0.0.1:5432/streams"),
+        description="PostgreSQL URL of the ledger (a password in it is masked when shown).",
+    )
+    remote_base_url: SecretUrl = Field(
+        SecretUrl("http://127.0.0.1:8900"), description="Base URL of the remote generation API."
+    )
+    remote_api_key: SecretStr = Field(
+        SecretStr("dev-key"), description="API key of the remote generation API (sent as a bearer token; never shown)."
+    )
+    remote_model: str = Field("sim-1", description="Model put into a request that names none.")
 
-    app_id: str = "generation-streams"
-    kafka_session_timeout_s: Seconds = 30.0
-    kafka_heartbeat_interval_s: Seconds = 3.0
-    topic_prefix: str = ""
-    partitions: PositiveInt = 8
+    app_id: str = Field("generation-streams", description="Faust application id: the consumer group of the workers.")
+    kafka_session_timeout_s: Seconds = Field(
+        30.0, description="Kafka consumer session timeout (s): a worker silent this long leaves the group."
+    )
+    kafka_heartbeat_interval_s: Seconds = Field(3.0, description="Kafka consumer heartbeat interval (s).")
+    topic_prefix: str = Field("", description="Prefix of every topic name (e.g. a run's or a deployment's).")
+    partitions: PositiveInt = Field(8, description="Partitions of each topic `streams migrate` creates.")
     # Kafka admin calls (topics, consumer-group look-ups) retry the broker's retriable errors this long.
-    kafka_admin_deadline_s: Seconds = 60.0
+    kafka_admin_deadline_s: Seconds = Field(
+        60.0, description="How long a Kafka admin call retries the broker's retriable errors (s)."
+    )
 
     # Redis leases (seed: ``SET app:observe:operation-42 token NX PX 45000``). The prefix starts every Redis key
     # of the product (leases, the rate budget).
-    lease_key_prefix: str = "app"
-    lease_ttl_ms: PositiveInt = 45_000
+    lease_key_prefix: str = Field(
+        "app", description="Prefix of every Redis key of the product (leases, the rate budget)."
+    )
+    lease_ttl_ms: PositiveInt = Field(45_000, description="TTL of a Redis lease on one operation (ms).")
     #: Seconds a Redis command waits for its answer before Redis counts as unavailable.
-    redis_socket_timeout_s: Seconds = 1.0
+    redis_socket_timeout_s: Seconds = Field(
+        1.0, description="How long a Redis command waits for its answer before Redis counts as unavailable (s)."
+    )
     #: Seconds to open one new pooled connection (TCP connect). Longer than the command timeout: connections are
     #: opened in bursts (a worker starting with every agent slot busy opens them all at once), and on a loaded
     #: machine a burst of 100 takes over a second, which is the worker's own load, not Redis being down.
-    redis_connect_timeout_s: Seconds = 5.0
+    redis_connect_timeout_s: Seconds = Field(
+        5.0, description="How long opening one pooled Redis connection may take (s)."
+    )
     #: Seconds a Redis command waits for a free pooled connection before it is reported "busy" (this worker's
     #: own load: the lease counts as not taken, never as a Redis outage). The pool's size is derived, see
     #: :attr:`redis_max_connections`.
-    redis_pool_timeout_s: Seconds = 5.0
+    redis_pool_timeout_s: Seconds = Field(
+        5.0, description="How long a Redis command waits for a free pooled connection before it is reported busy (s)."
+    )
 
     # Poll scheduling in PostgreSQL.
-    visibility_timeout_s: Seconds = 60.0
-    poll_scheduler_interval_s: Seconds = 0.2
-    poll_batch_size: PositiveInt = 500
-    poll_backoff_base_s: Seconds = 0.5
-    poll_backoff_cap_s: Seconds = 30.0
-    poll_min_delay_s: Seconds = 0.05
+    visibility_timeout_s: Seconds = Field(
+        60.0,
+        description="How long a claimed poll stays invisible before it is claimed again (s); at least the lease TTL.",
+    )
+    poll_scheduler_interval_s: Seconds = Field(0.2, description="Interval of the poll scheduler's ticks (s).")
+    poll_batch_size: PositiveInt = Field(500, description="Polls the scheduler claims at most per tick.")
+    poll_backoff_base_s: Seconds = Field(0.5, description="First delay of a job's poll backoff (s).")
+    poll_backoff_cap_s: Seconds = Field(30.0, description="Longest delay between two polls of one job (s).")
+    poll_min_delay_s: Seconds = Field(0.05, description="Shortest delay between two polls of one job (s).")
     # The API's poll hint is followed as it is for a job's first this many observations; from then on a capped
     # exponential floor applies, so a job the provider keeps calling "almost done" costs few GETs.
-    poll_hint_trusted_polls: Count = 8
-    lease_busy_retry_s: Seconds = 1.0
-    submitting_stale_after_s: Seconds = 120.0
+    poll_hint_trusted_polls: Count = Field(
+        8, description="Observations of a job for which the API's poll hint is followed as it is."
+    )
+    lease_busy_retry_s: Seconds = Field(1.0, description="Wait before trying again a lease another worker holds (s).")
+    submitting_stale_after_s: Seconds = Field(
+        120.0, description="Age after which an operation left submitting is reconciled to uncertain (s)."
+    )
     # An operation still 'accepted' this long after its last change is dispatched again from the ledger.
-    accepted_stale_after_s: Seconds = 60.0
+    accepted_stale_after_s: Seconds = Field(
+        60.0, description="Age after which an operation left accepted is dispatched again from the ledger (s)."
+    )
 
     # When a known job stops making progress, polling stops (state ``stalled``) until an operator acts:
     # a GET answering 404 longer than this after the job id was saved (inside it, a 404 only reschedules) ...
-    not_found_grace_s: Seconds = 60.0
+    not_found_grace_s: Seconds = Field(
+        60.0, description="How long after its job id was saved a 404 only reschedules the poll (s); later it stalls."
+    )
     # ... a status the client does not know, this many GETs in a row ...
-    unknown_status_limit: PositiveInt = 5
+    unknown_status_limit: PositiveInt = Field(
+        5, description="GETs in a row with a status the client does not know before the operation stalls."
+    )
     # ... or a job observed longer than this without becoming terminal.
-    max_observation_age_s: Seconds = 86_400.0
+    max_observation_age_s: Seconds = Field(
+        86_400.0, description="Longest observation of a job without it becoming terminal before it stalls (s)."
+    )
 
     # Reconciliation of ``uncertain`` by looking the job up at the provider by its client reference (the
     # operation id the POST carried). Off by default: the API must offer such a lookup. The first lookup waits
     # ``lookup_lag_s`` after the operation became uncertain (the provider's consistency lag), so "none found"
     # can be trusted; it is then left for a person.
-    lookup_enabled: EnvBool = False
-    lookup_lag_s: Seconds = 30.0
+    lookup_enabled: EnvBool = Field(
+        False, description="Look uncertain operations up at the provider by client reference (the API must offer it)."
+    )
+    lookup_lag_s: Seconds = Field(
+        30.0,
+        description="Wait after an operation became uncertain before its first lookup (s; the provider's lag).",
+    )
 
     # Outbox relay.
-    relay_interval_s: Seconds = 0.05
-    relay_batch_size: PositiveInt = 1000
+    relay_interval_s: Seconds = Field(0.05, description="Interval of the outbox relay's ticks (s).")
+    relay_batch_size: PositiveInt = Field(1000, description="Outbox rows the relay publishes at most per tick.")
 
     # Remote calls and the lease that covers them. Every remote call (POST or GET) ends within
     # ``remote_call_deadline_s`` as a whole (waiting for a pooled connection, connecting, sending and reading the
@@ -286,24 +328,32 @@ class Settings(ExplicitSettings):
     # ``remote_call_deadline_s + lease_margin_s < lease TTL`` (checked below). A GET cut off after its
     # request was sent may still be served by the provider: its lease is left to expire (not released) and the
     # job's next poll waits a full lease TTL, so the provider has that long to notice the closed connection.
-    remote_call_deadline_s: Seconds = 30.0
-    lease_margin_s: Seconds = 10.0
+    remote_call_deadline_s: Seconds = Field(30.0, description="Deadline of one whole remote call, POST or GET (s).")
+    lease_margin_s: Seconds = Field(
+        10.0, description="How much longer than a remote call the lease around it must live (s)."
+    )
 
     # Per-phase timeouts of the remote API client (httpx, seconds) and the POST retry budget.
-    http_connect_timeout_s: Seconds = 2.0
-    http_read_timeout_s: Seconds = 10.0
-    http_write_timeout_s: Seconds = 5.0
-    http_pool_timeout_s: Seconds = 5.0
-    submit_retry_deadline_s: Seconds = 60.0
+    http_connect_timeout_s: Seconds = Field(2.0, description="Remote API client: connect timeout (s).")
+    http_read_timeout_s: Seconds = Field(10.0, description="Remote API client: read timeout (s).")
+    http_write_timeout_s: Seconds = Field(5.0, description="Remote API client: write timeout (s).")
+    http_pool_timeout_s: Seconds = Field(5.0, description="Remote API client: wait for a pooled connection (s).")
+    submit_retry_deadline_s: Seconds = Field(
+        60.0, description="How long a POST is retried after a refusal that allows it (s)."
+    )
     #: What carries the remote client's requests: ``aiohttp`` (:mod:`streams.remote.transport`, the default: about a
     #: fifth of httpx's own CPU per request) or ``httpx`` (httpx's own httpcore pool).
-    http_transport: HttpTransport = "aiohttp"
+    http_transport: HttpTransport = Field(
+        "aiohttp", description="What carries the remote client's requests: aiohttp or httpx."
+    )
     #: The worker's event loop: ``uvloop`` (the default; libuv under asyncio, what faust-streaming's own
     #: ``faust[uvloop]`` extra installs) or ``asyncio`` (the standard library's selector loop).
-    event_loop: EventLoop = "uvloop"
+    event_loop: EventLoop = Field("uvloop", description="The worker's event loop: uvloop or asyncio.")
     #: How long a starting worker waits for PostgreSQL, Redis and Kafka to answer real commands before it exits
     #: non-zero naming the service (:mod:`streams.worker.process`).
-    startup_timeout_s: Seconds = 300.0
+    startup_timeout_s: Seconds = Field(
+        300.0, description="How long a starting worker waits for PostgreSQL, Redis and Kafka (s)."
+    )
 
     # Rate budget of the provider account, shared by every worker process through Redis
     # (streams/coordination/ratebudget.py,
@@ -311,11 +361,17 @@ class Settings(ExplicitSettings):
     # Retry-After still pauses every worker's calls of that kind). Bursts in requests: how many may go at once
     # after a quiet spell. Workers on the same Redis with the same key prefix and account share one budget;
     # set the rates a little below the provider's limits (network jitter bunches requests on the way).
-    remote_account: AccountName = "default"
-    remote_post_rate_per_s: NonNegativeFloat = 0.0
-    remote_post_burst: PositiveInt = 1
-    remote_get_rate_per_s: NonNegativeFloat = 0.0
-    remote_get_burst: PositiveInt = 1
+    remote_account: AccountName = Field(
+        "default", description="Name of the provider account whose rate budget the workers share (in Redis keys)."
+    )
+    remote_post_rate_per_s: NonNegativeFloat = Field(
+        0.0, description="POSTs per second of the shared rate budget (0: no pacing)."
+    )
+    remote_post_burst: PositiveInt = Field(1, description="POSTs that may go at once after a quiet spell.")
+    remote_get_rate_per_s: NonNegativeFloat = Field(
+        0.0, description="GETs per second of the shared rate budget (0: no pacing)."
+    )
+    remote_get_burst: PositiveInt = Field(1, description="GETs that may go at once after a quiet spell.")
 
     # Concurrency and pool sizes, one place. The agents' concurrency is the input; each agent slot handles one
     # event at a time and so holds at most one remote call, one Redis command and one PostgreSQL statement at
@@ -327,23 +383,36 @@ class Settings(ExplicitSettings):
     # the pool (asyncpg waits for a free connection without a limit; statements are short). Size it so that
     # workers x db_pool_max_size + other clients stays below the server's ``max_connections``.
     # Defaults chosen with ``streams bench`` (docs/benchmark.md; the measurements in CHANGELOG.md).
-    dispatcher_concurrency: PositiveInt = 64
-    observer_concurrency: PositiveInt = 128
-    db_pool_max_size: PositiveInt = 10
+    dispatcher_concurrency: PositiveInt = Field(64, description="Submissions a worker handles at once.")
+    observer_concurrency: PositiveInt = Field(128, description="Polls a worker handles at once.")
+    db_pool_max_size: PositiveInt = Field(10, description="PostgreSQL connections of one worker's pool.")
 
     # Largest Kafka value read (bytes): a provider request with a long prompt fits (the trace's longest, 14,050
     # tokens, is ~68 KB of text); a dead letter carries up to 512 KiB of the original, so all of such a value.
-    max_value_bytes: PositiveInt = 262_144
-    coordination_retry_cap_s: Seconds = 5.0
+    max_value_bytes: PositiveInt = Field(
+        262_144, description="Largest Kafka value read (bytes); larger ones are dead-lettered."
+    )
+    coordination_retry_cap_s: Seconds = Field(
+        5.0, description="Longest wait between retries after Redis or Kafka did not answer (s)."
+    )
 
     # Seconds a pooled PostgreSQL connection may stay idle before the pool closes it (asyncpg's
     # ``max_inactive_connection_lifetime``; 0 keeps them open): a quiet worker gives back the connections that the
     # fleet shares against the server's ``max_connections``, and opens them again when work comes.
-    db_pool_idle_lifetime_s: Seconds = 60.0
+    db_pool_idle_lifetime_s: Seconds = Field(
+        60.0, description="How long a pooled PostgreSQL connection may stay idle before it is closed (s; 0: kept)."
+    )
 
     # Worker web server (metrics, health).
-    web_port: Port = 6066
-    web_enabled: EnvBool = True
+    web_port: Port = Field(6066, description="Port of the worker's web server: live view, /metrics, /healthz.")
+    web_enabled: EnvBool = Field(True, description="Run the worker's web server.")
+
+    # Retention of the dead-letter topic: `streams migrate` sets its retention.ms to this (dead letters hold
+    # user prompts; docs/operating-data.md "Retention and erasure").
+    dead_letter_retention_ms: PositiveInt = Field(
+        14 * 86_400_000,
+        description="retention.ms `streams migrate` sets on the dead-letter topic (ms; dead letters hold prompts).",
+    )
 
     # Secured and replicated services (docs/production-services.md). Every Kafka client of the product (the
     # worker's Faust app, the admin calls, the submission producer, ``follow``, the operators' topic reads) takes
@@ -434,16 +503,22 @@ class Settings(ExplicitSettings):
     )
 
     # Edges toward the provider (docs/provider-edges.md).
-    #: Largest answer body accepted from the remote API, in bytes after ``Content-Encoding`` is decoded (and
-    #: before: a body is never held beyond it). An answer over it is classified: a POST's -> ``uncertain`` (a
-    #: job may exist), a GET's -> another poll with backoff, counted as a failed poll.
-    remote_answer_max_bytes: PositiveInt = 4 * 1024 * 1024
-    #: Failed polls of a job in a row (5xx, 3xx, an unreadable or oversized body, a 200 for another job, a 429,
-    #: connection errors and timeouts) after which it becomes ``stalled`` (reason code ``poll_failures``).
-    failed_poll_limit: PositiveInt = 20
-    #: Longest pause (s) one worker may write into the account's shared rate budget after a 429: a longer
-    #: ``Retry-After`` (or one skewed by a clock) delays only that worker's own retry of the call.
-    remote_shared_pause_cap_s: Seconds = 60.0
+    # An answer over remote_answer_max_bytes is classified: a POST's -> ``uncertain`` (a job may exist), a GET's
+    # -> another poll with backoff, counted as a failed poll. A longer ``Retry-After`` than
+    # remote_shared_pause_cap_s (or one skewed by a clock) delays only that worker's own retry of the call.
+    remote_answer_max_bytes: PositiveInt = Field(
+        4 * 1024 * 1024,
+        description="Largest answer body accepted from the remote API, in bytes after Content-Encoding is decoded "
+        "(a body is never held beyond it).",
+    )
+    failed_poll_limit: PositiveInt = Field(
+        20,
+        description="Failed GETs of a job in a row (5xx, 3xx, unreadable or oversized body, another job's 200, "
+        "connection errors, timeouts) after which it becomes stalled (reason code poll_failures).",
+    )
+    remote_shared_pause_cap_s: Seconds = Field(
+        60.0, description="Longest pause (s) one worker may write into the account's shared rate budget after a 429."
+    )
 
     def __init__(self, **values: Any) -> None:
         try:
@@ -678,6 +753,53 @@ def _explain(exc: ValidationError) -> str:
                 message = "not a finite number"
             lines.append(f"{var}={raw!r} is not a valid {type_name}: {message}")
     return "; ".join(lines)
+
+
+#: Where the settings reference lives in the repository (generated by :func:`settings_reference`).
+SETTINGS_REFERENCE_PATH = "docs/settings.md"
+
+
+def _type_text(annotation: Any) -> str:
+    """A setting's type as the reference shows it: ``int``, ``float``, ``bool``, ``str``, ``secret``, or the
+    values of a ``Literal``."""
+    if isinstance(annotation, type) and issubclass(annotation, SecretStr):
+        return "secret"
+    if getattr(annotation, "__origin__", None) is Literal:
+        return "one of " + ", ".join(f"`{v}`" for v in annotation.__args__)
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default_text(name: str, default: Any) -> str:
+    if name in Settings.SECRET_FIELDS or isinstance(default, SecretStr):
+        return "(secret)"
+    if isinstance(default, bool):
+        return "`true`" if default else "`false`"
+    return f"`{default}`" if default != "" else "(empty)"
+
+
+def settings_reference() -> str:
+    """The Markdown text of ``docs/settings.md``: every field of :class:`Settings` in declaration order, with its
+    environment variable, type, default (a secret's shown as ``(secret)``) and description. ``streams config
+    reference`` prints it; a unit test fails when the file differs."""
+    lines = [
+        "# Settings reference",
+        "",
+        "<!-- Generated from streams/config.py by `streams config reference > docs/settings.md`; do not edit. -->",
+        "",
+        f"Every setting is read from its environment variable (`{ENV_PREFIX}<NAME>`, any case) over the default "
+        "shown; a value that does not parse, or a combination that would break a worker, stops the command "
+        "naming the variable (never a secret's value). Secrets are never shown: not here, not in a log line.",
+        "",
+        "| Setting | Environment variable | Type | Default | Description |",
+        "|---|---|---|---|---|",
+    ]
+    for name, info in Settings.model_fields.items():
+        description = (info.description or "").replace("|", "\\|")
+        lines.append(
+            f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {_type_text(info.annotation)} | "
+            f"{_default_text(name, info.default)} | {description} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 #: Segment of every rate budget key (:func:`budget_key`).

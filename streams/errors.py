@@ -271,6 +271,16 @@ class OperatorActionRefusedError(LedgerError):
         self.state = state
 
 
+class DeadLetterReadError(StreamsError):
+    """The dead-letter topic could not be read or written by an operator's command (Kafka did not answer in time,
+    or the topic is missing): the message names the topic and what to do."""
+
+
+class RedriveRefusedError(StreamsError):
+    """A re-drive of dead letters was refused before anything was published (no reason or actor given, or a fixed
+    value for more than one dead letter)."""
+
+
 class RemoteError(StreamsError):
     """A call to the remote generation API failed; ``operation_id`` and ``status_code`` (if any) say where,
     ``outcome`` (a class attribute) is what the ledger's accounting records for it."""

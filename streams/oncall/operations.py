@@ -115,19 +115,43 @@ def format_epoch_ms(value: int | None) -> str:
         return f"{value} ms since the epoch"
 
 
-def actor_from_env(environ: Mapping[str, str] | None = None) -> str:
-    """Who runs an operator's command: ``STREAMS_ACTOR``, else ``USER``/``LOGNAME``, else the login name.
+#: Longest actor text a person may give (``--actor``, ``STREAMS_ACTOR``); longer is cut.
+MAX_GIVEN_ACTOR_CHARS = 200
 
-    Returns an empty string when none is known (the ledger refuses a decision without an actor).
-    """
+
+def os_user(environ: Mapping[str, str] | None = None) -> str:
+    """The operating-system user running the command: ``USER``, else ``LOGNAME``, else the login name, else
+    ``unknown``."""
     env = os.environ if environ is None else environ
-    for var in ("STREAMS_ACTOR", "USER", "LOGNAME"):
+    for var in ("USER", "LOGNAME"):
         if env.get(var, "").strip():
             return env[var].strip()
     try:
         return getpass.getuser()
     except (KeyError, OSError):
-        return ""
+        return "unknown"
+
+
+def given_actor(option: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """What the person says they are: ``--actor`` (``option``), else ``STREAMS_ACTOR``; None when neither is
+    given or both are blank."""
+    env = os.environ if environ is None else environ
+    for value in (option, env.get("STREAMS_ACTOR")):
+        if value is not None and value.strip():
+            return value.strip()
+    return None
+
+
+def actor(database_role: str, user: str, given: str | None = None) -> str:
+    """Who takes an operator's decision, as the ledger records it: the database role the command logged in as
+    and the OS user, ``<role>@postgres-role/<user>@os`` (e.g. ``streams@postgres-role/alice@os``), with a given
+    actor beside them, never instead: ``streams@postgres-role/alice@os (given: alice.smith)``. Control characters
+    of the given text become spaces; it is cut at :data:`MAX_GIVEN_ACTOR_CHARS`."""
+    base = f"{database_role}@postgres-role/{user}@os"
+    if given is None or not given.strip():
+        return base
+    text = "".join(c if c.isprintable() else " " for c in given.strip())[:MAX_GIVEN_ACTOR_CHARS]
+    return f"{base} (given: {text})"
 
 
 def to_json(value: Any) -> str:

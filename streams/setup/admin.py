@@ -365,6 +365,39 @@ class KafkaAdmin:
 
         return await self.call(f"delete topics {names}", request)
 
+    async def alter_topic_configs(self, name: str, configs: dict[str, str]) -> None:
+        """Set the dynamic ``configs`` of topic ``name`` (an AlterConfigs request: Kafka replaces the topic's
+        dynamic configs by these; the others fall back to the broker's defaults).
+
+        Raises :class:`KafkaAdminError` when the broker refuses (e.g. no such topic, an invalid value).
+        """
+
+        async def request(client: AIOKafkaAdminClient) -> None:
+            responses: Any = await client.alter_configs([ConfigResource(ConfigResourceType.TOPIC, name, configs)])
+            for response in responses:
+                for error_code, error_message, *_ in response.resources:
+                    _raise_for_code(error_code, f"setting {sorted(configs)} of topic {name!r}: {error_message}")
+
+        await self.call(f"alter the configs of topic {name!r}", request)
+
+    async def describe_topic_configs(self, name: str, keys: list[str]) -> dict[str, str | None]:
+        """The values of the configs ``keys`` of topic ``name`` as the broker has them (a DescribeConfigs
+        request; a key the broker does not report is missing from the result)."""
+
+        async def request(client: AIOKafkaAdminClient) -> dict[str, str | None]:
+            responses: Any = await client.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, name, dict.fromkeys(keys))]
+            )
+            values: dict[str, str | None] = {}
+            for response in responses:
+                for error_code, error_message, _, _, entries, *_ in response.resources:
+                    _raise_for_code(error_code, f"describing the configs of topic {name!r}: {error_message}")
+                    for entry in entries:
+                        values[entry[0]] = entry[1]
+            return values
+
+        return await self.call(f"describe the configs of topic {name!r}", request)
+
     async def find_coordinator(self, group_id: str, deadline_s: float | None = None) -> int:
         """The broker id coordinating consumer group ``group_id`` (a FindCoordinator request)."""
 
@@ -452,6 +485,24 @@ async def create_topics(settings: Settings, *, strict: bool = False) -> list[str
     if differences and strict:
         raise TopicLayoutError(differences)
     return created
+
+
+#: The Kafka topic config that bounds how long a topic keeps its records (ms).
+RETENTION_MS = "retention.ms"
+
+
+async def set_dead_letter_retention(settings: Settings) -> int:
+    """Set ``retention.ms`` of the dead-letter topic to :attr:`Settings.dead_letter_retention_ms` (the topic must
+    exist: :func:`create_topics` first); returns the value set. Dead letters hold the original submissions, user
+    prompts included: they are kept that long and no longer (docs/operating-data.md "Retention and erasure").
+
+    Raises :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
+    """
+    async with KafkaAdmin(settings) as admin:
+        await admin.alter_topic_configs(
+            settings.topic("dead_letter"), {RETENTION_MS: str(settings.dead_letter_retention_ms)}
+        )
+    return settings.dead_letter_retention_ms
 
 
 def run_topics(settings: Settings) -> list[str]:

@@ -23,7 +23,9 @@ from tests.support import SimulatorServer as Simulator
 
 pytestmark = pytest.mark.integration
 
-TABLES = "refunds, remote_jobs, remote_calls, outbox, outputs, transitions, operations"
+TABLES = (
+    "dead_letter_redrives, erasures, refunds, remote_jobs, remote_calls, outbox, outputs, transitions, operations"
+)
 
 
 @pytest.fixture(scope="session")

@@ -72,6 +72,7 @@ async def test_adopt_writes_one_fenced_transition_by_the_actor(
         "--actor",
         "alice",
         "--without-provider-check",
+        env={"USER": "dave"},
     )
     assert result.exit_code == 0, result.stderr
     row = await pool.fetchrow(
@@ -79,20 +80,21 @@ async def test_adopt_writes_one_fenced_transition_by_the_actor(
     )
     assert tuple(row.values()) == ("submitted", "job_found_1", before + 1)
     t = await last_transition(pool, op)
+    who = "streams@postgres-role/dave@os (given: alice)"  # the test database's login role is streams
     assert (t["seq"], t["from_state"], t["to_state"], t["fencing_token"], t["worker"]) == (
         4,
         "uncertain",
         "submitted",
         before + 1,
-        "alice",
+        who,
     )
     assert "found in the provider's console" in t["reason"] and "alice" in t["reason"]
     assert "not checked at the provider (--without-provider-check)" in t["reason"]
     assert result.stdout.strip() == (
-        f"adopt: operation {op} uncertain -> submitted (transition 4, fencing value {before + 1}), by alice"
+        f"adopt: operation {op} uncertain -> submitted (transition 4, fencing value {before + 1}), by {who}"
     )
     account = await pool.fetchrow("SELECT learned_via, learned_by FROM remote_jobs WHERE remote_job_id='job_found_1'")
-    assert tuple(account.values()) == ("adopted", "alice")
+    assert tuple(account.values()) == ("adopted", who)
     await no_remote_calls(simulator)
 
 
@@ -117,7 +119,9 @@ async def test_decisions_move_their_state_and_print_json(
 ) -> None:
     op = seeded.by_state[state][0]
     before = await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id = $1", op)
-    result = await streams_cli(cli, "operations", action, op, *args, "--json", env={"STREAMS_ACTOR": "bob"})
+    result = await streams_cli(
+        cli, "operations", action, op, *args, "--json", env={"STREAMS_ACTOR": "bob", "USER": "erin"}
+    )
     assert result.exit_code == 0, result.stderr
     out = result.json()
     t = await last_transition(pool, op)
@@ -128,9 +132,14 @@ async def test_decisions_move_their_state_and_print_json(
         "to_state": to_state,
         "transition_seq": t["seq"],
         "fencing_token": before + 1,
-        "actor": "bob",
+        "actor": "streams@postgres-role/erin@os (given: bob)",
     }
-    assert (t["from_state"], t["to_state"], t["fencing_token"], t["worker"]) == (state, to_state, before + 1, "bob")
+    assert (t["from_state"], t["to_state"], t["fencing_token"], t["worker"]) == (
+        state,
+        to_state,
+        before + 1,
+        "streams@postgres-role/erin@os (given: bob)",
+    )
     assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = $1", op) == to_state
     if args:
         assert args[1] in t["reason"]
@@ -141,13 +150,16 @@ async def test_decisions_move_their_state_and_print_json(
     await no_remote_calls(simulator)
 
 
-async def test_actor_defaults_to_the_login_name(cli: Settings, pool: asyncpg.Pool, seeded: Seeded) -> None:
+async def test_actor_defaults_to_the_database_role_and_the_os_user(
+    cli: Settings, pool: asyncpg.Pool, seeded: Seeded
+) -> None:
     op = seeded.by_state["uncertain"][0]
     result = await streams_cli(
         cli, "operations", "abandon", op, "--reason", "checked", env={"STREAMS_ACTOR": "", "USER": "carol"}
     )
     assert result.exit_code == 0, result.stderr
-    assert (await last_transition(pool, op))["worker"] == "carol" and result.stdout.strip().endswith("by carol")
+    who = "streams@postgres-role/carol@os"
+    assert (await last_transition(pool, op))["worker"] == who and result.stdout.strip().endswith(f"by {who}")
 
 
 @pytest.mark.parametrize(
@@ -216,12 +228,15 @@ async def test_missing_input_exits_2(cli: Settings, args: list[str], message: st
     assert result.exit_code == 2 and message in result.stderr
 
 
-async def test_an_empty_actor_is_refused(cli: Settings, pool: asyncpg.Pool, seeded: Seeded) -> None:
+async def test_a_blank_actor_cannot_hide_the_role_and_the_user(
+    cli: Settings, pool: asyncpg.Pool, seeded: Seeded
+) -> None:
     op = seeded.by_state["uncertain"][0]
-    before = await snapshot(pool, op)
-    result = await streams_cli(cli, "operations", "abandon", op, "--reason", "r", "--actor", " ")
-    assert result.exit_code == 3 and "name who decides" in result.stderr
-    assert await snapshot(pool, op) == before
+    result = await streams_cli(
+        cli, "operations", "abandon", op, "--reason", "r", "--actor", " ", env={"STREAMS_ACTOR": "", "USER": "fay"}
+    )
+    assert result.exit_code == 0, result.stderr
+    assert (await last_transition(pool, op))["worker"] == "streams@postgres-role/fay@os"
 
 
 @pytest.mark.parametrize("command", ["adopt", "abandon", "repoll", "fail"])

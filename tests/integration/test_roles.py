@@ -83,9 +83,13 @@ async def test_the_operator_decides_but_cannot_rewrite_the_log(pool: asyncpg.Poo
         await pool.fetchval("SELECT worker FROM transitions WHERE operation_id = 'roles-2' AND to_state = 'rejected'")
         == "alice"
     )
-    for statement in ("UPDATE transitions SET worker = 'bob'", "DELETE FROM transitions", "DELETE FROM remote_calls"):
+    for statement in ("UPDATE transitions SET worker = 'bob'", "DELETE FROM remote_calls"):
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
             await operator.execute(statement)
+    # 0009: the log goes only with a terminal operation (streams purge); a live operation's log is kept
+    await pool.execute("INSERT INTO operations (operation_id, request, updated_by) VALUES ('roles-2b', '{}', 'w1')")
+    with pytest.raises(asyncpg.CheckViolationError, match="not terminal"):
+        await operator.execute("DELETE FROM transitions WHERE operation_id = 'roles-2b'")
 
 
 async def test_read_only_reads_and_writes_nothing(pool: asyncpg.Pool, login_as) -> None:  # type: ignore[no-untyped-def]

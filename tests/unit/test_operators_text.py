@@ -9,7 +9,7 @@ import pytest
 
 from streams.oncall import liveview as web
 from streams.oncall import operations as operators
-from streams.oncall.operations import OperationList, actor_from_env, format_age, parse_duration
+from streams.oncall.operations import OperationList, actor, format_age, given_actor, os_user, parse_duration
 
 
 @pytest.mark.parametrize(
@@ -62,10 +62,19 @@ def test_epoch_ms() -> None:
     assert operators.format_epoch_ms(10**20) == "100000000000000000000 ms since the epoch"
 
 
-def test_actor_from_env_order() -> None:
-    assert actor_from_env({"STREAMS_ACTOR": " alice ", "USER": "root"}) == "alice"
-    assert actor_from_env({"STREAMS_ACTOR": " ", "USER": "bob", "LOGNAME": "x"}) == "bob"
-    assert actor_from_env({"LOGNAME": "carol"}) == "carol"
+def test_actor_is_the_database_role_and_the_os_user_with_a_given_actor_beside_them() -> None:
+    assert actor("streams", "alice") == "streams@postgres-role/alice@os"
+    assert actor("streams", "alice", "bob") == "streams@postgres-role/alice@os (given: bob)"
+    assert actor("op_1", "alice", " \n ") == "op_1@postgres-role/alice@os"
+    assert actor("r", "u", "a\x1b[31mb\n" + "x" * 300) == "r@postgres-role/u@os (given: a [31mb " + "x" * 192 + ")"
+
+
+def test_os_user_and_given_actor_order() -> None:
+    assert os_user({"USER": " alice ", "LOGNAME": "root"}) == "alice"
+    assert os_user({"USER": " ", "LOGNAME": "carol"}) == "carol"
+    assert given_actor(None, {"STREAMS_ACTOR": " alice "}) == "alice"
+    assert given_actor("bob", {"STREAMS_ACTOR": "alice"}) == "bob"
+    assert given_actor(" ", {"STREAMS_ACTOR": ""}) is None
 
 
 def test_table_and_list_text() -> None:

@@ -142,7 +142,19 @@ def test_harness_commands_are_offered_through_the_entry_point_group() -> None:
     group = cli.main
     assert isinstance(group, cli.PluginGroup)
     assert set(group.plugin_entry_points()) == {"run", "soak", "bench", "simulator", "replay"}
-    product = {"migrate", "ready", "worker", "submit", "follow", "operations", "accounting", "teardown"}
+    product = {
+        "migrate",
+        "ready",
+        "worker",
+        "submit",
+        "follow",
+        "operations",
+        "accounting",
+        "teardown",
+        "purge",
+        "dead-letters",
+        "config",
+    }
     assert set(group.commands) == product  # the product's own
     result = CliRunner().invoke(group, ["--help"])
     assert result.exit_code == 0

@@ -128,6 +128,17 @@ EXPECTED = {
     ("streams.ledger", "reconcile.sql"): ["claim_due_lookups", "adopt_found_job", "give_up_lookup",
     "reschedule_lookup"],
     ("streams.ledger", "databases.sql"): ["database_exists"],
+    ("streams.ledger", "retention.sql"): [
+        "database_role",
+        "purge_preview",
+        "purge_batch",
+        "lock_for_erasure",
+        "erase_operation",
+        "erase_outputs",
+        "record_erasure",
+        "erasures_of",
+    ],
+    ("streams.ledger", "redrives.sql"): ["operation_request", "record_redrive", "redrives_of"],
     ("streams.ledger", "inspect.sql"): [
         "list_operations",
         "operation_row",

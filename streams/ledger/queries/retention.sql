@@ -1,0 +1,97 @@
+-- Named queries of retention and erasure (loaded by streams.ledger.sql.Queries; called by streams.ledger.retention):
+-- `streams purge` deletes terminal operations with their rows in bounded batches, `streams operations forget`
+-- erases one operation's request, source and outputs and records it (table erasures, migration 0009).
+-- Terminal: succeeded, failed, canceled, rejected (streams.model.states.is_terminal). The accounting rows
+-- (remote_calls, remote_jobs, refunds) are never deleted.
+
+-- name: database_role
+-- The role this session logged in as (session_user: the login role, not a group role it was granted).
+SELECT session_user::text;
+
+-- name: purge_preview
+-- What a purge would delete now. :older_than_s (float8): terminal for longer than this.
+-- Returns operations (deletable now), held_by_outbox (terminal and old enough, but with an outbox row not yet
+-- published: kept until the relay publishes it), oldest_age_s (seconds in its terminal state of the oldest
+-- deletable one; NULL when none), transitions, outputs, outbox (the rows that would go with them).
+WITH old AS (
+    SELECT o.operation_id, o.state_entered_at,
+           EXISTS (SELECT 1 FROM outbox b WHERE b.operation_id = o.operation_id AND b.published_at IS NULL) AS held
+    FROM operations o
+    WHERE o.state IN ('succeeded', 'failed', 'canceled', 'rejected')
+      AND o.state_entered_at < now() - make_interval(secs => :older_than_s::float8)
+), doomed AS (
+    SELECT operation_id, state_entered_at FROM old WHERE NOT held
+)
+SELECT (SELECT count(*) FROM doomed)::bigint AS operations,
+       (SELECT count(*) FROM old WHERE held)::bigint AS held_by_outbox,
+       (SELECT extract(epoch FROM now() - min(state_entered_at))::float8 FROM doomed) AS oldest_age_s,
+       (SELECT count(*) FROM transitions t JOIN doomed d USING (operation_id))::bigint AS transitions,
+       (SELECT count(*) FROM outputs x JOIN doomed d USING (operation_id))::bigint AS outputs,
+       (SELECT count(*) FROM outbox b JOIN doomed d USING (operation_id))::bigint AS outbox;
+
+-- name: purge_batch
+-- Delete at most :batch_size terminal operations older than :older_than_s (float8 s in their terminal state), oldest
+-- first, with their transitions, outputs and outbox rows, in one statement (one transaction). Operations with an
+-- unpublished outbox row are skipped, as are rows another transaction holds (SKIP LOCKED).
+-- Returns operations, transitions, outputs, outbox: the rows deleted.
+WITH doomed AS (
+    SELECT o.operation_id
+    FROM operations o
+    WHERE o.state IN ('succeeded', 'failed', 'canceled', 'rejected')
+      AND o.state_entered_at < now() - make_interval(secs => :older_than_s::float8)
+      AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.operation_id = o.operation_id AND b.published_at IS NULL)
+    ORDER BY o.state_entered_at, o.operation_id
+    LIMIT :batch_size
+    FOR UPDATE SKIP LOCKED
+), box AS (
+    DELETE FROM outbox b USING doomed d WHERE b.operation_id = d.operation_id RETURNING 1
+), outs AS (
+    DELETE FROM outputs x USING doomed d WHERE x.operation_id = d.operation_id RETURNING 1
+), log AS (
+    DELETE FROM transitions t USING doomed d WHERE t.operation_id = d.operation_id RETURNING 1
+), ops AS (
+    DELETE FROM operations o USING doomed d WHERE o.operation_id = d.operation_id RETURNING 1
+)
+SELECT (SELECT count(*) FROM ops)::bigint AS operations,
+       (SELECT count(*) FROM log)::bigint AS transitions,
+       (SELECT count(*) FROM outs)::bigint AS outputs,
+       (SELECT count(*) FROM box)::bigint AS outbox;
+
+-- name: lock_for_erasure
+-- :operation_id. One row or none, the operation locked (FOR UPDATE) for the rest of the transaction: state, and
+-- unpublished (its outbox rows not yet published).
+SELECT o.state::text AS state,
+       (SELECT count(*) FROM outbox b WHERE b.operation_id = o.operation_id AND b.published_at IS NULL)::bigint
+           AS unpublished
+FROM operations o
+WHERE o.operation_id = :operation_id
+FOR UPDATE;
+
+-- name: erase_operation!
+-- Erase the request body (JSON null), the source and the last observation (which may hold outputs) of the
+-- operation; updated_by names who erased. :operation_id, :actor. Returns the status line.
+UPDATE operations
+SET request = 'null'::json, source = NULL, last_observation = NULL, updated_by = :actor
+WHERE operation_id = :operation_id;
+
+-- name: erase_outputs
+-- Erase the payload of every output of the operation (JSON null) and the output carried by their outbox rows
+-- (published ones: the caller refuses while one is not). :operation_id. Returns outputs, the outputs erased.
+WITH outs AS (
+    UPDATE outputs SET payload = 'null'::jsonb WHERE operation_id = :operation_id RETURNING 1
+), box AS (
+    UPDATE outbox SET payload = jsonb_set(payload, '{output}', 'null'::jsonb)
+    WHERE operation_id = :operation_id AND topic_role = 'outputs_delivered'
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM outs)::integer AS outputs, (SELECT count(*) FROM box)::integer AS outbox;
+
+-- name: record_erasure
+-- :operation_id, :reason, :actor, :outputs_erased (integer). Returns id, at.
+INSERT INTO erasures (operation_id, reason, actor, outputs_erased)
+VALUES (:operation_id, :reason, :actor, :outputs_erased)
+RETURNING id, at;
+
+-- name: erasures_of
+-- :operation_id. The erasures recorded for the operation, oldest first: id, reason, actor, outputs_erased, at.
+SELECT id, reason, actor, outputs_erased, at FROM erasures WHERE operation_id = :operation_id ORDER BY id;

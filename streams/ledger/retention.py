@@ -1,0 +1,162 @@
+"""Retention and erasure on the ledger: ``streams purge`` (terminal operations deleted in bounded batches, the
+accounting kept) and ``streams operations forget`` (one operation's request, source and outputs erased, and the
+erasure recorded); and the database role an operator's command runs as (its actor).
+
+Queries of ``queries/retention.sql``; the tables and the grants of ``migrations/0011.retention.sql``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+from streams.errors import OperatorActionRefusedError, UnknownOperationError
+from streams.ledger.pool import guard
+from streams.ledger.sql import RETENTION
+from streams.model.states import OperationState, is_terminal
+
+
+@dataclass(frozen=True)
+class PurgeCounts:
+    """Rows deleted (or that would be) by a purge: operations and the transitions, outputs and outbox rows that
+    went with them."""
+
+    operations: int = 0
+    transitions: int = 0
+    outputs: int = 0
+    outbox: int = 0
+
+    def __add__(self, other: PurgeCounts) -> PurgeCounts:
+        return PurgeCounts(
+            self.operations + other.operations,
+            self.transitions + other.transitions,
+            self.outputs + other.outputs,
+            self.outbox + other.outbox,
+        )
+
+
+@dataclass(frozen=True)
+class Erasure:
+    """One erasure recorded: its id, the operation, the outputs erased, when (the database's clock)."""
+
+    id: int
+    operation_id: str
+    outputs_erased: int
+    at: Any
+
+
+async def database_role(pool: asyncpg.Pool) -> str:
+    """The login role of the pool's sessions (PostgreSQL ``session_user``).
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not answer.
+    """
+    async with guard("read the database role"):
+        role: str = await RETENTION.database_role.fetchval(pool)
+    return role
+
+
+async def purge_preview(pool: asyncpg.Pool, older_than_s: float) -> dict[str, Any]:
+    """What :func:`purge` would delete now: ``{operations, held_by_outbox, oldest_age_s, transitions, outputs,
+    outbox}`` (``held_by_outbox``: terminal operations old enough but with an unpublished outbox row, kept).
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not answer.
+    """
+    async with guard("preview a purge"):
+        row = await RETENTION.purge_preview.fetchrow(pool, older_than_s=older_than_s)
+    assert row is not None  # aggregates only: always one row
+    return dict(row)
+
+
+async def purge(
+    pool: asyncpg.Pool,
+    older_than_s: float,
+    batch_size: int,
+    *,
+    max_batches: int | None = None,
+    on_batch: Callable[[PurgeCounts], None] | None = None,
+) -> PurgeCounts:
+    """Delete the terminal operations (succeeded, failed, canceled, rejected) in their state longer than
+    ``older_than_s`` seconds, with their transitions, outputs and outbox rows; the accounting rows (remote_calls,
+    remote_jobs, refunds) and the erasure and re-drive records stay. One transaction per batch of at most
+    ``batch_size`` (>= 1) operations, oldest first, until a batch finds none (or ``max_batches`` ran);
+    ``on_batch`` is told each batch's counts. Operations with an unpublished outbox row are kept.
+
+    Raises:
+        ValueError: ``batch_size`` < 1 or ``older_than_s`` <= 0.
+        LedgerUnavailableError: PostgreSQL did not answer (the batches committed before stay deleted).
+    """
+    if batch_size < 1 or older_than_s <= 0:
+        raise ValueError(f"purge needs a batch size >= 1 and a positive age, got {batch_size} and {older_than_s} s")
+    total, batches = PurgeCounts(), 0
+    while max_batches is None or batches < max_batches:
+        async with guard(f"purge a batch of {batch_size} operations"):
+            row = await RETENTION.purge_batch.fetchrow(pool, older_than_s=older_than_s, batch_size=batch_size)
+        assert row is not None
+        counts = PurgeCounts(row["operations"], row["transitions"], row["outputs"], row["outbox"])
+        batches += 1
+        if counts.operations == 0:
+            break
+        total += counts
+        if on_batch is not None:
+            on_batch(counts)
+    return total
+
+
+async def forget(pool: asyncpg.Pool, operation_id: str, reason: str, actor: str) -> Erasure:
+    """Erase a terminal operation's request body (JSON ``null``), source, last observation and outputs (each
+    output's payload and its outbox row's ``output``: JSON ``null``), and record it in ``erasures`` with
+    ``reason`` and ``actor``, in one transaction. Its state, transition log and accounting stay.
+
+    Raises:
+        UnknownOperationError: the ledger does not hold the operation.
+        OperatorActionRefusedError: reason or actor is empty, the operation is not terminal (its request and
+            outputs are still in use), or one of its outbox rows is not yet published (the relay still needs
+            it). Nothing is written.
+        LedgerUnavailableError: PostgreSQL did not answer (nothing is written).
+    """
+    action = "forget"
+    if not reason.strip() or not actor.strip():
+        raise OperatorActionRefusedError(operation_id, action, "a reason and an actor are required")
+    async with guard(f"forget {operation_id}"), pool.acquire() as conn, conn.transaction():
+        row = await RETENTION.lock_for_erasure.fetchrow(conn, operation_id=operation_id)
+        if row is None:
+            raise UnknownOperationError(operation_id)
+        state = OperationState(row["state"])
+        if not is_terminal(state):
+            raise OperatorActionRefusedError(
+                operation_id,
+                action,
+                f"the operation is {state.value}, not terminal: its request and outputs are still in use; decide it "
+                "first (streams operations abandon|fail) or wait until it finishes",
+                state=state.value,
+            )
+        if row["unpublished"]:
+            raise OperatorActionRefusedError(
+                operation_id,
+                action,
+                f"{row['unpublished']} of its outbox rows are not yet published: wait for the relay, then forget it",
+                state=state.value,
+            )
+        await RETENTION.erase_operation.execute(conn, operation_id=operation_id, actor=actor)
+        erased = await RETENTION.erase_outputs.fetchrow(conn, operation_id=operation_id)
+        assert erased is not None
+        record = await RETENTION.record_erasure.fetchrow(
+            conn, operation_id=operation_id, reason=reason, actor=actor, outputs_erased=erased["outputs"]
+        )
+        assert record is not None
+    return Erasure(record["id"], operation_id, erased["outputs"], record["at"])
+
+
+async def erasures_of(pool: asyncpg.Pool, operation_id: str) -> list[dict[str, Any]]:
+    """The erasures recorded for ``operation_id``, oldest first: ``[{id, reason, actor, outputs_erased, at}]``.
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not answer.
+    """
+    async with guard(f"read the erasures of {operation_id}"):
+        return [dict(r) for r in await RETENTION.erasures_of.fetch(pool, operation_id=operation_id)]

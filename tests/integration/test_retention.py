@@ -1,0 +1,200 @@
+"""Retention and erasure on the real ledger: ``streams purge`` deletes old terminal operations with their rows in
+batches and keeps the accounting; ``streams operations forget`` erases one operation's request, source and
+outputs and records it; the operator role (migration 0008, granted more by 0009) may do both and no more."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from streams.config import Settings
+from streams.errors import OperatorActionRefusedError
+from streams.ledger import retention
+from streams.ledger.pool import create_pool
+from streams.ledger.store import Ledger
+from tests.integration.operators_support import Seeded, backdate, seed_ledger, streams_cli
+
+pytestmark = pytest.mark.integration
+
+ACCOUNTING = (
+    "SELECT (SELECT count(*) FROM remote_calls), (SELECT count(*) FROM remote_jobs), (SELECT count(*) FROM refunds)"
+)
+
+
+@pytest.fixture
+async def seeded(pool: asyncpg.Pool) -> Seeded:
+    return await seed_ledger(Ledger(pool, "seed-worker"), "ret")
+
+
+async def rows_of(pool: asyncpg.Pool, op: str) -> tuple[int, int, int, int]:
+    """(operations, transitions, outputs, outbox) rows of ``op``."""
+    row = await pool.fetchrow(
+        "SELECT (SELECT count(*) FROM operations WHERE operation_id = $1), "
+        "(SELECT count(*) FROM transitions WHERE operation_id = $1), "
+        "(SELECT count(*) FROM outputs WHERE operation_id = $1), "
+        "(SELECT count(*) FROM outbox WHERE operation_id = $1)",
+        op,
+    )
+    assert row is not None
+    return tuple(row.values())
+
+
+async def published(pool: asyncpg.Pool, *ops: str) -> None:
+    """Mark the outbox rows of ``ops`` published (as the relay does)."""
+    await pool.execute("UPDATE outbox SET published_at = now() WHERE operation_id = ANY($1::text[])", list(ops))
+
+
+async def test_purge_deletes_old_terminal_operations_in_batches_and_keeps_the_accounting(
+    settings: Settings, pool: asyncpg.Pool, seeded: Seeded
+) -> None:
+    old = [*seeded.by_state["succeeded"][:2], *seeded.by_state["failed"], *seeded.by_state["rejected"]]
+    for op in old:
+        await backdate(pool, op, "2 days")
+    held = seeded.by_state["succeeded"][1]  # old enough, but one outbox row still unpublished
+    await published(pool, *[op for op in old if op != held])
+    await pool.execute(
+        "UPDATE outbox SET published_at = now() WHERE operation_id = $1 AND topic_role = 'transitions'", held
+    )
+    for op in (*seeded.by_state["submitted"], *seeded.by_state["stalled"], *seeded.by_state["uncertain"]):
+        await backdate(pool, op, "3 days")  # old, not terminal: never purged
+    purged = [op for op in old if op != held]
+    expected = [await rows_of(pool, op) for op in purged]
+    accounting = tuple((await pool.fetchrow(ACCOUNTING)).values())
+    operations_before = await pool.fetchval("SELECT count(*) FROM operations")
+
+    dry = await streams_cli(settings, "purge", "--older-than", "1d", "--dry-run", "--json")
+    assert dry.exit_code == 0, dry.stderr
+    out = dry.json()
+    assert (out["operations"], out["held_by_outbox"]) == (3, 1)
+    assert (out["transitions"], out["outputs"], out["outbox"]) == tuple(sum(e[i] for e in expected) for i in (1, 2, 3))
+    assert out["oldest_age_s"] > 2 * 86400 - 60
+    assert await pool.fetchval("SELECT count(*) FROM operations") == operations_before  # nothing deleted
+
+    result = await streams_cli(settings, "purge", "--older-than", "1d", "--batch-size", "2", "--json")
+    assert result.exit_code == 0, result.stderr
+    done = result.json()
+    assert (done["operations"], done["batches"]) == (3, 2)
+    assert (done["transitions"], done["outputs"], done["outbox"]) == (out["transitions"], out["outputs"], out["outbox"])
+    for op in purged:
+        assert await rows_of(pool, op) == (0, 0, 0, 0)
+    assert (await rows_of(pool, held))[0] == 1
+    assert await pool.fetchval("SELECT count(*) FROM operations") == operations_before - 3
+    assert tuple((await pool.fetchrow(ACCOUNTING)).values()) == accounting  # every accounting row stays
+    job = seeded.job_ids[seeded.by_state["succeeded"][0]]
+    assert await pool.fetchval("SELECT count(*) FROM refunds WHERE remote_job_id = $1", job) == 1
+
+    again = await streams_cli(settings, "purge", "--older-than", "1d")
+    assert again.exit_code == 0 and "deleted 0 operations" in again.stdout
+
+
+async def test_the_ledger_refuses_to_delete_an_operation_that_is_not_terminal(
+    pool: asyncpg.Pool, seeded: Seeded
+) -> None:
+    op = seeded.by_state["submitted"][0]
+    with pytest.raises(asyncpg.CheckViolationError, match="not terminal"):
+        await pool.execute("DELETE FROM transitions WHERE operation_id = $1", op)
+    await pool.execute("DELETE FROM outbox WHERE operation_id = $1", op)
+    with pytest.raises(asyncpg.CheckViolationError, match="not terminal"):
+        await pool.execute("DELETE FROM operations WHERE operation_id = $1", op)
+
+
+async def test_forget_erases_request_source_and_outputs_and_records_it(
+    settings: Settings, pool: asyncpg.Pool, seeded: Seeded
+) -> None:
+    op = seeded.by_state["succeeded"][0]
+    await pool.execute('UPDATE operations SET source = \'{"app": "chat"}\' WHERE operation_id = $1', op)
+    await published(pool, op)
+    log_before = await pool.fetch("SELECT * FROM transitions WHERE operation_id = $1 ORDER BY id", op)
+    result = await streams_cli(
+        settings, "operations", "forget", op, "--reason", "erasure request 42", "--json", env={"USER": "gina"}
+    )
+    assert result.exit_code == 0, result.stderr
+    out = result.json()
+    assert (out["operation_id"], out["outputs_erased"]) == (op, 2)
+    assert out["actor"] == "streams@postgres-role/gina@os"
+    row = await pool.fetchrow(
+        "SELECT request::text, source, last_observation, state::text, updated_by FROM operations WHERE operation_id=$1",
+        op,
+    )
+    assert tuple(row.values()) == ("null", None, None, "succeeded", "streams@postgres-role/gina@os")
+    assert [r["payload"] for r in await pool.fetch("SELECT payload FROM outputs WHERE operation_id = $1", op)] == [
+        None,
+        None,
+    ]
+    outbox = await pool.fetch(
+        "SELECT payload FROM outbox WHERE operation_id = $1 AND topic_role = 'outputs_delivered'", op
+    )
+    assert len(outbox) == 2 and all(r["payload"]["output"] is None and r["payload"]["output_id"] for r in outbox)
+    erasures = await retention.erasures_of(pool, op)
+    assert [(e["reason"], e["actor"], e["outputs_erased"]) for e in erasures] == [
+        ("erasure request 42", "streams@postgres-role/gina@os", 2)
+    ]
+    assert await pool.fetch("SELECT * FROM transitions WHERE operation_id = $1 ORDER BY id", op) == log_before
+    text = await pool.fetchval("SELECT string_agg(payload::text, '') FROM outbox WHERE operation_id = $1", op)
+    assert f"output 0 of {op}" not in text
+
+
+async def test_forget_is_refused_while_an_operation_is_in_use_or_unpublished(
+    settings: Settings, pool: asyncpg.Pool, seeded: Seeded
+) -> None:
+    submitted, unpublished = seeded.by_state["submitted"][0], seeded.by_state["succeeded"][1]
+    for op, message in ((submitted, "not terminal"), (unpublished, "not yet published")):
+        before = await pool.fetchval("SELECT request::text FROM operations WHERE operation_id = $1", op)
+        result = await streams_cli(settings, "operations", "forget", op, "--reason", "r")
+        assert result.exit_code == 3 and message in result.stderr and "nothing was written" in result.stderr
+        assert await pool.fetchval("SELECT request::text FROM operations WHERE operation_id = $1", op) == before
+    missing = await streams_cli(settings, "operations", "forget", "no-such-op", "--reason", "r")
+    assert missing.exit_code == 4
+    assert await pool.fetchval("SELECT count(*) FROM erasures") == 0
+
+
+def _as(settings: Settings, role: str, password: str) -> str:
+    parts = urlsplit(settings.database_url.get_secret_value())
+    return urlunsplit(parts._replace(netloc=f"{role}:{password}@{parts.hostname}:{parts.port or 5432}"))
+
+
+@pytest.fixture
+async def operator_pool(migrated: Settings, pool: asyncpg.Pool) -> AsyncIterator[asyncpg.Pool]:
+    """A pool logged in as a fresh login role granted ``streams_operator`` (dropped afterwards)."""
+    role, password = f"t_op_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    await pool.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}' IN ROLE streams_operator")
+    p = await create_pool(_as(migrated, role, password), min_size=1, max_size=2)
+    yield p
+    await p.close()
+    await pool.execute(f"DROP ROLE {role}")
+
+
+async def test_the_operator_role_purges_and_forgets_and_rewrites_nothing_else(
+    pool: asyncpg.Pool, seeded: Seeded, operator_pool: asyncpg.Pool
+) -> None:
+    forgotten, purged = seeded.by_state["succeeded"][0], seeded.by_state["failed"][0]
+    await published(pool, forgotten, purged)
+    await backdate(pool, purged, "2 days")
+    erasure = await retention.forget(operator_pool, forgotten, "request 7", "op@postgres-role/h@os")
+    assert erasure.outputs_erased == 2
+    assert (await retention.purge(operator_pool, 86400.0, 10)).operations == 1
+    assert await retention.database_role(operator_pool) != "streams"
+    refused = [
+        "UPDATE transitions SET reason = 'rewritten'",
+        "UPDATE outputs SET output_id = 'x'",
+        "UPDATE outbox SET published_at = NULL",
+        "UPDATE erasures SET reason = 'x'",
+        "DELETE FROM erasures",
+        "DELETE FROM remote_calls",
+        "DELETE FROM remote_jobs",
+        "DELETE FROM refunds",
+        "DELETE FROM dead_letter_redrives",
+    ]
+    async with operator_pool.acquire() as conn:
+        for statement in refused:
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(statement)
+
+
+async def test_forget_needs_a_reason(pool: asyncpg.Pool, seeded: Seeded) -> None:
+    with pytest.raises(OperatorActionRefusedError, match="a reason and an actor"):
+        await retention.forget(pool, seeded.by_state["succeeded"][0], " ", "a")
