@@ -26,6 +26,7 @@ import orjson
 import pytest
 from aiokafka.partitioner import murmur2
 from prometheus_client.parser import text_string_to_metric_families
+from redis.exceptions import NoPermissionError
 
 from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
@@ -135,7 +136,12 @@ async def submit_steadily(
 
 
 async def wait_settled(settings: Settings, prefix: str, n: int, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
-    pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
+    pool = await create_pool(
+        settings.database_url.get_secret_value(),
+        min_size=1,
+        max_size=2,
+        statement_cache_size=settings.database_statement_cache_size,
+    )
     try:
 
         async def done() -> bool:
@@ -147,7 +153,12 @@ async def wait_settled(settings: Settings, prefix: str, n: int, timeout_s: float
 
 
 async def report_of(settings: Settings, prefix: str, ids: list[str]) -> dict[str, Any]:
-    pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
+    pool = await create_pool(
+        settings.database_url.get_secret_value(),
+        min_size=1,
+        max_size=2,
+        statement_cache_size=settings.database_statement_cache_size,
+    )
     try:
         return await collect_report(settings, pool, f"{prefix}-%", ids, {})
     finally:
@@ -243,11 +254,11 @@ async def test_the_main_flow_with_redis_over_tls_as_a_restricted_acl_user(
     settings = flow_settings(base_settings, sim, **redis_tls(prod))
     from streams.coordination.lease import redis_for
 
-    client = redis_for(settings)
+    client = redis_for(settings, 2.0)
     try:
-        with pytest.raises(Exception, match="NOPERM"):
+        with pytest.raises(NoPermissionError, match="no permissions to access one of the keys"):
             await client.set("other:key", "x")
-        with pytest.raises(Exception, match="NOPERM"):
+        with pytest.raises(NoPermissionError, match="has no permissions to run the 'flushall' command"):
             await client.execute_command("FLUSHALL")
     finally:
         await client.aclose()
@@ -340,7 +351,12 @@ async def ledger_times(settings: Settings, prefix: str) -> list[tuple[str, int, 
     """(operation id, accepted_at_ms, final_at_ms) of the operations ``<prefix>-*``."""
     from streams_harness.report import REPORT
 
-    pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
+    pool = await create_pool(
+        settings.database_url.get_secret_value(),
+        min_size=1,
+        max_size=2,
+        statement_cache_size=settings.database_statement_cache_size,
+    )
     try:
         rows = await REPORT.run_operations.fetch(pool, operation_pattern=f"{prefix}-%")
     finally:
