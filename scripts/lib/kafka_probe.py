@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import time
@@ -45,6 +46,16 @@ def admin(args: argparse.Namespace) -> AIOKafkaAdminClient:
             sasl_plain_password=os.environ.get("KAFKA_PROBE_PASSWORD", ""),
         )
     return AIOKafkaAdminClient(**options)
+
+
+class LastError(logging.Handler):
+    """Keeps aiokafka's last logged error (why a connection failed: the exception only says "Unable to
+    bootstrap") instead of printing one line per attempt."""
+
+    message = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        LastError.message = record.getMessage()
 
 
 def alive(pid: int) -> bool:
@@ -76,10 +87,11 @@ async def once(args: argparse.Namespace) -> str:
         for topic in topics:
             if topic["error_code"]:
                 raise RuntimeError(f"topic {args.name}: error code {topic['error_code']}")
-            for p in sorted(topic["partitions"], key=lambda p: p["partition_index"]):
+            for p in sorted(topic["partitions"], key=lambda p: p["partition"]):
                 lines.append(
-                    f"{topic['topic']} partition {p['partition_index']}: leader {p['leader_id']} "
-                    f"replicas {','.join(map(str, p['replica_nodes']))} isr {','.join(map(str, p['isr_nodes']))}"
+                    f"{topic['topic']} partition {p['partition']}: leader {p['leader']} "
+                    f"replicas {','.join(map(str, p['replicas']))} isr {','.join(map(str, p['isr']))}"
+                    + (f" offline {','.join(map(str, p['offline_replicas']))}" if p.get("offline_replicas") else "")
                 )
         return "\n".join(lines)
     finally:
@@ -87,7 +99,8 @@ async def once(args: argparse.Namespace) -> str:
 
 
 async def main(args: argparse.Namespace) -> int:
-    deadline = time.monotonic() + args.timeout
+    # ready waits up to --timeout; the other commands retry a transient failure (a broker just restarted) for 15 s
+    deadline = time.monotonic() + (args.timeout if args.command == "ready" else min(args.timeout, 15))
     last: BaseException | None = None
     while True:
         for pid in args.pid:
@@ -99,8 +112,9 @@ async def main(args: argparse.Namespace) -> int:
             return 0
         except Exception as exc:  # noqa: BLE001 (report the last one when the time is up)
             last = exc
-        if args.command != "ready" or time.monotonic() > deadline:
-            print(f"kafka_probe: {args.command} failed: {type(last).__name__}: {last}", file=sys.stderr)
+        if time.monotonic() > deadline:
+            reason = f" (aiokafka logged: {LastError.message})" if LastError.message else ""
+            print(f"kafka_probe: {args.command} failed: {type(last).__name__}: {last}{reason}", file=sys.stderr)
             return 1
         await asyncio.sleep(0.5)
 
@@ -128,4 +142,7 @@ def parse() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
+    aiokafka_log = logging.getLogger("aiokafka")
+    aiokafka_log.addHandler(LastError(logging.WARNING))
+    aiokafka_log.propagate = False
     sys.exit(asyncio.run(main(parse())))

@@ -275,15 +275,15 @@ class KafkaAdmin:
             wanted = [name for name in names if name not in existing]
             if not wanted:
                 return []
+            replicas = replication_factor
+            if replicas < 1:  # aiokafka's CreateTopics (v0-v3) cannot say "the broker's default" (v4+): read it
+                replicas = int((await _broker_configs(client)).get("default.replication.factor") or 1)
             response: Any = await client.create_topics(
                 [
                     NewTopic(
                         name,
                         num_partitions=partitions,
-                        replication_factor=replication_factor,
-                        # aiokafka 0.14's check wants an assignment whenever a count is -1 (the broker's
-                        # default, CreateTopics v4+); an empty one assigns nothing and passes it
-                        replica_assignments={} if replication_factor == -1 else None,
+                        replication_factor=replicas,
                         topic_configs=configs,
                     )
                     for name in wanted
@@ -417,6 +417,21 @@ class KafkaAdmin:
             return GroupDescription(group_id, state, len(members))
 
         return await self.call(f"describe consumer group {group_id!r}", request, deadline_s)
+
+
+async def _broker_configs(client: AIOKafkaAdminClient) -> dict[str, str]:
+    """``default.replication.factor`` and ``min.insync.replicas`` of the cluster's first broker (absent: unset)."""
+    cluster = await client.describe_cluster()
+    broker_id = str(cluster["brokers"][0]["node_id"])
+    resource = ConfigResource(
+        ConfigResourceType.BROKER, broker_id, {"default.replication.factor": None, "min.insync.replicas": None}
+    )
+    values: dict[str, str] = {}
+    for response in await client.describe_configs([resource]):
+        for error_code, error_message, _, resource_name, entries, *_ in response.resources:
+            _raise_for_code(error_code, f"describing the configuration of broker {resource_name!r}: {error_message}")
+            values.update({entry[0]: entry[1] for entry in entries if entry[1] is not None})
+    return values
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,11 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
     """
 
     async def check() -> str:
-        conn = await connect_options.connect(settings.database_url.get_secret_value(), timeout=min(5.0, deadline_s))
+        conn = await connect_options.connect(
+            settings.database_url.get_secret_value(),
+            timeout=min(5.0, deadline_s),
+            **connect_options.connect_kwargs(settings.database_statement_cache_size),  # 0 behind PgBouncer
+        )
         try:
             version: str = await conn.fetchval("SELECT current_setting('server_version')")
             return f"PostgreSQL {version}"
