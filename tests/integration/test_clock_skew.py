@@ -1,0 +1,52 @@
+"""The worker's clock measured against PostgreSQL's: the skew read, logged and exported (real PostgreSQL)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import asyncpg
+import pytest
+
+from streams import metrics
+from streams.config import Settings
+from streams.ledger.snapshot import read_clock_offset
+from streams.worker.clock import ClockCheck
+
+
+async def test_the_skew_of_a_clock_on_time_is_within_its_round_trip(pool: asyncpg.Pool) -> None:
+    # The database runs on this machine: the same clock, so the skew is at most half the round trip (plus the
+    # microsecond of the readings).
+    reading = await read_clock_offset(pool)
+    assert 0.0 <= reading.round_trip_s < 1.0
+    assert abs(reading.skew_s) <= reading.round_trip_s / 2 + 0.002
+
+
+@pytest.mark.parametrize("shift_s", [120.0, -120.0])
+async def test_a_shifted_clock_is_measured_logged_and_exported(
+    pool: asyncpg.Pool, migrated: Settings, shift_s: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    check = ClockCheck(pool, migrated.replace(clock_skew_warn_s=1.0), clock=lambda: time.time() + shift_s)
+    with caplog.at_level(logging.INFO, logger="streams.worker.clock"):
+        reading = await check.check()
+    assert reading is not None and abs(reading.skew_s - shift_s) <= reading.round_trip_s / 2 + 0.002
+    assert metrics.CLOCK_SKEW_SECONDS._value.get() == reading.skew_s
+    [record] = [r for r in caplog.records if r.name == "streams.worker.clock"]
+    assert record.levelno == logging.WARNING
+    assert f"{shift_s:+.0f}." in record.getMessage() and "off PostgreSQL's" in record.getMessage()
+
+
+async def test_a_clock_back_within_the_threshold_is_logged_once_at_info(
+    pool: asyncpg.Pool, migrated: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    shift = {"s": 5.0}
+    check = ClockCheck(pool, migrated.replace(clock_skew_warn_s=1.0), clock=lambda: time.time() + shift["s"])
+    with caplog.at_level(logging.INFO, logger="streams.worker.clock"):
+        await check.check()  # 5 s ahead: WARNING
+        shift["s"] = 0.0
+        await check.check()  # back: INFO
+        await check.check()  # still fine: no line
+    levels = [r.levelno for r in caplog.records if r.name == "streams.worker.clock"]
+    assert levels == [logging.WARNING, logging.INFO]
+    assert abs(metrics.CLOCK_SKEW_SECONDS._value.get()) < 0.5
+
