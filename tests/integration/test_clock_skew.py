@@ -11,6 +11,7 @@ import pytest
 from streams import metrics
 from streams.config import Settings
 from streams.ledger.snapshot import read_clock_offset
+from streams.ledger.store import Ledger
 from streams.worker.clock import ClockCheck
 
 
@@ -50,3 +51,19 @@ async def test_a_clock_back_within_the_threshold_is_logged_once_at_info(
     assert levels == [logging.WARNING, logging.INFO]
     assert abs(metrics.CLOCK_SKEW_SECONDS._value.get()) < 0.5
 
+
+async def test_a_poll_claim_is_stamped_on_the_database_clock(
+    pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The poll record's claimed_at_ms comes from the claim's now(), whatever this worker's wall clock says.
+    ledger = Ledger(pool, "skewed")
+    assert await ledger.accept("clock-op", '{"prompt": "x"}', submitted_at_ms=1)
+    fencing = await ledger.claim_for_submit("clock-op")
+    assert fencing is not None and await ledger.save_submitted("clock-op", fencing, "job-clock", 0.0, None)
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 120.0)
+    (poll,) = await ledger.claim_due_polls(10, 60.0)
+    monkeypatch.setattr(time, "time", real_time)
+    claimed_at = await pool.fetchval("SELECT poll_claimed_at FROM operations WHERE operation_id = 'clock-op'")
+    assert poll.claimed_at_ms == int(claimed_at.timestamp() * 1000)
+    assert abs(poll.claimed_at_ms / 1000 - real_time()) < 5.0
