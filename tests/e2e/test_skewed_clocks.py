@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
 
 from streams.clients.submit import SubmissionProducer
-from streams.setup.admin import wait_group_stable
+from streams.config import Settings
+from streams.setup.admin import create_topics, delete_topics, wait_group_stable
 from streams_harness.fleet import Fleet, faketime_env
-from tests.support import SimulatorServer, provider_request, wait_for
+from tests.support import SimulatorServer, provider_request, unique_settings, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -32,12 +35,38 @@ BATCH, BATCH_EVERY_S, OPERATIONS = 10, 2.5, 200
 PAUSE_CAP_S = 5.0
 LEGIT_PAUSE_S = 2.0
 
+#: Partitions of each topic: two for each of the three workers (with fewer, one may get none of generation.polls).
+PARTITIONS = 6
+
 PAUSE_LINE = re.compile(r"every worker's POSTs paused for ([0-9.]+) s, set by (\S+?)[\"\s]")
 
 
+@pytest.fixture
+async def six_partitions(fault_settings: Settings) -> AsyncIterator[Settings]:
+    """The test's settings with topics of :data:`PARTITIONS` partitions of their own."""
+    settings = unique_settings(fault_settings, partitions=PARTITIONS)
+    await create_topics(settings)
+    yield settings
+    await delete_topics(settings)
+
+
+@pytest.fixture
+async def fleet6(six_partitions: Settings, tmp_path: Path) -> AsyncIterator[Fleet]:
+    f = Fleet(six_partitions, tmp_path)
+    yield f
+    f.stop_all()
+
+
+@pytest.fixture
+async def producer6(six_partitions: Settings) -> AsyncIterator[SubmissionProducer]:
+    async with SubmissionProducer(six_partitions) as p:
+        yield p
+
+
 async def test_skewed_workers_poll_alike_and_pause_no_one(
-    fleet: Fleet, sim: SimulatorServer, ledger_pool: asyncpg.Pool, producer: SubmissionProducer
+    fleet6: Fleet, sim: SimulatorServer, ledger_pool: asyncpg.Pool, producer6: SubmissionProducer
 ) -> None:
+    fleet, producer = fleet6, producer6
     await sim.configure(
         compression=1.0,  # jobs of about 3.2 s, poll hints of at most 1 s: the hints decide the GETs
         poll_max_ms=1000,
