@@ -520,6 +520,18 @@ class Settings(ExplicitSettings):
         60.0, description="Longest pause (s) one worker may write into the account's shared rate budget after a 429."
     )
 
+    # The worker's clock against the database's (docs/provider-edges.md, "Time from its source").
+    clock_check_interval_s: Seconds = Field(
+        60.0,
+        description="Seconds between two measurements of this worker's wall clock against PostgreSQL's "
+        "(the first at start); exported as streams_clock_skew_seconds.",
+    )
+    clock_skew_warn_s: Seconds = Field(
+        1.0,
+        description="Skew (s, either way) of this worker's wall clock against PostgreSQL's above which each "
+        "measurement logs a WARNING.",
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -535,6 +547,7 @@ class Settings(ExplicitSettings):
             "redis_connect_timeout_s",
             "web_snapshot_interval_s",
             "web_probe_timeout_s",
+            "clock_check_interval_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"STREAMS_{name.upper()} must be more than 0 seconds")

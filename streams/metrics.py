@@ -167,6 +167,11 @@ DEAD_LETTERS_RETAINED = Gauge(
 SNAPSHOT_TIMESTAMP_SECONDS = Gauge(
     "streams_snapshot_timestamp_seconds", "Unix time of the last snapshot that read the ledger (0 before the first)."
 )
+CLOCK_SKEW_SECONDS = Gauge(
+    "streams_clock_skew_seconds",
+    "This worker's wall clock minus PostgreSQL's (s; positive: ahead), at the last measurement, corrected by half "
+    "the round trip (0 before the first).",
+)
 SNAPSHOT_FAILURES = Counter(
     "streams_snapshot_failures_total", "Snapshots of which a part could not be read (service not answering).", ["part"]
 )
@@ -223,3 +228,5 @@ def preinitialise(consumed_topics: Iterable[str]) -> None:
         DECISION_OLDEST_AGE_SECONDS.labels(decision_state)
     for agent in AGENTS:
         PARTITIONS_BLOCKED.labels(agent)
+    # Unlabelled gauges (streams_clock_skew_seconds, streams_outbox_unpublished, ...) are exported at 0 from
+    # their definition: setting them here would undo a reading when this is called again.

@@ -177,13 +177,22 @@ class Fleet:
         self.command = command or [STREAMS, "worker"]
         self.workers: dict[str, Worker] = {}
 
-    def start(self, name: str | None = None, *, faults: Mapping[str, str] | None = None, **overrides: Any) -> Worker:
+    def start(
+        self,
+        name: str | None = None,
+        *,
+        faults: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+        **overrides: Any,
+    ) -> Worker:
         """Start one more worker named ``name`` (default ``w1``, ``w2``, ...) with the fleet's settings replaced by
         ``overrides`` (:meth:`Settings.replace`). Inherited ``STREAMS_*`` variables are dropped: the worker's
         settings are exactly these, and its log format the default (JSON lines).
 
         ``faults`` (``HARNESS_*`` variable -> value, see :mod:`streams_harness.faults`) runs ``streams worker``
         through ``python -m streams_harness.faults`` with those fault hooks armed, instead of the fleet's command.
+        ``env``: more variables of the process's environment, not settings (e.g. libfaketime's ``LD_PRELOAD`` and
+        ``FAKETIME``, :func:`faketime_env`).
 
         Raises:
             ProcessError: ``name`` is taken by another worker of this fleet.
@@ -193,13 +202,14 @@ class Fleet:
             raise ProcessError(f"a worker named {name!r} was already started in this fleet; give another name")
         settings = self.settings.replace(**overrides) if overrides else self.settings
         port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-        env.update(settings.replace(web_port=port, web_enabled=True).to_env())
-        env.update(faults or {})
+        environment = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        environment.update(settings.replace(web_port=port, web_enabled=True).to_env())
+        environment.update(faults or {})
+        environment.update(env or {})
         command = [sys.executable, "-m", "streams_harness.faults", "worker"] if faults else self.command
         log_path = self.log_dir / f"worker-{name}.log"
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=checkout_dir())
+            proc = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT, cwd=checkout_dir())
         self.workers[name] = Worker(name, proc, port, log_path)
         return self.workers[name]
 
@@ -228,6 +238,22 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 worker.proc.kill()
                 worker.proc.wait()
+
+
+#: libfaketime's library as Debian's ``faketime`` package installs it (``scripts/prod-services`` does).
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
+def faketime_env(shift: str, library: Path = LIBFAKETIME) -> dict[str, str]:
+    """The environment that runs a process with its wall clock shifted by ``shift`` (libfaketime's relative form,
+    e.g. ``+120s``, ``-120s``), its monotonic clock left alone (asyncio's timers, leases and deadlines run on it).
+
+    Raises:
+        ProcessError: ``library`` is missing (``apt-get install -y faketime``).
+    """
+    if not library.exists():
+        raise ProcessError(f"{library} is missing: install Debian's faketime (apt-get install -y faketime)")
+    return {"LD_PRELOAD": str(library), "FAKETIME": shift, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
 
 
 def start_simulator(port: int, log_path: Path, sim_env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -383,7 +383,7 @@ class InMemoryLedger(WaitsOutOutages):
             self._write(
                 op, next_poll_at=now + visibility_timeout_s, poll_claim_id=op.poll_claim_id + 1, poll_claimed=True
             )
-            polls.append(DuePoll(op.operation_id, op.remote_job_id, op.poll_claim_id + 1))
+            polls.append(DuePoll(op.operation_id, op.remote_job_id, op.poll_claim_id + 1, int(now * 1000)))
         return polls
 
     @waits_out_outages("claim observe")

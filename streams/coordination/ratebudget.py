@@ -78,7 +78,8 @@ REFUND_MEMORY_MS = 60_000
 #:   ARGV[3] burst (>= 1). ARGV[4] count: units wanted (``take``) or given back (``refund``).
 #:   ARGV[5] horizon in microseconds (``take``: grant only units that may be sent within it). ARGV[6] pause in
 #:   milliseconds (``pause``; a pause never shortens one already set). ARGV[7] (``refund``) how long KEYS[3]
-#:   is kept, in milliseconds; (``pause``) the record stored as the pause key's value (who set it).
+#:   is kept, in milliseconds; (``pause``) the record stored as the pause key's value (who set it): a non-empty
+#:   JSON object's text, stored with ``"set_at_ms"`` (epoch ms of the Redis clock) added as its last member.
 #: * Returns ``{granted, wait_us, paused, at_us}``. ``take``: ``granted`` units (0..count) with the first one's
 #:   send time ``wait_us`` from now (0 = now); or 0 and the time after which asking again can succeed. ``check``:
 #:   1 when not paused, else 0 and the pause's rest. ``pause``: 0 and the pause in force. ``refund``: count.
@@ -116,7 +117,11 @@ end
 if op == 'pause' then
   local ms = tonumber(ARGV[6])
   if ms > pause_ms then
-    redis.call('SET', KEYS[2], ARGV[7] or '1', 'PX', ms)
+    local record = '1'
+    if ARGV[7] then
+      record = string.sub(ARGV[7], 1, -2) .. ',"set_at_ms":' .. string.format('%d', math.floor(now / 1000)) .. '}'
+    end
+    redis.call('SET', KEYS[2], record, 'PX', ms)
     pause_ms = ms
     if interval > 0 then
       local after = now + ms * 1000 + tau
@@ -317,13 +322,14 @@ class RateBudget:
         Raises:
             CoordinationUnavailableError: Redis did not answer.
         """
-        record = orjson.dumps({"by": self.owner, "pause_s": seconds, "set_at_ms": int(time.time() * 1000)}).decode()
+        record = orjson.dumps({"by": self.owner, "pause_s": seconds}).decode()  # set_at_ms: by the script
         grant = await self._run(kind, "pause", pause_s=seconds, record=record)
         return grant.wait_s
 
     async def pause_record(self, kind: BudgetKind) -> dict[str, Any] | None:
-        """Who set the pause of ``kind`` in force: ``{"by", "pause_s", "set_at_ms"}`` (epoch ms of that worker's
-        clock), None when no pause is in force (or it was set without a record).
+        """Who set the pause of ``kind`` in force: ``{"by", "pause_s", "set_at_ms"}`` (epoch ms of the Redis clock,
+        the one every worker's budget runs on, never a worker's own), None when no pause is in force (or it was set
+        without a record).
 
         Raises:
             redis.exceptions.RedisError: Redis did not answer (an operator's read, not on the call path).

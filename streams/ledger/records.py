@@ -33,11 +33,12 @@ class ClaimBound:
 
 @dataclass(frozen=True)
 class DuePoll:
-    """One poll claimed by the scheduler."""
+    """One poll claimed by the scheduler; ``claimed_at_ms``: when, in epoch ms of the database's clock."""
 
     operation_id: str
     remote_job_id: str
     poll_claim_id: int
+    claimed_at_ms: int
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
 """The ledger's figures of the worker's periodic snapshot (``queries/snapshot.sql``): operations by state with
 the oldest's age, and the outbox backlog with its oldest row's age. Two aggregate statements per call, read-only.
+Also the readiness probe, and the worker's clock measured against the database's (:func:`read_clock_offset`).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import asyncpg
@@ -52,3 +55,41 @@ async def ping(pool: asyncpg.Pool) -> None:
     """
     async with ledger_guard("answer the readiness probe"):
         await SNAPSHOT.ping.fetchval(pool)
+
+
+#: Readings of the database's clock per measurement; the one with the shortest round trip is kept (NTP's rule:
+#: the least delayed sample bounds the error best).
+CLOCK_SAMPLES = 3
+
+
+@dataclass(frozen=True)
+class ClockOffset:
+    """This process's wall clock against PostgreSQL's: ``skew_s`` = local - database (seconds; positive: this
+    clock is ahead), read at the middle of the round trip, so its error is at most ``round_trip_s / 2``."""
+
+    skew_s: float
+    round_trip_s: float
+
+
+async def read_clock_offset(
+    pool: asyncpg.Pool, samples: int = CLOCK_SAMPLES, clock: Callable[[], float] = time.time
+) -> ClockOffset:
+    """Measure ``clock`` (default the wall clock, ``time.time()``, seconds since the epoch) against the database's
+    ``clock_timestamp()``: ``samples`` (>= 1) readings on one connection, the one with the shortest round trip
+    kept, each corrected by half its round trip.
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not answer.
+    """
+    best: ClockOffset | None = None
+    async with ledger_guard("read the database's clock"), pool.acquire() as conn:
+        for _ in range(max(1, samples)):
+            sent = clock()
+            database_s: float = await SNAPSHOT.clock_now.fetchval(conn)
+            answered = clock()
+            round_trip_s = max(0.0, answered - sent)
+            reading = ClockOffset(sent + round_trip_s / 2 - database_s, round_trip_s)
+            if best is None or reading.round_trip_s < best.round_trip_s:
+                best = reading
+    assert best is not None  # at least one sample
+    return best

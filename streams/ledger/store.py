@@ -280,7 +280,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
                 pace_window_s=bound.pace_window_s if bound else 1.0,
                 take_target_s=bound.take_target_s if bound else 0.0,
             )
-        return [DuePoll(r["operation_id"], r["remote_job_id"], r["poll_claim_id"]) for r in rows]
+        return [DuePoll(r["operation_id"], r["remote_job_id"], r["poll_claim_id"], r["claimed_at_ms"]) for r in rows]
 
     @waits_out_outages("read")
     async def get_operation(self, operation_id: str) -> dict[str, Any] | None:

@@ -14,6 +14,9 @@ re-dispatch
 * ``reconcile_lookups`` task (only with ``lookup_enabled``): :class:`~streams.worker.stages.reconciler.Reconciler`, in
 a loop
   of its own, so a slow lookup never delays poll scheduling.
+* ``check_clock`` task: :class:`~streams.worker.clock.ClockCheck` at start and every ``clock_check_interval_s``:
+  this worker's wall clock against PostgreSQL's (``streams_clock_skew_seconds``, a WARNING past
+  ``clock_skew_warn_s``).
 * ``take_snapshots`` task (with ``web_enabled``): :class:`~streams.oncall.snapshot.Snapshotter` every
   ``web_snapshot_interval_s``: the gauges of ``/metrics`` and the live view's figures.
 * Web (``web_bind``:``web_port``): ``GET /metrics`` (Prometheus text), the probes ``GET /livez`` and ``GET /readyz``
@@ -60,6 +63,7 @@ from streams.oncall.liveview import register_pages
 from streams.oncall.snapshot import Snapshot, Snapshotter
 from streams.outages import classify, is_outage
 from streams.retrying import failure_of, first_attempt_plain
+from streams.worker.clock import ClockCheck
 from streams.worker.inflight import InOrderAcks, Ticket
 from streams.worker.partitions import BLOCKED_CHECK_INTERVAL_S, BlockedPartitions, blocked_partitions
 from streams.worker.runtime import MAX_LOGGED_ERROR_CHARS, RawMessage, Runtime
@@ -404,6 +408,12 @@ def create_app(settings: Settings) -> faust.App:
             client = getattr(getattr(app.producer, "_producer", None), "client", None)
             if client is not None:
                 blocked.update(blocked_partitions(client.cluster, produced))
+
+    @app.task
+    async def check_clock() -> None:
+        rt = await runtime()
+        if rt.pool is not None:  # an in-memory ledger has no database clock
+            await ClockCheck(rt.pool, settings).run()
 
     snapshots: dict[str, Snapshotter] = {}
     no_snapshot = Snapshot()

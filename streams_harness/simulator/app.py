@@ -37,7 +37,7 @@ from streams_harness.simulator.model import (
     read_request,
     status_at,
 )
-from streams_harness.simulator.ratelimit import AccountLimiter, retry_after_header
+from streams_harness.simulator.ratelimit import AccountLimiter, dated_retry_after, retry_after_header
 
 logger = logging.getLogger("streams_harness.simulator")
 
@@ -347,7 +347,9 @@ def _over_limit(sim: Simulator, request: web.Request, method: str) -> web.Respon
     return _json(
         {"error": {"code": "rate_limited", "message": f"account limit of {rate:g} {method} requests/s exceeded"}},
         status=429,
-        headers={"Retry-After": retry_after_header(wait_s)},
+        headers=dated_retry_after(time.time(), wait_s)
+        if cfg.retry_after_dates
+        else {"Retry-After": retry_after_header(wait_s)},
     )
 
 
@@ -524,7 +526,10 @@ async def get_generation(request: web.Request) -> web.Response:
             else:
                 data["error"] = {"code": "generation_failed", "message": "simulated generation failure"}
                 data["refund"] = {"id": job.refund_id, "amount": job.charge_amount, "currency": job.currency}
-        return _json(data, headers={"Retry-After": cfg.retry_after_header} if cfg.retry_after_header else None)
+        headers = {"Retry-After": cfg.retry_after_header} if cfg.retry_after_header else None
+        if cfg.retry_after_dates:  # the poll hint as a date on this server's clock, with the Date it is read against
+            headers = dated_retry_after(now, data["poll_after_ms"] / 1000.0)
+        return _json(data, headers=headers)
     finally:
         job.gets_in_flight -= 1
 

@@ -71,6 +71,11 @@ class SimulatorConfig(ExplicitSettings):
     retry_after_header: str = _f(
         "", "If set: the Retry-After header, verbatim, on every GET answer and every 429 (replaces retry_after_s)."
     )
+    retry_after_dates: bool = _f(
+        False,
+        "Retry-After as an HTTP-date with the answer's Date (RFC 9110 10.2.3) on every 429 of the per-account limit "
+        "and, as the poll hint, on every GET answer (rounded up to whole seconds); else delay-seconds on 429s only.",
+    )
     output_extra_json: str = _f(
         "", 'If set: raw JSON members spliced verbatim into every output, e.g. {"seed": 18446744073709551616}.'
     )

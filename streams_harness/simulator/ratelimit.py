@@ -8,6 +8,7 @@ token is back) and counted. Like a provider, the bucket counts every authenticat
 
 from __future__ import annotations
 
+import email.utils
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,6 +42,18 @@ class TokenBucket:
 def retry_after_header(wait_s: float) -> str:
     """``Retry-After`` delay-seconds for a wait of ``wait_s`` seconds: a whole number, rounded up, at least 1."""
     return str(max(1, math.ceil(wait_s)))
+
+
+def dated_retry_after(now_s: float, wait_s: float) -> dict[str, str]:
+    """``Date`` and an HTTP-date ``Retry-After`` (RFC 9110 10.2.3, both on this server's clock) for a wait of
+    ``wait_s`` seconds from ``now_s`` (epoch seconds): ``Date`` is ``now_s`` cut to the second, ``Retry-After``
+    that plus the wait rounded up to a whole second, at least 1 s."""
+    sent_s = math.floor(now_s)
+    after_s = sent_s + max(1, math.ceil(now_s + wait_s - sent_s))
+    return {
+        "Date": email.utils.formatdate(sent_s, usegmt=True),
+        "Retry-After": email.utils.formatdate(after_s, usegmt=True),
+    }
 
 
 @dataclass

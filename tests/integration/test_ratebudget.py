@@ -248,16 +248,24 @@ async def test_many_tasks_of_several_workers_never_exceed_the_budget(settings: S
 
 
 async def test_a_pause_one_worker_shares_is_capped_and_says_who_set_it(
-    client: aioredis.Redis, settings: Settings
+    client: aioredis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A 429 whose Retry-After says 120 s (or a date misread through a skewed clock): the account's shared pause
-    # is at most remote_shared_pause_cap_s, and its record names the worker that set it.
+    # is at most remote_shared_pause_cap_s, and its record names the worker that set it, set by a worker whose
+    # wall clock is 120 s ahead.
     capped = RateBudget(client, settings.replace(remote_shared_pause_cap_s=2.0), owner="worker-a")
+    before_s, before_us = await client.time()
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 120.0)
     await capped.note_rate_limited(BudgetKind.GET, 120.0)
+    monkeypatch.setattr(time, "time", real_time)
+    after_s, after_us = await client.time()
     pause_ms = await client.pttl(budget_key(settings, "GET", "pause"))
     assert 0 < pause_ms <= 2000
     record = await capped.pause_record(BudgetKind.GET)
     assert record is not None and (record["by"], record["pause_s"]) == ("worker-a", 2.0)
+    # When it was set is on the Redis clock (TIME), the one every worker's budget runs on, not worker-a's own.
+    assert (before_s * 1000 + before_us // 1000) <= record["set_at_ms"] <= (after_s * 1000 + after_us // 1000)
     other = RateBudget(client, settings, owner="worker-b")
     grant = await other.check(BudgetKind.GET)  # every worker sees the same, capped pause
     assert grant.granted == 0 and 0 < grant.wait_s <= 2.0

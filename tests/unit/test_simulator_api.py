@@ -15,7 +15,9 @@ import httpx
 import pytest
 from aiohttp.test_utils import TestServer
 
+from streams.remote.client import parse_retry_after_s
 from streams_harness.simulator import SimulatorConfig, get_simulator, make_app
+from streams_harness.simulator.ratelimit import dated_retry_after
 
 AUTH = {"Authorization": "Bearer test-token"}
 
@@ -568,3 +570,25 @@ async def test_per_account_limit_is_off_by_default(start_sim: Factory) -> None:
     ]
     assert codes == [201] * 20
     assert (await _summary(client))["rate_limit_429s"] == {"POST": 0, "GET": 0}
+
+
+def test_a_dated_retry_after_is_whole_seconds_from_its_own_date() -> None:
+    headers = dated_retry_after(1_700_000_000.4, 2.3)  # 2.3 s from .4: 2.7 s after the second, rounded up to 3
+    assert headers == {"Date": "Tue, 14 Nov 2023 22:13:20 GMT", "Retry-After": "Tue, 14 Nov 2023 22:13:23 GMT"}
+    assert dated_retry_after(1_700_000_000.0, 0.01)["Retry-After"] == "Tue, 14 Nov 2023 22:13:21 GMT"  # >= 1 s
+
+
+async def test_retry_after_dates_on_429s_and_get_answers_read_against_their_date(start_sim: Factory) -> None:
+    client = await start_sim(rate_limit_post_per_s=0.5, rate_limit_burst=1, retry_after_dates=True, compression=0.1)
+    created, limited = [await client.post("/v1/generations", json=_body(f"op-d{i}"), headers=AUTH) for i in range(2)]
+    assert (created.status_code, limited.status_code) == (201, 429)
+    # A worker reads the date against the answer's Date, whatever its own clock says (here 1 to 2 s of a 0.5/s
+    # limit's 2 s wait, rounded to whole seconds).
+    wait_s = parse_retry_after_s(limited.headers["Retry-After"], date=limited.headers["Date"])
+    assert wait_s is not None and 1.0 <= wait_s <= 3.0
+    answer = await client.get(f"/v1/generations/{created.json()['id']}", headers=AUTH)
+    hint_s = parse_retry_after_s(answer.headers["Retry-After"], date=answer.headers["Date"])
+    assert (
+        hint_s is not None
+        and answer.json()["poll_after_ms"] / 1000 <= hint_s <= answer.json()["poll_after_ms"] / 1000 + 1
+    )

@@ -165,7 +165,8 @@ RETURNING o.operation_id;
 -- most the larger of :least_in_flight and the polls observers took in the last :pace_window_s seconds scaled to
 -- :take_target_s seconds.
 -- :batch_size, :visibility_timeout_s visibility timeout (s), :least_in_flight (polls; NULL: no bound),
--- :pace_window_s (s), :take_target_s (s). Returns operation_id, remote_job_id, poll_claim_id.
+-- :pace_window_s (s), :take_target_s (s). Returns operation_id, remote_job_id, poll_claim_id and claimed_at_ms (the
+-- claim's now(), epoch ms of the database's clock: the poll record's claimed_at_ms, never a worker's own clock).
 WITH flow AS (
     SELECT (SELECT count(*) FROM operations
             WHERE poll_taken_at > now() - make_interval(secs => :pace_window_s)) AS taken,
@@ -186,7 +187,7 @@ FROM (SELECT operation_id FROM operations
                       FROM flow), :batch_size)
       FOR UPDATE SKIP LOCKED) AS due
 WHERE o.operation_id = due.operation_id
-RETURNING o.operation_id, o.remote_job_id, o.poll_claim_id;
+RETURNING o.operation_id, o.remote_job_id, o.poll_claim_id, floor(extract(epoch FROM now()) * 1000)::bigint AS claimed_at_ms;
 
 -- name: get_operation
 -- :operation_id. One row or none; request is the JSON text as submitted.

@@ -20,3 +20,9 @@ WHERE published_at IS NULL;
 -- name: ping
 -- Whether PostgreSQL answers (the readiness probe). Returns 1.
 SELECT 1;
+
+-- name: clock_now
+-- The database's wall clock at the moment the statement runs (clock_timestamp(), not the transaction's now()),
+-- in seconds since the Unix epoch with microseconds: what a worker measures its own clock against
+-- (streams.ledger.snapshot.read_clock_offset). Returns one float8.
+SELECT extract(epoch FROM clock_timestamp())::float8;

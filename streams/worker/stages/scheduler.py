@@ -99,7 +99,6 @@ class PollScheduler:
         if not polls:
             return 0
         metrics.POLLS_CLAIMED.inc(len(polls))
-        now_ms = int(time.time() * 1000)
         topic = rt.settings.topic("polls")
         results = await rt.send_all(
             [
@@ -111,7 +110,7 @@ class PollScheduler:
                             "operation_id": p.operation_id,
                             "remote_job_id": p.remote_job_id,
                             "poll_claim_id": p.poll_claim_id,
-                            "claimed_at_ms": now_ms,
+                            "claimed_at_ms": p.claimed_at_ms,  # the database's clock, not this worker's
                         }
                     ),
                 )
