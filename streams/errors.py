@@ -313,9 +313,7 @@ class RemoteRateLimitedError(RemoteRefusedError):
         self, operation_id: str, retry_after_s: float, *, status_code: int = 429, code: str = "rate_limited"
     ) -> None:
         what = "rate limited" if status_code == 429 else f"throttled (HTTP {status_code} {code})"
-        super().__init__(
-            operation_id, f"{what}, retry after {retry_after_s:.3f} s", status_code=status_code, code=code
-        )
+        super().__init__(operation_id, f"{what}, retry after {retry_after_s:.3f} s", status_code=status_code, code=code)
         self.retry_after_s = retry_after_s
 
 

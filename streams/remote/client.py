@@ -458,6 +458,8 @@ class RemoteClient:
             the aiohttp transport enforces its own, set from the same setting by :func:`make_http_client`).
         throttled_codes: ``error.code`` values of a 4xx answer that mean "throttled" (a concurrency limit), read
             like a 429 (``Settings.remote_throttled_codes``).
+        output_ttl_s: how long an output stays fetchable after completion when the answer does not say
+            (``Settings.remote_output_ttl_s``; 0: unknown).
     """
 
     def __init__(
@@ -469,9 +471,11 @@ class RemoteClient:
         traced: bool = False,
         max_answer_bytes: int = DEFAULT_ANSWER_MAX_BYTES,
         throttled_codes: frozenset[str] = frozenset(),
+        output_ttl_s: float = 0.0,
     ) -> None:
         self.http = http
         self.throttled_codes = throttled_codes
+        self.output_ttl_s = output_ttl_s
         self.model = model
         self.call_deadline_s = call_deadline_s
         self.traced = traced
@@ -499,6 +503,7 @@ class RemoteClient:
             traced=transport is None,
             max_answer_bytes=settings.remote_answer_max_bytes,
             throttled_codes=settings.remote_throttled_code_set,
+            output_ttl_s=settings.remote_output_ttl_s,
         )
 
     async def aclose(self) -> None:
@@ -663,7 +668,7 @@ class RemoteClient:
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise RemoteTransientError(operation_id, f"GET {job_id} failed ({type(exc).__name__}: {exc})") from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
-        return parse_job_answer(operation_id, job_id, response, duration_ms, self.throttled_codes)
+        return parse_job_answer(operation_id, job_id, response, duration_ms, self.throttled_codes, self.output_ttl_s)
 
     async def lookup(self, operation_id: str) -> list[LookupJob]:
         """The jobs the provider lists for client reference ``operation_id`` (``GET /v1/generations?
@@ -743,9 +748,11 @@ def parse_job_answer(
     response: httpx.Response,
     duration_ms: float,
     throttled_codes: frozenset[str] = frozenset(),
+    output_ttl_s: float = 0.0,
 ) -> JobSnapshot:
     """Classify one answer to ``GET /v1/generations/{job_id}`` (see :meth:`RemoteClient.observe`); a 4xx whose
-    ``error.code`` is in ``throttled_codes`` is read like a 429.
+    ``error.code`` is in ``throttled_codes`` is read like a 429. Each output's expiry is read by
+    :func:`output_expiries_ms` (``output_ttl_s``: the default after completion, 0 = none).
 
     Every number of the answer is read exactly (:mod:`streams.wire.exactjson`): outputs carry big integers and long
     fractions unchanged. A 200 with ``NaN``/``Infinity`` or a number too long to carry is a contract violation
@@ -822,4 +829,30 @@ def parse_job_answer(
         duration_ms=duration_ms,
         charge=charge if isinstance(charge, dict) else None,
         refund=refund if isinstance(refund, dict) else None,
+        output_expires_at_ms=output_expiries_ms(operation_id, body, outputs, completed_at_ms, output_ttl_s),
     )
+
+
+def output_expiries_ms(
+    operation_id: str,
+    body: dict[str, Any],
+    outputs: list[dict[str, Any]],
+    completed_at_ms: int | None,
+    output_ttl_s: float,
+) -> tuple[int | None, ...]:
+    """When each output stops being fetchable (epoch ms): the output's ``expires_at``, else the answer's, read like
+    ``completed_at`` (:func:`read_completed_at_ms`: unix seconds or ms, or an RFC 3339 date-time); else
+    ``completed_at_ms`` (the worker's clock when absent) + ``output_ttl_s`` when that is above 0; else None. An
+    unreadable ``expires_at`` is logged and counts as absent."""
+    default_ms: int | None = None
+    if output_ttl_s > 0:
+        default_ms = (completed_at_ms or int(time.time() * 1000)) + round(output_ttl_s * 1000)
+    job_ms = _expiry_ms(operation_id, body.get("expires_at"))
+    return tuple(_expiry_ms(operation_id, o.get("expires_at")) or job_ms or default_ms for o in outputs)
+
+
+def _expiry_ms(operation_id: str, value: Any) -> int | None:
+    ms, problem = read_completed_at_ms(value)
+    if problem is not None:
+        log.warning("operation %s: expires_at %s", operation_id, problem.removeprefix("completed_at "))
+    return ms

@@ -391,7 +391,7 @@ def _over_concurrency(sim: Simulator, request: web.Request, model: str) -> web.R
     )
 
 
-def _outputs(job: JobRecord, extra_json: str = "") -> list[Any]:
+def _outputs(job: JobRecord, extra_json: str = "", output_ttl_s: float = 0.0) -> list[Any]:
     """The job's outputs; ``extra_json`` (raw object text) is spliced into each one verbatim, so an answer can
     carry numbers no Python float or orjson int holds (``2**64``, ``NaN``) exactly as written."""
     outputs: list[Any] = [
@@ -400,6 +400,7 @@ def _outputs(job: JobRecord, extra_json: str = "") -> list[Any]:
             "index": i,
             "tokens": job.generated_tokens,
             "text": f"simulated output {i} of {job.job_id} ({job.generated_tokens} tokens)",
+            **({"expires_at": job.completed_at + output_ttl_s} if output_ttl_s > 0 else {}),
         }
         for i in range(job.outputs)
     ]
@@ -565,7 +566,7 @@ async def get_generation(request: web.Request) -> web.Response:
             if job.first_terminal_get_at is None:
                 job.first_terminal_get_at = now
             if answered == "succeeded":
-                data["outputs"] = _outputs(job, cfg.output_extra_json)
+                data["outputs"] = _outputs(job, cfg.output_extra_json, cfg.output_ttl_s)
             else:
                 data["error"] = {"code": "generation_failed", "message": "simulated generation failure"}
                 data["refund"] = {"id": job.refund_id, "amount": job.charge_amount, "currency": job.currency}

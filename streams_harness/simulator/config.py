@@ -107,6 +107,7 @@ class SimulatorConfig(ExplicitSettings):
     concurrency_limit_per_model: int = _f(
         0, "Jobs of one account and model queued or running at once (0 = off); over it: the throttled answer."
     )
+    output_ttl_s: float = _f(0.0, "If above 0: each output carries expires_at = completion + this (unix s).")
     throttled_status: int = _f(400, "HTTP status of the throttled answer (the concurrency limit's refusal).")
     throttled_code: str = _f("THROTTLED", "error.code of the throttled answer (with Retry-After: retry_after_s).")
     access_log: bool = _f(False, "Log every request (slows the server down).")
