@@ -532,6 +532,37 @@ class Settings(ExplicitSettings):
         "measurement logs a WARNING.",
     )
 
+    # Concurrency budget and output expiry (docs/budgets-and-expiry.md). Jobs running at once at the provider are
+    # counted in Redis per account and per model (streams/coordination/running.py), each slot tied to its operation
+    # id with a TTL refreshed by every GET of the job; 0 = no limit. Throttled answers are 4xx answers whose
+    # error.code is listed, treated like a 429.
+    remote_account_max_running: Count = Field(
+        0, description="Jobs of the account running at the provider at once, for every worker together (0: no limit)."
+    )
+    remote_model_max_running: Count = Field(
+        0, description="Jobs of one model running at the provider at once, for every worker together (0: no limit)."
+    )
+    remote_running_slot_ttl_s: Seconds = Field(
+        300.0,
+        description="How long a running-job slot lasts without a GET of its job (s): a worker that dies mid-job "
+        "frees its slots after it; longer than the longest delay between two polls.",
+    )
+    remote_throttled_codes: str = Field(
+        "THROTTLED",
+        description="Comma-separated error.code values of a 4xx answer that mean throttled (treated like a 429: "
+        "retried after Retry-After, every worker's calls of that kind paused); empty: none.",
+    )
+    remote_output_ttl_s: Seconds = Field(
+        0.0,
+        description="How long the provider keeps an output fetchable after its job completed (s), when the answer "
+        "gives no expires_at (0: unknown, no expiry carried).",
+    )
+    output_expiry_margin_s: Seconds = Field(
+        600.0,
+        description="An output delivered with less than this left before its expiry (s) is counted, logged and "
+        "alerted on (streams_outputs_near_expiry_total).",
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -569,6 +600,13 @@ class Settings(ExplicitSettings):
                 "STREAMS_VISIBILITY_TIMEOUT_S must be at least the lease TTL "
                 f"({self.lease_ttl_ms} ms), or a paused worker's poll returns while its lease still holds"
             )
+        slowest_poll_s = self.poll_backoff_cap_s + self.lease_ttl_s
+        if self.remote_running_slot_ttl_s <= slowest_poll_s:
+            raise ValueError(
+                f"STREAMS_REMOTE_RUNNING_SLOT_TTL_S ({self.remote_running_slot_ttl_s}) must exceed the longest delay "
+                f"between two polls of a job ({slowest_poll_s:.0f} s: STREAMS_POLL_BACKOFF_CAP_S + the lease TTL), "
+                "or a running job's slot would lapse between its GETs"
+            )
         refusal = _services_refusal(self)
         if refusal is not None:
             raise ValueError(refusal)
@@ -578,6 +616,11 @@ class Settings(ExplicitSettings):
     def web_allowed_host_names(self) -> frozenset[str]:
         """:attr:`web_allowed_hosts` as lower-case host names (``*`` when any host is answered)."""
         return frozenset(h.strip().lower() for h in self.web_allowed_hosts.split(",") if h.strip())
+
+    @property
+    def remote_throttled_code_set(self) -> frozenset[str]:
+        """:attr:`remote_throttled_codes` as a set of error codes (compared exactly)."""
+        return frozenset(c.strip() for c in self.remote_throttled_codes.split(",") if c.strip())
 
     @functools.cached_property
     def topics(self) -> dict[str, str]:

@@ -304,14 +304,16 @@ class RemoteRefusedError(RemoteError):
 
 
 class RemoteRateLimitedError(RemoteRefusedError):
-    """HTTP 429: nothing was created; retry after ``retry_after_s`` seconds."""
+    """HTTP 429, or a 4xx whose ``error.code`` is one of ``remote_throttled_codes`` (a provider's "throttled"):
+    nothing was created; retry after ``retry_after_s`` seconds."""
 
     outcome: ClassVar[RemoteCallOutcome] = RemoteCallOutcome.RATE_LIMITED
 
-    def __init__(self, operation_id: str, retry_after_s: float) -> None:
-        super().__init__(
-            operation_id, f"rate limited, retry after {retry_after_s:.3f} s", status_code=429, code="rate_limited"
-        )
+    def __init__(
+        self, operation_id: str, retry_after_s: float, *, status_code: int = 429, code: str = "rate_limited"
+    ) -> None:
+        what = "rate limited" if status_code == 429 else f"throttled (HTTP {status_code} {code})"
+        super().__init__(operation_id, f"{what}, retry after {retry_after_s:.3f} s", status_code=status_code, code=code)
         self.retry_after_s = retry_after_s
 
 

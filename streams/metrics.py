@@ -121,6 +121,18 @@ BUDGET_PAUSES = Counter(
     "429 answers whose Retry-After paused every worker's calls of that kind (POST, GET).",
     ["kind"],
 )
+RUNNING_SLOT_WAITS = Counter(
+    "streams_running_slot_waits_total",
+    "Submissions that waited for a running-job slot of the account or of their model (the concurrency budget).",
+)
+RUNNING_SLOT_WAIT_SECONDS = Counter(
+    "streams_running_slot_wait_seconds_total", "Seconds submissions waited for a running-job slot."
+)
+OUTPUTS_NEAR_EXPIRY = Counter(
+    "streams_outputs_near_expiry_total",
+    "Outputs published to generation.outputs.delivered with less than STREAMS_OUTPUT_EXPIRY_MARGIN_S left before "
+    "their expires_at_ms (already expired included).",
+)
 
 # Secured and replicated Kafka (docs/production-services.md).
 SUBMISSION_RESENDS = Counter(

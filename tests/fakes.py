@@ -458,6 +458,8 @@ class InMemoryLedger(WaitsOutOutages):
                     "remote_completed_at_ms": snapshot.completed_at_ms,
                     "recorded_at_ms": int(time.time() * 1000),
                 }
+                if snapshot.expires_at_ms(out["position"]) is not None:
+                    payload["expires_at_ms"] = snapshot.expires_at_ms(out["position"])
                 row = OutboxRow(next(self._ids), event_id, "outputs_delivered", operation_id, out["output_id"], payload)
                 self.outbox.append(row)
 
@@ -697,6 +699,7 @@ class InMemoryLedger(WaitsOutOutages):
                     "topic_role": r.topic_role,
                     "operation_id": r.operation_id,
                     "payload": exactjson.dumps(r.payload).decode(),
+                    "expires_at_ms": r.payload.get("expires_at_ms"),
                 }
                 for r in batch
             ]

@@ -393,7 +393,7 @@ class RateBudget:
             Anything ``keep_alive`` raises (e.g. :class:`~streams.errors.LeaseLostError`): the wait is abandoned.
         """
         started = time.monotonic()
-        sleeper = _KeptAliveSleep(keep_alive, keep_alive_every_s)
+        sleeper = KeptAliveSleep(keep_alive, keep_alive_every_s)
         waited = False
         try:
             while True:
@@ -419,7 +419,7 @@ class RateBudget:
                 metrics.BUDGET_WAIT_SECONDS.labels(kind.value).inc(time.monotonic() - started)
 
 
-class _KeptAliveSleep:
+class KeptAliveSleep:
     """Sleeps of one wait, calling ``keep_alive`` every ``every_s`` seconds of the whole wait (not of each sleep:
     a wait made of many short sleeps keeps the caller alive too)."""
 

@@ -41,7 +41,6 @@ def _json_text(value: Any) -> str:
     return exactjson.dumps(value).decode()
 
 
-
 def _inserted(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
     """``accept``: True for each operation inserted now (its row came back), False for a replay."""
     inserted = {row["operation_id"] for row in rows}
@@ -325,7 +324,10 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         reason = None
         if new is OperationState.FAILED and snapshot.error:
             reason = clean_text(f"remote job failed: {exactjson.dumps(snapshot.error).decode()}")
-        outputs = [{"output_id": str(o["id"]), "position": i, "payload": o} for i, o in enumerate(snapshot.outputs)]
+        outputs = [
+            {"output_id": str(o["id"]), "position": i, "payload": o, "expires_at_ms": snapshot.expires_at_ms(i)}
+            for i, o in enumerate(snapshot.outputs)
+        ]
         request = (
             operation_id,
             fencing_token,

@@ -46,7 +46,9 @@ class JobSnapshot:
     time (epoch ms) when terminal and readable, else None with ``completed_at_problem`` saying why
     (:func:`read_completed_at_ms`). ``charge`` and ``refund`` are the provider's objects as it sent them
     (``{"id", "amount", "currency"}`` in the simulator's dialect), or None; the ledger's accounting records
-    them, nothing else interprets them.
+    them, nothing else interprets them. ``output_expires_at_ms`` holds, per output, when the provider stops
+    serving it (epoch ms; the output's ``expires_at``, else the answer's, else completion + ``remote_output_ttl_s``),
+    None where unknown.
     """
 
     job_id: str
@@ -61,6 +63,11 @@ class JobSnapshot:
     completed_at_problem: str | None = None
     charge: dict[str, Any] | None = None
     refund: dict[str, Any] | None = None
+    output_expires_at_ms: tuple[int | None, ...] = ()
+
+    def expires_at_ms(self, position: int) -> int | None:
+        """When output ``position`` stops being fetchable at the provider (epoch ms), None when unknown."""
+        return self.output_expires_at_ms[position] if position < len(self.output_expires_at_ms) else None
 
     def as_observation(self) -> dict[str, Any]:
         """The JSON saved as the operation's ``last_observation`` (with ``completed_at_problem`` when set)."""

@@ -7,7 +7,8 @@ what happened                                   result                          
 =============================================== ================================== =====================
 2xx with ``id``                                 :class:`SubmitResult` (created)    --
 502 with ``error.job_id``                       :class:`SubmitResult` (created)    --
-429                                             :class:`RemoteRateLimitedError`    yes, after Retry-After
+429, or a 4xx whose ``error.code`` is one of   :class:`RemoteRateLimitedError`    yes, after Retry-After
+``remote_throttled_codes`` (throttled)
 other 4xx (400, 401, 403, 409, 422, ...)        :class:`RemoteRefusedError`        no (ends ``rejected``)
 connection refused / not established / no       :class:`RemoteNotSentError`        yes (nothing was sent)
 pooled connection free (no byte sent)
@@ -455,6 +456,10 @@ class RemoteClient:
             whether a request was sent when the deadline struck; False for injected transports.
         max_answer_bytes: most bytes of one answer's body read, decoded (``Settings.remote_answer_max_bytes``;
             the aiohttp transport enforces its own, set from the same setting by :func:`make_http_client`).
+        throttled_codes: ``error.code`` values of a 4xx answer that mean "throttled" (a concurrency limit), read
+            like a 429 (``Settings.remote_throttled_codes``).
+        output_ttl_s: how long an output stays fetchable after completion when the answer does not say
+            (``Settings.remote_output_ttl_s``; 0: unknown).
     """
 
     def __init__(
@@ -465,8 +470,12 @@ class RemoteClient:
         call_deadline_s: float = DEFAULT_CALL_DEADLINE_S,
         traced: bool = False,
         max_answer_bytes: int = DEFAULT_ANSWER_MAX_BYTES,
+        throttled_codes: frozenset[str] = frozenset(),
+        output_ttl_s: float = 0.0,
     ) -> None:
         self.http = http
+        self.throttled_codes = throttled_codes
+        self.output_ttl_s = output_ttl_s
         self.model = model
         self.call_deadline_s = call_deadline_s
         self.traced = traced
@@ -493,6 +502,8 @@ class RemoteClient:
             call_deadline_s=settings.remote_call_deadline_s,
             traced=transport is None,
             max_answer_bytes=settings.remote_answer_max_bytes,
+            throttled_codes=settings.remote_throttled_code_set,
+            output_ttl_s=settings.remote_output_ttl_s,
         )
 
     async def aclose(self) -> None:
@@ -616,6 +627,8 @@ class RemoteClient:
             raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
         if 400 <= status < 500:
             code = clean_text(str(error.get("code", f"http_{status}")), 80)
+            if code in self.throttled_codes:
+                raise throttled(operation_id, response, code)
             message = clean_text(str(error.get("message", response.reason_phrase)), 500)
             raise RemoteRefusedError(
                 operation_id, f"refused with HTTP {status} {code}: {message}", status_code=status, code=code
@@ -655,7 +668,7 @@ class RemoteClient:
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise RemoteTransientError(operation_id, f"GET {job_id} failed ({type(exc).__name__}: {exc})") from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
-        return parse_job_answer(operation_id, job_id, response, duration_ms)
+        return parse_job_answer(operation_id, job_id, response, duration_ms, self.throttled_codes, self.output_ttl_s)
 
     async def lookup(self, operation_id: str) -> list[LookupJob]:
         """The jobs the provider lists for client reference ``operation_id`` (``GET /v1/generations?
@@ -713,8 +726,33 @@ class RemoteClient:
         return sorted(jobs, key=lambda j: (j.created_at_ms is None, j.created_at_ms or 0, j.job_id))
 
 
-def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, duration_ms: float) -> JobSnapshot:
-    """Classify one answer to ``GET /v1/generations/{job_id}`` (see :meth:`RemoteClient.observe`).
+def throttled(operation_id: str, response: httpx.Response, code: str) -> RemoteRateLimitedError:
+    """A 4xx answer whose ``error.code`` ``code`` means "throttled", read like a 429: retry after its
+    ``Retry-After`` (:data:`RATE_LIMITED_FALLBACK_S` without a readable one)."""
+    retry_after = retry_after_s(response)
+    wait_s = RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after
+    return RemoteRateLimitedError(operation_id, wait_s, status_code=response.status_code, code=code)
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    """The answer's ``error.code`` as text, None when it has none."""
+    body, _ = _read_json(response)
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return clean_text(str(code), 80) if code is not None else None
+
+
+def parse_job_answer(
+    operation_id: str,
+    job_id: str,
+    response: httpx.Response,
+    duration_ms: float,
+    throttled_codes: frozenset[str] = frozenset(),
+    output_ttl_s: float = 0.0,
+) -> JobSnapshot:
+    """Classify one answer to ``GET /v1/generations/{job_id}`` (see :meth:`RemoteClient.observe`); a 4xx whose
+    ``error.code`` is in ``throttled_codes`` is read like a 429. Each output's expiry is read by
+    :func:`output_expiries_ms` (``output_ttl_s``: the default after completion, 0 = none).
 
     Every number of the answer is read exactly (:mod:`streams.wire.exactjson`): outputs carry big integers and long
     fractions unchanged. A 200 with ``NaN``/``Infinity`` or a number too long to carry is a contract violation
@@ -730,6 +768,10 @@ def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, d
     if status == 429:
         retry_after = retry_after_s(response)
         raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
+    if throttled_codes and 400 <= status < 500:
+        code = _error_code(response)
+        if code is not None and code in throttled_codes:
+            raise throttled(operation_id, response, code)
     if status != 200:
         raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP {status}", status_code=status)
     body, unreadable = _read_json(response)
@@ -787,4 +829,30 @@ def parse_job_answer(operation_id: str, job_id: str, response: httpx.Response, d
         duration_ms=duration_ms,
         charge=charge if isinstance(charge, dict) else None,
         refund=refund if isinstance(refund, dict) else None,
+        output_expires_at_ms=output_expiries_ms(operation_id, body, outputs, completed_at_ms, output_ttl_s),
     )
+
+
+def output_expiries_ms(
+    operation_id: str,
+    body: dict[str, Any],
+    outputs: list[dict[str, Any]],
+    completed_at_ms: int | None,
+    output_ttl_s: float,
+) -> tuple[int | None, ...]:
+    """When each output stops being fetchable (epoch ms): the output's ``expires_at``, else the answer's, read like
+    ``completed_at`` (:func:`read_completed_at_ms`: unix seconds or ms, or an RFC 3339 date-time); else
+    ``completed_at_ms`` (the worker's clock when absent) + ``output_ttl_s`` when that is above 0; else None. An
+    unreadable ``expires_at`` is logged and counts as absent."""
+    default_ms: int | None = None
+    if output_ttl_s > 0:
+        default_ms = (completed_at_ms or int(time.time() * 1000)) + round(output_ttl_s * 1000)
+    job_ms = _expiry_ms(operation_id, body.get("expires_at"))
+    return tuple(_expiry_ms(operation_id, o.get("expires_at")) or job_ms or default_ms for o in outputs)
+
+
+def _expiry_ms(operation_id: str, value: Any) -> int | None:
+    ms, problem = read_completed_at_ms(value)
+    if problem is not None:
+        log.warning("operation %s: expires_at %s", operation_id, problem.removeprefix("completed_at "))
+    return ms

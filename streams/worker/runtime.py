@@ -25,6 +25,7 @@ from streams import metrics
 from streams.config import Settings
 from streams.coordination.lease import Lease, LeaseManager, redis_for
 from streams.coordination.ratebudget import RateBudget
+from streams.coordination.running import RunningSlots
 from streams.errors import (
     CoordinationUnavailableError,
     DeadLetterError,
@@ -117,6 +118,8 @@ class Runtime:
         self.worker = worker
         # the provider account's rate budget, on the same Redis and through the same coalescing stage
         self.budget = RateBudget(leases.client, settings, stage=leases.stage, owner=worker)
+        # the account's and models' running-job slots (the concurrency budget), likewise
+        self.running = RunningSlots(leases.client, settings, stage=leases.stage)
         # the pipeline's statements wait out PostgreSQL outages inside the ledger, counted and logged here
         waiting = OutageWait(retry_cap_s=settings.coordination_retry_cap_s, on_retry=self._on_ledger_retry)
         ledger.wait_out_outages(waiting)

@@ -78,6 +78,7 @@ class JobRecord:
         currency: the currency of charge and refund.
         gets_not_found: GETs answered 404 (inside the not-found window).
         regressed_gets: GETs answered ``queued`` while the job was running.
+        account: the account (bearer token) that created it: its concurrency limit counts it until it is terminal.
     """
 
     job_id: str
@@ -104,6 +105,7 @@ class JobRecord:
     currency: str = "USD"
     gets_not_found: int = 0
     regressed_gets: int = 0
+    account: str = ""
 
     def status(self, now: float) -> JobStatus:
         """Status at unix time ``now`` (a ``never_finishes`` job stays ``running``)."""
@@ -186,6 +188,9 @@ class JobRegistry:
         self.faults_injected: Counter[str] = Counter()
         self.posts_by_status: Counter[int] = Counter()
         self.lookups = 0
+        self.active: set[str] = set()  # ids of the jobs not terminal when last counted
+        self.concurrency_throttled = 0
+        self.max_active_jobs = 0
 
     def clear(self) -> None:
         """Forget everything (``POST /_sim/reset``)."""
@@ -209,9 +214,21 @@ class JobRegistry:
             if body is not None:
                 op.bodies.append(body.decode("utf-8", "replace"))
 
+    def active_jobs(self, account: str, model: str, now: float) -> tuple[int, int]:
+        """Jobs of ``account`` queued or running at ``now``, and of those the ones of ``model`` (terminal jobs are
+        dropped from the count for good)."""
+        for job_id in [j for j in self.active if self.jobs[j].status(now) in ("succeeded", "failed")]:
+            self.active.discard(job_id)
+        mine = [self.jobs[j] for j in self.active if self.jobs[j].account == account]
+        return len(mine), sum(1 for j in mine if j.model == model)
+
     def add_job(self, job: JobRecord) -> None:
         """Store a newly created job and link it to its operation."""
         self.jobs[job.job_id] = job
+        self.active.add(job.job_id)
+        self.max_active_jobs = max(
+            self.max_active_jobs, sum(1 for j in self.active if self.jobs[j].account == job.account)
+        )
         if job.client_reference is None:
             self.orphan_jobs += 1
         else:
@@ -245,6 +262,8 @@ class JobRegistry:
             "faults_injected": {kind: self.faults_injected[kind] for kind in FAULT_KINDS},
             "posts_by_status": {str(k): v for k, v in sorted(self.posts_by_status.items())},
             "jobs_by_status": {s: by_status[s] for s in ("queued", "running", "succeeded", "failed")},
+            "concurrency_throttled": self.concurrency_throttled,
+            "max_active_jobs": self.max_active_jobs,
         }
 
 
@@ -353,7 +372,28 @@ def _over_limit(sim: Simulator, request: web.Request, method: str) -> web.Respon
     )
 
 
-def _outputs(job: JobRecord, extra_json: str = "") -> list[Any]:
+def _over_concurrency(sim: Simulator, request: web.Request, model: str) -> web.Response | None:
+    """The throttled answer (``throttled_status`` with ``error.code`` ``throttled_code`` and ``Retry-After``) for
+    a POST whose account, or whose account's ``model``, has as many jobs queued or running as its concurrency
+    limit allows (counted), or None (room, or no limit set)."""
+    cfg = sim.config
+    if not (cfg.concurrency_limit_per_account or cfg.concurrency_limit_per_model):
+        return None
+    in_account, in_model = sim.registry.active_jobs(_account(request), model, time.time())
+    account_full = 0 < cfg.concurrency_limit_per_account <= in_account
+    model_full = 0 < cfg.concurrency_limit_per_model <= in_model
+    if not (account_full or model_full):
+        return None
+    sim.registry.concurrency_throttled += 1
+    what = "account" if account_full else f"model {model}"
+    return _json(
+        {"error": {"code": cfg.throttled_code, "message": f"concurrency limit of the {what} reached"}},
+        status=cfg.throttled_status,
+        headers={"Retry-After": cfg.retry_after_header or str(cfg.retry_after_s)},
+    )
+
+
+def _outputs(job: JobRecord, extra_json: str = "", output_ttl_s: float = 0.0) -> list[Any]:
     """The job's outputs; ``extra_json`` (raw object text) is spliced into each one verbatim, so an answer can
     carry numbers no Python float or orjson int holds (``2**64``, ``NaN``) exactly as written."""
     outputs: list[Any] = [
@@ -362,6 +402,7 @@ def _outputs(job: JobRecord, extra_json: str = "") -> list[Any]:
             "index": i,
             "tokens": job.generated_tokens,
             "text": f"simulated output {i} of {job.job_id} ({job.generated_tokens} tokens)",
+            **({"expires_at": job.completed_at + output_ttl_s} if output_ttl_s > 0 else {}),
         }
         for i in range(job.outputs)
     ]
@@ -393,6 +434,10 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
     if error is not None:
         reg.note_post_outcome(reference, 400, kept)
         return _error(400, "invalid_request", error)
+    throttled = _over_concurrency(sim, request, body["model"])
+    if throttled is not None:
+        reg.note_post_outcome(reference, throttled.status, kept)
+        return throttled
 
     decision = sim.decider.decide_post(cfg.fault_rates)
     if decision.fault is not None:
@@ -424,6 +469,7 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
                 + Decimal(cfg.price_per_generated_token) * asked.generated_tokens
             ),
             currency=cfg.price_currency,
+            account=_account(request),
         )
         reg.add_job(job)
     reg.note_post_outcome(reference, decision.status, kept)
@@ -522,7 +568,7 @@ async def get_generation(request: web.Request) -> web.Response:
             if job.first_terminal_get_at is None:
                 job.first_terminal_get_at = now
             if answered == "succeeded":
-                data["outputs"] = _outputs(job, cfg.output_extra_json)
+                data["outputs"] = _outputs(job, cfg.output_extra_json, cfg.output_ttl_s)
             else:
                 data["error"] = {"code": "generation_failed", "message": "simulated generation failure"}
                 data["refund"] = {"id": job.refund_id, "amount": job.charge_amount, "currency": job.currency}
@@ -562,7 +608,9 @@ async def list_generations(request: web.Request) -> web.Response:
 
 
 async def sim_summary(request: web.Request) -> web.Response:
-    """``GET /_sim/summary`` (with ``rate_limit_429s``: the 429s the per-account limit answered, per method)."""
+    """``GET /_sim/summary`` (with ``rate_limit_429s``: the 429s the per-account limit answered, per method;
+    ``concurrency_throttled``: the POSTs the concurrency limit answered; ``max_active_jobs``: most jobs of one
+    account queued or running at once)."""
     sim = request.app[SIMULATOR_KEY]
     refused = sim.limiter.refused
     return _json({**sim.registry.summary(time.time()), "rate_limit_429s": {m: refused[m] for m in ("POST", "GET")}})

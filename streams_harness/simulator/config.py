@@ -106,6 +106,15 @@ class SimulatorConfig(ExplicitSettings):
         0.0, "Per-account limit of GETs per second (0 = off); over it: 429 with Retry-After, counted."
     )
     rate_limit_burst: int = _f(1, "Requests of one kind an account may send at once under the limit (>= 1).")
+    concurrency_limit_per_account: int = _f(
+        0, "Jobs of one account queued or running at once (0 = off); a POST over it gets the throttled answer."
+    )
+    concurrency_limit_per_model: int = _f(
+        0, "Jobs of one account and model queued or running at once (0 = off); over it: the throttled answer."
+    )
+    output_ttl_s: float = _f(0.0, "If above 0: each output carries expires_at = completion + this (unix s).")
+    throttled_status: int = _f(400, "HTTP status of the throttled answer (the concurrency limit's refusal).")
+    throttled_code: str = _f("THROTTLED", "error.code of the throttled answer (with Retry-After: retry_after_s).")
     access_log: bool = _f(False, "Log every request (slows the server down).")
     record_bodies: bool = _f(False, "Keep every POST body, shown per client reference (tests of what arrived).")
 
@@ -129,11 +138,15 @@ class SimulatorConfig(ExplicitSettings):
             "lookup_lag_s",
             "rate_limit_post_per_s",
             "rate_limit_get_per_s",
+            "concurrency_limit_per_account",
+            "concurrency_limit_per_model",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.rate_limit_burst < 1:
             raise ValueError("rate_limit_burst must be >= 1")
+        if not 400 <= self.throttled_status <= 599:
+            raise ValueError("throttled_status must be an HTTP error status (400..599)")
         if not 0 <= self.poll_min_ms <= self.poll_max_ms:
             raise ValueError("need 0 <= poll_min_ms <= poll_max_ms")
         if not 0 <= self.port <= 65535:

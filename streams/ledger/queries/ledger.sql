@@ -272,7 +272,8 @@ RETURNING req.i;
 -- (JSON texts with "status", "charge", "refund"), :next_poll_delays_s next poll delays (s, float8[], NULL when terminal),
 -- :remote_completed_at_ms remote completion times (epoch ms, bigint[], NULL unless terminal), :reasons (text[]), :source_states states each new
 -- state may be saved over (operation_state[] literals, text[]), :outputs (JSON texts of arrays of
--- {output_id, position, payload}), :worker, :lock_timeout. Returns one row per request: i, saved (boolean), and
+-- {output_id, position, payload, expires_at_ms}; expires_at_ms, epoch ms or null, goes into the delivered event
+-- only when not null), :worker, :lock_timeout. Returns one row per request: i, saved (boolean), and
 -- fencing_token: the operation's fencing value when its row was locked (NULL when the operation does not
 -- exist), which tells a stale fencing value from a refusal by the state order.
 WITH req AS (
@@ -331,7 +332,12 @@ WITH req AS (
                'output', outs.payload,
                'remote_completed_at_ms', req.completed_ms,
                'recorded_at_ms', floor(extract(epoch FROM outs.recorded_at) * 1000)::bigint)
+           || CASE WHEN e.expires_at_ms IS NULL THEN '{}'::jsonb
+                   ELSE jsonb_build_object('expires_at_ms', e.expires_at_ms) END
     FROM outs JOIN saved USING (operation_id) JOIN req USING (operation_id)
+         CROSS JOIN LATERAL (SELECT x.expires_at_ms
+                             FROM jsonb_to_recordset(req.outputs) AS x(output_id text, expires_at_ms bigint)
+                             WHERE x.output_id = outs.output_id LIMIT 1) AS e
     ORDER BY outs.operation_id, outs.position
     ON CONFLICT DO NOTHING
     RETURNING 1
@@ -487,8 +493,11 @@ SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'));
 -- Every unpublished row, never "ids above the last one published": an id is taken when its transaction
 -- writes the row, so a lower id can commit after a higher one was published; it is picked up next round.
 -- Rows of one operation are written under its row lock, so their ids follow their commit order.
--- :batch_size. Returns id, event_id, topic_role, operation_id, payload (text) in id order.
-SELECT id, event_id, topic_role, operation_id, payload::text AS payload
+-- :batch_size. Returns id, event_id, topic_role, operation_id, payload (text) and expires_at_ms (a delivered
+-- output's, epoch ms, else NULL) in id order.
+SELECT id, event_id, topic_role, operation_id, payload::text AS payload,
+       CASE WHEN jsonb_typeof(payload -> 'expires_at_ms') = 'number' THEN (payload ->> 'expires_at_ms')::bigint
+       END AS expires_at_ms
 FROM outbox
 WHERE published_at IS NULL
 ORDER BY id

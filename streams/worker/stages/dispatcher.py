@@ -35,6 +35,12 @@ event simply waits; the claim follows at once and the POST right after it. A slo
 claim within the retry deadline; past it the operation ends ``rejected`` (nothing was sent). No wait ever
 follows a POST: waits come first, then the call and its deadline. A 429 pauses every worker's POSTs for its
 ``Retry-After``.
+
+Concurrency budget (:mod:`streams.coordination.running`): before the POST slot, the operation waits under the
+submit lease (renewed meanwhile) for a running-job slot of the account and of its model (the request's ``model``,
+else ``remote_model``), polling every :data:`RUNNING_SLOT_RETRY_S` (jittered); the event waits meanwhile, and
+the operation stays ``accepted``. A POST ending ``rejected`` gives the slot back; one ending ``uncertain`` keeps it
+until it lapses (a job may exist). A replayed submission of an operation already past ``accepted`` takes nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -52,7 +59,7 @@ import tenacity
 from streams import logs, metrics
 from streams.config import lease_key
 from streams.coordination.lease import Lease
-from streams.coordination.ratebudget import BudgetKind
+from streams.coordination.ratebudget import BudgetKind, KeptAliveSleep
 from streams.errors import (
     CoordinationBusyError,
     CoordinationUnavailableError,
@@ -86,6 +93,10 @@ SLOT_VALID_S = 1.0
 #: Claims and POSTs running shielded from their handler's cancellation (strong references: asyncio keeps
 #: only weak ones to tasks).
 _SHIELDED: set[asyncio.Task[bool]] = set()
+
+#: Wait (s) between two asks for a running-job slot while the account or the model is full, plus up to as much
+#: again at random so that waiting dispatchers do not all ask Redis at once: a slot freed is taken within it.
+RUNNING_SLOT_RETRY_S = 0.2
 
 
 def _log_failure(task: asyncio.Task[bool]) -> None:
@@ -134,6 +145,14 @@ class _NoLongerOurs(Exception):
 
 class _LeaseHeld(Exception):
     """Another holder has the submit lease ``args[0]`` (and we still need it): wait, then take it again."""
+
+
+def request_model(request_text: str, default_model: str) -> str:
+    """The model a request names (its top-level ``model`` string), else ``default_model`` (what the POST sends:
+    :func:`streams.remote.client.provider_request_body`)."""
+    text = jsontext.member_texts(request_text).get("model")
+    value = exactjson.loads(text) if text is not None else None
+    return value if isinstance(value, str) else default_model
 
 
 def request_digest(request: Any) -> str:
@@ -187,7 +206,11 @@ class Dispatcher:
                     "a different request needs a new operation id",
                 )
                 return
-        ready = await self._lease_and_post_slot(operation_id)
+            if row is not None and row["state"] != OperationState.ACCEPTED:  # dispatched already: take no slot
+                metrics.SUBMISSIONS.labels("already_dispatched").inc()
+                return
+        model = request_model(request_text, settings.remote_model)
+        ready = await self._lease_and_post_slot(operation_id, model)
         if ready is None:
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
             return
@@ -214,7 +237,8 @@ class Dispatcher:
         if lease is None:
             metrics.LEASE_BUSY.labels("submit").inc()
             return False
-        slot_at = await self._post_slot_before_claim(operation_id, lease)  # the rate budget, before the claim
+        model = request_model(request_text, self.rt.settings.remote_model)
+        slot_at = await self._post_slot_before_claim(operation_id, lease, model)  # the budgets, before the claim
         if slot_at is None:  # the lease was lost while waiting: someone else may dispatch it
             return False
         claimed = await self._claim_and_submit_shielded(operation_id, request_text, lease, slot_at)
@@ -279,19 +303,20 @@ class Dispatcher:
 
         return await retry_without_deadline(take, retry_on=_LeaseHeld, wait=self._lease_busy_wait())
 
-    async def _lease_and_post_slot(self, operation_id: str) -> tuple[Lease, float] | None:
-        """The submit lease and a POST slot of the rate budget taken under it (its ``time.monotonic()``), or None
-        once the operation is past ``accepted`` (someone else dispatched it)."""
+    async def _lease_and_post_slot(self, operation_id: str, model: str) -> tuple[Lease, float] | None:
+        """The submit lease, a running-job slot for ``model`` and a POST slot of the rate budget taken under it
+        (its ``time.monotonic()``), or None once the operation is past ``accepted`` (someone else dispatched it)."""
         while True:
             lease = await self._take_submit_lease(operation_id)
             if lease is None:
                 return None
-            slot_at = await self._post_slot_before_claim(operation_id, lease)
+            slot_at = await self._post_slot_before_claim(operation_id, lease, model)
             if slot_at is not None:
                 return lease, slot_at
 
-    async def _post_slot_before_claim(self, operation_id: str, lease: Lease) -> float | None:
-        """Wait for a POST slot of the rate budget under ``lease`` (renewed meanwhile), before any claim.
+    async def _post_slot_before_claim(self, operation_id: str, lease: Lease, model: str) -> float | None:
+        """Wait for a running-job slot for ``model`` (:meth:`_running_slot`), then a POST slot of the rate budget,
+        under ``lease`` (renewed meanwhile), before any claim.
 
         Returns the ``time.monotonic()`` of the slot with the lease confirmed, or None when the lease was lost
         while waiting (released; nothing claimed, nothing sent: take it again). Redis unavailable or this worker's
@@ -301,6 +326,7 @@ class Dispatcher:
         """
 
         async def slot() -> float:
+            await self._running_slot(operation_id, model, lease)
             await self.rt.budget.wait_for_slot(
                 BudgetKind.POST, keep_alive=lease.renew, keep_alive_every_s=lease.ttl_ms / 3000
             )
@@ -323,6 +349,35 @@ class Dispatcher:
         except BaseException:
             await lease.release()
             raise
+
+    async def _running_slot(self, operation_id: str, model: str, lease: Lease) -> None:
+        """Wait until ``operation_id`` holds a running-job slot of the account and of ``model``, renewing ``lease``
+        every third of its TTL; a wait is logged once, counted in ``streams_running_slot_waits_total`` and its
+        seconds in ``streams_running_slot_wait_seconds_total``.
+
+        Raises:
+            CoordinationUnavailableError, CoordinationBusyError: Redis did not answer, or the pool was full.
+            LeaseLostError: the lease was lost while waiting.
+        """
+        answer = await self.rt.running.take(operation_id, model)
+        if answer.granted:
+            return
+        started = time.monotonic()
+        log.info(
+            "operation %s: no running-job slot (%d of the account's, %d of model %s's in use); waiting",
+            operation_id,
+            answer.account_in_use,
+            answer.model_in_use,
+            model,
+        )
+        metrics.RUNNING_SLOT_WAITS.inc()
+        sleeper = KeptAliveSleep(lease.renew, lease.ttl_ms / 3000)
+        try:
+            while not answer.granted:
+                await sleeper.sleep(RUNNING_SLOT_RETRY_S * (1.0 + random.random()))
+                answer = await self.rt.running.take(operation_id, model)
+        finally:
+            metrics.RUNNING_SLOT_WAIT_SECONDS.inc(time.monotonic() - started)
 
     def _on_budget_unanswered(self, exc: BaseException) -> None:
         if isinstance(exc, CoordinationUnavailableError):
@@ -522,6 +577,8 @@ class Dispatcher:
         self, operation_id: str, fencing: int, state: OperationState, reason: str, code: ReasonCode
     ) -> None:
         saved = await self.rt.ledger.save_submission_without_job(operation_id, fencing, state, reason, code)
+        if state is OperationState.REJECTED:  # nothing was created: its running-job slot is free again
+            await self.rt.running.release(operation_id)
         if saved:
             metrics.SUBMISSIONS.labels(state.value).inc()
         else:

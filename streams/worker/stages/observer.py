@@ -25,6 +25,8 @@
   GETs N times in a row, older than the maximum observation age): ``stalled``, polling stops
   (:mod:`streams.worker.stages.stalling`).
 * Renewal before the save fails (:class:`LeaseLostError`): no save and no further GET for this poll.
+* Concurrency budget (:mod:`streams.coordination.running`): a GET answering a terminal status gives the job's
+  running-job slot back; any other answer extends it by ``remote_running_slot_ttl_s``.
 * Save refused by the fencing value: the result is dropped, counted (``streams_fencing_refusals_total``) and
   logged. A late ``running`` over a saved ``succeeded`` is refused by the state order.
 """
@@ -182,6 +184,10 @@ class Observer:
         snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim, lease, claimed_at)
         if snapshot is None:
             return
+        if is_terminal(snapshot.state):  # the job no longer runs at the provider: its slot is free
+            await rt.running.release(operation_id)
+        else:
+            await rt.running.refresh(operation_id)
         if not await self._renewed(lease, operation_id, "not saving the GET result"):
             return
         # A worker can be paused right here, after a successful renewal: only the fencing value protects the

@@ -18,6 +18,7 @@ bug marks nothing: the whole batch goes again next round.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import aiokafka.errors
@@ -82,10 +83,31 @@ class OutboxRelay:
             )
             await rt.dead_letter(RawMessage(target, None, None, key, value), InvalidEventError("unpublishable", why))
         dead_lettered = {id(row) for row, _, _ in refused}
+        now_ms = time.time() * 1000
         for row in rows:
             if id(row) not in dead_lettered:
                 metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
+                self._check_expiry(row, now_ms)
         hooks.reach(hooks.HookPoint.PUBLISHED_BEFORE_MARK, rows=rows)
+
+    def _check_expiry(self, row: dict[str, Any], now_ms: float) -> None:
+        """Count (``streams_outputs_near_expiry_total``) and log an output published with less than
+        ``output_expiry_margin_s`` left before its ``expires_at_ms`` (or after it): downstream may find it gone."""
+        expires_at_ms = row.get("expires_at_ms")
+        if expires_at_ms is None:
+            return
+        left_s = (expires_at_ms - now_ms) / 1000
+        margin_s = self.rt.settings.output_expiry_margin_s
+        if left_s < margin_s:
+            metrics.OUTPUTS_NEAR_EXPIRY.inc()
+            log.warning(
+                "output %s of operation %s delivered %.0f s before it expires at the provider (margin %.0f s, "
+                "STREAMS_OUTPUT_EXPIRY_MARGIN_S): downstream must fetch it now, or it is gone",
+                row["event_id"],
+                row["operation_id"],
+                left_s,
+                margin_s,
+            )
 
     async def tick(self) -> int:
         """Publish until the outbox is drained or a batch fails; returns rows published. Never raises."""
