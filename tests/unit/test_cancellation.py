@@ -23,7 +23,7 @@ from tests.unit.test_pipeline import JOB, OP, Answer, Pipeline, Provider, job, s
 
 S = OperationState
 __all__ = ["settings"]  # the pipeline tests' settings fixture, used here
-O = RemoteCallOutcome
+C = RemoteCallOutcome
 
 
 class CancelingProvider(Provider):
@@ -65,14 +65,14 @@ def make(settings: Settings) -> Callable[..., Pipeline]:
 @pytest.mark.parametrize(
     ("status", "outcome", "definite"),
     [
-        (200, O.CANCEL_ACCEPTED, True),
-        (202, O.CANCEL_ACCEPTED, True),
-        (409, O.CANCEL_ALREADY_TERMINAL, True),
-        (400, O.CANCEL_REFUSED, True),
-        (404, O.CANCEL_NOT_FOUND, False),
-        (429, O.CANCEL_UNKNOWN_OUTCOME, False),
-        (500, O.CANCEL_UNKNOWN_OUTCOME, False),
-        (503, O.CANCEL_UNKNOWN_OUTCOME, False),
+        (200, C.CANCEL_ACCEPTED, True),
+        (202, C.CANCEL_ACCEPTED, True),
+        (409, C.CANCEL_ALREADY_TERMINAL, True),
+        (400, C.CANCEL_REFUSED, True),
+        (404, C.CANCEL_NOT_FOUND, False),
+        (429, C.CANCEL_UNKNOWN_OUTCOME, False),
+        (500, C.CANCEL_UNKNOWN_OUTCOME, False),
+        (503, C.CANCEL_UNKNOWN_OUTCOME, False),
     ],
 )
 def test_the_cancel_routes_answers_are_classified(status: int, outcome: RemoteCallOutcome, definite: bool) -> None:
@@ -115,7 +115,7 @@ async def test_a_running_job_is_canceled_at_the_provider_once_and_ends_canceled(
     await p.observe_due()
     assert provider.cancels() == 1
     assert p.states() == [S.ACCEPTED, S.SUBMITTING, S.SUBMITTED, S.RUNNING, S.CANCELED]
-    assert [c.outcome for c in p.ledger.remote_calls if c.method == "CANCEL"] == [O.CANCEL_ACCEPTED]
+    assert [c.outcome for c in p.ledger.remote_calls if c.method == "CANCEL"] == [C.CANCEL_ACCEPTED]
     assert not [r for r in p.ledger.outbox if r.topic_role == "outputs_delivered"]
     p.ledger.advance(60)
     await p.observe_due()  # terminal: no poll, no second cancel
@@ -132,7 +132,7 @@ async def test_a_job_that_succeeded_first_stays_succeeded_with_its_outputs(make:
     await p.observe_due()
     assert provider.cancels() == 1
     assert p.states()[-1] is S.SUCCEEDED
-    assert p.ledger.operations[OP].cancel_outcome is O.CANCEL_ALREADY_TERMINAL
+    assert p.ledger.operations[OP].cancel_outcome is C.CANCEL_ALREADY_TERMINAL
     assert len([r for r in p.ledger.outbox if r.topic_role == "outputs_delivered"]) == 2
 
 
@@ -147,7 +147,7 @@ async def test_an_unknown_cancel_answer_is_asked_again_at_each_poll_up_to_the_li
         p.ledger.advance(60)
         await p.observe_due()
     assert provider.cancels() == 3
-    assert [c.outcome for c in p.ledger.remote_calls if c.method == "CANCEL"] == [O.CANCEL_UNKNOWN_OUTCOME] * 3
+    assert [c.outcome for c in p.ledger.remote_calls if c.method == "CANCEL"] == [C.CANCEL_UNKNOWN_OUTCOME] * 3
     assert p.ledger.operations[OP].cancel_attempts == 3 and p.ledger.state(OP) is S.RUNNING
 
 
