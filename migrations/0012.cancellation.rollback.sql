@@ -11,6 +11,11 @@ BEGIN
 END
 $$;
 
+ALTER TABLE operations
+    DROP CONSTRAINT job_id_once_submitted,
+    ADD CONSTRAINT job_id_once_submitted CHECK (
+        state IN ('accepted', 'submitting', 'uncertain', 'rejected') OR remote_job_id IS NOT NULL
+    );
 ALTER TABLE operations DROP COLUMN cancel_answered_at, DROP COLUMN cancel_outcome, DROP COLUMN cancel_attempts;
 ALTER TABLE remote_calls DROP CONSTRAINT remote_calls_method_check;
 ALTER TABLE remote_calls ADD CONSTRAINT remote_calls_method_check CHECK (method IN ('POST', 'GET'));

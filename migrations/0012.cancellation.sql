@@ -30,6 +30,14 @@ INSERT INTO remote_call_outcomes (outcome) VALUES
 ALTER TABLE remote_calls DROP CONSTRAINT remote_calls_method_check;
 ALTER TABLE remote_calls ADD CONSTRAINT remote_calls_method_check CHECK (method IN ('POST', 'GET', 'CANCEL'));
 
+-- A job id is saved in every state after submitting, except canceled before the submit (nothing was sent).
+ALTER TABLE operations
+    DROP CONSTRAINT job_id_once_submitted,
+    ADD CONSTRAINT job_id_once_submitted CHECK (
+        state IN ('accepted', 'submitting', 'uncertain', 'rejected') OR remote_job_id IS NOT NULL
+        OR (state = 'canceled' AND reason_code = 'canceled_before_submit')
+    );
+
 ALTER TABLE operations
     ADD COLUMN cancel_attempts integer NOT NULL DEFAULT 0 CHECK (cancel_attempts >= 0),
     ADD COLUMN cancel_outcome text CHECK (cancel_outcome IS NULL OR cancel_outcome LIKE 'cancel\_%'),  -- a remote_calls outcome
