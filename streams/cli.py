@@ -9,7 +9,7 @@
     streams follow                   print delivered outputs, each once
     streams teardown --run-id RUN    remove a run's (or a prefix's) database, topics and consumer groups
     streams operations list|show     operations by state and age; one operation in full (read-only)
-    streams operations adopt|abandon|repoll|fail
+    streams operations adopt|abandon|repoll|fail|cancel
                                      an operator's fenced decision on an uncertain or stalled operation
 
 Logs: ``--log-format json|text`` (or ``STREAMS_LOG_FORMAT``); ``streams worker`` writes JSON lines to stdout by
@@ -556,6 +556,32 @@ def repoll(operation_id: str, reason: str, actor: str | None, as_json: bool) -> 
 def fail(operation_id: str, reason: str, actor: str | None, as_json: bool) -> None:
     """Give up a stalled operation: stalled -> failed with the reason. Refused (exit 3) in any other state."""
     _decide(lambda ledger, who: ledger.fail(operation_id, reason, who), actor, as_json)
+
+
+@operations.command("cancel", short_help="Cancel an operation (recorded; the provider's cancel route for a job).")
+@click.argument("operation_id")
+@click.option("--reason", required=True, help="Why it is canceled (recorded).")
+@_ACTOR_OPTION
+@_JSON_OPTION
+def cancel(operation_id: str, reason: str, actor: str | None, as_json: bool) -> None:
+    """Cancel an operation, as an application does on generation.cancellations (docs/cancellation.md): the
+    cancellation is recorded (who, when, why; the first one per operation). Still accepted: it ends canceled and
+    no POST is sent. With a job: the workers call the provider's cancel route and observe the job until the
+    provider reports its end (a job that succeeded first stays succeeded). Uncertain or stalled: applied once a job
+    is observed again. Terminal: nothing changes. Unknown operations are recorded too (the claim cancels them)."""
+    from streams.ledger.records import CancelPath
+    from streams.ledger.store import Ledger
+    from streams.worker.stages.canceller import describe
+
+    async def run(pool: asyncpg.Pool) -> tuple[Any, str]:
+        who = await _actor(pool, actor)
+        return await Ledger(pool, who).request_cancel(operation_id, CancelPath.OPERATOR, who, reason), who
+
+    ask, who = asyncio.run(_with_pool(_settings(), run))
+    if as_json:
+        _echo_json({**dataclasses.asdict(ask), "actor": who})
+    else:
+        click.echo(f"cancel: operation {operation_id}: {describe(ask)}, by {who}")
 
 
 @operations.command("forget", short_help="Erase an operation's request, source and outputs (recorded).")

@@ -30,6 +30,7 @@ TOPIC_POLLS = "generation.polls"
 TOPIC_OUTPUTS_DELIVERED = "generation.outputs.delivered"
 TOPIC_TRANSITIONS = "generation.transitions"
 TOPIC_DEAD_LETTER = "generation.dead-letter"
+TOPIC_CANCELLATIONS = "generation.cancellations"
 
 #: Prefix of every setting's environment variable.
 ENV_PREFIX = "STREAMS_"
@@ -519,6 +520,17 @@ class Settings(ExplicitSettings):
     remote_shared_pause_cap_s: Seconds = Field(
         60.0, description="Longest pause (s) one worker may write into the account's shared rate budget after a 429."
     )
+    # Cancellation (docs/cancellation.md).
+    remote_cancel_path: str = Field(
+        "/v1/generations/{job_id}/cancel",
+        description="Path of the provider's cancel route (POST), with {job_id} where the quoted job id goes.",
+        pattern=r"^/.*\{job_id\}",
+    )
+    cancel_attempt_limit: PositiveInt = Field(
+        8,
+        description="Calls of the provider's cancel route for one job without a definite answer (429, 5xx, "
+        "timeouts), one per poll with the poll's backoff, after which it is not asked again (logged).",
+    )
 
     # The worker's clock against the database's (docs/provider-edges.md, "Time from its source").
     clock_check_interval_s: Seconds = Field(
@@ -625,14 +637,15 @@ class Settings(ExplicitSettings):
     @functools.cached_property
     def topics(self) -> dict[str, str]:
         """Role -> full topic name (``submissions``, ``polls``, ``outputs_delivered``, ``transitions``,
-        ``dead_letter``), each with :attr:`topic_prefix` (computed once: settings are immutable; every event
-        published looks its topic up here)."""
+        ``dead_letter``, ``cancellations``), each with :attr:`topic_prefix` (computed once: settings are
+        immutable; every event published looks its topic up here)."""
         names = {
             "submissions": TOPIC_SUBMISSIONS,
             "polls": TOPIC_POLLS,
             "outputs_delivered": TOPIC_OUTPUTS_DELIVERED,
             "transitions": TOPIC_TRANSITIONS,
             "dead_letter": TOPIC_DEAD_LETTER,
+            "cancellations": TOPIC_CANCELLATIONS,
         }
         return {k: self.topic_prefix + v for k, v in names.items()}
 

@@ -90,6 +90,12 @@ RECONCILED_UNCERTAIN = Counter(
 )
 OUTBOX_PUBLISHED = Counter("streams_outbox_published_total", "Outbox rows published.", ["topic_role"])
 SUBMISSIONS = Counter("streams_submissions_total", "Submission events by result.", ["result"])
+CANCELLATIONS = Counter(
+    "streams_cancellations_total",
+    "Cancellations asked, by path (topic, operator) and what followed (canceled_before_post, at_provider: observed "
+    "until the provider confirms, recorded: already terminal or waiting for a decision, repeat: already asked).",
+    ["path", "result"],
+)
 STALLED = Counter(
     "streams_stalled_total",
     "Operations stalled because the provider's answers stopped making progress (polling stops).",
@@ -191,14 +197,16 @@ SNAPSHOT_FAILURES = Counter(
 #: Label values of each labelled counter that :func:`preinitialise` exports at 0.
 _STAGES = ("submit", "observe", "reconcile")
 _ACTIONS = ("submit", "observe")
-_METHODS = ("POST", "GET")
+_METHODS = ("POST", "GET", "CANCEL")
+#: What followed a cancellation (:data:`CANCELLATIONS`).
+CANCEL_RESULTS = ("canceled_before_post", "at_provider", "recorded", "repeat")
 _BUDGET_KINDS = ("POST", "GET", "claims")
 #: The reasons an input is dead-lettered (``streams.errors.InvalidEventError``'s reasons).
 DEAD_LETTER_REASONS = ("not_json", "oversized", "schema", "unpublishable", "processing_error")
 #: The snapshot's parts (:data:`SNAPSHOT_FAILURES`).
 SNAPSHOT_PARTS = ("ledger", "kafka")
 #: The agents whose partitions :data:`PARTITIONS_BLOCKED` counts.
-AGENTS = ("dispatch", "observe")
+AGENTS = ("dispatch", "observe", "cancel")
 
 
 def preinitialise(consumed_topics: Iterable[str]) -> None:
@@ -220,6 +228,9 @@ def preinitialise(consumed_topics: Iterable[str]) -> None:
         OUTBOX_PUBLISHED.labels(role)
     for result in ("submitted", "already_dispatched", "redispatched", "dead_letter"):
         SUBMISSIONS.labels(result)
+    for path in ("topic", "operator"):
+        for cancel_result in CANCEL_RESULTS:
+            CANCELLATIONS.labels(path, cancel_result)
     for kind in ("max_age", "not_found", "unknown_status"):
         STALLED.labels(kind)
     for result in ("adopted", "not_found", "failed"):

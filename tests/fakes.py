@@ -34,7 +34,16 @@ from streams.config import Settings
 from streams.coordination.lease import LeaseManager
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.ledger.protocol import PipelineLedger
-from streams.ledger.records import ClaimBound, DuePoll, LookupClaim, ObserveClaim, SaveOutcome, sources_for
+from streams.ledger.records import (
+    CancelAsk,
+    CancelPath,
+    ClaimBound,
+    DuePoll,
+    LookupClaim,
+    ObserveClaim,
+    SaveOutcome,
+    sources_for,
+)
 from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
 from streams.model.codes import ReasonCode, RemoteCallOutcome
@@ -85,6 +94,20 @@ class Operation:
     next_lookup_at: float | None = None
     lookup_count: int = 0
     lookup_gave_up_at: float | None = None
+    cancel_attempts: int = 0
+    cancel_outcome: RemoteCallOutcome | None = None
+    cancel_answered: bool = False
+
+
+@dataclass(frozen=True)
+class Cancellation:
+    """One row of ``cancellations`` (migration 0012)."""
+
+    operation_id: str
+    path: CancelPath
+    actor: str
+    reason: str
+    state_when_asked: OperationState | None
 
 
 @dataclass(frozen=True)
@@ -138,6 +161,7 @@ class InMemoryLedger(WaitsOutOutages):
     transitions: list[Transition] = field(default_factory=list)
     outbox: list[OutboxRow] = field(default_factory=list)
     remote_calls: list[RemoteCall] = field(default_factory=list)
+    cancellations: dict[str, Cancellation] = field(default_factory=dict)
     #: Call ids of the accounting rows written (a repeat of one writes nothing).
     call_ids: set[uuid.UUID] = field(default_factory=set)
     unavailable_calls: int = 0
@@ -281,6 +305,18 @@ class InMemoryLedger(WaitsOutOutages):
         if op is None or op.state is not S.ACCEPTED:
             return None
         claim_id = claim_id or uuid.uuid4()
+        asked = self.cancellations.get(operation_id)
+        if asked is not None:  # a cancellation recorded before the claim: canceled, no POST
+            self._write(
+                op,
+                state=S.CANCELED,
+                fencing_token=op.fencing_token + 1,
+                claim_id=claim_id,
+                reason=f"canceled before submit (asked by {asked.path}): {asked.reason}",
+                reason_code=ReasonCode.CANCELED_BEFORE_SUBMIT,
+                updated_by=self.worker,
+            )
+            return None
         self._write(
             op, state=S.SUBMITTING, fencing_token=op.fencing_token + 1, claim_id=claim_id, updated_by=self.worker
         )
@@ -398,7 +434,7 @@ class InMemoryLedger(WaitsOutOutages):
         since = op.observing_since if op.observing_since is not None else op.accepted_at
         if not op.poll_claimed:
             if claim_id is not None and op.observe_claim_id == claim_id:  # the same claim again: its reply was lost
-                return ObserveClaim(op.fencing_token, op.remote_job_id, op.state, op.poll_count, self._t - since)
+                return self._observe_claim(op, self._t - since)
             return None
         self._write(
             op,
@@ -407,7 +443,20 @@ class InMemoryLedger(WaitsOutOutages):
             poll_claimed=False,
             observe_claim_id=claim_id or uuid.uuid4(),
         )
-        return ObserveClaim(op.fencing_token + 1, op.remote_job_id, op.state, op.poll_count, self._t - since)
+        return self._observe_claim(self.operations[operation_id], self._t - since)
+
+    def _observe_claim(self, op: Operation, observed_for_s: float) -> ObserveClaim:
+        assert op.remote_job_id is not None
+        return ObserveClaim(
+            op.fencing_token,
+            op.remote_job_id,
+            op.state,
+            op.poll_count,
+            observed_for_s,
+            op.operation_id in self.cancellations,
+            op.cancel_answered,
+            op.cancel_attempts,
+        )
 
     @waits_out_outages("reschedule")
     async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
@@ -685,6 +734,40 @@ class InMemoryLedger(WaitsOutOutages):
                 return  # the same row again: its reply was lost
             self.call_ids.add(call_id)
         self.remote_calls.append(RemoteCall(operation_id, method, status_code, outcome, remote_job_id, fencing_token))
+
+    @waits_out_outages("request cancel")
+    async def request_cancel(self, operation_id: str, path: CancelPath, actor: str, reason: str) -> CancelAsk:
+        self._call(f"request cancel {operation_id}")
+        if not actor.strip() or not reason.strip():
+            raise LedgerDataError(f"request cancel of {operation_id}: actor and reason must not be empty")
+        op = self.operations.get(operation_id)
+        state = op.state if op is not None else None
+        recorded = operation_id not in self.cancellations
+        if recorded:
+            self.cancellations[operation_id] = Cancellation(operation_id, path, actor, reason, state)
+        canceled_now = op is not None and op.state is S.ACCEPTED
+        if op is not None and canceled_now:
+            self._write(
+                op,
+                state=S.CANCELED,
+                reason=f"canceled before submit (asked by {path}): {reason}",
+                reason_code=ReasonCode.CANCELED_BEFORE_SUBMIT,
+                updated_by=self.worker,
+            )
+        return CancelAsk(operation_id, state, recorded, canceled_now)
+
+    @waits_out_outages("note cancel call")
+    async def note_cancel_call(
+        self, operation_id: str, fencing_token: int, outcome: RemoteCallOutcome, answered: bool
+    ) -> int | None:
+        self._call(f"note cancel call {operation_id}")
+        op = self.operations.get(operation_id)
+        if op is None or op.fencing_token != fencing_token or op.cancel_answered:
+            return None
+        op.cancel_attempts += 1
+        op.cancel_outcome = outcome
+        op.cancel_answered = answered
+        return op.cancel_attempts
 
     async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
         self._call("relay outbox")

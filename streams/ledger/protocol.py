@@ -12,7 +12,15 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from streams.ledger.records import ClaimBound, DuePoll, LookupClaim, ObserveClaim, SaveOutcome
+from streams.ledger.records import (
+    CancelAsk,
+    CancelPath,
+    ClaimBound,
+    DuePoll,
+    LookupClaim,
+    ObserveClaim,
+    SaveOutcome,
+)
 from streams.ledger.waiting import OutageWait
 from streams.model.answers import JobSnapshot, LookupJob
 from streams.model.codes import ReasonCode, RemoteCallOutcome
@@ -100,6 +108,10 @@ class PipelineLedger(Protocol):
         fencing_token: int | None,
         call_id: uuid.UUID | None = None,
     ) -> None: ...
+    async def request_cancel(self, operation_id: str, path: CancelPath, actor: str, reason: str) -> CancelAsk: ...
+    async def note_cancel_call(
+        self, operation_id: str, fencing_token: int, outcome: RemoteCallOutcome, answered: bool
+    ) -> int | None: ...
     async def relay_outbox(
         self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]
     ) -> int: ...

@@ -51,6 +51,31 @@ class ObserveClaim:
     state: OperationState
     poll_count: int
     observed_for_s: float = 0.0
+    #: A cancellation is recorded for the operation (docs/cancellation.md).
+    cancel_asked: bool = False
+    #: The provider's cancel route gave a definite answer: it is not called again.
+    cancel_answered: bool = False
+    #: Calls of the cancel route made so far.
+    cancel_attempts: int = 0
+
+
+class CancelPath(enum.StrEnum):
+    """How a cancellation was asked (``cancellations.path``)."""
+
+    TOPIC = "topic"  # an application's message on generation.cancellations
+    OPERATOR = "operator"  # `streams operations cancel`
+
+
+@dataclass(frozen=True)
+class CancelAsk:
+    """What :meth:`~streams.ledger.store.Ledger.request_cancel` did: ``state_when_asked`` is the operation's state
+    (None: not in the ledger yet), ``recorded`` False when a cancellation was already recorded (nothing written),
+    ``canceled_now`` True when the operation went ``accepted -> canceled`` (no POST will be sent)."""
+
+    operation_id: str
+    state_when_asked: OperationState | None
+    recorded: bool
+    canceled_now: bool
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from streams.ledger.batching import BatchedStatement, Batcher, Request, by_posit
 from streams.ledger.decisions import Decisions
 from streams.ledger.pool import guard
 from streams.ledger.records import (
+    CancelAsk,
+    CancelPath,
     ClaimBound,
     DuePoll,
     LookupClaim,
@@ -28,8 +30,8 @@ from streams.ledger.records import (
     SaveOutcome,
     sources_for,
 )
+from streams.ledger.sql import CANCELLATIONS, RECONCILE
 from streams.ledger.sql import LEDGER as Q
-from streams.ledger.sql import RECONCILE
 from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
 from streams.model.codes import ReasonCode, RemoteCallOutcome
@@ -68,6 +70,9 @@ def _observe_claim(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any
             OperationState(row["state"]),
             row["poll_count"],
             row["observed_for_s"],
+            row["cancel_asked"],
+            row["cancel_answered"],
+            row["cancel_attempts"],
         )
         for row in by_position(rows, len(batch))
     ]
@@ -542,6 +547,50 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
                 fencing_token,
             ),
         )
+
+    # --- cancellation (docs/cancellation.md) ---------------------------------------------------------------
+
+    @waits_out_outages("request cancel")
+    async def request_cancel(self, operation_id: str, path: CancelPath, actor: str, reason: str) -> CancelAsk:
+        """Record that cancellation of ``operation_id`` was asked (by ``actor`` through ``path``, for ``reason``;
+        the first ask is kept, a repeat writes nothing) and end an ``accepted`` operation ``canceled`` in the same
+        statement, under the operation's row lock: a claim that comes after finds it past ``accepted`` (no POST).
+        Any other state keeps going: the observer calls the provider's cancel route once a job id is saved.
+
+        Raises:
+            LedgerDataError: an empty ``actor`` or ``reason``.
+        """
+        async with guard(f"request cancel of {operation_id}"):
+            row = await CANCELLATIONS.request_cancel.fetchrow(
+                self.pool,
+                operation_id=operation_id,
+                path=str(path),
+                actor=clean_text(actor, 200),
+                reason=clean_text(reason, 1000),
+                worker=self.worker,
+            )
+        assert row is not None  # one row always
+        state = row["state_when_asked"]
+        return CancelAsk(
+            operation_id, None if state is None else OperationState(state), row["recorded"], row["canceled_now"]
+        )
+
+    @waits_out_outages("note cancel call")
+    async def note_cancel_call(
+        self, operation_id: str, fencing_token: int, outcome: RemoteCallOutcome, answered: bool
+    ) -> int | None:
+        """Fenced: one call of the provider's cancel route with its classified ``outcome``; ``answered`` (a
+        definite answer) stops further calls. Returns the calls made so far, None when refused (a newer claim, or
+        already answered)."""
+        async with guard(f"note cancel call for {operation_id}"):
+            attempts: int | None = await CANCELLATIONS.note_cancel_call.fetchval(
+                self.pool,
+                operation_id=operation_id,
+                fencing_token=fencing_token,
+                outcome=str(outcome),
+                answered=answered,
+            )
+        return attempts
 
     async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
         """Publish one batch of unpublished outbox rows with ``publish`` and mark them published.

@@ -50,6 +50,12 @@ class RemoteCallOutcome(enum.StrEnum):
     LOOKUP_RATE_LIMITED = "lookup_rate_limited"
     LOOKUP_CONTRACT_VIOLATION = "lookup_contract_violation"
     LOOKUP_TRANSIENT = "lookup_transient"
+    # the provider's cancel route (method CANCEL)
+    CANCEL_ACCEPTED = "cancel_accepted"  # 2xx: the provider accepted the cancel
+    CANCEL_ALREADY_TERMINAL = "cancel_already_terminal"  # 409: the job had already ended
+    CANCEL_NOT_FOUND = "cancel_not_found"  # 404: no such job
+    CANCEL_REFUSED = "cancel_refused"  # another 4xx: refused definitely
+    CANCEL_UNKNOWN_OUTCOME = "cancel_unknown_outcome"  # 429, 5xx, a timeout, not sent: asked again later
 
     @classmethod
     def answered(cls, state: OperationState) -> RemoteCallOutcome:
@@ -113,3 +119,4 @@ class ReasonCode(enum.StrEnum):
     REPOLLED_BY_OPERATOR = "repolled_by_operator"
     FAILED_BY_OPERATOR = "failed_by_operator"
     ADOPTED_AFTER_DECISION = "adopted_after_decision"  # submitted: an operator adopted a job created after abandon
+    CANCELED_BEFORE_SUBMIT = "canceled_before_submit"  # canceled: asked before the claim, no POST sent

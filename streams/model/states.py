@@ -8,7 +8,9 @@ Who moves work out of each state:
 
 ============== ==============================================================================
 accepted       dispatcher: claims it (``submitting``, written *before* the POST); the scheduler's re-dispatch
-               when it is left there past ``accepted_stale_after_s`` (same lease, same fenced claim)
+               when it is left there past ``accepted_stale_after_s`` (same lease, same fenced claim); a
+               cancellation recorded before the claim: ``canceled`` (by the cancel itself, or by the claim that
+               finds it), and no POST is ever sent (docs/cancellation.md)
 submitting     dispatcher: saves the POST outcome (``submitted``/``rejected``/``uncertain``);
                reconciler (poll scheduler): a stale ``submitting`` with no outcome -> ``uncertain``
 submitted      observer: saves GET snapshots (``queued``/``running``/terminal), or ``stalled`` when the
@@ -25,7 +27,7 @@ stalled        an operator: ``repoll`` (-> ``submitted``, observed again) or ``f
                Nothing polls it meanwhile.
 succeeded      nobody (terminal)
 failed         nobody (terminal)
-canceled       nobody (terminal)
+canceled       nobody (terminal; never has outputs: only ``succeeded`` saves them)
 rejected       nobody (terminal: the API refused definitely, or an operator checked that nothing was created),
                with one exception: an operator ``adopt`` of the job a POST answer reported *after* the decision
                (``remote_jobs.learned_via = 'created_after_decision'``) -> ``submitted``; the trigger
@@ -82,7 +84,7 @@ REMOTE_STATUS_TO_STATE: dict[str, OperationState] = {
 }
 
 _ALLOWED: dict[OperationState, frozenset[OperationState]] = {
-    S.ACCEPTED: frozenset({S.SUBMITTING}),
+    S.ACCEPTED: frozenset({S.SUBMITTING, S.CANCELED}),
     S.SUBMITTING: frozenset({S.SUBMITTED, S.REJECTED, S.UNCERTAIN}),
     S.UNCERTAIN: frozenset({S.SUBMITTED, S.REJECTED}),
     S.SUBMITTED: frozenset({S.QUEUED, S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELED, S.STALLED}),

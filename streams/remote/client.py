@@ -18,6 +18,12 @@ answer whose Content-Encoding does not decode,
 an answer over ``remote_answer_max_bytes``
 =============================================== ================================== =====================
 
+The cancel route (``POST`` ``remote_cancel_path``, :meth:`RemoteClient.cancel`) never raises: its answer is a
+:class:`CancelResult` whose outcome is ``cancel_accepted`` (2xx), ``cancel_already_terminal`` (409: the job ended
+first), ``cancel_refused`` (another 4xx) -- definite, never asked again -- or ``cancel_not_found`` (404: a job just
+created may not be listed yet) and ``cancel_unknown_outcome`` (429, 5xx, timeouts, connection errors) -- asked again
+at the job's next poll, up to ``cancel_attempt_limit`` calls (docs/cancellation.md).
+
 Every answer's body is read within ``remote_answer_max_bytes`` (decoded or not: a compressed answer is decoded
 as it arrives and cut off at the limit, :class:`streams.remote.transport.BoundedBody`), whatever the transport.
 
@@ -78,6 +84,7 @@ from streams.errors import (
 )
 from streams.kafka_security import ssl_context
 from streams.model.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
+from streams.model.codes import RemoteCallOutcome
 from streams.model.states import state_for_remote_status
 from streams.remote.transport import (
     DEFAULT_ANSWER_MAX_BYTES,
@@ -271,6 +278,43 @@ class SubmitResult:
     poll_after_s: float | None
     duration_ms: float
 
+
+@dataclass(frozen=True)
+class CancelResult:
+    """One call of the provider's cancel route: its classified ``outcome``, whether it is ``definite`` (the route
+    is not called again for the job), the HTTP status (None: no answer), the duration and a short ``detail`` for
+    the log (never the answer's payload)."""
+
+    outcome: RemoteCallOutcome
+    definite: bool
+    status_code: int | None
+    duration_ms: float
+    detail: str
+
+
+#: The provider's cancel route answered: outcome and whether it is definite, by HTTP status (others: below).
+_CANCEL_ANSWERS: dict[int, tuple[RemoteCallOutcome, bool]] = {
+    404: (RemoteCallOutcome.CANCEL_NOT_FOUND, False),
+    409: (RemoteCallOutcome.CANCEL_ALREADY_TERMINAL, True),
+    429: (RemoteCallOutcome.CANCEL_UNKNOWN_OUTCOME, False),
+}
+
+
+def classify_cancel_answer(status: int) -> tuple[RemoteCallOutcome, bool]:
+    """The outcome of an answer of the cancel route with HTTP ``status`` and whether it is definite (module
+    docstring): 2xx accepted, 409 already terminal, other 4xx refused (definite); 404 not found, 429 and anything
+    else unknown (asked again)."""
+    if 200 <= status < 300:
+        return RemoteCallOutcome.CANCEL_ACCEPTED, True
+    if status in _CANCEL_ANSWERS:
+        return _CANCEL_ANSWERS[status]
+    if 400 <= status < 500:
+        return RemoteCallOutcome.CANCEL_REFUSED, True
+    return RemoteCallOutcome.CANCEL_UNKNOWN_OUTCOME, False
+
+
+#: The default of ``Settings.remote_cancel_path``.
+DEFAULT_CANCEL_PATH: str = Settings.model_fields["remote_cancel_path"].default
 
 #: Upper bound of any poll hint from the API (s): a broken or hostile hint cannot park a job for years.
 MAX_POLL_HINT_S = 3600.0
@@ -472,10 +516,12 @@ class RemoteClient:
         max_answer_bytes: int = DEFAULT_ANSWER_MAX_BYTES,
         throttled_codes: frozenset[str] = frozenset(),
         output_ttl_s: float = 0.0,
+        cancel_path: str = DEFAULT_CANCEL_PATH,
     ) -> None:
         self.http = http
         self.throttled_codes = throttled_codes
         self.output_ttl_s = output_ttl_s
+        self.cancel_path = cancel_path
         self.model = model
         self.call_deadline_s = call_deadline_s
         self.traced = traced
@@ -504,6 +550,7 @@ class RemoteClient:
             max_answer_bytes=settings.remote_answer_max_bytes,
             throttled_codes=settings.remote_throttled_code_set,
             output_ttl_s=settings.remote_output_ttl_s,
+            cancel_path=settings.remote_cancel_path,
         )
 
     async def aclose(self) -> None:
@@ -669,6 +716,28 @@ class RemoteClient:
             raise RemoteTransientError(operation_id, f"GET {job_id} failed ({type(exc).__name__}: {exc})") from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
         return parse_job_answer(operation_id, job_id, response, duration_ms, self.throttled_codes, self.output_ttl_s)
+
+    async def cancel(self, operation_id: str, job_id: str) -> CancelResult:
+        """Ask the provider to cancel ``job_id`` (``POST`` :attr:`cancel_path` with the quoted job id, empty body);
+        never raises a classified failure: the answer is a :class:`CancelResult` (module docstring)."""
+        call = _Call(
+            self.http.build_request(
+                "POST",
+                self.cancel_path.replace("{job_id}", _path_segment(job_id)),
+                headers={"Content-Type": "application/json"},
+            )
+        )
+        started = time.perf_counter()
+        try:
+            response = await self._request(call, call.url, b"{}")
+        except (_DeadlineExceeded, httpx.HTTPError, httpx.InvalidURL) as exc:
+            duration_ms = (time.perf_counter() - started) * 1000.0
+            detail = clean_text(f"cancel of {job_id} failed ({type(exc).__name__}: {exc})", 300)
+            return CancelResult(RemoteCallOutcome.CANCEL_UNKNOWN_OUTCOME, False, None, duration_ms, detail)
+        duration_ms = (time.perf_counter() - started) * 1000.0
+        outcome, definite = classify_cancel_answer(response.status_code)
+        detail = f"cancel of {job_id} answered HTTP {response.status_code}"
+        return CancelResult(outcome, definite, response.status_code, duration_ms, detail)
 
     async def lookup(self, operation_id: str) -> list[LookupJob]:
         """The jobs the provider lists for client reference ``operation_id`` (``GET /v1/generations?

@@ -47,6 +47,7 @@ SCHEMA_FILES = {
     "generation.outputs.delivered": "generation.outputs.delivered.json",
     "generation.transitions": "generation.transitions.json",
     "generation.dead-letter": "generation.dead-letter.json",
+    "generation.cancellations": "generation.cancellations.json",
 }
 
 _BASE = jsonschema.Draft202012Validator

@@ -7,6 +7,8 @@ module only wires them to Kafka.
 
 * ``dispatch`` agent: ``generation.submissions`` -> :class:`~streams.worker.stages.dispatcher.Dispatcher`.
 * ``observe`` agent: ``generation.polls`` -> :class:`~streams.worker.stages.observer.Observer`.
+* ``cancel`` agent: ``generation.cancellations`` -> :class:`~streams.worker.stages.canceller.Canceller`
+  (docs/cancellation.md).
 * ``schedule_polls`` task: :class:`~streams.worker.stages.scheduler.PollScheduler` (due polls, reconciliation,
 re-dispatch
   of forgotten ``accepted`` operations), in a loop.
@@ -67,6 +69,7 @@ from streams.worker.clock import ClockCheck
 from streams.worker.inflight import InOrderAcks, Ticket
 from streams.worker.partitions import BLOCKED_CHECK_INTERVAL_S, BlockedPartitions, blocked_partitions
 from streams.worker.runtime import MAX_LOGGED_ERROR_CHARS, RawMessage, Runtime
+from streams.worker.stages.canceller import Canceller
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.observer import Observer
 from streams.worker.stages.reconciler import Reconciler
@@ -90,6 +93,9 @@ RUNTIME_RETRY_S = 2.0
 #: an event that stays in flight the later ones are handled but cannot be acknowledged; this bounds the memory
 #: they hold and what the next owner of the partition reads again after a crash.
 UNACKED_PER_SLOT = 16
+
+#: Cancellation events a worker handles at once (each is one ledger statement; cancellations are rare).
+CANCEL_CONCURRENCY = 4
 
 
 async def handle_with_retries(rt: Runtime, handle: Callable[[RawMessage], Awaitable[None]], raw: RawMessage) -> None:
@@ -323,7 +329,7 @@ def create_app(settings: Settings) -> faust.App:
         web_stats_enabled=False,
         web_metrics_enabled=False,
     )
-    metrics.preinitialise([settings.topic("submissions"), settings.topic("polls")])
+    metrics.preinitialise([settings.topic("submissions"), settings.topic("polls"), settings.topic("cancellations")])
     if settings.web_enabled:
         webaccess.install(app.web.web_app, settings)  # type: ignore[attr-defined]  # the aiohttp driver's app
     lock = asyncio.Lock()
@@ -362,6 +368,7 @@ def create_app(settings: Settings) -> faust.App:
 
     submissions = Intake(settings.dispatcher_concurrency, lambda: int(app.consumer_generation_id))
     polls = Intake(settings.observer_concurrency, lambda: int(app.consumer_generation_id))
+    cancellations = Intake(CANCEL_CONCURRENCY, lambda: int(app.consumer_generation_id))
 
     # One actor per agent (concurrency 1): it only reads; handling runs in the Intake's tasks.
     @app.agent(topic("submissions"))
@@ -373,6 +380,11 @@ def create_app(settings: Settings) -> faust.App:
     async def observe(stream: Any) -> None:
         rt = await runtime()
         await polls.consume(stream, Observer(rt).handle, rt)
+
+    @app.agent(topic("cancellations"))
+    async def cancel(stream: Any) -> None:
+        rt = await runtime()
+        await cancellations.consume(stream, Canceller(rt).handle, rt)
 
     async def run_forever(tick: Callable[[], Awaitable[int]], idle_s: float) -> None:
         """Run ``tick`` back to back while it finds work, sleeping ``idle_s`` when it finds none."""
@@ -423,7 +435,11 @@ def create_app(settings: Settings) -> faust.App:
         return taker.latest if taker is not None else no_snapshot
 
     def blocked() -> dict[str, int]:
-        return {"dispatch": submissions.acks.blocked_partitions(), "observe": polls.acks.blocked_partitions()}
+        return {
+            "dispatch": submissions.acks.blocked_partitions(),
+            "observe": polls.acks.blocked_partitions(),
+            "cancel": cancellations.acks.blocked_partitions(),
+        }
 
     @app.task
     async def take_snapshots() -> None:

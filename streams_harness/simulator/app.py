@@ -79,6 +79,9 @@ class JobRecord:
         gets_not_found: GETs answered 404 (inside the not-found window).
         regressed_gets: GETs answered ``queued`` while the job was running.
         account: the account (bearer token) that created it: its concurrency limit counts it until it is terminal.
+        canceled_at: time the provider's cancel route canceled the job (``None``: not canceled); from then on its
+            status is ``canceled`` (no outputs, nothing charged).
+        cancels: calls of the cancel route for it (whatever they answered).
     """
 
     job_id: str
@@ -106,9 +109,14 @@ class JobRecord:
     gets_not_found: int = 0
     regressed_gets: int = 0
     account: str = ""
+    canceled_at: float | None = None
+    cancels: int = 0
 
     def status(self, now: float) -> JobStatus:
-        """Status at unix time ``now`` (a ``never_finishes`` job stays ``running``)."""
+        """Status at unix time ``now`` (a ``never_finishes`` job stays ``running``; a canceled one is ``canceled``
+        from ``canceled_at`` on)."""
+        if self.canceled_at is not None and now >= self.canceled_at:
+            return "canceled"
         if JobFault.NEVER_FINISHES in self.faults and now >= self.started_at:
             return "running"
         return status_at(now, self.started_at, self.completed_at, self.final_status)
@@ -151,6 +159,8 @@ class JobRecord:
             "refund_id": self.refund_id,
             "gets_not_found": self.gets_not_found,
             "regressed_gets": self.regressed_gets,
+            "canceled_at": self.canceled_at,
+            "cancels": self.cancels,
         }
 
 
@@ -191,6 +201,7 @@ class JobRegistry:
         self.active: set[str] = set()  # ids of the jobs not terminal when last counted
         self.concurrency_throttled = 0
         self.max_active_jobs = 0
+        self.cancels = 0
 
     def clear(self) -> None:
         """Forget everything (``POST /_sim/reset``)."""
@@ -254,6 +265,7 @@ class JobRegistry:
             "gets": self.gets,
             "gets_not_found": self.gets_not_found,
             "lookups": self.lookups,
+            "cancels": self.cancels,
             "max_jobs_per_operation": max((len(op.jobs) for op in self.operations.values()), default=0),
             "max_gets_in_flight_per_job": max_in_flight,
             "operations_seen": len(self.operations),
@@ -261,7 +273,7 @@ class JobRegistry:
             "orphan_jobs_without_operation": self.orphan_jobs,
             "faults_injected": {kind: self.faults_injected[kind] for kind in FAULT_KINDS},
             "posts_by_status": {str(k): v for k, v in sorted(self.posts_by_status.items())},
-            "jobs_by_status": {s: by_status[s] for s in ("queued", "running", "succeeded", "failed")},
+            "jobs_by_status": {s: by_status[s] for s in ("queued", "running", "succeeded", "failed", "canceled")},
             "concurrency_throttled": self.concurrency_throttled,
             "max_active_jobs": self.max_active_jobs,
         }
@@ -561,6 +573,11 @@ async def get_generation(request: web.Request) -> web.Response:
             "metadata": {"client_reference": job.client_reference},
             "poll_after_ms": poll_after_ms(now, job.completed_at, min_ms=cfg.poll_min_ms, max_ms=cfg.poll_max_ms),
         }
+        if answered == "canceled":
+            data["completed_at"] = job.canceled_at
+            job.terminal_gets += 1
+            if job.first_terminal_get_at is None:
+                job.first_terminal_get_at = now
         if answered == "succeeded" or answered == "failed":
             data["completed_at"] = job.completed_at
             data["charge"] = job.charge()
@@ -578,6 +595,30 @@ async def get_generation(request: web.Request) -> web.Response:
         return _json(data, headers=headers)
     finally:
         job.gets_in_flight -= 1
+
+
+async def cancel_generation(request: web.Request) -> web.Response:
+    """``POST /v1/generations/{id}/cancel``: cancel a job that has not ended (200 with ``status: canceled``; its
+    GETs answer ``canceled`` from now on, without outputs); 409 ``already_terminal`` (with the job's ``job_status``) for
+    a job that ended first, 404 for an unknown id. Counted among the account's POSTs for the rate limit."""
+    sim = request.app[SIMULATOR_KEY]
+    if not _authorized(request):
+        return _error(401, "unauthorized", "missing or empty bearer token")
+    limited = _over_limit(sim, request, "POST")
+    if limited is not None:
+        return limited
+    reg = sim.registry
+    reg.cancels += 1
+    job = reg.jobs.get(request.match_info["job_id"])
+    if job is None:
+        return _error(404, "not_found", "no such generation")
+    job.cancels += 1
+    now = time.time()
+    status = job.status(now)
+    if status in ("succeeded", "failed", "canceled"):
+        return _error(409, "already_terminal", f"the generation is already {status}", job_status=status)
+    job.canceled_at = now
+    return _json({"id": job.job_id, "status": "canceled"})
 
 
 async def list_generations(request: web.Request) -> web.Response:
@@ -687,6 +728,7 @@ def make_app(config: SimulatorConfig | None = None) -> web.Application:
     app.router.add_post("/v1/generations", post_generation)
     app.router.add_get("/v1/generations", list_generations, allow_head=False)
     app.router.add_get("/v1/generations/{job_id}", get_generation, allow_head=False)
+    app.router.add_post("/v1/generations/{job_id}/cancel", cancel_generation)
     app.router.add_get("/_sim/summary", sim_summary, allow_head=False)
     app.router.add_get("/_sim/jobs", sim_jobs, allow_head=False)
     app.router.add_get("/_sim/operations/{client_reference}", sim_operation, allow_head=False)

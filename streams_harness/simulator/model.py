@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-JobStatus = Literal["queued", "running", "succeeded", "failed"]
+JobStatus = Literal["queued", "running", "succeeded", "failed", "canceled"]
 TerminalStatus = Literal["succeeded", "failed"]
 
 DEFAULT_QUEUE_MS = 200.0

@@ -30,7 +30,7 @@ async def test_transition_table_mirrors_python(pool: asyncpg.Pool) -> None:
     in_db = {(r["from_state"], r["to_state"]) for r in rows}
     in_code = {(a.value, b.value) for a in OperationState for b in OperationState if can_transition(a, b)}
     assert in_db == in_code
-    assert len(in_db) == 24
+    assert len(in_db) == 25
 
 
 async def test_remote_call_outcomes_mirror_python(pool: asyncpg.Pool) -> None:

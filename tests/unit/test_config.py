@@ -14,6 +14,7 @@ DEFAULT_TOPICS = {
     "outputs_delivered": "generation.outputs.delivered",
     "transitions": "generation.transitions",
     "dead_letter": "generation.dead-letter",
+    "cancellations": "generation.cancellations",
 }
 
 
@@ -47,6 +48,7 @@ def test_partitions_and_prefix() -> None:
         "outputs_delivered": "x.generation.outputs.delivered",
         "transitions": "x.generation.transitions",
         "dead_letter": "x.generation.dead-letter",
+        "cancellations": "x.generation.cancellations",
     }
     assert s.topic("polls") == "x.generation.polls"
     with pytest.raises(KeyError):

@@ -54,6 +54,7 @@ def test_every_schema_file_is_registered() -> None:
     on_disk = sorted(p.name for p in contracts.schema_dir().iterdir() if p.name.endswith(".json"))
     assert on_disk == sorted(contracts.SCHEMA_FILES.values())
     assert sorted(contracts.SCHEMA_FILES) == [
+        "generation.cancellations",
         "generation.dead-letter",
         "generation.outputs.delivered",
         "generation.polls",

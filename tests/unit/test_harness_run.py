@@ -131,6 +131,7 @@ def test_a_runs_topics_are_its_five() -> None:
         "run123.generation.outputs.delivered",
         "run123.generation.transitions",
         "run123.generation.dead-letter",
+        "run123.generation.cancellations",
     ]
 
 

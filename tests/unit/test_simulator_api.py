@@ -592,3 +592,30 @@ async def test_retry_after_dates_on_429s_and_get_answers_read_against_their_date
         hint_s is not None
         and answer.json()["poll_after_ms"] / 1000 <= hint_s <= answer.json()["poll_after_ms"] / 1000 + 1
     )
+
+
+async def test_a_job_canceled_at_the_provider_ends_canceled_without_outputs(start_sim: Factory) -> None:
+    client = await start_sim(compression=1.0)  # real time: the job is still queued or running when canceled
+    job_id = (await client.post("/v1/generations", json=_ref_body("op-x"), headers=AUTH)).json()["id"]
+    r = await client.post(f"/v1/generations/{job_id}/cancel", headers=AUTH)
+    assert (r.status_code, r.json()) == (200, {"id": job_id, "status": "canceled"})
+    got = (await client.get(f"/v1/generations/{job_id}", headers=AUTH)).json()
+    assert got["status"] == "canceled" and "outputs" not in got and "charge" not in got
+    assert got["completed_at"] is not None
+    r = await client.post(f"/v1/generations/{job_id}/cancel", headers=AUTH)  # a second cancel: already ended
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "already_terminal" and r.json()["error"]["job_status"] == "canceled"
+    [job] = (await _operation(client, "op-x"))["jobs"]
+    assert job["cancels"] == 2 and job["status"] == "canceled"
+    assert (await _summary(client))["jobs_by_status"]["canceled"] == 1
+
+
+async def test_a_cancel_of_a_finished_job_answers_that_it_is_terminal(start_sim: Factory) -> None:
+    client = await start_sim(compression=100.0)
+    job_id = (await client.post("/v1/generations", json=_ref_body("op-done"), headers=AUTH)).json()["id"]
+    await _wait_for_status(client, job_id, {"succeeded"})
+    r = await client.post(f"/v1/generations/{job_id}/cancel", headers=AUTH)
+    assert r.status_code == 409 and r.json()["error"]["job_status"] == "succeeded"
+    got = (await client.get(f"/v1/generations/{job_id}", headers=AUTH)).json()
+    assert got["status"] == "succeeded" and got["outputs"]  # the cancel changed nothing
+    assert (await client.post("/v1/generations/job_0000000000000000/cancel", headers=AUTH)).status_code == 404

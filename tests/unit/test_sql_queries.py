@@ -139,6 +139,7 @@ EXPECTED = {
         "erasures_of",
     ],
     ("streams.ledger", "redrives.sql"): ["operation_request", "record_redrive", "redrives_of"],
+    ("streams.ledger", "cancellations.sql"): ["request_cancel", "note_cancel_call"],
     ("streams.ledger", "inspect.sql"): [
         "list_operations",
         "operation_row",

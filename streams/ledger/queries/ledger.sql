@@ -35,9 +35,10 @@ RETURNING operation_id, fencing_token;
 -- name: claim_for_submit
 -- Batched: the dispatcher's claim: accepted -> submitting, written before the POST, with a new fencing value and
 -- the caller's claim id. The same claim sent again (its reply was lost after the commit) finds its claim id on the
--- row, still submitting, and gets the fencing value it wrote; nothing is written again.
+-- row, still submitting, and gets the fencing value it wrote; nothing is written again. An operation whose
+-- cancellation is recorded (cancellations.sql) goes accepted -> canceled instead, and no POST is sent for it.
 -- :operation_ids (text[], distinct), :claim_ids (uuid[]), :worker, :lock_timeout. Returns i, fencing_token per
--- claimed request; none for an operation past 'accepted' by another claim (or unknown).
+-- claimed request; none for an operation past 'accepted' by another claim, canceled (now or before), or unknown.
 WITH req AS (
     SELECT * FROM unnest(:operation_ids::text[], :claim_ids::uuid[]) WITH ORDINALITY AS r(operation_id, claim_id, i)
 ), locked AS MATERIALIZED (
@@ -45,14 +46,23 @@ WITH req AS (
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
+), asked AS (
+    SELECT operation_id, path AS asked_path, reason AS asked_reason FROM cancellations
+    WHERE operation_id = ANY(:operation_ids::text[])
 ), claimed AS (
     UPDATE operations AS o
-    SET state = 'submitting', fencing_token = o.fencing_token + 1, claim_id = req.claim_id, updated_by = :worker
-    FROM req JOIN locked USING (operation_id)
+    SET state = CASE WHEN asked.asked_path IS NULL THEN 'submitting' ELSE 'canceled' END::operation_state,
+        fencing_token = o.fencing_token + 1,
+        claim_id = req.claim_id,
+        reason = CASE WHEN asked.asked_path IS NOT NULL
+                      THEN 'canceled before submit (asked by ' || asked.asked_path || '): ' || asked.asked_reason END,
+        reason_code = CASE WHEN asked.asked_path IS NOT NULL THEN 'canceled_before_submit' END,
+        updated_by = :worker
+    FROM req JOIN locked USING (operation_id) LEFT JOIN asked USING (operation_id)
     WHERE o.operation_id = req.operation_id AND locked.state = 'accepted'
-    RETURNING req.i, o.fencing_token
+    RETURNING req.i, o.fencing_token, o.state
 )
-SELECT i, fencing_token FROM claimed
+SELECT i, fencing_token FROM claimed WHERE state = 'submitting'
 UNION ALL
 SELECT req.i, locked.fencing_token
 FROM req JOIN locked USING (operation_id)
@@ -202,7 +212,8 @@ WHERE operation_id = :operation_id;
 -- :operation_ids (text[], distinct), :poll_claim_ids of the poll events (bigint[]), :claim_ids (uuid[]), :worker,
 -- :lock_timeout.
 -- Returns i, fencing_token, remote_job_id, state, poll_count, observed_for_s (since the observation began: job id
--- saved or repolled) per claimed request; none when the poll is stale (re-claimed since), already taken (the same
+-- saved or repolled), cancel_asked (a cancellation is recorded), cancel_answered (the provider's cancel route gave a
+-- definite answer), cancel_attempts per claimed request; none when the poll is stale (re-claimed since), already taken (the same
 -- poll event delivered again, e.g. after a rebalance: each scheduler claim is observed at most once, so a
 -- redelivered poll makes no second GET; it clears poll_claimed_at, as does a reschedule), the operation is no
 -- longer pollable, or it does not exist. The same claim sent again (its reply was lost after the commit) finds
@@ -212,7 +223,7 @@ WITH req AS (
         WITH ORDINALITY AS r(operation_id, poll_claim_id, claim_id, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id, state, poll_claimed_at, poll_claim_id, observe_claim_id, fencing_token, remote_job_id,
-           poll_count, observing_since, accepted_at
+           poll_count, observing_since, accepted_at, cancel_answered_at, cancel_attempts
     FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
@@ -227,12 +238,16 @@ WITH req AS (
       AND locked.poll_claimed_at IS NOT NULL
       AND locked.state IN ('submitted', 'queued', 'running')
     RETURNING req.i, o.fencing_token, o.remote_job_id, o.state::text AS state, o.poll_count,
-              extract(epoch FROM now() - COALESCE(o.observing_since, o.accepted_at))::float8 AS observed_for_s
+              extract(epoch FROM now() - COALESCE(o.observing_since, o.accepted_at))::float8 AS observed_for_s,
+              EXISTS (SELECT 1 FROM cancellations c WHERE c.operation_id = o.operation_id) AS cancel_asked,
+              o.cancel_answered_at IS NOT NULL AS cancel_answered, o.cancel_attempts
 )
 SELECT * FROM claimed
 UNION ALL
 SELECT req.i, locked.fencing_token, locked.remote_job_id, locked.state::text, locked.poll_count,
-       extract(epoch FROM now() - COALESCE(locked.observing_since, locked.accepted_at))::float8
+       extract(epoch FROM now() - COALESCE(locked.observing_since, locked.accepted_at))::float8,
+       EXISTS (SELECT 1 FROM cancellations c WHERE c.operation_id = locked.operation_id),
+       locked.cancel_answered_at IS NOT NULL, locked.cancel_attempts
 FROM req JOIN locked USING (operation_id)
 WHERE locked.poll_claimed_at IS NULL
   AND locked.observe_claim_id = req.claim_id

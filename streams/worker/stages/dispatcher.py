@@ -9,6 +9,8 @@ Outcome of the POST (see :mod:`streams.remote.client`):
   (nothing was ever created).
 * unknown outcome (timeout or connection lost after send, 5xx without job id): ``uncertain`` with the reason;
   never re-sent. A replayed submission never POSTs again once the operation left ``accepted``.
+* a cancellation recorded before the claim (docs/cancellation.md): the claim itself ends the operation
+  ``canceled`` (``accepted -> canceled``, under the same row lock) and no POST is sent.
 
 The request is the provider's request body, carried as JSON text from the Kafka event to the ledger and the
 POST body (:func:`streams.remote.client.provider_request_body` adds ``metadata.client_reference`` and a default
@@ -273,6 +275,9 @@ class Dispatcher:
             raise
         if fencing is None:
             await lease.release()
+            row = await self.rt.ledger.get_operation(operation_id)
+            if row is not None and row["state"] == OperationState.CANCELED and row["remote_job_id"] is None:
+                log.info("operation %s: canceled before the POST (%s); no POST sent", operation_id, row["reason"])
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
             return False
         logs.bind(fencing_token=fencing)

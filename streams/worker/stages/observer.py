@@ -27,6 +27,13 @@
 * Renewal before the save fails (:class:`LeaseLostError`): no save and no further GET for this poll.
 * Concurrency budget (:mod:`streams.coordination.running`): a GET answering a terminal status gives the job's
   running-job slot back; any other answer extends it by ``remote_running_slot_ttl_s``.
+* A cancellation recorded for the operation (docs/cancellation.md): before the GET, under the lease and the claim,
+  the provider's cancel route is called (:meth:`streams.remote.client.RemoteClient.cancel`), accounted (method
+  ``CANCEL``) and noted, fenced, on the operation; a definite answer (accepted, already terminal, refused) is never
+  asked again, another (not found, 429, 5xx, a timeout) is asked again at the next poll, with the poll's backoff, up
+  to ``cancel_attempt_limit`` calls. The GET that follows observes the job as usual: the state the provider reports
+  is saved, so a job that succeeded first stays ``succeeded`` with its outputs, and a canceled one ends
+  ``canceled`` with none.
 * Save refused by the fencing value: the result is dropped, counted (``streams_fencing_refusals_total``) and
   logged. A late ``running`` over a saved ``succeeded`` is refused by the state order.
 """
@@ -174,6 +181,8 @@ class Observer:
         rt = self.rt
         poll_count = claim.poll_count
         claimed_at = time.monotonic()
+        if claim.cancel_asked and not claim.cancel_answered:
+            await self._cancel_at_provider(operation_id, claim, lease)
         if not await self._get_slot(operation_id, lease):
             return
         # The claim or the budget may have waited (a PostgreSQL outage): still ours before the GET? (If not, the
@@ -215,6 +224,51 @@ class Observer:
             metrics.ORDER_REFUSALS.inc()
             log.info("operation %s: %s not saved over a later state", operation_id, snapshot.status)
             await self._reschedule(operation_id, poll_claim_id, delay)  # still pollable: poll again soon
+
+    async def _cancel_at_provider(self, operation_id: str, claim: ObserveClaim, lease: Lease) -> None:
+        """Call the provider's cancel route for the claimed job under ``lease`` (renewed during the call), account
+        the call and note its answer, fenced (module docstring). Past ``cancel_attempt_limit`` calls without a
+        definite answer it is not called again (logged at each poll)."""
+        rt = self.rt
+        job_id = claim.remote_job_id
+        limit = rt.settings.cancel_attempt_limit
+        if claim.cancel_attempts >= limit:
+            log.error(
+                "operation %s: cancel of job %s not asked again: %d calls without a definite answer "
+                "(cancel_attempt_limit); the job is observed until it ends (docs/cancellation.md)",
+                operation_id,
+                job_id,
+                claim.cancel_attempts,
+            )
+            return
+        if not await self._renewed(lease, operation_id, "no cancel call", if_due=True):
+            return
+        try:
+            result = await lease.renewing(rt.remote.cancel(operation_id, job_id))
+        except LeaseLostError as exc:
+            metrics.LEASE_LOST.labels("observe").inc()
+            log.warning(
+                "operation %s: cancel of job %s cut off (%s); asked again at the next poll", operation_id, job_id, exc
+            )
+            return
+        fencing = claim.fencing_token
+        await rt.account(
+            operation_id, "CANCEL", result.status_code, result.outcome, job_id, result.duration_ms, fencing
+        )
+        attempts = await rt.ledger.note_cancel_call(operation_id, fencing, result.outcome, result.definite)
+        if result.definite:
+            log.info(
+                "operation %s: %s: %s; observing the job until it ends", operation_id, result.detail, result.outcome
+            )
+        else:
+            log.warning(
+                "operation %s: %s: %s (call %s of at most %d); asked again at the next poll",
+                operation_id,
+                result.detail,
+                result.outcome,
+                attempts if attempts is not None else "?",
+                limit,
+            )
 
     async def _get_slot(self, operation_id: str, lease: Lease) -> bool:
         """Wait for a GET slot of the account's rate budget, renewing ``lease`` meanwhile. False (counted, logged)
