@@ -243,6 +243,7 @@ async def test_through_a_proxy_from_the_environment_cancelled_calls_leave_no_poo
     settings = settings.replace(
         http_transport="httpx",
         remote_base_url="http://generation-api.invalid",  # reached only through the proxy
+        remote_allow_plain_http=True,  # a test host behind the test proxy
         dispatcher_concurrency=1,
         observer_concurrency=1,
         http_pool_timeout_s=0.5,

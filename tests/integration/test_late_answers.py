@@ -127,7 +127,7 @@ async def test_a_late_answer_after_abandon_is_accounted_reported_and_adoptable(
         ReasonCode.ADOPTED_AFTER_DECISION.value,
     )
     assert row["reason"].startswith(f"adopted job {job} created after the decision, the provider answers status ")
-    assert row["reason"].endswith("(alice): its 201 came after the abandon")
+    assert row["reason"].endswith("(given: alice)): its 201 came after the abandon")
     moves = await pool.fetch("SELECT from_state::text, to_state::text FROM transitions WHERE operation_id=$1", op)
     assert [(m["from_state"], m["to_state"]) for m in moves][-2:] == [
         ("uncertain", "rejected"),
