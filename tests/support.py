@@ -227,6 +227,14 @@ class ReplyCutter:
             task.add_done_callback(self._tasks.discard)
 
 
+#: Every table a test session empties before each test (the ledger's rows; the reference tables stay): the tables
+#: without a foreign key to ``operations`` must be named, as TRUNCATE ... CASCADE does not reach them.
+LEDGER_TABLES = (
+    "cancellations, dead_letter_redrives, erasures, refunds, remote_jobs, remote_calls, outbox, outputs, transitions, "
+    "operations"
+)
+
+
 def real_ledger(rt: Runtime) -> Ledger:
     """The PostgreSQL ledger of a runtime the integration tier built (its operators' and accounting calls are not
     part of :class:`streams.ledger.protocol.PipelineLedger`)."""

@@ -14,9 +14,9 @@ from streams.ledger.pool import create_pool
 from streams.setup.admin import create_topics, delete_topics, migrate
 from streams_harness.fleet import Fleet
 from streams_harness.simulator import SimulatorConfig
-from tests.support import SimulatorServer, unique_settings
+from tests.support import LEDGER_TABLES, SimulatorServer, unique_settings
 
-TABLES = "remote_calls, outbox, outputs, transitions, operations"
+TABLES = LEDGER_TABLES
 
 
 @pytest.fixture

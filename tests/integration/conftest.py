@@ -19,13 +19,12 @@ from streams.remote.client import RemoteClient
 from streams.setup.admin import create_topics, delete_topics, migrate
 from streams.worker.runtime import Runtime
 from streams_harness.simulator import SimulatorConfig
+from tests.support import LEDGER_TABLES
 from tests.support import SimulatorServer as Simulator
 
 pytestmark = pytest.mark.integration
 
-TABLES = (
-    "dead_letter_redrives, erasures, refunds, remote_jobs, remote_calls, outbox, outputs, transitions, operations"
-)
+TABLES = LEDGER_TABLES
 
 
 @pytest.fixture(scope="session")
