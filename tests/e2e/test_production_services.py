@@ -491,9 +491,10 @@ def _now_ms() -> int:
 
 
 @pytest.mark.xfail(
-    strict=True,
-    reason="the workers' Faust consumers are not reassigned partitions added live: submissions on partitions 8-15 "
-    "stay unread until a rebalance (measured: 45 of 120 never accepted within metadata age + 60 s)",
+    strict=False,  # it passed once in CI when a rebalance happened to come in time: not reliable either way
+    reason="the workers' Faust consumers are not reliably reassigned partitions added live: submissions on "
+    "partitions 8-15 can stay unread until a rebalance (measured: 45 of 120 never accepted within metadata age + "
+    "60 s; another run read them all)",
 )
 async def test_partitions_grown_live_are_read_within_the_metadata_age(
     cluster: tuple[Settings, dict[str, str]], tmp_path: Path
