@@ -167,7 +167,9 @@ async def test_probes_tell_the_truth_within_their_timeout(
         ready = r.json()
         assert ready["ready"] is True and ready["reasons"] == []
         assert {k: v["ok"] for k, v in ready["checks"].items()} == {"postgres": True, "redis": True, "kafka": True}
-        assert ready["checks"]["kafka"]["detail"] == f"{surface_settings.partitions * 2} partitions assigned"
+        consumed = ("submissions", "polls", "cancellations")  # the topics the worker's agents read
+        assigned = surface_settings.partitions * len(consumed)
+        assert ready["checks"]["kafka"]["detail"] == f"{assigned} partitions assigned"
         live = await c.get(worker.url + "/livez")
         assert (live.status_code, live.json()) == (200, {"live": True, "reasons": []})
 
