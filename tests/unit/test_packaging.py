@@ -220,3 +220,33 @@ def test_the_harness_finds_the_clone_it_runs_in(tmp_path: Path, monkeypatch: pyt
     assert checkout_dir() == ROOT
     with pytest.raises(CheckoutNotFoundError, match=f"no clone of the repository at or above {tmp_path}"):
         checkout_dir(tmp_path)
+
+
+def test_every_source_directory_is_a_package_of_the_wheel() -> None:
+    """Each directory under ``streams/`` and ``streams_harness/`` holding a file is listed in ``pyproject.toml``.
+
+    setuptools installs only the packages it is given, so a subpackage left out of the list is missing from the
+    wheel while an editable install still finds it.
+    """
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    wanted: set[str] = set()
+    data_directories: list[tuple[str, str]] = []
+    for top in ("streams", "streams_harness"):
+        for directory in [ROOT / top, *(ROOT / top).rglob("*")]:
+            if not directory.is_dir() or directory.name == "__pycache__":
+                continue
+            if not any(child.is_file() and child.suffix != ".pyc" for child in directory.iterdir()):
+                continue
+            parts = directory.relative_to(ROOT).parts
+            if parts[-1].isidentifier():
+                wanted.add(".".join(parts))
+            else:  # a data directory (no package name possible): its parent package's data must name it
+                data_directories.append((".".join(parts[:-1]), parts[-1]))
+    missing = sorted(wanted - listed)
+    assert not missing, f"pyproject.toml [tool.setuptools] packages lacks {missing}"
+    for package, name in data_directories:
+        patterns = setuptools["package-data"].get(package, [])
+        assert any(pattern.startswith(f"{name}/") for pattern in patterns), (package, name, patterns)
