@@ -84,13 +84,11 @@ class ProcrastinatePeer:
     def __init__(
         self,
         settings: Settings,
-        app: procrastinate.App,
         pool: asyncpg.Pool,
         remote: RemoteClient,
         producer: AIOKafkaProducer,
     ):
         self.settings = settings
-        self.app = app
         self.pool = pool
         self.ledger = Ledger(pool, WORKER)
         self.remote = remote
@@ -216,7 +214,7 @@ async def run(settings: Settings) -> None:
     await consumer.start()
     try:
         async with app.open_async():
-            peer = ProcrastinatePeer(settings, app, pool, remote, producer)
+            peer = ProcrastinatePeer(settings, pool, remote, producer)
             worker = app.run_worker_async(
                 queues=[QUEUE],
                 concurrency=concurrency,

@@ -214,9 +214,9 @@ def test_under_uvloop_samples_are_charged_below_the_frame_that_entered_the_loop(
     assert summarize(path)["by_component"] == {"asyncpg": 50.0, EVENT_LOOP: 30.0, "faust": 20.0}
 
 
-def test_only_the_pipeline_runs_are_held_to_the_promises() -> None:
-    """The floor records no charges and the naive peer publishes outputs more than once by design: their
-    reports would read as broken promises, so they carry none (None), while the pipeline's are checked."""
+def test_the_pipeline_and_the_peers_are_held_to_the_promises_and_the_floor_is_not() -> None:
+    """The floor records no charges and promises nothing, so it carries none (None); the pipeline's and the
+    peers' reports are checked alike (the peers' broken promises are what a team would give up)."""
     report = {
         "throughput_ops_per_s": 100.0,
         "operations_final": 10,
@@ -237,6 +237,12 @@ def test_only_the_pipeline_runs_are_held_to_the_promises() -> None:
     floor = figures(RunSpec(FLOOR, 2, 4, "aiohttp", 0), report, sim, cost, 10)
     pipeline = figures(RunSpec(PIPELINE, 1, 4, "aiohttp", 0), report, sim, cost, 10)
     assert floor["broken_promises"] is None
+    for peer in (NAIVE, PROCRASTINATE):
+        checked = figures(RunSpec(peer, 2, 4, "aiohttp", 0), report | {"output_duplicates": 3}, sim, cost, 10)
+        assert checked["broken_promises"] == [
+            "charges recorded minus the provider's for the jobs seen ending=-0.25",
+            "output_duplicates=3",
+        ]
     assert pipeline["broken_promises"] == ["charges recorded minus the provider's for the jobs seen ending=-0.25"]
     measured = {"cpu_ms_per_operation": 1.0, "idle_cpu_percent": 1.0, "simulator_cpu_ms_per_operation": 0.5}
     summary = summarize_runs([floor | measured, pipeline | measured])
