@@ -73,7 +73,7 @@ def make_app(queue_url: str, max_connections: int) -> procrastinate.App:
 
 async def apply_schema(queue_url: str) -> None:
     """Apply procrastinate's schema to the empty database ``queue_url`` (its own schema manager)."""
-    app = make_app(queue_url, 2)
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=queue_url, min_size=1, max_size=2))
     async with app.open_async():
         await app.schema_manager.apply_schema_async()
 
