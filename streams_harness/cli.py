@@ -4,7 +4,7 @@ entry-point group (``pyproject.toml``; ``streams simulator`` is :data:`streams_h
     streams replay [--trace conv]    publish trace rows as submissions, time-compressed
     streams run [...]                the main job: simulator, workers, trace replay, report
     streams soak [...]               random faults under load, then an audit
-    streams bench [...]              the pipeline against the floor and a naive peer, with a profile
+    streams bench [...]              the pipeline against the floor and two peers, with a profile
 """
 
 from __future__ import annotations
@@ -251,6 +251,12 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 )
 @click.option("--naive/--no-naive", default=True, show_default=True, help="Run the naive peer.")
 @click.option(
+    "--procrastinate/--no-procrastinate",
+    default=True,
+    show_default=True,
+    help="Run the job-queue peer (procrastinate, --naive-processes processes).",
+)
+@click.option(
     "--sim-latency-ms",
     "sim_get_latency_ms",
     default=0.0,
@@ -280,8 +286,9 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 @click.option("--paced-operations", default=1000, show_default=True, type=click.IntRange(min=10))
 def bench_command(**options: Any) -> None:
     """The benchmark: the pipeline (1, 2, 4 workers; two partition counts) against the floor (the same calls,
-    batched, no logic) and a naive peer (several processes polling PostgreSQL, no lease), N operations submitted
-    at once per run; a JSON report, a PNG chart and a profile of one worker (docs/benchmark.md)."""
+    batched, no logic), a naive peer (several processes polling PostgreSQL, no lease) and a job-queue peer
+    (procrastinate), N operations submitted at once per run; a JSON report, a PNG chart and a profile of one
+    worker (docs/benchmark.md)."""
     from streams_harness.bench import BenchOptions, run_bench
 
     opts = BenchOptions(**options)

@@ -1,10 +1,12 @@
-"""The benchmark (``streams bench``): the pipeline against the floor and a naive peer, on the same closed-loop
-workload against the real services and the simulator, with a profile of one worker under load.
+"""The benchmark (``streams bench``): the pipeline against the floor, a naive peer and a job-queue peer, on the
+same closed-loop workload against the real services and the simulator, with a profile of one worker under load.
 
 * :mod:`~streams_harness.bench.runner`: the plan of runs, one run measured end to end, the summary;
 * :mod:`~streams_harness.bench.counters`: what a run cost, from Redis', PostgreSQL's and Kafka's own counters;
 * :mod:`~streams_harness.bench.floor`: the floor (the same calls, batched, no logic);
 * :mod:`~streams_harness.bench.naive`: the naive peer (polling from PostgreSQL, no lease, no fencing);
+* :mod:`~streams_harness.bench.procrastinate_peer`: the job-queue peer (procrastinate's jobs on PostgreSQL);
+* :mod:`~streams_harness.bench.server_cpu`: the CPU of PostgreSQL's backends, Redis and Kafka during a run;
 * :mod:`~streams_harness.bench.profile`: py-spy and the profile's summary;
 * :mod:`~streams_harness.bench.chart`: the PNG chart.
 """
@@ -17,7 +19,16 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from streams_harness.bench.runner import Bench, BenchOptions, compare, render_summary, summarize_runs, write_report
+from streams_harness.bench.runner import (
+    Bench,
+    BenchOptions,
+    compare,
+    render_scaling,
+    render_summary,
+    scaling,
+    summarize_runs,
+    write_report,
+)
 
 __all__ = ["BenchOptions", "run_bench"]
 
@@ -31,6 +42,7 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     records = await bench.run()
     summary = summarize_runs(records)
     comparison = compare(summary)
+    scaling_rows = scaling(summary)
     pipelines = {k: v for k, v in summary.items() if v["kind"] == "pipeline"}  # closed loop: paced runs excluded
     best = max(pipelines, key=lambda k: pipelines[k]["operations_per_s"], default=None)
     same_size = next(
@@ -61,6 +73,7 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
         "ratio_to_floor_by_configuration": comparison.ratio_to_floor,
         "gets_ratio_to_naive_by_configuration": comparison.gets_ratio_to_naive,
         "summary": summary,
+        "scaling": scaling_rows,
         "profiles": profiles,
         "runs": records,
         "chart": str(chart_path),
@@ -69,6 +82,8 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     draw(summary, comparison, chart_path, title)
     write_report(report_path, report)
     print(render_summary(summary, comparison), file=out)
+    if scaling_rows:
+        print(render_scaling(scaling_rows), file=out)
     for profile in profiles:
         top = ", ".join(f"{k} {v}%" for k, v in list(profile["by_component"].items())[:8])
         print(f"profile of one worker ({profile['label']}, {profile['samples']} samples): {top}", file=out)

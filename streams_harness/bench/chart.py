@@ -1,5 +1,5 @@
 """The benchmark's chart (PNG, matplotlib): the summary's throughput, the GETs per operation (what the lease
-saves against the naive peer) and the calls per operation (what the pipeline pays for its promises)."""
+saves against the peers) and the calls and CPU per operation (what the pipeline pays for its promises)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ matplotlib.use("Agg")  # files only, no display
 
 import matplotlib.pyplot as plt
 
-COLOURS = {"floor": "#4c956c", "naive": "#d1495b", "pipeline": "#2e86ab", "paced": "#8d99ae"}
+COLOURS = {
+    "floor": "#4c956c",
+    "naive": "#d1495b",
+    "procrastinate": "#edae49",
+    "pipeline": "#2e86ab",
+    "paced": "#8d99ae",
+}
 
 
 def draw(summary: dict[str, dict[str, Any]], comparison: Any, path: Path, title: str) -> Path:
@@ -55,12 +61,13 @@ def draw(summary: dict[str, dict[str, Any]], comparison: Any, path: Path, title:
         ("postgres_round_trips_per_operation", "PostgreSQL\nround trips\nper operation"),
         ("kafka_messages_per_operation", "Kafka\nmessages\nper operation"),
         ("cpu_ms_per_operation", "CPU ms\nper operation\n(its processes)"),
+        ("postgres_backends_cpu_ms_per_operation", "CPU ms\nper operation\n(PostgreSQL's\nbackends)"),
     ]
     picked = _representatives(summary)
     width = 0.8 / max(1, len(picked))
     for i, label in enumerate(picked):
         xs = [m + i * width for m in range(len(metrics))]
-        ys = [summary[label][key] for key, _ in metrics]
+        ys = [summary[label].get(key) or 0.0 for key, _ in metrics]
         ax.bar(xs, ys, width=width, color=COLOURS[summary[label]["kind"]], alpha=1.0 - 0.25 * (i % 3), label=label)
         for x, y in zip(xs, ys, strict=True):
             ax.text(x, y, f"{y:.1f}", ha="center", va="bottom", fontsize=7)

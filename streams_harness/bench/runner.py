@@ -10,7 +10,6 @@ main job (:func:`streams_harness.run.collect_report`) computed from the ledger, 
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -25,7 +24,13 @@ import orjson
 from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
 from streams.ledger.pool import create_pool
-from streams.setup.admin import create_run_database, create_topics, database_name, wait_group_stable
+from streams.setup.admin import (
+    create_run_database,
+    create_topics,
+    database_name,
+    drop_run_database,
+    wait_group_stable,
+)
 from streams_harness.bench.counters import (
     Counters,
     kafka_messages,
@@ -33,7 +38,9 @@ from streams_harness.bench.counters import (
     redis_reading_cost,
     settled_postgres_transactions,
 )
+from streams_harness.bench.procrastinate_peer import QUEUE_DATABASE_SUFFIX, apply_schema, queue_database_url
 from streams_harness.bench.profile import Profiler, summarize
+from streams_harness.bench.server_cpu import ServerCpu, kafka_broker_pid, process_cpu_s, read_server_cpu
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulator, wait_healthy
 from streams_harness.redis_server import PrivateRedis
@@ -43,6 +50,10 @@ from streams_harness.run import collect_report, migrate_quietly, print_kept, pro
 from streams_harness.trace import read_trace
 
 PIPELINE, FLOOR, NAIVE, PACED = "pipeline", "floor", "naive", "paced"
+#: The job-queue peer (:mod:`streams_harness.bench.procrastinate_peer`).
+PROCRASTINATE = "procrastinate"
+#: The peers: what a team would run instead (held to the product's checks, never failing the benchmark).
+PEERS = (NAIVE, PROCRASTINATE)
 
 #: Seconds the started processes are watched idle before the submissions, for ``idle_cpu_percent``.
 IDLE_WINDOW_S = 3.0
@@ -63,6 +74,8 @@ class BenchOptions:
     #: show what the machine allows more processes of any design (the pipeline's worker counts).
     floor_processes: tuple[int, ...] = (1, 2)
     naive: bool = True
+    #: The job-queue peer, with ``naive_processes`` processes.
+    procrastinate: bool = True
     sim_get_latency_ms: float = 0.0
     job_duration_ms: float = 0.0
     profile: bool = True
@@ -91,8 +104,8 @@ class RunSpec:
         """The configuration's name (runs of one label are repeats of each other)."""
         if self.kind == FLOOR:
             return "floor" if self.processes == 1 else f"floor x{self.processes}"
-        if self.kind == NAIVE:
-            return f"naive x{self.processes} p{self.partitions} {self.transport}"
+        if self.kind in PEERS:
+            return f"{self.kind} x{self.processes} p{self.partitions} {self.transport}"
         if self.kind == PACED:
             return f"paced {self.rate_per_s:g}/s w{self.processes} p{self.partitions}"
         return f"pipeline w{self.processes} p{self.partitions} {self.transport}"
@@ -110,6 +123,8 @@ def plan(opts: BenchOptions) -> list[RunSpec]:
                 batch.append(RunSpec(FLOOR, processes, opts.partitions[0], "aiohttp", repeat))
         if opts.naive:
             batch.append(RunSpec(NAIVE, opts.naive_processes, opts.partitions[0], opts.transports[0], repeat))
+        if opts.procrastinate:
+            batch.append(RunSpec(PROCRASTINATE, opts.naive_processes, opts.partitions[0], opts.transports[0], repeat))
         for transport in opts.transports:
             for workers in opts.workers:
                 for partitions in opts.partitions:
@@ -150,6 +165,7 @@ class Bench:
         self.rows = read_trace("conv", start=0, rows=max(opts.operations, opts.paced_operations))
         self._seq = 0
         self.sim_pid = 0
+        self.kafka_pid = kafka_broker_pid()
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -198,7 +214,7 @@ class Bench:
         return records
 
     def _settings(self, spec: RunSpec, run_id: str, database_url: str) -> Settings:
-        app_id = f"{self.base.app_id}-{run_id}" + ("-naive" if spec.kind == NAIVE else "")
+        app_id = f"{self.base.app_id}-{run_id}" + (f"-{spec.kind}" if spec.kind in PEERS else "")
         return self.base.replace(
             database_url=database_url,
             topic_prefix=f"{self.base.topic_prefix}{run_id}.",
@@ -219,8 +235,12 @@ class Bench:
         admin_url = self.base.database_url.get_secret_value()
         database_url = await create_run_database(admin_url, run_id)
         settings = self._settings(spec, run_id, database_url)
+        queue_url = queue_database_url(database_url) if spec.kind == PROCRASTINATE else None
         try:
             migrate_quietly(database_url)
+            if queue_url is not None:
+                await create_run_database(database_url, QUEUE_DATABASE_SUFFIX)
+                await apply_schema(queue_url)
             await create_topics(settings)
             async with httpx.AsyncClient(base_url=self.sim_url, timeout=30) as sim:
                 (await sim.post("/_sim/reset")).raise_for_status()
@@ -228,7 +248,11 @@ class Bench:
         finally:
             if self.opts.keep:
                 print_kept(settings, self.out)
+                if queue_url is not None:
+                    self.say(f"kept: procrastinate's database {database_name(queue_url)}")
             else:
+                if queue_url is not None:
+                    await _drop_quietly(admin_url, queue_url, self.out)
                 await remove_run(settings, admin_url, self.out)
 
     async def _start(self, spec: RunSpec, settings: Settings, log_dir: Path) -> Fleet:
@@ -239,8 +263,9 @@ class Bench:
                 fleet.start()
             await fleet.wait_ready()
             await wait_group_stable(settings, spec.processes, 60)
-        elif spec.kind == NAIVE:
-            fleet = Fleet(settings, log_dir, command=[python, "-m", "streams_harness.bench.naive"])
+        elif spec.kind in PEERS:
+            module = {NAIVE: "naive", PROCRASTINATE: "procrastinate_peer"}[spec.kind]
+            fleet = Fleet(settings, log_dir, command=[python, "-m", f"streams_harness.bench.{module}"])
             for _ in range(spec.processes):
                 fleet.start()
             await wait_group_stable(settings, spec.processes, 60)
@@ -258,13 +283,27 @@ class Bench:
             await wait_group_stable(settings, spec.processes, 60)
         return fleet
 
-    async def _counters(self, settings: Settings) -> Counters:
-        reads, calls = await redis_counters(self.redis_url)
+    def _databases(self, spec: RunSpec, settings: Settings) -> list[str]:
+        """The names of the run's databases: the ledger's, and procrastinate's for its peer."""
         database_url = settings.database_url.get_secret_value()
-        transactions = await settled_postgres_transactions(
-            self.base.database_url.get_secret_value(), database_name(database_url)
-        )
+        names = [database_name(database_url)]
+        if spec.kind == PROCRASTINATE:
+            names.append(database_name(queue_database_url(database_url)))
+        return names
+
+    async def _counters(self, spec: RunSpec, settings: Settings) -> Counters:
+        reads, calls = await redis_counters(self.redis_url)
+        admin_url = self.base.database_url.get_secret_value()
+        transactions = 0
+        for name in self._databases(spec, settings):
+            transactions += await settled_postgres_transactions(admin_url, name)
         return Counters(reads, calls, transactions, await kafka_messages(settings))
+
+    async def _server_cpu(self, spec: RunSpec, settings: Settings) -> ServerCpu:
+        redis_pid = self.redis.proc.pid if self.redis is not None and self.redis.proc is not None else None
+        return await read_server_cpu(
+            self.base.database_url.get_secret_value(), self._databases(spec, settings), redis_pid, self.kafka_pid
+        )
 
     async def _measure(self, spec: RunSpec, settings: Settings, run_id: str, log_dir: Path) -> dict[str, Any]:
         n = self._operations(spec)
@@ -275,7 +314,7 @@ class Bench:
         progress_queries = 0
         timed_out = False
         try:
-            before = await self._counters(settings)
+            before = await self._counters(spec, settings)
             if spec.profile:
                 profiler = Profiler(fleet.live()[0].pid, log_dir / "profile.txt")
                 if not profiler.start():
@@ -287,6 +326,7 @@ class Bench:
             cpu_before = sum(process_cpu_s(pid) for pid in pids)
             idle_cpu_percent = 100.0 * (cpu_before - idle_from[1]) / (time.monotonic() - idle_from[0])
             sim_cpu_before = process_cpu_s(self.sim_pid)
+            servers_before = await self._server_cpu(spec, settings)
             ids = await self._submit(settings, run_id, n, spec.rate_per_s)
             conn = await asyncpg.connect(settings.database_url.get_secret_value())
             try:
@@ -294,7 +334,7 @@ class Bench:
                 while True:
                     await asyncio.sleep(0.25)
                     progress_queries += 1
-                    if settled(await progress(conn, pattern), n, lookup=False, outbox=spec.kind != NAIVE):
+                    if settled(await progress(conn, pattern), n, lookup=False, outbox=spec.kind not in PEERS):
                         break
                     if not fleet.live():
                         raise ProcessError(f"the processes of {spec.label} exited; see {log_dir}")
@@ -305,11 +345,13 @@ class Bench:
                 await conn.close()
             cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
             sim_cpu_s = process_cpu_s(self.sim_pid) - sim_cpu_before
+            # read while the measured processes still hold their connections (a backend gone is not counted)
+            servers_s = (await self._server_cpu(spec, settings)).minus(servers_before)
         finally:
             if profiler is not None:
                 profiler.stop()
             fleet.stop_all()
-        after = await self._counters(settings)
+        after = await self._counters(spec, settings)
         cost = after.minus(before, self.reading_cost)
         # the progress queries: one transaction each, and one more for preparing the statement
         cost = Counters(
@@ -327,6 +369,7 @@ class Bench:
         record["cpu_ms_per_operation"] = round(1000.0 * cpu_s / n, 3)
         record["idle_cpu_percent"] = round(idle_cpu_percent, 1)
         record["simulator_cpu_ms_per_operation"] = round(1000.0 * sim_cpu_s / n, 3)
+        record.update(server_cpu_figures(servers_s, n, redis_counted=self.redis is not None))
         record.update({"run_id": run_id, "timed_out": timed_out, "wall_clock_s": round(time.monotonic() - started, 1)})
         if profiler is not None and profiler.path.exists():
             record["profile"] = {"path": str(profiler.path), **summarize(profiler.path)}
@@ -352,13 +395,28 @@ class Bench:
         return ids
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) process ``pid`` has used so far; 0.0 when it is gone."""
+async def _drop_quietly(admin_url: str, database_url: str, out: Any) -> None:
+    """Drop a run's database; a failure is printed to ``out`` with what to remove by hand, never raised."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        await drop_run_database(admin_url, database_url)
+    except Exception as exc:
+        name = database_name(database_url)
+        print(
+            f"warning: the run's database {name} not removed ({type(exc).__name__}: {exc}); drop it by hand", file=out
+        )
+
+
+def server_cpu_figures(servers_s: dict[str, float], n: int, *, redis_counted: bool) -> dict[str, float | None]:
+    """A run's CPU of the services per operation, in ms, from the seconds each spent (``postgres``, ``redis``,
+    ``kafka``, see :mod:`streams_harness.bench.server_cpu`); Redis's is None without the benchmark's own server."""
+    postgres = round(1000.0 * servers_s["postgres"] / n, 3)
+    redis = round(1000.0 * servers_s["redis"] / n, 3) if redis_counted else None
+    kafka = round(1000.0 * servers_s["kafka"] / n, 3)
+    return {
+        "postgres_backends_cpu_ms_per_operation": postgres,
+        "redis_server_cpu_ms_per_operation": redis,
+        "kafka_broker_cpu_ms_per_operation": kafka,
+    }
 
 
 def figures(spec: RunSpec, report: dict[str, Any], sim: dict[str, Any], cost: Counters, n: int) -> dict[str, Any]:
@@ -389,13 +447,14 @@ def figures(spec: RunSpec, report: dict[str, Any], sim: dict[str, Any], cost: Co
         "max_jobs_per_operation": int(sim["max_jobs_per_operation"]),
         "output_duplicates": report["output_duplicates"],
         "redis_round_trips_per_observation": round(cost.redis_reads / observations, 2),
+        "redis_round_trips_per_operation": round(cost.redis_reads / n, 2),
         "redis_calls_per_observation": {k: round(v / observations, 2) for k, v in sorted(cost.redis_calls.items())},
         "postgres_round_trips_per_operation": round(cost.postgres_transactions / n, 2),
         "kafka_messages_per_operation": round(kafka_total / n, 2),
         "kafka_messages_by_topic": cost.kafka_messages,
-        # The product's promises: the references make none (the floor records no charges, the naive peer
-        # publishes outputs more than once by design), so theirs is None.
-        "broken_promises": broken_promises(report, repeats_allowed=False) if spec.kind in (PIPELINE, PACED) else None,
+        # The product's promises, checked for the pipeline and for the peers (what a team would run instead:
+        # which of them they keep); the floor records no charges and makes none, so its is None.
+        "broken_promises": broken_promises(report, repeats_allowed=False) if spec.kind != FLOOR else None,
     }
 
 
@@ -410,8 +469,16 @@ MEDIAN_FIELDS = (
     "gets_per_operation",
     "max_gets_in_flight_per_job",
     "redis_round_trips_per_observation",
+    "redis_round_trips_per_operation",
     "postgres_round_trips_per_operation",
     "kafka_messages_per_operation",
+)
+
+#: Figures summarized as medians of the runs that have them (None: not measured in any).
+OPTIONAL_MEDIAN_FIELDS = (
+    "postgres_backends_cpu_ms_per_operation",
+    "redis_server_cpu_ms_per_operation",
+    "kafka_broker_cpu_ms_per_operation",
 )
 
 
@@ -432,6 +499,9 @@ def summarize_runs(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         entry["operations_per_s_runs"] = [r["operations_per_s"] for r in runs]
         for name in MEDIAN_FIELDS:
             entry[name] = _median([float(r[name]) for r in runs])
+        for name in OPTIONAL_MEDIAN_FIELDS:
+            present = [float(r[name]) for r in runs if r.get(name) is not None]
+            entry[name] = _median(present) if present else None
         for pct in ("p50", "p99"):
             values = [
                 float(r["completion_to_delivery_ms"][pct])
@@ -475,6 +545,9 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
     columns = (
         ("ops/s", 7),
         ("CPU ms/op", 9),
+        ("PG CPU", 6),
+        ("Redis CPU", 9),
+        ("Kafka CPU", 9),
         ("idle CPU%", 9),
         ("obs/s", 7),
         ("c2d p50", 8),
@@ -495,6 +568,9 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
         cells = (
             f"{s['operations_per_s']:.1f}",
             f"{s['cpu_ms_per_operation']:.2f}",
+            _cpu(s.get("postgres_backends_cpu_ms_per_operation")),
+            _cpu(s.get("redis_server_cpu_ms_per_operation")),
+            _cpu(s.get("kafka_broker_cpu_ms_per_operation")),
             f"{s['idle_cpu_percent']:.1f}",
             f"{s['observations_per_s']:.1f}",
             _ms(c2d["p50"]),
@@ -510,7 +586,93 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
         lines.append(
             f"{label:<28} " + " ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns, strict=True))
         )
+    broken = [(label, s["broken_promises"]) for label, s in summary.items() if s["broken_promises"]]
+    kept = [label for label, s in summary.items() if s["broken_promises"] == []]
+    if kept:
+        lines.append("kept every promise checked: " + ", ".join(kept))
+    for label, problems in broken:
+        lines.append(f"broke: {label}: " + ", ".join(problems))
     return "\n".join(lines)
+
+
+def _cpu(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+#: The CPU figures of :func:`scaling` summed into ``total_cpu_ms_per_operation`` (a service not measured adds 0).
+CPU_FIELDS = ("cpu_ms_per_operation", *OPTIONAL_MEDIAN_FIELDS)
+
+
+def scaling(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pipeline's scaling with its worker count: per pipeline configuration (worker count order within each
+    partition count and transport), CPU per operation (the workers', each service's and their sum), round trips
+    per operation (PostgreSQL's plus Redis's) and both over the same partitions' and transport's one-worker run
+    (None without one)."""
+    rows: list[dict[str, Any]] = []
+    pipelines = [(label, s) for label, s in summary.items() if s["kind"] == PIPELINE]
+    pipelines.sort(key=lambda item: (item[1]["transport"], item[1]["partitions"], item[1]["processes"]))
+    reference: dict[tuple[str, int], dict[str, float]] = {}
+    for label, s in pipelines:
+        total_cpu = round(sum(float(s.get(name) or 0.0) for name in CPU_FIELDS), 3)
+        round_trips = round(
+            float(s["postgres_round_trips_per_operation"]) + float(s["redis_round_trips_per_operation"]), 2
+        )
+        key = (s["transport"], s["partitions"])
+        if s["processes"] == 1:
+            reference[key] = {"cpu": total_cpu, "round_trips": round_trips}
+        one = reference.get(key)
+        rows.append(
+            {
+                "label": label,
+                "workers": s["processes"],
+                "partitions": s["partitions"],
+                "transport": s["transport"],
+                **{name: s.get(name) for name in CPU_FIELDS},
+                "total_cpu_ms_per_operation": total_cpu,
+                "total_cpu_ratio_to_one_worker": round(total_cpu / one["cpu"], 3) if one and one["cpu"] else None,
+                "round_trips_per_operation": round_trips,
+                "round_trips_ratio_to_one_worker": (
+                    round(round_trips / one["round_trips"], 3) if one and one["round_trips"] else None
+                ),
+            }
+        )
+    return rows
+
+
+def render_scaling(rows: list[dict[str, Any]]) -> str:
+    """The scaling rows (:func:`scaling`) as a fixed-width table."""
+    columns = (
+        ("workers CPU", 11),
+        ("PG CPU", 6),
+        ("Redis CPU", 9),
+        ("Kafka CPU", 9),
+        ("CPU ms/op", 9),
+        ("x w1", 6),
+        ("RT/op", 6),
+        ("x w1", 6),
+    )
+    header = f"{'scaling':<28} " + " ".join(f"{name:>{width}}" for name, width in columns)
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        cells = (
+            _cpu(row["cpu_ms_per_operation"]),
+            _cpu(row["postgres_backends_cpu_ms_per_operation"]),
+            _cpu(row["redis_server_cpu_ms_per_operation"]),
+            _cpu(row["kafka_broker_cpu_ms_per_operation"]),
+            _cpu(row["total_cpu_ms_per_operation"]),
+            _ratio(row["total_cpu_ratio_to_one_worker"]),
+            f"{row['round_trips_per_operation']:.2f}",
+            _ratio(row["round_trips_ratio_to_one_worker"]),
+        )
+        lines.append(
+            f"{row['label']:<28} "
+            + " ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns, strict=True))
+        )
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _ms(value: float | None) -> str:

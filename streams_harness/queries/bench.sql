@@ -151,7 +151,25 @@ FROM jsonb_array_elements(:outputs::jsonb) WITH ORDINALITY AS e(value, ordinalit
 ON CONFLICT (operation_id, output_id) DO UPDATE SET payload = EXCLUDED.payload
 RETURNING output_id, position, payload::text AS payload;
 
+-- name: peer_request
+-- The job-queue peer: the request of :operation_id as the provider's JSON text.
+SELECT request::text FROM operations WHERE operation_id = :operation_id;
+
+-- name: peer_save_outputs_once
+-- The job-queue peer: :operation_id, :outputs (jsonb array). Inserts the outputs not saved yet and returns
+-- output_id, position, payload (text) of those only (none when another run of the job saved them first).
+INSERT INTO outputs (operation_id, output_id, position, payload)
+SELECT :operation_id, e.value ->> 'id', (e.ordinality - 1)::integer, e.value
+FROM jsonb_array_elements(:outputs::jsonb) WITH ORDINALITY AS e(value, ordinality)
+ON CONFLICT (operation_id, output_id) DO NOTHING
+RETURNING output_id, position, payload::text AS payload;
+
 -- name: database_transactions
 -- :database (its name). Transactions committed and rolled back in it since the statistics were last reset: one
 -- per statement run outside an explicit transaction (and one per statement prepared), one per BEGIN..COMMIT.
 SELECT (xact_commit + xact_rollback)::bigint FROM pg_stat_database WHERE datname = :database;
+
+-- name: database_backends
+-- :databases (text array of names). Returns pid of each backend connected to one of them (the caller's own
+-- connection excluded).
+SELECT pid FROM pg_stat_activity WHERE datname = ANY(:databases::text[]) AND pid <> pg_backend_pid();

@@ -95,7 +95,19 @@ async def test_ready_fails_at_once_on_a_url_parameter_the_client_refuses(migrate
 HARNESS_COMMANDS = [
     ["run", "--rows", "5"],
     ["soak", "--rows", "5"],
-    ["bench", "--workers", "1", "--partitions", "4", "--no-naive", "--no-floor", "--no-profile", "--paced-rate", "0"],
+    [
+        "bench",
+        "--workers",
+        "1",
+        "--partitions",
+        "4",
+        "--no-naive",
+        "--no-procrastinate",
+        "--no-floor",
+        "--no-profile",
+        "--paced-rate",
+        "0",
+    ],
 ]
 
 

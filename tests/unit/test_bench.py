@@ -6,21 +6,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from streams_harness.bench.counters import Counters
+from streams_harness.bench.procrastinate_peer import queue_database_url
 from streams_harness.bench.profile import EVENT_LOOP, component_of, summarize
 from streams_harness.bench.runner import (
     FLOOR,
     NAIVE,
     PACED,
     PIPELINE,
+    PROCRASTINATE,
     BenchOptions,
     RunSpec,
     compare,
     figures,
     plan,
+    render_scaling,
     render_summary,
+    scaling,
+    server_cpu_figures,
     summarize_runs,
 )
+from streams_harness.bench.server_cpu import ServerCpu, cpu_delta_s, kafka_broker_pid, stat_cpu_ticks
 
 SITE = "/venv/lib/python3.11/site-packages"
 STDLIB = "/usr/lib/python3.11"
@@ -44,13 +52,19 @@ def test_plan_alternates_repeats_and_profiles_the_smallest_pipeline_once_per_tra
 
 
 def test_plan_without_references() -> None:
-    opts = BenchOptions(workers=(4,), partitions=(8,), floor=False, naive=False, profile=False, paced_rate_per_s=0)
+    opts = BenchOptions(
+        workers=(4,), partitions=(8,), floor=False, naive=False, procrastinate=False, profile=False, paced_rate_per_s=0
+    )
     runs = plan(opts)
     assert [(r.label, r.profile) for r in runs] == [("pipeline w4 p8 aiohttp", False)]
 
 
 def test_paced_run_uses_the_largest_worker_count_without_two() -> None:
-    runs = plan(BenchOptions(workers=(1, 4), partitions=(8,), floor=False, naive=False, paced_rate_per_s=120))
+    runs = plan(
+        BenchOptions(
+            workers=(1, 4), partitions=(8,), floor=False, naive=False, procrastinate=False, paced_rate_per_s=120
+        )
+    )
     assert [r.label for r in runs if r.kind == PACED] == ["paced 120/s w4 p8"]
 
 
@@ -81,6 +95,7 @@ def record(label: str, kind: str, ops: float, gets: float, p50: float | None = 1
         "gets_per_operation": gets,
         "max_gets_in_flight_per_job": 1,
         "redis_round_trips_per_observation": 7.0,
+        "redis_round_trips_per_operation": 7.0,
         "postgres_round_trips_per_operation": 7.0,
         "kafka_messages_per_operation": 7.0,
         "completion_to_delivery_ms": {"p50": p50, "p99": None if p50 is None else 2 * p50},
@@ -199,9 +214,9 @@ def test_under_uvloop_samples_are_charged_below_the_frame_that_entered_the_loop(
     assert summarize(path)["by_component"] == {"asyncpg": 50.0, EVENT_LOOP: 30.0, "faust": 20.0}
 
 
-def test_only_the_pipeline_runs_are_held_to_the_promises() -> None:
-    """The floor records no charges and the naive peer publishes outputs more than once by design: their
-    reports would read as broken promises, so they carry none (None), while the pipeline's are checked."""
+def test_the_pipeline_and_the_peers_are_held_to_the_promises_and_the_floor_is_not() -> None:
+    """The floor records no charges and promises nothing, so it carries none (None); the pipeline's and the
+    peers' reports are checked alike (the peers' broken promises are what a team would give up)."""
     report = {
         "throughput_ops_per_s": 100.0,
         "operations_final": 10,
@@ -222,8 +237,117 @@ def test_only_the_pipeline_runs_are_held_to_the_promises() -> None:
     floor = figures(RunSpec(FLOOR, 2, 4, "aiohttp", 0), report, sim, cost, 10)
     pipeline = figures(RunSpec(PIPELINE, 1, 4, "aiohttp", 0), report, sim, cost, 10)
     assert floor["broken_promises"] is None
+    for peer in (NAIVE, PROCRASTINATE):
+        checked = figures(RunSpec(peer, 2, 4, "aiohttp", 0), report | {"output_duplicates": 3}, sim, cost, 10)
+        assert checked["broken_promises"] == [
+            "charges recorded minus the provider's for the jobs seen ending=-0.25",
+            "output_duplicates=3",
+        ]
     assert pipeline["broken_promises"] == ["charges recorded minus the provider's for the jobs seen ending=-0.25"]
     measured = {"cpu_ms_per_operation": 1.0, "idle_cpu_percent": 1.0, "simulator_cpu_ms_per_operation": 0.5}
     summary = summarize_runs([floor | measured, pipeline | measured])
     assert summary["floor x2"]["broken_promises"] is None
     assert summary["pipeline w1 p4 aiohttp"]["broken_promises"] == pipeline["broken_promises"]
+
+
+def test_cpu_ticks_of_a_stat_line_whose_command_holds_spaces_and_parentheses() -> None:
+    stat = "4242 (postgres: streams db (x)) S 1 4242 4242 0 -1 4194304 100 0 0 0 7 3 5 9 20 0 1 0 100 2000 50"
+    assert stat_cpu_ticks(stat) == 10  # utime 7 + stime 3, the children's 5 and 9 not counted
+
+
+def test_cpu_delta_counts_new_processes_whole_and_gone_ones_not() -> None:
+    before = {10: 1.0, 11: 2.0, 12: 5.0}
+    after = {10: 1.5, 11: 2.0, 13: 0.25}  # 12 ended, 13 started during the run
+    assert cpu_delta_s(before, after) == 0.75
+    assert cpu_delta_s({10: 3.0}, {10: 2.0}) == 0.0  # a reused pid never subtracts
+
+
+def test_services_cpu_per_operation(tmp_path: Path) -> None:
+    broker = tmp_path / "321"
+    broker.mkdir()
+    (broker / "cmdline").write_bytes(b"/usr/bin/java\0-Xmx1g\0kafka.Kafka\0config/server.properties\0")
+    other = tmp_path / "99"
+    other.mkdir()
+    (other / "cmdline").write_bytes(b"python\0-c\0print('kafka.Kafka')\0")
+    (tmp_path / "self").mkdir()
+    assert kafka_broker_pid(tmp_path) == 321
+    before = ServerCpu(postgres={1: 1.0}, redis={2: 1.0}, kafka={3: 10.0})
+    after = ServerCpu(postgres={1: 1.5, 4: 0.5}, redis={2: 1.2}, kafka={3: 12.0})
+    spent = after.minus(before)
+    assert spent == {"postgres": 1.0, "redis": pytest.approx(0.2), "kafka": 2.0}
+    assert server_cpu_figures(spent, 500, redis_counted=True) == {
+        "postgres_backends_cpu_ms_per_operation": 2.0,
+        "redis_server_cpu_ms_per_operation": 0.4,
+        "kafka_broker_cpu_ms_per_operation": 4.0,
+    }
+    assert server_cpu_figures(spent, 500, redis_counted=False)["redis_server_cpu_ms_per_operation"] is None
+
+
+def test_plan_runs_the_job_queue_peer_beside_the_naive_one() -> None:
+    runs = plan(BenchOptions(workers=(1,), partitions=(4,), floor=False, profile=False, paced_rate_per_s=0))
+    assert [(r.kind, r.label, r.processes) for r in runs] == [
+        (NAIVE, "naive x2 p4 aiohttp", 2),
+        (PROCRASTINATE, "procrastinate x2 p4 aiohttp", 2),
+        (PIPELINE, "pipeline w1 p4 aiohttp", 1),
+    ]
+    assert [r.kind for r in plan(BenchOptions(workers=(1,), floor=False, naive=False, procrastinate=False))] == [
+        PIPELINE,
+        PIPELINE,
+        PACED,
+    ]
+
+
+def test_queue_database_sits_next_to_the_ledger() -> None:
+    url = "postgresql://streams:pw@127.0.0.1:5432/streams_bench1r2?sslmode=disable"
+    assert queue_database_url(url) == "postgresql://streams:pw@127.0.0.1:5432/streams_bench1r2_queue?sslmode=disable"
+
+
+def scaled(workers: int, cpu: float, pg_cpu: float | None, pg_rt: float, redis_rt: float) -> dict[str, Any]:
+    entry = record(f"pipeline w{workers} p4 aiohttp", PIPELINE, 100.0, 1.0, processes=workers)
+    entry["cpu_ms_per_operation"] = cpu
+    entry["postgres_backends_cpu_ms_per_operation"] = pg_cpu
+    entry["redis_server_cpu_ms_per_operation"] = None  # no private Redis
+    entry["kafka_broker_cpu_ms_per_operation"] = 0.5
+    entry["postgres_round_trips_per_operation"] = pg_rt
+    entry["redis_round_trips_per_operation"] = redis_rt
+    return entry
+
+
+def test_scaling_divides_cpu_and_round_trips_by_the_one_worker_run() -> None:
+    records = [
+        scaled(4, 3.0, 1.5, 1.5, 0.5),
+        scaled(1, 2.0, 1.0, 0.8, 0.2),
+        scaled(2, 2.0, None, 1.0, 0.5),
+        record("naive x2 p4 aiohttp", NAIVE, 100.0, 2.0, processes=2),
+    ]
+    summary = summarize_runs(records)
+    assert summary["pipeline w2 p4 aiohttp"]["postgres_backends_cpu_ms_per_operation"] is None
+    rows = scaling(summary)
+    assert [(r["workers"], r["total_cpu_ms_per_operation"], r["total_cpu_ratio_to_one_worker"]) for r in rows] == [
+        (1, 3.5, 1.0),
+        (2, 2.5, 0.714),  # PostgreSQL's CPU not measured: counted 0
+        (4, 5.0, 1.429),
+    ]
+    assert [(r["round_trips_per_operation"], r["round_trips_ratio_to_one_worker"]) for r in rows] == [
+        (1.0, 1.0),
+        (1.5, 1.5),
+        (2.0, 2.0),
+    ]
+    table = render_scaling(rows).splitlines()
+    cells = ["2.00", "1.00", "-", "0.50", "3.50", "1.00", "1.00", "1.00"]
+    assert table[2].split() == ["pipeline", "w1", "p4", "aiohttp", *cells]
+    assert table[4].split()[-4:] == ["5.00", "1.43", "2.00", "2.00"]
+
+
+def test_the_peers_report_which_promises_they_break() -> None:
+    summary = summarize_runs(
+        [
+            record("procrastinate x2 p4 aiohttp", PROCRASTINATE, 90.0, 1.0, processes=2),
+            record("naive x2 p4 aiohttp", NAIVE, 100.0, 2.0, processes=2, broken=["output_duplicates=3"]),
+        ]
+    )
+    lines = render_summary(summary, compare(summary)).splitlines()
+    assert lines[-2:] == [
+        "kept every promise checked: procrastinate x2 p4 aiohttp",
+        "broke: naive x2 p4 aiohttp: output_duplicates=3",
+    ]

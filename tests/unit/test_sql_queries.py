@@ -174,7 +174,10 @@ EXPECTED = {
         "naive_pollable",
         "naive_save_state",
         "naive_save_outputs",
+        "peer_request",
+        "peer_save_outputs_once",
         "database_transactions",
+        "database_backends",
     ],
 }
 

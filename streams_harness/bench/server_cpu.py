@@ -1,0 +1,100 @@
+"""CPU the services spend for a benchmark run, read from ``/proc/<pid>/stat`` of their processes on this host:
+
+* PostgreSQL: the backends serving the run's databases (their pids from ``pg_stat_activity``), so other
+  databases' clients are not counted; the server's shared processes (WAL writer, checkpointer, autovacuum) are
+  not counted either;
+* Redis: the benchmark's own ``redis-server`` (every command it serves is the run's), when it runs one;
+* Kafka: the broker's whole process (``kafka.Kafka``): it serves every client of the host, the run's and others'.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+
+from streams_harness.bench.counters import BENCH
+
+#: The Kafka broker's main class, looked for in ``/proc/<pid>/cmdline``.
+KAFKA_MAIN_CLASS = b"kafka.Kafka"
+
+
+def stat_cpu_ticks(stat: str) -> int:
+    """User + system clock ticks (all threads) of one ``/proc/<pid>/stat`` text (``utime`` and ``stime``, the
+    14th and 15th fields; the command name in parentheses may hold spaces and parentheses)."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far; 0.0 when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return stat_cpu_ticks(text) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_delta_s(before: Mapping[int, float], after: Mapping[int, float]) -> float:
+    """CPU seconds spent between two readings ``pid -> CPU s``: for each process of ``after``, its increase since
+    ``before`` (all of it when it started in between). A process gone by ``after`` adds nothing: what it spent
+    after ``before`` is lost, so readings are taken while the measured clients still hold their connections."""
+    return sum(max(0.0, cpu - before.get(pid, 0.0)) for pid, cpu in after.items())
+
+
+def kafka_broker_pid(proc: Path = Path("/proc")) -> int | None:
+    """The pid of the Kafka broker on this host (the first process whose command line holds
+    :data:`KAFKA_MAIN_CLASS` as one argument), or None."""
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            arguments = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if KAFKA_MAIN_CLASS in arguments:
+            return int(entry.name)
+    return None
+
+
+@dataclass(frozen=True)
+class ServerCpu:
+    """One reading of the services' CPU (see the module docstring): ``pid -> CPU s`` of each."""
+
+    postgres: dict[int, float]
+    redis: dict[int, float]
+    kafka: dict[int, float]
+
+    def minus(self, before: ServerCpu) -> dict[str, float]:
+        """CPU seconds each service spent since ``before`` (``postgres``, ``redis``, ``kafka``)."""
+        return {
+            "postgres": cpu_delta_s(before.postgres, self.postgres),
+            "redis": cpu_delta_s(before.redis, self.redis),
+            "kafka": cpu_delta_s(before.kafka, self.kafka),
+        }
+
+
+async def backend_pids(admin_url: str, databases: Iterable[str]) -> list[int]:
+    """The pids of PostgreSQL's backends connected to ``databases``, read over a connection to ``admin_url``."""
+    conn = await asyncpg.connect(admin_url)
+    try:
+        rows = await BENCH.database_backends.fetch(conn, databases=list(databases))
+    finally:
+        await conn.close()
+    return [int(r["pid"]) for r in rows]
+
+
+async def read_server_cpu(
+    admin_url: str, databases: Iterable[str], redis_pid: int | None, kafka_pid: int | None
+) -> ServerCpu:
+    """The services' CPU now: the backends of ``databases``, the Redis server ``redis_pid`` and the broker
+    ``kafka_pid`` (None: not counted)."""
+    pids = await backend_pids(admin_url, databases)
+    return ServerCpu(
+        postgres={pid: process_cpu_s(pid) for pid in pids},
+        redis={} if redis_pid is None else {redis_pid: process_cpu_s(redis_pid)},
+        kafka={} if kafka_pid is None else {kafka_pid: process_cpu_s(kafka_pid)},
+    )
