@@ -402,23 +402,22 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         reason: str,
         answer: dict[str, Any],
     ) -> tuple[OperationState, int] | None:
-        """Fenced: the job's GET answered a status the client does not know. The ``limit``-th in a row makes the
-        operation ``stalled`` with ``reason`` and ``answer``; before that the poll is rescheduled.
+        """Fenced: the job's GET answered a status the client does not know (``answer`` becomes the last
+        observation). The ``limit``-th in a row makes the operation ``stalled`` with ``reason``; before that the
+        poll is rescheduled ``next_poll_delay_s`` out.
 
         Returns (state afterwards, unknown statuses in a row), None when refused.
         """
-        async with guard(f"note unknown status for {operation_id}"):
-            row = await Q.note_unknown_status.fetchrow(
-                self.pool,
-                operation_id=operation_id,
-                fencing_token=fencing_token,
-                unknown_status_limit=limit,
-                next_poll_delay_s=next_poll_delay_s,
-                reason=clean_text(reason),
-                answer=answer,
-                worker=self.worker,
-            )
-        return None if row is None else (OperationState(row["state"]), row["unknown_status_count"])
+        return await self._note_poll_setback(
+            "note unknown status",
+            ReasonCode.UNKNOWN_STATUS,
+            operation_id,
+            fencing_token,
+            limit,
+            next_poll_delay_s,
+            reason,
+            answer,
+        )
 
     @waits_out_outages("note failed poll")
     async def note_failed_poll(
@@ -436,18 +435,47 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
 
         Returns (state afterwards, failed polls in a row), None when refused.
         """
-        async with guard(f"note failed poll for {operation_id}"):
-            row = await Q.note_failed_poll.fetchrow(
+        return await self._note_poll_setback(
+            "note failed poll",
+            ReasonCode.POLL_FAILURES,
+            operation_id,
+            fencing_token,
+            limit,
+            next_poll_delay_s,
+            reason,
+            last_answer,
+        )
+
+    async def _note_poll_setback(
+        self,
+        what: str,
+        setback: ReasonCode,
+        operation_id: str,
+        fencing_token: int,
+        limit: int,
+        next_poll_delay_s: float,
+        reason: str,
+        answer: dict[str, Any],
+    ) -> tuple[OperationState, int] | None:
+        """Fenced: a poll without a usable observation, of the kind ``setback`` (``UNKNOWN_STATUS`` or
+        ``POLL_FAILURES``; ledger.sql ``note_poll_setback`` states what each keeps); ``what`` names the operation
+        in errors.
+
+        Returns (state afterwards, setbacks of that kind in a row), None when refused.
+        """
+        async with guard(f"{what} for {operation_id}"):
+            row = await Q.note_poll_setback.fetchrow(
                 self.pool,
                 operation_id=operation_id,
                 fencing_token=fencing_token,
-                failed_poll_limit=limit,
+                setback=setback.value,
+                setback_limit=limit,
                 next_poll_delay_s=next_poll_delay_s,
                 reason=clean_text(reason),
-                last_answer=last_answer,
+                answer=answer,
                 worker=self.worker,
             )
-        return None if row is None else (OperationState(row["state"]), row["failed_poll_count"])
+        return None if row is None else (OperationState(row["state"]), row["in_a_row"])
 
     # --- reconciliation by lookup -----------------------------------------------------------------------------
 
