@@ -27,6 +27,7 @@ from streams.ledger.records import (
     DuePoll,
     LookupClaim,
     ObserveClaim,
+    RemoteCall,
     SaveOutcome,
     sources_for,
 )
@@ -544,20 +545,10 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         return row is not None
 
     @waits_out_outages("account")
-    async def record_remote_call(
-        self,
-        operation_id: str,
-        method: str,
-        status_code: int | None,
-        outcome: RemoteCallOutcome,
-        remote_job_id: str | None,
-        duration_ms: float,
-        fencing_token: int | None,
-        call_id: uuid.UUID | None = None,
-    ) -> None:
-        """Accounting: append one remote call attempt with its classified outcome. ``call_id`` names the row
-        (default: a new one); a caller that sends it again after :class:`LedgerUnavailableError` passes the same
-        id, and a row already committed is not written twice.
+    async def record_remote_call(self, call: RemoteCall) -> None:
+        """Accounting: append one remote call attempt with its classified outcome. ``call.call_id`` names the row;
+        a caller that sends the same record again after :class:`LedgerUnavailableError` sends the same id, and a
+        row already committed is not written twice.
 
         Raises:
             LedgerUnavailableError: PostgreSQL did not answer; the row may have been written.
@@ -565,14 +556,14 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         await self._batches.submit(
             "record_remote_call",
             (
-                operation_id,
-                call_id or uuid.uuid4(),
-                method,
-                status_code,
-                str(outcome),
-                remote_job_id,
-                duration_ms,
-                fencing_token,
+                call.operation_id,
+                call.call_id,
+                call.method,
+                call.status_code,
+                str(call.outcome),
+                call.remote_job_id,
+                call.duration_ms,
+                call.fencing_token,
             ),
         )
 

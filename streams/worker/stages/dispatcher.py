@@ -75,6 +75,7 @@ from streams.errors import (
     RemoteRefusedError,
     RemoteUnknownOutcomeError,
 )
+from streams.ledger.records import RemoteCall
 from streams.model.codes import ReasonCode, RemoteCallOutcome
 from streams.model.states import OperationState
 from streams.remote.client import SubmitResult
@@ -574,7 +575,7 @@ class Dispatcher:
             raise
         outcome = RemoteCallOutcome.CREATED_VIA_502 if result.via_error else RemoteCallOutcome.CREATED
         await self.rt.account(
-            operation_id, "POST", result.status_code, outcome, result.job_id, result.duration_ms, fencing
+            RemoteCall(operation_id, "POST", result.status_code, outcome, result.job_id, result.duration_ms, fencing)
         )
         return result
 

@@ -64,7 +64,7 @@ from streams.errors import (
     RemoteRateLimitedError,
     RemoteUnknownStatusError,
 )
-from streams.ledger.records import ObserveClaim, SaveOutcome
+from streams.ledger.records import ObserveClaim, RemoteCall, SaveOutcome
 from streams.model.answers import JobSnapshot, clean_text
 from streams.model.codes import RemoteCallOutcome
 from streams.model.states import OperationState, is_terminal
@@ -252,9 +252,10 @@ class Observer:
             )
             return
         fencing = claim.fencing_token
-        await rt.account(
+        call = RemoteCall(
             operation_id, "CANCEL", result.status_code, result.outcome, job_id, result.duration_ms, fencing
         )
+        await rt.account(call)
         attempts = await rt.ledger.note_cancel_call(operation_id, fencing, result.outcome, result.definite)
         if result.definite:
             log.info(
@@ -311,7 +312,9 @@ class Observer:
             return await self._get_failed(operation_id, poll_claim_id, poll_count, claim, exc, claimed_at)
         answered = RemoteCallOutcome.answered(snapshot.state)
         fencing = claim.fencing_token
-        await rt.account(operation_id, "GET", snapshot.status_code, answered, job_id, snapshot.duration_ms, fencing)
+        await rt.account(
+            RemoteCall(operation_id, "GET", snapshot.status_code, answered, job_id, snapshot.duration_ms, fencing)
+        )
         return snapshot
 
     async def _get_failed(
@@ -373,7 +376,9 @@ class Observer:
         status = exc.status_code if isinstance(exc, RemoteError) else None
         job_id = claim.remote_job_id
         await rt.account(
-            operation_id, "GET", status, RemoteCallOutcome.ABANDONED, job_id, duration_ms, claim.fencing_token
+            RemoteCall(
+                operation_id, "GET", status, RemoteCallOutcome.ABANDONED, job_id, duration_ms, claim.fencing_token
+            )
         )
         if self.stalls.too_old(claim, claimed_at):
             await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})

@@ -37,7 +37,7 @@ from streams.errors import (
     RemoteRateLimitedError,
     RemoteRefusedError,
 )
-from streams.ledger.records import LookupClaim
+from streams.ledger.records import LookupClaim, RemoteCall
 from streams.model.codes import RemoteCallOutcome
 from streams.worker.runtime import Runtime
 
@@ -97,9 +97,8 @@ class Reconciler:
             await rt.ledger.reschedule_lookup(claim, delay)
             return
         duration_ms = (time.perf_counter() - started) * 1000.0
-        await rt.account(
-            op, "GET", 200, RemoteCallOutcome.lookup_found(len(found)), None, duration_ms, claim.fencing_token
-        )
+        outcome = RemoteCallOutcome.lookup_found(len(found))
+        await rt.account(RemoteCall(op, "GET", 200, outcome, None, duration_ms, claim.fencing_token))
         if not found:
             reason = (
                 f"not found by lookup; looked up {claim.uncertain_for_s:.0f} s after the outcome became unknown "
