@@ -75,7 +75,7 @@ class Reconciler:
             deadline = time.monotonic() + rt.settings.visibility_timeout_s / 2  # well before the claim comes back
             await rt.budget.wait_for_slot(BudgetKind.GET, deadline=deadline)
         except (CoordinationUnavailableError, CoordinationBusyError, RateBudgetDeadlineError) as exc:
-            log.info("operation %s: no lookup now (%s)", op, exc)
+            log.info("no lookup now (%s)", exc)
             await rt.ledger.reschedule_lookup(claim, self._delay(claim))
             return
         started = time.perf_counter()
@@ -93,7 +93,7 @@ class Reconciler:
                 if isinstance(exc, RemoteRefusedError):  # not an outage: waiting cannot fix it, say so loudly
                     rt.report_failure("lookup by client reference", exc)
                 else:
-                    log.info("operation %s: lookup failed, retrying in %.1f s: %s", op, delay, exc)
+                    log.info("lookup failed, retrying in %.1f s: %s", delay, exc)
             await rt.ledger.reschedule_lookup(claim, delay)
             return
         duration_ms = (time.perf_counter() - started) * 1000.0
@@ -107,7 +107,7 @@ class Reconciler:
             )
             if await rt.ledger.give_up_lookup(claim, reason):
                 metrics.LOOKUPS.labels("not_found").inc()
-                log.warning("operation %s: %s", op, reason)
+                log.warning("%s", reason)
             else:
                 metrics.FENCING_REFUSALS.labels("reconcile").inc()
             return
@@ -123,12 +123,11 @@ class Reconciler:
         metrics.DUPLICATE_CREATIONS.inc(len(duplicates))
         if saved:
             metrics.LOOKUPS.labels("adopted").inc()
-            log.warning("operation %s: %s", op, reason)
+            log.warning("%s", reason)
         else:
             metrics.FENCING_REFUSALS.labels("reconcile").inc()
             log.warning(
-                "operation %s: found job(s) %s recorded, but not adopted: a newer claim or an operator decided",
-                op,
+                "found job(s) %s recorded, but not adopted: a newer claim or an operator decided",
                 [j.job_id for j in found],
             )
 
