@@ -8,6 +8,7 @@
 * :mod:`streams_harness.replay`, :mod:`streams_harness.trace` - the real trace and its replay;
 * :mod:`streams_harness.report` - the run report from independent records;
 * :mod:`streams_harness.faults` - fault-injection hooks for worker processes.
+* :mod:`streams_harness.services` - a run's own database, waiting for its consumer group to settle.
 
 It needs the ``harness`` extra (``pip install 'generation-streams[harness]'``). The product (:mod:`streams`)
 never imports it; its commands (``streams run``, ``soak``, ``simulator``, ``replay``) reach the ``streams``

@@ -23,7 +23,7 @@ import asyncpg
 from streams.config import Settings
 from streams.errors import StreamsError
 from streams.ledger.pool import create_pool
-from streams.setup.admin import create_topics, database_name, wait_group_stable
+from streams.setup.admin import create_topics, database_name
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import free_port, free_port_block, tail, wait_healthy
 from streams_harness.report import REPORT
@@ -41,6 +41,7 @@ from streams_harness.run import (
     worker_settings,
     write_report,
 )
+from streams_harness.services import wait_group_stable
 from streams_harness.trace import TraceRow, read_trace
 
 

@@ -30,14 +30,7 @@ from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
 from streams.ledger.store import Ledger
 from streams.outages import is_outage
-from streams.setup.admin import (
-    create_run_database,
-    create_topics,
-    database_name,
-    delete_topics,
-    drop_run_database,
-    migrate,
-)
+from streams.setup.admin import create_topics, database_name, delete_topics, migrate
 from streams.setup.teardown import Selection, run_names, teardown_command
 from streams_harness.checkout import checkout_dir
 from streams_harness.replay import replay_trace
@@ -49,6 +42,7 @@ from streams_harness.report import (
     build_report,
     render_table,
 )
+from streams_harness.services import create_run_database, drop_run_database
 from streams_harness.trace import TraceRow
 
 #: Fault rates of the simulator when a run has its faults on (the main job's default, the soak's always).

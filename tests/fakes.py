@@ -41,6 +41,7 @@ from streams.ledger.records import (
     DuePoll,
     LookupClaim,
     ObserveClaim,
+    RemoteCall,
     SaveOutcome,
     sources_for,
 )
@@ -133,18 +134,6 @@ class OutboxRow:
     output_id: str | None
     payload: dict[str, Any]
     published: bool = False
-
-
-@dataclass(frozen=True)
-class RemoteCall:
-    """One accounting row of a remote call attempt."""
-
-    operation_id: str
-    method: str
-    status_code: int | None
-    outcome: RemoteCallOutcome
-    remote_job_id: str | None
-    fencing_token: int | None
 
 
 @dataclass
@@ -715,25 +704,14 @@ class InMemoryLedger(WaitsOutOutages):
         return True
 
     @waits_out_outages("account")
-    async def record_remote_call(
-        self,
-        operation_id: str,
-        method: str,
-        status_code: int | None,
-        outcome: RemoteCallOutcome,
-        remote_job_id: str | None,
-        duration_ms: float,
-        fencing_token: int | None,
-        call_id: uuid.UUID | None = None,
-    ) -> None:
-        self._call(f"account {method} for {operation_id}")
-        if outcome not in _OUTCOMES:  # the reference table's rule
-            raise LedgerDataError(f"unknown remote call outcome {outcome!r} for {operation_id}")
-        if call_id is not None:
-            if call_id in self.call_ids:
-                return  # the same row again: its reply was lost
-            self.call_ids.add(call_id)
-        self.remote_calls.append(RemoteCall(operation_id, method, status_code, outcome, remote_job_id, fencing_token))
+    async def record_remote_call(self, call: RemoteCall) -> None:
+        self._call(f"account {call.method} for {call.operation_id}")
+        if call.outcome not in _OUTCOMES:  # the reference table's rule
+            raise LedgerDataError(f"unknown remote call outcome {call.outcome!r} for {call.operation_id}")
+        if call.call_id in self.call_ids:
+            return  # the same row again: its reply was lost
+        self.call_ids.add(call.call_id)
+        self.remote_calls.append(call)
 
     @waits_out_outages("request cancel")
     async def request_cancel(self, operation_id: str, path: CancelPath, actor: str, reason: str) -> CancelAsk:

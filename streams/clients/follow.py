@@ -63,11 +63,7 @@ async def read_topic_to_end(settings: Settings, role: str) -> list[DeliveredReco
     consumer = AIOKafkaConsumer(
         topic, **client_kwargs(settings), enable_auto_commit=False, auto_offset_reset="earliest"
     )
-    try:
-        await consumer.start()
-    except Exception as exc:
-        await raise_for_security(settings, exc)  # KafkaSecurityError: a wrong security setting
-        raise
+    await _start(settings, consumer)
     try:
         tps = sorted(await _assignment(consumer))
         if not tps:
@@ -92,6 +88,16 @@ async def read_topic_to_end(settings: Settings, role: str) -> list[DeliveredReco
         return out
     finally:
         await consumer.stop()
+
+
+async def _start(settings: Settings, consumer: AIOKafkaConsumer) -> None:
+    """Start ``consumer``. Raises :class:`~streams.errors.KafkaSecurityError` for a wrong security setting of
+    ``settings``; aiokafka's other errors pass through."""
+    try:
+        await consumer.start()
+    except Exception as exc:
+        await raise_for_security(settings, exc)
+        raise
 
 
 async def _assignment(consumer: AIOKafkaConsumer) -> set[TopicPartition]:
@@ -126,11 +132,7 @@ async def follow_outputs(
         enable_auto_commit=group_id is not None,
     )
     dedupe = EventDeduplicator()
-    try:
-        await consumer.start()
-    except Exception as exc:
-        await raise_for_security(settings, exc)  # KafkaSecurityError: a wrong security setting
-        raise
+    await _start(settings, consumer)
     try:
         async for message in consumer:
             value = exactjson.loads(message.value)

@@ -176,12 +176,11 @@ class RunningSlots:
             await self._run(op, operation_id)
         except CoordinationError as exc:
             log.warning(
-                "operation %s: running-job slot not %s (%s); it lapses within %.0f s "
-                "(STREAMS_REMOTE_RUNNING_SLOT_TTL_S)",
-                operation_id,
+                "running-job slot not %s (%s); it lapses within %.0f s (STREAMS_REMOTE_RUNNING_SLOT_TTL_S)",
                 "given back" if op == "release" else "refreshed",
                 exc,
                 self.settings.remote_running_slot_ttl_s,
+                extra={"operation_id": operation_id},
             )
 
     async def in_use(self) -> int:

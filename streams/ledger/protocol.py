@@ -19,6 +19,7 @@ from streams.ledger.records import (
     DuePoll,
     LookupClaim,
     ObserveClaim,
+    RemoteCall,
     SaveOutcome,
 )
 from streams.ledger.waiting import OutageWait
@@ -97,17 +98,7 @@ class PipelineLedger(Protocol):
     ) -> bool: ...
     async def give_up_lookup(self, claim: LookupClaim, reason: str) -> bool: ...
     async def reschedule_lookup(self, claim: LookupClaim, delay_s: float) -> bool: ...
-    async def record_remote_call(
-        self,
-        operation_id: str,
-        method: str,
-        status_code: int | None,
-        outcome: RemoteCallOutcome,
-        remote_job_id: str | None,
-        duration_ms: float,
-        fencing_token: int | None,
-        call_id: uuid.UUID | None = None,
-    ) -> None: ...
+    async def record_remote_call(self, call: RemoteCall) -> None: ...
     async def request_cancel(self, operation_id: str, path: CancelPath, actor: str, reason: str) -> CancelAsk: ...
     async def note_cancel_call(
         self, operation_id: str, fencing_token: int, outcome: RemoteCallOutcome, answered: bool

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
+from streams.model.codes import RemoteCallOutcome
 from streams.model.states import POLLABLE, OperationState, can_transition, is_terminal
 
 
@@ -14,6 +16,23 @@ class SaveOutcome(enum.StrEnum):
     SAVED = "saved"  # written (a transition, or a refresh of the same state)
     REFUSED_FENCING = "refused_fencing"  # a newer claim exists: the caller drops its result
     REFUSED_ORDER = "refused_order"  # the row is already at or past this state (e.g. late running)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteCall:
+    """One remote call attempt as the ledger's accounting records it (a ``remote_calls`` row): ``method``
+    (``POST``, ``GET``, ``CANCEL``), the HTTP ``status_code`` (None: no answer), its classified ``outcome``, the
+    ``remote_job_id`` it named or reported, ``duration_ms`` and the caller's ``fencing_token``. ``call_id`` names
+    the row (a new one by default): the same record sent again is written once."""
+
+    operation_id: str
+    method: str
+    status_code: int | None
+    outcome: RemoteCallOutcome
+    remote_job_id: str | None
+    duration_ms: float
+    fencing_token: int | None
+    call_id: uuid.UUID = field(default_factory=uuid.uuid4)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from streams.ledger.records import (
     DuePoll,
     LookupClaim,
     ObserveClaim,
+    RemoteCall,
     SaveOutcome,
     sources_for,
 )
@@ -402,23 +403,22 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         reason: str,
         answer: dict[str, Any],
     ) -> tuple[OperationState, int] | None:
-        """Fenced: the job's GET answered a status the client does not know. The ``limit``-th in a row makes the
-        operation ``stalled`` with ``reason`` and ``answer``; before that the poll is rescheduled.
+        """Fenced: the job's GET answered a status the client does not know (``answer`` becomes the last
+        observation). The ``limit``-th in a row makes the operation ``stalled`` with ``reason``; before that the
+        poll is rescheduled ``next_poll_delay_s`` out.
 
         Returns (state afterwards, unknown statuses in a row), None when refused.
         """
-        async with guard(f"note unknown status for {operation_id}"):
-            row = await Q.note_unknown_status.fetchrow(
-                self.pool,
-                operation_id=operation_id,
-                fencing_token=fencing_token,
-                unknown_status_limit=limit,
-                next_poll_delay_s=next_poll_delay_s,
-                reason=clean_text(reason),
-                answer=answer,
-                worker=self.worker,
-            )
-        return None if row is None else (OperationState(row["state"]), row["unknown_status_count"])
+        return await self._note_poll_setback(
+            "note unknown status",
+            ReasonCode.UNKNOWN_STATUS,
+            operation_id,
+            fencing_token,
+            limit,
+            next_poll_delay_s,
+            reason,
+            answer,
+        )
 
     @waits_out_outages("note failed poll")
     async def note_failed_poll(
@@ -436,18 +436,47 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
 
         Returns (state afterwards, failed polls in a row), None when refused.
         """
-        async with guard(f"note failed poll for {operation_id}"):
-            row = await Q.note_failed_poll.fetchrow(
+        return await self._note_poll_setback(
+            "note failed poll",
+            ReasonCode.POLL_FAILURES,
+            operation_id,
+            fencing_token,
+            limit,
+            next_poll_delay_s,
+            reason,
+            last_answer,
+        )
+
+    async def _note_poll_setback(
+        self,
+        what: str,
+        setback: ReasonCode,
+        operation_id: str,
+        fencing_token: int,
+        limit: int,
+        next_poll_delay_s: float,
+        reason: str,
+        answer: dict[str, Any],
+    ) -> tuple[OperationState, int] | None:
+        """Fenced: a poll without a usable observation, of the kind ``setback`` (``UNKNOWN_STATUS`` or
+        ``POLL_FAILURES``; ledger.sql ``note_poll_setback`` states what each keeps); ``what`` names the operation
+        in errors.
+
+        Returns (state afterwards, setbacks of that kind in a row), None when refused.
+        """
+        async with guard(f"{what} for {operation_id}"):
+            row = await Q.note_poll_setback.fetchrow(
                 self.pool,
                 operation_id=operation_id,
                 fencing_token=fencing_token,
-                failed_poll_limit=limit,
+                setback=setback.value,
+                setback_limit=limit,
                 next_poll_delay_s=next_poll_delay_s,
                 reason=clean_text(reason),
-                last_answer=last_answer,
+                answer=answer,
                 worker=self.worker,
             )
-        return None if row is None else (OperationState(row["state"]), row["failed_poll_count"])
+        return None if row is None else (OperationState(row["state"]), row["in_a_row"])
 
     # --- reconciliation by lookup -----------------------------------------------------------------------------
 
@@ -516,20 +545,10 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         return row is not None
 
     @waits_out_outages("account")
-    async def record_remote_call(
-        self,
-        operation_id: str,
-        method: str,
-        status_code: int | None,
-        outcome: RemoteCallOutcome,
-        remote_job_id: str | None,
-        duration_ms: float,
-        fencing_token: int | None,
-        call_id: uuid.UUID | None = None,
-    ) -> None:
-        """Accounting: append one remote call attempt with its classified outcome. ``call_id`` names the row
-        (default: a new one); a caller that sends it again after :class:`LedgerUnavailableError` passes the same
-        id, and a row already committed is not written twice.
+    async def record_remote_call(self, call: RemoteCall) -> None:
+        """Accounting: append one remote call attempt with its classified outcome. ``call.call_id`` names the row;
+        a caller that sends the same record again after :class:`LedgerUnavailableError` sends the same id, and a
+        row already committed is not written twice.
 
         Raises:
             LedgerUnavailableError: PostgreSQL did not answer; the row may have been written.
@@ -537,14 +556,14 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         await self._batches.submit(
             "record_remote_call",
             (
-                operation_id,
-                call_id or uuid.uuid4(),
-                method,
-                status_code,
-                str(outcome),
-                remote_job_id,
-                duration_ms,
-                fencing_token,
+                call.operation_id,
+                call.call_id,
+                call.method,
+                call.status_code,
+                str(call.outcome),
+                call.remote_job_id,
+                call.duration_ms,
+                call.fencing_token,
             ),
         )
 

@@ -884,7 +884,7 @@ def parse_job_answer(
     charge, refund = body.get("charge"), body.get("refund")
     completed_at_ms, completed_at_problem = read_completed_at_ms(body.get("completed_at"))
     if completed_at_problem is not None:
-        log.warning("operation %s: GET %s: %s", operation_id, job_id, completed_at_problem)
+        log.warning("GET %s: %s", job_id, completed_at_problem, extra={"operation_id": operation_id})
     return JobSnapshot(
         job_id=job_id,
         status=remote_status,
@@ -923,5 +923,5 @@ def output_expiries_ms(
 def _expiry_ms(operation_id: str, value: Any) -> int | None:
     ms, problem = read_completed_at_ms(value)
     if problem is not None:
-        log.warning("operation %s: expires_at %s", operation_id, problem.removeprefix("completed_at "))
+        log.warning("expires_at %s", problem.removeprefix("completed_at "), extra={"operation_id": operation_id})
     return ms

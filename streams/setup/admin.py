@@ -38,11 +38,8 @@ from aiokafka.errors import (
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
-    retry_if_result,
     stop_after_delay,
-    stop_before_delay,
     wait_exponential,
-    wait_fixed,
     wait_random,
 )
 from yoyo import get_backend, read_migrations
@@ -58,7 +55,7 @@ from streams.errors import (
     TopicLayoutError,
 )
 from streams.kafka_security import client_kwargs, raise_for_security
-from streams.ledger.pool import connect, connect_config_error, database_address, diagnose_connect
+from streams.ledger.pool import connect_config_error, database_address, diagnose_connect
 from streams.outages import is_outage
 
 log = logging.getLogger(__name__)
@@ -141,10 +138,6 @@ T = TypeVar("T")
 ADMIN_RETRY_INITIAL_S = 0.1
 ADMIN_RETRY_MAX_S = 2.0
 ADMIN_RETRY_JITTER_S = 0.1
-
-#: Seconds between two looks at a consumer group that is not stable yet (:func:`wait_group_stable`).
-GROUP_LOOK_INTERVAL_S = 0.25
-
 
 def _raise_for_code(error_code: int, message: str) -> None:
     """Raise the aiokafka error of a non-zero Kafka protocol ``error_code`` (responses carry them unraised)."""
@@ -547,72 +540,6 @@ async def delete_topics(settings: Settings, *, include_unprefixed: bool = False)
         return await admin.delete_topics(run_topics(settings))
 
 
-async def create_run_database(database_url: str, run_id: str) -> str:
-    """Create an empty database ``<name>_<run_id>`` next to ``database_url``'s and return its URL.
-
-    Harness runs (main job, soak) use one each, so an aborted run's leftovers never reach the next run's
-    workers.
-
-    Raises:
-        DatabaseConfigError: PostgreSQL refused the login, or has no database ``database_url`` names.
-        LedgerUnavailableError: PostgreSQL did not accept the connection.
-        asyncpg.PostgresError: the role may not create databases.
-    """
-    base, _, name = database_url.rpartition("/")
-    name, _, query = name.partition("?")
-    run_db = f"{name}_{run_id}".lower()
-    conn = await connect(database_url)
-    try:
-        await conn.execute(f'CREATE DATABASE "{run_db}"')
-    finally:
-        await conn.close()
-    return f"{base}/{run_db}" + (f"?{query}" if query else "")
-
-
 def database_name(database_url: str) -> str:
     """The database name of a ``postgresql://`` URL (no credentials)."""
     return database_url.rpartition("/")[2].partition("?")[0]
-
-
-async def drop_run_database(database_url: str, run_database_url: str) -> None:
-    """Drop the run database created by :func:`create_run_database` (its connections are terminated).
-
-    Raises:
-        as :func:`streams.ledger.store.connect`.
-    """
-    run_db = database_name(run_database_url)
-    conn = await connect(database_url)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{run_db}" WITH (FORCE)')
-    finally:
-        await conn.close()
-
-
-async def wait_group_stable(settings: Settings, members: int, timeout_s: float) -> bool:
-    """Wait until the consumer group ``settings.app_id`` is ``Stable`` with at least ``members`` members, looking
-    every :data:`GROUP_LOOK_INTERVAL_S` (tenacity) while it is not.
-
-    Returns False when the group did not settle within ``timeout_s`` (the caller decides whether that matters).
-    Retriable broker errors (a new broker without a group coordinator yet) are retried within the same time.
-
-    Raises:
-        KafkaAdminError: the broker could not describe the group at all within ``timeout_s``, or refused.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with KafkaAdmin(settings, deadline_s=timeout_s) as admin:
-
-        async def stable() -> bool:
-            group = await admin.describe_group(settings.app_id, deadline_s=deadline - loop.time())
-            return group.state == "Stable" and group.members >= members
-
-        left_s = deadline - loop.time()
-        if left_s <= 0:
-            return False
-        retrying = AsyncRetrying(
-            retry=retry_if_result(lambda is_stable: not is_stable),
-            wait=wait_fixed(GROUP_LOOK_INTERVAL_S),
-            stop=stop_before_delay(left_s),  # no look would start after the deadline
-            retry_error_callback=lambda _: False,
-        )
-        return bool(await retrying(stable))

@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,6 +34,7 @@ from streams.errors import (
 )
 from streams.ledger.pool import create_pool
 from streams.ledger.protocol import PipelineLedger
+from streams.ledger.records import RemoteCall
 from streams.ledger.store import Ledger
 from streams.ledger.waiting import OutageWait
 from streams.model.answers import clean_text
@@ -314,23 +314,12 @@ class Runtime:
     def _on_dead_letter_failure(self, retry_state: tenacity.RetryCallState) -> None:
         self.report_failure("dead letter", failure_of(retry_state) or Exception("dead letter"))
 
-    async def account(
-        self,
-        operation_id: str,
-        method: str,
-        status_code: int | None,
-        outcome: RemoteCallOutcome,
-        remote_job_id: str | None,
-        duration_ms: float,
-        fencing_token: int | None,
-    ) -> None:
-        """Record one remote call in metrics and in the ledger's accounting (waits out PostgreSQL outages)."""
-        metrics.REMOTE_CALLS.labels(method, outcome).inc()
-        metrics.REMOTE_CALL_SECONDS.labels(method).observe(duration_ms / 1000.0)
-        call_id = uuid.uuid4()  # the same through the ledger's repeats during an outage: one row per call
-        await self.ledger.record_remote_call(
-            operation_id, method, status_code, outcome, remote_job_id, duration_ms, fencing_token, call_id
-        )
+    async def account(self, call: RemoteCall) -> None:
+        """Record one remote call in metrics and in the ledger's accounting (waits out PostgreSQL outages; the
+        record's ``call_id`` stays the same through the repeats, so it is one row)."""
+        metrics.REMOTE_CALLS.labels(call.method, call.outcome).inc()
+        metrics.REMOTE_CALL_SECONDS.labels(call.method).observe(call.duration_ms / 1000.0)
+        await self.ledger.record_remote_call(call)
 
     async def account_failure(
         self,
@@ -346,7 +335,9 @@ class Runtime:
         default ``exc.outcome``) and its duration from ``started`` (a ``time.perf_counter()`` reading) to now."""
         duration_ms = (time.perf_counter() - started) * 1000.0
         outcome = exc.outcome if outcome is None else outcome
-        await self.account(operation_id, method, exc.status_code, outcome, remote_job_id, duration_ms, fencing_token)
+        await self.account(
+            RemoteCall(operation_id, method, exc.status_code, outcome, remote_job_id, duration_ms, fencing_token)
+        )
 
 
 class _StopAfterErrors(tenacity.stop.stop_base):

@@ -55,7 +55,7 @@ tasks = procrastinate.Blueprint()
 
 def queue_database_url(ledger_database_url: str) -> str:
     """The URL of the peer's procrastinate database next to the run's ledger database: ``<ledger name>_queue``
-    (what :func:`streams.setup.admin.create_run_database` creates for the run id ``queue``)."""
+    (what :func:`streams_harness.services.create_run_database` creates for the run id ``queue``)."""
     base, _, name = ledger_database_url.rpartition("/")
     name, _, query = name.partition("?")
     return f"{base}/{name}_{QUEUE_DATABASE_SUFFIX}" + (f"?{query}" if query else "")

@@ -24,13 +24,7 @@ import orjson
 from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
 from streams.ledger.pool import create_pool
-from streams.setup.admin import (
-    create_run_database,
-    create_topics,
-    database_name,
-    drop_run_database,
-    wait_group_stable,
-)
+from streams.setup.admin import create_topics, database_name
 from streams_harness.bench.counters import (
     Counters,
     kafka_messages,
@@ -47,6 +41,7 @@ from streams_harness.redis_server import PrivateRedis
 from streams_harness.replay import trace_request
 from streams_harness.report import broken_promises
 from streams_harness.run import collect_report, migrate_quietly, print_kept, progress, remove_run, settled
+from streams_harness.services import create_run_database, wait_group_stable
 from streams_harness.trace import read_trace
 
 PIPELINE, FLOOR, NAIVE, PACED = "pipeline", "floor", "naive", "paced"

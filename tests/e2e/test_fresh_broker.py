@@ -16,7 +16,8 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from streams.config import Settings
-from streams.setup.admin import create_topics, wait_group_stable
+from streams.setup.admin import create_topics
+from streams_harness.services import wait_group_stable
 from tests.support import ThrowawayBroker, wait_for
 
 pytestmark = pytest.mark.e2e

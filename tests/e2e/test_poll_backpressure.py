@@ -11,8 +11,8 @@ import asyncpg
 import pytest
 
 from streams.clients.submit import SubmissionProducer
-from streams.setup.admin import wait_group_stable
 from streams_harness.fleet import Fleet
+from streams_harness.services import wait_group_stable
 from tests.support import SimulatorServer, provider_request, wait_for
 
 pytestmark = pytest.mark.e2e

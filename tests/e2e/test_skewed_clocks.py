@@ -16,8 +16,9 @@ import pytest
 
 from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
-from streams.setup.admin import create_topics, delete_topics, wait_group_stable
+from streams.setup.admin import create_topics, delete_topics
 from streams_harness.fleet import Fleet, faketime_env
+from streams_harness.services import wait_group_stable
 from tests.support import SimulatorServer, provider_request, unique_settings, wait_for
 
 pytestmark = pytest.mark.e2e

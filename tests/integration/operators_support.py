@@ -15,6 +15,7 @@ from typing import Any
 import asyncpg
 
 from streams.config import Settings
+from streams.ledger.records import RemoteCall
 from streams.ledger.store import Ledger
 from streams.model.answers import JobSnapshot
 from streams.model.codes import ReasonCode
@@ -55,7 +56,7 @@ async def _submitted(ledger: Ledger, seeded: Seeded, op: str, *, via_502: bool =
     fencing = await _submitting(ledger, op)
     job_id = f"job-{op}"
     status, outcome = (502, Outcome.CREATED_VIA_502) if via_502 else (201, Outcome.CREATED)
-    await ledger.record_remote_call(op, "POST", status, outcome, job_id, 12.5, fencing)
+    await ledger.record_remote_call(RemoteCall(op, "POST", status, outcome, job_id, 12.5, fencing))
     reason = "job id from HTTP 502 error.job_id" if via_502 else None
     assert await ledger.save_submitted(op, fencing, job_id, 3600.0, reason)
     seeded.job_ids[op] = job_id
@@ -64,7 +65,7 @@ async def _submitted(ledger: Ledger, seeded: Seeded, op: str, *, via_502: bool =
 async def _claimed(ledger: Ledger, op: str, outcome: Outcome) -> int:
     """The observer's claim and one GET with ``outcome``; returns the fencing value."""
     claim = await observed_again(ledger, op)  # its poll claimed by the scheduler, then by an observer
-    await ledger.record_remote_call(op, "GET", 200, outcome, claim.remote_job_id, 3.0, claim.fencing_token)
+    await ledger.record_remote_call(RemoteCall(op, "GET", 200, outcome, claim.remote_job_id, 3.0, claim.fencing_token))
     return claim.fencing_token
 
 
@@ -116,7 +117,7 @@ async def seed_ledger(ledger: Ledger, prefix: str) -> Seeded:
     for n, reason in enumerate([HOSTILE_REASON, "POST timed out after send (ReadTimeout); a job may exist"]):
         op = f"{prefix}-uncertain-{n}"
         fencing = await _submitting(ledger, op)
-        await ledger.record_remote_call(op, "POST", 503, Outcome.UNKNOWN_OUTCOME, None, 20.0, fencing)
+        await ledger.record_remote_call(RemoteCall(op, "POST", 503, Outcome.UNKNOWN_OUTCOME, None, 20.0, fencing))
         assert await ledger.save_submission_without_job(
             op, fencing, OperationState.UNCERTAIN, reason, ReasonCode.UNKNOWN_OUTCOME
         )

@@ -9,6 +9,7 @@ from decimal import Decimal
 import asyncpg
 import pytest
 
+from streams.ledger.records import RemoteCall
 from streams.model.codes import RemoteCallOutcome
 from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
@@ -59,9 +60,9 @@ async def test_a_2xx_and_a_502_job_are_accounted_with_how_they_were_learned(
 async def test_a_job_learned_by_post_but_never_saved_is_still_accounted(runtime: Runtime, pool: asyncpg.Pool) -> None:
     assert await runtime.ledger.accept("op-lost", request_text(), submitted_at_ms=0)
     created, running = RemoteCallOutcome.CREATED, RemoteCallOutcome.RUNNING
-    await runtime.ledger.record_remote_call("op-lost", "POST", 201, created, "job-lost", 3.0, 1)
-    await runtime.ledger.record_remote_call("op-lost", "POST", 201, created, "job-lost", 3.0, 1)  # a repeat
-    await runtime.ledger.record_remote_call("op-lost", "GET", 200, running, "job-lost", 3.0, 1)
+    await runtime.ledger.record_remote_call(RemoteCall("op-lost", "POST", 201, created, "job-lost", 3.0, 1))
+    await runtime.ledger.record_remote_call(RemoteCall("op-lost", "POST", 201, created, "job-lost", 3.0, 1))  # a repeat
+    await runtime.ledger.record_remote_call(RemoteCall("op-lost", "GET", 200, running, "job-lost", 3.0, 1))
     rows = await pool.fetch("SELECT remote_job_id, learned_via FROM remote_jobs")
     assert [tuple(r) for r in rows] == [("job-lost", "post_2xx")]
 
@@ -114,7 +115,7 @@ async def test_refund_of_a_failed_job_is_recorded_once(
 
 async def test_a_failed_job_with_a_charge_and_no_refund_is_pending(runtime: Runtime, pool: asyncpg.Pool) -> None:
     assert await runtime.ledger.accept("op-p", request_text(), submitted_at_ms=0)
-    await runtime.ledger.record_remote_call("op-p", "POST", 201, RemoteCallOutcome.CREATED, "job-p", 3.0, 1)
+    await runtime.ledger.record_remote_call(RemoteCall("op-p", "POST", 201, RemoteCallOutcome.CREATED, "job-p", 3.0, 1))
     await pool.execute(
         "UPDATE remote_jobs SET outcome = 'failed', charge = '{}', charge_amount = 0.5 WHERE remote_job_id = 'job-p'"
     )

@@ -12,9 +12,10 @@ from aiokafka.errors import InvalidTopicError, KafkaConnectionError
 
 from streams.config import Settings
 from streams.errors import DatabaseConfigError, KafkaAdminError, ServiceNotReadyError
-from streams.setup.admin import KafkaAdmin, create_topics, delete_topics, wait_group_stable
+from streams.setup.admin import KafkaAdmin, create_topics, delete_topics
 from streams.setup.readiness import wait_ready
 from streams_harness.fleet import free_port
+from streams_harness.services import wait_group_stable
 from tests.support import unique_settings
 
 pytestmark = pytest.mark.integration

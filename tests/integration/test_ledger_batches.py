@@ -23,7 +23,7 @@ from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.ledger import batching as ledger_module
 from streams.ledger.batching import WAIT_FOR_LOCKS
 from streams.ledger.pool import _init_connection
-from streams.ledger.records import ObserveClaim, SaveOutcome
+from streams.ledger.records import ObserveClaim, RemoteCall, SaveOutcome
 from streams.ledger.sql import LEDGER as Q
 from streams.ledger.store import Ledger
 from streams.model.answers import JobSnapshot
@@ -177,9 +177,11 @@ async def scenario(ledger: Ledger, p: str) -> list[Call]:
             f"{p}save-order", fence["save-order"], JobSnapshot(order_job, "running", S.RUNNING), 900.0
         ),
         lambda: ledger.save_observation(f"{p}save-unknown", 1, succeeded(job("save-unknown"), p), None),
-        lambda: ledger.record_remote_call(f"{p}acct", "POST", 201, Outcome.CREATED, job("acct"), 5.5, 1),
-        lambda: ledger.record_remote_call(f"{p}acct", "GET", 200, Outcome.RUNNING, job("acct"), 2.25, 2),
-        lambda: ledger.record_remote_call(f"{p}acct-unknown", "POST", 201, Outcome.CREATED, job("acct-u"), 5.0, 1),
+        lambda: ledger.record_remote_call(RemoteCall(f"{p}acct", "POST", 201, Outcome.CREATED, job("acct"), 5.5, 1)),
+        lambda: ledger.record_remote_call(RemoteCall(f"{p}acct", "GET", 200, Outcome.RUNNING, job("acct"), 2.25, 2)),
+        lambda: ledger.record_remote_call(
+            RemoteCall(f"{p}acct-unknown", "POST", 201, Outcome.CREATED, job("acct-u"), 5.0, 1)
+        ),
     ]
 
 
@@ -597,7 +599,7 @@ async def test_a_claim_or_save_whose_reply_was_lost_after_it_committed_is_still_
         def record() -> Any:
             return asyncio.gather(
                 *(
-                    batched.record_remote_call(op, "POST", 201, Outcome.CREATED, job, 12.5, 1, call_id)
+                    batched.record_remote_call(RemoteCall(op, "POST", 201, Outcome.CREATED, job, 12.5, 1, call_id))
                     for op, call_id, job in calls
                 ),
                 return_exceptions=True,

@@ -13,7 +13,8 @@ from streams.config import Settings
 from streams.ledger.sql import LEDGER
 from streams.model.codes import ReasonCode, RemoteCallOutcome
 from streams.model.states import OperationState, can_transition
-from streams.setup.admin import create_run_database, drop_run_database, sql_migrations, yoyo_url
+from streams.setup.admin import sql_migrations, yoyo_url
+from streams_harness.services import create_run_database, drop_run_database
 
 pytestmark = pytest.mark.integration
 

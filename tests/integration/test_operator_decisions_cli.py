@@ -9,6 +9,7 @@ import asyncpg
 import pytest
 
 from streams.config import Settings
+from streams.ledger.records import RemoteCall
 from streams.ledger.store import Ledger
 from streams.model.codes import RemoteCallOutcome
 from tests.integration.operators_support import Seeded, backdate, seed_ledger, streams_cli
@@ -310,11 +311,11 @@ async def test_accounting_report_flags_a_second_post_that_may_have_created_a_job
     op = seeded.by_state["uncertain"][1]
     ledger = Ledger(pool, "seed-worker")
     await ledger.record_remote_call(
-        op, "POST", 429, RemoteCallOutcome.RATE_LIMITED, None, 1.0, 1
+        RemoteCall(op, "POST", 429, RemoteCallOutcome.RATE_LIMITED, None, 1.0, 1)
     )  # nothing created: not counted
     only_429 = (await streams_cli(cli, "accounting", "report", "--json")).json()["post_attempts"]
     assert (only_429["max_attempts"], only_429["max_sent"]) == (2, 1)
-    await ledger.record_remote_call(op, "POST", None, RemoteCallOutcome.UNKNOWN_OUTCOME, None, 1.0, 1)
+    await ledger.record_remote_call(RemoteCall(op, "POST", None, RemoteCallOutcome.UNKNOWN_OUTCOME, None, 1.0, 1))
     report = await streams_cli(cli, "accounting", "report", "--operation-prefix", "ops-uncertain-")
     assert "  that may have created a job      max 2 (must be 1; BROKEN for 1 operations)" in report.stdout
     assert report.stdout.startswith("accounting of operations ops-uncertain-* at ")

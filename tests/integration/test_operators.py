@@ -9,6 +9,7 @@ import asyncpg
 import pytest
 
 from streams.errors import OperatorActionRefusedError, UnknownOperationError
+from streams.ledger.records import RemoteCall
 from streams.ledger.store import Ledger
 from streams.model.answers import JobSnapshot
 from streams.model.codes import ReasonCode, RemoteCallOutcome
@@ -208,9 +209,9 @@ async def test_accounting_summary_counts_jobs_decisions_and_calls(ledger: Ledger
     # stalled 90 s ago, by the database's clock (the summary rounds ages to 0.1 s)
     await pool.execute("UPDATE operations SET state_entered_at = now() - interval '90 s' WHERE operation_id = 'op-3'")
     after_update = time.monotonic()
-    await ledger.record_remote_call("op-1", "POST", 201, RemoteCallOutcome.CREATED, "job-1", 5.0, 1)
-    await ledger.record_remote_call("op-2", "POST", 503, RemoteCallOutcome.UNKNOWN_OUTCOME, None, 5.0, 1)
-    await ledger.record_remote_call("op-2", "POST", 429, RemoteCallOutcome.RATE_LIMITED, None, 5.0, 1)
+    await ledger.record_remote_call(RemoteCall("op-1", "POST", 201, RemoteCallOutcome.CREATED, "job-1", 5.0, 1))
+    await ledger.record_remote_call(RemoteCall("op-2", "POST", 503, RemoteCallOutcome.UNKNOWN_OUTCOME, None, 5.0, 1))
+    await ledger.record_remote_call(RemoteCall("op-2", "POST", 429, RemoteCallOutcome.RATE_LIMITED, None, 5.0, 1))
     summary = await ledger.accounting_summary()
     since_update_s = time.monotonic() - after_update
     assert summary["needs_decision"]["uncertain"]["operations"] == 1

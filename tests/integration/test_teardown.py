@@ -11,8 +11,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from streams.config import Settings
-from streams.setup.admin import create_run_database, create_topics, database_name
+from streams.setup.admin import create_topics, database_name
 from streams.setup.teardown import run_names
+from streams_harness.services import create_run_database
 from tests.integration.operators_support import streams_cli
 
 pytestmark = pytest.mark.integration

@@ -429,46 +429,42 @@ SET state = CASE WHEN o.remote_job_id_saved_at < now() - make_interval(secs => :
 WHERE o.operation_id = :operation_id AND o.fencing_token = :fencing_token AND o.state IN ('submitted', 'queued', 'running')
 RETURNING o.state::text AS state;
 
--- name: note_unknown_status
--- Fenced: the job's GET answered a status the client does not know. The :unknown_status_limit-th in a row -> stalled with the
--- reason :reason and the raw answer :answer; before that the poll is rescheduled :next_poll_delay_s seconds out.
--- :operation_id, :fencing_token, :unknown_status_limit (unknown statuses in a row), :next_poll_delay_s next poll delay (s), :reason, :answer (jsonb),
--- :worker. Returns the state afterwards and unknown_status_count, or no row when refused.
+-- name: note_poll_setback
+-- Fenced: the job's GET gave no usable observation, a setback of the kind :setback (its reason code):
+-- 'unknown_status' (a status the client does not know; the raw answer :answer becomes the last observation at
+-- once) or 'poll_failures' (the GET failed: an answer that cannot be used, a timeout, a lost connection, a 429;
+-- the last observation is kept until it stalls). It counts as a poll (poll_count: the backoff grows) and as one
+-- more setback of its kind in a row (unknown_status_count or failed_poll_count); the :setback_limit-th in a row ->
+-- stalled with the reason :reason, reason code :setback and :answer as the last observation; before that the poll
+-- is rescheduled :next_poll_delay_s seconds out. The row is locked first, so the count is the committed one.
+-- :operation_id, :fencing_token, :setback ('unknown_status' | 'poll_failures'), :setback_limit (setbacks in a
+-- row), :next_poll_delay_s next poll delay (s), :reason, :answer (jsonb), :worker. Returns the state afterwards
+-- and in_a_row (setbacks of that kind in a row), or no row when refused (stale fencing value, or no longer
+-- pollable).
+WITH cur AS (
+    SELECT c.operation_id,
+           CASE :setback WHEN 'unknown_status' THEN c.unknown_status_count ELSE c.failed_poll_count END + 1 AS in_a_row
+    FROM operations AS c
+    WHERE c.operation_id = :operation_id AND c.fencing_token = :fencing_token
+      AND c.state IN ('submitted', 'queued', 'running')
+    FOR UPDATE
+)
 UPDATE operations AS o
-SET state = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN 'stalled' ELSE o.state END,
-    reason = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN :reason ELSE o.reason END,
-    reason_code = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN 'unknown_status' ELSE o.reason_code END,
-    last_observation = :answer::jsonb,
-    next_poll_at = CASE WHEN o.unknown_status_count + 1 >= :unknown_status_limit THEN NULL
-                        ELSE now() + make_interval(secs => :next_poll_delay_s) END,
-    unknown_status_count = o.unknown_status_count + 1,
-    poll_count = o.poll_count + 1,
-    last_observed_at = now(),
-    updated_by = :worker
-WHERE o.operation_id = :operation_id AND o.fencing_token = :fencing_token AND o.state IN ('submitted', 'queued', 'running')
-RETURNING o.state::text AS state, o.unknown_status_count;
-
--- name: note_failed_poll
--- Fenced: the job's GET failed (an answer that cannot be used, a timeout, a lost connection, a 429). It counts
--- as a poll (poll_count: the backoff grows) and as a failed one in a row; the :failed_poll_limit-th in a row ->
--- stalled with the reason :reason and :last_answer kept; before that the poll is rescheduled :next_poll_delay_s
--- seconds out.
--- :operation_id, :fencing_token, :failed_poll_limit (failed polls in a row), :next_poll_delay_s next poll delay
--- (s), :reason, :last_answer (jsonb), :worker. Returns the state afterwards and failed_poll_count, or no row when
--- refused (stale fencing value, or no longer pollable).
-UPDATE operations AS o
-SET state = CASE WHEN o.failed_poll_count + 1 >= :failed_poll_limit THEN 'stalled' ELSE o.state END,
-    reason = CASE WHEN o.failed_poll_count + 1 >= :failed_poll_limit THEN :reason ELSE o.reason END,
-    reason_code = CASE WHEN o.failed_poll_count + 1 >= :failed_poll_limit THEN 'poll_failures' ELSE o.reason_code END,
-    last_observation = CASE WHEN o.failed_poll_count + 1 >= :failed_poll_limit THEN :last_answer::jsonb
+SET state = CASE WHEN cur.in_a_row >= :setback_limit THEN 'stalled' ELSE o.state END,
+    reason = CASE WHEN cur.in_a_row >= :setback_limit THEN :reason ELSE o.reason END,
+    reason_code = CASE WHEN cur.in_a_row >= :setback_limit THEN :setback ELSE o.reason_code END,
+    last_observation = CASE WHEN cur.in_a_row >= :setback_limit OR :setback = 'unknown_status' THEN :answer::jsonb
                             ELSE o.last_observation END,
-    next_poll_at = CASE WHEN o.failed_poll_count + 1 >= :failed_poll_limit THEN NULL
+    last_observed_at = CASE WHEN :setback = 'unknown_status' THEN now() ELSE o.last_observed_at END,
+    next_poll_at = CASE WHEN cur.in_a_row >= :setback_limit THEN NULL
                         ELSE now() + make_interval(secs => :next_poll_delay_s) END,
-    failed_poll_count = o.failed_poll_count + 1,
+    unknown_status_count = CASE WHEN :setback = 'unknown_status' THEN cur.in_a_row ELSE o.unknown_status_count END,
+    failed_poll_count = CASE WHEN :setback = 'poll_failures' THEN cur.in_a_row ELSE o.failed_poll_count END,
     poll_count = o.poll_count + 1,
     updated_by = :worker
-WHERE o.operation_id = :operation_id AND o.fencing_token = :fencing_token AND o.state IN ('submitted', 'queued', 'running')
-RETURNING o.state::text AS state, o.failed_poll_count;
+FROM cur
+WHERE o.operation_id = cur.operation_id
+RETURNING o.state::text AS state, cur.in_a_row;
 
 -- name: record_remote_call
 -- Batched accounting: one row per remote call attempt. A POST that reported a job id (outcome 'created' or

@@ -87,4 +87,4 @@ class Canceller:
             return
         ask = await rt.ledger.request_cancel(operation_id, CancelPath.TOPIC, event["requested_by"], event["reason"])
         metrics.CANCELLATIONS.labels(CancelPath.TOPIC.value, cancel_result(ask)).inc()
-        log.info("operation %s: %s (asked on %s)", operation_id, describe(ask), message.topic)
+        log.info("%s (asked on %s)", describe(ask), message.topic)

@@ -75,6 +75,7 @@ from streams.errors import (
     RemoteRefusedError,
     RemoteUnknownOutcomeError,
 )
+from streams.ledger.records import RemoteCall
 from streams.model.codes import ReasonCode, RemoteCallOutcome
 from streams.model.states import OperationState
 from streams.remote.client import SubmitResult
@@ -247,8 +248,7 @@ class Dispatcher:
         if claimed:
             metrics.SUBMISSIONS.labels("redispatched").inc()
             log.warning(
-                "operation %s: found still accepted after %.0f s; dispatched again from the ledger",
-                operation_id,
+                "found still accepted after %.0f s; dispatched again from the ledger",
                 self.rt.settings.accepted_stale_after_s,
             )
         return claimed
@@ -277,7 +277,7 @@ class Dispatcher:
             await lease.release()
             row = await self.rt.ledger.get_operation(operation_id)
             if row is not None and row["state"] == OperationState.CANCELED and row["remote_job_id"] is None:
-                log.info("operation %s: canceled before the POST (%s); no POST sent", operation_id, row["reason"])
+                log.info("canceled before the POST (%s); no POST sent", row["reason"])
             metrics.SUBMISSIONS.labels("already_dispatched").inc()
             return False
         logs.bind(fencing_token=fencing)
@@ -348,7 +348,7 @@ class Dispatcher:
                 )
             except LeaseLostError as exc:
                 metrics.LEASE_LOST.labels("submit").inc()
-                log.info("operation %s: submit lease lost while waiting for the rate budget: %s", operation_id, exc)
+                log.info("submit lease lost while waiting for the rate budget: %s", exc)
                 await lease.release()
                 return None
         except BaseException:
@@ -369,8 +369,7 @@ class Dispatcher:
             return
         started = time.monotonic()
         log.info(
-            "operation %s: no running-job slot (%d of the account's, %d of model %s's in use); waiting",
-            operation_id,
+            "no running-job slot (%d of the account's, %d of model %s's in use); waiting",
             answer.account_in_use,
             answer.model_in_use,
             model,
@@ -472,7 +471,7 @@ class Dispatcher:
             if slot_at is None or time.monotonic() - slot_at > SLOT_VALID_S:
                 if slot_at is not None:
                     age_s = time.monotonic() - slot_at
-                    log.info("operation %s: POST slot %.3f s old, waiting for another", operation_id, age_s)
+                    log.info("POST slot %.3f s old, waiting for another", age_s)
                 await self._post_slot_in_claim(holder, deadline)
             slot_at = None
             return await self._post_once(operation_id, request_text, fencing)
@@ -488,7 +487,7 @@ class Dispatcher:
         try:
             result = await first_attempt_plain(post, retrying, _RETRIED)
         except _NoLongerOurs:
-            log.warning("operation %s: left submitting while a retry waited; not sending again", operation_id)
+            log.warning("left submitting while a retry waited; not sending again")
             return
         except RateBudgetDeadlineError as exc:
             why = f"never sent within {settings.submit_retry_deadline_s:.0f} s (nothing created): {exc}"
@@ -514,7 +513,7 @@ class Dispatcher:
         try:
             saved = await self.rt.ledger.save_submitted(operation_id, fencing, result.job_id, first_poll_s, reason)
         except LedgerDataError as exc:  # e.g. the API returned a job id another operation already holds
-            log.error("operation %s: job %s created but its id cannot be saved: %s", operation_id, result.job_id, exc)
+            log.error("job %s created but its id cannot be saved: %s", result.job_id, exc)
             why = f"remote job {result.job_id} was created but its id could not be saved ({exc}); reconcile by hand"
             code = ReasonCode.JOB_ID_NOT_SAVED
             await self._finish_without_job(operation_id, fencing, OperationState.UNCERTAIN, why, code)
@@ -533,9 +532,8 @@ class Dispatcher:
         state = await self.rt.ledger.record_late_job(operation_id, job_id)
         if state is None:
             log.error(
-                "operation %s: job id %s NOT saved: fencing value %s refused (the operation was claimed again or "
+                "job id %s NOT saved: fencing value %s refused (the operation was claimed again or "
                 "reconciled meanwhile); the job is recorded in remote_calls for reconciliation",
-                operation_id,
                 job_id,
                 fencing,
             )
@@ -547,10 +545,9 @@ class Dispatcher:
             else "cancel it at the provider (the operation observes another job)"
         )
         log.error(
-            "operation %s: job %s was created after the operation was decided (%s; fencing value %s refused): it is "
+            "job %s was created after the operation was decided (%s; fencing value %s refused): it is "
             "not observed and may be charged; recorded as created_after_decision in the accounting: %s "
             "(docs/decisions.md)",
-            operation_id,
             job_id,
             state,
             fencing,
@@ -570,11 +567,11 @@ class Dispatcher:
             if isinstance(exc, RemoteRateLimitedError):
                 await self.rt.budget.note_rate_limited(BudgetKind.POST, exc.retry_after_s)
             if not isinstance(exc, RemoteRateLimitedError | RemoteNotSentError):
-                log.warning("operation %s: POST %s: %s", operation_id, exc.outcome, exc)
+                log.warning("POST %s: %s", exc.outcome, exc)
             raise
         outcome = RemoteCallOutcome.CREATED_VIA_502 if result.via_error else RemoteCallOutcome.CREATED
         await self.rt.account(
-            operation_id, "POST", result.status_code, outcome, result.job_id, result.duration_ms, fencing
+            RemoteCall(operation_id, "POST", result.status_code, outcome, result.job_id, result.duration_ms, fencing)
         )
         return result
 
@@ -588,4 +585,4 @@ class Dispatcher:
             metrics.SUBMISSIONS.labels(state.value).inc()
         else:
             metrics.FENCING_REFUSALS.labels("submit").inc()
-            log.warning("operation %s: %s not saved: fencing value %s refused", operation_id, state, fencing)
+            log.warning("%s not saved: fencing value %s refused", state, fencing)

@@ -64,7 +64,7 @@ from streams.errors import (
     RemoteRateLimitedError,
     RemoteUnknownStatusError,
 )
-from streams.ledger.records import ObserveClaim, SaveOutcome
+from streams.ledger.records import ObserveClaim, RemoteCall, SaveOutcome
 from streams.model.answers import JobSnapshot, clean_text
 from streams.model.codes import RemoteCallOutcome
 from streams.model.states import OperationState, is_terminal
@@ -170,12 +170,12 @@ class Observer:
         WARNING), Redis unavailable (counted, logged as an outage) or this worker's Redis pool full (INFO)."""
         if isinstance(exc, LeaseLostError):
             metrics.LEASE_LOST.labels("observe").inc()
-            log.warning("operation %s: %s: %s", operation_id, what, exc)
+            log.warning("%s: %s", what, exc)
         elif isinstance(exc, CoordinationUnavailableError):
             metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
             self.rt.log_outage("Redis", exc)
         else:
-            log.info("operation %s: %s: %s", operation_id, what, exc)
+            log.info("%s: %s", what, exc)
 
     async def _observe(self, operation_id: str, poll_claim_id: int, claim: ObserveClaim, lease: Lease) -> None:
         rt = self.rt
@@ -209,20 +209,19 @@ class Observer:
         try:
             outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay)
         except LedgerDataError as exc:  # e.g. a NUL in an output: the answer cannot be stored as it is
-            log.error("operation %s: the remote answer cannot be stored (%s); recording failed", operation_id, exc)
+            log.error("the remote answer cannot be stored (%s); recording failed", exc)
             unstorable = _failed(snapshot.job_id, "unstorable_response", str(exc))
             outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, unstorable, None)
         if outcome is SaveOutcome.REFUSED_FENCING:
             metrics.FENCING_REFUSALS.labels("observe").inc()
             log.warning(
-                "operation %s: observation %s dropped: fencing value %s is stale (a newer claim saved since)",
-                operation_id,
+                "observation %s dropped: fencing value %s is stale (a newer claim saved since)",
                 snapshot.status,
                 claim.fencing_token,
             )
         elif outcome is SaveOutcome.REFUSED_ORDER:
             metrics.ORDER_REFUSALS.inc()
-            log.info("operation %s: %s not saved over a later state", operation_id, snapshot.status)
+            log.info("%s not saved over a later state", snapshot.status)
             await self._reschedule(operation_id, poll_claim_id, delay)  # still pollable: poll again soon
 
     async def _cancel_at_provider(self, operation_id: str, claim: ObserveClaim, lease: Lease) -> None:
@@ -234,9 +233,8 @@ class Observer:
         limit = rt.settings.cancel_attempt_limit
         if claim.cancel_attempts >= limit:
             log.error(
-                "operation %s: cancel of job %s not asked again: %d calls without a definite answer "
+                "cancel of job %s not asked again: %d calls without a definite answer "
                 "(cancel_attempt_limit); the job is observed until it ends (docs/cancellation.md)",
-                operation_id,
                 job_id,
                 claim.cancel_attempts,
             )
@@ -247,23 +245,19 @@ class Observer:
             result = await lease.renewing(rt.remote.cancel(operation_id, job_id))
         except LeaseLostError as exc:
             metrics.LEASE_LOST.labels("observe").inc()
-            log.warning(
-                "operation %s: cancel of job %s cut off (%s); asked again at the next poll", operation_id, job_id, exc
-            )
+            log.warning("cancel of job %s cut off (%s); asked again at the next poll", job_id, exc)
             return
         fencing = claim.fencing_token
-        await rt.account(
+        call = RemoteCall(
             operation_id, "CANCEL", result.status_code, result.outcome, job_id, result.duration_ms, fencing
         )
+        await rt.account(call)
         attempts = await rt.ledger.note_cancel_call(operation_id, fencing, result.outcome, result.definite)
         if result.definite:
-            log.info(
-                "operation %s: %s: %s; observing the job until it ends", operation_id, result.detail, result.outcome
-            )
+            log.info("%s: %s; observing the job until it ends", result.detail, result.outcome)
         else:
             log.warning(
-                "operation %s: %s: %s (call %s of at most %d); asked again at the next poll",
-                operation_id,
+                "%s: %s (call %s of at most %d); asked again at the next poll",
                 result.detail,
                 result.outcome,
                 attempts if attempts is not None else "?",
@@ -311,7 +305,9 @@ class Observer:
             return await self._get_failed(operation_id, poll_claim_id, poll_count, claim, exc, claimed_at)
         answered = RemoteCallOutcome.answered(snapshot.state)
         fencing = claim.fencing_token
-        await rt.account(operation_id, "GET", snapshot.status_code, answered, job_id, snapshot.duration_ms, fencing)
+        await rt.account(
+            RemoteCall(operation_id, "GET", snapshot.status_code, answered, job_id, snapshot.duration_ms, fencing)
+        )
         return snapshot
 
     async def _get_failed(
@@ -329,26 +325,26 @@ class Observer:
         worker's GETs), anything else to the stall guard as a failed poll (another poll with backoff, or ``stalled``
         at ``failed_poll_limit`` in a row); a job too old to poll is ``stalled``."""
         if isinstance(exc, RemoteJobNotFoundError):
-            log.info("operation %s: %s", operation_id, exc)
+            log.info("%s", exc)
             await self.stalls.not_found(operation_id, claim, exc, self._delay(poll_count, None))
             return None
         if isinstance(exc, RemoteUnknownStatusError):
-            log.warning("operation %s: %s", operation_id, exc)
+            log.warning("%s", exc)
             await self.stalls.unknown_status(operation_id, claim, exc, self._delay(poll_count, None))
             return None
         if isinstance(exc, RemoteContractError):
-            log.error("operation %s: %s; recording it as failed", operation_id, exc)
+            log.error("%s; recording it as failed", exc)
             return _failed(claim.remote_job_id, "contract_violation", str(exc))
         if self.stalls.too_old(claim, claimed_at):
             await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
             return None
         if isinstance(exc, RemoteRateLimitedError):
             await self.rt.budget.note_rate_limited(BudgetKind.GET, exc.retry_after_s)
-            log.info("operation %s: GET %s, retrying: %s", operation_id, exc.outcome, exc)
+            log.info("GET %s, retrying: %s", exc.outcome, exc)
             await self._reschedule(operation_id, poll_claim_id, self._delay(poll_count, exc.retry_after_s))
             return None
         delay = self._delay(poll_count, None)
-        log.info("operation %s: GET %s, retrying in %.1f s: %s", operation_id, exc.outcome, delay, exc)
+        log.info("GET %s, retrying in %.1f s: %s", exc.outcome, delay, exc)
         await self.stalls.failed_poll(operation_id, claim, exc, delay)
         return None
 
@@ -373,14 +369,15 @@ class Observer:
         status = exc.status_code if isinstance(exc, RemoteError) else None
         job_id = claim.remote_job_id
         await rt.account(
-            operation_id, "GET", status, RemoteCallOutcome.ABANDONED, job_id, duration_ms, claim.fencing_token
+            RemoteCall(
+                operation_id, "GET", status, RemoteCallOutcome.ABANDONED, job_id, duration_ms, claim.fencing_token
+            )
         )
         if self.stalls.too_old(claim, claimed_at):
             await self.stalls.stall_too_old(operation_id, claim, {"error": clean_text(str(exc), 1000)})
             return
         log.warning(
-            "operation %s: GET %s abandoned (%s); lease %s left to expire, next poll in %.1f s",
-            operation_id,
+            "GET %s abandoned (%s); lease %s left to expire, next poll in %.1f s",
             job_id,
             exc,
             lease.key,

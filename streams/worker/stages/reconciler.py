@@ -37,7 +37,7 @@ from streams.errors import (
     RemoteRateLimitedError,
     RemoteRefusedError,
 )
-from streams.ledger.records import LookupClaim
+from streams.ledger.records import LookupClaim, RemoteCall
 from streams.model.codes import RemoteCallOutcome
 from streams.worker.runtime import Runtime
 
@@ -75,7 +75,7 @@ class Reconciler:
             deadline = time.monotonic() + rt.settings.visibility_timeout_s / 2  # well before the claim comes back
             await rt.budget.wait_for_slot(BudgetKind.GET, deadline=deadline)
         except (CoordinationUnavailableError, CoordinationBusyError, RateBudgetDeadlineError) as exc:
-            log.info("operation %s: no lookup now (%s)", op, exc)
+            log.info("no lookup now (%s)", exc)
             await rt.ledger.reschedule_lookup(claim, self._delay(claim))
             return
         started = time.perf_counter()
@@ -93,13 +93,12 @@ class Reconciler:
                 if isinstance(exc, RemoteRefusedError):  # not an outage: waiting cannot fix it, say so loudly
                     rt.report_failure("lookup by client reference", exc)
                 else:
-                    log.info("operation %s: lookup failed, retrying in %.1f s: %s", op, delay, exc)
+                    log.info("lookup failed, retrying in %.1f s: %s", delay, exc)
             await rt.ledger.reschedule_lookup(claim, delay)
             return
         duration_ms = (time.perf_counter() - started) * 1000.0
-        await rt.account(
-            op, "GET", 200, RemoteCallOutcome.lookup_found(len(found)), None, duration_ms, claim.fencing_token
-        )
+        outcome = RemoteCallOutcome.lookup_found(len(found))
+        await rt.account(RemoteCall(op, "GET", 200, outcome, None, duration_ms, claim.fencing_token))
         if not found:
             reason = (
                 f"not found by lookup; looked up {claim.uncertain_for_s:.0f} s after the outcome became unknown "
@@ -108,7 +107,7 @@ class Reconciler:
             )
             if await rt.ledger.give_up_lookup(claim, reason):
                 metrics.LOOKUPS.labels("not_found").inc()
-                log.warning("operation %s: %s", op, reason)
+                log.warning("%s", reason)
             else:
                 metrics.FENCING_REFUSALS.labels("reconcile").inc()
             return
@@ -124,12 +123,11 @@ class Reconciler:
         metrics.DUPLICATE_CREATIONS.inc(len(duplicates))
         if saved:
             metrics.LOOKUPS.labels("adopted").inc()
-            log.warning("operation %s: %s", op, reason)
+            log.warning("%s", reason)
         else:
             metrics.FENCING_REFUSALS.labels("reconcile").inc()
             log.warning(
-                "operation %s: found job(s) %s recorded, but not adopted: a newer claim or an operator decided",
-                op,
+                "found job(s) %s recorded, but not adopted: a newer claim or an operator decided",
                 [j.job_id for j in found],
             )
 

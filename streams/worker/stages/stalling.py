@@ -150,10 +150,10 @@ class StallGuard:
     def _report(self, operation_id: str, state: OperationState | None, kind: str, reason: str) -> None:
         if state is None:
             metrics.FENCING_REFUSALS.labels("observe").inc()
-            log.warning("operation %s: %s not noted: a newer claim holds the operation", operation_id, kind)
+            log.warning("%s not noted: a newer claim holds the operation", kind)
         elif state is OperationState.STALLED:
             metrics.STALLED.labels(kind).inc()
-            log.warning("operation %s stalled: %s", operation_id, reason)
+            log.warning("stalled: %s", reason)
 
 
 def _short(answer: dict[str, Any], limit: int = 300) -> str:
