@@ -41,7 +41,7 @@ from streams_harness.redis_server import PrivateRedis
 from streams_harness.replay import trace_request
 from streams_harness.report import broken_promises
 from streams_harness.run import collect_report, migrate_quietly, print_kept, progress, remove_run, settled
-from streams_harness.services import create_run_database, wait_group_stable
+from streams_harness.services import create_run_database, drop_run_database, wait_group_stable
 from streams_harness.trace import read_trace
 
 PIPELINE, FLOOR, NAIVE, PACED = "pipeline", "floor", "naive", "paced"
