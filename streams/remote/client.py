@@ -71,6 +71,7 @@ from multidict import CIMultiDict
 from streams import metrics
 from streams.config import Settings
 from streams.errors import (
+    ConfigError,
     JsonValueError,
     RemoteAbandonedError,
     RemoteContractError,
@@ -582,9 +583,18 @@ class RemoteClient:
         dialect (``STREAMS_REMOTE_CANCEL_PATH``, when set, overrides the declaration's cancel route).
 
         Raises:
-            ConfigError: ``STREAMS_PROVIDER_DIALECT`` names no readable, valid declaration.
+            ConfigError: ``STREAMS_PROVIDER_DIALECT`` names no readable, valid declaration, or one whose
+                ``Prefer: wait`` is not shorter than the read timeout and the call deadline.
         """
         dialect = load_dialect(settings.provider_dialect)
+        wait_s = dialect.prefer_wait_s()
+        if wait_s is not None and wait_s >= min(settings.http_read_timeout_s, settings.remote_call_deadline_s):
+            raise ConfigError(
+                f"STREAMS_PROVIDER_DIALECT: {dialect.source} asks the provider to hold each create answer up to "
+                f"{wait_s:g} s (Prefer: wait), not less than STREAMS_HTTP_READ_TIMEOUT_S "
+                f"({settings.http_read_timeout_s:g}) or STREAMS_REMOTE_CALL_DEADLINE_S "
+                f"({settings.remote_call_deadline_s:g}): every POST would end uncertain; raise them or lower the wait"
+            )
         explicit_cancel = "remote_cancel_path" in settings.model_fields_set
         return cls(
             make_http_client(settings, transport, dialect),

@@ -34,6 +34,10 @@ SIGNATURE_SCHEMES = frozenset({"none", "standard-webhooks"})
 #: (any JSON value, or one value: each becomes ``{"id": "output_<i>", "value": <it>}``).
 OUTPUT_SHAPES = frozenset({"objects", "values"})
 
+#: What a bare ``Prefer: wait`` asks of a provider of the Replicate kind (its documented longest hold, s).
+PREFER_WAIT_DEFAULT_S = 60.0
+
+_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait(?:=(\d+(?:\.\d+)?))?(?:$|[,;\s])")
 _METHODS = frozenset({"POST", "PUT", "PATCH", "GET", "DELETE"})
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
@@ -134,6 +138,16 @@ class ProviderDialect:
     def state_for(self, word: str) -> OperationState | None:
         """The operation state of status ``word`` (compared stripped, lower case), None when unknown."""
         return self.statuses.get(word.strip().lower())
+
+    def prefer_wait_s(self) -> float | None:
+        """Seconds a create call asks the provider to hold its answer (``Prefer: wait=<s>``, RFC 7240), None
+        without that preference; a bare ``wait`` counts as :data:`PREFER_WAIT_DEFAULT_S`."""
+        for name, value in self.create_headers:
+            if name.lower() == "prefer":
+                match = _PREFER_WAIT.search(value)
+                if match is not None:
+                    return float(match.group(1)) if match.group(1) else PREFER_WAIT_DEFAULT_S
+        return None
 
     def get_path_for(self, quoted_job_id: str) -> str:
         """The GET route of one job (``quoted_job_id`` already percent-encoded)."""

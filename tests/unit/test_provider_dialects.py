@@ -294,3 +294,10 @@ async def test_the_simulator_in_one_dialect_does_not_serve_the_other() -> None:
     finally:
         await remote.aclose()
         await server.close()
+
+
+def test_a_prefer_wait_not_shorter_than_the_read_timeout_is_refused() -> None:
+    assert REPLICATE.prefer_wait_s() == 5.0 and SEED.prefer_wait_s() is None
+    with pytest.raises(ConfigError, match=r"hold each create answer up to 5 s .* STREAMS_HTTP_READ_TIMEOUT_S \(5\)"):
+        RemoteClient.from_settings(Settings(provider_dialect="replicate-predictions", http_read_timeout_s=5.0))
+    RemoteClient.from_settings(Settings(provider_dialect="seed-generations", http_read_timeout_s=5.0))
