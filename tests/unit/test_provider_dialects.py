@@ -301,3 +301,28 @@ def test_a_prefer_wait_not_shorter_than_the_read_timeout_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"hold each create answer up to 5 s .* STREAMS_HTTP_READ_TIMEOUT_S \(5\)"):
         RemoteClient.from_settings(Settings(provider_dialect="replicate-predictions", http_read_timeout_s=5.0))
     RemoteClient.from_settings(Settings(provider_dialect="seed-generations", http_read_timeout_s=5.0))
+
+
+async def test_the_simulated_prediction_api_bounds_its_wait_and_answers_errors_as_title_and_detail() -> None:
+    config = SimulatorConfig(dialect="replicate-predictions", compression=1.0, prefer_wait_max_s=0.05)
+    server = TestServer(make_app(config), host="127.0.0.1", port=0)
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    body = {"model": "sim-1", "input": {"prompt": "a b c", "max_tokens": 50}, "metadata": {"client_reference": OP}}
+    try:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer k"}, timeout=10) as http:
+            held = await http.post("/v1/predictions", json=body, headers={"Prefer": "wait=60"})
+            # real time: the job needs seconds; the hold ends at prefer_wait_max_s with the job not done
+            assert held.status_code == 201 and held.json()["status"] in ("starting", "processing")
+            job_id = held.json()["id"]
+            assert held.json()["urls"] == {
+                "get": f"{url}/v1/predictions/{job_id}",
+                "cancel": f"{url}/v1/predictions/{job_id}/cancel",
+            }
+            refused = await http.post("/v1/predictions", json={"input": {}})
+            assert refused.status_code == 400 and refused.json()["title"] == "invalid_request"
+            assert refused.json()["status"] == 400 and "detail" in refused.json()
+            assert (await http.post(f"/v1/predictions/{job_id}/cancel")).json()["status"] == "canceled"
+            assert (await http.get(f"/v1/predictions/{job_id}")).json()["status"] == "canceled"
+    finally:
+        await server.close()
