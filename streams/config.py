@@ -569,6 +569,14 @@ class Settings(ExplicitSettings):
         description="How long the provider keeps an output fetchable after its job completed (s), when the answer "
         "gives no expires_at (0: unknown, no expiry carried).",
     )
+    # Provider dialect (docs/provider-dialects.md): the API shape, declared.
+    provider_dialect: str = Field(
+        "seed-generations",
+        min_length=1,
+        description="Declaration of the provider's API shape: a shipped one (seed-generations, "
+        "replicate-predictions) or the path of a JSON file; an unknown one is refused at start. "
+        "STREAMS_REMOTE_AUTH_HEADER, _AUTH_SCHEME and _CANCEL_PATH, when set, override its values.",
+    )
     output_expiry_margin_s: Seconds = Field(
         600.0,
         description="An output delivered with less than this left before its expiry (s) is counted, logged and "

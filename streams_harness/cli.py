@@ -123,6 +123,13 @@ def _run_options(
         ),
         click.option("--lookup/--no-lookup", default=False, show_default=True, help=lookup_help),
         click.option(
+            "--dialect",
+            default="seed-generations",
+            show_default=True,
+            type=click.Choice(["seed-generations", "replicate-predictions"]),
+            help="Provider API shape the simulator serves and the workers speak (docs/provider-dialects.md).",
+        ),
+        click.option(
             "--report",
             "report_path",
             type=click.Path(dir_okay=False, path_type=Path),

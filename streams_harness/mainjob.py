@@ -123,7 +123,7 @@ def processes_env(opts: MainJobOptions, settings: Settings, sim_port: int) -> di
     settings (``STREAMS_*``: the run's database, topics, consumer group, provider account, reconciliation) and the
     simulator's (``SIM_*``, on ``sim_port``), and this virtualenv first on the ``PATH``."""
     env = dict(os.environ)
-    env.update(worker_settings(settings, lookup=opts.lookup).to_env())
+    env.update(worker_settings(settings, lookup=opts.lookup).replace(provider_dialect=opts.dialect).to_env())
     env.update(simulator_env(opts, settings, opts.faults))
     env["SIM_PORT"] = str(sim_port)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -18,6 +18,7 @@ from typing import Any
 
 from streams.ledger.sql import Queries
 from streams.model.states import OperationState, can_transition
+from streams.remote.dialect import DEFAULT_DIALECT, load_dialect
 
 #: The report's named queries (``streams_harness/queries/report.sql``).
 REPORT = Queries("report.sql", package="streams_harness")
@@ -263,7 +264,9 @@ def broken_promises(report: Mapping[str, Any], *, repeats_allowed: bool) -> list
 
     ``repeats_allowed``: an output event repeated with the *same* event id is legitimate after a relay crash
     (the soak kills workers); without faults (the main job) there must be none. With lookup on (``lookup`` in
-    the report), no operation may stay ``uncertain`` when the provider created its job.
+    the report), no operation may stay ``uncertain`` when the provider created its job. The charges are compared
+    only when the run's provider dialect (``dialect`` in the report, default the seed's) declares where the answers
+    carry them.
     """
     checks = {
         "operations_missing": report["operations_missing"],
@@ -274,10 +277,12 @@ def broken_promises(report: Mapping[str, Any], *, repeats_allowed: bool) -> list
         "state_regressions": report["state_regressions"],
         "output duplicates after dedupe": report["output_duplicates_after_dedupe"],
         "outputs_undelivered": report["outputs_undelivered"],
-        # every charge the ledger saw is the provider's, and every job seen ending has its charge recorded
-        "charges recorded minus the provider's for the jobs seen ending": _decimal(report["charges_total"]["recorded"])
-        - _decimal(report["charges_total"]["provider_seen_ending"]),
     }
+    if load_dialect(report.get("dialect", DEFAULT_DIALECT)).answer.charge:
+        # every charge the ledger saw is the provider's, and every job seen ending has its charge recorded
+        checks["charges recorded minus the provider's for the jobs seen ending"] = _decimal(
+            report["charges_total"]["recorded"]
+        ) - _decimal(report["charges_total"]["provider_seen_ending"])
     if not repeats_allowed:
         checks["output_duplicates"] = report["output_duplicates"]
     if report.get("lookup"):

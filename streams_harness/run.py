@@ -85,6 +85,8 @@ class RunOptions:
     keep: bool = False
     #: Reconcile uncertain operations by lookup of the client reference (the simulator offers it for the run).
     lookup: bool = False
+    #: The provider dialect the simulator serves and the workers speak (``STREAMS_PROVIDER_DIALECT``).
+    dialect: str = "seed-generations"
 
     @property
     def trace_name(self) -> str:
@@ -113,14 +115,15 @@ def worker_settings(
 
 def simulator_env(opts: RunOptions, settings: Settings, faults: Mapping[str, float]) -> dict[str, str]:
     """``SIM_*`` variables of a run's simulator: the seed, the compression, a slow POST answered 2 s after the
-    workers' read timeout, the fault rates ``faults`` (``fault_429``, ...) and the lookup (``opts.lookup``,
-    :data:`RUN_LOOKUP_LAG_S`)."""
+    workers' read timeout, the fault rates ``faults`` (``fault_429``, ...), the lookup (``opts.lookup``,
+    :data:`RUN_LOOKUP_LAG_S`) and the dialect served (``opts.dialect``)."""
     env = {
         "SIM_SEED": str(opts.seed),
         "SIM_COMPRESSION": str(opts.compression),
         "SIM_SLOW_RESPONSE_S": str(settings.http_read_timeout_s + 2),
         "SIM_LOOKUP_ENABLED": "true" if opts.lookup else "false",
         "SIM_LOOKUP_LAG_S": str(RUN_LOOKUP_LAG_S),
+        "SIM_DIALECT": opts.dialect,
     }
     env.update({f"SIM_{name.upper()}": str(rate) for name, rate in faults.items()})
     return env
@@ -343,6 +346,7 @@ def run_meta(
         "seed": opts.seed,
         "faults": dict(faults),
         "lookup": opts.lookup,
+        "dialect": opts.dialect,
         "wall_clock_s": round(elapsed_s, 1),
     }
 

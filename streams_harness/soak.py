@@ -218,6 +218,7 @@ async def run_soak(opts: SoakOptions, out: TextIO = sys.stdout) -> dict[str, Any
             run_settings, lookup=opts.lookup, max_observation_age_s=opts.max_observation_age_s
         ).replace(
             remote_base_url=f"http://127.0.0.1:{proxy_port}",
+            provider_dialect=opts.dialect,
             lease_ttl_ms=opts.lease_ttl_ms,
             remote_call_deadline_s=0.5 * opts.lease_ttl_ms / 1000.0,
             lease_margin_s=0.25 * opts.lease_ttl_ms / 1000.0,

@@ -71,6 +71,7 @@ from multidict import CIMultiDict
 from streams import metrics
 from streams.config import Settings
 from streams.errors import (
+    ConfigError,
     JsonValueError,
     RemoteAbandonedError,
     RemoteContractError,
@@ -85,7 +86,7 @@ from streams.errors import (
 from streams.kafka_security import ssl_context
 from streams.model.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.model.codes import RemoteCallOutcome
-from streams.model.states import state_for_remote_status
+from streams.remote.dialect import DEFAULT_DIALECT, FieldPath, ProviderDialect, load_dialect, read_path
 from streams.remote.transport import (
     DEFAULT_ANSWER_MAX_BYTES,
     AiohttpTransport,
@@ -224,12 +225,23 @@ def provider_ssl_context(settings: Settings) -> ssl.SSLContext | None:
     )
 
 
-def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+def auth_header_of(settings: Settings, dialect: ProviderDialect) -> tuple[str, str]:
+    """The auth header's name and scheme: ``STREAMS_REMOTE_AUTH_HEADER`` / ``_AUTH_SCHEME`` when set explicitly,
+    else the declaration's (:mod:`streams.remote.dialect`)."""
+    explicit = settings.model_fields_set
+    header = settings.remote_auth_header if "remote_auth_header" in explicit else dialect.auth_header
+    scheme = settings.remote_auth_scheme if "remote_auth_scheme" in explicit else dialect.auth_scheme
+    return header, scheme
+
+
+def make_http_client(
+    settings: Settings, transport: httpx.AsyncBaseTransport | None = None, dialect: ProviderDialect | None = None
+) -> httpx.AsyncClient:
     """The worker's single ``httpx.AsyncClient`` for the remote API.
 
-    Timeouts (seconds) come from ``settings.http_*_timeout_s``; auth is ``<remote_auth_header>: <remote_auth_scheme>
-    <key>`` (default ``Authorization: Bearer <key>``; no scheme: the key alone); TLS from
-    :func:`provider_ssl_context`.
+    Timeouts (seconds) come from ``settings.http_*_timeout_s``; auth is ``<header>: <scheme> <key>`` with the
+    header and scheme of :func:`auth_header_of` (default ``Authorization: Bearer <key>``; no scheme: the key alone);
+    TLS from :func:`provider_ssl_context`. ``dialect`` defaults to ``settings.provider_dialect`` loaded.
     Requests go through ``transport`` when given (tests, benchmarks), else the one ``settings.http_transport``
     names: ``aiohttp`` (:class:`streams.remote.transport.AiohttpTransport`, whose exception mapping keeps the taxonomy
     above) or ``httpx`` (httpcore's pool); both hold at most ``settings.http_max_connections`` connections.
@@ -246,10 +258,11 @@ def make_http_client(settings: Settings, transport: httpx.AsyncBaseTransport | N
             max_answer_bytes=settings.remote_answer_max_bytes,
         )
     key = settings.remote_api_key.get_secret_value()
+    header, scheme = auth_header_of(settings, dialect or load_dialect(settings.provider_dialect))
     return httpx.AsyncClient(
         base_url=settings.remote_base_url.get_secret_value(),
         headers={
-            settings.remote_auth_header: f"{settings.remote_auth_scheme} {key}" if settings.remote_auth_scheme else key,
+            header: f"{scheme} {key}" if scheme else key,
             "User-Agent": "generation-streams/0.1",
         },
         verify=context if context is not None else True,
@@ -387,13 +400,15 @@ def _read_json(response: httpx.Response) -> tuple[Any, JsonValueError | None]:
         return None, exc
 
 
-def _poll_after_s(body: dict[str, Any] | None, response: httpx.Response) -> float | None:
-    """The API's poll hint in seconds: ``Retry-After`` when readable, else ``poll_after_ms``; clamped to
-    ``[0, MAX_POLL_HINT_S]``; None when neither is usable."""
+def _poll_after_s(
+    body: dict[str, Any] | None, response: httpx.Response, path: FieldPath = ("poll_after_ms",)
+) -> float | None:
+    """The API's poll hint in seconds: ``Retry-After`` when readable, else the milliseconds at ``path``
+    (``poll_after_ms`` in the seed's dialect); clamped to ``[0, MAX_POLL_HINT_S]``; None when neither is usable."""
     hint = retry_after_s(response)
     if hint is not None:
         return hint
-    value = body.get("poll_after_ms") if body is not None else None
+    value = read_path(body, path) if body is not None else None
     if not exactjson.is_number(value):
         return None
     seconds = float(value) / 1000.0  # a huge value is inf here: capped below
@@ -451,7 +466,9 @@ def _shown(value: Any, limit: int = 80) -> str:
     return clean_text(repr(value), limit)
 
 
-def provider_request_body(request_text: str, operation_id: str, default_model: str) -> bytes:
+def provider_request_body(
+    request_text: str, operation_id: str, default_model: str, dialect: ProviderDialect | None = None
+) -> bytes:
     """The POST body for one operation (UTF-8): the application's request text with every character kept,
     plus what the product adds (docs/guarantees.md, "Submissions"):
 
@@ -461,22 +478,36 @@ def provider_request_body(request_text: str, operation_id: str, default_model: s
       outcome is unknown.
     * ``model``: ``default_model`` (``STREAMS_REMOTE_MODEL``) when the request names none.
 
+    The keys are the declaration's (``dialect``, default the seed's): ``request.model_field`` and
+    ``request.reference_field`` (one key, or ``object.key``).
+
     ``request_text`` is a JSON object whose ``metadata``, if present, is an object without ``client_reference``
     (``schemas/generation.submissions.json`` guarantees both); numbers and strings are never re-encoded.
     """
+    model_field, reference_path = (
+        (dialect.model_field, dialect.reference_path) if dialect is not None else ("model", _SEED_REFERENCE)
+    )
     found = jsontext.members(request_text)
     reference = exactjson.dumps(operation_id).decode()
     added: list[tuple[str, str]] = []
-    if not any(m.key == "model" for m in found):
-        added.append(("model", exactjson.dumps(default_model).decode()))
+    if not any(m.key == model_field for m in found):
+        added.append((model_field, exactjson.dumps(default_model).decode()))
     text = request_text
-    metadata = next((m for m in found if m.key == "metadata"), None)
+    if len(reference_path) == 1:
+        added.append((reference_path[0], reference))
+        return jsontext.append_members(text, added, empty=not found).encode()
+    outer, inner_key = reference_path
+    metadata = next((m for m in found if m.key == outer), None)
     if metadata is None:
-        added.append(("metadata", '{"client_reference":' + reference + "}"))
+        added.append((outer, "{" + exactjson.dumps(inner_key).decode() + ":" + reference + "}"))
     else:
-        inner = jsontext.append_members(text[metadata.start : metadata.end], [("client_reference", reference)])
+        inner = jsontext.append_members(text[metadata.start : metadata.end], [(inner_key, reference)])
         text = text[: metadata.start] + inner + text[metadata.end :]
     return jsontext.append_members(text, added, empty=not found).encode()
+
+
+#: Where the operation id goes in the seed's dialect.
+_SEED_REFERENCE: FieldPath = ("metadata", "client_reference")
 
 
 #: Characters of a raw answer's body kept (it is stored when an operation stalls).
@@ -504,6 +535,9 @@ class RemoteClient:
             like a 429 (``Settings.remote_throttled_codes``).
         output_ttl_s: how long an output stays fetchable after completion when the answer does not say
             (``Settings.remote_output_ttl_s``; 0: unknown).
+        cancel_path: the cancel route with ``{job_id}`` (None: the declaration's).
+        dialect: the provider's API shape (:mod:`streams.remote.dialect`; None: the seed's): routes, create
+            headers, where each answer field sits, the status words.
     """
 
     def __init__(
@@ -516,18 +550,22 @@ class RemoteClient:
         max_answer_bytes: int = DEFAULT_ANSWER_MAX_BYTES,
         throttled_codes: frozenset[str] = frozenset(),
         output_ttl_s: float = 0.0,
-        cancel_path: str = DEFAULT_CANCEL_PATH,
+        cancel_path: str | None = None,
+        dialect: ProviderDialect | None = None,
     ) -> None:
         self.http = http
+        self.dialect = dialect = dialect or load_dialect(DEFAULT_DIALECT)
         self.throttled_codes = throttled_codes
         self.output_ttl_s = output_ttl_s
-        self.cancel_path = cancel_path
+        self.cancel_path = cancel_path if cancel_path is not None else dialect.cancel_path
         self.model = model
         self.call_deadline_s = call_deadline_s
         self.traced = traced
         self.max_answer_bytes = max_answer_bytes
-        self._post = _Call(http.build_request("POST", "/v1/generations", headers={"Content-Type": "application/json"}))
-        self._get = _Call(http.build_request("GET", "/v1/generations/"))  # + the quoted job id
+        create_headers = {"Content-Type": "application/json", **dict(dialect.create_headers)}
+        self._post = _Call(http.build_request(dialect.create_method, dialect.create_path, headers=create_headers))
+        get_prefix, _, self._get_suffix = dialect.get_path.partition("{job_id}")
+        self._get = _Call(http.build_request("GET", get_prefix))  # + the quoted job id + the suffix
         # The aiohttp transport is called directly (the client's auth, redirect, cookie and event-hook layers do
         # nothing here: no auth, no redirects followed, no cookies, no hooks); any other transport (httpcore, a
         # test's MockTransport) gets each request through ``http.send``. Chosen as httpx routes the base URL: a
@@ -541,16 +579,33 @@ class RemoteClient:
 
     @classmethod
     def from_settings(cls, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> RemoteClient:
-        """The worker's client: :func:`make_http_client` plus the settings' model and call deadline."""
+        """The worker's client: :func:`make_http_client` plus the settings' model, call deadline and provider
+        dialect (``STREAMS_REMOTE_CANCEL_PATH``, when set, overrides the declaration's cancel route).
+
+        Raises:
+            ConfigError: ``STREAMS_PROVIDER_DIALECT`` names no readable, valid declaration, or one whose
+                ``Prefer: wait`` is not shorter than the read timeout and the call deadline.
+        """
+        dialect = load_dialect(settings.provider_dialect)
+        wait_s = dialect.prefer_wait_s()
+        if wait_s is not None and wait_s >= min(settings.http_read_timeout_s, settings.remote_call_deadline_s):
+            raise ConfigError(
+                f"STREAMS_PROVIDER_DIALECT: {dialect.source} asks the provider to hold each create answer up to "
+                f"{wait_s:g} s (Prefer: wait), not less than STREAMS_HTTP_READ_TIMEOUT_S "
+                f"({settings.http_read_timeout_s:g}) or STREAMS_REMOTE_CALL_DEADLINE_S "
+                f"({settings.remote_call_deadline_s:g}): every POST would end uncertain; raise them or lower the wait"
+            )
+        explicit_cancel = "remote_cancel_path" in settings.model_fields_set
         return cls(
-            make_http_client(settings, transport),
+            make_http_client(settings, transport, dialect),
             settings.remote_model,
             call_deadline_s=settings.remote_call_deadline_s,
             traced=transport is None,
             max_answer_bytes=settings.remote_answer_max_bytes,
             throttled_codes=settings.remote_throttled_code_set,
             output_ttl_s=settings.remote_output_ttl_s,
-            cancel_path=settings.remote_cancel_path,
+            cancel_path=settings.remote_cancel_path if explicit_cancel else None,
+            dialect=dialect,
         )
 
     async def aclose(self) -> None:
@@ -624,7 +679,7 @@ class RemoteClient:
             RemoteUnknownOutcomeError: sent and outcome unknown (an answer that could not be read too); never
                 retry.
         """
-        body = provider_request_body(request_text, operation_id, self.model)
+        body = provider_request_body(request_text, operation_id, self.model, self.dialect)
         started = time.perf_counter()
         try:
             response = await self._request(self._post, self._post.url, body)
@@ -652,31 +707,36 @@ class RemoteClient:
 
     def _classify_submit(self, operation_id: str, response: httpx.Response, duration_ms: float) -> SubmitResult:
         status = response.status_code
+        fields = self.dialect.answer
         parsed, unreadable = _read_json(response)
         body = parsed if isinstance(parsed, dict) else None
-        error = body.get("error") if body is not None else None
-        error = error if isinstance(error, dict) else {}
         # An answer that cannot be read exactly (NaN, a number too long, not JSON) is not trusted in part.
         why_unreadable = f" (body not read: {clean_text(str(unreadable), 300)})" if unreadable is not None else ""
         if 200 <= status < 300:
-            job_id = body.get("id") if body is not None else None
+            job_id = read_path(body, fields.job_id)
             if isinstance(job_id, str) and JOB_ID.fullmatch(job_id):
-                return SubmitResult(job_id, status, False, _poll_after_s(body, response), duration_ms)
+                return SubmitResult(
+                    job_id, status, False, _poll_after_s(body, response, fields.poll_after_ms), duration_ms
+                )
             raise RemoteUnknownOutcomeError(
                 operation_id,
                 f"HTTP {status} without a usable job id ({_shown(job_id)}){why_unreadable}; a job may exist",
                 status_code=status,
             )
-        if status == 502 and isinstance(error.get("job_id"), str) and JOB_ID.fullmatch(error["job_id"]):
-            return SubmitResult(error["job_id"], status, True, _poll_after_s(body, response), duration_ms)
+        error_job_id = read_path(body, fields.error_job_id)
+        if status == 502 and isinstance(error_job_id, str) and JOB_ID.fullmatch(error_job_id):
+            return SubmitResult(
+                error_job_id, status, True, _poll_after_s(body, response, fields.poll_after_ms), duration_ms
+            )
         if status == 429:
             retry_after = retry_after_s(response)
             raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
         if 400 <= status < 500:
-            code = clean_text(str(error.get("code", f"http_{status}")), 80)
+            raw_code, raw_message = read_path(body, fields.error_code), read_path(body, fields.error_message)
+            code = clean_text(str(f"http_{status}" if raw_code is None else raw_code), 80)
             if code in self.throttled_codes:
                 raise throttled(operation_id, response, code)
-            message = clean_text(str(error.get("message", response.reason_phrase)), 500)
+            message = clean_text(str(response.reason_phrase if raw_message is None else raw_message), 500)
             raise RemoteRefusedError(
                 operation_id, f"refused with HTTP {status} {code}: {message}", status_code=status, code=code
             )
@@ -701,7 +761,7 @@ class RemoteClient:
         """
         started = time.perf_counter()
         try:
-            response = await self._request(self._get, self._get.url + _path_segment(job_id))
+            response = await self._request(self._get, self._get.url + _path_segment(job_id) + self._get_suffix)
         except _DeadlineExceeded as exc:
             if exc.sent:
                 raise RemoteAbandonedError(operation_id, f"GET {job_id} abandoned: {exc}") from exc
@@ -715,14 +775,17 @@ class RemoteClient:
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise RemoteTransientError(operation_id, f"GET {job_id} failed ({type(exc).__name__}: {exc})") from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
-        return parse_job_answer(operation_id, job_id, response, duration_ms, self.throttled_codes, self.output_ttl_s)
+        return parse_job_answer(
+            operation_id, job_id, response, duration_ms, self.throttled_codes, self.output_ttl_s, self.dialect
+        )
 
     async def cancel(self, operation_id: str, job_id: str) -> CancelResult:
-        """Ask the provider to cancel ``job_id`` (``POST`` :attr:`cancel_path` with the quoted job id, empty body);
-        never raises a classified failure: the answer is a :class:`CancelResult` (module docstring)."""
+        """Ask the provider to cancel ``job_id`` (the declaration's cancel method, ``POST`` in both shipped ones, to
+        :attr:`cancel_path` with the quoted job id, body ``{}``); never raises a classified failure: the answer is a
+        :class:`CancelResult` (module docstring)."""
         call = _Call(
             self.http.build_request(
-                "POST",
+                self.dialect.cancel_method,
                 self.cancel_path.replace("{job_id}", _path_segment(job_id)),
                 headers={"Content-Type": "application/json"},
             )
@@ -803,11 +866,10 @@ def throttled(operation_id: str, response: httpx.Response, code: str) -> RemoteR
     return RemoteRateLimitedError(operation_id, wait_s, status_code=response.status_code, code=code)
 
 
-def _error_code(response: httpx.Response) -> str | None:
-    """The answer's ``error.code`` as text, None when it has none."""
+def _error_code(response: httpx.Response, path: FieldPath = ("error", "code")) -> str | None:
+    """The answer's error code (at ``path``: ``error.code`` in the seed's dialect) as text, None when it has none."""
     body, _ = _read_json(response)
-    error = body.get("error") if isinstance(body, dict) else None
-    code = error.get("code") if isinstance(error, dict) else None
+    code = read_path(body, path)
     return clean_text(str(code), 80) if code is not None else None
 
 
@@ -818,10 +880,15 @@ def parse_job_answer(
     duration_ms: float,
     throttled_codes: frozenset[str] = frozenset(),
     output_ttl_s: float = 0.0,
+    dialect: ProviderDialect | None = None,
 ) -> JobSnapshot:
-    """Classify one answer to ``GET /v1/generations/{job_id}`` (see :meth:`RemoteClient.observe`); a 4xx whose
-    ``error.code`` is in ``throttled_codes`` is read like a 429. Each output's expiry is read by
-    :func:`output_expiries_ms` (``output_ttl_s``: the default after completion, 0 = none).
+    """Classify one answer to the GET of a job (see :meth:`RemoteClient.observe`); a 4xx whose error code is in
+    ``throttled_codes`` is read like a 429. Each output's expiry is read by :func:`output_expiries_ms`
+    (``output_ttl_s``: the default after completion, 0 = none).
+
+    Fields are read where ``dialect`` (default: the seed's, ``id``, ``status``, ``outputs``, ...) declares them,
+    the status word mapped by its ``statuses``. With ``outputs_shape`` ``values`` the outputs (a list, or one
+    value) become ``{"id": "output_<i>", "value": <value>}``; an error that is text becomes ``{"message": text}``.
 
     Every number of the answer is read exactly (:mod:`streams.wire.exactjson`): outputs carry big integers and long
     fractions unchanged. A 200 with ``NaN``/``Infinity`` or a number too long to carry is a contract violation
@@ -837,8 +904,10 @@ def parse_job_answer(
     if status == 429:
         retry_after = retry_after_s(response)
         raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
+    dialect = dialect or load_dialect(DEFAULT_DIALECT)
+    fields = dialect.answer
     if throttled_codes and 400 <= status < 500:
-        code = _error_code(response)
+        code = _error_code(response, fields.error_code)
         if code is not None and code in throttled_codes:
             raise throttled(operation_id, response, code)
     if status != 200:
@@ -854,13 +923,13 @@ def parse_job_answer(
     if not isinstance(body, dict):
         what = clean_text(str(unreadable), 300) if unreadable is not None else "JSON that is not an object"
         raise RemoteTransientError(operation_id, f"GET {job_id} answered HTTP 200 with {what}", status_code=status)
-    answered_for = body.get("id")
+    answered_for = read_path(body, fields.job_id)
     if answered_for is not None and answered_for != job_id:  # another request's answer (a mixed-up connection)
         raise RemoteTransientError(
             operation_id, f"GET {job_id} answered HTTP 200 for another job ({_shown(answered_for)}); not read"
         )
-    raw_status = body.get("status")
-    state = state_for_remote_status(raw_status) if isinstance(raw_status, str) else None
+    raw_status = read_path(body, fields.status)
+    state = dialect.state_for(raw_status) if isinstance(raw_status, str) else None
     if state is None:
         raise RemoteUnknownStatusError(
             operation_id,
@@ -868,7 +937,17 @@ def parse_job_answer(
             answer=raw_answer(response),
         )
     remote_status = str(raw_status)
-    outputs = body.get("outputs") or []
+    outputs = read_path(body, fields.outputs)
+    if fields.outputs_shape == "values":
+        outputs = (
+            []
+            if outputs is None
+            else [
+                {"id": f"output_{i}", "value": v}
+                for i, v in enumerate(outputs if isinstance(outputs, list) else [outputs])
+            ]
+        )
+    outputs = outputs or []
     ids = (
         [o.get("id") for o in outputs]
         if isinstance(outputs, list) and all(isinstance(o, dict) for o in outputs)
@@ -880,9 +959,11 @@ def parse_job_answer(
             f"GET {job_id} returned outputs without distinct string ids: {clean_text(repr(outputs), 300)}",
             status_code=status,
         )
-    error = body.get("error")
-    charge, refund = body.get("charge"), body.get("refund")
-    completed_at_ms, completed_at_problem = read_completed_at_ms(body.get("completed_at"))
+    error = read_path(body, fields.error)
+    if isinstance(error, str):
+        error = {"message": clean_text(error, 500)}
+    charge, refund = read_path(body, fields.charge), read_path(body, fields.refund)
+    completed_at_ms, completed_at_problem = read_completed_at_ms(read_path(body, fields.completed_at))
     if completed_at_problem is not None:
         log.warning("GET %s: %s", job_id, completed_at_problem, extra={"operation_id": operation_id})
     return JobSnapshot(
@@ -890,7 +971,7 @@ def parse_job_answer(
         status=remote_status,
         state=state,
         outputs=outputs,
-        poll_after_s=_poll_after_s(body, response),
+        poll_after_s=_poll_after_s(body, response, fields.poll_after_ms),
         completed_at_ms=completed_at_ms,
         completed_at_problem=completed_at_problem,
         error=error if isinstance(error, dict) else None,
@@ -898,7 +979,9 @@ def parse_job_answer(
         duration_ms=duration_ms,
         charge=charge if isinstance(charge, dict) else None,
         refund=refund if isinstance(refund, dict) else None,
-        output_expires_at_ms=output_expiries_ms(operation_id, body, outputs, completed_at_ms, output_ttl_s),
+        output_expires_at_ms=output_expiries_ms(
+            operation_id, body, outputs, completed_at_ms, output_ttl_s, fields.expires_at
+        ),
     )
 
 
@@ -908,16 +991,21 @@ def output_expiries_ms(
     outputs: list[dict[str, Any]],
     completed_at_ms: int | None,
     output_ttl_s: float,
+    path: FieldPath = ("expires_at",),
 ) -> tuple[int | None, ...]:
-    """When each output stops being fetchable (epoch ms): the output's ``expires_at``, else the answer's, read like
+    """When each output stops being fetchable (epoch ms): the output's ``expires_at`` (the last key of ``path``,
+    the declared field; ``()``: none), else the answer's (at ``path``), read like
     ``completed_at`` (:func:`read_completed_at_ms`: unix seconds or ms, or an RFC 3339 date-time); else
     ``completed_at_ms`` (the worker's clock when absent) + ``output_ttl_s`` when that is above 0; else None. An
     unreadable ``expires_at`` is logged and counts as absent."""
     default_ms: int | None = None
     if output_ttl_s > 0:
         default_ms = (completed_at_ms or int(time.time() * 1000)) + round(output_ttl_s * 1000)
-    job_ms = _expiry_ms(operation_id, body.get("expires_at"))
-    return tuple(_expiry_ms(operation_id, o.get("expires_at")) or job_ms or default_ms for o in outputs)
+    if not path:
+        return tuple(default_ms for _ in outputs)
+    job_ms = _expiry_ms(operation_id, read_path(body, path))
+    key = path[-1]
+    return tuple(_expiry_ms(operation_id, o.get(key)) or job_ms or default_ms for o in outputs)
 
 
 def _expiry_ms(operation_id: str, value: Any) -> int | None:

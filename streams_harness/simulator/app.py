@@ -12,12 +12,16 @@ every read computes the status from the wall clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime as dt
 import functools
 import json
 import logging
+import re
 import secrets
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from importlib import resources
@@ -522,6 +526,33 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
     )
 
 
+def _job_answer(job: JobRecord, now: float, cfg: SimulatorConfig, status: str, answered: str | None) -> dict[str, Any]:
+    """The seed-shaped answer about ``job`` at unix time ``now`` whose real status is ``status`` and whose
+    answered one (a fault may change it) ``answered``: terminal answers carry ``completed_at`` and, succeeded or
+    failed, the charge; succeeded the outputs, failed the error and the refund."""
+    data: dict[str, Any] = {
+        "id": job.job_id,
+        "model": job.model,
+        "status": answered,
+        "created_at": job.created_at,
+        "started_at": job.started_at if status != "queued" else None,
+        "completed_at": None,
+        "metadata": {"client_reference": job.client_reference},
+        "poll_after_ms": poll_after_ms(now, job.completed_at, min_ms=cfg.poll_min_ms, max_ms=cfg.poll_max_ms),
+    }
+    if answered == "canceled":
+        data["completed_at"] = job.canceled_at
+    if answered == "succeeded" or answered == "failed":
+        data["completed_at"] = job.completed_at
+        data["charge"] = job.charge()
+        if answered == "succeeded":
+            data["outputs"] = _outputs(job, cfg.output_extra_json, cfg.output_ttl_s)
+        else:
+            data["error"] = {"code": "generation_failed", "message": "simulated generation failure"}
+            data["refund"] = {"id": job.refund_id, "amount": job.charge_amount, "currency": job.currency}
+    return data
+
+
 async def get_generation(request: web.Request) -> web.Response:
     """``GET /v1/generations/{id}``: simulated work, then the job's status computed from the clock.
 
@@ -563,32 +594,11 @@ async def get_generation(request: web.Request) -> web.Response:
         elif JobFault.STATUS_REGRESSION in job.faults and status == "running" and job.gets % 2 == 0:
             answered = "queued"
             job.regressed_gets += 1
-        data: dict[str, Any] = {
-            "id": job.job_id,
-            "model": job.model,
-            "status": answered,
-            "created_at": job.created_at,
-            "started_at": job.started_at if status != "queued" else None,
-            "completed_at": None,
-            "metadata": {"client_reference": job.client_reference},
-            "poll_after_ms": poll_after_ms(now, job.completed_at, min_ms=cfg.poll_min_ms, max_ms=cfg.poll_max_ms),
-        }
-        if answered == "canceled":
-            data["completed_at"] = job.canceled_at
+        data = _job_answer(job, now, cfg, status, answered)
+        if answered in ("canceled", "succeeded", "failed"):
             job.terminal_gets += 1
             if job.first_terminal_get_at is None:
                 job.first_terminal_get_at = now
-        if answered == "succeeded" or answered == "failed":
-            data["completed_at"] = job.completed_at
-            data["charge"] = job.charge()
-            job.terminal_gets += 1
-            if job.first_terminal_get_at is None:
-                job.first_terminal_get_at = now
-            if answered == "succeeded":
-                data["outputs"] = _outputs(job, cfg.output_extra_json, cfg.output_ttl_s)
-            else:
-                data["error"] = {"code": "generation_failed", "message": "simulated generation failure"}
-                data["refund"] = {"id": job.refund_id, "amount": job.charge_amount, "currency": job.currency}
         headers = {"Retry-After": cfg.retry_after_header} if cfg.retry_after_header else None
         if cfg.retry_after_dates:  # the poll hint as a date on this server's clock, with the Date it is read against
             headers = dated_retry_after(now, data["poll_after_ms"] / 1000.0)
@@ -646,6 +656,100 @@ async def list_generations(request: web.Request) -> web.Response:
     jobs = [reg.jobs[j] for j in op.jobs] if op is not None else []
     visible = sorted((j for j in jobs if j.created_at <= now - cfg.lookup_lag_s), key=lambda j: j.created_at)
     return _json({"data": [{"id": j.job_id, "status": j.status(now), "created_at": j.created_at} for j in visible]})
+
+
+#: The dialect of a prediction API of the Replicate kind (``SimulatorConfig.dialect``).
+REPLICATE = "replicate-predictions"
+
+#: The seed's status words that the prediction API says differently.
+_PREDICTION_STATUS = {"queued": "starting", "running": "processing"}
+
+_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait(?:=(\d+(?:\.\d+)?))?(?:$|[,;\s])")
+
+
+def _rfc3339(unix_s: Any) -> str | None:
+    """Unix seconds as an RFC 3339 UTC date-time with milliseconds (``...Z``), None for None."""
+    if not isinstance(unix_s, int | float):
+        return None
+    return dt.datetime.fromtimestamp(unix_s, dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def to_prediction(data: dict[str, Any], origin: str) -> dict[str, Any]:
+    """A seed-shaped job answer (:func:`_job_answer`, or the create/cancel answer) as a prediction: ``status`` in
+    ``starting|processing|succeeded|failed|canceled`` (other words pass through), ``output`` the outputs' texts
+    (None until succeeded), ``error`` text, RFC 3339 times, ``urls.get`` / ``urls.cancel`` under ``origin``;
+    no charge, refund or poll hint."""
+    job_id = data["id"]
+    status = data.get("status")
+    outputs = data.get("outputs")
+    error = data.get("error")
+    return {
+        "id": job_id,
+        "model": data.get("model"),
+        "status": _PREDICTION_STATUS.get(status, status) if isinstance(status, str) else status,
+        "output": [o.get("text") if isinstance(o, dict) else o for o in outputs] if outputs is not None else None,
+        "error": error.get("message") if isinstance(error, dict) else None,
+        "created_at": _rfc3339(data.get("created_at")),
+        "started_at": _rfc3339(data.get("started_at")),
+        "completed_at": _rfc3339(data.get("completed_at")),
+        "urls": {"get": f"{origin}/v1/predictions/{job_id}", "cancel": f"{origin}/v1/predictions/{job_id}/cancel"},
+    }
+
+
+async def _held_for_wait(request: web.Request, job_id: str) -> dict[str, Any] | None:
+    """For a create call with ``Prefer: wait`` (or ``wait=<s>``): wait until the job ends or the bounded wait
+    (``prefer_wait_max_s``) passes, then the job's seed-shaped answer; None without the preference."""
+    match = _PREFER_WAIT.search(request.headers.get("Prefer", ""))
+    if match is None:
+        return None
+    sim = request.app[SIMULATOR_KEY]
+    job = sim.registry.jobs.get(job_id)
+    if job is None:
+        return None
+    asked_s = float(match.group(1)) if match.group(1) else sim.config.prefer_wait_max_s
+    wait_s = max(0.0, min(asked_s, sim.config.prefer_wait_max_s, job.completed_at - time.time()))
+    if wait_s > 0:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                await sim.stopping.wait()
+    now = time.time()
+    status = job.status(now)
+    return _job_answer(job, now, sim.config, status, status)
+
+
+@web.middleware
+async def _prediction_shape(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Serves the seed's handlers in the prediction API's shape: job answers through :func:`to_prediction`,
+    errors as ``{"title": <code>, "detail": <message>, "status": <http status>, ...}``; a create call with
+    ``Prefer: wait`` held (:func:`_held_for_wait`). Headers (``Retry-After``, ``Date``) are kept."""
+    response = await handler(request)
+    if not request.path.startswith("/v1/predictions") or not isinstance(response, web.Response):
+        return response
+    raw = response.body
+    if not isinstance(raw, bytes) or not raw:
+        return response
+    data = orjson.loads(raw)
+    if not isinstance(data, dict):
+        return response
+    error = data.get("error")
+    if "id" not in data and isinstance(error, dict):
+        rest = {k: v for k, v in error.items() if k not in ("code", "message")}
+        body: dict[str, Any] = {
+            "title": error.get("code"),
+            "detail": error.get("message"),
+            "status": response.status,
+            **rest,
+        }
+    elif "id" in data:
+        if request.method == "POST" and response.status == 201:
+            data = await _held_for_wait(request, data["id"]) or data
+        body = to_prediction(data, f"{request.scheme}://{request.host}")
+    else:
+        return response
+    kept = {k: v for k, v in response.headers.items() if k.lower() not in ("content-type", "content-length")}
+    return _json(body, status=response.status, headers=kept)
 
 
 async def sim_summary(request: web.Request) -> web.Response:
@@ -723,12 +827,20 @@ def make_app(config: SimulatorConfig | None = None) -> web.Application:
 
     The state is reachable with :func:`get_simulator`.
     """
-    app = web.Application()
-    app[SIMULATOR_KEY] = Simulator(config or SimulatorConfig())
-    app.router.add_post("/v1/generations", post_generation)
-    app.router.add_get("/v1/generations", list_generations, allow_head=False)
-    app.router.add_get("/v1/generations/{job_id}", get_generation, allow_head=False)
-    app.router.add_post("/v1/generations/{job_id}/cancel", cancel_generation)
+    config = config or SimulatorConfig()
+    if config.dialect == REPLICATE:
+        app = web.Application(middlewares=[_prediction_shape])
+        app[SIMULATOR_KEY] = Simulator(config)
+        app.router.add_post("/v1/predictions", post_generation)
+        app.router.add_get("/v1/predictions/{job_id}", get_generation, allow_head=False)
+        app.router.add_post("/v1/predictions/{job_id}/cancel", cancel_generation)
+    else:
+        app = web.Application()
+        app[SIMULATOR_KEY] = Simulator(config)
+        app.router.add_post("/v1/generations", post_generation)
+        app.router.add_get("/v1/generations", list_generations, allow_head=False)
+        app.router.add_get("/v1/generations/{job_id}", get_generation, allow_head=False)
+        app.router.add_post("/v1/generations/{job_id}/cancel", cancel_generation)
     app.router.add_get("/_sim/summary", sim_summary, allow_head=False)
     app.router.add_get("/_sim/jobs", sim_jobs, allow_head=False)
     app.router.add_get("/_sim/operations/{client_reference}", sim_operation, allow_head=False)

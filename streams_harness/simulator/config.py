@@ -24,7 +24,10 @@ from streams_harness.simulator.model import (
 ENV_PREFIX = "SIM_"
 
 # Fields that cannot be changed through ``POST /_sim/config`` (they need a restart).
-STATIC_FIELDS = frozenset({"host", "port", "access_log"})
+STATIC_FIELDS = frozenset({"host", "port", "access_log", "dialect"})
+
+#: API shapes the simulator serves (the product's shipped declarations of the same names, streams/remote/dialects).
+DIALECTS = ("seed-generations", "replicate-predictions")
 
 _RATE_FIELDS = (
     "fault_429",
@@ -116,6 +119,12 @@ class SimulatorConfig(ExplicitSettings):
     throttled_status: int = _f(400, "HTTP status of the throttled answer (the concurrency limit's refusal).")
     throttled_code: str = _f("THROTTLED", "error.code of the throttled answer (with Retry-After: retry_after_s).")
     access_log: bool = _f(False, "Log every request (slows the server down).")
+    dialect: str = _f(
+        "seed-generations",
+        "API shape served: seed-generations (/v1/generations) or replicate-predictions (/v1/predictions, "
+        "statuses starting|processing|..., output values, urls, Prefer: wait); the same jobs underneath.",
+    )
+    prefer_wait_max_s: float = _f(5.0, "Longest a create call with Prefer: wait is held for its job to end, s.")
     record_bodies: bool = _f(False, "Keep every POST body, shown per client reference (tests of what arrived).")
 
     @model_validator(mode="after")
@@ -140,9 +149,12 @@ class SimulatorConfig(ExplicitSettings):
             "rate_limit_get_per_s",
             "concurrency_limit_per_account",
             "concurrency_limit_per_model",
+            "prefer_wait_max_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {list(DIALECTS)}, got {self.dialect!r}")
         if self.rate_limit_burst < 1:
             raise ValueError("rate_limit_burst must be >= 1")
         if not 400 <= self.throttled_status <= 599:

@@ -101,3 +101,12 @@ def test_a_charge_recorded_unlike_the_providers_is_a_broken_promise() -> None:
     assert [p for p in after if p not in before] == [
         "charges recorded minus the provider's for the jobs seen ending=-0.125"
     ]
+
+
+def test_charges_are_compared_only_when_the_dialect_declares_them() -> None:
+    r = report(lookup=False)
+    r["charges_total"]["recorded"] = "0"  # the prediction API's answers carry no charge: none recorded
+    seed = broken_promises({**r, "dialect": "seed-generations"}, repeats_allowed=True)
+    predictions = broken_promises({**r, "dialect": "replicate-predictions"}, repeats_allowed=True)
+    assert "charges recorded minus the provider's for the jobs seen ending=-1.25" in seed
+    assert [p for p in seed if "charges" not in p] == predictions

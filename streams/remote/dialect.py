@@ -1,0 +1,318 @@
+"""The provider's API shape, declared (docs/provider-dialects.md): routes, auth header, where each field of an
+answer sits, which status words mean which state, the cancel route and the callback signature scheme.
+
+A declaration is a JSON file: a shipped one by name (``streams/remote/dialects/<name>.json``; the default,
+``seed-generations``, is the seed's API) or any file by path (``STREAMS_PROVIDER_DIALECT``). :func:`load_dialect`
+validates it once (unknown or missing keys, bad paths, status words mapping to no state: :class:`ConfigError`
+naming the file and the key) and precomputes every field path into a tuple of keys, so reading an answer walks
+dicts and never looks at the declaration's text again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from streams.errors import ConfigError
+from streams.model.states import OperationState
+
+#: The package holding the shipped declarations (``<name>.json``).
+DIALECTS_PACKAGE = "streams.remote.dialects"
+
+#: The declaration used when none is named (the seed's API).
+DEFAULT_DIALECT = "seed-generations"
+
+#: Callback signature schemes a declaration may name (verification is built elsewhere; only declared here).
+SIGNATURE_SCHEMES = frozenset({"none", "standard-webhooks"})
+
+#: How the outputs of an answer are shaped: ``objects`` (each a JSON object with a string ``id``) or ``values``
+#: (any JSON value, or one value: each becomes ``{"id": "output_<i>", "value": <it>}``).
+OUTPUT_SHAPES = frozenset({"objects", "values"})
+
+#: What a bare ``Prefer: wait`` asks of a provider of the Replicate kind (its documented longest hold, s).
+PREFER_WAIT_DEFAULT_S = 60.0
+
+_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait(?:=(\d+(?:\.\d+)?))?(?:$|[,;\s])")
+_METHODS = frozenset({"POST", "PUT", "PATCH", "GET", "DELETE"})
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+
+#: A field path: the keys from the answer's top object down to the value; ``()`` = not in this API's answers.
+FieldPath = tuple[str, ...]
+
+_ANSWER_KEYS = (
+    "job_id",
+    "status",
+    "outputs",
+    "outputs_shape",
+    "error",
+    "error_code",
+    "error_message",
+    "error_job_id",
+    "poll_after_ms",
+    "completed_at",
+    "created_at",
+    "expires_at",
+    "charge",
+    "refund",
+    "get_url",
+    "cancel_url",
+)
+#: Answer fields every declaration must locate (the rest may be ``""``: absent from this API).
+_REQUIRED_ANSWER = frozenset({"job_id", "status", "outputs"})
+_TOP_KEYS = frozenset(
+    {"name", "description", "create", "get", "cancel", "auth", "request", "answer", "statuses", "callback_signature"}
+)
+
+
+def read_path(body: Any, path: FieldPath) -> Any:
+    """The value at ``path`` in ``body`` (nested JSON objects), None when a step is missing or not an object
+    (and for the empty path)."""
+    if not path:
+        return None
+    value = body
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerFields:
+    """Where each field sits in the provider's answers (:data:`FieldPath` each; ``()``: absent from this API)."""
+
+    job_id: FieldPath
+    status: FieldPath
+    outputs: FieldPath
+    outputs_shape: str
+    error: FieldPath
+    error_code: FieldPath
+    error_message: FieldPath
+    error_job_id: FieldPath
+    poll_after_ms: FieldPath
+    completed_at: FieldPath
+    created_at: FieldPath
+    expires_at: FieldPath
+    charge: FieldPath
+    refund: FieldPath
+    get_url: FieldPath
+    cancel_url: FieldPath
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderDialect:
+    """One provider API shape, validated (:func:`load_dialect`).
+
+    Paths are relative to ``STREAMS_REMOTE_BASE_URL``; ``get_path`` and ``cancel_path`` hold ``{job_id}`` where
+    the percent-encoded job id goes. ``create_headers`` are sent with every create call (e.g. ``Prefer: wait``).
+    ``model_field`` is the top-level key a default model goes into, ``input_field`` the key holding the
+    application's input, ``reference_path`` where the operation id is added (one or two keys). ``statuses``
+    maps each status word (lower case) to the operation state; a word not in it is an unknown status.
+    """
+
+    name: str
+    description: str
+    create_method: str
+    create_path: str
+    create_headers: tuple[tuple[str, str], ...]
+    get_path: str
+    cancel_method: str
+    cancel_path: str
+    auth_header: str
+    auth_scheme: str
+    model_field: str
+    input_field: str
+    reference_path: FieldPath
+    answer: AnswerFields
+    statuses: dict[str, OperationState]
+    callback_signature: str
+    source: str
+
+    def state_for(self, word: str) -> OperationState | None:
+        """The operation state of status ``word`` (compared stripped, lower case), None when unknown."""
+        return self.statuses.get(word.strip().lower())
+
+    def prefer_wait_s(self) -> float | None:
+        """Seconds a create call asks the provider to hold its answer (``Prefer: wait=<s>``, RFC 7240), None
+        without that preference; a bare ``wait`` counts as :data:`PREFER_WAIT_DEFAULT_S`."""
+        for name, value in self.create_headers:
+            if name.lower() == "prefer":
+                match = _PREFER_WAIT.search(value)
+                if match is not None:
+                    return float(match.group(1)) if match.group(1) else PREFER_WAIT_DEFAULT_S
+        return None
+
+    def get_path_for(self, quoted_job_id: str) -> str:
+        """The GET route of one job (``quoted_job_id`` already percent-encoded)."""
+        return self.get_path.replace("{job_id}", quoted_job_id)
+
+
+def shipped_dialects() -> list[str]:
+    """Names of the declarations shipped with the package, sorted."""
+    folder = resources.files(DIALECTS_PACKAGE)
+    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def _refuse(source: str, message: str) -> ConfigError:
+    return ConfigError(f"STREAMS_PROVIDER_DIALECT: declaration {source}: {message}")
+
+
+def _object(source: str, data: Any, where: str, keys: frozenset[str], required: frozenset[str]) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise _refuse(source, f"{where} must be a JSON object")
+    unknown = sorted(set(data) - keys)
+    if unknown:
+        raise _refuse(source, f"unknown key(s) {unknown} in {where} (known: {sorted(keys)})")
+    missing = sorted(required - set(data))
+    if missing:
+        raise _refuse(source, f"missing key(s) {missing} in {where}")
+    return data
+
+
+def _text(source: str, data: dict[str, Any], key: str, where: str, pattern: re.Pattern[str] | None = None) -> str:
+    value = data[key]
+    if not isinstance(value, str) or (pattern is not None and not pattern.fullmatch(value)):
+        raise _refuse(
+            source,
+            f"{where}.{key} is {value!r}: expected text" + (" of the form " + pattern.pattern if pattern else ""),
+        )
+    return value
+
+
+def _path(source: str, text: str, where: str) -> FieldPath:
+    if text == "":
+        return ()
+    keys = tuple(text.split("."))
+    if not all(_KEY.fullmatch(k) for k in keys) or len(keys) > 4:
+        raise _refuse(source, f'{where} is {text!r}: expected up to 4 dot-separated keys, or "" for none')
+    return keys
+
+
+def _route(source: str, data: Any, where: str, *, method: bool, job_id: bool) -> tuple[str, str]:
+    keys = {"path"} | ({"method"} if method else set())
+    route = _object(
+        source, data, where, frozenset(keys | ({"headers"} if where == "create" else set())), frozenset(keys)
+    )
+    path = _text(source, route, "path", where)
+    if not path.startswith("/") or ("{job_id}" in path) != job_id:
+        need = "with {job_id}" if job_id else "without {job_id}"
+        raise _refuse(source, f"{where}.path is {path!r}: expected an absolute path {need}")
+    verb = _text(source, route, "method", where).upper() if method else "GET"
+    if verb not in _METHODS:
+        raise _refuse(source, f"{where}.method is {verb!r}: expected one of {sorted(_METHODS)}")
+    return verb, path
+
+
+def parse_dialect(data: Any, source: str) -> ProviderDialect:
+    """A declaration's parsed JSON made a :class:`ProviderDialect` (``source`` names it in errors).
+
+    Raises:
+        ConfigError: an unknown or missing key, a value of the wrong kind, a route without (or, for create, with)
+            ``{job_id}``, a status mapping to no operation state, an unknown signature scheme or output shape.
+    """
+    top = _object(source, data, "the declaration", _TOP_KEYS, _TOP_KEYS - {"description"})
+    name = _text(source, top, "name", "the declaration", _NAME)
+    create_method, create_path = _route(source, top["create"], "create", method=True, job_id=False)
+    headers = top["create"].get("headers", {})
+    if not isinstance(headers, dict) or not all(
+        isinstance(k, str) and _HEADER.fullmatch(k) and isinstance(v, str) and "\n" not in v and "\r" not in v
+        for k, v in headers.items()
+    ):
+        raise _refuse(source, "create.headers must be an object of header names to text values")
+    _, get_path = _route(source, top["get"], "get", method=False, job_id=True)
+    cancel_method, cancel_path = _route(source, top["cancel"], "cancel", method=True, job_id=True)
+    auth = _object(source, top["auth"], "auth", frozenset({"header", "scheme"}), frozenset({"header", "scheme"}))
+    auth_header = _text(source, auth, "header", "auth", _HEADER)
+    auth_scheme = _text(source, auth, "scheme", "auth", re.compile(r"[A-Za-z0-9._~+/-]*"))
+    request_keys = frozenset({"model_field", "input_field", "reference_field"})
+    request = _object(source, top["request"], "request", request_keys, request_keys)
+    model_field = _text(source, request, "model_field", "request", _KEY)
+    input_field = _text(source, request, "input_field", "request", _KEY)
+    reference_path = _path(source, _text(source, request, "reference_field", "request"), "request.reference_field")
+    if not 1 <= len(reference_path) <= 2:
+        raise _refuse(source, "request.reference_field must be one key or two (object.key)")
+    answer = _object(source, top["answer"], "answer", frozenset(_ANSWER_KEYS), frozenset(_ANSWER_KEYS))
+    shape = _text(source, answer, "outputs_shape", "answer")
+    if shape not in OUTPUT_SHAPES:
+        raise _refuse(source, f"answer.outputs_shape is {shape!r}: expected one of {sorted(OUTPUT_SHAPES)}")
+    paths = {
+        k: _path(source, _text(source, answer, k, "answer"), f"answer.{k}")
+        for k in _ANSWER_KEYS
+        if k != "outputs_shape"
+    }
+    empty = sorted(k for k in _REQUIRED_ANSWER if not paths[k])
+    if empty:
+        raise _refuse(source, f'answer.{empty[0]} must name where it sits (it cannot be "")')
+    statuses_data = top["statuses"]
+    if not isinstance(statuses_data, dict) or not statuses_data:
+        raise _refuse(source, "statuses must be a non-empty object of status word -> operation state")
+    known_states = {s.value: s for s in OperationState}
+    statuses: dict[str, OperationState] = {}
+    for word, state in statuses_data.items():
+        if state not in ("queued", "running", "succeeded", "failed", "canceled"):
+            raise _refuse(
+                source, f"statuses.{word} is {state!r}: expected queued, running, succeeded, failed or canceled"
+            )
+        statuses[word.strip().lower()] = known_states[state]
+    scheme = _text(source, top, "callback_signature", "the declaration")
+    if scheme not in SIGNATURE_SCHEMES:
+        raise _refuse(source, f"callback_signature is {scheme!r}: expected one of {sorted(SIGNATURE_SCHEMES)}")
+    description = top.get("description", "")
+    return ProviderDialect(
+        name=name,
+        description=description if isinstance(description, str) else "",
+        create_method=create_method,
+        create_path=create_path,
+        create_headers=tuple(headers.items()),
+        get_path=get_path,
+        cancel_method=cancel_method,
+        cancel_path=cancel_path,
+        auth_header=auth_header,
+        auth_scheme=auth_scheme,
+        model_field=model_field,
+        input_field=input_field,
+        reference_path=reference_path,
+        answer=AnswerFields(outputs_shape=shape, **paths),
+        statuses=statuses,
+        callback_signature=scheme,
+        source=source,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def load_dialect(name_or_path: str = DEFAULT_DIALECT) -> ProviderDialect:
+    """The declaration ``name_or_path`` names: a shipped one (:func:`shipped_dialects`) or a JSON file (a value
+    with ``/`` or ending ``.json``), validated by :func:`parse_dialect`; loaded once per value.
+
+    Raises:
+        ConfigError: neither a shipped name nor a readable JSON file, or the declaration is invalid.
+    """
+    if "/" in name_or_path or name_or_path.endswith(".json"):
+        try:
+            text = Path(name_or_path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(
+                f"STREAMS_PROVIDER_DIALECT: cannot read the declaration {name_or_path} ({exc.strerror}); "
+                f"set it to a readable JSON file or one of {shipped_dialects()}"
+            ) from None
+        source = name_or_path
+    else:
+        if name_or_path not in shipped_dialects():
+            raise ConfigError(
+                f"STREAMS_PROVIDER_DIALECT is {name_or_path!r}: no such declaration; set it to one of "
+                f"{shipped_dialects()} or to the path of a JSON file"
+            )
+        text = resources.files(DIALECTS_PACKAGE).joinpath(f"{name_or_path}.json").read_text(encoding="utf-8")
+        source = f"{name_or_path} (shipped)"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _refuse(source, f"not JSON ({exc})") from None
+    return parse_dialect(data, source)
