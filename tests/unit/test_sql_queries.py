@@ -140,6 +140,7 @@ EXPECTED = {
     ],
     ("streams.ledger", "redrives.sql"): ["operation_request", "record_redrive", "redrives_of"],
     ("streams.ledger", "cancellations.sql"): ["request_cancel", "note_cancel_call"],
+    ("streams.ledger", "callbacks.sql"): ["note_callback"],
     ("streams.ledger", "inspect.sql"): [
         "list_operations",
         "operation_row",
