@@ -646,10 +646,13 @@ class Settings(ExplicitSettings):
                 f"({self.lease_ttl_ms} ms), or a paused worker's poll returns while its lease still holds"
             )
         slowest_poll_s = self.poll_backoff_cap_s + self.lease_ttl_s
+        if self.callbacks_enabled:  # the fallback interval is then the longest delay between two polls
+            slowest_poll_s = max(self.poll_backoff_cap_s, self.callback_fallback_poll_interval_s) + self.lease_ttl_s
         if self.remote_running_slot_ttl_s <= slowest_poll_s:
             raise ValueError(
                 f"STREAMS_REMOTE_RUNNING_SLOT_TTL_S ({self.remote_running_slot_ttl_s}) must exceed the longest delay "
-                f"between two polls of a job ({slowest_poll_s:.0f} s: STREAMS_POLL_BACKOFF_CAP_S + the lease TTL), "
+                f"between two polls of a job ({slowest_poll_s:.0f} s: STREAMS_POLL_BACKOFF_CAP_S, or "
+                "STREAMS_CALLBACK_FALLBACK_POLL_INTERVAL_S with callbacks on, + the lease TTL), "
                 "or a running job's slot would lapse between its GETs"
             )
         if self.callbacks_enabled and not self.callback_secret_keys:

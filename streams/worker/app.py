@@ -293,6 +293,27 @@ class _App(faust.App):
         return _IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
 
 
+async def run_forever(tick: Callable[[], Awaitable[int]], idle_s: float, wake: asyncio.Event | None = None) -> None:
+    """Run ``tick`` back to back while it finds work, waiting ``idle_s`` when it finds none, or until ``wake`` is
+    set (cleared before each tick, so a wake-up during a tick runs the next one at once). Never returns; a tick's
+    exception is logged and waited out like an idle round."""
+    while True:
+        if wake is not None:
+            wake.clear()
+        try:
+            busy = await tick()
+        except Exception:
+            log.exception("periodic task failed; retrying")
+            busy = 0
+        if not busy:
+            if wake is None:
+                await asyncio.sleep(idle_s)
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(idle_s):
+                    await wake.wait()
+
+
 def create_app(settings: Settings) -> faust.App:
     """Build the Faust app for ``settings`` (consumer group = ``settings.app_id``)."""
     app = _App(
@@ -401,25 +422,6 @@ def create_app(settings: Settings) -> faust.App:
     async def cancel(stream: Any) -> None:
         rt = await runtime()
         await cancellations.consume(stream, Canceller(rt).handle, rt)
-
-    async def run_forever(tick: Callable[[], Awaitable[int]], idle_s: float, wake: asyncio.Event | None = None) -> None:
-        """Run ``tick`` back to back while it finds work, waiting ``idle_s`` when it finds none (less when ``wake``
-        is set meanwhile)."""
-        while True:
-            if wake is not None:
-                wake.clear()
-            try:
-                busy = await tick()
-            except Exception:
-                log.exception("periodic task failed; retrying")
-                busy = 0
-            if not busy:
-                if wake is None:
-                    await asyncio.sleep(idle_s)
-                    continue
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(idle_s):
-                        await wake.wait()
 
     @app.task
     async def schedule_polls() -> None:
