@@ -16,3 +16,4 @@ CREATE INDEX callback_deliveries_received_at ON callback_deliveries (received_at
 
 GRANT SELECT ON callback_deliveries TO streams_worker, streams_operator, streams_readonly;
 GRANT INSERT ON callback_deliveries TO streams_worker;
+GRANT DELETE ON callback_deliveries TO streams_operator;  -- `streams purge` deletes them with their operations

@@ -19,11 +19,13 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 
 from streams.config import Settings, callback_secret_key
+from streams.ledger import retention
 from streams.remote.callbacks import signature
 from streams.worker.app import run_forever
 from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.callbacks import CallbackReceiver
 from streams.worker.stages.observer import Observer
+from tests.integration.operators_support import backdate
 from tests.integration.test_observer import state_of, submitted_operation
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for
@@ -155,6 +157,12 @@ async def test_a_callback_delivers_soon_with_fewer_gets_than_polling_alone(
         assert [tuple(r) for r in rows] == [(job_id, "op-cb", True)]
         summary = (await simulator.get("/_sim/summary"))["callbacks"]
         assert (summary["scheduled"], summary["acknowledged"], summary["statuses"]) == (1, 1, {"204": 1})
+    # `streams purge` deletes the record of its callbacks with the operation (the record stays bounded)
+    await pool.execute("UPDATE outbox SET published_at = now()")
+    await backdate(pool, "op-cb", "2 days")
+    await backdate(pool, "op-poll-only", "2 days")
+    assert (await retention.purge(pool, 86400.0, 10)).operations == 2
+    assert await pool.fetchval("SELECT count(*) FROM callback_deliveries") == 0
 
 
 async def test_a_worker_that_does_not_observe_the_job_takes_its_callback(
