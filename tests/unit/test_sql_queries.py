@@ -162,6 +162,7 @@ EXPECTED = {
         "try_main_job_lock",
         "run_transitions",
         "run_reconciled",
+        "run_callbacks",
     ],
     ("streams_harness", "bench.sql"): [
         "floor_accept_many",
