@@ -924,12 +924,15 @@ def callback_secret_key(secret: str) -> bytes:
     """The HMAC key of a Standard Webhooks secret ``whsec_<base64>`` (docs/callbacks.md).
 
     Raises:
-        ValueError: not ``whsec_`` followed by base64 (the message does not quote the secret).
+        ValueError: not ``whsec_`` followed by the base64 of a non-empty key (the message does not quote it).
     """
     try:
-        return base64.b64decode(secret.removeprefix("whsec_"), validate=True)
+        key = base64.b64decode(secret.removeprefix("whsec_"), validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("a STREAMS_CALLBACK_SECRETS secret is not whsec_<base64>") from None
+        key = b""
+    if not key:
+        raise ValueError("a STREAMS_CALLBACK_SECRETS secret is not whsec_<base64> of a non-empty key")
+    return key
 
 
 #: Segment of every rate budget key (:func:`budget_key`).

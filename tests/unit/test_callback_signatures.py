@@ -100,3 +100,5 @@ def test_settings_read_rotated_secrets_and_refuse_a_malformed_one() -> None:
     assert "not*base64" not in str(caught.value)
     with pytest.raises(ConfigError, match="CALLBACK_SECRETS"):
         Settings(callbacks_enabled=True)
+    with pytest.raises(ConfigError, match="CALLBACK_SECRETS"):
+        Settings(callbacks_enabled=True, callback_secrets="whsec_")  # an empty key would let anyone sign
