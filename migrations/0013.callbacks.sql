@@ -12,7 +12,8 @@ CREATE TABLE callback_deliveries (
     received_at   timestamptz NOT NULL DEFAULT now()
 );
 
-CREATE INDEX callback_deliveries_received_at ON callback_deliveries (received_at);
+-- `streams purge` deletes an operation's deliveries with it.
+CREATE INDEX callback_deliveries_operation ON callback_deliveries (operation_id);
 
 GRANT SELECT ON callback_deliveries TO streams_worker, streams_operator, streams_readonly;
 GRANT INSERT ON callback_deliveries TO streams_worker;
