@@ -6,7 +6,7 @@
 CREATE TABLE callback_deliveries (
     webhook_id    text PRIMARY KEY CHECK (btrim(webhook_id) <> ''),
     remote_job_id text NOT NULL,
-    operation_id  text NOT NULL,  -- no reference: retention may delete the operation before its deliveries
+    operation_id  text NOT NULL,  -- no reference (as the other ledger records); purged with its operation
     poll_made_due boolean NOT NULL,  -- false: the poll was already due or claimed, or the job no longer pollable
     received_by   text NOT NULL,
     received_at   timestamptz NOT NULL DEFAULT now()
