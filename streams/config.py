@@ -11,6 +11,8 @@ password masked (:func:`mask_url`); code that needs the value asks for it (``.ge
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import os
 from collections.abc import Mapping
@@ -583,6 +585,37 @@ class Settings(ExplicitSettings):
         "alerted on (streams_outputs_near_expiry_total).",
     )
 
+    # Completion callbacks (docs/callbacks.md): hints that make a job's poll due now; the saved state still comes
+    # from a GET. Signed as Standard Webhooks; the endpoint is on the worker's web server (web_enabled).
+    callbacks_enabled: bool = Field(
+        False,
+        description="Serve the provider's completion callbacks at callback_path and poll at "
+        "callback_fallback_poll_interval_s between a job's callbacks.",
+    )
+    callback_path: str = Field(
+        "/callbacks/generation",
+        description="Path of the callback endpoint on the worker's web server (authenticated by signature, not by "
+        "the web credentials).",
+    )
+    callback_secrets: SecretStr = Field(
+        SecretStr(""),
+        description="Space-separated Standard Webhooks secrets (whsec_<base64>) a callback may be signed with; "
+        "several during a rotation (never shown).",
+    )
+    callback_timestamp_tolerance_s: Seconds = Field(
+        300.0,
+        description="Largest difference between a callback's webhook-timestamp and this worker's clock (s); "
+        "further off is refused as stale.",
+    )
+    callback_max_body_bytes: PositiveInt = Field(
+        64 * 1024, description="Largest callback body accepted, in bytes (a longer one is refused unread)."
+    )
+    callback_fallback_poll_interval_s: Seconds = Field(
+        60.0,
+        description="With callbacks on: least delay between two polls of a running job (s), so a lost callback "
+        "only delays its completion by this much.",
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -621,16 +654,32 @@ class Settings(ExplicitSettings):
                 f"({self.lease_ttl_ms} ms), or a paused worker's poll returns while its lease still holds"
             )
         slowest_poll_s = self.poll_backoff_cap_s + self.lease_ttl_s
+        if self.callbacks_enabled:  # the fallback interval is then the longest delay between two polls
+            slowest_poll_s = max(self.poll_backoff_cap_s, self.callback_fallback_poll_interval_s) + self.lease_ttl_s
         if self.remote_running_slot_ttl_s <= slowest_poll_s:
             raise ValueError(
                 f"STREAMS_REMOTE_RUNNING_SLOT_TTL_S ({self.remote_running_slot_ttl_s}) must exceed the longest delay "
-                f"between two polls of a job ({slowest_poll_s:.0f} s: STREAMS_POLL_BACKOFF_CAP_S + the lease TTL), "
+                f"between two polls of a job ({slowest_poll_s:.0f} s: STREAMS_POLL_BACKOFF_CAP_S, or "
+                "STREAMS_CALLBACK_FALLBACK_POLL_INTERVAL_S with callbacks on, + the lease TTL), "
                 "or a running job's slot would lapse between its GETs"
             )
+        if self.callbacks_enabled and not self.callback_secret_keys:
+            raise ValueError("STREAMS_CALLBACKS_ENABLED needs STREAMS_CALLBACK_SECRETS (whsec_<base64> secrets)")
+        if not self.callback_path.startswith("/"):
+            raise ValueError(f"STREAMS_CALLBACK_PATH must begin with '/', got {self.callback_path!r}")
         refusal = _services_refusal(self)
         if refusal is not None:
             raise ValueError(refusal)
         return self
+
+    @property
+    def callback_secret_keys(self) -> tuple[bytes, ...]:
+        """The HMAC keys of :attr:`callback_secrets` (the base64 after ``whsec_``, decoded), in order.
+
+        Raises:
+            ValueError: a secret is not ``whsec_`` followed by base64.
+        """
+        return tuple(callback_secret_key(secret) for secret in self.callback_secrets.get_secret_value().split())
 
     @property
     def web_allowed_host_names(self) -> frozenset[str]:
@@ -877,6 +926,21 @@ def settings_reference() -> str:
             f"{_default_text(name, info.default)} | {description} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def callback_secret_key(secret: str) -> bytes:
+    """The HMAC key of a Standard Webhooks secret ``whsec_<base64>`` (docs/callbacks.md).
+
+    Raises:
+        ValueError: not ``whsec_`` followed by the base64 of a non-empty key (the message does not quote it).
+    """
+    try:
+        key = base64.b64decode(secret.removeprefix("whsec_"), validate=True)
+    except (binascii.Error, ValueError):
+        key = b""
+    if not key:
+        raise ValueError("a STREAMS_CALLBACK_SECRETS secret is not whsec_<base64> of a non-empty key")
+    return key
 
 
 #: Segment of every rate budget key (:func:`budget_key`).

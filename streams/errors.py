@@ -31,6 +31,8 @@
     ├── SharedResourceRefusedError   a removal would touch unprefixed (shared) topics or the ledger the
     │                                settings name, without the explicit flag: nothing removed
     ├── ServiceNotReadyError         a backing service did not answer real commands within the deadline
+    ├── CallbackRefusedError         a completion callback refused (bad or stale signature, malformed, oversized,
+    │                                unknown job); carries a bounded ``reason`` and the HTTP status answered
     └── RemoteError                  the remote generation API (always carries ``operation_id``)
         ├── RemoteRefusedError             definite refusal, nothing created (4xx such as 400/422)
         │   └── RemoteRateLimitedError     429: nothing created, retry after ``retry_after_s``
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from streams.model.codes import RemoteCallOutcome
+from streams.model.codes import CallbackRefusal, RemoteCallOutcome
 
 
 class StreamsError(Exception):
@@ -249,6 +251,19 @@ class ServiceNotReadyError(StreamsError):
     def __init__(self, service: str, message: str) -> None:
         super().__init__(f"{service}: {message}")
         self.service = service
+
+
+class CallbackRefusedError(StreamsError):
+    """A completion callback refused before it changed anything (docs/callbacks.md).
+
+    ``reason`` is the bounded label of ``streams_callbacks_refused_total``, ``status`` the HTTP status answered.
+    The message never quotes the body or a signature.
+    """
+
+    def __init__(self, reason: CallbackRefusal, status: int, message: str) -> None:
+        super().__init__(f"completion callback refused ({reason}): {message}")
+        self.reason = reason
+        self.status = status
 
 
 class UnknownOperationError(LedgerError):

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from streams.model.codes import RemoteCallOutcome
+from streams.model.codes import CallbackRefusal, RemoteCallOutcome
 from streams.model.states import OperationState
 
 FENCING_REFUSALS = Counter(
@@ -95,6 +95,17 @@ CANCELLATIONS = Counter(
     "Cancellations asked, by path (topic, operator) and what followed (canceled_before_post, at_provider: observed "
     "until the provider confirms, recorded: already terminal or waiting for a decision, repeat: already asked).",
     ["path", "result"],
+)
+CALLBACKS_RECEIVED = Counter(
+    "streams_callbacks_received_total",
+    "Completion callbacks verified and recorded, by result (poll_now: the job's poll moved to now; no_change: it "
+    "was due or claimed already, or the job is no longer pollable).",
+    ["result"],
+)
+CALLBACKS_REFUSED = Counter(
+    "streams_callbacks_refused_total",
+    "Completion callbacks refused or acknowledged without effect, by reason (streams.model.codes.CallbackRefusal).",
+    ["reason"],
 )
 STALLED = Counter(
     "streams_stalled_total",
@@ -233,6 +244,10 @@ def preinitialise(consumed_topics: Iterable[str]) -> None:
             CANCELLATIONS.labels(path, cancel_result)
     for kind in ("max_age", "not_found", "unknown_status"):
         STALLED.labels(kind)
+    for callback_result in ("poll_now", "no_change"):
+        CALLBACKS_RECEIVED.labels(callback_result)
+    for refusal in CallbackRefusal:
+        CALLBACKS_REFUSED.labels(refusal.value)
     for result in ("adopted", "not_found", "failed"):
         LOOKUPS.labels(result)
     for kind in _BUDGET_KINDS:

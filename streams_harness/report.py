@@ -245,6 +245,24 @@ def _decimal_text(value: Decimal) -> str:
     return format(value.normalize(), "f") if value else "0"
 
 
+def callback_counts(sent: Mapping[str, Any] | None, received: int, made_due: int) -> dict[str, int] | None:
+    """The report's ``callbacks`` (docs/callbacks.md): what the simulator planned and sent (``sent``: the
+    ``callbacks`` of ``GET /_sim/summary``), what the workers recorded (``received``, ``made_due``) and the
+    deliveries the workers refused, by the HTTP status answered (``refused_<status>``: 401 bad signature or stale
+    timestamp, 404 unknown job, 400 malformed, 413 too large, 503 ledger unavailable; 200 is a replay
+    acknowledged, ``replays``). None when the simulator sent no callbacks."""
+    if not sent or not sent.get("scheduled"):
+        return None
+    statuses = {int(k): int(v) for k, v in dict(sent.get("statuses", {})).items()}
+    counts = {
+        kind: int(sent.get(kind, 0))
+        for kind in ("scheduled", "lost", "duplicated", "reordered", "bad_signature", "attempts", "unanswered")
+    }
+    counts |= {"received": received, "made_due": made_due, "replays": statuses.get(200, 0)}
+    counts |= {f"refused_{status}": n for status, n in sorted(statuses.items()) if status >= 300}
+    return counts
+
+
 def render_table(report: Mapping[str, Any]) -> str:
     """A plain-text table of the report for the terminal."""
     rows: list[tuple[str, str]] = []

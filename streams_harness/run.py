@@ -40,6 +40,7 @@ from streams_harness.report import (
     LedgerAccounting,
     LedgerOperation,
     build_report,
+    callback_counts,
     render_table,
 )
 from streams_harness.services import create_run_database, drop_run_database
@@ -381,6 +382,11 @@ async def collect_report(
     reconciled = await REPORT.run_reconciled.fetchrow(pool, operation_pattern=pattern)
     meta = dict(meta)
     meta["faults_injected"] = summary.get("faults_injected", {})
+    recorded = await REPORT.run_callbacks.fetchrow(pool, operation_pattern=pattern)
+    assert recorded is not None  # aggregates only: always one row
+    callbacks = callback_counts(summary.get("callbacks"), recorded["received"], recorded["made_due"])
+    if callbacks is not None:
+        meta["callbacks"] = callbacks
     return build_report(
         submitted_ids=ids,
         ledger=ledger,

@@ -35,6 +35,7 @@ from streams.coordination.lease import LeaseManager
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.ledger.protocol import PipelineLedger
 from streams.ledger.records import (
+    CallbackNote,
     CancelAsk,
     CancelPath,
     ClaimBound,
@@ -151,6 +152,8 @@ class InMemoryLedger(WaitsOutOutages):
     outbox: list[OutboxRow] = field(default_factory=list)
     remote_calls: list[RemoteCall] = field(default_factory=list)
     cancellations: dict[str, Cancellation] = field(default_factory=dict)
+    #: Callback deliveries recorded: webhook id -> operation id.
+    callback_deliveries: dict[str, str] = field(default_factory=dict)
     #: Call ids of the accounting rows written (a repeat of one writes nothing).
     call_ids: set[uuid.UUID] = field(default_factory=set)
     unavailable_calls: int = 0
@@ -746,6 +749,24 @@ class InMemoryLedger(WaitsOutOutages):
         op.cancel_outcome = outcome
         op.cancel_answered = answered
         return op.cancel_attempts
+
+    @waits_out_outages("note callback")
+    async def note_callback(self, webhook_id: str, remote_job_id: str) -> CallbackNote:
+        self._call(f"note callback {remote_job_id}")
+        if not webhook_id.strip():
+            raise LedgerDataError(f"note callback for job {remote_job_id}: empty webhook id")
+        op = next((o for o in self.operations.values() if o.remote_job_id == remote_job_id), None)
+        if op is None:
+            return CallbackNote(None, False, False)
+        if webhook_id in self.callback_deliveries:
+            return CallbackNote(op.operation_id, False, False)
+        self.callback_deliveries[webhook_id] = op.operation_id
+        due = (
+            op.state in POLLABLE and not op.poll_claimed and op.next_poll_at is not None and op.next_poll_at > self._t
+        )
+        if due:
+            self._write(op, next_poll_at=self._t)
+        return CallbackNote(op.operation_id, True, due)
 
     async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
         self._call("relay outbox")

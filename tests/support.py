@@ -230,8 +230,8 @@ class ReplyCutter:
 #: Every table a test session empties before each test (the ledger's rows; the reference tables stay): the tables
 #: without a foreign key to ``operations`` must be named, as TRUNCATE ... CASCADE does not reach them.
 LEDGER_TABLES = (
-    "cancellations, dead_letter_redrives, erasures, refunds, remote_jobs, remote_calls, outbox, outputs, transitions, "
-    "operations"
+    "callback_deliveries, cancellations, dead_letter_redrives, erasures, refunds, remote_jobs, remote_calls, outbox, "
+    "outputs, transitions, operations"
 )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from streams.ledger.records import (
+    CallbackNote,
     CancelAsk,
     CancelPath,
     ClaimBound,
@@ -103,6 +104,7 @@ class PipelineLedger(Protocol):
     async def note_cancel_call(
         self, operation_id: str, fencing_token: int, outcome: RemoteCallOutcome, answered: bool
     ) -> int | None: ...
+    async def note_callback(self, webhook_id: str, remote_job_id: str) -> CallbackNote: ...
     async def relay_outbox(
         self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]
     ) -> int: ...

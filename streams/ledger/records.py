@@ -98,6 +98,17 @@ class CancelAsk:
 
 
 @dataclass(frozen=True)
+class CallbackNote:
+    """What :meth:`~streams.ledger.store.Ledger.note_callback` did: ``operation_id`` None when no operation has the
+    job id (nothing recorded), ``recorded`` False for a replay (the webhook id was recorded before), ``made_due``
+    True when the job's poll moved to now."""
+
+    operation_id: str | None
+    recorded: bool
+    made_due: bool
+
+
+@dataclass(frozen=True)
 class LookupClaim:
     """The reconciler's claim of one ``uncertain`` operation for a lookup: the fencing value its save must name,
     how long the operation has been uncertain (s), and the lookups claimed so far (this one included)."""

@@ -81,7 +81,8 @@ async def purge(
     on_batch: Callable[[PurgeCounts], None] | None = None,
 ) -> PurgeCounts:
     """Delete the terminal operations (succeeded, failed, canceled, rejected) in their state longer than
-    ``older_than_s`` seconds, with their transitions, outputs and outbox rows; the accounting rows (remote_calls,
+    ``older_than_s`` seconds, with their transitions, outputs, outbox rows and callback deliveries (not counted); the
+    accounting rows (remote_calls,
     remote_jobs, refunds) and the erasure and re-drive records stay. One transaction per batch of at most
     ``batch_size`` (>= 1) operations, oldest first, until a batch finds none (or ``max_batches`` ran);
     ``on_batch`` is told each batch's counts. Operations with an unpublished outbox row are kept.

@@ -21,6 +21,7 @@ from streams.ledger.batching import BatchedStatement, Batcher, Request, by_posit
 from streams.ledger.decisions import Decisions
 from streams.ledger.pool import guard
 from streams.ledger.records import (
+    CallbackNote,
     CancelAsk,
     CancelPath,
     ClaimBound,
@@ -31,7 +32,7 @@ from streams.ledger.records import (
     SaveOutcome,
     sources_for,
 )
-from streams.ledger.sql import CANCELLATIONS, RECONCILE
+from streams.ledger.sql import CALLBACKS, CANCELLATIONS, RECONCILE
 from streams.ledger.sql import LEDGER as Q
 from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
@@ -610,6 +611,24 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
                 answered=answered,
             )
         return attempts
+
+    # --- completion callbacks (docs/callbacks.md) ------------------------------------------------------------
+
+    @waits_out_outages("note callback")
+    async def note_callback(self, webhook_id: str, remote_job_id: str) -> CallbackNote:
+        """Record one verified callback delivery (``webhook_id``, once) for ``remote_job_id`` and make the job's
+        poll due now when it is pollable and neither due already nor claimed (queries/callbacks.sql). Idempotent: a
+        repeat of ``webhook_id`` records and changes nothing. Never saves a state: that comes from a GET.
+
+        Raises:
+            LedgerDataError: an empty ``webhook_id``.
+        """
+        async with guard(f"note callback for job {remote_job_id}"):
+            row = await CALLBACKS.note_callback.fetchrow(
+                self.pool, webhook_id=webhook_id, remote_job_id=remote_job_id, worker=self.worker
+            )
+        assert row is not None  # one row always
+        return CallbackNote(row["operation_id"], row["recorded"], row["made_due"])
 
     async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
         """Publish one batch of unpublished outbox rows with ``publish`` and mark them published.

@@ -120,3 +120,16 @@ class ReasonCode(enum.StrEnum):
     FAILED_BY_OPERATOR = "failed_by_operator"
     ADOPTED_AFTER_DECISION = "adopted_after_decision"  # submitted: an operator adopted a job created after abandon
     CANCELED_BEFORE_SUBMIT = "canceled_before_submit"  # canceled: asked before the claim, no POST sent
+
+
+class CallbackRefusal(enum.StrEnum):
+    """Why a completion callback was refused (docs/callbacks.md): the bounded ``reason`` label of
+    ``streams_callbacks_refused_total``. Not stored in the ledger (a refused delivery records nothing)."""
+
+    MALFORMED_HEADERS = "malformed_headers"  # 400: a Standard Webhooks header missing, empty or malformed
+    BAD_SIGNATURE = "bad_signature"  # 401: no v1 signature matches a configured secret
+    STALE_TIMESTAMP = "stale_timestamp"  # 401: webhook-timestamp outside the tolerance
+    BODY_TOO_LARGE = "body_too_large"  # 413: over callback_max_body_bytes
+    MALFORMED_BODY = "malformed_body"  # 400: not JSON, or no data.id
+    UNKNOWN_JOB = "unknown_job"  # 404: no operation has the job id (yet): the sender retries
+    REPLAY = "replay"  # 200: the webhook-id was recorded before; acknowledged so the sender stops

@@ -3,9 +3,10 @@
 Every request's ``Host`` (without its port) must be one of ``web_allowed_hosts`` (``*``: any), else 421. Then
 every path but the probes (:data:`PROBE_PATHS`) and :data:`METRICS_PATH` asks for credentials: ``Authorization:
 Bearer <web_auth_token>`` or ``Basic`` with ``web_auth_user``/``web_auth_password``, compared in constant time
-(:func:`hmac.compare_digest`); ``web_auth_probes`` and ``web_auth_metrics`` ask them for those paths too. With no
-credentials configured, nothing but the open paths is served. A refused request gets 401 with
-``WWW-Authenticate`` and a fixed body, nothing else. Every answer carries :data:`SECURITY_HEADERS`.
+(:func:`hmac.compare_digest`); ``web_auth_probes`` and ``web_auth_metrics`` ask them for those paths too. The
+callback path (with ``callbacks_enabled``) never asks them: each callback carries its own signature
+(docs/callbacks.md). With no credentials configured, nothing but the open paths is served. A refused request gets
+401 with ``WWW-Authenticate`` and a fixed body, nothing else. Every answer carries :data:`SECURITY_HEADERS`.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def access_middleware(settings: Settings) -> Middleware:
         open_paths |= PROBE_PATHS
     if not settings.web_auth_metrics:
         open_paths.add(METRICS_PATH)
+    if settings.callbacks_enabled:  # authenticated by its signature (docs/callbacks.md), not by credentials
+        open_paths.add(settings.callback_path)
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:

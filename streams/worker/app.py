@@ -23,7 +23,9 @@ a loop
   ``web_snapshot_interval_s``: the gauges of ``/metrics`` and the live view's figures.
 * Web (``web_bind``:``web_port``): ``GET /metrics`` (Prometheus text), the probes ``GET /livez`` and ``GET /readyz``
   (``/healthz``: the same as ``/readyz``), and the live view (:mod:`streams.oncall.liveview`); access and headers
-  by :mod:`streams.oncall.webaccess`. Faust's own pages are off.
+  by :mod:`streams.oncall.webaccess`. Faust's own pages are off. With ``callbacks_enabled``: ``POST
+  <callback_path>``, the provider's completion callbacks (:mod:`streams.worker.stages.callbacks`, signed, not behind
+  the web credentials), which wake the ``schedule_polls`` task.
 
 Offsets (see :mod:`streams.worker.inflight`): each agent has one actor per worker, reading a ``noack`` stream, so
 faust never acknowledges an event by itself (a plain stream acknowledges the event it yielded when the actor
@@ -42,6 +44,7 @@ original bytes, so it can be replayed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import tempfile
 import time
@@ -51,6 +54,7 @@ from typing import Any
 
 import faust
 import tenacity
+from aiohttp import web
 from faust.transport.drivers.aiokafka import Producer as FaustKafkaProducer
 from prometheus_client import generate_latest
 
@@ -69,6 +73,7 @@ from streams.worker.clock import ClockCheck
 from streams.worker.inflight import InOrderAcks, Ticket
 from streams.worker.partitions import BLOCKED_CHECK_INTERVAL_S, BlockedPartitions, blocked_partitions
 from streams.worker.runtime import MAX_LOGGED_ERROR_CHARS, RawMessage, Runtime
+from streams.worker.stages.callbacks import CallbackReceiver
 from streams.worker.stages.canceller import Canceller
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.observer import Observer
@@ -288,6 +293,27 @@ class _App(faust.App):
         return _IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
 
 
+async def run_forever(tick: Callable[[], Awaitable[int]], idle_s: float, wake: asyncio.Event | None = None) -> None:
+    """Run ``tick`` back to back while it finds work, waiting ``idle_s`` when it finds none, or until ``wake`` is
+    set (cleared before each tick, so a wake-up during a tick runs the next one at once). Never returns; a tick's
+    exception is logged and waited out like an idle round."""
+    while True:
+        if wake is not None:
+            wake.clear()
+        try:
+            busy = await tick()
+        except Exception:
+            log.exception("periodic task failed; retrying")
+            busy = 0
+        if not busy:
+            if wake is None:
+                await asyncio.sleep(idle_s)
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(idle_s):
+                    await wake.wait()
+
+
 def create_app(settings: Settings) -> faust.App:
     """Build the Faust app for ``settings`` (consumer group = ``settings.app_id``)."""
     app = _App(
@@ -330,8 +356,6 @@ def create_app(settings: Settings) -> faust.App:
         web_metrics_enabled=False,
     )
     metrics.preinitialise([settings.topic("submissions"), settings.topic("polls"), settings.topic("cancellations")])
-    if settings.web_enabled:
-        webaccess.install(app.web.web_app, settings)  # type: ignore[attr-defined]  # the aiohttp driver's app
     lock = asyncio.Lock()
     holder: dict[str, Runtime] = {}
 
@@ -371,6 +395,19 @@ def create_app(settings: Settings) -> faust.App:
     cancellations = Intake(CANCEL_CONCURRENCY, lambda: int(app.consumer_generation_id))
 
     # One actor per agent (concurrency 1): it only reads; handling runs in the Intake's tasks.
+    if settings.web_enabled:
+        web_app = app.web.web_app  # type: ignore[attr-defined]  # the aiohttp driver's app
+        webaccess.install(web_app, settings)
+        if settings.callbacks_enabled:
+            receivers: dict[str, CallbackReceiver] = {}
+
+            async def callback_view(request: web.Request) -> web.Response:
+                if "receiver" not in receivers:
+                    receivers["receiver"] = CallbackReceiver(await runtime())
+                return await receivers["receiver"].handle(request)
+
+            web_app.router.add_post(settings.callback_path, callback_view)
+
     @app.agent(topic("submissions"))
     async def dispatch(stream: Any) -> None:
         rt = await runtime()
@@ -386,20 +423,10 @@ def create_app(settings: Settings) -> faust.App:
         rt = await runtime()
         await cancellations.consume(stream, Canceller(rt).handle, rt)
 
-    async def run_forever(tick: Callable[[], Awaitable[int]], idle_s: float) -> None:
-        """Run ``tick`` back to back while it finds work, sleeping ``idle_s`` when it finds none."""
-        while True:
-            try:
-                busy = await tick()
-            except Exception:
-                log.exception("periodic task failed; retrying")
-                busy = 0
-            if not busy:
-                await asyncio.sleep(idle_s)
-
     @app.task
     async def schedule_polls() -> None:
-        await run_forever(PollScheduler(await runtime()).tick, settings.poll_scheduler_interval_s)
+        rt = await runtime()  # a callback's due poll wakes it (docs/callbacks.md)
+        await run_forever(PollScheduler(rt).tick, settings.poll_scheduler_interval_s, rt.poll_wakeup)
 
     @app.task
     async def relay_outbox() -> None:

@@ -126,6 +126,8 @@ class Runtime:
         self._last_outage_log: dict[str, float] = {}
         #: True once :meth:`close` began: a failure of a client being closed is this worker stopping, no outage.
         self.closing = False
+        #: Set to wake this worker's poll scheduler before its idle interval ends (a callback made a poll due).
+        self.poll_wakeup = asyncio.Event()
 
     @classmethod
     async def create(

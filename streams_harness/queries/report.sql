@@ -49,3 +49,11 @@ FROM transitions t
 JOIN operations o USING (operation_id)
 LEFT JOIN remote_jobs j ON j.remote_job_id = o.remote_job_id
 WHERE t.operation_id LIKE :operation_pattern AND t.from_state = 'uncertain';
+
+-- name: run_callbacks
+-- :operation_pattern operation id LIKE pattern. The completion callbacks the workers recorded for the run's operations
+-- (docs/callbacks.md): received (verified deliveries, each webhook id once) and made_due (those that moved a poll to
+-- now).
+SELECT count(*)::integer AS received, count(*) FILTER (WHERE poll_made_due)::integer AS made_due
+FROM callback_deliveries
+WHERE operation_id LIKE :operation_pattern;

@@ -31,6 +31,7 @@ import jsonschema
 import orjson
 from aiohttp import web
 
+from streams_harness.simulator.callbacks import CallbackSender
 from streams_harness.simulator.config import SimulatorConfig
 from streams_harness.simulator.faults import FAULT_KINDS, JOB_FAILED, FaultDecider, JobFault, PostFault
 from streams_harness.simulator.model import (
@@ -293,12 +294,14 @@ class Simulator:
         self.registry = JobRegistry()
         self.limiter = AccountLimiter()
         self.stopping = asyncio.Event()
+        self.callbacks = CallbackSender(config.seed)
 
     def reset(self) -> None:
         """Clear all records (and the per-account limit's buckets) and restart the RNG from ``config.seed``."""
         self.registry.clear()
         self.limiter.clear()
         self.decider.reseed(self.config.seed)
+        self.callbacks.clear(self.config.seed)
 
 
 SIMULATOR_KEY: web.AppKey[Simulator] = web.AppKey("simulator", Simulator)
@@ -488,6 +491,8 @@ async def post_generation(request: web.Request) -> web.StreamResponse:
             account=_account(request),
         )
         reg.add_job(job)
+        if JobFault.NEVER_FINISHES not in job.faults:
+            sim.callbacks.schedule(cfg, job.job_id, job.completed_at, job.status)
     reg.note_post_outcome(reference, decision.status, kept)
 
     fault = decision.fault
@@ -755,10 +760,17 @@ async def _prediction_shape(
 async def sim_summary(request: web.Request) -> web.Response:
     """``GET /_sim/summary`` (with ``rate_limit_429s``: the 429s the per-account limit answered, per method;
     ``concurrency_throttled``: the POSTs the concurrency limit answered; ``max_active_jobs``: most jobs of one
-    account queued or running at once)."""
+    account queued or running at once; ``callbacks``: the completion callbacks planned, faulted, sent and answered,
+    :mod:`streams_harness.simulator.callbacks`)."""
     sim = request.app[SIMULATOR_KEY]
     refused = sim.limiter.refused
-    return _json({**sim.registry.summary(time.time()), "rate_limit_429s": {m: refused[m] for m in ("POST", "GET")}})
+    return _json(
+        {
+            **sim.registry.summary(time.time()),
+            "rate_limit_429s": {m: refused[m] for m in ("POST", "GET")},
+            "callbacks": sim.callbacks.summary(),
+        }
+    )
 
 
 async def sim_jobs(request: web.Request) -> web.Response:
@@ -802,7 +814,10 @@ async def sim_config(request: web.Request) -> web.Response:
     if new.seed != sim.config.seed:
         sim.decider.reseed(new.seed)
     sim.config = new
-    logger.info("simulator config changed: %s", body)
+    logger.info(
+        "simulator config changed: %s",
+        {**body, **({"callback_secret": "**********"} if "callback_secret" in body else {})},
+    )
     return _json(new.to_dict())
 
 
@@ -820,6 +835,10 @@ async def healthz(request: web.Request) -> web.Response:
 async def _on_shutdown(app: web.Application) -> None:
     # Release slow POST handlers so the server stops without waiting slow_response_s.
     app[SIMULATOR_KEY].stopping.set()
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    await app[SIMULATOR_KEY].callbacks.close()
 
 
 def make_app(config: SimulatorConfig | None = None) -> web.Application:
@@ -848,4 +867,5 @@ def make_app(config: SimulatorConfig | None = None) -> web.Application:
     app.router.add_post("/_sim/reset", sim_reset)
     app.router.add_get("/healthz", healthz, allow_head=False)
     app.on_shutdown.append(_on_shutdown)
+    app.on_cleanup.append(_on_cleanup)
     return app

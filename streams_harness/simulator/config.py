@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from streams.config import ExplicitSettings, env_values
+from streams.config import ExplicitSettings, callback_secret_key, env_values
 from streams_harness.simulator.faults import FaultRates
 from streams_harness.simulator.model import (
     DEFAULT_DECODE_MS_PER_TOKEN,
@@ -41,6 +41,10 @@ _RATE_FIELDS = (
     "fault_unknown_status",
     "fault_never_finishes",
     "fault_status_regression",
+    "callback_loss",
+    "callback_duplicates",
+    "callback_reorder",
+    "callback_bad_signature",
 )
 
 
@@ -125,6 +129,17 @@ class SimulatorConfig(ExplicitSettings):
         "statuses starting|processing|..., output values, urls, Prefer: wait); the same jobs underneath.",
     )
     prefer_wait_max_s: float = _f(5.0, "Longest a create call with Prefer: wait is held for its job to end, s.")
+    callback_url: str = _f("", "Where completion callbacks are POSTed (Standard Webhooks); empty: none sent.")
+    callback_secret: str = _f(
+        "", "Signing secret of the callbacks (whsec_<base64>); a test secret, masked in GET/POST /_sim/config."
+    )
+    callback_delay_ms: float = _f(0.0, "Delay of a completion callback after the job ends, ms (not compressed).")
+    callback_loss: float = _f(0.0, "P(a job's completion callback is never sent).")
+    callback_duplicates: float = _f(0.0, "P(a completion callback is sent twice with the same webhook-id).")
+    callback_reorder: float = _f(0.0, "P(a callback is held back up to callback_reorder_window_ms more).")
+    callback_reorder_window_ms: float = _f(500.0, "Longest extra hold of a reordered callback, ms.")
+    callback_bad_signature: float = _f(0.0, "P(a callback is signed with a key the receiver does not know).")
+    callback_attempts: int = _f(3, "Attempts of one callback delivery while the receiver answers non-2xx (>= 1).")
     record_bodies: bool = _f(False, "Keep every POST body, shown per client reference (tests of what arrived).")
 
     @model_validator(mode="after")
@@ -150,11 +165,22 @@ class SimulatorConfig(ExplicitSettings):
             "concurrency_limit_per_account",
             "concurrency_limit_per_model",
             "prefer_wait_max_s",
+            "callback_delay_ms",
+            "callback_reorder_window_ms",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.dialect not in DIALECTS:
             raise ValueError(f"dialect must be one of {list(DIALECTS)}, got {self.dialect!r}")
+        if self.callback_attempts < 1:
+            raise ValueError("callback_attempts must be >= 1")
+        if self.callback_url:
+            if not self.callback_url.startswith(("http://", "https://")):
+                raise ValueError("callback_url must be an http(s) URL")
+            try:
+                callback_secret_key(self.callback_secret)
+            except ValueError:
+                raise ValueError("callback_url needs callback_secret, whsec_<base64>") from None
         if self.rate_limit_burst < 1:
             raise ValueError("rate_limit_burst must be >= 1")
         if not 400 <= self.throttled_status <= 599:
@@ -204,8 +230,9 @@ class SimulatorConfig(ExplicitSettings):
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields as a JSON-ready dict (the shape returned by ``POST /_sim/config``)."""
-        return self.model_dump()
+        """All fields as a JSON-ready dict (the shape returned by ``POST /_sim/config``), the callback secret
+        masked."""
+        return {**self.model_dump(), "callback_secret": "**********" if self.callback_secret else ""}
 
     def updated(self, changes: Mapping[str, Any], *, allow_static: bool = True) -> SimulatorConfig:
         """Return a validated copy with ``changes`` applied (text such as ``"0.02"`` is read as its field's type).

@@ -335,3 +335,28 @@ async def test_an_observer_claim_sent_again_reads_alike_on_both_ledgers(pool: as
     assert real[0] == (2, "submitted", 0)
     assert real[-3] == real[-2] == REPEAT_GETS[case]
     assert real[-1][0] == 2  # one claim wrote a fencing value; no repeat wrote another
+
+
+async def test_a_callback_makes_a_poll_due_alike_on_both_ledgers(pool: asyncpg.Pool) -> None:
+    async def story(ledger: Any) -> list[tuple[str | None, bool, bool]]:
+        assert await ledger.accept("op-cb", REQUEST, submitted_at_ms=0)
+        fencing = await ledger.claim_for_submit("op-cb")
+        assert await ledger.save_submitted("op-cb", fencing, "job-cb", 3600.0, None)
+        notes = [await ledger.note_callback("msg-1", "job-cb")]  # due in an hour: made due now
+        notes.append(await ledger.note_callback("msg-1", "job-cb"))  # a replay: nothing
+        notes.append(await ledger.note_callback("msg-2", "job-cb"))  # due already: recorded, nothing changed
+        notes.append(await ledger.note_callback("msg-3", "job-nobody"))  # unknown job: nothing recorded
+        [claimed] = await ledger.claim_due_polls(10, 30.0)
+        assert claimed.operation_id == "op-cb"
+        notes.append(await ledger.note_callback("msg-4", "job-cb"))  # claimed, not yet taken: nothing changed
+        return [(n.operation_id, n.recorded, n.made_due) for n in notes]
+
+    real = await story(Ledger(pool, "test"))
+    assert real == [
+        ("op-cb", True, True),
+        ("op-cb", False, False),
+        ("op-cb", True, False),
+        (None, False, False),
+        ("op-cb", True, False),
+    ]
+    assert await story(InMemoryLedger()) == real

@@ -139,6 +139,7 @@ EXPECTED = {
     ],
     ("streams.ledger", "redrives.sql"): ["operation_request", "record_redrive", "redrives_of"],
     ("streams.ledger", "cancellations.sql"): ["request_cancel", "note_cancel_call"],
+    ("streams.ledger", "callbacks.sql"): ["note_callback"],
     ("streams.ledger", "inspect.sql"): [
         "list_operations",
         "operation_row",
@@ -160,6 +161,7 @@ EXPECTED = {
         "try_main_job_lock",
         "run_transitions",
         "run_reconciled",
+        "run_callbacks",
     ],
     ("streams_harness", "bench.sql"): [
         "floor_accept_many",

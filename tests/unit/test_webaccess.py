@@ -67,6 +67,7 @@ async def client_for() -> AsyncIterator[object]:
 
         for path in ("/", "/livez", "/readyz", "/metrics", "/operations/x"):
             app.router.add_get(path, page)
+        app.router.add_post("/callbacks/generation", page)
         client = TestClient(TestServer(app))
         await client.start_server()
         clients.append(client)
@@ -102,6 +103,15 @@ async def test_no_credentials_configured_serves_no_page(client_for) -> None:  # 
     c = await client_for(Settings())
     assert (await c.get("/", headers={"Authorization": "Bearer "})).status == 401
     assert (await c.get("/livez")).status == 200
+
+
+async def test_the_callback_path_skips_credentials_only_with_callbacks_on(client_for) -> None:  # type: ignore[no-untyped-def]
+    secret = "whsec_" + base64.b64encode(b"k").decode()
+    on = await client_for(Settings(web_auth_token=TOKEN, callbacks_enabled=True, callback_secrets=secret))
+    assert (await on.post("/callbacks/generation")).status == 200  # the receiver checks the signature itself
+    assert (await on.get("/")).status == 401
+    off = await client_for(Settings(web_auth_token=TOKEN))
+    assert (await off.post("/callbacks/generation")).status == 401
 
 
 async def test_any_host_when_allowed(client_for) -> None:  # type: ignore[no-untyped-def]

@@ -31,7 +31,7 @@ SELECT (SELECT count(*) FROM doomed)::bigint AS operations,
 
 -- name: purge_batch
 -- Delete at most :batch_size terminal operations older than :older_than_s (float8 s in their terminal state), oldest
--- first, with their transitions, outputs and outbox rows, in one statement (one transaction). Operations with an
+-- first, with their transitions, outputs, outbox rows and callback deliveries, in one statement (one transaction). Operations with an
 -- unpublished outbox row are skipped, as are rows another transaction holds (SKIP LOCKED).
 -- Returns operations, transitions, outputs, outbox: the rows deleted.
 WITH doomed AS (
@@ -49,6 +49,8 @@ WITH doomed AS (
     DELETE FROM outputs x USING doomed d WHERE x.operation_id = d.operation_id RETURNING 1
 ), log AS (
     DELETE FROM transitions t USING doomed d WHERE t.operation_id = d.operation_id RETURNING 1
+), hints AS (  -- the record of the operations' completion callbacks (docs/callbacks.md) goes with them
+    DELETE FROM callback_deliveries c USING doomed d WHERE c.operation_id = d.operation_id RETURNING 1
 ), ops AS (
     DELETE FROM operations o USING doomed d WHERE o.operation_id = d.operation_id RETURNING 1
 )

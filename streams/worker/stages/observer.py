@@ -34,6 +34,8 @@
   to ``cancel_attempt_limit`` calls. The GET that follows observes the job as usual: the state the provider reports
   is saved, so a job that succeeded first stays ``succeeded`` with its outputs, and a canceled one ends
   ``canceled`` with none.
+* Completion callbacks on (``callbacks_enabled``, docs/callbacks.md): a job still running is polled again after at
+  least ``callback_fallback_poll_interval_s``; its callback makes the poll due at once, and a lost one only delays.
 * Save refused by the fencing value: the result is dropped, counted (``streams_fencing_refusals_total``) and
   logged. A late ``running`` over a saved ``succeeded`` is refused by the state order.
 """
@@ -206,6 +208,8 @@ class Observer:
             await self.stalls.stall_too_old(operation_id, claim, snapshot.as_observation())
             return
         delay = self._delay(poll_count, snapshot.poll_after_s)
+        if rt.settings.callbacks_enabled:  # the job's callback makes its poll due sooner (docs/callbacks.md)
+            delay = max(delay, rt.settings.callback_fallback_poll_interval_s)
         try:
             outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay)
         except LedgerDataError as exc:  # e.g. a NUL in an output: the answer cannot be stored as it is
