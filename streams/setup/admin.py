@@ -122,7 +122,7 @@ def migrate(database_url: str) -> list[str]:
 
 def _connect_failure(database_url: str, exc: psycopg.OperationalError) -> StreamsError:
     """What psycopg's failure to connect means: psycopg gives no SQLSTATE for a refused login, so one asyncpg login
-    (:func:`streams.ledger.store.diagnose_connect`, on a thread of its own: a caller may be running an event loop) tells
+    (:func:`streams.ledger.pool.diagnose_connect`, on a thread of its own: a caller may be running an event loop) tells
     wrong settings (:class:`DatabaseConfigError`) from an outage (:class:`LedgerUnavailableError`)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         config_error = pool.submit(asyncio.run, diagnose_connect(database_url)).result()
@@ -578,7 +578,7 @@ async def drop_run_database(database_url: str, run_database_url: str) -> None:
     """Drop the run database created by :func:`create_run_database` (its connections are terminated).
 
     Raises:
-        as :func:`streams.ledger.store.connect`.
+        as :func:`streams.ledger.pool.connect`.
     """
     run_db = database_name(run_database_url)
     conn = await connect(database_url)
