@@ -1009,7 +1009,7 @@ def teardown(
     """Remove a run's or a prefix's leftovers: its consumer groups, topics and database, printing each name.
 
     \b
-    streams teardown --run-id main-20260502-1012         what `streams run --keep` printed
+    streams teardown --run-id run1796029286              a run's id, as in reports/<run id>/
     streams teardown --topic-prefix ci-42. --database streams_ci42 --group generation-streams-ci42
 
     The run id is resolved with the current settings (STREAMS_DATABASE_URL, STREAMS_TOPIC_PREFIX,
