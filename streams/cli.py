@@ -296,7 +296,13 @@ def submit(path: Path) -> None:
 
 @main.command()
 @click.option("--group-id", default=None, help="Consumer group (commits offsets; resume after restart).")
-@click.option("--from-beginning/--from-now", default=True, show_default=True)
+@click.option(
+    "--from-beginning/--from-now",
+    default=True,
+    show_default=True,
+    help="Where to start without committed offsets: the topic's first output or the next one (a --group-id with "
+    "committed offsets resumes there either way).",
+)
 @click.option("--count", type=int, default=None, help="Stop after this many outputs.")
 @click.option("--operation-prefix", default="", help="Only outputs of operations whose id starts with this.")
 def follow(group_id: str | None, from_beginning: bool, count: int | None, operation_prefix: str) -> None:
