@@ -51,6 +51,9 @@ T = TypeVar("T")
 #: Entry-point group through which installed packages add commands to ``streams``.
 COMMANDS_GROUP = "streams.commands"
 
+#: Longest summary of a command in ``streams --help`` (its first sentence, cut with "..." past this).
+SUMMARY_CHARS = 160
+
 #: The installed distribution whose version ``streams --version`` prints (``pyproject.toml`` ``[project] name``).
 DISTRIBUTION = "generation-streams"
 
@@ -71,6 +74,18 @@ class PluginGroup(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.plugin_entry_points()})
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The Commands section: each command's first sentence up to :data:`SUMMARY_CHARS`, wrapped (click's own
+        cuts it to what fits on one line of the terminal, most of them after a few words)."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=SUMMARY_CHARS)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         command = super().get_command(ctx, cmd_name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import click
+from click.testing import CliRunner
 
 from streams import cli
 
@@ -35,3 +36,16 @@ def test_every_option_of_the_products_commands_has_a_help_text() -> None:
         if isinstance(param, click.Option) and param.name != "help" and not param.help
     ]
     assert silent == []
+
+
+def test_streams_help_gives_each_commands_first_sentence_whole() -> None:
+    result = CliRunner().invoke(cli.main, ["--help"], terminal_width=80)
+    assert result.exit_code == 0, result.output
+    listing = " ".join(result.output.split("Commands:", 1)[1].split())
+    accounting = (
+        "accounting What the provider was asked, what it created, "
+        "what it charged and refunded (from the ledger)."
+    )
+    assert accounting in listing
+    assert "migrate Apply pending SQL migrations (yoyo) and create the Kafka topics." in listing
+    assert "submit Publish submissions from a JSONL file:" in listing
