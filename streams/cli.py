@@ -182,7 +182,7 @@ def main(ctx: click.Context, log_level: str, log_format: str | None) -> None:
 )
 def migrate(strict_topics: bool) -> None:
     """Apply pending SQL migrations (yoyo) and create the Kafka topics."""
-    from streams.setup.admin import RETENTION_MS, create_topics, set_dead_letter_retention
+    from streams.setup.admin import RETENTION_MS, create_topics, migrations_line, set_dead_letter_retention
     from streams.setup.admin import migrate as apply
 
     settings = _settings()
@@ -194,12 +194,12 @@ def migrate(strict_topics: bool) -> None:
         raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
     except StreamsError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"migrations applied: {applied or 'none (up to date)'}")
+    click.echo(migrations_line(applied))
     try:
         created = asyncio.run(create_topics(settings, strict=strict_topics))
     except ConfigError as exc:  # TopicLayoutError, KafkaSecurityError
         raise CommandExit(str(exc), EXIT_CONFIG) from exc
-    click.echo(f"topics created: {created or 'none (all exist)'} ({settings.partitions} partitions)")
+    click.echo(f"topics created: {', '.join(created) or 'none (all exist)'} ({settings.partitions} partitions)")
     retention_ms = asyncio.run(set_dead_letter_retention(settings))
     click.echo(f"dead-letter retention: {RETENTION_MS}={retention_ms} on {settings.topic('dead_letter')}")
 

@@ -37,6 +37,7 @@ from streams.setup.admin import (
     delete_topics,
     drop_run_database,
     migrate,
+    migrations_line,
 )
 from streams.setup.teardown import Selection, run_names, teardown_command
 from streams_harness.checkout import checkout_dir
@@ -197,16 +198,8 @@ def migrate_quietly(database_url: str) -> list[str]:
         yoyo_log.setLevel(level)
 
 
-def migrations_line(applied: list[str]) -> str:
-    """``migrations applied: <n> (<first> .. <last>)``, or ``none (up to date)``: one line for ``applied``."""
-    if not applied:
-        return "migrations applied: none (up to date)"
-    span = applied[0] if len(applied) == 1 else f"{applied[0]} .. {applied[-1]}"
-    return f"migrations applied: {len(applied)} ({span})"
-
-
 async def remove_run(run: Settings, admin_database_url: str, out: TextIO) -> None:
-    """Remove the run ``run``'s five topics (:func:`streams.setup.admin.delete_topics`) and its database (dropped
+    """Remove the run ``run``'s topics (:func:`streams.setup.admin.delete_topics`) and its database (dropped
     through ``admin_database_url``), its processes being stopped. A removal that fails is printed to ``out`` with
     what to remove by hand (the services may just have been restarted), never raised over the run's own outcome;
     the other removal still runs."""
