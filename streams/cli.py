@@ -51,6 +51,9 @@ T = TypeVar("T")
 #: Entry-point group through which installed packages add commands to ``streams``.
 COMMANDS_GROUP = "streams.commands"
 
+#: Longest summary of a command in ``streams --help`` (its first sentence, cut with "..." past this).
+SUMMARY_CHARS = 160
+
 #: The installed distribution whose version ``streams --version`` prints (``pyproject.toml`` ``[project] name``).
 DISTRIBUTION = "generation-streams"
 
@@ -71,6 +74,18 @@ class PluginGroup(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.plugin_entry_points()})
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The Commands section: each command's first sentence up to :data:`SUMMARY_CHARS`, wrapped (click's own
+        cuts it to what fits on one line of the terminal, most of them after a few words)."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=SUMMARY_CHARS)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         command = super().get_command(ctx, cmd_name)
@@ -167,7 +182,7 @@ def main(ctx: click.Context, log_level: str, log_format: str | None) -> None:
 )
 def migrate(strict_topics: bool) -> None:
     """Apply pending SQL migrations (yoyo) and create the Kafka topics."""
-    from streams.setup.admin import RETENTION_MS, create_topics, set_dead_letter_retention
+    from streams.setup.admin import RETENTION_MS, create_topics, migrations_line, set_dead_letter_retention
     from streams.setup.admin import migrate as apply
 
     settings = _settings()
@@ -179,12 +194,12 @@ def migrate(strict_topics: bool) -> None:
         raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
     except StreamsError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"migrations applied: {applied or 'none (up to date)'}")
+    click.echo(migrations_line(applied))
     try:
         created = asyncio.run(create_topics(settings, strict=strict_topics))
     except ConfigError as exc:  # TopicLayoutError, KafkaSecurityError
         raise CommandExit(str(exc), EXIT_CONFIG) from exc
-    click.echo(f"topics created: {created or 'none (all exist)'} ({settings.partitions} partitions)")
+    click.echo(f"topics created: {', '.join(created) or 'none (all exist)'} ({settings.partitions} partitions)")
     retention_ms = asyncio.run(set_dead_letter_retention(settings))
     click.echo(f"dead-letter retention: {RETENTION_MS}={retention_ms} on {settings.topic('dead_letter')}")
 
@@ -296,7 +311,13 @@ def submit(path: Path) -> None:
 
 @main.command()
 @click.option("--group-id", default=None, help="Consumer group (commits offsets; resume after restart).")
-@click.option("--from-beginning/--from-now", default=True, show_default=True)
+@click.option(
+    "--from-beginning/--from-now",
+    default=True,
+    show_default=True,
+    help="Where to start without committed offsets: the topic's first output or the next one (a --group-id with "
+    "committed offsets resumes there either way).",
+)
 @click.option("--count", type=int, default=None, help="Stop after this many outputs.")
 @click.option("--operation-prefix", default="", help="Only outputs of operations whose id starts with this.")
 def follow(group_id: str | None, from_beginning: bool, count: int | None, operation_prefix: str) -> None:
@@ -1009,7 +1030,7 @@ def teardown(
     """Remove a run's or a prefix's leftovers: its consumer groups, topics and database, printing each name.
 
     \b
-    streams teardown --run-id main-20260502-1012         what `streams run --keep` printed
+    streams teardown --run-id run1796029286              a run's id, as in reports/<run id>/
     streams teardown --topic-prefix ci-42. --database streams_ci42 --group generation-streams-ci42
 
     The run id is resolved with the current settings (STREAMS_DATABASE_URL, STREAMS_TOPIC_PREFIX,

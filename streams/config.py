@@ -152,7 +152,7 @@ def env_values(settings_cls: type[BaseSettings], environ: Mapping[str, str] | No
 #: Variables under :data:`ENV_PREFIX` that are the test suite's and the harness's, never the product's settings.
 TEST_ENV_PREFIX = "STREAMS_TEST_"
 #: ``STREAMS_*`` variables of the product that are not :class:`Settings` fields: the operator's name
-#: (:func:`streams.oncall.operations.actor_from_env`), the log format (:data:`streams.logs.FORMAT_ENV`) and the
+#: (:func:`streams.oncall.operations.given_actor`), the log format (:data:`streams.logs.FORMAT_ENV`) and the
 #: worker's start attempt (:data:`streams.worker.process.START_ATTEMPT_ENV`).
 OTHER_PRODUCT_VARIABLES = frozenset({"STREAMS_ACTOR", "STREAMS_LOG_FORMAT", "STREAMS_WORKER_START_ATTEMPT"})
 
@@ -961,6 +961,6 @@ def budget_key(settings: Settings, kind: str, part: str) -> str:
 def lease_key(settings: Settings, action: str, operation_id: str) -> str:
     """The Redis key of the ``action`` lease (``observe`` or ``submit``) for one operation.
 
-    Shape: ``<prefix>:<action>:<operation_id>``, e.g. ``app:observe:operation-42`` (the seed's example).
+    Shape: ``<prefix>:<action>:<operation_id>``, e.g. ``app:observe:operation-42``.
     """
     return f"{settings.lease_key_prefix}:{action}:{operation_id}"

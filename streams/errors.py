@@ -74,7 +74,7 @@ class DatabaseConfigError(ConfigError):
     """The PostgreSQL connection settings are wrong, not the server down: it refused the user or password
     (SQLSTATE class 28), the database does not exist (3D000), or ``STREAMS_DATABASE_URL`` does not parse (a port
     that is not a number). The message names host, port and database (never the password) and what to fix;
-    retrying cannot help (:func:`streams.ledger.store.connect_config_error`)."""
+    retrying cannot help (:func:`streams.ledger.pool.connect_config_error`)."""
 
     def __init__(self, address: str, message: str) -> None:
         super().__init__(message)

@@ -44,6 +44,9 @@ FORMAT_ENV = "STREAMS_LOG_FORMAT"
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+#: Libraries whose INFO lines are one per request or per migration step: held at WARNING or above.
+QUIET_LOGGERS = ("httpx", "aiokafka", "yoyo")
+
 _bound: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
     "streams_log_fields", default=types.MappingProxyType({})
 )
@@ -169,8 +172,9 @@ def formatter(fmt: str) -> logging.Formatter:
 
 def dict_config(fmt: str, level: str | int, stream: str = "ext://sys.stderr") -> dict[str, Any]:
     """A :func:`logging.config.dictConfig` dictionary: one stream handler with the ``fmt`` formatter on the
-    root logger at ``level``; ``httpx`` and ``aiokafka`` at WARNING or above (they log every request), and
-    aiokafka's repeats held back (:class:`RepeatFilter`).
+    root logger at ``level``; ``httpx`` and ``aiokafka`` at WARNING or above (they log every request), ``yoyo``
+    too (it logs every step of every migration; ``streams migrate`` prints the ids applied), and aiokafka's
+    repeats held back (:class:`RepeatFilter`).
 
     ``stream`` is a dictConfig reference (``ext://sys.stdout`` for a worker, whose output is its log).
 
@@ -196,5 +200,5 @@ def dict_config(fmt: str, level: str | int, stream: str = "ext://sys.stderr") ->
             }
         },
         "root": {"level": numeric, "handlers": ["streams"]},
-        "loggers": {name: {"level": quiet} for name in ("httpx", "aiokafka")},
+        "loggers": {name: {"level": quiet} for name in QUIET_LOGGERS},
     }

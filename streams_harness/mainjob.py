@@ -23,7 +23,7 @@ import asyncpg
 from streams.config import Settings
 from streams.errors import StreamsError
 from streams.ledger.pool import create_pool
-from streams.setup.admin import create_topics, database_name
+from streams.setup.admin import create_topics, database_name, migrations_line
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import free_port, free_port_block, tail, wait_healthy
 from streams_harness.report import REPORT
@@ -33,7 +33,6 @@ from streams_harness.run import (
     collect_report,
     isolated_run,
     migrate_quietly,
-    migrations_line,
     replay_until_final,
     run_dir,
     run_meta,

@@ -30,7 +30,7 @@ from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
 from streams.ledger.store import Ledger
 from streams.outages import is_outage
-from streams.setup.admin import create_topics, database_name, delete_topics, migrate
+from streams.setup.admin import create_topics, database_name, delete_topics, migrate, migrations_line
 from streams.setup.teardown import Selection, run_names, teardown_command
 from streams_harness.checkout import checkout_dir
 from streams_harness.replay import replay_trace
@@ -195,16 +195,8 @@ def migrate_quietly(database_url: str) -> list[str]:
         yoyo_log.setLevel(level)
 
 
-def migrations_line(applied: list[str]) -> str:
-    """``migrations applied: <n> (<first> .. <last>)``, or ``none (up to date)``: one line for ``applied``."""
-    if not applied:
-        return "migrations applied: none (up to date)"
-    span = applied[0] if len(applied) == 1 else f"{applied[0]} .. {applied[-1]}"
-    return f"migrations applied: {len(applied)} ({span})"
-
-
 async def remove_run(run: Settings, admin_database_url: str, out: TextIO) -> None:
-    """Remove the run ``run``'s five topics (:func:`streams.setup.admin.delete_topics`) and its database (dropped
+    """Remove the run ``run``'s topics (:func:`streams.setup.admin.delete_topics`) and its database (dropped
     through ``admin_database_url``), its processes being stopped. A removal that fails is printed to ``out`` with
     what to remove by hand (the services may just have been restarted), never raised over the run's own outcome;
     the other removal still runs."""

@@ -8,7 +8,7 @@ look like an outage (``ConnectionError`` "rejected SSL upgrade", ``FileNotFoundE
 
 Behind PgBouncer in transaction pooling mode (1.18 keeps no prepared statements across transactions), set
 ``STREAMS_DATABASE_STATEMENT_CACHE_SIZE=0`` (:func:`connect_kwargs`): the ledger keeps no other session state (no
-``SET``, ``LISTEN``, cursors or session advisory locks; see ``streams.ledger.store._keep_session``).
+``SET``, ``LISTEN``, cursors or session advisory locks; see ``streams.ledger.pool._keep_session``).
 """
 
 from __future__ import annotations

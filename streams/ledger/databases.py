@@ -22,7 +22,7 @@ async def drop_database(server_url: str, name: str, *, dry_run: bool = False) ->
     ``server_url``'s database; returns whether it existed. On ``dry_run`` only looks.
 
     Raises:
-        DatabaseConfigError, LedgerUnavailableError: as :func:`streams.ledger.store.connect`.
+        DatabaseConfigError, LedgerUnavailableError: as :func:`streams.ledger.pool.connect`.
         asyncpg.PostgresError: the role may not drop it (not its owner).
     """
     conn = await connect(server_url)

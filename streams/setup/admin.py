@@ -117,9 +117,18 @@ def migrate(database_url: str) -> list[str]:
     return [m.id for m in pending]
 
 
+def migrations_line(applied: list[str]) -> str:
+    """``migrations applied: <n> (<first> .. <last>)``, or ``none (up to date)``: one line for ``applied`` (the ids
+    :func:`migrate` returns), as ``streams migrate`` and the harness's runs print it."""
+    if not applied:
+        return "migrations applied: none (up to date)"
+    span = applied[0] if len(applied) == 1 else f"{applied[0]} .. {applied[-1]}"
+    return f"migrations applied: {len(applied)} ({span})"
+
+
 def _connect_failure(database_url: str, exc: psycopg.OperationalError) -> StreamsError:
     """What psycopg's failure to connect means: psycopg gives no SQLSTATE for a refused login, so one asyncpg login
-    (:func:`streams.ledger.store.diagnose_connect`, on a thread of its own: a caller may be running an event loop) tells
+    (:func:`streams.ledger.pool.diagnose_connect`, on a thread of its own: a caller may be running an event loop) tells
     wrong settings (:class:`DatabaseConfigError`) from an outage (:class:`LedgerUnavailableError`)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         config_error = pool.submit(asyncio.run, diagnose_connect(database_url)).result()

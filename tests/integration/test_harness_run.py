@@ -17,9 +17,9 @@ from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
 from streams.errors import StreamsError
 from streams.ledger.pool import create_pool
-from streams.setup.admin import delete_topics
+from streams.setup.admin import delete_topics, migrations_line
 from streams_harness import run
-from streams_harness.run import RunOptions, isolated_run, migrations_line, replay_until_final
+from streams_harness.run import RunOptions, isolated_run, replay_until_final
 from streams_harness.services import drop_run_database
 from streams_harness.trace import read_trace
 

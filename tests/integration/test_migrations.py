@@ -7,6 +7,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from pydantic import SecretStr
 from yoyo import get_backend
 
 from streams.config import Settings
@@ -15,6 +16,7 @@ from streams.model.codes import ReasonCode, RemoteCallOutcome
 from streams.model.states import OperationState, can_transition
 from streams.setup.admin import sql_migrations, yoyo_url
 from streams_harness.services import create_run_database, drop_run_database
+from tests.integration.operators_support import streams_cli
 
 pytestmark = pytest.mark.integration
 
@@ -282,5 +284,22 @@ async def test_accepted_index_replaces_the_state_index_and_rolls_back(migrated: 
             assert "operations_state" in rolled_back and "operations_accepted" not in rolled_back
         finally:
             await conn.close()
+    finally:
+        await drop_run_database(base_url, run_url)
+
+
+async def test_streams_migrate_on_a_new_database_prints_its_lines_without_yoyos_steps(migrated: Settings) -> None:
+    """`streams migrate` at the default INFO level on a new database: its three lines on stdout (the first one
+    counting the migrations applied), and on stderr none of yoyo's INFO lines (one per migration and per step:
+    about 150 for the migrations here)."""
+    base_url = migrated.database_url.get_secret_value()
+    run_url = await create_run_database(base_url, f"mig{uuid.uuid4().hex[:8]}")
+    try:
+        new = migrated.model_copy(update={"database_url": SecretStr(run_url)})
+        result = await streams_cli(new, "migrate")
+        assert result.exit_code == 0, result.stderr
+        ids = [m.id for m in sql_migrations(MIGRATIONS)]
+        assert result.stdout.splitlines()[0] == f"migrations applied: {len(ids)} ({ids[0]} .. {ids[-1]})"
+        assert len(ids) > 1 and "yoyo" not in result.stderr and "applying step" not in result.stderr
     finally:
         await drop_run_database(base_url, run_url)

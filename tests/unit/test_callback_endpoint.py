@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import base64
 
+from aiohttp import web
+
 from streams.config import Settings
 from streams.worker.app import create_app
 
 
+def _web_app(settings: Settings) -> web.Application:
+    """The aiohttp application under the worker's Faust web server."""
+    web_app: web.Application = create_app(settings).web.web_app  # type: ignore[attr-defined]  # the aiohttp driver's
+    return web_app
+
+
 def callback_routes(settings: Settings) -> list[tuple[str, str]]:
-    routes = create_app(settings).web.web_app.router.routes()
+    routes = _web_app(settings).router.routes()
     return [(r.method, r.resource.canonical) for r in routes if r.resource and "callback" in r.resource.canonical]
 
 
@@ -25,4 +33,4 @@ def test_the_callback_endpoint_is_served_only_with_callbacks_on() -> None:
 
 
 def _all_routes(settings: Settings) -> list[tuple[str, str]]:
-    return [(r.method, r.resource.canonical) for r in create_app(settings).web.web_app.router.routes() if r.resource]
+    return [(r.method, r.resource.canonical) for r in _web_app(settings).router.routes() if r.resource]

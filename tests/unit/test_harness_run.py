@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 
 from streams.config import Settings
-from streams.setup.admin import run_topics
+from streams.setup.admin import migrations_line, run_topics
 from streams_harness.mainjob import MainJobOptions, processes_env
 from streams_harness.run import (
     RUN_LOOKUP_LAG_S,
     RunOptions,
     final_count,
     isolate,
-    migrations_line,
     progress_line,
     run_meta,
     settled,

@@ -107,16 +107,20 @@ async def test_each_task_keeps_its_own_fields() -> None:
 def test_dict_config_applies_and_refuses_bad_values() -> None:
     root = logging.getLogger()
     saved = root.handlers[:], root.level
+    yoyo_level = logging.getLogger("yoyo").level
     try:
         logging.config.dictConfig(logs.dict_config("json", "info", "ext://sys.stderr"))
         assert isinstance(root.handlers[0].formatter, logs.JsonFormatter) and root.level == logging.INFO
         assert logging.getLogger("httpx").level == logging.WARNING
+        assert logging.getLogger("yoyo").level == logging.WARNING  # not a line per migration step
+        assert not logging.getLogger("yoyo.migrations").isEnabledFor(logging.INFO)
         logging.config.dictConfig(logs.dict_config("text", "ERROR"))
         assert isinstance(root.handlers[0].formatter, logs.TextFormatter)
         assert logging.getLogger("aiokafka").level == logging.ERROR
     finally:
         root.handlers[:], level = saved
         root.setLevel(level)
+        logging.getLogger("yoyo").setLevel(yoyo_level)
     with pytest.raises(ValueError, match="log format 'xml'"):
         logs.dict_config("xml", "INFO")
     with pytest.raises(ValueError, match="not a logging level"):
