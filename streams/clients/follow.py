@@ -129,6 +129,7 @@ async def follow_outputs(
     try:
         await consumer.start()
     except Exception as exc:
+        await consumer.stop()  # a consumer that did not start still holds its client
         await raise_for_security(settings, exc)  # KafkaSecurityError: a wrong security setting
         raise
     try:
