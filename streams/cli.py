@@ -471,8 +471,8 @@ def operations() -> None:
 
     \b
     Exit statuses: 0 done; 2 bad usage; 3 the decision does not apply to the operation's state (nothing
-    written); 4 no such operation; 5 PostgreSQL (or another service) did not answer; 6 a wrong setting (PostgreSQL refused the user
-    or password, no such database, a URL that does not parse); 1 any other error.
+    written); 4 no such operation; 5 PostgreSQL (or another service) did not answer; 6 a wrong setting
+    (PostgreSQL refused the user or password, no such database, a URL that does not parse); 1 any other error.
     """
 
 
