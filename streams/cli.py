@@ -87,6 +87,19 @@ class PluginGroup(click.Group):
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
 
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command; a service that did not answer (:func:`service_exit`) ends it with one message and
+        EXIT_UNAVAILABLE instead of a traceback. Any other error propagates as click handles it."""
+        try:
+            return super().invoke(ctx)
+        except click.ClickException:
+            raise
+        except Exception as exc:
+            failed = service_exit(exc, f"streams {ctx.invoked_subcommand or ctx.info_name}")
+            if failed is None:
+                raise
+            raise failed from exc
+
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         command = super().get_command(ctx, cmd_name)
         if command is not None:
@@ -127,7 +140,7 @@ def _unavailable(name: str, entry_point: EntryPoint, exc: ImportError) -> click.
 #: Exit statuses (1 is click's for other errors, 2 for bad usage); docs/operations.md.
 EXIT_REFUSED = 3  # the decision does not apply to the operation in its current state; nothing written
 EXIT_UNKNOWN_OPERATION = 4  # the ledger does not hold the operation
-EXIT_UNAVAILABLE = 5  # PostgreSQL did not answer
+EXIT_UNAVAILABLE = 5  # a service (PostgreSQL, Redis, Kafka) did not answer or broke the connection
 # EXIT_CONFIG (6, streams.errors): a setting is wrong: malformed, or PostgreSQL refused the login or has no such
 # database; the worker exits with it too
 
@@ -138,6 +151,77 @@ class CommandExit(click.ClickException):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+#: What to do when a service did not answer, by :class:`streams.outages.Failure` service name.
+_WHAT_TO_DO = {
+    "Kafka": "check that the brokers of STREAMS_KAFKA_BOOTSTRAP are up (`streams ready --service kafka`)",
+    "PostgreSQL": "check that the server of STREAMS_DATABASE_URL is up (`streams ready --service postgres`)",
+    "Redis": "check that the server of STREAMS_REDIS_URL is up (`streams ready --service redis`)",
+    "network": "check the network and the addresses of the STREAMS_* settings (`streams ready`)",
+}
+
+#: Links of an exception's chain (``__cause__``, or a ``cause`` attribute) :func:`service_exit` follows.
+_CHAIN_DEPTH = 6
+
+
+def unanswered_service(exc: BaseException) -> tuple[str, BaseException] | None:
+    """``(service, link)`` when ``exc`` or an exception it chains (``__cause__``, or the ``cause`` attribute of
+    :class:`~streams.errors.KafkaAdminError`) is an outage by :func:`streams.outages.classify`: the service
+    (``Kafka``, ``PostgreSQL``, ``Redis``, ``network``) and the link so classified; None otherwise (a refusal, a
+    bug). A :class:`~streams.errors.ServiceNotReadyError` names its service itself."""
+    from streams.errors import ServiceNotReadyError
+    from streams.outages import FailureKind, classify
+
+    link: BaseException | None = exc
+    for _ in range(_CHAIN_DEPTH):
+        if link is None:
+            return None
+        if isinstance(link, ServiceNotReadyError):
+            return {"kafka": "Kafka", "postgres": "PostgreSQL", "redis": "Redis"}.get(link.service, "network"), link
+        failure = classify(link)
+        if failure.kind is FailureKind.OUTAGE:
+            return failure.service, link
+        cause = getattr(link, "cause", None)
+        link = cause if isinstance(cause, BaseException) else link.__cause__
+    return None
+
+
+def service_exit(exc: BaseException, what: str) -> CommandExit | None:
+    """The exit of ``what`` (a command, ``streams run`` in its phase) stopped by ``exc`` when a service did not
+    answer (:func:`unanswered_service`): one paragraph, what failed, the service, what to do, with
+    EXIT_UNAVAILABLE; None when ``exc`` is not an outage. The message carries the exceptions' own text (addresses,
+    error codes; never a payload nor a password)."""
+    found = unanswered_service(exc)
+    if found is None:
+        return None
+    service, link = found
+    from streams.errors import KafkaAdminError
+
+    if isinstance(exc, KafkaAdminError):
+        detail = exc.failure  # its own advice is the one below
+    else:
+        detail = str(exc) if isinstance(exc, StreamsError) else _named(exc)
+    if link is not exc and not isinstance(exc, StreamsError):
+        detail += f" (from {_named(link)})"
+    message = (
+        f"{what} stopped: {service} did not answer: {detail.rstrip('. ')}. What to do: {_WHAT_TO_DO[service]}, "
+        "then run it again"
+    )
+    return CommandExit(" ".join(message.split()), EXIT_UNAVAILABLE)
+
+
+def _named(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``, once (aiokafka's messages start with their type's name already)."""
+    text = str(exc)
+    name = type(exc).__name__
+    return text if text.startswith(name) else f"{name}: {text}"
+
+
+def command_failed(exc: StreamsError, what: str) -> click.ClickException:
+    """The exit of ``what`` stopped by ``exc``: :func:`service_exit`'s when a service did not answer, else exit 1
+    with the error's message."""
+    return service_exit(exc, what) or click.ClickException(str(exc))
 
 
 def _settings() -> Settings:
@@ -193,7 +277,7 @@ def migrate(strict_topics: bool) -> None:
     except LedgerUnavailableError as exc:
         raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
     except StreamsError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise command_failed(exc, "streams migrate") from exc
     click.echo(migrations_line(applied))
     try:
         created = asyncio.run(create_topics(settings, strict=strict_topics))
@@ -408,8 +492,8 @@ def operations() -> None:
 
     \b
     Exit statuses: 0 done; 2 bad usage; 3 the decision does not apply to the operation's state (nothing
-    written); 4 no such operation; 5 PostgreSQL did not answer; 6 a wrong setting (PostgreSQL refused the user
-    or password, no such database, a URL that does not parse); 1 any other error.
+    written); 4 no such operation; 5 PostgreSQL (or another service) did not answer; 6 a wrong setting
+    (PostgreSQL refused the user or password, no such database, a URL that does not parse); 1 any other error.
     """
 
 
@@ -1061,6 +1145,6 @@ def teardown(
     except ConfigError as exc:
         raise CommandExit(str(exc), EXIT_CONFIG) from exc
     except StreamsError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise command_failed(exc, "streams teardown") from exc
     found = len(removed.topics) + len(removed.groups) + (removed.database is not None)
     click.echo(f"{'would remove' if dry_run else 'removed'} {found} (nothing else matched)")

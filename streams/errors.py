@@ -205,8 +205,11 @@ class KafkaAdminError(StreamsError):
 
     def __init__(self, call: str, bootstrap: str, *, attempts: int, elapsed_s: float, cause: BaseException) -> None:
         retried = f" after {attempts} attempts over {elapsed_s:.1f} s" if attempts > 1 else ""
+        said = str(cause) if str(cause).startswith(type(cause).__name__) else f"{type(cause).__name__}: {cause}"
+        #: What failed, without what to do: ``Kafka admin call 'connect' on HOST:PORT failed ...: ERROR``.
+        self.failure = f"Kafka admin call {call!r} on {bootstrap} failed{retried}: {said}"
         super().__init__(
-            f"Kafka admin call {call!r} on {bootstrap} failed{retried}: {type(cause).__name__}: {cause}. "
+            f"{self.failure}. "
             "Check that the broker is up and can coordinate consumer groups (`scripts/services up` waits for that; "
             "`streams ready --service kafka` checks it), then run again"
         )

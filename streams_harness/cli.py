@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
-from streams.cli import CommandExit
+from streams.cli import CommandExit, command_failed, service_exit
 from streams.config import Settings
 from streams.errors import EXIT_CONFIG, ConfigError, StreamsError
 
@@ -80,16 +80,31 @@ async def _until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
     return await task
 
 
-def _run_job(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a harness job (main job, soak) to completion; SIGTERM and project errors become clean exits."""
+def _run_job(coro: Coroutine[Any, Any, T], command: str) -> T:
+    """Run a harness job (``command``: main job, soak, bench) to completion; SIGTERM and project errors become
+    clean exits with one message naming the step the run was in (:class:`streams_harness.run.RunStoppedError`):
+    a service that did not answer exits 5 (EXIT_UNAVAILABLE, what failed and what to do), a wrong setting 6, any
+    other project error 1. Anything else is a bug and keeps its traceback."""
+    from streams_harness.run import RunStoppedError
+
     try:
         return asyncio.run(_until_sigterm(coro))
     except asyncio.CancelledError:
         raise click.ClickException("terminated (SIGTERM); the simulator and workers were stopped") from None
+    except RunStoppedError as exc:
+        what = f"{command} in step {exc.step!r}"
+        failed = service_exit(exc.cause, what)
+        if failed is not None:
+            raise failed from exc
+        if isinstance(exc.cause, ConfigError):
+            raise CommandExit(f"{what}: {exc.cause}", EXIT_CONFIG) from exc
+        if isinstance(exc.cause, StreamsError):
+            raise click.ClickException(f"{what}: {exc.cause}") from exc
+        raise exc.cause from None  # a bug: its own traceback
     except ConfigError as exc:  # DatabaseConfigError: a refused login, no such database: as the product's commands
         raise CommandExit(str(exc), EXIT_CONFIG) from exc
     except StreamsError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise command_failed(exc, command) from exc
 
 
 def _run_options(
@@ -189,7 +204,7 @@ def run_command(faults: bool, fault_overrides: tuple[str, ...], **options: Any) 
         if not 0.0 <= rate <= 1.0:
             raise click.BadParameter(f"{item!r}: RATE must be a number from 0 to 1", param_hint="--fault")
         rates[key] = rate
-    report = _run_job(run_main_job(MainJobOptions(faults=rates, **options)))
+    report = _run_job(run_main_job(MainJobOptions(faults=rates, **options)), "streams run")
     problems = broken_promises(report, repeats_allowed=False)
     if problems:
         raise click.ClickException("the run broke a promise: " + ", ".join(problems))
@@ -211,7 +226,7 @@ def soak_command(**options: Any) -> None:
     from streams_harness.report import broken_promises
     from streams_harness.soak import SoakOptions, run_soak
 
-    problems = broken_promises(_run_job(run_soak(SoakOptions(**options))), repeats_allowed=True)
+    problems = broken_promises(_run_job(run_soak(SoakOptions(**options)), "streams soak"), repeats_allowed=True)
     if problems:
         raise click.ClickException("the soak broke a promise: " + ", ".join(problems))
 
@@ -299,7 +314,7 @@ def bench_command(**options: Any) -> None:
     from streams_harness.bench import BenchOptions, run_bench
 
     opts = BenchOptions(**options)
-    report = _run_job(run_bench(opts))
+    report = _run_job(run_bench(opts), "streams bench")
     broken = {
         label: s["broken_promises"] for label, s in report["summary"].items() if s["kind"] in ("pipeline", "paced")
     }

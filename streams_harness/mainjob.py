@@ -30,6 +30,7 @@ from streams_harness.report import REPORT
 from streams_harness.run import (
     DEFAULT_FAULTS,
     RunOptions,
+    RunSteps,
     collect_report,
     isolated_run,
     migrate_quietly,
@@ -139,10 +140,19 @@ async def run_main_job(opts: MainJobOptions, out: TextIO = sys.stdout) -> dict[s
     job at a time (a lock).
 
     Raises:
-        MainJobError: another main job holds the environment's ledger, or the processes exited.
-        ProcessError: the simulator or a worker did not become healthy.
+        RunStoppedError: an error stopped the run, in the step it names; its cause is the error: MainJobError
+            (another main job holds the environment's ledger, or the processes exited), ProcessError (the simulator
+            or a worker did not become healthy), a service's error.
     """
     checkout_dir()  # outside a clone, fail before anything is created
+    steps = RunSteps()
+    try:
+        return await _main_job(opts, out, steps)
+    except Exception as exc:
+        raise steps.stopped(exc) from exc
+
+
+async def _main_job(opts: MainJobOptions, out: TextIO, steps: RunSteps) -> dict[str, Any]:
     run_id = f"run{int(time.time())}"
     sim_port = free_port()
     settings = Settings.from_env().replace(partitions=opts.partitions, remote_base_url=f"http://127.0.0.1:{sim_port}")
@@ -154,8 +164,9 @@ async def run_main_job(opts: MainJobOptions, out: TextIO = sys.stdout) -> dict[s
         file=out,
     )
     if opts.isolate:
-        async with isolated_run(settings, run_id, keep=opts.keep, out=out) as run_settings:
-            return await _run(opts, run_settings, run_id, sim_port, rows, out)
+        async with isolated_run(settings, run_id, keep=opts.keep, out=out, steps=steps) as run_settings:
+            return await _run(opts, run_settings, run_id, sim_port, rows, out, steps)
+    steps.enter("set-up: migrate the database and create the topics")
     database_url = settings.database_url.get_secret_value()
     print(f"database {database_name(database_url)}: {migrations_line(migrate_quietly(database_url))}", file=out)
     await create_topics(settings)
@@ -167,26 +178,37 @@ async def run_main_job(opts: MainJobOptions, out: TextIO = sys.stdout) -> dict[s
             "or point STREAMS_DATABASE_URL at another database"
         )
     try:
-        return await _run(opts, settings, run_id, sim_port, rows, out)
+        return await _run(opts, settings, run_id, sim_port, rows, out, steps)
     finally:
         await lock.close()
 
 
 async def _run(
-    opts: MainJobOptions, settings: Settings, run_id: str, sim_port: int, rows: list[TraceRow], out: TextIO
+    opts: MainJobOptions,
+    settings: Settings,
+    run_id: str,
+    sim_port: int,
+    rows: list[TraceRow],
+    out: TextIO,
+    steps: RunSteps,
 ) -> dict[str, Any]:
+    steps.enter("start: the simulator and the workers")
     env = processes_env(opts, settings, sim_port)
     log_path = run_dir(run_id) / "processes.log"
     base_port = opts.base_port or free_port_block([0, *(100 + i for i in range(opts.workers))])
     procs = Processes(env, opts.workers, base_port, log_path)
     honcho = procs.start()
     print(f"processes started (honcho, logs: {log_path})", file=out)
-    pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
 
     def check() -> None:
         if honcho.poll() is not None:
             raise MainJobError(f"worker processes exited; see the end of {log_path}:\n{tail(log_path)}")
 
+    try:
+        pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
+    except BaseException:
+        procs.stop()  # the processes started: never leave them running
+        raise
     try:
         await wait_healthy(f"{settings.remote_base_url.get_secret_value()}/healthz", 60, honcho, log_path)
         for port in procs.worker_ports():
@@ -194,12 +216,14 @@ async def _run(
         # Measure the steady state: start the replay once every worker has its partitions (no start-up rebalance).
         if not await wait_group_stable(settings, opts.workers, 60):
             print("warning: the consumer group did not settle within 60 s; replaying anyway", file=out)
+        steps.enter("replay: submit the trace and wait until every operation is final")
         ids, elapsed_s = await replay_until_final(
             settings, pool, rows, opts, run_id, out=out, interval_s=2.0, check=check
         )
         meta = run_meta(
             opts, run_id, partitions=opts.partitions, rows=len(rows), faults=opts.faults, elapsed_s=elapsed_s
         )
+        steps.enter("report: read the ledger, the simulator and the outputs topic")
         report = await collect_report(settings, pool, f"{run_id}-%", ids, meta)
     finally:
         await pool.close()

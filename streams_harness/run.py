@@ -28,6 +28,7 @@ import orjson
 from streams.clients.follow import read_topic_to_end
 from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
+from streams.errors import StreamsError
 from streams.ledger.store import Ledger
 from streams.outages import is_outage
 from streams.setup.admin import create_topics, database_name, delete_topics, migrate, migrations_line
@@ -66,6 +67,35 @@ RUN_MAX_OBSERVATION_AGE_S = 30.0
 
 #: The simulator's lookup consistency lag in a run with lookup on (s); the workers wait one more second.
 RUN_LOOKUP_LAG_S = 1.0
+
+
+class RunStoppedError(StreamsError):
+    """An error stopped a harness run in ``step`` (:class:`RunSteps`); ``cause`` is the error (also chained).
+
+    ``streams run``, ``soak`` and ``bench`` end with it as one message naming the step: a service that did not
+    answer exits 5, a wrong setting 6, any other project error 1; anything else is a bug and keeps its traceback
+    (:func:`streams_harness.cli._run_job`)."""
+
+    def __init__(self, step: str, cause: Exception) -> None:
+        super().__init__(f"in step {step!r}: {type(cause).__name__}: {cause}")
+        self.step = step
+        self.cause = cause
+
+
+class RunSteps:
+    """The step a harness run is in, said by :meth:`enter` as the run goes: set-up, start, replay, report. An error
+    the run does not handle leaves the run as :class:`RunStoppedError` naming the step (:meth:`stopped`)."""
+
+    def __init__(self) -> None:
+        self.step = "set-up: read the trace"
+
+    def enter(self, step: str) -> None:
+        """The run is now in ``step`` (a few words: what it does)."""
+        self.step = step
+
+    def stopped(self, exc: Exception) -> RunStoppedError:
+        """``exc`` as the error that stopped the run in the current step (a :class:`RunStoppedError` as it is)."""
+        return exc if isinstance(exc, RunStoppedError) else RunStoppedError(self.step, exc)
 
 
 @dataclass
@@ -144,7 +174,9 @@ def isolate(settings: Settings, run_id: str, database_url: str) -> Settings:
 
 
 @contextlib.asynccontextmanager
-async def isolated_run(settings: Settings, run_id: str, *, keep: bool, out: TextIO) -> AsyncIterator[Settings]:
+async def isolated_run(
+    settings: Settings, run_id: str, *, keep: bool, out: TextIO, steps: RunSteps | None = None
+) -> AsyncIterator[Settings]:
     """The run ``run_id`` isolated on the services of ``settings`` (:func:`isolate`): its ledger database created
     and migrated (one line to ``out``), its topics created (``settings.partitions``); yields the run's settings.
     Afterwards its topics (Faust's internal one included) and its database are removed unless ``keep``
@@ -153,13 +185,17 @@ async def isolated_run(settings: Settings, run_id: str, *, keep: bool, out: Text
     Raises:
         asyncpg.PostgresError: the role may not create databases.
     """
+    steps = steps or RunSteps()
     database_url = settings.database_url.get_secret_value()
+    steps.enter("set-up: create the run's database")
     run = isolate(settings, run_id, await create_run_database(database_url, run_id))
     try:
+        steps.enter("set-up: migrate the run's database")
         applied = migrate_quietly(run.database_url.get_secret_value())
         print(
             f"run database {database_name(run.database_url.get_secret_value())}: {migrations_line(applied)}", file=out
         )
+        steps.enter("set-up: create the run's topics")
         await create_topics(run)
         yield run
     finally:

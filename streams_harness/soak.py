@@ -37,6 +37,7 @@ from streams_harness.fleet import Fleet, Worker, free_port, start_simulator
 from streams_harness.run import (
     DEFAULT_FAULTS,
     RunOptions,
+    RunSteps,
     collect_report,
     isolated_run,
     replay_until_final,
@@ -201,17 +202,28 @@ async def run_soak(opts: SoakOptions, out: TextIO = sys.stdout) -> dict[str, Any
     simulator through a Toxiproxy proxy of the run's own.
 
     Raises:
-        SoakError: the simulator exited, or the fault plan failed.
+        RunStoppedError: an error stopped the soak, in the step it names; its cause is the error: SoakError (the
+            simulator exited, or the fault plan failed), a service's error.
     """
     checkout_dir()  # outside a clone, fail before anything is created
+    steps = RunSteps()
+    try:
+        return await _soak(opts, out, steps)
+    except Exception as exc:
+        raise steps.stopped(exc) from exc
+
+
+async def _soak(opts: SoakOptions, out: TextIO, steps: RunSteps) -> dict[str, Any]:
     run_id = f"soak{int(time.time())}"
     sim_port = free_port()
     rows = read_trace(opts.trace, start=opts.start, rows=opts.rows)
     log_dir = run_dir(run_id)
     log_dir.mkdir(parents=True, exist_ok=True)
     toxiproxy = Toxiproxy()
+    steps.enter("set-up: start Toxiproxy")
     await asyncio.to_thread(toxiproxy.ensure_running)
-    async with isolated_run(Settings.from_env(), run_id, keep=opts.keep, out=out) as run_settings:
+    async with isolated_run(Settings.from_env(), run_id, keep=opts.keep, out=out, steps=steps) as run_settings:
+        steps.enter("start: the simulator and the workers")
         proxy = f"sim-{run_id}"
         proxy_port = await toxiproxy.create(proxy, f"127.0.0.1:{sim_port}")
         settings = worker_settings(
@@ -234,7 +246,14 @@ async def run_soak(opts: SoakOptions, out: TextIO = sys.stdout) -> dict[str, Any
         for _ in range(opts.workers):
             fleet.start()
         chaos = Chaos(opts, fleet, toxiproxy, proxy, out)
-        pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
+        try:
+            pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
+        except BaseException:  # the processes started: never leave them running
+            fleet.stop_all()
+            sim.terminate()
+            sim.wait()
+            await toxiproxy.delete(proxy)
+            raise
         print(
             f"soak {run_id}: {len(rows)} rows, {opts.workers} workers, {opts.faults} faults (seed {opts.seed}), "
             f"logs in {log_dir}",
@@ -252,6 +271,7 @@ async def run_soak(opts: SoakOptions, out: TextIO = sys.stdout) -> dict[str, Any
                 if chaos_task.done() and not chaos_task.cancelled() and chaos_task.exception() is not None:
                     raise SoakError(f"the fault plan failed: {chaos_task.exception()!r}")
 
+            steps.enter("replay: submit the trace under the fault plan and wait until every operation is final")
             try:
                 ids, elapsed_s = await replay_until_final(
                     settings,
@@ -275,6 +295,7 @@ async def run_soak(opts: SoakOptions, out: TextIO = sys.stdout) -> dict[str, Any
                 faults=opts.sim_faults,
                 elapsed_s=elapsed_s,
             )
+            steps.enter("report: read the ledger, the simulator and the outputs topic")
             report = await collect_report(settings, pool, f"{run_id}-%", ids, meta)
             report["faults_by_kind"] = dict(chaos.injected)
             report["faults_skipped"] = dict(chaos.skipped)

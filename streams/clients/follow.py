@@ -96,6 +96,7 @@ async def _start(settings: Settings, consumer: AIOKafkaConsumer) -> None:
     try:
         await consumer.start()
     except Exception as exc:
+        await consumer.stop()  # a consumer that did not start still holds its client
         await raise_for_security(settings, exc)
         raise
 

@@ -196,6 +196,7 @@ class SubmissionProducer:
         try:
             await self._producer.start()
         except Exception as exc:
+            await self._producer.stop()  # a producer that did not start still holds its client
             await raise_for_security(self.settings, exc)  # KafkaSecurityError: a wrong security setting
             raise
         return self

@@ -55,6 +55,7 @@ from typing import Any
 import faust
 import tenacity
 from aiohttp import web
+from faust.transport.drivers.aiokafka import Consumer as FaustKafkaConsumer
 from faust.transport.drivers.aiokafka import Producer as FaustKafkaProducer
 from prometheus_client import generate_latest
 
@@ -286,11 +287,40 @@ class _IdempotentProducer(FaustKafkaProducer):
         return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
 
 
+class _SeekingConsumer(FaustKafkaConsumer):
+    """Faust's aiokafka consumer; a partition without a committed offset is sought back to its beginning too.
+
+    Faust drops the records it fetched while a rebalance suspended its flow (or a generation changed within a
+    fetch), trusting ``seek_to_committed`` to read them again; aiokafka's seeks only to a committed offset above
+    0 (``if offset and offset > 0``, ``aiokafka/consumer/consumer.py`` ``seek_to_committed``), so on a partition
+    nothing was committed on yet (one grown live) those records were skipped for good. Offset 0 is where the
+    consumer's reset policy (``earliest``) starts such a partition anyway; the ledger accepts a record read twice
+    once."""
+
+    async def seek_to_committed(self) -> Mapping[Any, int]:
+        committed = await super().seek_to_committed()
+        unsought = {tp: 0 for tp, offset in committed.items() if not offset}
+        if unsought:
+            await self.seek_wait(unsought)
+        return committed
+
+
 class _App(faust.App):
-    """The worker's Faust app: its producer is :class:`_IdempotentProducer`."""
+    """The worker's Faust app: its producer is :class:`_IdempotentProducer`, its consumer
+    :class:`_SeekingConsumer`."""
 
     def _new_producer(self) -> Any:
         return _IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+    def _new_consumer(self) -> Any:
+        return _SeekingConsumer(
+            self.transport,
+            callback=self.topics.on_message,
+            loop=self.transport.loop,
+            on_partitions_revoked=self._on_partitions_revoked,
+            on_partitions_assigned=self._on_partitions_assigned,
+            beacon=self.beacon,
+        )
 
 
 async def run_forever(tick: Callable[[], Awaitable[int]], idle_s: float, wake: asyncio.Event | None = None) -> None:

@@ -27,7 +27,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     for module, name in ((mainjob, "run_main_job"), (soak, "run_soak"), (bench, "run_bench")):
         monkeypatch.setattr(module, name, job)
-    monkeypatch.setattr(cli, "_run_job", lambda coro: {"summary": {}})
+    monkeypatch.setattr(cli, "_run_job", lambda coro, command: {"summary": {}})
     monkeypatch.setattr(report, "broken_promises", lambda report, repeats_allowed: [])
     return options
 
