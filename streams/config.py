@@ -407,7 +407,11 @@ class Settings(ExplicitSettings):
     )
 
     # Worker web server (metrics, health).
-    web_port: Port = Field(6066, description="Port of the worker's web server: live view, /metrics, /healthz.")
+    web_port: Port = Field(
+        6066,
+        description="Port of the worker's web server: the live view, /metrics, the probes /livez and /readyz, and the "
+        "callback endpoint when callbacks are on.",
+    )
     web_enabled: EnvBool = Field(True, description="Run the worker's web server.")
 
     # Retention of the dead-letter topic: `streams migrate` sets its retention.ms to this (dead letters hold

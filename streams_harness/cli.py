@@ -262,7 +262,13 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
     help="STREAMS_HTTP_TRANSPORT values to compare, e.g. aiohttp,httpx.",
 )
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 20), help="Runs per configuration.")
-@click.option("--naive-processes", default=2, show_default=True, type=click.IntRange(1, 16))
+@click.option(
+    "--naive-processes",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1, 16),
+    help="Processes of the naive peer and of the job-queue peer.",
+)
 @click.option("--floor/--no-floor", default=True, show_default=True, help="Run the floor.")
 @click.option(
     "--floor-processes",
@@ -290,8 +296,20 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
     "--job-duration-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Creation to completion."
 )
 @click.option("--profile/--no-profile", default=True, show_default=True, help="py-spy one worker under load.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-@click.option("--chart", "chart_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the JSON report here (default: report.json in the run's directory, printed at the end).",
+)
+@click.option(
+    "--chart",
+    "chart_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the PNG chart here (default: beside the report).",
+)
 @click.option("--run-timeout-s", default=300.0, show_default=True, help="Give up on one run after this long.")
 @click.option(
     "--keep", is_flag=True, help="Keep each run's database and topics (by default they are removed after each run)."
@@ -305,7 +323,13 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
     help="Also run 2 workers at this many submissions a second (open loop, delivery latency while not "
     "saturated); 0: no paced run.",
 )
-@click.option("--paced-operations", default=1000, show_default=True, type=click.IntRange(min=10))
+@click.option(
+    "--paced-operations",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(min=10),
+    help="Operations submitted in the paced run.",
+)
 def bench_command(**options: Any) -> None:
     """The benchmark: the pipeline (1, 2, 4 workers; two partition counts) against the floor (the same calls,
     batched, no logic), a naive peer (several processes polling PostgreSQL, no lease) and a job-queue peer
