@@ -81,7 +81,7 @@ async def test_every_operator_command_runs_as_the_operator_role(
     for command, op, *rest in decisions:
         out = ok(await streams_cli(op_settings, "operations", command, op, *rest, "--json")).json()
         assert out["actor"].startswith(who), out
-    states = dict(await pool.fetch("SELECT operation_id, state::text FROM operations"))  # type: ignore[arg-type]
+    states = dict(await pool.fetch("SELECT operation_id, state::text FROM operations"))
     assert [states[op] for _command, op, *_rest in decisions[:5]] == [
         "submitted",
         "rejected",
