@@ -81,6 +81,13 @@ class DatabaseConfigError(ConfigError):
         self.address = address
 
 
+class DatabasePrivilegeError(ConfigError):
+    """PostgreSQL refused a statement because the login role lacks the privilege (SQLSTATE 42501): the command
+    needs another role, e.g. ``streams migrate`` and dropping a database need the database's owner, which the
+    group roles of migration 0008 are not (docs/operating-data.md, "Roles"). The message names the role, where,
+    and what to do; retrying as the same role cannot help (exit 6)."""
+
+
 class MissingResourceError(StreamsError):
     """A file the package ships (a JSON Schema, a migration, a named query) is missing from the installation;
     the message names it. Reinstall the package; nothing was done."""

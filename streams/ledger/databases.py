@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
-from streams.ledger.pool import connect
+import asyncpg
+
+from streams.ledger.pool import connect, privilege_error
 from streams.ledger.sql import Queries
 
 DATABASES = Queries("databases.sql")
@@ -23,13 +25,16 @@ async def drop_database(server_url: str, name: str, *, dry_run: bool = False) ->
 
     Raises:
         DatabaseConfigError, LedgerUnavailableError: as :func:`streams.ledger.pool.connect`.
-        asyncpg.PostgresError: the role may not drop it (not its owner).
+        DatabasePrivilegeError: the role may not drop it (not its owner); it was not dropped.
     """
     conn = await connect(server_url)
     try:
         exists = bool(await DATABASES.database_exists.fetchval(conn, name=name))
         if exists and not dry_run:
-            await conn.execute(f"DROP DATABASE IF EXISTS {quote_identifier(name)} WITH (FORCE)")
+            try:
+                await conn.execute(f"DROP DATABASE IF EXISTS {quote_identifier(name)} WITH (FORCE)")
+            except asyncpg.InsufficientPrivilegeError as exc:
+                raise privilege_error(server_url, f"drop database {name}", exc, "it was not dropped") from exc
         return exists
     finally:
         await conn.close()

@@ -15,7 +15,7 @@ from urllib.parse import unquote
 
 import asyncpg
 
-from streams.errors import DatabaseConfigError, LedgerDataError, LedgerUnavailableError
+from streams.errors import DatabaseConfigError, DatabasePrivilegeError, LedgerDataError, LedgerUnavailableError
 from streams.ledger import connect_options
 from streams.outages import is_outage
 from streams.wire import exactjson
@@ -148,6 +148,25 @@ def _without_password(text: str, database_url: str) -> str:
     for secret in {password, unquote(password)} - {""}:
         text = text.replace(secret, "***")
     return text
+
+
+def database_role_name(database_url: str) -> str | None:
+    """The login role of a PostgreSQL URL as written (decoded); None when the URL names none (libpq's default)."""
+    userinfo = (database_url.partition("://")[2] or database_url).rpartition("@")[0]
+    return unquote(userinfo.partition(":")[0]) or None
+
+
+def privilege_error(database_url: str, action: str, exc: BaseException, outcome: str) -> DatabasePrivilegeError:
+    """The :class:`DatabasePrivilegeError` for ``exc``, PostgreSQL's refusal (SQLSTATE 42501) of ``action`` (what
+    the command tried, e.g. ``apply the migrations``) to ``database_url``'s role: who, where (never the password),
+    PostgreSQL's words, what to do, and ``outcome`` (what was left, e.g. ``nothing was applied``)."""
+    role = database_role_name(database_url)
+    who = f"role {role}" if role else "the login role"
+    detail = _without_password(" ".join(str(exc).split()), database_url)
+    return DatabasePrivilegeError(
+        f"{who} may not {action} on PostgreSQL at {database_address(database_url)} ({detail}): run it as the "
+        'database\'s owner (docs/operating-data.md, "Roles"); ' + outcome
+    )
 
 
 def connect_config_error(database_url: str, exc: BaseException) -> DatabaseConfigError:

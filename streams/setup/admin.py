@@ -55,7 +55,7 @@ from streams.errors import (
     TopicLayoutError,
 )
 from streams.kafka_security import client_kwargs, raise_for_security
-from streams.ledger.pool import connect_config_error, database_address, diagnose_connect
+from streams.ledger.pool import connect_config_error, database_address, diagnose_connect, privilege_error
 from streams.outages import is_outage
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ def migrate(database_url: str) -> list[str]:
         MissingResourceError: the package is not installed or holds no migration (nothing is applied).
         DatabaseConfigError: PostgreSQL refused the login, has no such database, or the URL does not parse.
         LedgerUnavailableError: PostgreSQL did not accept the connection for another reason (nothing applied).
+        DatabasePrivilegeError: the role may not take the migrations' lock or run one (not the database's owner).
     """
     try:
         package = resources.files(MIGRATIONS_PACKAGE)
@@ -111,9 +112,17 @@ def migrate(database_url: str) -> list[str]:
             raise _connect_failure(database_url, exc) from exc
         except ValueError as exc:  # the URL does not parse (a port that is not a number, another scheme)
             raise connect_config_error(database_url, exc) from exc
-        with backend.lock():
-            pending = backend.to_apply(migrations)
-            backend.apply_migrations(pending)
+        try:
+            with backend.lock():
+                pending = backend.to_apply(migrations)
+                backend.apply_migrations(pending)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise privilege_error(
+                database_url,
+                "apply the migrations",
+                exc,
+                "the ones applied before stay, none half applied (each is one transaction)",
+            ) from exc
     return [m.id for m in pending]
 
 

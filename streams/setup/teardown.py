@@ -189,7 +189,8 @@ async def teardown(
     Raises:
         SharedResourceRefusedError: as :func:`check_selection` (checked before anything is removed).
         KafkaAdminError: a Kafka admin call failed (names removed so far were reported).
-        DatabaseConfigError, LedgerUnavailableError: as :func:`streams.ledger.databases.drop_database`.
+        DatabaseConfigError, DatabasePrivilegeError, LedgerUnavailableError: as
+            :func:`streams.ledger.databases.drop_database`.
     """
     check_selection(settings, selection, include_shared=include_shared)
     removed = Removed()
