@@ -513,6 +513,21 @@ async def test_an_unknown_status_stalls_at_the_limit_and_a_known_one_resets_the_
     assert p.provider.count("GET") == 6
 
 
+async def test_a_stalled_reason_names_the_last_answer_without_its_body(pipeline: Callable[..., Pipeline]) -> None:
+    """The reason is published on the transitions topic and shown in the live view; the body (which may carry
+    outputs or an echoed prompt) stays in the ledger's last answer only."""
+    secret_text = "the user's own words"
+    p = pipeline(Provider(gets=[job("paused", outputs=[{"id": "o", "text": secret_text}])] * 5))
+    await p.dispatcher.handle(submission())
+    for _ in range(5):
+        p.ledger.advance(60.0)
+        await p.observe_due()
+    op = p.ledger.operations[OP]
+    assert op.state is S.STALLED and op.reason is not None
+    assert "http_status=200, body of " in op.reason and secret_text not in op.reason
+    assert op.last_observation is not None and secret_text in op.last_observation["body"]
+
+
 async def test_a_job_observed_past_the_maximum_age_stalls(pipeline: Callable[..., Pipeline]) -> None:
     p = pipeline(Provider(gets=[httpx.Response(503)]))
     await p.dispatcher.handle(submission())

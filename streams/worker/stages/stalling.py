@@ -157,5 +157,10 @@ class StallGuard:
 
 
 def _short(answer: dict[str, Any], limit: int = 300) -> str:
-    text = ", ".join(f"{k}={v!r}" for k, v in answer.items())
+    """``answer`` as reason text, without its body: a body may carry the user's payload (outputs, an echoed
+    prompt), and a reason is published, logged and shown; the ledger keeps the raw answer apart (``last_answer``)."""
+    text = ", ".join(
+        f"body of {len(v)} chars kept in the ledger" if k == "body" and isinstance(v, str) else f"{k}={v!r}"
+        for k, v in answer.items()
+    )
     return text if len(text) <= limit else text[: limit - 3] + "..."
