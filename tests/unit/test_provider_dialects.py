@@ -92,6 +92,19 @@ def write(tmp_path: Path, data: Any) -> str:
         (lambda d: d["answer"].update(outputs_shape="rows"), "answer.outputs_shape is 'rows'"),
         (lambda d: d.update(callback_signature="hmac-md5"), "callback_signature is 'hmac-md5'"),
         (lambda d: d["create"].update(method="FETCH"), "create.method is 'FETCH'"),
+        # hostile or wrong route templates: httpx resolves dot segments, so '/../..' left the base URL's path
+        (lambda d: d["get"].update(path="/../../admin/{job_id}"), "get.path is '/../../admin/{job_id}': a '.'"),
+        (lambda d: d["get"].update(path="/v1/%2E%2e/{job_id}"), "get.path is '/v1/%2E%2e/{job_id}': a '.'"),
+        (lambda d: d["cancel"].update(path="/v1/./{job_id}"), "cancel.path is '/v1/./{job_id}': a '.'"),
+        (lambda d: d["get"].update(path="//evil.example/{job_id}"), "an empty segment"),
+        (lambda d: d["get"].update(path="/v1/{model}/{job_id}"), "the only placeholder a route may hold"),
+        (lambda d: d["get"].update(path="/v1/{job_id}/{job_id}"), "expected an absolute path with {job_id} once"),
+        (lambda d: d["get"].update(path="/v1/x?id={job_id}"), "{job_id} must be in the path"),
+        (lambda d: d["cancel"].update(path="/v1/{job_id}#c"), "no fragment"),
+        (lambda d: d["create"].update(path="/v1/predictions now"), "no fragment ('#'), space"),
+        # two spellings of one word: the second silently replaced the first's state
+        (lambda d: d["statuses"].update({"Succeeded ": "failed"}), "the word 'succeeded' again"),
+        (lambda d: d["statuses"].update({" ": "failed"}), "an empty status word"),
     ],
 )
 def test_a_wrong_declaration_is_refused_naming_the_key(
