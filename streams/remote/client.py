@@ -954,9 +954,17 @@ def parse_job_answer(
         else None
     )
     if ids is None or not all(isinstance(i, str) and i for i in ids) or len(set(ids)) != len(ids):
+        # The outputs are the application's payload: the message says what is wrong with them, never what they hold.
+        if ids is None:
+            why = "not a list of objects" if not isinstance(outputs, list) else "an output that is not an object"
+        elif not all(isinstance(i, str) and i for i in ids):
+            why = "an output whose id is missing or not text"
+        else:
+            why = "an id repeated"
+        count = len(outputs) if isinstance(outputs, list) else 1
         raise RemoteContractError(
             operation_id,
-            f"GET {job_id} returned outputs without distinct string ids: {clean_text(repr(outputs), 300)}",
+            f"GET {job_id} returned outputs without distinct string ids ({count} output(s): {why})",
             status_code=status,
         )
     error = read_path(body, fields.error)

@@ -213,6 +213,25 @@ async def test_seed_outputs_without_ids_break_the_contract(client: Callable[...,
         await remote.observe(OP, "p1")
 
 
+@pytest.mark.parametrize(
+    ("outputs", "why"),
+    [
+        ([{"text": "the private output"}], "1 output(s): an output whose id is missing or not text"),
+        ([{"id": "o", "text": "the private output"}] * 2, "2 output(s): an id repeated"),
+        (["the private output"], "1 output(s): an output that is not an object"),
+        ({"text": "the private output"}, "1 output(s): not a list of objects"),
+    ],
+)
+async def test_outputs_breaking_the_contract_are_described_never_quoted(
+    client: Callable[..., tuple[RemoteClient, Seen]], outputs: Any, why: str
+) -> None:
+    # The message went into the ledger and the logs with the outputs' text (a user payload) in it.
+    remote, _ = client("seed-generations", 200, {"id": "p1", "status": "succeeded", "outputs": outputs})
+    with pytest.raises(RemoteContractError) as caught:
+        await remote.observe(OP, "p1")
+    assert "private" not in str(caught.value) and why in str(caught.value)
+
+
 async def test_a_prediction_create_goes_to_its_route(client: Callable[..., tuple[RemoteClient, Seen]]) -> None:
     remote, seen = client("replicate-predictions", 201, {"id": "p9", "status": "starting"})
     created = await remote.submit(OP, REQUEST)
