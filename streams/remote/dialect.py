@@ -195,7 +195,7 @@ def _path(source: str, text: str, where: str) -> FieldPath:
     return keys
 
 
-def _route_problem(path: str) -> str | None:
+def route_problem(path: str) -> str | None:
     """What makes route template ``path`` unusable, None when nothing does: a placeholder other than
     ``{job_id}``, a ``.`` or ``..`` segment (plain or percent-encoded: httpx resolves it, so the call would leave
     ``STREAMS_REMOTE_BASE_URL``'s path), an empty segment (``//`` at the start names a host, which httpx drops), a
@@ -224,7 +224,7 @@ def _route(source: str, data: Any, where: str, *, method: bool, job_id: bool) ->
     if not path.startswith("/") or path.count("{job_id}") != (1 if job_id else 0):
         need = "with {job_id} once" if job_id else "without {job_id}"
         raise _refuse(source, f"{where}.path is {path!r}: expected an absolute path {need}")
-    problem = _route_problem(path)
+    problem = route_problem(path)
     if problem is not None:
         raise _refuse(source, f"{where}.path is {path!r}: {problem}")
     verb = _text(source, route, "method", where).upper() if method else "GET"

@@ -286,6 +286,22 @@ def test_explicit_auth_and_cancel_settings_override_the_declaration() -> None:
     assert remote.cancel_path == "/v2/p/{job_id}:cancel"
 
 
+@pytest.mark.parametrize(
+    ("cancel_path", "words"),
+    [
+        ("/v1/../../admin/{job_id}", "a '.' or '..' segment"),
+        ("/v1/{job_id}/{job_id}/cancel", "it must hold {job_id} once"),
+        ("/v1/{model}/{job_id}", "the only placeholder"),
+    ],
+)
+def test_an_explicit_cancel_path_is_checked_as_a_declarations_routes(cancel_path: str, words: str) -> None:
+    # STREAMS_REMOTE_CANCEL_PATH replaces the declaration's route, and only its pattern (/ ... {job_id}) was checked.
+    settings = Settings(remote_cancel_path=cancel_path)
+    with pytest.raises(ConfigError, match="STREAMS_REMOTE_CANCEL_PATH") as caught:
+        RemoteClient.from_settings(settings, transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+    assert words in str(caught.value)
+
+
 # --- against the simulator, each dialect -------------------------------------------------------------------------
 
 
