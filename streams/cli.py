@@ -36,7 +36,7 @@ import click
 
 from streams import logs
 from streams.config import Settings
-from streams.errors import EXIT_CONFIG, ConfigError, LedgerUnavailableError, StreamsError
+from streams.errors import EXIT_CONFIG, EXIT_UNAVAILABLE, ConfigError, LedgerUnavailableError, StreamsError
 from streams.model.states import OperationState
 from streams.wire import exactjson
 
@@ -140,7 +140,8 @@ def _unavailable(name: str, entry_point: EntryPoint, exc: ImportError) -> click.
 #: Exit statuses (1 is click's for other errors, 2 for bad usage); docs/operations.md.
 EXIT_REFUSED = 3  # the decision does not apply to the operation in its current state; nothing written
 EXIT_UNKNOWN_OPERATION = 4  # the ledger does not hold the operation
-EXIT_UNAVAILABLE = 5  # a service (PostgreSQL, Redis, Kafka) did not answer or broke the connection
+# EXIT_UNAVAILABLE (5, streams.errors): a service (PostgreSQL, Redis, Kafka) did not answer or broke the connection;
+# the worker exits with it too
 # EXIT_CONFIG (6, streams.errors): a setting is wrong: malformed, or PostgreSQL refused the login or has no such
 # database; the worker exits with it too
 

@@ -619,6 +619,12 @@ class Settings(ExplicitSettings):
         description="With callbacks on: least delay between two polls of a running job (s), so a lost callback "
         "only delays its completion by this much.",
     )
+    # -- breakit: the callback body's read deadline
+    callback_body_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        10.0,
+        description="Longest time a callback's body may take to arrive, in seconds; a slower one is refused (408) "
+        "and its connection closed, so a sender trickling bytes holds no handler.",
+    )
 
     def __init__(self, **values: Any) -> None:
         try:

@@ -68,6 +68,9 @@ class ConfigError(StreamsError):
 #: Exit status of a command (and of the worker) stopped by a :class:`ConfigError`: a supervisor restarting the
 #: process cannot fix it (docs/operations.md).
 EXIT_CONFIG = 6
+#: Exit status of a command (and of the worker) stopped because a service (PostgreSQL, Redis, Kafka) did not
+#: answer or broke the connection: running it again once the service is back can succeed (docs/operations.md).
+EXIT_UNAVAILABLE = 5
 
 
 class DatabaseConfigError(ConfigError):

@@ -130,6 +130,7 @@ class CallbackRefusal(enum.StrEnum):
     BAD_SIGNATURE = "bad_signature"  # 401: no v1 signature matches a configured secret
     STALE_TIMESTAMP = "stale_timestamp"  # 401: webhook-timestamp outside the tolerance
     BODY_TOO_LARGE = "body_too_large"  # 413: over callback_max_body_bytes
+    BODY_TIMEOUT = "body_timeout"  # 408: the body did not arrive within callback_body_timeout_s
     MALFORMED_BODY = "malformed_body"  # 400: not JSON, or no data.id
     UNKNOWN_JOB = "unknown_job"  # 404: no operation has the job id (yet): the sender retries
     REPLAY = "replay"  # 200: the webhook-id was recorded before; acknowledged so the sender stops

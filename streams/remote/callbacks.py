@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import orjson
 
 from streams.errors import CallbackRefusedError
+from streams.model.answers import JOB_ID
 from streams.model.codes import CallbackRefusal
 
 #: The signature scheme version this receiver checks (the specification's symmetric HMAC-SHA256).
@@ -33,8 +34,6 @@ SIGNATURE_VERSION = "v1"
 MAX_WEBHOOK_ID_CHARS = 200
 #: Most digits of a webhook-timestamp (unix seconds; 12 reach the year 33000).
 MAX_TIMESTAMP_DIGITS = 12
-#: Longest job id accepted from a callback body (characters).
-MAX_JOB_ID_CHARS = 200
 
 
 def signature(key: bytes, webhook_id: str, timestamp_s: int, body: bytes) -> str:
@@ -74,7 +73,7 @@ def verify(headers: Mapping[str, str], body: bytes, keys: Sequence[bytes], *, to
     expected = [signature(key, webhook_id, timestamp_s, body).encode() for key in keys]
     for entry in signatures:
         version, _, _ = entry.partition(",")
-        if version != SIGNATURE_VERSION:
+        if version != SIGNATURE_VERSION or not entry.isascii():  # base64 is ASCII; undecodable bytes never match
             continue
         if any(hmac.compare_digest(entry.encode(), e) for e in expected):
             return webhook_id
@@ -87,7 +86,9 @@ def job_id_of(body: bytes) -> str:
     """The job id a verified callback body names (``data.id``).
 
     Raises:
-        CallbackRefusedError: ``malformed_body`` (400): not a JSON object with a non-empty string ``data.id``.
+        CallbackRefusedError: ``malformed_body`` (400): not a JSON object whose ``data.id`` is a job id as the
+            provider's answers are read (:data:`streams.model.answers.JOB_ID`: no NUL, space or ``/``, which the
+            ledger could not look up or no job can have).
     """
     try:
         document = orjson.loads(body)
@@ -95,6 +96,6 @@ def job_id_of(body: bytes) -> str:
         raise CallbackRefusedError(CallbackRefusal.MALFORMED_BODY, 400, "the body is not JSON") from None
     data = document.get("data") if isinstance(document, dict) else None
     job_id = data.get("id") if isinstance(data, dict) else None
-    if not isinstance(job_id, str) or not job_id.strip() or len(job_id) > MAX_JOB_ID_CHARS:
+    if not isinstance(job_id, str) or not JOB_ID.fullmatch(job_id):
         raise CallbackRefusedError(CallbackRefusal.MALFORMED_BODY, 400, "the body names no job (data.id)")
     return job_id

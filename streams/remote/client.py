@@ -86,7 +86,14 @@ from streams.errors import (
 from streams.kafka_security import ssl_context
 from streams.model.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.model.codes import RemoteCallOutcome
-from streams.remote.dialect import DEFAULT_DIALECT, FieldPath, ProviderDialect, load_dialect, read_path
+from streams.remote.dialect import (
+    DEFAULT_DIALECT,
+    FieldPath,
+    ProviderDialect,
+    load_dialect,
+    read_path,
+    route_problem,
+)
 from streams.remote.transport import (
     DEFAULT_ANSWER_MAX_BYTES,
     AiohttpTransport,
@@ -596,6 +603,13 @@ class RemoteClient:
                 f"({settings.remote_call_deadline_s:g}): every POST would end uncertain; raise them or lower the wait"
             )
         explicit_cancel = "remote_cancel_path" in settings.model_fields_set
+        if explicit_cancel and settings.remote_cancel_path.count("{job_id}") != 1:
+            raise ConfigError(
+                f"STREAMS_REMOTE_CANCEL_PATH is {settings.remote_cancel_path!r}: it must hold {{job_id}} once"
+            )
+        problem = route_problem(settings.remote_cancel_path) if explicit_cancel else None
+        if problem is not None:  # the declaration's routes are checked as it loads (streams.remote.dialect)
+            raise ConfigError(f"STREAMS_REMOTE_CANCEL_PATH is {settings.remote_cancel_path!r}: {problem}")
         return cls(
             make_http_client(settings, transport, dialect),
             settings.remote_model,
@@ -954,9 +968,17 @@ def parse_job_answer(
         else None
     )
     if ids is None or not all(isinstance(i, str) and i for i in ids) or len(set(ids)) != len(ids):
+        # The outputs are the application's payload: the message says what is wrong with them, never what they hold.
+        if ids is None:
+            why = "not a list of objects" if not isinstance(outputs, list) else "an output that is not an object"
+        elif not all(isinstance(i, str) and i for i in ids):
+            why = "an output whose id is missing or not text"
+        else:
+            why = "an id repeated"
+        count = len(outputs) if isinstance(outputs, list) else 1
         raise RemoteContractError(
             operation_id,
-            f"GET {job_id} returned outputs without distinct string ids: {clean_text(repr(outputs), 300)}",
+            f"GET {job_id} returned outputs without distinct string ids ({count} output(s): {why})",
             status_code=status,
         )
     error = read_path(body, fields.error)

@@ -195,15 +195,38 @@ def _path(source: str, text: str, where: str) -> FieldPath:
     return keys
 
 
+def route_problem(path: str) -> str | None:
+    """What makes route template ``path`` unusable, None when nothing does: a placeholder other than
+    ``{job_id}``, a ``.`` or ``..`` segment (plain or percent-encoded: httpx resolves it, so the call would leave
+    ``STREAMS_REMOTE_BASE_URL``'s path), an empty segment (``//`` at the start names a host, which httpx drops), a
+    fragment, or a space or control character."""
+    route, _, query = path.partition("?")
+    if "{" in path.replace("{job_id}", "") or "}" in path.replace("{job_id}", ""):
+        return "the only placeholder a route may hold is {job_id}"
+    if "{job_id}" in query:
+        return "{job_id} must be in the path, not the query"
+    segments = route.split("/")[1:]
+    if any(seg.lower().replace("%2e", ".") in (".", "..") for seg in segments):
+        return "a '.' or '..' segment would leave STREAMS_REMOTE_BASE_URL's path"
+    if "" in segments[:-1]:
+        return "an empty segment ('//') is not a route"
+    if "#" in path or any(c.isspace() or not c.isprintable() for c in path):
+        return "a route holds no fragment ('#'), space or control character"
+    return None
+
+
 def _route(source: str, data: Any, where: str, *, method: bool, job_id: bool) -> tuple[str, str]:
     keys = {"path"} | ({"method"} if method else set())
     route = _object(
         source, data, where, frozenset(keys | ({"headers"} if where == "create" else set())), frozenset(keys)
     )
     path = _text(source, route, "path", where)
-    if not path.startswith("/") or ("{job_id}" in path) != job_id:
-        need = "with {job_id}" if job_id else "without {job_id}"
+    if not path.startswith("/") or path.count("{job_id}") != (1 if job_id else 0):
+        need = "with {job_id} once" if job_id else "without {job_id}"
         raise _refuse(source, f"{where}.path is {path!r}: expected an absolute path {need}")
+    problem = route_problem(path)
+    if problem is not None:
+        raise _refuse(source, f"{where}.path is {path!r}: {problem}")
     verb = _text(source, route, "method", where).upper() if method else "GET"
     if verb not in _METHODS:
         raise _refuse(source, f"{where}.method is {verb!r}: expected one of {sorted(_METHODS)}")
@@ -215,7 +238,9 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
 
     Raises:
         ConfigError: an unknown or missing key, a value of the wrong kind, a route without (or, for create, with)
-            ``{job_id}``, a status mapping to no operation state, an unknown signature scheme or output shape.
+            ``{job_id}`` or with it twice, a route with another placeholder, a ``.``/``..``/empty segment, a
+            fragment or a space, a status mapping to no operation state or a status word declared twice (after
+            stripping and lower-casing), an unknown signature scheme or output shape.
     """
     top = _object(source, data, "the declaration", _TOP_KEYS, _TOP_KEYS - {"description"})
     name = _text(source, top, "name", "the declaration", _NAME)
@@ -260,7 +285,16 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
             raise _refuse(
                 source, f"statuses.{word} is {state!r}: expected queued, running, succeeded, failed or canceled"
             )
-        statuses[word.strip().lower()] = known_states[state]
+        key = word.strip().lower()  # answers' words are compared so (ProviderDialect.state_for)
+        if not key:
+            raise _refuse(source, f"statuses holds an empty status word ({word!r})")
+        if key in statuses:
+            raise _refuse(
+                source,
+                f"statuses.{word} is the word {key!r} again (words are compared stripped and in lower case): "
+                "declare each status word once",
+            )
+        statuses[key] = known_states[state]
     scheme = _text(source, top, "callback_signature", "the declaration")
     if scheme not in SIGNATURE_SCHEMES:
         raise _refuse(source, f"callback_signature is {scheme!r}: expected one of {sorted(SIGNATURE_SCHEMES)}")

@@ -295,7 +295,9 @@ class _SeekingConsumer(FaustKafkaConsumer):
     0 (``if offset and offset > 0``, ``aiokafka/consumer/consumer.py`` ``seek_to_committed``), so on a partition
     nothing was committed on yet (one grown live) those records were skipped for good. Offset 0 is where the
     consumer's reset policy (``earliest``) starts such a partition anyway; the ledger accepts a record read twice
-    once."""
+    once. On a partition whose head retention deleted (log start above 0), the broker answers the fetch at 0 with
+    OffsetOutOfRange and aiokafka resets to the log start by that same policy: nothing still in the log is
+    skipped (tests/integration/test_seek_below_log_start.py)."""
 
     async def seek_to_committed(self) -> Mapping[Any, int]:
         committed = await super().seek_to_committed()

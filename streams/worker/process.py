@@ -8,8 +8,8 @@ starts raises. So:
 
 1. before Faust starts anything, :class:`StreamsWorker` waits until PostgreSQL, Redis and Kafka answer real
    commands (:func:`streams.setup.readiness.wait_ready`), for at most ``STREAMS_STARTUP_TIMEOUT_S``; past it, the
-   process
-   exits non-zero naming the service;
+   process exits with status 5 (``EXIT_UNAVAILABLE``, as every ``streams`` command) and one line naming the
+   service;
 2. a service can still go away between that check and Faust's own connections (a broker restarting in that
    window). A start-up failure that is an outage (:func:`streams.outages.is_outage`) before every service of the
    worker started makes :func:`run_worker` start the process again in place (``exec`` of the same command line,
@@ -31,6 +31,7 @@ collections (measured with ``streams bench``: CHANGELOG.md).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -42,7 +43,7 @@ import faust
 
 from streams import hooks
 from streams.config import Settings
-from streams.errors import EXIT_CONFIG, ConfigError
+from streams.errors import EXIT_CONFIG, EXIT_UNAVAILABLE, ConfigError, ServiceNotReadyError
 from streams.hooks import HookPoint
 from streams.outages import is_outage
 from streams.setup.readiness import SERVICES, wait_ready
@@ -107,6 +108,12 @@ class StreamsWorker(faust.Worker):
     async def start(self) -> None:
         try:
             await super().start()
+        except ServiceNotReadyError as exc:
+            # Not a crash: one line naming the service instead of Faust's traceback; the start is cancelled (mode's
+            # worker then shuts down quietly) and run_worker exits with EXIT_UNAVAILABLE.
+            self.startup_failure = exc
+            log.error("streams worker stopped: a service did not answer: %s", exc)
+            raise asyncio.CancelledError from exc
         except BaseException as exc:
             if self.started_monotonic is None:
                 self.startup_failure = exc
@@ -150,8 +157,9 @@ def run_worker(app: faust.App, settings: Settings, **kwargs: Any) -> None:
     ``STREAMS_WORKER_START_ATTEMPT``.
 
     Raises:
-        SystemExit: always: Faust's exit status, or ``EXIT_CONFIG`` (6, :mod:`streams.errors`) when a wrong
-            setting stopped the worker.
+        SystemExit: always: Faust's exit status, ``EXIT_CONFIG`` (6, :mod:`streams.errors`) when a wrong
+            setting stopped the worker, ``EXIT_UNAVAILABLE`` (5) when a service did not answer within
+            ``startup_timeout_s`` (one log line, no traceback) or outages used up the start attempts.
     """
     attempt = int(os.environ.get(START_ATTEMPT_ENV, "1"))
     worker = StreamsWorker(app, settings, **kwargs)
@@ -163,6 +171,8 @@ def run_worker(app: faust.App, settings: Settings, **kwargs: Any) -> None:
         if following is None:
             if isinstance(failure, ConfigError):  # logged by Faust ("Error: ..."); not a crash to restart after
                 raise SystemExit(EXIT_CONFIG) from failure
+            if isinstance(failure, ServiceNotReadyError) or (failure is not None and is_outage(failure)):
+                raise SystemExit(EXIT_UNAVAILABLE) from failure  # as every ``streams`` command (streams.cli)
             raise
         when = "while this worker started" if worker.started_monotonic is None else "and crashed this worker"
         log.warning(

@@ -88,3 +88,18 @@ async def test_a_run_against_a_refusing_kafka_exits_5_naming_its_step_and_remove
         assert not await conn.fetchval("SELECT count(*) FROM pg_database WHERE datname = $1", found.group(1))
     finally:
         await conn.close()
+
+
+async def test_a_worker_facing_a_refusing_kafka_at_startup_exits_5_in_one_line(
+    migrated: Settings, refusing_bootstrap: str
+) -> None:
+    # PostgreSQL and Redis answer; Kafka never does within the start-up timeout. The worker ended with Faust's
+    # traceback and exit 1, which a supervisor cannot tell from a crash.
+    settings = migrated.replace(kafka_bootstrap=refusing_bootstrap, startup_timeout_s=1.0, web_enabled=False)
+    result = await streams_cli(settings, "--log-format", "text", "worker")
+    assert result.exit_code == EXIT_UNAVAILABLE, result.stdout[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    stopped = [line for line in result.stdout.splitlines() if "streams worker stopped" in line]
+    assert len(stopped) == 1, result.stdout[-2000:]
+    assert f"a service did not answer: kafka: {refusing_bootstrap}" in stopped[0]
+    assert "Check that the broker" in stopped[0]

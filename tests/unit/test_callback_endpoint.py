@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 from aiohttp import web
+from prometheus_client import REGISTRY
 
 from streams.config import Settings
 from streams.worker.app import create_app
+from streams.worker.stages.callbacks import CallbackReceiver
 
 
 def _web_app(settings: Settings) -> web.Application:
@@ -34,3 +40,65 @@ def test_the_callback_endpoint_is_served_only_with_callbacks_on() -> None:
 
 def _all_routes(settings: Settings) -> list[tuple[str, str]]:
     return [(r.method, r.resource.canonical) for r in _web_app(settings).router.routes() if r.resource]
+
+
+class _NoLedger:
+    """A ledger the refusals below never reach."""
+
+    async def note_callback(self, webhook_id: str, remote_job_id: str) -> None:
+        raise AssertionError("a refused callback reached the ledger")
+
+
+@asynccontextmanager
+async def _receiver(settings: Settings) -> AsyncIterator[int]:
+    """A web server serving only the callback endpoint with ``settings``; yields its port."""
+    runtime = SimpleNamespace(settings=settings, ledger=_NoLedger(), poll_wakeup=asyncio.Event())
+    web_app = web.Application()
+    web_app.router.add_post("/cb", CallbackReceiver(runtime).handle)  # type: ignore[arg-type]  # the parts it uses
+    runner = web.AppRunner(web_app, lingering_time=0)  # the unread rest of a refused body is not waited for
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+async def _status_line(port: int, request: bytes) -> bytes:
+    """The status line answered to ``request`` sent raw (the connection kept open, nothing more sent)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(30):  # a bound on the wait for the condition, not the behaviour tested
+            return (await reader.readline()).strip()
+    finally:
+        writer.close()
+
+
+_SECRET = "whsec_" + base64.b64encode(b"callback endpoint unit test").decode()
+
+
+async def test_a_body_trickling_slower_than_its_deadline_is_refused_408() -> None:
+    settings = Settings(callbacks_enabled=True, callback_secrets=_SECRET, callback_body_timeout_s=0.2)
+    before = REGISTRY.get_sample_value("streams_callbacks_refused_total", {"reason": "body_timeout"}) or 0.0
+    async with _receiver(settings) as port:
+        # 1 byte of the 100 announced, then nothing: the handler waited for the rest for ever.
+        line = await _status_line(port, b"POST /cb HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    assert line == b"HTTP/1.1 408 Request Timeout"
+    assert REGISTRY.get_sample_value("streams_callbacks_refused_total", {"reason": "body_timeout"}) == before + 1
+
+
+async def test_a_chunked_body_over_the_limit_without_content_length_is_refused_413() -> None:
+    settings = Settings(callbacks_enabled=True, callback_secrets=_SECRET, callback_max_body_bytes=1000)
+    body = b"x" * 5000
+    async with _receiver(settings) as port:
+        line = await _status_line(
+            port,
+            b"POST /cb HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n" % len(body)
+            + body
+            + b"\r\n0\r\n\r\n",
+        )
+    assert line == b"HTTP/1.1 413 Request Entity Too Large"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 
+import orjson
 import pytest
 
 from streams.config import Settings, callback_secret_key
@@ -102,3 +103,32 @@ def test_settings_read_rotated_secrets_and_refuse_a_malformed_one() -> None:
         Settings(callbacks_enabled=True)
     with pytest.raises(ConfigError, match="CALLBACK_SECRETS"):
         Settings(callbacks_enabled=True, callback_secrets="whsec_")  # an empty key would let anyone sign
+
+
+def test_a_signature_header_of_undecodable_bytes_is_a_bad_signature_not_a_crash() -> None:
+    # aiohttp decodes header bytes that are not UTF-8 with surrogateescape: such an entry never matches, and a valid
+    # entry beside it still does.
+    undecodable = b"v1,\xff\xfe".decode("utf-8", "surrogateescape")
+    assert refusal(headers(undecodable), [KEY]) == "bad_signature/401"
+    assert refusal(headers("v1,signé"), [KEY]) == "bad_signature/401"
+    assert verify(headers(f"{undecodable} {SPEC_SIGNATURE}"), SPEC_BODY, [KEY], tolerance_s=300, now_s=SPEC_TIMESTAMP)
+
+
+@pytest.mark.parametrize(
+    "job_id",
+    ["job\u0000x", "job 1", "../job_1", "job/1", "%2Fjob", "\u00e9job", "j" * 257, " job_1"],
+)
+def test_a_data_id_no_job_can_have_is_a_malformed_body(job_id: str) -> None:
+    # A NUL reached PostgreSQL, which refused the text (500); a job id the provider's answers would not be read
+    # with (streams.model.answers.JOB_ID) names no operation.
+    body = b'{"data": {"id": ' + orjson.dumps(job_id) + b"}}"
+    with pytest.raises(CallbackRefusedError) as caught:
+        job_id_of(body)
+    assert caught.value.reason is CallbackRefusal.MALFORMED_BODY and job_id not in str(caught.value)
+
+
+def test_deep_nesting_and_big_integers_are_a_malformed_body() -> None:
+    for body in (b"[" * 100_000, b'{"data": {"id": "job_1"}, "n": ' + b"9" * 5000 + b"}"):
+        with pytest.raises(CallbackRefusedError) as caught:
+            job_id_of(body)
+        assert caught.value.reason is CallbackRefusal.MALFORMED_BODY

@@ -92,6 +92,19 @@ def write(tmp_path: Path, data: Any) -> str:
         (lambda d: d["answer"].update(outputs_shape="rows"), "answer.outputs_shape is 'rows'"),
         (lambda d: d.update(callback_signature="hmac-md5"), "callback_signature is 'hmac-md5'"),
         (lambda d: d["create"].update(method="FETCH"), "create.method is 'FETCH'"),
+        # hostile or wrong route templates: httpx resolves dot segments, so '/../..' left the base URL's path
+        (lambda d: d["get"].update(path="/../../admin/{job_id}"), "get.path is '/../../admin/{job_id}': a '.'"),
+        (lambda d: d["get"].update(path="/v1/%2E%2e/{job_id}"), "get.path is '/v1/%2E%2e/{job_id}': a '.'"),
+        (lambda d: d["cancel"].update(path="/v1/./{job_id}"), "cancel.path is '/v1/./{job_id}': a '.'"),
+        (lambda d: d["get"].update(path="//evil.example/{job_id}"), "an empty segment"),
+        (lambda d: d["get"].update(path="/v1/{model}/{job_id}"), "the only placeholder a route may hold"),
+        (lambda d: d["get"].update(path="/v1/{job_id}/{job_id}"), "expected an absolute path with {job_id} once"),
+        (lambda d: d["get"].update(path="/v1/x?id={job_id}"), "{job_id} must be in the path"),
+        (lambda d: d["cancel"].update(path="/v1/{job_id}#c"), "no fragment"),
+        (lambda d: d["create"].update(path="/v1/predictions now"), "no fragment ('#'), space"),
+        # two spellings of one word: the second silently replaced the first's state
+        (lambda d: d["statuses"].update({"Succeeded ": "failed"}), "the word 'succeeded' again"),
+        (lambda d: d["statuses"].update({" ": "failed"}), "an empty status word"),
     ],
 )
 def test_a_wrong_declaration_is_refused_naming_the_key(
@@ -200,6 +213,25 @@ async def test_seed_outputs_without_ids_break_the_contract(client: Callable[...,
         await remote.observe(OP, "p1")
 
 
+@pytest.mark.parametrize(
+    ("outputs", "why"),
+    [
+        ([{"text": "the private output"}], "1 output(s): an output whose id is missing or not text"),
+        ([{"id": "o", "text": "the private output"}] * 2, "2 output(s): an id repeated"),
+        (["the private output"], "1 output(s): an output that is not an object"),
+        ({"text": "the private output"}, "1 output(s): not a list of objects"),
+    ],
+)
+async def test_outputs_breaking_the_contract_are_described_never_quoted(
+    client: Callable[..., tuple[RemoteClient, Seen]], outputs: Any, why: str
+) -> None:
+    # The message went into the ledger and the logs with the outputs' text (a user payload) in it.
+    remote, _ = client("seed-generations", 200, {"id": "p1", "status": "succeeded", "outputs": outputs})
+    with pytest.raises(RemoteContractError) as caught:
+        await remote.observe(OP, "p1")
+    assert "private" not in str(caught.value) and why in str(caught.value)
+
+
 async def test_a_prediction_create_goes_to_its_route(client: Callable[..., tuple[RemoteClient, Seen]]) -> None:
     remote, seen = client("replicate-predictions", 201, {"id": "p9", "status": "starting"})
     created = await remote.submit(OP, REQUEST)
@@ -252,6 +284,22 @@ def test_explicit_auth_and_cancel_settings_override_the_declaration() -> None:
     assert http.headers["X-Api-Key"] == "dev-key" and "Authorization" not in http.headers
     remote = RemoteClient.from_settings(settings, transport=httpx.MockTransport(lambda r: httpx.Response(200)))
     assert remote.cancel_path == "/v2/p/{job_id}:cancel"
+
+
+@pytest.mark.parametrize(
+    ("cancel_path", "words"),
+    [
+        ("/v1/../../admin/{job_id}", "a '.' or '..' segment"),
+        ("/v1/{job_id}/{job_id}/cancel", "it must hold {job_id} once"),
+        ("/v1/{model}/{job_id}", "the only placeholder"),
+    ],
+)
+def test_an_explicit_cancel_path_is_checked_as_a_declarations_routes(cancel_path: str, words: str) -> None:
+    # STREAMS_REMOTE_CANCEL_PATH replaces the declaration's route, and only its pattern (/ ... {job_id}) was checked.
+    settings = Settings(remote_cancel_path=cancel_path)
+    with pytest.raises(ConfigError, match="STREAMS_REMOTE_CANCEL_PATH") as caught:
+        RemoteClient.from_settings(settings, transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+    assert words in str(caught.value)
 
 
 # --- against the simulator, each dialect -------------------------------------------------------------------------

@@ -13,9 +13,10 @@ signature):
 * 204: recorded (``streams_callbacks_received_total{result}``: ``poll_now`` or ``no_change``);
 * 200 for a replay (the ``webhook-id`` was recorded before): acknowledged, as the Standard Webhooks
   specification asks of a receiver that already processed a delivery, so the sender stops retrying; nothing done;
-* 400 malformed headers or body, 401 bad signature or stale timestamp, 413 body over
-  ``callback_max_body_bytes``, 404 unknown job (no operation has that job id, e.g. the POST's answer is not saved
-  yet: the sender's retry finds it), 503 ledger unavailable (the sender retries).
+* 400 malformed headers or body, 401 bad signature or stale timestamp, 408 body slower than
+  ``callback_body_timeout_s``, 413 body over ``callback_max_body_bytes``, 404 unknown job (no operation has that
+  job id, e.g. the POST's answer is not saved yet: the sender's retry finds it), 503 ledger unavailable (the
+  sender retries).
 """
 
 from __future__ import annotations
@@ -88,20 +89,30 @@ class CallbackReceiver:
         return web.Response(status=204)
 
     async def _body(self, request: web.Request) -> bytes:
-        """The raw body, at most ``callback_max_body_bytes`` (a longer one is refused without being held)."""
+        """The raw body, at most ``callback_max_body_bytes`` (a longer one is refused without being held), within
+        ``callback_body_timeout_s`` (a slower one is refused: ``body_timeout``, 408)."""
         limit = self.rt.settings.callback_max_body_bytes
         too_large = CallbackRefusedError(
             CallbackRefusal.BODY_TOO_LARGE, 413, f"the body is over callback_max_body_bytes ({limit})"
         )
         if request.content_length is not None and request.content_length > limit:
             raise too_large
+        deadline_s = self.rt.settings.callback_body_timeout_s
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.content.iter_chunked(READ_CHUNK_BYTES):
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(deadline_s):
+                async for chunk in request.content.iter_chunked(READ_CHUNK_BYTES):
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise CallbackRefusedError(
+                CallbackRefusal.BODY_TIMEOUT,
+                408,
+                f"the body did not arrive within callback_body_timeout_s ({deadline_s:g} s); {size} bytes came",
+            ) from None
         return b"".join(chunks)
 
     @staticmethod
