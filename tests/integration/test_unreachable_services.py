@@ -13,8 +13,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from streams.cli import EXIT_UNAVAILABLE
 from streams.config import Settings
+from streams.errors import EXIT_UNAVAILABLE
 from tests.integration.operators_support import Result, streams_cli
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,8 @@ import click
 import pytest
 import redis.exceptions
 
-from streams.cli import EXIT_UNAVAILABLE, CommandExit, service_exit
-from streams.errors import KafkaAdminError, LedgerUnavailableError
+from streams.cli import CommandExit, service_exit
+from streams.errors import EXIT_UNAVAILABLE, KafkaAdminError, LedgerUnavailableError
 from streams_harness.cli import _run_job
 from streams_harness.mainjob import MainJobError
 from streams_harness.run import RunSteps
