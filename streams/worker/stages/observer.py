@@ -71,6 +71,7 @@ from streams.model.states import OperationState, is_terminal
 from streams.wire import contracts
 from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.stalling import StallGuard
+from streams.worker.wakeup import WRITTEN
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,8 @@ class Observer:
             metrics.STALE_POLLS.inc()
 
     async def _reschedule(self, operation_id: str, poll_claim_id: int, delay_s: float) -> None:
-        await self.rt.ledger.reschedule_poll(operation_id, poll_claim_id, delay_s)
+        if await self.rt.ledger.reschedule_poll(operation_id, poll_claim_id, delay_s):
+            self.rt.wakeups.polls.due_in(delay_s)
 
     def _delay(self, poll_count: int, hint_s: float | None) -> float:
         s = self.rt.settings
@@ -212,7 +214,11 @@ class Observer:
             log.error("operation %s: the remote answer cannot be stored (%s); recording failed", operation_id, exc)
             unstorable = _failed(snapshot.job_id, "unstorable_response", str(exc))
             outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, unstorable, None)
-        if outcome is SaveOutcome.REFUSED_FENCING:
+        if outcome is SaveOutcome.SAVED:
+            rt.wakeups.outbox.notify(WRITTEN)  # a transition's event or the outputs, in the outbox
+            if not is_terminal(snapshot.state):
+                rt.wakeups.polls.due_in(delay)
+        elif outcome is SaveOutcome.REFUSED_FENCING:
             metrics.FENCING_REFUSALS.labels("observe").inc()
             log.warning(
                 "operation %s: observation %s dropped: fencing value %s is stale (a newer claim saved since)",

@@ -80,6 +80,40 @@ class PollScheduler:
         #: Re-dispatches running in this worker, by operation id.
         self.redispatching: dict[str, asyncio.Task[bool]] = {}
 
+    async def run(self) -> None:
+        """Scheduling rounds back to back while they publish polls; between them, sleep until the next poll is
+        due: the ledger's earliest ``next_poll_at`` (every worker's), or sooner when this worker schedules one
+        (:attr:`Runtime.wakeups` ``.polls``), at most ``wakeup_fallback_s``. Due polls a round and the one right
+        after it left unclaimed (held back: rate budget, back-pressure, Redis) are tried again after
+        ``poll_scheduler_interval_s``. Runs until cancelled."""
+        rt = self.rt
+        s = rt.settings
+        wakeup = rt.wakeups.polls
+        retried = False
+        while True:
+            try:
+                published = await self.tick()
+            except Exception:
+                log.exception("poll scheduler round failed; retrying")
+                published = 0
+            if published:
+                retried = False
+                continue
+            try:
+                due_in_s = await rt.ledger.next_poll_due_in_s()
+            except Exception as exc:  # an outage: the fallback timer tries again
+                rt.report_failure("poll scheduler", exc)
+                due_in_s = None
+            if due_in_s is not None and due_in_s <= 0:
+                if not retried:  # due since the round's claim (or claimed by none yet): one more round at once
+                    retried = True
+                    continue
+                wakeup.due_in(s.poll_scheduler_interval_s)
+            elif due_in_s is not None:
+                wakeup.due_in(due_in_s)
+            retried = False
+            await wakeup.wait(s.wakeup_fallback_s)
+
     async def tick(self) -> int:
         """One scheduling round; returns the number of polls published. Never raises for outages."""
         rt = self.rt
