@@ -81,7 +81,6 @@ from streams.remote.client import SubmitResult
 from streams.retrying import failure_of, first_attempt_plain, retry_without_deadline
 from streams.wire import contracts, exactjson, jsontext
 from streams.worker.runtime import RawMessage, Runtime
-from streams.worker.wakeup import WRITTEN
 
 log = logging.getLogger(__name__)
 
@@ -523,7 +522,6 @@ class Dispatcher:
         if saved:
             metrics.SUBMISSIONS.labels("submitted").inc()
             self.rt.wakeups.polls.due_in(first_poll_s)  # its first poll, to this worker's scheduler
-            self.rt.wakeups.outbox.notify(WRITTEN)  # the transition's outbox event
         else:
             metrics.FENCING_REFUSALS.labels("submit").inc()
             await self._record_late_job(operation_id, result.job_id, fencing)

@@ -215,8 +215,9 @@ class Observer:
             unstorable = _failed(snapshot.job_id, "unstorable_response", str(exc))
             outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, unstorable, None)
         if outcome is SaveOutcome.SAVED:
-            rt.wakeups.outbox.notify(WRITTEN)  # a transition's event or the outputs, in the outbox
-            if not is_terminal(snapshot.state):
+            if snapshot.outputs and snapshot.state is OperationState.SUCCEEDED:
+                rt.wakeups.outbox.notify(WRITTEN)  # outputs in the outbox (a transition alone waits for a round)
+            elif not is_terminal(snapshot.state):
                 rt.wakeups.polls.due_in(delay)
         elif outcome is SaveOutcome.REFUSED_FENCING:
             metrics.FENCING_REFUSALS.labels("observe").inc()

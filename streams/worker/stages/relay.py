@@ -59,7 +59,7 @@ class OutboxRelay:
 
     async def run(self) -> None:
         """Drain the outbox, then sleep until woken (:attr:`Runtime.wakeups` ``.outbox``: this worker wrote
-        outbox rows, a PostgreSQL notification of any worker's, the listener reconnected) or at most
+        outputs, a PostgreSQL notification of any worker's outputs, the listener reconnected) or at most
         ``wakeup_fallback_s``; after a failed round, ``relay_interval_s`` before the next. Runs until cancelled.
 
         Rows are claimed as by every round (:meth:`tick`): a wake-up only says when to look, so a lost one
