@@ -1,5 +1,5 @@
-"""Wake-ups of the outbox relay on real PostgreSQL and Kafka: a committed outbox row wakes the relay of a worker
-that did not write it (LISTEN/NOTIFY, migration 0014.wakeups), without the fallback timer; with no notification the
+"""Wake-ups of the outbox relay on real PostgreSQL and Kafka: committed outputs wake the relay of a worker that did
+not write them (LISTEN/NOTIFY, migration 0014.wakeups), without the fallback timer; with no notification the
 fallback timer delivers it all the same; a listener whose connection is terminated reconnects (logged, counted).
 Wake-ups are asserted by their counts by cause (streams_wakeups_total), never by timing."""
 
@@ -19,6 +19,7 @@ from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
 from streams.worker.runtime import Runtime
 from streams.worker.stages.relay import OutboxRelay
+from streams.worker.stages.scheduler import PollScheduler
 from streams.worker.wakeup import FALLBACK
 from tests.integration.test_relay_and_dead_letters import for_op, succeeded_operation
 from tests.support import wait_for
@@ -80,7 +81,7 @@ def published(pool: asyncpg.Pool, op: str) -> Callable[[], Awaitable[bool]]:
     return check
 
 
-async def test_a_committed_outbox_row_wakes_another_workers_relay_by_notification(
+async def test_committed_outputs_wake_another_workers_relay_by_notification(
     runtime: Runtime, pool: asyncpg.Pool, settings: Settings, relay_worker: Callable[..., Awaitable[Runtime]]
 ) -> None:
     woken = wakeups("listening")
@@ -147,3 +148,30 @@ async def test_a_terminated_listener_reconnects_and_wakes_the_relay_again(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_the_scheduler_sleeps_until_the_ledgers_next_due_poll(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings, kafka_send: Callable[[str, bytes, bytes], Awaitable[Any]]
+) -> None:
+    op = f"op-due-{uuid.uuid4().hex[:6]}"
+    assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+    fencing = await runtime.ledger.claim_for_submit(op)
+    assert fencing is not None
+    # scheduled by the test's worker: no in-process signal reaches the scheduler's own runtime
+    assert await runtime.ledger.save_submitted(op, fencing, f"job-{op}", 0.5, None)
+    scheduler_rt = await Runtime.create(settings.replace(wakeup_fallback_s=3600.0), kafka_send, worker="scheduler")
+    due, fallbacks = metrics.WAKEUPS.labels("schedule_polls", "due"), metrics.WAKEUPS.labels("schedule_polls", FALLBACK)
+    due_before, fallbacks_before = due._value.get(), fallbacks._value.get()
+    task = asyncio.create_task(PollScheduler(scheduler_rt).run())
+    try:
+
+        async def claimed() -> bool:
+            return bool(await pool.fetchval("SELECT poll_claim_id > 0 FROM operations WHERE operation_id = $1", op))
+
+        await wait_for(claimed, 30.0, "the poll claimed when due")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await scheduler_rt.close()
+    assert due._value.get() > due_before  # woken by the deadline read from the ledger
+    assert fallbacks._value.get() == fallbacks_before
