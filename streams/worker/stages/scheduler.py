@@ -79,9 +79,11 @@ class PollScheduler:
         self._dispatcher = Dispatcher(runtime)
         #: Re-dispatches running in this worker, by operation id.
         self.redispatching: dict[str, asyncio.Task[bool]] = {}
+        #: True when the last round claimed as many polls as it could (more may be due), False when fewer.
+        self.claimed_all = False
 
     async def run(self) -> None:
-        """Scheduling rounds back to back while they publish polls; between them, sleep until the next poll is
+        """Scheduling rounds back to back while they claim full batches; between them, sleep until the next poll is
         due: the ledger's earliest ``next_poll_at`` (every worker's), or sooner when this worker schedules one
         (:attr:`Runtime.wakeups` ``.polls``), at most ``wakeup_fallback_s``. Due polls a round and the one right
         after it left unclaimed (held back: rate budget, back-pressure, Redis) are tried again after
@@ -96,9 +98,9 @@ class PollScheduler:
             except Exception:
                 log.exception("poll scheduler round failed; retrying")
                 published = 0
-            if published:
+            if published and self.claimed_all:
                 retried = False
-                continue
+                continue  # the round was full: more may be due
             try:
                 due_in_s = await rt.ledger.next_poll_due_in_s()
             except Exception as exc:  # an outage: the fallback timer tries again
@@ -126,6 +128,7 @@ class PollScheduler:
             limit = await self._claim_limit()
             vt_s = rt.settings.visibility_timeout_s
             polls = await rt.ledger.claim_due_polls(limit, vt_s, claim_bound(rt.settings)) if limit else []
+            self.claimed_all = bool(polls) and len(polls) == limit
             await rt.budget.refund(BudgetKind.CLAIMS, limit - len(polls))  # a no-op when not paced or all used
         except Exception as exc:  # classified by type: an outage waits for the next tick, a bug is logged loudly
             rt.report_failure("poll scheduler", exc)
