@@ -18,9 +18,11 @@ from streams import metrics
 from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
 from streams.worker.runtime import Runtime
+from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.relay import OutboxRelay
 from streams.worker.stages.scheduler import PollScheduler
 from streams.worker.wakeup import FALLBACK
+from tests.integration.test_dispatcher import submission
 from tests.integration.test_relay_and_dead_letters import for_op, succeeded_operation
 from tests.support import wait_for
 
@@ -174,4 +176,31 @@ async def test_the_scheduler_sleeps_until_the_ledgers_next_due_poll(
         await asyncio.gather(task, return_exceptions=True)
         await scheduler_rt.close()
     assert due._value.get() > due_before  # woken by the deadline read from the ledger
+    assert fallbacks._value.get() == fallbacks_before
+
+
+async def test_a_poll_this_worker_saved_is_claimed_by_its_signal_not_the_fallback(
+    pool: asyncpg.Pool, settings: Settings, kafka_send: Callable[[str, bytes, bytes], Awaitable[Any]]
+) -> None:
+    # one worker: its dispatcher saves the job id (first poll due after the simulator's hint) while its scheduler
+    # sleeps with nothing pollable; the fallback never fires within the test, so only the signal can claim it
+    rt = await Runtime.create(settings.replace(wakeup_fallback_s=3600.0), kafka_send, worker="one-worker")
+    due, fallbacks = metrics.WAKEUPS.labels("schedule_polls", "due"), metrics.WAKEUPS.labels("schedule_polls", FALLBACK)
+    task = asyncio.create_task(PollScheduler(rt).run())
+    op = f"op-signal-{uuid.uuid4().hex[:6]}"
+    try:
+        await wait_for(lambda: _true(rt.wakeups.polls.deadline is None), 30.0, "the scheduler asleep, nothing due")
+        due_before, fallbacks_before = due._value.get(), fallbacks._value.get()
+        await Dispatcher(rt).handle(submission(op))
+
+        async def claimed() -> bool:
+            return bool(await pool.fetchval("SELECT poll_claim_id > 0 FROM operations WHERE operation_id = $1", op))
+
+        await wait_for(claimed, 30.0, "the first poll claimed when due")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await rt.close()
+    assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = $1", op) == "submitted"
+    assert due._value.get() > due_before  # woken by the deadline the dispatcher gave after its commit
     assert fallbacks._value.get() == fallbacks_before
