@@ -274,7 +274,11 @@ class Settings(ExplicitSettings):
         60.0,
         description="How long a claimed poll stays invisible before it is claimed again (s); at least the lease TTL.",
     )
-    poll_scheduler_interval_s: Seconds = Field(0.2, description="Interval of the poll scheduler's ticks (s).")
+    poll_scheduler_interval_s: Seconds = Field(
+        0.2,
+        description="Wait of the poll scheduler after a round that left due polls unclaimed (held back by the rate "
+        "budget, back-pressure or Redis) (s); otherwise it sleeps until the next poll is due.",
+    )
     poll_batch_size: PositiveInt = Field(500, description="Polls the scheduler claims at most per tick.")
     poll_backoff_base_s: Seconds = Field(0.5, description="First delay of a job's poll backoff (s).")
     poll_backoff_cap_s: Seconds = Field(30.0, description="Longest delay between two polls of one job (s).")
@@ -320,7 +324,9 @@ class Settings(ExplicitSettings):
     )
 
     # Outbox relay.
-    relay_interval_s: Seconds = Field(0.05, description="Interval of the outbox relay's ticks (s).")
+    relay_interval_s: Seconds = Field(
+        0.05, description="Wait of the outbox relay after a round that failed (an outage) before the next (s)."
+    )
     relay_batch_size: PositiveInt = Field(1000, description="Outbox rows the relay publishes at most per tick.")
 
     # Remote calls and the lease that covers them. Every remote call (POST or GET) ends within
@@ -626,6 +632,19 @@ class Settings(ExplicitSettings):
         "and its connection closed, so a sender trickling bytes holds no handler.",
     )
 
+    # wake-ups of the poll scheduler and the outbox relay (streams.worker.wakeup)
+    wakeup_fallback_s: Seconds = Field(
+        1.0,
+        description="Longest the poll scheduler and the outbox relay sleep without a wake-up (s): a lost outbox "
+        "notification, or a poll another worker scheduled sooner, waits at most this.",
+    )
+    outbox_listen_enabled: EnvBool = Field(
+        True,
+        description="Wake the outbox relay on PostgreSQL notifications of outbox rows any worker committed (LISTEN "
+        "on one dedicated connection per worker); off (e.g. behind PgBouncer in transaction mode): other workers' "
+        "rows wait for the fallback (STREAMS_WAKEUP_FALLBACK_S).",
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -642,6 +661,7 @@ class Settings(ExplicitSettings):
             "web_snapshot_interval_s",
             "web_probe_timeout_s",
             "clock_check_interval_s",
+            "wakeup_fallback_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"STREAMS_{name.upper()} must be more than 0 seconds")

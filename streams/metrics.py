@@ -89,6 +89,18 @@ RECONCILED_UNCERTAIN = Counter(
     "streams_reconciled_uncertain_total", "Operations found stuck in submitting and marked uncertain."
 )
 OUTBOX_PUBLISHED = Counter("streams_outbox_published_total", "Outbox rows published.", ["topic_role"])
+WAKEUPS = Counter(
+    "streams_wakeups_total",
+    "Wake-ups of a background loop (loop: schedule_polls, relay_outbox) by cause: written (this worker wrote work), "
+    "notified (PostgreSQL NOTIFY from any worker), listening (the listener (re)connected), due (a known deadline "
+    "passed), fallback (nothing woke it within STREAMS_WAKEUP_FALLBACK_S).",
+    ["loop", "cause"],
+)
+LEDGER_LISTENER_CONNECTS = Counter(
+    "streams_ledger_listener_connects_total",
+    "Connections of the ledger's LISTEN connection (outbox notifications), by result: connected, failed, lost.",
+    ["result"],
+)
 SUBMISSIONS = Counter("streams_submissions_total", "Submission events by result.", ["result"])
 CANCELLATIONS = Counter(
     "streams_cancellations_total",

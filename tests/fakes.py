@@ -391,6 +391,11 @@ class InMemoryLedger(WaitsOutOutages):
         )[:batch_size]
         return [(o.operation_id, o.request) for o in stale]
 
+    async def next_poll_due_in_s(self) -> float | None:
+        self._call("read next poll due")
+        due = [o.next_poll_at for o in self.operations.values() if o.state in POLLABLE and o.next_poll_at is not None]
+        return min(due) - self._t if due else None
+
     async def claim_due_polls(
         self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None
     ) -> list[DuePoll]:

@@ -288,6 +288,13 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             )
         return [DuePoll(r["operation_id"], r["remote_job_id"], r["poll_claim_id"], r["claimed_at_ms"]) for r in rows]
 
+    async def next_poll_due_in_s(self) -> float | None:
+        """Seconds until the earliest poll of any pollable operation is due (negative: one is due now), None when
+        no operation is pollable."""
+        async with guard("read next poll due"):
+            due_in_s: float | None = await Q.next_poll_due_in_s.fetchval(self.pool)
+        return due_in_s
+
     @waits_out_outages("read")
     async def get_operation(self, operation_id: str) -> dict[str, Any] | None:
         """The operation's row as a dict, or None when the ledger does not hold it."""

@@ -10,9 +10,10 @@ module only wires them to Kafka.
 * ``cancel`` agent: ``generation.cancellations`` -> :class:`~streams.worker.stages.canceller.Canceller`
   (docs/cancellation.md).
 * ``schedule_polls`` task: :class:`~streams.worker.stages.scheduler.PollScheduler` (due polls, reconciliation,
-re-dispatch
-  of forgotten ``accepted`` operations), in a loop.
-* ``relay_outbox`` task: :class:`~streams.worker.stages.relay.OutboxRelay`, in a loop.
+  re-dispatch of forgotten ``accepted`` operations), woken when the next poll is due (:mod:`streams.worker.wakeup`).
+* ``relay_outbox`` task: :class:`~streams.worker.stages.relay.OutboxRelay`, woken by committed outbox rows.
+* ``listen_outbox`` task (with ``outbox_listen_enabled``): the ledger's LISTEN connection
+  (:class:`~streams.ledger.notices.OutboxListener`), waking the relay on any worker's outbox rows.
 * ``reconcile_lookups`` task (only with ``lookup_enabled``): :class:`~streams.worker.stages.reconciler.Reconciler`, in
 a loop
   of its own, so a slow lookup never delays poll scheduling.
@@ -457,12 +458,15 @@ def create_app(settings: Settings) -> faust.App:
 
     @app.task
     async def schedule_polls() -> None:
-        rt = await runtime()  # a callback's due poll wakes it (docs/callbacks.md)
-        await run_forever(PollScheduler(rt).tick, settings.poll_scheduler_interval_s, rt.poll_wakeup)
+        await PollScheduler(await runtime()).run()
 
     @app.task
     async def relay_outbox() -> None:
-        await run_forever(OutboxRelay(await runtime()).tick, settings.relay_interval_s)
+        await OutboxRelay(await runtime()).run()
+
+    @app.task
+    async def listen_outbox() -> None:
+        await (await runtime()).listen_outbox()
 
     @app.task
     async def reconcile_lookups() -> None:

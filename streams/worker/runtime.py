@@ -32,6 +32,7 @@ from streams.errors import (
     LedgerUnavailableError,
     RemoteError,
 )
+from streams.ledger.notices import OutboxListener
 from streams.ledger.pool import create_pool
 from streams.ledger.protocol import PipelineLedger
 from streams.ledger.records import RemoteCall
@@ -43,6 +44,7 @@ from streams.outages import Failure, FailureKind, classify
 from streams.remote.client import RemoteClient
 from streams.retrying import failure_of, retry_without_deadline
 from streams.wire import contracts, exactjson
+from streams.worker.wakeup import Wakeups
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +128,10 @@ class Runtime:
         self._last_outage_log: dict[str, float] = {}
         #: True once :meth:`close` began: a failure of a client being closed is this worker stopping, no outage.
         self.closing = False
-        #: Set to wake this worker's poll scheduler before its idle interval ends (a callback made a poll due).
-        self.poll_wakeup = asyncio.Event()
+        #: What wakes the poll scheduler and the outbox relay (:mod:`streams.worker.wakeup`).
+        self.wakeups = Wakeups()
+        #: The ledger's LISTEN connection while :meth:`listen_outbox` runs, else None.
+        self.outbox_listener: OutboxListener | None = None
 
     @classmethod
     async def create(
@@ -164,6 +168,18 @@ class Runtime:
         if self.pool is None:
             raise LedgerUnavailableError("this runtime has no PostgreSQL pool (an in-memory ledger)")
         return self.pool
+
+    async def listen_outbox(self) -> None:
+        """Wake the outbox relay on every worker's committed outbox rows (:class:`OutboxListener`, one dedicated
+        connection) until cancelled; returns at once with an in-memory ledger or ``outbox_listen_enabled`` off."""
+        if self.pool is None or not self.settings.outbox_listen_enabled:
+            return
+        self.outbox_listener = OutboxListener(
+            self.settings.database_url.get_secret_value(),
+            self.wakeups.outbox.notify,
+            retry_cap_s=self.settings.coordination_retry_cap_s,
+        )
+        await self.outbox_listener.run()
 
     async def close(self) -> None:
         """Close all clients."""

@@ -21,7 +21,6 @@ from prometheus_client import REGISTRY
 from streams.config import Settings, callback_secret_key
 from streams.ledger import retention
 from streams.remote.callbacks import signature
-from streams.worker.app import run_forever
 from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.callbacks import CallbackReceiver
 from streams.worker.stages.observer import Observer
@@ -88,9 +87,10 @@ async def receiver(rt: Runtime) -> AsyncIterator[str]:
 
 
 @asynccontextmanager
-async def polling(rt: Runtime, idle_s: float, wake: asyncio.Event | None) -> AsyncIterator[None]:
-    """A worker's scheduler and observer without Kafka in between: the worker's own loop (run_forever) claims due
-    polls and observes each at once."""
+async def polling(rt: Runtime, idle_s: float) -> AsyncIterator[None]:
+    """A worker's scheduler and observer without Kafka in between: due polls claimed and each observed at once,
+    sleeping between rounds on the worker's own poll wake-up (:attr:`Runtime.wakeups` ``.polls``), ``idle_s`` at
+    most."""
     observer = Observer(rt)
 
     async def tick() -> int:
@@ -105,7 +105,12 @@ async def polling(rt: Runtime, idle_s: float, wake: asyncio.Event | None) -> Asy
             await observer.handle(RawMessage("generation.polls", 0, 0, p.operation_id.encode(), orjson.dumps(value)))
         return len(polls)
 
-    task = asyncio.create_task(run_forever(tick, idle_s, wake))
+    async def rounds() -> None:
+        while True:
+            if not await tick():
+                await rt.wakeups.polls.wait(idle_s)
+
+    task = asyncio.create_task(rounds())
     try:
         yield
     finally:
@@ -133,7 +138,7 @@ async def test_a_callback_delivers_soon_with_fewer_gets_than_polling_alone(
     await long_jobs(simulator)
     # Without callbacks: the poll hints are followed until the job ends.
     baseline_job = await submitted_operation(runtime, "op-poll-only")
-    async with polling(runtime, 0.05, None):
+    async with polling(runtime, 0.05):
         await wait_for(lambda: _state_is(pool, "op-poll-only", "succeeded"), 15, "op-poll-only to succeed")
     baseline_gets = await job_gets(simulator, baseline_job)
 
@@ -141,7 +146,7 @@ async def test_a_callback_delivers_soon_with_fewer_gets_than_polling_alone(
         await simulator.configure(callback_url=url, callback_secret=SECRET)
         job_id = await submitted_operation(rt, "op-cb")
         poll_now_before = received("poll_now")
-        async with polling(rt, IDLE_S, rt.poll_wakeup):
+        async with polling(rt, IDLE_S):
             # the first GET saw the job queued: the next poll is the fallback's, a minute out
             await wait_for(lambda: _polled_once(pool, "op-cb"), 10, "the first poll of op-cb")
             wait_s = await pool.fetchval(
@@ -176,11 +181,11 @@ async def test_a_worker_that_does_not_observe_the_job_takes_its_callback(
     ):
         await simulator.configure(callback_url=url, callback_secret=SECRET)
         job_id = await submitted_operation(owner, "op-elsewhere")
-        async with polling(owner, 0.2, owner.poll_wakeup):  # its scheduler's regular rounds find the due poll
+        async with polling(owner, 0.2):  # its scheduler's regular rounds find the due poll
             await wait_for(lambda: _polled_once(pool, "op-elsewhere"), 10, "the first poll of op-elsewhere")
             await wait_for(lambda: _state_is(pool, "op-elsewhere", "succeeded"), 10, "op-elsewhere to succeed")
         assert await job_gets(simulator, job_id) == 2
-        assert other.poll_wakeup.is_set() and not owner.poll_wakeup.is_set()
+        assert other.wakeups.polls.notified and not owner.wakeups.polls.notified
 
 
 async def test_refusals_and_replays_are_counted_and_change_nothing(
@@ -239,7 +244,7 @@ async def test_lost_or_badly_signed_callbacks_still_end_by_fallback_polling(
         await simulator.configure(callback_url=url, callback_secret=SECRET, callback_loss=1.0)
         lost_job = await submitted_operation(rt, "op-lost")
         bad_before = refused("bad_signature")
-        async with polling(rt, 0.2, rt.poll_wakeup):
+        async with polling(rt, 0.2):
             await wait_for(lambda: _state_is(pool, "op-lost", "succeeded"), 15, "op-lost to succeed by polling")
             await simulator.configure(callback_loss=0.0, callback_bad_signature=1.0, callback_attempts=2)
             await submitted_operation(rt, "op-bad")

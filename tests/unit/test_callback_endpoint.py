@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY
 from streams.config import Settings
 from streams.worker.app import create_app
 from streams.worker.stages.callbacks import CallbackReceiver
+from streams.worker.wakeup import Wakeups
 
 
 def _web_app(settings: Settings) -> web.Application:
@@ -52,7 +53,7 @@ class _NoLedger:
 @asynccontextmanager
 async def _receiver(settings: Settings) -> AsyncIterator[int]:
     """A web server serving only the callback endpoint with ``settings``; yields its port."""
-    runtime = SimpleNamespace(settings=settings, ledger=_NoLedger(), poll_wakeup=asyncio.Event())
+    runtime = SimpleNamespace(settings=settings, ledger=_NoLedger(), wakeups=Wakeups())
     web_app = web.Application()
     web_app.router.add_post("/cb", CallbackReceiver(runtime).handle)  # type: ignore[arg-type]  # the parts it uses
     runner = web.AppRunner(web_app, lingering_time=0)  # the unread rest of a refused body is not waited for

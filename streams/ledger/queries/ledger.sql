@@ -199,6 +199,14 @@ FROM (SELECT operation_id FROM operations
 WHERE o.operation_id = due.operation_id
 RETURNING o.operation_id, o.remote_job_id, o.poll_claim_id, floor(extract(epoch FROM now()) * 1000)::bigint AS claimed_at_ms;
 
+-- name: next_poll_due_in_s
+-- The poll scheduler's sleep: seconds from now until the earliest next_poll_at of a pollable operation (a claimed
+-- poll's comes back after its visibility timeout), negative when one is due already; NULL when none is pollable.
+-- Reads the operations_due_polls index's first entry.
+SELECT extract(epoch FROM min(next_poll_at) - now())::float8 AS due_in_s
+FROM operations
+WHERE state IN ('submitted', 'queued', 'running');
+
 -- name: get_operation
 -- :operation_id. One row or none; request is the JSON text as submitted.
 SELECT operation_id, state::text AS state, remote_job_id, fencing_token, poll_claim_id, next_poll_at,

@@ -3,9 +3,9 @@
 A callback is a hint, polling the authority: the body is never saved as state, only its job id is read, and the
 job's poll moves to now in the ledger (:meth:`~streams.ledger.store.Ledger.note_callback`, one statement under the
 operation's row lock, idempotent by ``webhook-id``); then this worker's poll scheduler is woken
-(:attr:`~streams.worker.runtime.Runtime.poll_wakeup`). Any worker's scheduler claims due polls, and the poll event
-is keyed by operation id, so a callback reaching a worker that does not own the job's partition works the same:
-the owner's observer GETs the job under its lease.
+(:attr:`~streams.worker.runtime.Runtime.wakeups` ``.polls``, cause ``callback``). Any worker's scheduler claims
+due polls, and the poll event is keyed by operation id, so a callback reaching a worker that does not own the
+job's partition works the same: the owner's observer GETs the job under its lease.
 
 Answers (each refusal counted in ``streams_callbacks_refused_total{reason}``, one log line without body or
 signature):
@@ -31,6 +31,7 @@ from streams import metrics
 from streams.errors import CallbackRefusedError, LedgerUnavailableError
 from streams.model.codes import CallbackRefusal
 from streams.remote import callbacks
+from streams.worker import wakeup
 from streams.worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class CallbackReceiver:
             return web.Response(status=200, text="already received\n")
         metrics.CALLBACKS_RECEIVED.labels("poll_now" if note.made_due else "no_change").inc()
         if note.made_due:
-            self.rt.poll_wakeup.set()
+            self.rt.wakeups.polls.notify(wakeup.CALLBACK)
         log.info(
             "callback %s: operation %s (job %s) %s",
             webhook_id,

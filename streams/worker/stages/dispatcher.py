@@ -520,6 +520,7 @@ class Dispatcher:
             return
         if saved:
             metrics.SUBMISSIONS.labels("submitted").inc()
+            self.rt.wakeups.polls.due_in(first_poll_s)  # its first poll, to this worker's scheduler
         else:
             metrics.FENCING_REFUSALS.labels("submit").inc()
             await self._record_late_job(operation_id, result.job_id, fencing)

@@ -73,6 +73,7 @@ from streams.model.states import OperationState, is_terminal
 from streams.wire import contracts
 from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.stalling import StallGuard
+from streams.worker.wakeup import WRITTEN
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ class Observer:
             metrics.STALE_POLLS.inc()
 
     async def _reschedule(self, operation_id: str, poll_claim_id: int, delay_s: float) -> None:
-        await self.rt.ledger.reschedule_poll(operation_id, poll_claim_id, delay_s)
+        if await self.rt.ledger.reschedule_poll(operation_id, poll_claim_id, delay_s):
+            self.rt.wakeups.polls.due_in(delay_s)
 
     def _delay(self, poll_count: int, hint_s: float | None) -> float:
         s = self.rt.settings
@@ -216,7 +218,12 @@ class Observer:
             log.error("the remote answer cannot be stored (%s); recording failed", exc)
             unstorable = _failed(snapshot.job_id, "unstorable_response", str(exc))
             outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, unstorable, None)
-        if outcome is SaveOutcome.REFUSED_FENCING:
+        if outcome is SaveOutcome.SAVED:
+            if snapshot.outputs and snapshot.state is OperationState.SUCCEEDED:
+                rt.wakeups.outbox.notify(WRITTEN)  # outputs in the outbox (a transition alone waits for a round)
+            elif not is_terminal(snapshot.state):
+                rt.wakeups.polls.due_in(delay)
+        elif outcome is SaveOutcome.REFUSED_FENCING:
             metrics.FENCING_REFUSALS.labels("observe").inc()
             log.warning(
                 "observation %s dropped: fencing value %s is stale (a newer claim saved since)",

@@ -17,6 +17,7 @@ bug marks nothing: the whole batch goes again next round.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -53,6 +54,23 @@ class OutboxRelay:
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
+        #: True when the last :meth:`tick` stopped at a failure (an outage, a bug) before the outbox was drained.
+        self.failed = False
+
+    async def run(self) -> None:
+        """Drain the outbox, then sleep until woken (:attr:`Runtime.wakeups` ``.outbox``: this worker wrote
+        outputs, a PostgreSQL notification of any worker's outputs, the listener reconnected) or at most
+        ``wakeup_fallback_s``; after a failed round, ``relay_interval_s`` before the next. Runs until cancelled.
+
+        Rows are claimed as by every round (:meth:`tick`): a wake-up only says when to look, so a lost one
+        delays a row to the fallback, never loses it."""
+        s = self.rt.settings
+        while True:
+            await self.tick()
+            if self.failed:
+                await asyncio.sleep(s.relay_interval_s)
+            else:
+                await self.rt.wakeups.outbox.wait(s.wakeup_fallback_s)
 
     async def _publish(self, rows: list[dict[str, Any]]) -> None:
         rt = self.rt
@@ -112,11 +130,13 @@ class OutboxRelay:
     async def tick(self) -> int:
         """Publish until the outbox is drained or a batch fails; returns rows published. Never raises."""
         total = 0
+        self.failed = False
         while True:
             try:
                 n = await self.rt.ledger.relay_outbox(self.rt.settings.relay_batch_size, self._publish)
             except Exception as exc:  # nothing was marked; the next tick retries (an outage is waited out there)
                 self.rt.report_failure("outbox relay", exc)
+                self.failed = True
                 return total
             total += n
             if n < self.rt.settings.relay_batch_size:

@@ -79,6 +79,42 @@ class PollScheduler:
         self._dispatcher = Dispatcher(runtime)
         #: Re-dispatches running in this worker, by operation id.
         self.redispatching: dict[str, asyncio.Task[bool]] = {}
+        #: True when the last round claimed as many polls as it could (more may be due), False when fewer.
+        self.claimed_all = False
+
+    async def run(self) -> None:
+        """Scheduling rounds back to back while they claim full batches; between them, sleep until the next poll is
+        due: the ledger's earliest ``next_poll_at`` (every worker's), or sooner when this worker schedules one
+        (:attr:`Runtime.wakeups` ``.polls``), at most ``wakeup_fallback_s``. Due polls a round and the one right
+        after it left unclaimed (held back: rate budget, back-pressure, Redis) are tried again after
+        ``poll_scheduler_interval_s``. Runs until cancelled."""
+        rt = self.rt
+        s = rt.settings
+        wakeup = rt.wakeups.polls
+        retried = False
+        while True:
+            try:
+                published = await self.tick()
+            except Exception:
+                log.exception("poll scheduler round failed; retrying")
+                published = 0
+            if published and self.claimed_all:
+                retried = False
+                continue  # the round was full: more may be due
+            try:
+                due_in_s = await rt.ledger.next_poll_due_in_s()
+            except Exception as exc:  # an outage: the fallback timer tries again
+                rt.report_failure("poll scheduler", exc)
+                due_in_s = None
+            if due_in_s is not None and due_in_s <= 0:
+                if not retried:  # due since the round's claim (or claimed by none yet): one more round at once
+                    retried = True
+                    continue
+                wakeup.due_in(s.poll_scheduler_interval_s)
+            elif due_in_s is not None:
+                wakeup.due_in(due_in_s)
+            retried = False
+            await wakeup.wait(s.wakeup_fallback_s)
 
     async def tick(self) -> int:
         """One scheduling round; returns the number of polls published. Never raises for outages."""
@@ -92,6 +128,7 @@ class PollScheduler:
             limit = await self._claim_limit()
             vt_s = rt.settings.visibility_timeout_s
             polls = await rt.ledger.claim_due_polls(limit, vt_s, claim_bound(rt.settings)) if limit else []
+            self.claimed_all = bool(polls) and len(polls) == limit
             await rt.budget.refund(BudgetKind.CLAIMS, limit - len(polls))  # a no-op when not paced or all used
         except Exception as exc:  # classified by type: an outage waits for the next tick, a bug is logged loudly
             rt.report_failure("poll scheduler", exc)

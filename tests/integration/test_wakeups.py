@@ -1,0 +1,206 @@
+"""Wake-ups of the outbox relay on real PostgreSQL and Kafka: committed outputs wake the relay of a worker that did
+not write them (LISTEN/NOTIFY, migration 0014.wakeups), without the fallback timer; with no notification the
+fallback timer delivers it all the same; a listener whose connection is terminated reconnects (logged, counted).
+Wake-ups are asserted by their counts by cause (streams_wakeups_total), never by timing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+
+from streams import metrics
+from streams.clients.follow import read_topic_to_end
+from streams.config import Settings
+from streams.worker.runtime import Runtime
+from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.stages.relay import OutboxRelay
+from streams.worker.stages.scheduler import PollScheduler
+from streams.worker.wakeup import FALLBACK
+from tests.integration.test_dispatcher import submission
+from tests.integration.test_relay_and_dead_letters import for_op, succeeded_operation
+from tests.support import wait_for
+
+pytestmark = pytest.mark.integration
+
+RELAY = "relay_outbox"
+#: Rows one succeeded operation with one output puts in the outbox: four transitions and the output.
+ROWS_PER_OPERATION = 5
+
+
+def wakeups(cause: str) -> float:
+    return float(metrics.WAKEUPS.labels(RELAY, cause)._value.get())
+
+
+def connects(result: str) -> float:
+    return float(metrics.LEDGER_LISTENER_CONNECTS.labels(result)._value.get())
+
+
+@pytest.fixture
+async def relay_worker(
+    settings: Settings, kafka_send: Callable[[str, bytes, bytes], Awaitable[Any]]
+) -> AsyncIterator[Callable[..., Awaitable[Runtime]]]:
+    """Start another worker's relay (its own runtime, so none of the writer's in-process signals reach it), with
+    or without its outbox listener; everything started is stopped at the end."""
+    started: list[tuple[Runtime, list[asyncio.Task[None]]]] = []
+
+    async def start(*, fallback_s: float, listen: bool) -> Runtime:
+        rt = await Runtime.create(settings.replace(wakeup_fallback_s=fallback_s), kafka_send, worker="relay-worker")
+        tasks = [asyncio.create_task(OutboxRelay(rt).run())]
+        if listen:
+            tasks.append(asyncio.create_task(rt.listen_outbox()))
+        started.append((rt, tasks))
+        if listen:
+            await wait_for(listening(rt), 30.0, "the outbox listener connected")
+        return rt
+
+    yield start
+    for rt, tasks in started:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await rt.close()
+
+
+def listening(rt: Runtime, after: int = 0) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        listener = rt.outbox_listener
+        return listener is not None and listener.backend_pid is not None and listener.connections > after
+
+    return check
+
+
+def published(pool: asyncpg.Pool, op: str) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        n = await pool.fetchval("SELECT count(*) FROM outbox WHERE operation_id = $1 AND published_at IS NOT NULL", op)
+        return bool(n == ROWS_PER_OPERATION)
+
+    return check
+
+
+async def test_committed_outputs_wake_another_workers_relay_by_notification(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings, relay_worker: Callable[..., Awaitable[Runtime]]
+) -> None:
+    woken = wakeups("listening")
+    await relay_worker(fallback_s=3600.0, listen=True)  # the fallback timer never fires within this test
+    await wait_for(lambda: _true(wakeups("listening") > woken), 30.0, "the relay woken once by the connection")
+    notified, fallbacks = wakeups("notified"), wakeups(FALLBACK)
+    op = f"op-notify-{uuid.uuid4().hex[:6]}"
+    await succeeded_operation(runtime, op, outputs=1)  # written by the test's worker, which runs no relay
+
+    await wait_for(published(pool, op), 30.0, "the other worker's relay published every row")
+    assert wakeups("notified") > notified
+    assert wakeups(FALLBACK) == fallbacks
+    outputs = for_op(await read_topic_to_end(settings, "outputs_delivered"), op)
+    assert [o["event_id"] for o in outputs] == [f"output:{op}:out_0"]
+
+
+async def test_without_notifications_the_fallback_timer_delivers(
+    runtime: Runtime, pool: asyncpg.Pool, relay_worker: Callable[..., Awaitable[Runtime]]
+) -> None:
+    fallbacks, notified = wakeups(FALLBACK), wakeups("notified")
+    await relay_worker(fallback_s=0.2, listen=False)  # every notification lost: nobody listens
+    op = f"op-fallback-{uuid.uuid4().hex[:6]}"
+    await succeeded_operation(runtime, op, outputs=1)
+
+    await wait_for(published(pool, op), 30.0, "the relay published every row by its fallback timer")
+    assert wakeups(FALLBACK) > fallbacks
+    assert wakeups("notified") == notified
+
+
+async def test_a_terminated_listener_reconnects_and_wakes_the_relay_again(
+    runtime: Runtime,
+    pool: asyncpg.Pool,
+    settings: Settings,
+    relay_worker: Callable[..., Awaitable[Runtime]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="streams.ledger.notices")
+    woken = wakeups("listening")
+    relay_rt = await relay_worker(fallback_s=3600.0, listen=True)
+    await wait_for(lambda: _true(wakeups("listening") > woken), 30.0, "the relay woken once by the connection")
+    listener = relay_rt.outbox_listener
+    assert listener is not None and listener.backend_pid is not None
+    first_pid = listener.backend_pid
+    lost = connects("lost")
+    woken = wakeups("listening")
+    database = settings.database_url.get_secret_value().rpartition("/")[2]
+    # only this test's own listener: its backend on this test database
+    assert await pool.fetchval("SELECT datname FROM pg_stat_activity WHERE pid = $1", first_pid) == database
+    assert await pool.fetchval("SELECT pg_terminate_backend($1)", first_pid)
+
+    await wait_for(listening(relay_rt, after=1), 30.0, "the listener reconnected")
+    assert listener.backend_pid != first_pid
+    assert connects("lost") == lost + 1
+    assert any("connection to PostgreSQL" in r.getMessage() and "lost" in r.getMessage() for r in caplog.records)
+    assert any("reconnected, listening" in r.getMessage() for r in caplog.records)
+
+    await wait_for(lambda: _true(wakeups("listening") > woken), 30.0, "the relay woken by the reconnection")
+    notified = wakeups("notified")
+    op = f"op-relisten-{uuid.uuid4().hex[:6]}"
+    await succeeded_operation(runtime, op, outputs=1)
+    await wait_for(published(pool, op), 30.0, "the relay published every row after the reconnection")
+    assert wakeups("notified") > notified
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_the_scheduler_sleeps_until_the_ledgers_next_due_poll(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings, kafka_send: Callable[[str, bytes, bytes], Awaitable[Any]]
+) -> None:
+    op = f"op-due-{uuid.uuid4().hex[:6]}"
+    assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+    fencing = await runtime.ledger.claim_for_submit(op)
+    assert fencing is not None
+    # scheduled by the test's worker: no in-process signal reaches the scheduler's own runtime
+    assert await runtime.ledger.save_submitted(op, fencing, f"job-{op}", 0.5, None)
+    scheduler_rt = await Runtime.create(settings.replace(wakeup_fallback_s=3600.0), kafka_send, worker="scheduler")
+    due, fallbacks = metrics.WAKEUPS.labels("schedule_polls", "due"), metrics.WAKEUPS.labels("schedule_polls", FALLBACK)
+    due_before, fallbacks_before = due._value.get(), fallbacks._value.get()
+    task = asyncio.create_task(PollScheduler(scheduler_rt).run())
+    try:
+
+        async def claimed() -> bool:
+            return bool(await pool.fetchval("SELECT poll_claim_id > 0 FROM operations WHERE operation_id = $1", op))
+
+        await wait_for(claimed, 30.0, "the poll claimed when due")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await scheduler_rt.close()
+    assert due._value.get() > due_before  # woken by the deadline read from the ledger
+    assert fallbacks._value.get() == fallbacks_before
+
+
+async def test_a_poll_this_worker_saved_is_claimed_by_its_signal_not_the_fallback(
+    pool: asyncpg.Pool, settings: Settings, kafka_send: Callable[[str, bytes, bytes], Awaitable[Any]]
+) -> None:
+    # one worker: its dispatcher saves the job id (first poll due after the simulator's hint) while its scheduler
+    # sleeps with nothing pollable; the fallback never fires within the test, so only the signal can claim it
+    rt = await Runtime.create(settings.replace(wakeup_fallback_s=3600.0), kafka_send, worker="one-worker")
+    due, fallbacks = metrics.WAKEUPS.labels("schedule_polls", "due"), metrics.WAKEUPS.labels("schedule_polls", FALLBACK)
+    task = asyncio.create_task(PollScheduler(rt).run())
+    op = f"op-signal-{uuid.uuid4().hex[:6]}"
+    try:
+        await wait_for(lambda: _true(rt.wakeups.polls.deadline is None), 30.0, "the scheduler asleep, nothing due")
+        due_before, fallbacks_before = due._value.get(), fallbacks._value.get()
+        await Dispatcher(rt).handle(submission(op))
+
+        async def claimed() -> bool:
+            return bool(await pool.fetchval("SELECT poll_claim_id > 0 FROM operations WHERE operation_id = $1", op))
+
+        await wait_for(claimed, 30.0, "the first poll claimed when due")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await rt.close()
+    assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = $1", op) == "submitted"
+    assert due._value.get() > due_before  # woken by the deadline the dispatcher gave after its commit
+    assert fallbacks._value.get() == fallbacks_before

@@ -1,0 +1,78 @@
+"""The wake-up signal of the poll scheduler and the outbox relay (streams.worker.wakeup): coalescing, earliest
+deadline, fallback, and the count of wake-ups by cause."""
+
+from __future__ import annotations
+
+import asyncio
+
+from streams import metrics
+from streams.worker.wakeup import DUE, FALLBACK, WRITTEN, Wakeup
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def count(loop: str, cause: str) -> float:
+    return float(metrics.WAKEUPS.labels(loop, cause)._value.get())
+
+
+async def test_notifications_before_a_wait_coalesce_into_one_wakeup() -> None:
+    wakeup = Wakeup("test_coalesce")
+    for cause in (WRITTEN, "notified", WRITTEN):
+        wakeup.notify(cause)
+    assert await wakeup.wait(fallback_s=3600.0) == WRITTEN  # the first cause, at once
+    assert await wakeup.wait(fallback_s=0.0) == FALLBACK  # nothing left: the three were one wake-up
+    assert count("test_coalesce", WRITTEN) == 1
+    assert count("test_coalesce", "notified") == 0
+    assert count("test_coalesce", FALLBACK) == 1
+
+
+async def test_a_notification_wakes_a_waiting_loop() -> None:
+    wakeup = Wakeup("test_wake_waiter")
+    waiter = asyncio.create_task(wakeup.wait(fallback_s=3600.0))
+    await asyncio.sleep(0)  # the waiter sleeps now
+    assert not waiter.done()
+    wakeup.notify("notified")
+    assert await asyncio.wait_for(waiter, 10.0) == "notified"
+
+
+async def test_the_earliest_deadline_wins() -> None:
+    clock = FakeClock()
+    wakeup = Wakeup("test_earliest", clock=clock)
+    wakeup.due_in(5.0)
+    wakeup.due_in(1.0)
+    wakeup.due_in(3.0)  # later than the one known: changes nothing
+    assert wakeup.deadline == 1001.0
+    clock.now_s = 1000.5
+    assert await wakeup.wait(fallback_s=0.0) == FALLBACK  # not due yet
+    clock.now_s = 1001.0
+    assert await wakeup.wait(fallback_s=3600.0) == DUE
+    assert wakeup.deadline is None  # met, then forgotten
+    assert count("test_earliest", DUE) == 1
+
+
+async def test_a_sooner_deadline_wakes_a_waiting_loop() -> None:
+    clock = FakeClock()
+    wakeup = Wakeup("test_sooner", clock=clock)
+    wakeup.due_in(3000.0)
+    waiter = asyncio.create_task(wakeup.wait(fallback_s=3600.0))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    wakeup.due_in(0.0)  # due now: the sleeper re-reads its deadline
+    assert await asyncio.wait_for(waiter, 10.0) == DUE
+
+
+async def test_a_notification_serves_a_passed_deadline_too() -> None:
+    clock = FakeClock()
+    wakeup = Wakeup("test_serves", clock=clock)
+    wakeup.due_in(1.0)
+    clock.now_s += 2.0
+    wakeup.notify(WRITTEN)
+    assert await wakeup.wait(fallback_s=3600.0) == WRITTEN
+    assert wakeup.deadline is None
+    assert await wakeup.wait(fallback_s=0.0) == FALLBACK
