@@ -108,7 +108,15 @@ def _run_job(coro: Coroutine[Any, Any, T], command: str) -> T:
 
 
 def _run_options(
-    *, rows: int, workers: int, min_workers: int, seed: int, seed_help: str, timeout_s: float, lookup_help: str
+    *,
+    rows: int,
+    workers: int,
+    min_workers: int,
+    seed: int,
+    seed_help: str,
+    timeout_s: float,
+    lookup_help: str,
+    cancel_fraction: float,
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """The options of every harness run (:class:`streams_harness.run.RunOptions`'s fields), with the command's
     defaults; the main job and the soak add their own."""
@@ -152,6 +160,21 @@ def _run_options(
             help="Write the JSON report here (default reports/<run id>/report.json).",
         ),
         click.option("--timeout-s", default=timeout_s, show_default=True, help="Give up waiting after this long."),
+        click.option(
+            "--cancel-fraction",
+            default=cancel_fraction,
+            show_default=True,
+            type=click.FloatRange(0.0, 1.0),
+            help="Share of the operations canceled during the run on its generation.cancellations topic, some "
+            "before their POST, some while running (docs/cancellation.md); 0: none.",
+        ),
+        click.option(
+            "--callbacks/--no-callbacks",
+            default=True,
+            show_default=True,
+            help="Workers serve completion callbacks (a test secret) and the simulator sends them, with lost, "
+            "duplicated, reordered and badly signed ones (docs/callbacks.md).",
+        ),
     ]
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
@@ -171,6 +194,7 @@ def _run_options(
     seed_help="Seed of the simulator's fault decisions.",
     timeout_s=900.0,
     lookup_help="Reconcile uncertain operations by lookup of the client reference (the simulator offers it).",
+    cancel_fraction=0.05,
 )
 @click.option("--partitions", default=8, show_default=True, type=click.IntRange(1, 256), help="Partitions per topic.")
 @click.option("--faults/--no-faults", default=True, show_default=True, help="Inject the default fault rates.")
@@ -219,6 +243,7 @@ def run_command(faults: bool, fault_overrides: tuple[str, ...], **options: Any) 
     seed_help="Seed of the fault plan and the simulator.",
     timeout_s=1800.0,
     lookup_help="Reconcile uncertain operations by lookup; the audit then requires none left whose job exists.",
+    cancel_fraction=0.03,
 )
 @click.option("--faults", default=20, show_default=True, type=click.IntRange(min=0), help="Faults to inject.")
 def soak_command(**options: Any) -> None:
