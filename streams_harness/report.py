@@ -99,6 +99,7 @@ def build_report(
     transitions: Iterable[tuple[str, str | None, str]] = (),
     accounting: LedgerAccounting | None = None,
     cancel_asked: Iterable[str] = (),
+    cancel_asked_when: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Compute the report.
 
@@ -112,7 +113,8 @@ def build_report(
         transitions: the run's transition log, ``(operation_id, from_state, to_state)`` in order.
         accounting: what the ledger's accounting learned (compared with the simulator's record).
         cancel_asked: the operation ids the run asked to cancel (``cancellations`` and
-            ``canceled_outputs_delivered``: :func:`cancellation_counts`).
+            ``canceled_outputs_delivered``: :func:`cancellation_counts`), and ``cancel_asked_when`` the ledger's
+            recorded cancellations by the state their operation was in when asked.
 
     Returns the report dict (the fields: docs/harness.md).
     """
@@ -223,7 +225,9 @@ def build_report(
         "outputs_expected": outputs_expected,
         "outputs_undelivered": outputs_expected - len(outputs_seen),
         "state_regressions": state_regressions(transitions),
-        **cancellation_counts(cancel_asked, ops.values(), transitions, (value for value, _ in delivered)),
+        **cancellation_counts(
+            cancel_asked, ops.values(), transitions, (value for value, _ in delivered), cancel_asked_when
+        ),
         "throughput_ops_per_s": round(len(final) / span_s, 2) if span_s else 0.0,
         "completion_to_delivery_ms": {
             "p50": _round(percentile(latencies, 50)),
@@ -239,12 +243,15 @@ def cancellation_counts(
     ledger: Iterable[LedgerOperation],
     transitions: Iterable[tuple[str, str | None, str]],
     delivered: Iterable[Mapping[str, Any]],
+    asked_when: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The report's ``cancellations`` and ``canceled_outputs_delivered`` (docs/cancellation.md).
 
     ``cancellations``: ``asked`` (the operation ids the run canceled), of them ``canceled`` (ended ``canceled``),
     ``canceled_before_post`` (those with reason ``canceled_before_submit``: no POST sent), ``succeeded_first``
-    (the provider's outcome won: ended ``succeeded``) and ``other`` (any other state: failed, uncertain, ...).
+    (the provider's outcome won: ended ``succeeded``) and ``other`` (any other state: failed, uncertain, ...);
+    ``asked_when``, given (the ledger's ``cancellations`` by ``state_when_asked``, ``not_in_ledger`` when the
+    cancellation overtook its submission), as it is.
 
     ``canceled_outputs_delivered``: output-delivered events (``delivered``, their values) of operations that
     ended ``canceled`` or have a ``-> canceled`` step in ``transitions``; must be 0, since no output of a canceled
@@ -268,6 +275,7 @@ def cancellation_counts(
             "canceled_before_post": before_post,
             "succeeded_first": states["succeeded"],
             "other": len(asked_ids) - states["canceled"] - states["succeeded"],
+            **({"asked_when": dict(sorted(asked_when.items()))} if asked_when is not None else {}),
         },
         "canceled_outputs_delivered": sum(1 for value in delivered if value.get("operation_id") in canceled),
     }

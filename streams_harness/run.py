@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -304,6 +305,12 @@ async def progress(db: asyncpg.Pool | asyncpg.Connection, pattern: str) -> dict[
     return {r["state"]: r["n"] for r in rows}
 
 
+async def states(db: asyncpg.Pool | asyncpg.Connection, operation_ids: list[str]) -> dict[str, str]:
+    """The ledger state of each of ``operation_ids`` it holds, read through ``db``."""
+    rows = await REPORT.operation_states.fetch(db, operation_ids=operation_ids)
+    return {r["operation_id"]: r["state"] for r in rows}
+
+
 def final_count(counts: Mapping[str, int]) -> int:
     """Operations in a final state (:data:`~streams_harness.report.FINAL_STATES`) among ``counts``."""
     return sum(n for state, n in counts.items() if state in FINAL_STATES)
@@ -393,7 +400,7 @@ async def replay_until_final(
                 on_sent=lambda n: sent.__setitem__(0, n),
             )
         )
-        canceling = asyncio.create_task(publish_cancellations(settings, cancels, started))
+        canceling = asyncio.create_task(publish_cancellations(settings, cancels, started, partial(states, pool)))
         try:
             while True:
                 await asyncio.sleep(interval_s)
@@ -489,6 +496,7 @@ async def collect_report(
     reconciled = await REPORT.run_reconciled.fetchrow(pool, operation_pattern=pattern)
     meta = dict(meta)
     meta["faults_injected"] = summary.get("faults_injected", {})
+    asked_when = await REPORT.run_cancellations.fetch(pool, operation_pattern=pattern)
     recorded = await REPORT.run_callbacks.fetchrow(pool, operation_pattern=pattern)
     assert recorded is not None  # aggregates only: always one row
     callbacks = callback_counts(
@@ -504,6 +512,7 @@ async def collect_report(
         meta=meta,
         transitions=transitions,
         cancel_asked=[c.operation_id for c in cancels],
+        cancel_asked_when={r["state"]: r["n"] for r in asked_when},
         accounting=LedgerAccounting(
             reconciled=dict(reconciled) if reconciled is not None else {},
             duplicate_creations=accounting["duplicate_creations"],

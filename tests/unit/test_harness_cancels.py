@@ -10,7 +10,14 @@ from streams.config import Settings
 from streams.errors import InvalidEventError
 from streams.model.codes import ReasonCode
 from streams.wire import contracts
-from streams_harness.cancels import AT_SUBMISSION_SHARE, STAGGER_MAX_TRACE_S, cancellation, cancellation_plan
+from streams_harness.cancels import (
+    AT_SUBMISSION,
+    AT_SUBMISSION_SHARE,
+    STAGGER_MAX_TRACE_S,
+    WHILE_RUNNING,
+    cancellation,
+    cancellation_plan,
+)
 from streams_harness.mainjob import MainJobOptions, processes_env
 from streams_harness.report import LedgerOperation, broken_promises, build_report, callback_counts
 from streams_harness.run import DEFAULT_CALLBACK_FAULTS, RUN_CALLBACK_FALLBACK_POLL_S, isolate
@@ -21,19 +28,20 @@ ROWS = [TraceRow(row=i, arrival_s=2.0 * i, context_tokens=10, generated_tokens=1
 IDS = [f"run1-conv-{r.row:06d}" for r in ROWS]
 
 
-def test_the_plan_cancels_a_seeded_fraction_some_at_submission_some_staggered() -> None:
+def test_the_plan_cancels_a_seeded_fraction_some_at_submission_some_while_running() -> None:
     plan = cancellation_plan(ROWS, IDS, fraction=0.05, compression=10.0, seed=7)
     assert len(plan) == 20 and len({c.operation_id for c in plan}) == 20
     assert plan == cancellation_plan(ROWS, IDS, fraction=0.05, compression=10.0, seed=7)  # seeded
     assert plan != cancellation_plan(ROWS, IDS, fraction=0.05, compression=10.0, seed=8)
-    assert [c.at_s for c in plan] == sorted(c.at_s for c in plan)
     arrival_s = {op: row.arrival_s / 10.0 for op, row in zip(IDS, ROWS, strict=True)}
-    lags = [c.at_s - arrival_s[c.operation_id] for c in plan]
-    at_submission = [lag for lag in lags if lag == 0.0]
-    staggered = [lag for lag in lags if lag > 0.0]
-    assert at_submission and staggered  # both kinds, in about the planned share
+    assert all(c.at_s == arrival_s[c.operation_id] for c in plan)
+    at_submission = [c for c in plan if c.kind == AT_SUBMISSION]
+    while_running = [c for c in plan if c.kind == WHILE_RUNNING]
+    assert at_submission and while_running  # both kinds, in about the planned share
     assert abs(len(at_submission) / len(plan) - AT_SUBMISSION_SHARE) < 0.3
-    assert all(0.05 <= lag <= STAGGER_MAX_TRACE_S / 10.0 for lag in staggered)
+    assert all(c.lag_s == 0.0 for c in at_submission)
+    assert all(0.0 <= c.lag_s <= STAGGER_MAX_TRACE_S / 10.0 for c in while_running)
+    assert len({c.lag_s for c in while_running}) == len(while_running)  # staggered
 
 
 @pytest.mark.parametrize(("fraction", "expected"), [(0.0, 0), (0.001, 1), (1.0, 400)])
@@ -75,6 +83,7 @@ def cancel_report(delivered_to: list[str]) -> dict[str, object]:
         meta={},
         transitions=[("a", None, "accepted"), ("a", "accepted", "canceled")],
         cancel_asked=["a", "b", "c", "d"],
+        cancel_asked_when={"not_in_ledger": 1, "accepted": 0, "running": 3},
     )
 
 
@@ -86,6 +95,7 @@ def test_the_report_counts_the_cancellations_by_outcome() -> None:
         "canceled_before_post": 1,
         "succeeded_first": 1,
         "other": 1,
+        "asked_when": {"accepted": 0, "not_in_ledger": 1, "running": 3},
     }
     assert report["canceled_outputs_delivered"] == 0
     assert broken_promises(report, repeats_allowed=False) == []
