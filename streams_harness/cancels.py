@@ -68,17 +68,24 @@ def cancellation_plan(
     rows: Sequence[TraceRow], operation_ids: Sequence[str], *, fraction: float, compression: float, seed: int
 ) -> list[PlannedCancel]:
     """A seeded ``fraction`` (0..1) of ``rows`` (whose operation ids are ``operation_ids``, in the same order) to
-    cancel, by arrival: a share :data:`AT_SUBMISSION_SHARE` at the row's arrival (no POST sent yet), the others
-    while their job runs, a random part of :data:`STAGGER_MAX_TRACE_S` after its job id was saved; times are the
-    trace's divided by ``compression``. At least one when ``fraction`` > 0 and there are rows."""
+    cancel, by arrival: a share :data:`AT_SUBMISSION_SHARE` of any rows at the row's arrival (no POST sent yet),
+    the others among the rows of the longest jobs (the most generated tokens: a quarter of the rows, or more when
+    the fraction needs them) while their job runs, a random part of :data:`STAGGER_MAX_TRACE_S` after its job id
+    was saved; times are the trace's divided by ``compression``. At least one when ``fraction`` > 0 and there are
+    rows."""
     if fraction <= 0 or not rows:
         return []
     rng = random.Random(seed ^ 0xCA5CE1)
-    count = max(1, round(fraction * len(rows)))
+    count = min(len(rows), max(1, round(fraction * len(rows))))
+    running = count - round(count * AT_SUBMISSION_SHARE)
+    by_length = sorted(range(len(rows)), key=lambda i: (-rows[i].generated_tokens, i))
+    longest = by_length[: max(running, len(rows) // 4)]
+    while_running = set(rng.sample(longest, running))
+    at_submission = set(rng.sample([i for i in range(len(rows)) if i not in while_running], count - running))
     plan = []
-    for index in sorted(rng.sample(range(len(rows)), min(count, len(rows)))):
+    for index in sorted(while_running | at_submission):
         at_s = rows[index].arrival_s / compression
-        if rng.random() < AT_SUBMISSION_SHARE:
+        if index in at_submission:
             plan.append(PlannedCancel(at_s, operation_ids[index]))
         else:
             lag_s = rng.uniform(0.0, STAGGER_MAX_TRACE_S) / compression

@@ -248,7 +248,8 @@ def cancellation_counts(
     """The report's ``cancellations`` and ``canceled_outputs_delivered`` (docs/cancellation.md).
 
     ``cancellations``: ``asked`` (the operation ids the run canceled), of them ``canceled`` (ended ``canceled``),
-    ``canceled_before_post`` (those with reason ``canceled_before_submit``: no POST sent), ``succeeded_first``
+    ``canceled_before_post`` (those with reason ``canceled_before_submit``: no POST sent), ``canceled_at_provider``
+    (the others: the provider's job was canceled), ``succeeded_first``
     (the provider's outcome won: ended ``succeeded``) and ``other`` (any other state: failed, uncertain, ...);
     ``asked_when``, given (the ledger's ``cancellations`` by ``state_when_asked``, ``not_in_ledger`` when the
     cancellation overtook its submission), as it is.
@@ -273,6 +274,7 @@ def cancellation_counts(
             "asked": len(asked_ids),
             "canceled": states["canceled"],
             "canceled_before_post": before_post,
+            "canceled_at_provider": states["canceled"] - before_post,
             "succeeded_first": states["succeeded"],
             "other": len(asked_ids) - states["canceled"] - states["succeeded"],
             **({"asked_when": dict(sorted(asked_when.items()))} if asked_when is not None else {}),

@@ -24,7 +24,7 @@ from streams_harness.run import DEFAULT_CALLBACK_FAULTS, RUN_CALLBACK_FALLBACK_P
 from streams_harness.simulator.config import SimulatorConfig
 from streams_harness.trace import TraceRow
 
-ROWS = [TraceRow(row=i, arrival_s=2.0 * i, context_tokens=10, generated_tokens=10) for i in range(400)]
+ROWS = [TraceRow(row=i, arrival_s=2.0 * i, context_tokens=10, generated_tokens=(i * 37) % 400) for i in range(400)]
 IDS = [f"run1-conv-{r.row:06d}" for r in ROWS]
 
 
@@ -42,6 +42,10 @@ def test_the_plan_cancels_a_seeded_fraction_some_at_submission_some_while_runnin
     assert all(c.lag_s == 0.0 for c in at_submission)
     assert all(0.0 <= c.lag_s <= STAGGER_MAX_TRACE_S / 10.0 for c in while_running)
     assert len({c.lag_s for c in while_running}) == len(while_running)  # staggered
+    # the while-running ones among the longest jobs (the top quarter of the generated tokens: 300 and more)
+    tokens = {op: row.generated_tokens for op, row in zip(IDS, ROWS, strict=True)}
+    assert all(tokens[c.operation_id] >= 300 for c in while_running)
+    assert not all(tokens[c.operation_id] >= 300 for c in at_submission)
 
 
 @pytest.mark.parametrize(("fraction", "expected"), [(0.0, 0), (0.001, 1), (1.0, 400)])
@@ -93,6 +97,7 @@ def test_the_report_counts_the_cancellations_by_outcome() -> None:
         "asked": 4,
         "canceled": 2,
         "canceled_before_post": 1,
+        "canceled_at_provider": 1,
         "succeeded_first": 1,
         "other": 1,
         "asked_when": {"accepted": 0, "not_in_ledger": 1, "running": 3},
