@@ -117,7 +117,7 @@ class Chaos:
         #: Names of the workers this plan killed (the others must not exit before the end).
         self.killed: set[str] = set()
         #: The worker the simulator sends its callbacks to and the simulator's URL (None: no callbacks); a kill
-        #: of that worker points the simulator at the replacement.
+        #: of that worker points the simulator at the replacement, a pause at another live worker.
         self.callback_receiver: tuple[str, str] | None = None
 
     def plan(self, duration_s: float) -> list[tuple[float, str]]:
@@ -160,20 +160,28 @@ class Chaos:
         replacement = self.fleet.start()
         self.injected["worker_kill"] += 1
         if self.callback_receiver is not None and self.callback_receiver[0] == victim.name:
-            sim_url = self.callback_receiver[1]
             await self.fleet.wait_ready(replacement.name)
-            async with httpx.AsyncClient(timeout=10.0) as client:
-                answer = await client.post(
-                    f"{sim_url}/_sim/config",
-                    json={"callback_url": f"{replacement.url}{self.fleet.settings.callback_path}"},
-                )
-                answer.raise_for_status()
-            self.callback_receiver = (replacement.name, sim_url)
+            await self._receive_callbacks(replacement)
+
+    async def _receive_callbacks(self, worker: Worker) -> None:
+        """Point the simulator's callbacks at ``worker`` (``POST /_sim/config``)."""
+        assert self.callback_receiver is not None
+        sim_url = self.callback_receiver[1]
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            answer = await client.post(
+                f"{sim_url}/_sim/config", json={"callback_url": f"{worker.url}{self.fleet.settings.callback_path}"}
+            )
+            answer.raise_for_status()
+        self.callback_receiver = (worker.name, sim_url)
 
     async def worker_pause(self) -> None:
         victim = self._victim()
         victim.signal(signal.SIGSTOP)
         self.injected["worker_pause"] += 1
+        if self.callback_receiver is not None and self.callback_receiver[0] == victim.name:
+            others = [w for w in self.fleet.live() if w.name not in self.killed and w is not victim]
+            if others:  # the callbacks meanwhile sent to the stopped worker are unanswered, then lost
+                await self._receive_callbacks(others[0])
         await asyncio.sleep(2 * self.opts.lease_ttl_ms / 1000.0 + 1.0)
         victim.signal(signal.SIGCONT)
 
@@ -300,6 +308,8 @@ async def _soak(opts: SoakOptions, out: TextIO, steps: RunSteps) -> dict[str, An
             file=out,
         )
         try:
+            if secret:
+                await fleet.wait_ready()  # the callbacks' receiver listens before the first job ends
             replay_s = rows[-1].arrival_s / opts.compression if rows else 0.0
             chaos_task = asyncio.create_task(chaos.run(chaos.plan(replay_s)))
 
