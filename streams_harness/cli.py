@@ -197,7 +197,12 @@ def _run_options(
     cancel_fraction=0.05,
 )
 @click.option("--partitions", default=8, show_default=True, type=click.IntRange(1, 256), help="Partitions per topic.")
-@click.option("--faults/--no-faults", default=True, show_default=True, help="Inject the default fault rates.")
+@click.option(
+    "--faults/--no-faults",
+    default=True,
+    show_default=True,
+    help="Inject the default fault rates (the callbacks' too, with --callbacks).",
+)
 @click.option(
     "--fault",
     "fault_overrides",
@@ -210,7 +215,7 @@ def run_command(faults: bool, fault_overrides: tuple[str, ...], **options: Any) 
     """The main job: simulator + workers, trace replay, progress, and the report (terminal and JSON)."""
     from streams_harness.mainjob import MainJobOptions, run_main_job
     from streams_harness.report import broken_promises
-    from streams_harness.run import DEFAULT_FAULTS
+    from streams_harness.run import DEFAULT_CALLBACK_FAULTS, DEFAULT_FAULTS
 
     rates = dict(DEFAULT_FAULTS) if faults else {}
     for item in fault_overrides:
@@ -228,7 +233,10 @@ def run_command(faults: bool, fault_overrides: tuple[str, ...], **options: Any) 
         if not 0.0 <= rate <= 1.0:
             raise click.BadParameter(f"{item!r}: RATE must be a number from 0 to 1", param_hint="--fault")
         rates[key] = rate
-    report = _run_job(run_main_job(MainJobOptions(faults=rates, **options)), "streams run")
+    callback_faults = dict(DEFAULT_CALLBACK_FAULTS) if faults else {}
+    report = _run_job(
+        run_main_job(MainJobOptions(faults=rates, callback_faults=callback_faults, **options)), "streams run"
+    )
     problems = broken_promises(report, repeats_allowed=False)
     if problems:
         raise click.ClickException("the run broke a promise: " + ", ".join(problems))
