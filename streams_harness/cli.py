@@ -108,7 +108,15 @@ def _run_job(coro: Coroutine[Any, Any, T], command: str) -> T:
 
 
 def _run_options(
-    *, rows: int, workers: int, min_workers: int, seed: int, seed_help: str, timeout_s: float, lookup_help: str
+    *,
+    rows: int,
+    workers: int,
+    min_workers: int,
+    seed: int,
+    seed_help: str,
+    timeout_s: float,
+    lookup_help: str,
+    cancel_fraction: float,
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """The options of every harness run (:class:`streams_harness.run.RunOptions`'s fields), with the command's
     defaults; the main job and the soak add their own."""
@@ -152,6 +160,21 @@ def _run_options(
             help="Write the JSON report here (default reports/<run id>/report.json).",
         ),
         click.option("--timeout-s", default=timeout_s, show_default=True, help="Give up waiting after this long."),
+        click.option(
+            "--cancel-fraction",
+            default=cancel_fraction,
+            show_default=True,
+            type=click.FloatRange(0.0, 1.0),
+            help="Share of the operations canceled during the run on its generation.cancellations topic, some "
+            "before their POST, some while running (docs/cancellation.md); 0: none.",
+        ),
+        click.option(
+            "--callbacks/--no-callbacks",
+            default=True,
+            show_default=True,
+            help="Workers serve completion callbacks (a test secret) and the simulator sends them, with lost, "
+            "duplicated, reordered and badly signed ones (docs/callbacks.md).",
+        ),
     ]
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
@@ -171,9 +194,15 @@ def _run_options(
     seed_help="Seed of the simulator's fault decisions.",
     timeout_s=900.0,
     lookup_help="Reconcile uncertain operations by lookup of the client reference (the simulator offers it).",
+    cancel_fraction=0.05,
 )
 @click.option("--partitions", default=8, show_default=True, type=click.IntRange(1, 256), help="Partitions per topic.")
-@click.option("--faults/--no-faults", default=True, show_default=True, help="Inject the default fault rates.")
+@click.option(
+    "--faults/--no-faults",
+    default=True,
+    show_default=True,
+    help="Inject the default fault rates (the callbacks' too, with --callbacks).",
+)
 @click.option(
     "--fault",
     "fault_overrides",
@@ -186,7 +215,7 @@ def run_command(faults: bool, fault_overrides: tuple[str, ...], **options: Any) 
     """The main job: simulator + workers, trace replay, progress, and the report (terminal and JSON)."""
     from streams_harness.mainjob import MainJobOptions, run_main_job
     from streams_harness.report import broken_promises
-    from streams_harness.run import DEFAULT_FAULTS
+    from streams_harness.run import DEFAULT_CALLBACK_FAULTS, DEFAULT_FAULTS
 
     rates = dict(DEFAULT_FAULTS) if faults else {}
     for item in fault_overrides:
@@ -204,7 +233,10 @@ def run_command(faults: bool, fault_overrides: tuple[str, ...], **options: Any) 
         if not 0.0 <= rate <= 1.0:
             raise click.BadParameter(f"{item!r}: RATE must be a number from 0 to 1", param_hint="--fault")
         rates[key] = rate
-    report = _run_job(run_main_job(MainJobOptions(faults=rates, **options)), "streams run")
+    callback_faults = dict(DEFAULT_CALLBACK_FAULTS) if faults else {}
+    report = _run_job(
+        run_main_job(MainJobOptions(faults=rates, callback_faults=callback_faults, **options)), "streams run"
+    )
     problems = broken_promises(report, repeats_allowed=False)
     if problems:
         raise click.ClickException("the run broke a promise: " + ", ".join(problems))
@@ -219,6 +251,7 @@ def run_command(faults: bool, fault_overrides: tuple[str, ...], **options: Any) 
     seed_help="Seed of the fault plan and the simulator.",
     timeout_s=1800.0,
     lookup_help="Reconcile uncertain operations by lookup; the audit then requires none left whose job exists.",
+    cancel_fraction=0.03,
 )
 @click.option("--faults", default=20, show_default=True, type=click.IntRange(min=0), help="Faults to inject.")
 def soak_command(**options: Any) -> None:

@@ -24,6 +24,7 @@ from streams.config import Settings
 from streams.errors import StreamsError
 from streams.ledger.pool import create_pool
 from streams.setup.admin import create_topics, database_name, migrations_line
+from streams_harness.cancels import callback_secret
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import free_port, free_port_block, tail, wait_healthy
 from streams_harness.report import REPORT
@@ -35,6 +36,7 @@ from streams_harness.run import (
     isolated_run,
     migrate_quietly,
     replay_until_final,
+    run_cancellations,
     run_dir,
     run_meta,
     simulator_env,
@@ -118,13 +120,17 @@ class Processes:
             self.proc.wait()
 
 
-def processes_env(opts: MainJobOptions, settings: Settings, sim_port: int) -> dict[str, str]:
+def processes_env(opts: MainJobOptions, settings: Settings, sim_port: int, callback_url: str = "") -> dict[str, str]:
     """The environment of honcho and the processes of the ``Procfile``: this process's, with the workers'
     settings (``STREAMS_*``: the run's database, topics, consumer group, provider account, reconciliation) and the
-    simulator's (``SIM_*``, on ``sim_port``), and this virtualenv first on the ``PATH``."""
+    simulator's (``SIM_*``, on ``sim_port``), and this virtualenv first on the ``PATH``. With ``callback_url``
+    (``opts.callbacks``), the workers serve completion callbacks and the simulator sends them there, signed with
+    a secret made for the run."""
     env = dict(os.environ)
-    env.update(worker_settings(settings, lookup=opts.lookup).replace(provider_dialect=opts.dialect).to_env())
-    env.update(simulator_env(opts, settings, opts.faults))
+    secret = callback_secret() if callback_url else None
+    workers = worker_settings(settings, lookup=opts.lookup, callback_secret=secret)
+    env.update(workers.replace(provider_dialect=opts.dialect).to_env())
+    env.update(simulator_env(opts, settings, opts.faults, callback_url=callback_url, callback_secret=secret or ""))
     env["SIM_PORT"] = str(sim_port)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
@@ -160,7 +166,8 @@ async def _main_job(opts: MainJobOptions, out: TextIO, steps: RunSteps) -> dict[
     print(
         f"main job {run_id}: {len(rows)} rows of trace {opts.trace_name!r} from row {opts.start}, "
         f"compression {opts.compression}x, {opts.workers} workers, faults {opts.faults or 'off'}, "
-        f"lookup {'on' if opts.lookup else 'off'}",
+        f"lookup {'on' if opts.lookup else 'off'}, callbacks {'on' if opts.callbacks else 'off'}, "
+        f"{opts.cancel_fraction:.0%} canceled",
         file=out,
     )
     if opts.isolate:
@@ -193,10 +200,11 @@ async def _run(
     steps: RunSteps,
 ) -> dict[str, Any]:
     steps.enter("start: the simulator and the workers")
-    env = processes_env(opts, settings, sim_port)
     log_path = run_dir(run_id) / "processes.log"
     base_port = opts.base_port or free_port_block([0, *(100 + i for i in range(opts.workers))])
-    procs = Processes(env, opts.workers, base_port, log_path)
+    # any worker may take a callback (the ledger is shared): the simulator sends them all to the first one
+    callback_url = f"http://127.0.0.1:{base_port + 100}{settings.callback_path}" if opts.callbacks else ""
+    procs = Processes(processes_env(opts, settings, sim_port, callback_url), opts.workers, base_port, log_path)
     honcho = procs.start()
     print(f"processes started (honcho, logs: {log_path})", file=out)
 
@@ -217,14 +225,23 @@ async def _run(
         if not await wait_group_stable(settings, opts.workers, 60):
             print("warning: the consumer group did not settle within 60 s; replaying anyway", file=out)
         steps.enter("replay: submit the trace and wait until every operation is final")
+        cancels = run_cancellations(rows, opts, run_id)
         ids, elapsed_s = await replay_until_final(
-            settings, pool, rows, opts, run_id, out=out, interval_s=2.0, check=check
+            settings, pool, rows, opts, run_id, out=out, interval_s=2.0, check=check, cancels=cancels
         )
         meta = run_meta(
             opts, run_id, partitions=opts.partitions, rows=len(rows), faults=opts.faults, elapsed_s=elapsed_s
         )
         steps.enter("report: read the ledger, the simulator and the outputs topic")
-        report = await collect_report(settings, pool, f"{run_id}-%", ids, meta)
+        report = await collect_report(
+            settings,
+            pool,
+            f"{run_id}-%",
+            ids,
+            meta,
+            cancels=cancels,
+            worker_urls=[f"http://127.0.0.1:{port}" for port in procs.worker_ports()],
+        )
     finally:
         await pool.close()
         procs.stop()

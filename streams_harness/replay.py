@@ -26,6 +26,11 @@ def trace_request(row: TraceRow, model: str) -> dict[str, Any]:
     return {"model": model, "input": {"prompt": trace_prompt(row.context_tokens), "max_tokens": row.generated_tokens}}
 
 
+def operation_id(run_id: str, trace: str, row: TraceRow) -> str:
+    """The operation id of ``row`` of ``trace`` in the run ``run_id``: ``<run_id>-<trace>-<row, 6 digits>``."""
+    return f"{run_id}-{trace}-{row.row:06d}"
+
+
 async def replay_trace(
     producer: SubmissionProducer,
     rows: Iterable[TraceRow],
@@ -48,10 +53,10 @@ async def replay_trace(
         delay = due - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        operation_id = f"{run_id}-{trace}-{row.row:06d}"
+        op = operation_id(run_id, trace, row)
         source = {"trace": trace, "row": row.row, "arrival_s": row.arrival_s}
-        pending.append(await producer.submit(operation_id, trace_request(row, model), source))
-        ids.append(operation_id)
+        pending.append(await producer.submit(op, trace_request(row, model), source))
+        ids.append(op)
         if on_sent is not None:
             on_sent(len(ids))
     await asyncio.gather(*pending)

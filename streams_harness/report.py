@@ -98,6 +98,8 @@ def build_report(
     meta: Mapping[str, Any],
     transitions: Iterable[tuple[str, str | None, str]] = (),
     accounting: LedgerAccounting | None = None,
+    cancel_asked: Iterable[str] = (),
+    cancel_asked_when: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Compute the report.
 
@@ -110,11 +112,16 @@ def build_report(
         meta: ``workers``, ``partitions``, ``trace``, ``rows`` and anything else to carry into the report.
         transitions: the run's transition log, ``(operation_id, from_state, to_state)`` in order.
         accounting: what the ledger's accounting learned (compared with the simulator's record).
+        cancel_asked: the operation ids the run asked to cancel (``cancellations`` and
+            ``canceled_outputs_delivered``: :func:`cancellation_counts`), and ``cancel_asked_when`` the ledger's
+            recorded cancellations by the state their operation was in when asked.
 
     Returns the report dict (the fields: docs/harness.md).
     """
     ids = set(submitted_ids)
     ops = {o.operation_id: o for o in ledger if o.operation_id in ids}
+    transitions = list(transitions)
+    delivered = list(delivered)
     by_state = Counter(o.state for o in ops.values())
     jobs_by_op: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     orphan_jobs = 0
@@ -218,6 +225,9 @@ def build_report(
         "outputs_expected": outputs_expected,
         "outputs_undelivered": outputs_expected - len(outputs_seen),
         "state_regressions": state_regressions(transitions),
+        **cancellation_counts(
+            cancel_asked, ops.values(), transitions, (value for value, _ in delivered), cancel_asked_when
+        ),
         "throughput_ops_per_s": round(len(final) / span_s, 2) if span_s else 0.0,
         "completion_to_delivery_ms": {
             "p50": _round(percentile(latencies, 50)),
@@ -226,6 +236,51 @@ def build_report(
     }
     report.update(meta)
     return report
+
+
+def cancellation_counts(
+    asked: Iterable[str],
+    ledger: Iterable[LedgerOperation],
+    transitions: Iterable[tuple[str, str | None, str]],
+    delivered: Iterable[Mapping[str, Any]],
+    asked_when: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """The report's ``cancellations`` and ``canceled_outputs_delivered`` (docs/cancellation.md).
+
+    ``cancellations``: ``asked`` (the operation ids the run canceled), of them ``canceled`` (ended ``canceled``),
+    ``canceled_before_post`` (those with reason ``canceled_before_submit``: no POST sent), ``canceled_at_provider``
+    (the others: the provider's job was canceled), ``succeeded_first``
+    (the provider's outcome won: ended ``succeeded``) and ``other`` (any other state: failed, uncertain, ...);
+    ``asked_when``, given (the ledger's ``cancellations`` by ``state_when_asked``, ``not_in_ledger`` when the
+    cancellation overtook its submission), as it is.
+
+    ``canceled_outputs_delivered``: output-delivered events (``delivered``, their values) of operations that
+    ended ``canceled`` or have a ``-> canceled`` step in ``transitions``; must be 0, since no output of a canceled
+    operation is delivered after its canceled transition, and none can be before it (only ``succeeded``, a
+    terminal state, saves outputs).
+    """
+    asked_ids = set(asked)
+    ops = {o.operation_id: o for o in ledger}
+    states = Counter(ops[op].state if op in ops else "missing" for op in asked_ids)
+    canceled = {o.operation_id for o in ops.values() if o.state == "canceled"}
+    canceled |= {op for op, _, to_state in transitions if to_state == "canceled"}
+    before_post = sum(
+        1
+        for op in asked_ids
+        if op in ops and ops[op].state == "canceled" and ops[op].reason_code == "canceled_before_submit"
+    )
+    return {
+        "cancellations": {
+            "asked": len(asked_ids),
+            "canceled": states["canceled"],
+            "canceled_before_post": before_post,
+            "canceled_at_provider": states["canceled"] - before_post,
+            "succeeded_first": states["succeeded"],
+            "other": len(asked_ids) - states["canceled"] - states["succeeded"],
+            **({"asked_when": dict(sorted(asked_when.items()))} if asked_when is not None else {}),
+        },
+        "canceled_outputs_delivered": sum(1 for value in delivered if value.get("operation_id") in canceled),
+    }
 
 
 def _round(value: float | None) -> float | None:
@@ -245,12 +300,19 @@ def _decimal_text(value: Decimal) -> str:
     return format(value.normalize(), "f") if value else "0"
 
 
-def callback_counts(sent: Mapping[str, Any] | None, received: int, made_due: int) -> dict[str, int] | None:
+def callback_counts(
+    sent: Mapping[str, Any] | None,
+    received: int,
+    made_due: int,
+    refused_by_reason: Mapping[str, int] | None = None,
+) -> dict[str, Any] | None:
     """The report's ``callbacks`` (docs/callbacks.md): what the simulator planned and sent (``sent``: the
-    ``callbacks`` of ``GET /_sim/summary``), what the workers recorded (``received``, ``made_due``) and the
+    ``callbacks`` of ``GET /_sim/summary``), what the workers recorded (``received``, ``made_due``), the
     deliveries the workers refused, by the HTTP status answered (``refused_<status>``: 401 bad signature or stale
     timestamp, 404 unknown job, 400 malformed, 413 too large, 503 ledger unavailable; 200 is a replay
-    acknowledged, ``replays``). None when the simulator sent no callbacks."""
+    acknowledged, ``replays``) and, given ``refused_by_reason`` (the workers'
+    ``streams_callbacks_refused_total{reason}``), ``refused_by_reason``. None when the simulator sent no
+    callbacks."""
     if not sent or not sent.get("scheduled"):
         return None
     statuses = {int(k): int(v) for k, v in dict(sent.get("statuses", {})).items()}
@@ -260,7 +322,10 @@ def callback_counts(sent: Mapping[str, Any] | None, received: int, made_due: int
     }
     counts |= {"received": received, "made_due": made_due, "replays": statuses.get(200, 0)}
     counts |= {f"refused_{status}": n for status, n in sorted(statuses.items()) if status >= 300}
-    return counts
+    result: dict[str, Any] = dict(counts)
+    if refused_by_reason is not None:
+        result["refused_by_reason"] = dict(sorted(refused_by_reason.items()))
+    return result
 
 
 def render_table(report: Mapping[str, Any]) -> str:
@@ -295,6 +360,7 @@ def broken_promises(report: Mapping[str, Any], *, repeats_allowed: bool) -> list
         "state_regressions": report["state_regressions"],
         "output duplicates after dedupe": report["output_duplicates_after_dedupe"],
         "outputs_undelivered": report["outputs_undelivered"],
+        "outputs of canceled operations delivered": report.get("canceled_outputs_delivered", 0),
     }
     if load_dialect(report.get("dialect", DEFAULT_DIALECT)).answer.charge:
         # every charge the ledger saw is the provider's, and every job seen ending has its charge recorded

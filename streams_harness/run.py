@@ -16,8 +16,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,8 +34,9 @@ from streams.ledger.store import Ledger
 from streams.outages import is_outage
 from streams.setup.admin import create_topics, database_name, delete_topics, migrate, migrations_line
 from streams.setup.teardown import Selection, run_names, teardown_command
+from streams_harness.cancels import PlannedCancel, callback_refusals, cancellation_plan, publish_cancellations
 from streams_harness.checkout import checkout_dir
-from streams_harness.replay import replay_trace
+from streams_harness.replay import operation_id, replay_trace
 from streams_harness.report import (
     FINAL_STATES,
     REPORT,
@@ -60,6 +62,19 @@ DEFAULT_FAULTS: dict[str, float] = {
     "fault_never_finishes": 0.002,
     "fault_status_regression": 0.01,
 }
+
+#: The simulator's completion-callback fault rates when a run has callbacks on (the main job's and the soak's
+#: default): lost, duplicated, reordered and badly signed deliveries (docs/callbacks.md).
+DEFAULT_CALLBACK_FAULTS: dict[str, float] = {
+    "callback_loss": 0.05,
+    "callback_duplicates": 0.05,
+    "callback_reorder": 0.1,
+    "callback_bad_signature": 0.03,
+}
+
+#: Least delay between two polls of a running job in a run with callbacks on (s): the product's 60 s would hold a
+#: job whose callback was lost far longer than the run's compressed jobs last.
+RUN_CALLBACK_FALLBACK_POLL_S = 5.0
 
 #: Maximum observation age of a harness run's workers (s): a job that never finishes stalls this long after its
 #: id was saved (the product's default, 24 h, would outlast the run); far beyond any job of the traces.
@@ -118,6 +133,13 @@ class RunOptions:
     lookup: bool = False
     #: The provider dialect the simulator serves and the workers speak (``STREAMS_PROVIDER_DIALECT``).
     dialect: str = "seed-generations"
+    #: Share (0..1) of the operations canceled during the run on its ``generation.cancellations`` topic
+    #: (:func:`streams_harness.cancels.cancellation_plan`); 0: none.
+    cancel_fraction: float = 0.05
+    #: Workers serve completion callbacks (a generated test secret) and the simulator sends them to one worker.
+    callbacks: bool = True
+    #: The simulator's callback fault rates with ``callbacks`` on (``callback_loss``, ...).
+    callback_faults: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_CALLBACK_FAULTS))
 
     @property
     def trace_name(self) -> str:
@@ -135,19 +157,41 @@ def run_dir(run_id: str) -> Path:
 
 
 def worker_settings(
-    settings: Settings, *, lookup: bool, max_observation_age_s: float = RUN_MAX_OBSERVATION_AGE_S
+    settings: Settings,
+    *,
+    lookup: bool,
+    max_observation_age_s: float = RUN_MAX_OBSERVATION_AGE_S,
+    callback_secret: str | None = None,
 ) -> Settings:
-    """``settings`` for a run's workers: jobs stall ``max_observation_age_s`` after their id was saved, and
-    uncertain operations are looked up (``lookup``) one second after the simulator lists a job."""
-    return settings.replace(
+    """``settings`` for a run's workers: jobs stall ``max_observation_age_s`` after their id was saved,
+    uncertain operations are looked up (``lookup``) one second after the simulator lists a job, and with
+    ``callback_secret`` (``whsec_<base64>``) the workers serve completion callbacks signed with it and poll a
+    running job at least every :data:`RUN_CALLBACK_FALLBACK_POLL_S`."""
+    run = settings.replace(
         max_observation_age_s=max_observation_age_s, lookup_enabled=lookup, lookup_lag_s=RUN_LOOKUP_LAG_S + 1.0
+    )
+    if callback_secret is None:
+        return run
+    return run.replace(
+        callbacks_enabled=True,
+        callback_secrets=callback_secret,
+        callback_fallback_poll_interval_s=RUN_CALLBACK_FALLBACK_POLL_S,
+        web_enabled=True,
     )
 
 
-def simulator_env(opts: RunOptions, settings: Settings, faults: Mapping[str, float]) -> dict[str, str]:
+def simulator_env(
+    opts: RunOptions,
+    settings: Settings,
+    faults: Mapping[str, float],
+    *,
+    callback_url: str = "",
+    callback_secret: str = "",
+) -> dict[str, str]:
     """``SIM_*`` variables of a run's simulator: the seed, the compression, a slow POST answered 2 s after the
     workers' read timeout, the fault rates ``faults`` (``fault_429``, ...), the lookup (``opts.lookup``,
-    :data:`RUN_LOOKUP_LAG_S`) and the dialect served (``opts.dialect``)."""
+    :data:`RUN_LOOKUP_LAG_S`), the dialect served (``opts.dialect``) and, with ``callback_url``, completion
+    callbacks to it signed with ``callback_secret`` under the faults ``opts.callback_faults``."""
     env = {
         "SIM_SEED": str(opts.seed),
         "SIM_COMPRESSION": str(opts.compression),
@@ -157,6 +201,9 @@ def simulator_env(opts: RunOptions, settings: Settings, faults: Mapping[str, flo
         "SIM_DIALECT": opts.dialect,
     }
     env.update({f"SIM_{name.upper()}": str(rate) for name, rate in faults.items()})
+    if callback_url:
+        env |= {"SIM_CALLBACK_URL": callback_url, "SIM_CALLBACK_SECRET": callback_secret}
+        env.update({f"SIM_{name.upper()}": str(rate) for name, rate in opts.callback_faults.items()})
     return env
 
 
@@ -258,6 +305,12 @@ async def progress(db: asyncpg.Pool | asyncpg.Connection, pattern: str) -> dict[
     return {r["state"]: r["n"] for r in rows}
 
 
+async def states(db: asyncpg.Pool | asyncpg.Connection, operation_ids: list[str]) -> dict[str, str]:
+    """The ledger state of each of ``operation_ids`` it holds, read through ``db``."""
+    rows = await REPORT.operation_states.fetch(db, operation_ids=operation_ids)
+    return {r["operation_id"]: r["state"] for r in rows}
+
+
 def final_count(counts: Mapping[str, int]) -> int:
     """Operations in a final state (:data:`~streams_harness.report.FINAL_STATES`) among ``counts``."""
     return sum(n for state, n in counts.items() if state in FINAL_STATES)
@@ -288,6 +341,18 @@ def progress_line(counts: Mapping[str, int], sent: int, total: int, elapsed_s: f
     )
 
 
+def run_cancellations(rows: Sequence[TraceRow], opts: RunOptions, run_id: str) -> list[PlannedCancel]:
+    """The run's cancellations (:func:`streams_harness.cancels.cancellation_plan`): ``opts.cancel_fraction`` of
+    ``rows``, seeded by ``opts.seed``, timed by ``opts.compression``."""
+    return cancellation_plan(
+        rows,
+        [operation_id(run_id, opts.trace_name, row) for row in rows],
+        fraction=opts.cancel_fraction,
+        compression=opts.compression,
+        seed=opts.seed,
+    )
+
+
 def _nothing() -> None:
     return None
 
@@ -304,6 +369,7 @@ async def replay_until_final(
     check: Callable[[], None] = _nothing,
     busy: Callable[[], bool] = lambda: False,
     extra: Callable[[], str] = lambda: "",
+    cancels: Sequence[PlannedCancel] = (),
 ) -> tuple[list[str], float]:
     """Publish ``rows`` as submissions at their arrival times divided by ``opts.compression`` (operation ids
     ``<run id>-<trace>-<row>``) and print a progress line (:func:`progress_line`, then ``extra()``) every
@@ -316,8 +382,8 @@ async def replay_until_final(
         The submitted operation ids, and the seconds from the start of the replay to the end of the wait.
 
     Raises:
-        Whatever ``check()`` raises (it checks the run's processes), a failed replay's error, and a progress read's
-        error that is not an outage.
+        Whatever ``check()`` raises (it checks the run's processes), a failed replay's or cancellations' error, and
+        a progress read's error that is not an outage.
     """
     pattern = f"{run_id}-%"
     started = time.monotonic()
@@ -334,11 +400,14 @@ async def replay_until_final(
                 on_sent=lambda n: sent.__setitem__(0, n),
             )
         )
+        canceling = asyncio.create_task(publish_cancellations(settings, cancels, started, partial(states, pool)))
         try:
             while True:
                 await asyncio.sleep(interval_s)
                 elapsed_s = time.monotonic() - started
                 ids = replay.result() if replay.done() else None  # a failed replay raises here
+                if canceling.done():
+                    canceling.result()  # failed cancellations raise here
                 try:
                     counts = await progress(pool, pattern)
                 except Exception as exc:
@@ -348,7 +417,12 @@ async def replay_until_final(
                 else:
                     line = progress_line(counts, sent[0], len(rows), elapsed_s, opts.lookup)
                     print(f"{line}{extra()}", file=out, flush=True)
-                    if ids is not None and not busy() and settled(counts, len(rows), lookup=opts.lookup):
+                    if (
+                        ids is not None
+                        and canceling.done()
+                        and not busy()
+                        and settled(counts, len(rows), lookup=opts.lookup)
+                    ):
                         break
                 check()
                 if elapsed_s > opts.timeout_s:
@@ -357,6 +431,7 @@ async def replay_until_final(
             ids = await replay
         finally:
             replay.cancel()  # when the wait failed: the producer closes next
+            canceling.cancel()
     return ids, time.monotonic() - started
 
 
@@ -376,15 +451,26 @@ def run_meta(
         "faults": dict(faults),
         "lookup": opts.lookup,
         "dialect": opts.dialect,
+        "cancel_fraction": opts.cancel_fraction,
+        "callbacks_enabled": opts.callbacks,
         "wall_clock_s": round(elapsed_s, 1),
     }
 
 
 async def collect_report(
-    settings: Settings, pool: asyncpg.Pool, pattern: str, ids: list[str], meta: dict[str, Any]
+    settings: Settings,
+    pool: asyncpg.Pool,
+    pattern: str,
+    ids: list[str],
+    meta: dict[str, Any],
+    *,
+    cancels: Sequence[PlannedCancel] = (),
+    worker_urls: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Gather the independent records (ledger, simulator, Kafka read-back) of the operations matching ``pattern``
-    and build the report (:func:`streams_harness.report.build_report`) with ``meta``."""
+    and build the report (:func:`streams_harness.report.build_report`) with ``meta``: the run canceled the
+    operations of ``cancels``, and the workers at ``worker_urls`` (``http://host:port``) give their callback
+    refusals by reason."""
     rows = await REPORT.run_operations.fetch(pool, operation_pattern=pattern)
     ledger = [
         LedgerOperation(
@@ -410,9 +496,12 @@ async def collect_report(
     reconciled = await REPORT.run_reconciled.fetchrow(pool, operation_pattern=pattern)
     meta = dict(meta)
     meta["faults_injected"] = summary.get("faults_injected", {})
+    asked_when = await REPORT.run_cancellations.fetch(pool, operation_pattern=pattern)
     recorded = await REPORT.run_callbacks.fetchrow(pool, operation_pattern=pattern)
     assert recorded is not None  # aggregates only: always one row
-    callbacks = callback_counts(summary.get("callbacks"), recorded["received"], recorded["made_due"])
+    callbacks = callback_counts(
+        summary.get("callbacks"), recorded["received"], recorded["made_due"], await callback_refusals(worker_urls)
+    )
     if callbacks is not None:
         meta["callbacks"] = callbacks
     return build_report(
@@ -422,6 +511,8 @@ async def collect_report(
         delivered=[(d.value, d.timestamp_ms) for d in delivered],
         meta=meta,
         transitions=transitions,
+        cancel_asked=[c.operation_id for c in cancels],
+        cancel_asked_when={r["state"]: r["n"] for r in asked_when},
         accounting=LedgerAccounting(
             reconciled=dict(reconciled) if reconciled is not None else {},
             duplicate_creations=accounting["duplicate_creations"],

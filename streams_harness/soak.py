@@ -29,9 +29,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+import httpx
+
 from streams.config import Settings
 from streams.errors import StreamsError
 from streams.ledger.pool import create_pool
+from streams_harness.cancels import callback_secret
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet, Worker, free_port, start_simulator
 from streams_harness.run import (
@@ -41,6 +44,7 @@ from streams_harness.run import (
     collect_report,
     isolated_run,
     replay_until_final,
+    run_cancellations,
     run_dir,
     run_meta,
     simulator_env,
@@ -59,6 +63,15 @@ FAULT_KINDS = (
     "latency",
     "drop_connections",
 )
+
+
+#: The soak's callback fault rates (docs/callbacks.md), on top of its process and service faults.
+SOAK_CALLBACK_FAULTS: dict[str, float] = {
+    "callback_loss": 0.1,
+    "callback_duplicates": 0.05,
+    "callback_reorder": 0.1,
+    "callback_bad_signature": 0.05,
+}
 
 
 class SoakError(StreamsError):
@@ -84,6 +97,9 @@ class SoakOptions(RunOptions):
     submit_retry_deadline_s: float = 30.0
     #: A job that never finishes stalls this long after its id was saved (outages can delay observations).
     max_observation_age_s: float = 60.0
+    cancel_fraction: float = 0.03
+    #: The soak's callback faults: more lost and badly signed deliveries than the main job's.
+    callback_faults: dict[str, float] = field(default_factory=lambda: dict(SOAK_CALLBACK_FAULTS))
 
 
 class Chaos:
@@ -100,6 +116,9 @@ class Chaos:
         self.skipped: Counter[str] = Counter()
         #: Names of the workers this plan killed (the others must not exit before the end).
         self.killed: set[str] = set()
+        #: The worker the simulator sends its callbacks to and the simulator's URL (None: no callbacks); a kill
+        #: of that worker points the simulator at the replacement, a pause at another live worker.
+        self.callback_receiver: tuple[str, str] | None = None
 
     def plan(self, duration_s: float) -> list[tuple[float, str]]:
         """``faults`` (time offset in s, kind) pairs spread over ``duration_s``; every kind appears."""
@@ -138,13 +157,31 @@ class Chaos:
         victim = self._victim()
         self.killed.add(victim.name)
         victim.signal(signal.SIGKILL)
-        self.fleet.start()
+        replacement = self.fleet.start()
         self.injected["worker_kill"] += 1
+        if self.callback_receiver is not None and self.callback_receiver[0] == victim.name:
+            await self.fleet.wait_ready(replacement.name)
+            await self._receive_callbacks(replacement)
+
+    async def _receive_callbacks(self, worker: Worker) -> None:
+        """Point the simulator's callbacks at ``worker`` (``POST /_sim/config``)."""
+        assert self.callback_receiver is not None
+        sim_url = self.callback_receiver[1]
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            answer = await client.post(
+                f"{sim_url}/_sim/config", json={"callback_url": f"{worker.url}{self.fleet.settings.callback_path}"}
+            )
+            answer.raise_for_status()
+        self.callback_receiver = (worker.name, sim_url)
 
     async def worker_pause(self) -> None:
         victim = self._victim()
         victim.signal(signal.SIGSTOP)
         self.injected["worker_pause"] += 1
+        if self.callback_receiver is not None and self.callback_receiver[0] == victim.name:
+            others = [w for w in self.fleet.live() if w.name not in self.killed and w is not victim]
+            if others:  # the callbacks meanwhile sent to the stopped worker are unanswered, then lost
+                await self._receive_callbacks(others[0])
         await asyncio.sleep(2 * self.opts.lease_ttl_ms / 1000.0 + 1.0)
         victim.signal(signal.SIGCONT)
 
@@ -226,8 +263,12 @@ async def _soak(opts: SoakOptions, out: TextIO, steps: RunSteps) -> dict[str, An
         steps.enter("start: the simulator and the workers")
         proxy = f"sim-{run_id}"
         proxy_port = await toxiproxy.create(proxy, f"127.0.0.1:{sim_port}")
+        secret = callback_secret() if opts.callbacks else None
         settings = worker_settings(
-            run_settings, lookup=opts.lookup, max_observation_age_s=opts.max_observation_age_s
+            run_settings,
+            lookup=opts.lookup,
+            max_observation_age_s=opts.max_observation_age_s,
+            callback_secret=secret,
         ).replace(
             remote_base_url=f"http://127.0.0.1:{proxy_port}",
             provider_dialect=opts.dialect,
@@ -241,11 +282,18 @@ async def _soak(opts: SoakOptions, out: TextIO, steps: RunSteps) -> dict[str, An
             submit_retry_deadline_s=opts.submit_retry_deadline_s,
             web_enabled=True,
         )
-        sim = start_simulator(sim_port, log_dir / "simulator.log", simulator_env(opts, settings, opts.sim_faults))
         fleet = Fleet(settings, log_dir)
         for _ in range(opts.workers):
             fleet.start()
+        # the callbacks go to the first worker, and to its replacement when the plan kills it (Chaos.worker_kill)
+        callback_url = f"{fleet.workers['w1'].url}{settings.callback_path}" if secret else ""
+        sim_env = simulator_env(
+            opts, settings, opts.sim_faults, callback_url=callback_url, callback_secret=secret or ""
+        )
+        sim = start_simulator(sim_port, log_dir / "simulator.log", sim_env)
         chaos = Chaos(opts, fleet, toxiproxy, proxy, out)
+        if secret:
+            chaos.callback_receiver = ("w1", f"http://127.0.0.1:{sim_port}")
         try:
             pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
         except BaseException:  # the processes started: never leave them running
@@ -260,6 +308,8 @@ async def _soak(opts: SoakOptions, out: TextIO, steps: RunSteps) -> dict[str, An
             file=out,
         )
         try:
+            if secret:
+                await fleet.wait_ready()  # the callbacks' receiver listens before the first job ends
             replay_s = rows[-1].arrival_s / opts.compression if rows else 0.0
             chaos_task = asyncio.create_task(chaos.run(chaos.plan(replay_s)))
 
@@ -272,6 +322,7 @@ async def _soak(opts: SoakOptions, out: TextIO, steps: RunSteps) -> dict[str, An
                     raise SoakError(f"the fault plan failed: {chaos_task.exception()!r}")
 
             steps.enter("replay: submit the trace under the fault plan and wait until every operation is final")
+            cancels = run_cancellations(rows, opts, run_id)
             try:
                 ids, elapsed_s = await replay_until_final(
                     settings,
@@ -284,6 +335,7 @@ async def _soak(opts: SoakOptions, out: TextIO, steps: RunSteps) -> dict[str, An
                     check=check,
                     busy=lambda: not chaos_task.done(),
                     extra=lambda: f"  faults {dict(chaos.injected)}",
+                    cancels=cancels,
                 )
             finally:
                 chaos_task.cancel()
@@ -296,7 +348,9 @@ async def _soak(opts: SoakOptions, out: TextIO, steps: RunSteps) -> dict[str, An
                 elapsed_s=elapsed_s,
             )
             steps.enter("report: read the ledger, the simulator and the outputs topic")
-            report = await collect_report(settings, pool, f"{run_id}-%", ids, meta)
+            report = await collect_report(
+                settings, pool, f"{run_id}-%", ids, meta, cancels=cancels, worker_urls=[w.url for w in fleet.live()]
+            )
             report["faults_by_kind"] = dict(chaos.injected)
             report["faults_skipped"] = dict(chaos.skipped)
         finally:

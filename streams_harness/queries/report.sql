@@ -57,3 +57,17 @@ WHERE t.operation_id LIKE :operation_pattern AND t.from_state = 'uncertain';
 SELECT count(*)::integer AS received, count(*) FILTER (WHERE poll_made_due)::integer AS made_due
 FROM callback_deliveries
 WHERE operation_id LIKE :operation_pattern;
+
+-- name: operation_states
+-- :operation_ids operation ids (text[]). The state of each of them the ledger holds (the harness's cancellations
+-- wait for a job id saved).
+SELECT operation_id, state::text AS state FROM operations WHERE operation_id = ANY(:operation_ids);
+
+-- name: run_cancellations
+-- :operation_pattern operation id LIKE pattern. The run's recorded cancellations by the state the operation was in
+-- when asked (not_in_ledger: the cancellation overtook its submission).
+SELECT coalesce(state_when_asked::text, 'not_in_ledger') AS state, count(*)::integer AS n
+FROM cancellations
+WHERE operation_id LIKE :operation_pattern
+GROUP BY 1
+ORDER BY 1;

@@ -17,6 +17,7 @@ from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
 from streams.setup.admin import create_topics, delete_topics, migrate
 from streams_harness.mainjob import MainJobOptions, run_main_job
+from streams_harness.report import broken_promises
 
 pytestmark = pytest.mark.e2e
 
@@ -109,10 +110,32 @@ async def test_trace_through_two_workers_with_faults(
     assert report["output_duplicates"] == 0
     assert report["outputs_undelivered"] == 0
     assert report["output_events"] == report["outputs_expected"] > 0
-    assert set(report["operations_by_state"]) <= {"succeeded", "failed", "uncertain", "rejected", "stalled"}
+    assert set(report["operations_by_state"]) <= {
+        "succeeded",
+        "failed",
+        "canceled",
+        "uncertain",
+        "rejected",
+        "stalled",
+    }
     assert report["operations_by_state"]["stalled"] == 0  # no GET-side fault in this run
     assert report["operations_by_state"]["succeeded"] > 200
     assert sum(report["faults_injected"].values()) > 0
+    # 5% canceled by default, some before their POST, some while running; none of their outputs delivered
+    cancels = report["cancellations"]
+    assert cancels["asked"] == 15
+    assert cancels["canceled"] > 0 and cancels["canceled_before_post"] > 0
+    assert cancels["canceled"] + cancels["succeeded_first"] + cancels["other"] == 15
+    assert sum(n for state, n in cancels["asked_when"].items() if state in ("submitted", "queued", "running")) > 0
+    assert report["operations_by_state"]["canceled"] == cancels["canceled"]
+    assert report["canceled_outputs_delivered"] == 0
+    # callbacks on by default, with lost, duplicated, reordered and badly signed deliveries
+    callbacks = report["callbacks"]
+    assert callbacks["received"] > 0 and callbacks["made_due"] > 0
+    assert callbacks["lost"] > 0 and callbacks["bad_signature"] > 0
+    assert callbacks["refused_401"] > 0
+    assert callbacks["refused_by_reason"].get("bad_signature", 0) == callbacks["refused_401"]
+    assert broken_promises(report, repeats_allowed=False) == [], out.getvalue()[-3000:]
 
     pool = await asyncpg.create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
     try:
@@ -168,3 +191,29 @@ async def test_lookup_on_reconciles_every_uncertain_operation_whose_job_exists(t
     assert report["outputs_undelivered"] == 0 and report["state_regressions"] == 0
     assert report["charges_total"]["provider"] == report["charges_total"]["recorded"]
     assert report["refunds"]["provider"] == report["refunds"]["recorded"] > 0
+
+
+async def test_a_short_run_against_the_second_dialect_keeps_every_promise(tmp_path: Path) -> None:
+    """The main job against replicate-predictions (statuses starting|processing|..., outputs as plain values), with
+    its default faults, cancellations and callbacks: every zero held. Lookup stays off (the main job's default)."""
+    out = io.StringIO()
+    report = await run_main_job(
+        MainJobOptions(
+            rows=40,
+            compression=30.0,
+            workers=2,
+            partitions=4,
+            seed=3,
+            dialect="replicate-predictions",
+            cancel_fraction=0.1,
+            report_path=tmp_path / "report.json",
+            timeout_s=300,
+        ),
+        out=out,
+    )
+    assert report["dialect"] == "replicate-predictions"
+    assert report["operations_final"] == 40, out.getvalue()[-3000:]
+    assert broken_promises(report, repeats_allowed=False) == [], out.getvalue()[-3000:]
+    assert report["operations_by_state"]["succeeded"] > 20
+    assert report["cancellations"]["asked"] == 4 and report["canceled_outputs_delivered"] == 0
+    assert report["callbacks"]["received"] > 0

@@ -37,3 +37,9 @@ async def test_short_soak_keeps_every_promise(tmp_path: Path) -> None:
     assert sum(report["faults_by_kind"].values()) >= 4  # the worker and network faults always run
     assert "unknown" not in report["uncertain_reasons"]  # every uncertain operation carries its reason
     assert orjson.loads((tmp_path / "soak.json").read_bytes())["state_regressions"] == 0
+    # cancellations (3% by default) and completion callbacks with their faults, under the fault plan
+    cancels = report["cancellations"]
+    assert cancels["asked"] == 9 and cancels["canceled"] > 0
+    assert report["canceled_outputs_delivered"] == 0
+    callbacks = report["callbacks"]
+    assert callbacks["received"] > 0 and callbacks["bad_signature"] > 0 and callbacks["refused_401"] > 0

@@ -35,7 +35,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 def test_run_options(started: list[Any], tmp_path: Path) -> None:
     args = ["--trace", "code", "--start", "3", "--rows", "5", "--compression", "2", "--workers", "3"]
     args += ["--seed", "2", "--keep", "--lookup", "--report", str(tmp_path / "r.json"), "--timeout-s", "10"]
-    args += ["--partitions", "4", "--no-faults", "--fault", "429=0.5"]
+    args += ["--partitions", "4", "--no-faults", "--fault", "429=0.5", "--cancel-fraction", "0.2", "--no-callbacks"]
     result = CliRunner().invoke(cli.run_command, args)
     assert result.exit_code == 0, result.output
     assert started == [
@@ -52,6 +52,9 @@ def test_run_options(started: list[Any], tmp_path: Path) -> None:
             timeout_s=10.0,
             partitions=4,
             faults={"fault_429": 0.5},
+            cancel_fraction=0.2,
+            callbacks=False,
+            callback_faults={},  # --no-faults: none on the callbacks either
         )
     ]
 
@@ -64,11 +67,14 @@ def test_run_defaults(started: list[Any]) -> None:
 def test_soak_options_and_defaults(started: list[Any]) -> None:
     assert CliRunner().invoke(cli.soak_command, []).exit_code == 0
     args = ["--rows", "300", "--workers", "2", "--faults", "7", "--seed", "5", "--compression", "10", "--lookup"]
+    args += ["--cancel-fraction", "0", "--no-callbacks"]
     result = CliRunner().invoke(cli.soak_command, args)
     assert result.exit_code == 0, result.output
     assert started == [
         SoakOptions(),
-        SoakOptions(rows=300, workers=2, faults=7, seed=5, compression=10.0, lookup=True),
+        SoakOptions(
+            rows=300, workers=2, faults=7, seed=5, compression=10.0, lookup=True, cancel_fraction=0.0, callbacks=False
+        ),
     ]
 
 

@@ -100,6 +100,8 @@ def test_run_meta_and_report_file(tmp_path: Path) -> None:
         "faults": {"fault_429": 0.1},
         "lookup": True,
         "dialect": "seed-generations",
+        "cancel_fraction": 0.05,
+        "callbacks_enabled": True,
         "wall_clock_s": 12.3,
     }
     assert MainJobOptions(report_path=tmp_path / "r.json").report_file("run1") == tmp_path / "r.json"

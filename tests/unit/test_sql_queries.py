@@ -163,6 +163,8 @@ EXPECTED = {
         "run_transitions",
         "run_reconciled",
         "run_callbacks",
+        "operation_states",
+        "run_cancellations",
     ],
     ("streams_harness", "bench.sql"): [
         "floor_accept_many",
