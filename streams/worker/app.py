@@ -395,11 +395,21 @@ def create_app(settings: Settings) -> faust.App:
     async def send(topic: str, key: bytes, value: bytes) -> None:
         await (await enqueue(topic, key, value))
 
+    def partition_of(topic: str, key: bytes) -> int | None:
+        """The partition the producer's partitioner picks for ``key`` (None before its metadata knows ``topic``)."""
+        producer = getattr(app.producer, "_producer", None)
+        metadata = getattr(producer, "_metadata", None)
+        if producer is None or metadata is None or not metadata.partitions_for_topic(topic):
+            return None
+        partition: int = producer._partition(topic, None, None, None, key, None)
+        return partition
+
     async def runtime() -> Runtime:
         async with lock:
             while "rt" not in holder:
                 try:
                     holder["rt"] = await Runtime.create(settings, send, enqueue=enqueue)
+                    holder["rt"].routes.partition_of = partition_of
                 except Exception as exc:  # PostgreSQL went away since the start-up check: wait, as every stage
                     if not is_outage(exc):
                         raise
@@ -472,11 +482,13 @@ def create_app(settings: Settings) -> faust.App:
         """Name the product's partitions without a leader (log line, gauge), from the producer's metadata."""
         blocked = BlockedPartitions()
         produced = [settings.topic(role) for role in ("polls", "outputs_delivered", "transitions", "dead_letter")]
+        rt = await runtime()  # its relay and poll scheduler skip them (PartitionRoutes)
         while True:
             await asyncio.sleep(BLOCKED_CHECK_INTERVAL_S)
             client = getattr(getattr(app.producer, "_producer", None), "client", None)
             if client is not None:
                 blocked.update(blocked_partitions(client.cluster, produced))
+                rt.routes.update(blocked.blocked)
 
     @app.task
     async def check_clock() -> None:

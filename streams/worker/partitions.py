@@ -9,10 +9,11 @@ leader is back).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from streams.metrics import KAFKA_PARTITIONS_BLOCKED
+from streams.metrics import KAFKA_BLOCKED_SKIPS, KAFKA_PARTITIONS_BLOCKED
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +57,96 @@ class BlockedPartitions:
                 ", ".join(f"{topic}[{partition}]" for topic, partition in sorted(healed)),
             )
         self.blocked = blocked
+
+
+#: Seconds a partition on which a send failed (an outage: no leader, a timeout) is skipped by the outbox relay and
+#: the poll scheduler before their records go to it again (a probe): its records would wait
+#: ``STREAMS_KAFKA_DELIVERY_TIMEOUT_S`` in the producer and hold up the round of every other partition.
+BLOCKED_SKIP_S = 10.0
+
+#: ``partition_of(topic, key)``: the partition the producer's partitioner picks for ``key`` in ``topic``, None when
+#: the producer's metadata does not know the topic yet.
+PartitionOf = Callable[[str, bytes], "int | None"]
+
+
+def no_partitions(topic: str, key: bytes) -> int | None:
+    """A :data:`PartitionOf` that knows no partition (no producer metadata: nothing is ever skipped)."""
+    return None
+
+
+class PartitionRoutes:
+    """Which records go to a partition known blocked, for the senders that must not wait on it (the outbox relay,
+    the poll scheduler).
+
+    A partition is skipped while the producer's metadata names it leaderless (:meth:`update`, from the worker's
+    metadata watch, itself refreshed by the producer) and for :data:`BLOCKED_SKIP_S` after a send to it failed
+    with an outage (:meth:`note_failure`); then one round sends to it again (a probe). One key always maps to one
+    partition, so skipping keeps each key's records in order. ``clock`` is ``time.monotonic`` (seconds).
+    """
+
+    def __init__(
+        self,
+        partition_of: PartitionOf = no_partitions,
+        skip_s: float = BLOCKED_SKIP_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.partition_of = partition_of
+        self.skip_s = skip_s
+        self.clock = clock
+        #: Partitions the producer's metadata names leaderless, from :meth:`update`.
+        self.leaderless: set[tuple[str, int]] = set()
+        #: Partitions a send failed on, and the monotonic second their skipping ends.
+        self.failed_until: dict[tuple[str, int], float] = {}
+
+    def update(self, leaderless: set[tuple[str, int]]) -> None:
+        """Record the partitions the producer's metadata names leaderless now (:func:`blocked_partitions`)."""
+        self.leaderless = set(leaderless)
+
+    def route(self, topic: str, key: bytes) -> tuple[str, int] | None:
+        """``(topic, partition)`` of a record keyed ``key``, None when the metadata does not know the topic."""
+        partition = self.partition_of(topic, key)
+        return None if partition is None else (topic, partition)
+
+    def blocked(self, topic: str, key: bytes) -> tuple[str, int] | None:
+        """The partition of a record keyed ``key`` when it is to be skipped now, else None."""
+        route = self.route(topic, key)
+        return route if route is not None and self.skipped(route) else None
+
+    def skipped(self, route: tuple[str, int]) -> bool:
+        """True while ``(topic, partition)`` is to be skipped (leaderless, or a send failed under
+        :attr:`skip_s` ago)."""
+        if route in self.leaderless:
+            return True
+        until = self.failed_until.get(route)
+        if until is None:
+            return False
+        if self.clock() >= until:  # time for a probe
+            del self.failed_until[route]
+            return False
+        return True
+
+    def note_failure(self, topic: str, key: bytes) -> tuple[str, int] | None:
+        """Skip the partition of a record keyed ``key`` whose send failed with an outage for :attr:`skip_s`;
+        returns that partition (None when unknown)."""
+        route = self.route(topic, key)
+        if route is not None:
+            self.failed_until[route] = self.clock() + self.skip_s
+        return route
+
+
+def report_skipped(what: str, skipped: dict[tuple[str, int], int], *, failed: bool = False) -> None:
+    """Name in a log line and count in ``streams_kafka_blocked_skips_total{what, topic, partition}`` the records
+    ``what`` (``outbox relay``, ``poll scheduler``) left for a later round: ``skipped`` maps each partition to how
+    many; ``failed`` when their send failed (the partition is skipped from now), else they were not sent."""
+    if not skipped:
+        return
+    for (topic, partition), n in skipped.items():
+        KAFKA_BLOCKED_SKIPS.labels(what=what, topic=topic, partition=str(partition)).inc(n)
+    log.warning(
+        "%s: %d record(s) left for a later round, %s (re-probed every %.0f s): %s",
+        what,
+        sum(skipped.values()),
+        "their send failed, their partitions are skipped" if failed else "their partitions are blocked",
+        BLOCKED_SKIP_S,
+        ", ".join(f"{topic}[{partition}] x{n}" for (topic, partition), n in sorted(skipped.items())),
+    )

@@ -43,6 +43,7 @@ from streams.outages import Failure, FailureKind, classify
 from streams.remote.client import RemoteClient
 from streams.retrying import failure_of, retry_without_deadline
 from streams.wire import contracts, exactjson
+from streams.worker.partitions import PartitionRoutes
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,9 @@ class Runtime:
         self.closing = False
         #: Set to wake this worker's poll scheduler before its idle interval ends (a callback made a poll due).
         self.poll_wakeup = asyncio.Event()
+        #: Which records' Kafka partitions are blocked (the outbox relay and the poll scheduler skip them); the
+        #: worker gives it the producer's partitioner and its metadata watch's findings.
+        self.routes = PartitionRoutes()
 
     @classmethod
     async def create(
