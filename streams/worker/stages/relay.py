@@ -106,19 +106,19 @@ class OutboxRelay:
         dead_letters: list[tuple[dict[str, Any], Record, BaseException]] = []
         for (row, record), exc in zip(sending, results, strict=True):
             operation_id = row["operation_id"]
-            if operation_id in held:  # an earlier row of its operation is left: this one goes again after it
-                continue
-            if exc is None:
-                done.append(row)
-            elif refused_for_good(exc):
-                dead_letters.append((row, record, exc))
-            else:  # an outage, or a bug (reported as one): left for a later round (its event id is deterministic)
-                held.add(operation_id)
+            if exc is not None and not refused_for_good(exc):  # an outage, or a bug (reported as one): left for
+                held.add(operation_id)  # a later round (its event id is deterministic)
                 retried.setdefault(type(exc), exc)
                 route = rt.routes.note_failure(record[0], record[1])
                 if route is not None:
                     failed[route] = failed.get(route, 0) + 1
                     self._wait_for(operation_id, route)
+            elif operation_id in held:  # an earlier row of its operation is left: this one goes again after it
+                continue
+            elif exc is None:
+                done.append(row)
+            else:
+                dead_letters.append((row, record, exc))
         for exc in retried.values():  # each kind of failure reported once per round
             rt.report_failure("outbox relay", exc)
         report_skipped("outbox relay", skipped)
