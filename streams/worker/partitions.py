@@ -63,6 +63,9 @@ class BlockedPartitions:
 #: the poll scheduler before their records go to it again (a probe): its records would wait
 #: ``STREAMS_KAFKA_DELIVERY_TIMEOUT_S`` in the producer and hold up the round of every other partition.
 BLOCKED_SKIP_S = 10.0
+#: Most seconds a partition is skipped after failed sends: the skip doubles from :data:`BLOCKED_SKIP_S` with each
+#: probe that fails again (each probe waits the delivery timeout), and starts over once a send to it succeeds.
+BLOCKED_SKIP_MAX_S = 120.0
 
 #: ``partition_of(topic, key)``: the partition the producer's partitioner picks for ``key`` in ``topic``, None when
 #: the producer's metadata does not know the topic yet.
@@ -80,7 +83,8 @@ class PartitionRoutes:
 
     A partition is skipped while the producer's metadata names it leaderless (:meth:`update`, from the worker's
     metadata watch, itself refreshed by the producer) and for :data:`BLOCKED_SKIP_S` after a send to it failed
-    with an outage (:meth:`note_failure`); then one round sends to it again (a probe). One key always maps to one
+    with an outage (:meth:`note_failure`), doubling with each failed probe up to :data:`BLOCKED_SKIP_MAX_S`; then
+    one round sends to it again (a probe). One key always maps to one
     partition, so skipping keeps each key's records in order. ``clock`` is ``time.monotonic`` (seconds).
     """
 
@@ -97,6 +101,8 @@ class PartitionRoutes:
         self.leaderless: set[tuple[str, int]] = set()
         #: Partitions a send failed on, and the monotonic second their skipping ends.
         self.failed_until: dict[tuple[str, int], float] = {}
+        #: Failed sends to each partition since its last acknowledged one.
+        self.strikes: dict[tuple[str, int], int] = {}
 
     def update(self, leaderless: set[tuple[str, int]]) -> None:
         """Record the partitions the producer's metadata names leaderless now (:func:`blocked_partitions`)."""
@@ -125,13 +131,28 @@ class PartitionRoutes:
             return False
         return True
 
-    def note_failure(self, topic: str, key: bytes) -> tuple[str, int] | None:
-        """Skip the partition of a record keyed ``key`` whose send failed with an outage for :attr:`skip_s`;
-        returns that partition (None when unknown)."""
+    def note_failure(self, topic: str, key: bytes, *, others_acked: bool = True) -> tuple[str, int] | None:
+        """Skip the partition of a record keyed ``key`` whose send failed with an outage: :attr:`skip_s`, doubled
+        for each earlier failure since its last success, at most :data:`BLOCKED_SKIP_MAX_S`; returns that
+        partition (None when unknown). ``others_acked`` False (no record of the round was acknowledged: Kafka may
+        be down as a whole) skips it :attr:`skip_s` without doubling, so the senders resume soon after Kafka."""
         route = self.route(topic, key)
         if route is not None:
-            self.failed_until[route] = self.clock() + self.skip_s
+            if not others_acked:
+                self.strikes[route] = min(self.strikes.get(route, 0), 1)
+            elif route not in self.failed_until:  # one strike per round: a round's failures end together
+                self.strikes[route] = self.strikes.get(route, 0) + 1
+            strikes = max(self.strikes.get(route, 0), 1)
+            skip_s = min(self.skip_s * 2 ** (strikes - 1), max(self.skip_s, BLOCKED_SKIP_MAX_S))
+            self.failed_until[route] = self.clock() + skip_s
         return route
+
+    def note_success(self, topic: str, key: bytes) -> None:
+        """A record keyed ``key`` was acknowledged: its partition's next failure is skipped :attr:`skip_s` again."""
+        if self.strikes:
+            route = self.route(topic, key)
+            if route is not None:
+                self.strikes.pop(route, None)
 
 
 def report_skipped(what: str, skipped: dict[tuple[str, int], int], *, failed: bool = False) -> None:
@@ -143,10 +164,11 @@ def report_skipped(what: str, skipped: dict[tuple[str, int], int], *, failed: bo
     for (topic, partition), n in skipped.items():
         KAFKA_BLOCKED_SKIPS.labels(what=what, topic=topic, partition=str(partition)).inc(n)
     log.warning(
-        "%s: %d record(s) left for a later round, %s (re-probed every %.0f s): %s",
+        "%s: %d record(s) left for a later round, %s (re-probed after %.0f s, doubling up to %.0f s): %s",
         what,
         sum(skipped.values()),
         "their send failed, their partitions are skipped" if failed else "their partitions are blocked",
         BLOCKED_SKIP_S,
+        BLOCKED_SKIP_MAX_S,
         ", ".join(f"{topic}[{partition}] x{n}" for (topic, partition), n in sorted(skipped.items())),
     )

@@ -188,3 +188,30 @@ def test_routes_skip_a_leaderless_partition_while_the_metadata_says_so_and_a_fai
     clock.t += 0.1
     assert routes.blocked("t", b"op-2") is None  # a probe
     assert PartitionRoutes().blocked("t", b"op-1") is None  # no partitioner: never skipped
+
+
+def test_a_partition_failing_its_probes_is_skipped_twice_as_long_each_time_until_a_send_succeeds() -> None:
+    clock = Clock()
+    routes = PartitionRoutes(partition_of, skip_s=10.0, clock=clock)
+    skips_s = []
+    for _ in range(6):
+        routes.note_failure("t", b"op-1")
+        routes.note_failure("t", b"op-4")  # the same round, the same partition: one strike
+        start = clock.t
+        while routes.blocked("t", b"op-1") is not None:
+            clock.t += 1.0
+        skips_s.append(clock.t - start)
+    assert skips_s == [10.0, 20.0, 40.0, 80.0, 120.0, 120.0]
+    routes.note_success("t", b"op-7")
+    routes.note_failure("t", b"op-1")
+    assert routes.failed_until[("t", 1)] == clock.t + 10.0
+
+
+def test_failures_in_a_round_where_nothing_was_acknowledged_skip_without_doubling() -> None:
+    clock = Clock()
+    routes = PartitionRoutes(partition_of, skip_s=10.0, clock=clock)
+    for _ in range(4):  # Kafka down as a whole: every probe fails, none is acknowledged
+        routes.note_failure("t", b"op-1", others_acked=False)
+        assert routes.failed_until[("t", 1)] == clock.t + 10.0
+        clock.t += 10.0
+        assert routes.blocked("t", b"op-1") is None

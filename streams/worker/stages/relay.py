@@ -102,6 +102,7 @@ class OutboxRelay:
         results = await rt.send_all([record for _, record in sending]) if sending else []
         done: list[dict[str, Any]] = []
         failed: dict[tuple[str, int], int] = {}
+        acked = any(exc is None for exc in results)
         retried: dict[type, BaseException] = {}
         dead_letters: list[tuple[dict[str, Any], Record, BaseException]] = []
         for (row, record), exc in zip(sending, results, strict=True):
@@ -109,7 +110,7 @@ class OutboxRelay:
             if exc is not None and not refused_for_good(exc):  # an outage, or a bug (reported as one): left for
                 held.add(operation_id)  # a later round (its event id is deterministic)
                 retried.setdefault(type(exc), exc)
-                route = rt.routes.note_failure(record[0], record[1])
+                route = rt.routes.note_failure(record[0], record[1], others_acked=acked)
                 if route is not None:
                     failed[route] = failed.get(route, 0) + 1
                     self._wait_for(operation_id, route)
@@ -117,6 +118,7 @@ class OutboxRelay:
                 continue
             elif exc is None:
                 done.append(row)
+                rt.routes.note_success(record[0], record[1])
             else:
                 dead_letters.append((row, record, exc))
         for exc in retried.values():  # each kind of failure reported once per round

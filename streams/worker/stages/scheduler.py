@@ -132,8 +132,12 @@ class PollScheduler:
         for error in {type(r): r for r in failed}.values():  # each kind of failure reported once per tick
             rt.report_failure("poll publish", error)
         failed_on: dict[tuple[str, int], int] = {}
+        acked = len(failed) < len(results)
         for (_, key, _), result in zip(records, results, strict=True):
-            route = rt.routes.note_failure(topic, key) if result is not None and is_outage(result) else None
+            if result is None:
+                rt.routes.note_success(topic, key)
+            outage = result is not None and is_outage(result)
+            route = rt.routes.note_failure(topic, key, others_acked=acked) if outage else None
             if route is not None:
                 failed_on[route] = failed_on.get(route, 0) + 1
         report_skipped("poll scheduler", failed_on, failed=True)
