@@ -115,6 +115,8 @@ class PartitionRoutes:
 
     def blocked(self, topic: str, key: bytes) -> tuple[str, int] | None:
         """The partition of a record keyed ``key`` when it is to be skipped now, else None."""
+        if not self.leaderless and not self.failed_until:  # none blocked: no partitioner call per record
+            return None
         route = self.route(topic, key)
         return route if route is not None and self.skipped(route) else None
 
