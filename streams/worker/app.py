@@ -72,7 +72,12 @@ from streams.outages import classify, is_outage
 from streams.retrying import failure_of, first_attempt_plain
 from streams.worker.clock import ClockCheck
 from streams.worker.inflight import InOrderAcks, Ticket
-from streams.worker.partitions import BLOCKED_CHECK_INTERVAL_S, BlockedPartitions, blocked_partitions
+from streams.worker.partitions import (
+    BLOCKED_CHECK_INTERVAL_S,
+    BlockedPartitions,
+    blocked_partitions,
+    producer_partition,
+)
 from streams.worker.runtime import MAX_LOGGED_ERROR_CHARS, RawMessage, Runtime
 from streams.worker.stages.callbacks import CallbackReceiver
 from streams.worker.stages.canceller import Canceller
@@ -397,12 +402,7 @@ def create_app(settings: Settings) -> faust.App:
 
     def partition_of(topic: str, key: bytes) -> int | None:
         """The partition the producer's partitioner picks for ``key`` (None before its metadata knows ``topic``)."""
-        producer = getattr(app.producer, "_producer", None)
-        metadata = getattr(producer, "_metadata", None)
-        if producer is None or metadata is None or not metadata.partitions_for_topic(topic):
-            return None
-        partition: int = producer._partition(topic, None, None, None, key, None)
-        return partition
+        return producer_partition(getattr(app.producer, "_producer", None), topic, key)
 
     async def runtime() -> Runtime:
         async with lock:

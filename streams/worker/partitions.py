@@ -72,6 +72,16 @@ BLOCKED_SKIP_MAX_S = 120.0
 PartitionOf = Callable[[str, bytes], "int | None"]
 
 
+def producer_partition(producer: Any, topic: str, key: bytes) -> int | None:
+    """The partition ``producer`` (aiokafka's ``AIOKafkaProducer``, or None) sends a record keyed ``key`` in
+    ``topic`` to, by its own partitioner over its metadata; None before the metadata knows ``topic``."""
+    metadata = getattr(producer, "_metadata", None)
+    if metadata is None or not metadata.partitions_for_topic(topic):
+        return None
+    partition: int = producer._partition(topic, None, None, None, key, None)
+    return partition
+
+
 def no_partitions(topic: str, key: bytes) -> int | None:
     """A :data:`PartitionOf` that knows no partition (no producer metadata: nothing is ever skipped)."""
     return None

@@ -11,13 +11,14 @@ from typing import Any
 import asyncpg
 import orjson
 import pytest
+from aiokafka import AIOKafkaProducer
 
 from streams.clients.follow import EventDeduplicator, read_topic_to_end
 from streams.config import Settings
 from streams.ledger.records import SaveOutcome
 from streams.model.answers import JobSnapshot
 from streams.model.states import OperationState
-from streams.worker.partitions import PartitionRoutes
+from streams.worker.partitions import PartitionRoutes, producer_partition
 from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.observer import Observer
@@ -245,3 +246,19 @@ async def test_a_blocked_partition_holds_up_only_its_own_operations(
     assert await pool.fetchval(unpublished, blocked) == 0
     transitions = for_op(await read_topic_to_end(settings, "transitions"), blocked)
     assert [t["to_state"] for t in transitions] == ["accepted", "submitting", "submitted", "succeeded"]
+
+
+async def test_the_partition_named_for_a_key_is_the_one_the_producer_sends_it_to(migrated: Settings) -> None:
+    topic = migrated.topic("transitions")
+    producer = AIOKafkaProducer(bootstrap_servers=migrated.kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        assert producer_partition(producer, f"{topic}.unknown", b"op") is None  # metadata does not know it
+        await producer.client.force_metadata_update()
+        await producer.client._wait_on_metadata(topic)
+        keys = [f"op-{uuid.uuid4().hex[:8]}".encode() for _ in range(40)]
+        named = [producer_partition(producer, topic, key) for key in keys]
+        sent = [(await producer.send_and_wait(topic, b"{}", key=key)).partition for key in keys]
+    finally:
+        await producer.stop()
+    assert named == sent and len(set(sent)) == migrated.partitions
