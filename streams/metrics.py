@@ -174,6 +174,11 @@ KAFKA_PARTITIONS_BLOCKED = Gauge(
     "1 while a product topic's partition has no leader in this worker's metadata (its writes wait), else 0.",
     ["topic", "partition"],
 )
+KAFKA_BLOCKED_SKIPS = Counter(
+    "streams_kafka_blocked_skips_total",
+    "Records the outbox relay or the poll scheduler left for a later round because their partition is blocked.",
+    ["what", "topic", "partition"],
+)
 
 # The periodic snapshot's gauges (streams.oncall.snapshot).
 OPERATIONS = Gauge("streams_operations", "Operations in the ledger, by state (at the last snapshot).", ["state"])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -773,12 +773,18 @@ class InMemoryLedger(WaitsOutOutages):
             self._write(op, next_poll_at=self._t)
         return CallbackNote(op.operation_id, True, due)
 
-    async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
+    async def relay_outbox(
+        self,
+        batch_size: int,
+        publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
+        skip_operation_ids: Sequence[str] = (),
+    ) -> int:
         self._call("relay outbox")
-        batch = [r for r in self.outbox if not r.published][:batch_size]
+        skip = set(skip_operation_ids)
+        batch = [r for r in self.outbox if not r.published and r.operation_id not in skip][:batch_size]
         if not batch:
             return 0
-        await publish(
+        published = await publish(
             [
                 {
                     "id": r.id,
@@ -791,9 +797,11 @@ class InMemoryLedger(WaitsOutOutages):
                 for r in batch
             ]
         )
+        ids = {r.id for r in batch} if published is None else set(published)
         for r in batch:
-            r.published = True
-        return len(batch)
+            if r.id in ids:
+                r.published = True
+        return len(ids)
 
 
 @dataclass

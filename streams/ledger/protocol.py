@@ -9,7 +9,7 @@ runs both through the same cases. Each statement's contract is in its docstring 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from streams.ledger.records import (
@@ -107,6 +107,9 @@ class PipelineLedger(Protocol):
     ) -> int | None: ...
     async def note_callback(self, webhook_id: str, remote_job_id: str) -> CallbackNote: ...
     async def relay_outbox(
-        self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]
+        self,
+        batch_size: int,
+        publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
+        skip_operation_ids: Sequence[str] = (),
     ) -> int: ...
     async def close(self) -> None: ...

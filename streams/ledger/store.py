@@ -11,7 +11,7 @@ trigger writes the transition log and its outbox event. The hot path's statement
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
 import asyncpg
@@ -637,20 +637,30 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         assert row is not None  # one row always
         return CallbackNote(row["operation_id"], row["recorded"], row["made_due"])
 
-    async def relay_outbox(self, batch_size: int, publish: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> int:
-        """Publish one batch of unpublished outbox rows with ``publish`` and mark them published.
+    async def relay_outbox(
+        self,
+        batch_size: int,
+        publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
+        skip_operation_ids: Sequence[str] = (),
+    ) -> int:
+        """Publish one batch of unpublished outbox rows with ``publish`` and mark those it published.
 
         Only one relay runs at a time (a transaction-scoped advisory lock), which keeps each operation's
-        events in order. ``publish`` must raise unless every row was acknowledged by Kafka; then nothing is
-        marked. A crash between publish and mark repeats rows with the same ``event_id``.
-        Returns the number of rows published (0 when another relay holds the lock).
+        events in order. ``publish`` returns the ids of the rows Kafka acknowledged (or that are done with), None
+        for all of them, or raises: then nothing is marked. The rows of ``skip_operation_ids`` are not selected.
+        A crash between publish and mark repeats rows with the same ``event_id``.
+        Returns the number of rows marked (0 when another relay holds the lock).
         """
         async with guard("relay outbox"), self.pool.acquire() as conn, conn.transaction():
             if not await Q.try_relay_lock.fetchval(conn):
                 return 0
-            rows = await Q.lock_unpublished_outbox.fetch(conn, batch_size=batch_size)
+            rows = await Q.lock_unpublished_outbox.fetch(
+                conn, batch_size=batch_size, skip_operation_ids=list(skip_operation_ids)
+            )
             if not rows:
                 return 0
-            await publish([dict(r) for r in rows])
-            await Q.mark_outbox_published.execute(conn, outbox_ids=[r["id"] for r in rows])
-            return len(rows)
+            published = await publish([dict(r) for r in rows])
+            ids = [r["id"] for r in rows] if published is None else list(published)
+            if ids:
+                await Q.mark_outbox_published.execute(conn, outbox_ids=ids)
+            return len(ids)

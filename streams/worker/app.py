@@ -73,7 +73,12 @@ from streams.outages import classify, is_outage
 from streams.retrying import failure_of, first_attempt_plain
 from streams.worker.clock import ClockCheck
 from streams.worker.inflight import InOrderAcks, Ticket
-from streams.worker.partitions import BLOCKED_CHECK_INTERVAL_S, BlockedPartitions, blocked_partitions
+from streams.worker.partitions import (
+    BLOCKED_CHECK_INTERVAL_S,
+    BlockedPartitions,
+    blocked_partitions,
+    producer_partition,
+)
 from streams.worker.runtime import MAX_LOGGED_ERROR_CHARS, RawMessage, Runtime
 from streams.worker.stages.callbacks import CallbackReceiver
 from streams.worker.stages.canceller import Canceller
@@ -398,11 +403,16 @@ def create_app(settings: Settings) -> faust.App:
     async def send(topic: str, key: bytes, value: bytes) -> None:
         await (await enqueue(topic, key, value))
 
+    def partition_of(topic: str, key: bytes) -> int | None:
+        """The partition the producer's partitioner picks for ``key`` (None before its metadata knows ``topic``)."""
+        return producer_partition(getattr(app.producer, "_producer", None), topic, key)
+
     async def runtime() -> Runtime:
         async with lock:
             while "rt" not in holder:
                 try:
                     holder["rt"] = await Runtime.create(settings, send, enqueue=enqueue)
+                    holder["rt"].routes.partition_of = partition_of
                 except Exception as exc:  # PostgreSQL went away since the start-up check: wait, as every stage
                     if not is_outage(exc):
                         raise
@@ -478,11 +488,13 @@ def create_app(settings: Settings) -> faust.App:
         """Name the product's partitions without a leader (log line, gauge), from the producer's metadata."""
         blocked = BlockedPartitions()
         produced = [settings.topic(role) for role in ("polls", "outputs_delivered", "transitions", "dead_letter")]
+        rt = await runtime()  # its relay and poll scheduler skip them (PartitionRoutes)
         while True:
             await asyncio.sleep(BLOCKED_CHECK_INTERVAL_S)
             client = getattr(getattr(app.producer, "_producer", None), "client", None)
             if client is not None:
                 blocked.update(blocked_partitions(client.cluster, produced))
+                rt.routes.update(blocked.blocked)
 
     @app.task
     async def check_clock() -> None:

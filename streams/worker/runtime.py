@@ -44,6 +44,7 @@ from streams.outages import Failure, FailureKind, classify
 from streams.remote.client import RemoteClient
 from streams.retrying import failure_of, retry_without_deadline
 from streams.wire import contracts, exactjson
+from streams.worker.partitions import PartitionRoutes
 from streams.worker.wakeup import Wakeups
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,9 @@ class Runtime:
         self.wakeups = Wakeups()
         #: The ledger's LISTEN connection while :meth:`listen_outbox` runs, else None.
         self.outbox_listener: OutboxListener | None = None
+        #: Which records' Kafka partitions are blocked (the outbox relay and the poll scheduler skip them); the
+        #: worker gives it the producer's partitioner and its metadata watch's findings.
+        self.routes = PartitionRoutes()
 
     @classmethod
     async def create(

@@ -11,12 +11,14 @@ from typing import Any
 import asyncpg
 import orjson
 import pytest
+from aiokafka import AIOKafkaProducer
 
 from streams.clients.follow import EventDeduplicator, read_topic_to_end
 from streams.config import Settings
 from streams.ledger.records import SaveOutcome
 from streams.model.answers import JobSnapshot
 from streams.model.states import OperationState
+from streams.worker.partitions import PartitionRoutes, producer_partition
 from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.observer import Observer
@@ -220,3 +222,43 @@ async def test_duplicate_operation_with_a_different_request_is_dead_lettered(
     stored = await pool.fetchval("SELECT request::text FROM operations WHERE operation_id = $1", op)
     assert stored == dup_request()
     assert await pool.fetchval("SELECT count(*) FROM remote_calls WHERE operation_id = $1", op) == 1
+
+
+async def test_a_blocked_partition_holds_up_only_its_own_operations(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings
+) -> None:
+    tag = uuid.uuid4().hex[:6]
+    healthy, blocked = f"op-healthy-{tag}", f"op-blocked-{tag}"
+    await succeeded_operation(runtime, healthy, outputs=1)
+    await succeeded_operation(runtime, blocked, outputs=1)
+    runtime.routes = PartitionRoutes(lambda topic, key: 1 if key == blocked.encode() else 0)
+    runtime.routes.update({(settings.topic("transitions"), 1), (settings.topic("outputs_delivered"), 1)})
+    relay = OutboxRelay(runtime)
+
+    assert await relay.tick() == 5  # the healthy operation's rows, in the round the blocked one's wait
+    unpublished = "SELECT count(*) FROM outbox WHERE operation_id = $1 AND published_at IS NULL"
+    assert (await pool.fetchval(unpublished, healthy), await pool.fetchval(unpublished, blocked)) == (0, 5)
+    assert await runtime.ledger.relay_outbox(100, relay._publish, relay._skip_operation_ids()) == 0  # left out
+    assert for_op(await read_topic_to_end(settings, "transitions"), blocked) == []
+
+    runtime.routes.update(set())  # a leader again
+    assert await relay.tick() == 5
+    assert await pool.fetchval(unpublished, blocked) == 0
+    transitions = for_op(await read_topic_to_end(settings, "transitions"), blocked)
+    assert [t["to_state"] for t in transitions] == ["accepted", "submitting", "submitted", "succeeded"]
+
+
+async def test_the_partition_named_for_a_key_is_the_one_the_producer_sends_it_to(migrated: Settings) -> None:
+    topic = migrated.topic("transitions")
+    producer = AIOKafkaProducer(bootstrap_servers=migrated.kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        assert producer_partition(producer, f"{topic}.unknown", b"op") is None  # metadata does not know it
+        await producer.client.force_metadata_update()
+        await producer.client._wait_on_metadata(topic)
+        keys = [f"op-{uuid.uuid4().hex[:8]}".encode() for _ in range(40)]
+        named = [producer_partition(producer, topic, key) for key in keys]
+        sent = [(await producer.send_and_wait(topic, b"{}", key=key)).partition for key in keys]
+    finally:
+        await producer.stop()
+    assert named == sent and len(set(sent)) == migrated.partitions

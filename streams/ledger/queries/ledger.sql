@@ -512,13 +512,16 @@ SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'));
 -- Every unpublished row, never "ids above the last one published": an id is taken when its transaction
 -- writes the row, so a lower id can commit after a higher one was published; it is picked up next round.
 -- Rows of one operation are written under its row lock, so their ids follow their commit order.
+-- :skip_operation_ids (text[]): operations whose rows are left out (their Kafka partition is blocked: every row
+-- of one operation goes to one partition, so leaving all of them out keeps their order), so they do not fill the
+-- batch ahead of the others.
 -- :batch_size. Returns id, event_id, topic_role, operation_id, payload (text) and expires_at_ms (a delivered
 -- output's, epoch ms, else NULL) in id order.
 SELECT id, event_id, topic_role, operation_id, payload::text AS payload,
        CASE WHEN jsonb_typeof(payload -> 'expires_at_ms') = 'number' THEN (payload ->> 'expires_at_ms')::bigint
        END AS expires_at_ms
 FROM outbox
-WHERE published_at IS NULL
+WHERE published_at IS NULL AND NOT (operation_id = ANY(:skip_operation_ids::text[]))
 ORDER BY id
 LIMIT :batch_size
 FOR UPDATE SKIP LOCKED;

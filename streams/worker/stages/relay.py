@@ -11,8 +11,13 @@ after a higher one was published, and it is published the next round.
 A row Kafka refuses for good (:func:`refused_for_good`: an output over the broker's or producer's record size
 limit, say) goes to the dead-letter topic with reason ``unpublishable``, its topic and its bytes (cut as every
 dead letter's, with their size and SHA-256), and is marked like a published row: otherwise the relay would offer
-it again every round, and every row after it would wait behind it for good. An outage (Kafka not answering) or a
-bug marks nothing: the whole batch goes again next round.
+it again every round, and every row after it would wait behind it for good.
+
+A blocked partition (no leader, or a send to it just failed: :class:`~streams.worker.partitions.PartitionRoutes`)
+holds up only its own rows: they are not sent (their operations are left out of the next selections while it stays
+blocked, re-probed every ``BLOCKED_SKIP_S``), the rows acknowledged are marked, and an outage or a bug leaves only
+the rows it met (and the later rows of their operations) for a later round. One operation's rows all go to one
+partition (keyed by operation id) and are marked in id order, never one before an earlier one.
 """
 
 from __future__ import annotations
@@ -27,9 +32,14 @@ import aiokafka.errors
 from streams import hooks, metrics
 from streams.errors import InvalidEventError
 from streams.outages import FailureKind, classify
-from streams.worker.runtime import RawMessage, Runtime
+from streams.worker.partitions import report_skipped
+from streams.worker.runtime import RawMessage, Record, Runtime
 
 log = logging.getLogger(__name__)
+
+#: Most operations the relay leaves out of its selections while their partition is blocked; beyond, their rows
+#: are selected (and skipped) again, and may fill a batch.
+MAX_SKIPPED_OPERATIONS = 10_000
 
 
 def refused_for_good(exc: BaseException) -> bool:
@@ -56,6 +66,9 @@ class OutboxRelay:
         self.rt = runtime
         #: True when the last :meth:`tick` stopped at a failure (an outage, a bug) before the outbox was drained.
         self.failed = False
+        #: Operations whose rows wait for their blocked partition, with it: left out of the next selections
+        #: while it stays blocked (at most :data:`MAX_SKIPPED_OPERATIONS`).
+        self.waiting: dict[str, tuple[str, int]] = {}
 
     async def run(self) -> None:
         """Drain the outbox, then sleep until woken (:attr:`Runtime.wakeups` ``.outbox``: this worker wrote
@@ -72,19 +85,65 @@ class OutboxRelay:
             else:
                 await self.rt.wakeups.outbox.wait(s.wakeup_fallback_s)
 
-    async def _publish(self, rows: list[dict[str, Any]]) -> None:
+    def _skip_operation_ids(self) -> list[str]:
+        """The operations to leave out of the next selection: those whose partition is still blocked."""
+        routes = self.rt.routes
+        self.waiting = {op: route for op, route in self.waiting.items() if routes.skipped(route)}
+        return list(self.waiting)
+
+    def _wait_for(self, operation_id: str, route: tuple[str, int]) -> None:
+        if operation_id in self.waiting or len(self.waiting) < MAX_SKIPPED_OPERATIONS:
+            self.waiting[operation_id] = route
+
+    async def _publish(self, rows: list[dict[str, Any]]) -> list[int]:
+        """Publish ``rows`` (in id order); returns the ids to mark: those acknowledged and those dead-lettered.
+
+        A row whose partition is blocked (:class:`~streams.worker.partitions.PartitionRoutes`) is not sent, a row
+        that met an outage is not marked; in both cases the later rows of its operation this round are not marked
+        either (sent again after it, with the same event ids), so an operation's rows are marked in order."""
         rt = self.rt
         topic = rt.settings.topic
-        records = [(topic(row["topic_role"]), row["operation_id"].encode(), row["payload"].encode()) for row in rows]
-        refused = [
-            (row, record, exc)
-            for row, record, exc in zip(rows, records, await rt.send_all(records), strict=True)
-            if exc is not None
-        ]
-        retried = [exc for _, _, exc in refused if not refused_for_good(exc)]
-        if retried:  # an outage, or a bug (reported as one): nothing is marked, the whole batch goes again next
-            raise retried[0]  # round (its event ids are deterministic)
-        for row, (target, key, value), exc in refused:  # refused for good: to the dead-letter topic, then marked
+        held: set[str] = set()  # operations with a row left for a later round
+        skipped: dict[tuple[str, int], int] = {}
+        sending: list[tuple[dict[str, Any], Record]] = []
+        for row in rows:
+            operation_id = row["operation_id"]
+            record = (topic(row["topic_role"]), operation_id.encode(), row["payload"].encode())
+            route = None if operation_id in held else rt.routes.blocked(record[0], record[1])
+            if route is not None:
+                skipped[route] = skipped.get(route, 0) + 1
+                self._wait_for(operation_id, route)
+            if operation_id in held or route is not None:
+                held.add(operation_id)
+                continue
+            sending.append((row, record))
+        results = await rt.send_all([record for _, record in sending]) if sending else []
+        done: list[dict[str, Any]] = []
+        failed: dict[tuple[str, int], int] = {}
+        acked = any(exc is None for exc in results)
+        retried: dict[type, BaseException] = {}
+        dead_letters: list[tuple[dict[str, Any], Record, BaseException]] = []
+        for (row, record), exc in zip(sending, results, strict=True):
+            operation_id = row["operation_id"]
+            if exc is not None and not refused_for_good(exc):  # an outage, or a bug (reported as one): left for
+                held.add(operation_id)  # a later round (its event id is deterministic)
+                retried.setdefault(type(exc), exc)
+                route = rt.routes.note_failure(record[0], record[1], others_acked=acked)
+                if route is not None:
+                    failed[route] = failed.get(route, 0) + 1
+                    self._wait_for(operation_id, route)
+            elif operation_id in held:  # an earlier row of its operation is left: this one goes again after it
+                continue
+            elif exc is None:
+                done.append(row)
+                rt.routes.note_success(record[0], record[1])
+            else:
+                dead_letters.append((row, record, exc))
+        for exc in retried.values():  # each kind of failure reported once per round
+            rt.report_failure("outbox relay", exc)
+        report_skipped("outbox relay", skipped)
+        report_skipped("outbox relay", failed, failed=True)
+        for row, (target, key, value), exc in dead_letters:  # refused for good: to the dead-letter topic, then marked
             log.error(
                 "outbox row %s (%s) of operation %s refused by Kafka for %s (%s: %s); sent to the dead-letter topic",
                 row["id"],
@@ -100,13 +159,13 @@ class OutboxRelay:
                 "producer's record size limits and republish them"
             )
             await rt.dead_letter(RawMessage(target, None, None, key, value), InvalidEventError("unpublishable", why))
-        dead_lettered = {id(row) for row, _, _ in refused}
         now_ms = time.time() * 1000
-        for row in rows:
-            if id(row) not in dead_lettered:
-                metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
-                self._check_expiry(row, now_ms)
-        hooks.reach(hooks.HookPoint.PUBLISHED_BEFORE_MARK, rows=rows)
+        for row in done:
+            metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
+            self._check_expiry(row, now_ms)
+        marked = done + [row for row, _, _ in dead_letters]
+        hooks.reach(hooks.HookPoint.PUBLISHED_BEFORE_MARK, rows=marked)
+        return [row["id"] for row in marked]
 
     def _check_expiry(self, row: dict[str, Any], now_ms: float) -> None:
         """Count (``streams_outputs_near_expiry_total``) and log an output published with less than
@@ -133,7 +192,9 @@ class OutboxRelay:
         self.failed = False
         while True:
             try:
-                n = await self.rt.ledger.relay_outbox(self.rt.settings.relay_batch_size, self._publish)
+                n = await self.rt.ledger.relay_outbox(
+                    self.rt.settings.relay_batch_size, self._publish, self._skip_operation_ids()
+                )
             except Exception as exc:  # nothing was marked; the next tick retries (an outage is waited out there)
                 self.rt.report_failure("outbox relay", exc)
                 self.failed = True

@@ -15,6 +15,9 @@
   round refills what they took), so throughput is not capped; due polls beyond it wait in PostgreSQL, oldest
   first. Claims of workers' rounds at the same instant may each use the room they read: the bound holds
   within one round's room per worker.
+* A blocked Kafka partition (:class:`~streams.worker.partitions.PartitionRoutes`): the claimed polls keyed to it
+  are not sent (they return after the visibility timeout, as those whose send fails), so the round does not wait
+  on it and the polls of the other partitions go at once.
 * Redis unreachable: no new claims (a poll without a lease would only be dropped by the observer).
 * Rate budget: a round claims no more due polls than the account's ``claims`` budget (the GET rate and burst,
   shared by every worker, stopped by a GET's 429 pause) grants for the next round, and gives back what it did
@@ -41,9 +44,11 @@ import time
 from streams import metrics
 from streams.config import Settings
 from streams.coordination.ratebudget import BudgetKind
-from streams.ledger.records import ClaimBound
+from streams.ledger.records import ClaimBound, DuePoll
+from streams.outages import is_outage
 from streams.wire import exactjson
-from streams.worker.runtime import Runtime
+from streams.worker.partitions import report_skipped
+from streams.worker.runtime import Record, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -136,27 +141,43 @@ class PollScheduler:
         if not polls:
             return 0
         metrics.POLLS_CLAIMED.inc(len(polls))
+        return await self._publish(polls)
+
+    async def _publish(self, polls: list[DuePoll]) -> int:
+        """Send one event per claimed poll, but for those whose partition is blocked (they return after the
+        visibility timeout, as those whose send fails); returns the number acknowledged."""
+        rt = self.rt
         topic = rt.settings.topic("polls")
-        results = await rt.send_all(
-            [
-                (
-                    topic,
-                    p.operation_id.encode(),
-                    exactjson.dumps(
-                        {
-                            "operation_id": p.operation_id,
-                            "remote_job_id": p.remote_job_id,
-                            "poll_claim_id": p.poll_claim_id,
-                            "claimed_at_ms": p.claimed_at_ms,  # the database's clock, not this worker's
-                        }
-                    ),
-                )
-                for p in polls
-            ]
-        )
+        skipped: dict[tuple[str, int], int] = {}
+        records: list[Record] = []
+        for p in polls:
+            key = p.operation_id.encode()
+            route = rt.routes.blocked(topic, key)
+            if route is not None:
+                skipped[route] = skipped.get(route, 0) + 1
+                continue
+            value = {
+                "operation_id": p.operation_id,
+                "remote_job_id": p.remote_job_id,
+                "poll_claim_id": p.poll_claim_id,
+                "claimed_at_ms": p.claimed_at_ms,  # the database's clock, not this worker's
+            }
+            records.append((topic, key, exactjson.dumps(value)))
+        report_skipped("poll scheduler", skipped)
+        results = await rt.send_all(records) if records else []
         failed = [r for r in results if r is not None]
         for error in {type(r): r for r in failed}.values():  # each kind of failure reported once per tick
             rt.report_failure("poll publish", error)
+        failed_on: dict[tuple[str, int], int] = {}
+        acked = len(failed) < len(results)
+        for (_, key, _), result in zip(records, results, strict=True):
+            if result is None:
+                rt.routes.note_success(topic, key)
+            outage = result is not None and is_outage(result)
+            route = rt.routes.note_failure(topic, key, others_acked=acked) if outage else None
+            if route is not None:
+                failed_on[route] = failed_on.get(route, 0) + 1
+        report_skipped("poll scheduler", failed_on, failed=True)
         if failed:
             log.warning(
                 "%d of %d polls not published (%s); they return after the visibility timeout",
@@ -164,7 +185,7 @@ class PollScheduler:
                 len(polls),
                 failed[0],
             )
-        return len(polls) - len(failed)
+        return len(records) - len(failed)
 
     async def _claim_limit(self) -> int:
         """How many due polls this round may claim: the batch size, or what the ``claims`` budget grants for the
