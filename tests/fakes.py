@@ -766,9 +766,7 @@ class InMemoryLedger(WaitsOutOutages):
         if webhook_id in self.callback_deliveries:
             return CallbackNote(op.operation_id, False, False)
         self.callback_deliveries[webhook_id] = op.operation_id
-        due = (
-            op.state in POLLABLE and not op.poll_claimed and op.next_poll_at is not None and op.next_poll_at > self._t
-        )
+        due = op.state in POLLABLE and not op.poll_claimed and op.next_poll_at is not None and op.next_poll_at > self._t
         if due:
             self._write(op, next_poll_at=self._t)
         return CallbackNote(op.operation_id, True, due)

@@ -219,8 +219,7 @@ class FlakyProvider:
 #: A well-formed small answer to a POST (the job ``job1``) and to its GET.
 _CREATED = b'HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n{"id":"job1"}'
 _RUNNING = (
-    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 33\r\n\r\n"
-    b'{"id":"job1","status":"running"}\n'
+    b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 33\r\n\r\n{"id":"job1","status":"running"}\n'
 )
 
 

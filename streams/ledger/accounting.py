@@ -15,7 +15,6 @@ class Accounting:
 
     pool: asyncpg.Pool
 
-
     async def record_refund(self, remote_job_id: str, refund: dict[str, Any]) -> bool:
         """Record a refund the provider reported for a job, once per (refund id, job id); ``refund`` is the
         provider's object (a string ``id``; ``amount`` and ``currency`` as sent). A terminal observation records

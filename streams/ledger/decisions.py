@@ -21,7 +21,6 @@ class Decisions:
 
     pool: asyncpg.Pool
 
-
     async def adopt(
         self,
         operation_id: str,

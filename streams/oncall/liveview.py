@@ -16,6 +16,7 @@ script. Read-only: the pages never write to the ledger and never call the remote
 PostgreSQL not answering for an operation's page, gives a 503 page saying so. Access (credentials, hosts,
 headers): :mod:`streams.oncall.webaccess`.
 """
+
 from __future__ import annotations
 
 import html

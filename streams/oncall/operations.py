@@ -626,8 +626,11 @@ def format_accounting(report: Mapping[str, Any]) -> str:
     )
     lines += [
         f"  {j['operation_id']} ({j['state']}): job {j['remote_job_id']}"
-        + (f"  -> streams operations adopt {j['operation_id']} {j['remote_job_id']} --reason ..."
-           if j["state"] == "rejected" else "  -> cancel it at the provider")
+        + (
+            f"  -> streams operations adopt {j['operation_id']} {j['remote_job_id']} --reason ..."
+            if j["state"] == "rejected"
+            else "  -> cancel it at the provider"
+        )
         for j in late["first"]
     ]
     return "\n".join(lines)

@@ -100,9 +100,7 @@ class KafkaFigures:
         existing = set(await admin.list_topics())  # asked first: naming a missing topic may have it created
         wanted = [self.settings.topic(r) for r in (*CONSUMED_ROLES, "dead_letter")]
         described = await admin.describe_topics([t for t in wanted if t in existing])
-        tps = {
-            d["topic"]: [TopicPartition(d["topic"], p["partition"]) for p in d["partitions"]] for d in described
-        }
+        tps = {d["topic"]: [TopicPartition(d["topic"], p["partition"]) for p in d["partitions"]] for d in described}
         every = [tp for parts in tps.values() for tp in parts]
         end = await consumer.end_offsets(every) if every else {}
         first = await consumer.beginning_offsets(every) if every else {}

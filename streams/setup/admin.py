@@ -157,6 +157,7 @@ ADMIN_RETRY_INITIAL_S = 0.1
 ADMIN_RETRY_MAX_S = 2.0
 ADMIN_RETRY_JITTER_S = 0.1
 
+
 def _raise_for_code(error_code: int, message: str) -> None:
     """Raise the aiokafka error of a non-zero Kafka protocol ``error_code`` (responses carry them unraised)."""
     if error_code:

@@ -57,9 +57,7 @@ def _dead_letters(reason: str) -> float:
 
 
 @pytest.mark.parametrize("levels", [MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 1, 100_000])
-async def test_one_depth_limit_through_every_edge_and_reader(
-    runtime: Runtime, pool: asyncpg.Pool, levels: int
-) -> None:
+async def test_one_depth_limit_through_every_edge_and_reader(runtime: Runtime, pool: asyncpg.Pool, levels: int) -> None:
     op = f"deep-{levels}-{uuid.uuid4().hex[:8]}"
     dispatcher = Dispatcher(runtime)
     message = _submission(op, _nested_request(levels), 1)

@@ -41,8 +41,7 @@ def test_streams_help_gives_each_commands_first_sentence_whole() -> None:
     assert result.exit_code == 0, result.output
     listing = " ".join(result.output.split("Commands:", 1)[1].split())
     accounting = (
-        "accounting What the provider was asked, what it created, "
-        "what it charged and refunded (from the ledger)."
+        "accounting What the provider was asked, what it created, what it charged and refunded (from the ledger)."
     )
     assert accounting in listing
     assert "migrate Apply pending SQL migrations (yoyo) and create the Kafka topics." in listing

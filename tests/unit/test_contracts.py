@@ -418,6 +418,7 @@ def test_submission_numbers_are_exact_or_refused_naming_the_field(rest: bytes, f
 def test_big_submission_numbers_are_written_back_exactly() -> None:
     data = SUBMISSION_PREFIX + b'"submitted_at_ms": 1, "source": {"a": 18446744073709551617, "b": 1.50}}'
     from streams.wire import exactjson
+
     assert exactjson.dumps(contracts.decode(SUB, data, LIMIT)["source"]) == b'{"a":18446744073709551617,"b":1.50}'
 
 

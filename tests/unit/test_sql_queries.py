@@ -125,8 +125,12 @@ EXPECTED = {
     ],
     ("streams.ledger", "accounting.sql"): ["accounting_summary", "record_refund"],
     ("streams.ledger", "snapshot.sql"): ["state_figures", "outbox_figures", "ping", "clock_now"],
-    ("streams.ledger", "reconcile.sql"): ["claim_due_lookups", "adopt_found_job", "give_up_lookup",
-    "reschedule_lookup"],
+    ("streams.ledger", "reconcile.sql"): [
+        "claim_due_lookups",
+        "adopt_found_job",
+        "give_up_lookup",
+        "reschedule_lookup",
+    ],
     ("streams.ledger", "databases.sql"): ["database_exists"],
     ("streams.ledger", "retention.sql"): [
         "database_role",
