@@ -12,6 +12,7 @@ import asyncpg
 import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from streams.clients.follow import EventDeduplicator, read_topic_to_end
 from streams.config import Settings
@@ -249,16 +250,25 @@ async def test_a_blocked_partition_holds_up_only_its_own_operations(
 
 
 async def test_the_partition_named_for_a_key_is_the_one_the_producer_sends_it_to(migrated: Settings) -> None:
-    topic = migrated.topic("transitions")
-    producer = AIOKafkaProducer(bootstrap_servers=migrated.kafka_bootstrap, acks="all")
-    await producer.start()
+    # A topic of its own, with the product's partition count: the session's topics carry only their own events
+    # (other tests read them whole).
+    topic = f"{migrated.topic_prefix}partition-probe-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=migrated.kafka_bootstrap)
+    await admin.start()
     try:
-        assert producer_partition(producer, f"{topic}.unknown", b"op") is None  # metadata does not know it
-        await producer.client.force_metadata_update()
-        await producer.client._wait_on_metadata(topic)
-        keys = [f"op-{uuid.uuid4().hex[:8]}".encode() for _ in range(40)]
-        named = [producer_partition(producer, topic, key) for key in keys]
-        sent = [(await producer.send_and_wait(topic, b"{}", key=key)).partition for key in keys]
+        await admin.create_topics([NewTopic(topic, num_partitions=migrated.partitions, replication_factor=1)])
+        producer = AIOKafkaProducer(bootstrap_servers=migrated.kafka_bootstrap, acks="all")
+        await producer.start()
+        try:
+            assert producer_partition(producer, f"{topic}.unknown", b"op") is None  # metadata does not know it
+            await producer.client.force_metadata_update()
+            await producer.client._wait_on_metadata(topic)
+            keys = [f"op-{uuid.uuid4().hex[:8]}".encode() for _ in range(40)]
+            named = [producer_partition(producer, topic, key) for key in keys]
+            sent = [(await producer.send_and_wait(topic, b"{}", key=key)).partition for key in keys]
+        finally:
+            await producer.stop()
     finally:
-        await producer.stop()
+        await admin.delete_topics([topic])
+        await admin.close()
     assert named == sent and len(set(sent)) == migrated.partitions
