@@ -264,22 +264,33 @@ class Runtime:
         With an ``enqueue`` (the worker's producer) every record is handed to the producer's buffer in order, then
         their acknowledgements are awaited together: no task per record. Without one, :attr:`send` runs for each
         record concurrently."""
-        if self.enqueue is None:
-            sent = await asyncio.gather(*(self.send(*record) for record in records), return_exceptions=True)
-            return [r if isinstance(r, BaseException) else None for r in sent]
-        acks: list[Awaitable[Any]] = []
-        refused: dict[int, BaseException] = {}
-        for i, record in enumerate(records):
+        return [delivery_error(delivery) for delivery in await self.send_within(records, None)]
+
+    async def send_within(self, records: Sequence[Record], wait_s: float | None) -> list[asyncio.Future[Any]]:
+        """Send ``records`` as :meth:`send_all` does, but wait at most ``wait_s`` seconds (None: until every one is
+        done) for their acknowledgements; returns, per record in order, its delivery: a future done with the
+        acknowledgement or the exception that record met (:func:`delivery_error`), or still pending while Kafka
+        has not answered. A pending record is in flight: the producer acknowledges or fails it within
+        ``kafka_delivery_timeout_s``, so sending it again before that may write it twice. Never raises but for
+        cancellation (which leaves the records in flight)."""
+        loop = asyncio.get_running_loop()
+        deliveries: list[asyncio.Future[Any]] = []
+        for record in records:
+            if self.enqueue is None:
+                deliveries.append(asyncio.ensure_future(self.send(*record)))
+                continue
             try:
-                acks.append(await self.enqueue(*record))
+                deliveries.append(asyncio.ensure_future(await self.enqueue(*record)))
             except Exception as exc:  # not even buffered (no metadata for the topic, a record too large, ...)
-                refused[i] = exc
-        results = iter(await asyncio.gather(*acks, return_exceptions=True))
-        out: list[BaseException | None] = []
-        for i in range(len(records)):
-            result = refused[i] if i in refused else next(results)
-            out.append(result if isinstance(result, BaseException) else None)
-        return out
+                refused: asyncio.Future[Any] = loop.create_future()
+                refused.set_exception(exc)
+                deliveries.append(refused)
+        for delivery in deliveries:  # a late failure nobody awaits is no "exception never retrieved"
+            delivery.add_done_callback(delivery_error)
+        pending = [delivery for delivery in deliveries if not delivery.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=wait_s)
+        return deliveries
 
     async def publish(self, role: str, key: str, value: dict[str, Any]) -> None:
         """Send ``value`` as JSON (numbers exact) to the topic of ``role`` keyed by ``key``; returns once acked."""
@@ -360,6 +371,14 @@ class Runtime:
         await self.account(
             RemoteCall(operation_id, method, exc.status_code, outcome, remote_job_id, duration_ms, fencing_token)
         )
+
+
+def delivery_error(delivery: asyncio.Future[Any]) -> BaseException | None:
+    """What a done delivery of :meth:`Runtime.send_within` met: None (acknowledged) or its exception (a
+    ``CancelledError`` when it was cancelled)."""
+    if delivery.cancelled():
+        return asyncio.CancelledError()
+    return delivery.exception()
 
 
 class _StopAfterErrors(tenacity.stop.stop_base):
