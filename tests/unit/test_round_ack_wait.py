@@ -192,6 +192,39 @@ async def test_relay_marks_a_later_row_acknowledged_in_time_only_after_the_earli
     assert enqueue.handed_rows(STUCK) == [1, 2]  # neither sent again
 
 
+async def test_relay_stops_handing_over_at_the_wait_when_a_stuck_partitions_batch_is_full(
+    base_settings: Settings,
+) -> None:
+    ledger, clock = InMemoryLedger(), Clock()
+    also_stuck = "op-4"  # another operation on the stuck partition
+
+    @dataclass
+    class FullBatch(StuckEnqueue):
+        """The stuck partition takes one record, then its batch is full: handing over the next one waits (as
+        aiokafka's ``add_message`` until the batch is sent) while ``stuck``."""
+
+        async def __call__(self, topic: str, key: bytes, value: bytes) -> asyncio.Future[Any]:
+            on_stuck = [r for r in self.handed if partition_of(r[0], r[1]) in self.stuck]
+            if partition_of(topic, key) in self.stuck and on_stuck:
+                await asyncio.Event().wait()  # cancelled at the round's wait: this record is not buffered
+            return await super().__call__(topic, key, value)
+
+    enqueue = FullBatch()
+    relay = OutboxRelay(runtime(base_settings, ledger, enqueue, clock))
+    topic = base_settings.topic("transitions")
+    add_rows(ledger, HEALTHY_A, STUCK, also_stuck, HEALTHY_C, HEALTHY_A)
+
+    assert await tick(relay) == 1  # the hand-over stopped at row 3: rows 4 and 5 were not sent
+    assert published(ledger) == [1]
+    assert enqueue.handed_rows(also_stuck) == [] and enqueue.handed_rows(HEALTHY_C) == []
+    assert relay.rt.routes.blocked(topic, also_stuck.encode()) == (topic, 1)
+    assert relay.rt.routes.blocked(topic, HEALTHY_C.encode()) is None  # not at fault: not skipped
+
+    assert await tick(relay) == 2  # the stuck partition skipped: the others go
+    assert published(ledger) == [1, 4, 5]
+    assert enqueue.handed_rows(STUCK) == [2] and enqueue.handed_rows(also_stuck) == []
+
+
 def pollable(ledger: InMemoryLedger, operation_id: str) -> None:
     now = ledger.now()
     ledger.operations[operation_id] = Operation(

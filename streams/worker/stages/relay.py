@@ -37,7 +37,7 @@ from typing import Any
 import aiokafka.errors
 
 from streams import hooks, metrics
-from streams.errors import InvalidEventError
+from streams.errors import InvalidEventError, RecordNotHandedOverError
 from streams.outages import FailureKind, classify
 from streams.worker.partitions import report_skipped
 from streams.worker.runtime import RawMessage, Record, Runtime, delivery_error
@@ -179,6 +179,7 @@ class OutboxRelay:
         deliveries = await rt.send_within([record for _, record in sending], wait_s) if sending else []
         done: list[dict[str, Any]] = list(late)
         failed: dict[tuple[str, int], int] = {}
+        not_handed: dict[tuple[str, int], int] = {}
         acked = any(d.done() and delivery_error(d) is None for d in deliveries)
         retried: dict[type, BaseException] = {}
         dead_letters: list[tuple[dict[str, Any], Record, BaseException]] = []
@@ -194,6 +195,12 @@ class OutboxRelay:
                     self._wait_for(operation_id, route)
                 continue
             exc = delivery_error(delivery)
+            if isinstance(exc, RecordNotHandedOverError):  # not sent: a later round sends it, its partition is fine
+                held.add(operation_id)
+                route = rt.routes.route(record[0], record[1])
+                if route is not None:
+                    not_handed[route] = not_handed.get(route, 0) + 1
+                continue
             if exc is not None and not refused_for_good(exc):  # an outage, or a bug (reported as one): left for
                 held.add(operation_id)  # a later round (its event id is deterministic)
                 retried.setdefault(type(exc), exc)
@@ -215,6 +222,7 @@ class OutboxRelay:
         report_skipped("outbox relay", skipped)
         report_skipped("outbox relay", failed, failed=True)
         report_skipped("outbox relay", overdue, in_flight=True)
+        report_skipped("outbox relay", not_handed, not_handed_over=True)
         for row, (target, key, value), exc in dead_letters:  # refused for good: to the dead-letter topic, then marked
             log.error(
                 "outbox row %s (%s) of operation %s refused by Kafka for %s (%s: %s); sent to the dead-letter topic",

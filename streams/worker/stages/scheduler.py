@@ -48,6 +48,7 @@ from typing import Any
 from streams import metrics
 from streams.config import Settings
 from streams.coordination.ratebudget import BudgetKind
+from streams.errors import RecordNotHandedOverError
 from streams.ledger.records import ClaimBound, DuePoll
 from streams.outages import is_outage
 from streams.wire import exactjson
@@ -171,7 +172,8 @@ class PollScheduler:
         wait_s = rt.settings.kafka_round_ack_wait_s
         deliveries = await rt.send_within(records, wait_s) if records else []
         results = [delivery_error(d) if d.done() else None for d in deliveries]
-        failed = [r for r in results if r is not None]
+        not_handed = [r for r in results if isinstance(r, RecordNotHandedOverError)]
+        failed = [r for r in results if r is not None and not isinstance(r, RecordNotHandedOverError)]
         for error in {type(r): r for r in failed}.values():  # each kind of failure reported once per tick
             rt.report_failure("poll publish", error)
         failed_on: dict[tuple[str, int], int] = {}
@@ -192,6 +194,13 @@ class PollScheduler:
                 failed_on[route] = failed_on.get(route, 0) + 1
         report_skipped("poll scheduler", failed_on, failed=True)
         report_skipped("poll scheduler", overdue, in_flight=True)
+        if not_handed:  # not sent: they return after the visibility timeout; their partitions are not at fault
+            log.warning(
+                "%d of %d polls not handed to the producer within the round's wait (behind a blocked partition); "
+                "they return after the visibility timeout",
+                len(not_handed),
+                len(polls),
+            )
         if failed:
             log.warning(
                 "%d of %d polls not published (%s); they return after the visibility timeout",
