@@ -645,6 +645,15 @@ class Settings(ExplicitSettings):
         "rows wait for the fallback (STREAMS_WAKEUP_FALLBACK_S).",
     )
 
+    # -- acks: how long one round of the outbox relay or the poll scheduler waits for Kafka's acknowledgements
+    kafka_round_ack_wait_s: Annotated[float, Field(gt=0)] = Field(
+        3.0,
+        description="Longest the outbox relay and the poll scheduler wait for one round's Kafka acknowledgements "
+        "(s), less than STREAMS_KAFKA_DELIVERY_TIMEOUT_S: a record still unacknowledged then is not sent again "
+        "while in flight, its partition is skipped by the next rounds, and its row is marked once its "
+        "acknowledgement comes, so a partition that stops acknowledging holds up the others at most this long.",
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -700,6 +709,12 @@ class Settings(ExplicitSettings):
         refusal = _services_refusal(self)
         if refusal is not None:
             raise ValueError(refusal)
+        if self.kafka_round_ack_wait_s >= self.kafka_delivery_timeout_s:
+            raise ValueError(
+                f"STREAMS_KAFKA_ROUND_ACK_WAIT_S ({self.kafka_round_ack_wait_s}) must be less than "
+                f"STREAMS_KAFKA_DELIVERY_TIMEOUT_S ({self.kafka_delivery_timeout_s}), or a round still waits the "
+                "whole delivery timeout on a partition that stopped acknowledging"
+            )
         return self
 
     @property

@@ -167,6 +167,12 @@ class DeadLetterError(StreamsError):
     event is neither processed nor recorded; fix the cause and let the event be consumed again."""
 
 
+class RecordNotHandedOverError(StreamsError):
+    """A record of a Kafka send round was not handed to the producer within the round's wait: an earlier record's
+    hand-over waited on a full batch of a partition that does not acknowledge. Nothing of it was sent; the caller
+    sends it again in a later round (its own partition is not at fault)."""
+
+
 class LeaseLostError(CoordinationError):
     """The lease key no longer holds our owner token (expired, or taken by a newer holder).
 

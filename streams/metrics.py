@@ -93,7 +93,8 @@ WAKEUPS = Counter(
     "streams_wakeups_total",
     "Wake-ups of a background loop (loop: schedule_polls, relay_outbox) by cause: written (this worker wrote work), "
     "notified (PostgreSQL NOTIFY from any worker), listening (the listener (re)connected), due (a known deadline "
-    "passed), fallback (nothing woke it within STREAMS_WAKEUP_FALLBACK_S).",
+    "passed), acked (a Kafka acknowledgement came after its round's wait), fallback (nothing woke it within "
+    "STREAMS_WAKEUP_FALLBACK_S).",
     ["loop", "cause"],
 )
 LEDGER_LISTENER_CONNECTS = Counter(

@@ -167,19 +167,38 @@ class PartitionRoutes:
                 self.strikes.pop(route, None)
 
 
-def report_skipped(what: str, skipped: dict[tuple[str, int], int], *, failed: bool = False) -> None:
+def report_skipped(
+    what: str,
+    skipped: dict[tuple[str, int], int],
+    *,
+    failed: bool = False,
+    in_flight: bool = False,
+    not_handed_over: bool = False,
+) -> None:
     """Name in a log line and count in ``streams_kafka_blocked_skips_total{what, topic, partition}`` the records
     ``what`` (``outbox relay``, ``poll scheduler``) left for a later round: ``skipped`` maps each partition to how
-    many; ``failed`` when their send failed (the partition is skipped from now), else they were not sent."""
+    many; ``failed`` when their send failed (the partition is skipped from now), ``in_flight`` when they were sent
+    and are not acknowledged within the round's wait (``STREAMS_KAFKA_ROUND_ACK_WAIT_S``: not sent again while in
+    flight, the partition is skipped from now), ``not_handed_over`` when the producer did not take them within
+    that wait (behind another partition's full batch: not sent, their own partitions are not skipped), else they
+    were not sent."""
     if not skipped:
         return
     for (topic, partition), n in skipped.items():
         KAFKA_BLOCKED_SKIPS.labels(what=what, topic=topic, partition=str(partition)).inc(n)
+    if not_handed_over:
+        why = "they were not handed to the producer in time (behind a blocked partition's full batch), not sent"
+    elif in_flight:
+        why = "their acknowledgements are overdue (in flight, not sent again), their partitions are skipped"
+    elif failed:
+        why = "their send failed, their partitions are skipped"
+    else:
+        why = "their partitions are blocked"
     log.warning(
         "%s: %d record(s) left for a later round, %s (re-probed after %.0f s, doubling up to %.0f s): %s",
         what,
         sum(skipped.values()),
-        "their send failed, their partitions are skipped" if failed else "their partitions are blocked",
+        why,
         BLOCKED_SKIP_S,
         BLOCKED_SKIP_MAX_S,
         ", ".join(f"{topic}[{partition}] x{n}" for (topic, partition), n in sorted(skipped.items())),

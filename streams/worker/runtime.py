@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import aiokafka.errors
 import asyncpg
 import tenacity
 
@@ -30,6 +31,7 @@ from streams.errors import (
     DeadLetterError,
     InvalidEventError,
     LedgerUnavailableError,
+    RecordNotHandedOverError,
     RemoteError,
 )
 from streams.ledger.notices import OutboxListener
@@ -264,22 +266,75 @@ class Runtime:
         With an ``enqueue`` (the worker's producer) every record is handed to the producer's buffer in order, then
         their acknowledgements are awaited together: no task per record. Without one, :attr:`send` runs for each
         record concurrently."""
+        return [delivery_error(delivery) for delivery in await self.send_within(records, None)]
+
+    async def send_within(self, records: Sequence[Record], wait_s: float | None) -> list[asyncio.Future[Any]]:
+        """Send ``records`` as :meth:`send_all` does, but wait at most ``wait_s`` seconds (None: until every one is
+        done) for their acknowledgements; returns, per record in order, its delivery: a future done with the
+        acknowledgement or the exception that record met (:func:`delivery_error`), or still pending while Kafka
+        has not answered. A pending record is in flight: the producer acknowledges or fails it within
+        ``kafka_delivery_timeout_s``, so sending it again before that may write it twice. The hand-over to the
+        producer is bounded by the same wait (:meth:`_hand_over`). Never raises but for cancellation (which leaves
+        the records in flight)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if wait_s is None else loop.time() + wait_s
         if self.enqueue is None:
-            sent = await asyncio.gather(*(self.send(*record) for record in records), return_exceptions=True)
-            return [r if isinstance(r, BaseException) else None for r in sent]
-        acks: list[Awaitable[Any]] = []
-        refused: dict[int, BaseException] = {}
-        for i, record in enumerate(records):
-            try:
-                acks.append(await self.enqueue(*record))
-            except Exception as exc:  # not even buffered (no metadata for the topic, a record too large, ...)
-                refused[i] = exc
-        results = iter(await asyncio.gather(*acks, return_exceptions=True))
-        out: list[BaseException | None] = []
-        for i in range(len(records)):
-            result = refused[i] if i in refused else next(results)
-            out.append(result if isinstance(result, BaseException) else None)
-        return out
+            deliveries: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.send(*record)) for record in records]
+        else:
+            deliveries = await self._hand_over(records, wait_s)
+        for delivery in deliveries:  # a late failure nobody awaits is no "exception never retrieved"
+            delivery.add_done_callback(delivery_error)
+        pending = [delivery for delivery in deliveries if not delivery.done()]
+        if pending and (deadline is None or deadline > loop.time()):
+            await asyncio.wait(pending, timeout=None if deadline is None else deadline - loop.time())
+        return deliveries
+
+    async def _hand_over(self, records: Sequence[Record], wait_s: float | None) -> list[asyncio.Future[Any]]:
+        """Hand ``records`` to the producer's buffer in order (:attr:`enqueue`), within ``wait_s`` seconds (None: no
+        bound); returns their deliveries. The producer makes a hand-over wait while the batch of the record's
+        partition is full and not yet sent (a partition that does not acknowledge): at the bound that record gets
+        aiokafka's ``KafkaTimeoutError`` (an outage: its partition is skipped) and the records after it
+        :class:`RecordNotHandedOverError`; neither was sent."""
+        loop = asyncio.get_running_loop()
+        deliveries: list[asyncio.Future[Any]] = []
+
+        def failed(exc: BaseException) -> asyncio.Future[Any]:
+            future: asyncio.Future[Any] = loop.create_future()
+            future.set_exception(exc)
+            return future
+
+        async def hand_over() -> None:
+            assert self.enqueue is not None
+            for record in records:
+                try:
+                    deliveries.append(asyncio.ensure_future(await self.enqueue(*record)))
+                except Exception as exc:  # not even buffered (no metadata for the topic, a record too large, ...)
+                    deliveries.append(failed(exc))
+
+        handing = asyncio.ensure_future(hand_over())
+        try:
+            done, _ = await asyncio.wait([handing], timeout=wait_s)
+        except asyncio.CancelledError:
+            handing.cancel()
+            raise
+        if not done:  # cancelled inside the producer's wait for a full batch: that record was not buffered
+            handing.cancel()
+            await asyncio.wait([handing])
+            if len(deliveries) < len(records):
+                deliveries.append(failed(aiokafka.errors.KafkaTimeoutError()))
+            waited = f"{wait_s} s (STREAMS_KAFKA_ROUND_ACK_WAIT_S)"
+            while len(deliveries) < len(records):
+                deliveries.append(
+                    failed(
+                        RecordNotHandedOverError(
+                            f"Kafka record not handed to the producer within {waited}: an earlier record waited on "
+                            "a partition that does not acknowledge; sent again by a later round"
+                        )
+                    )
+                )
+        else:
+            handing.result()  # only a BaseException (not caught above) is raised here
+        return deliveries
 
     async def publish(self, role: str, key: str, value: dict[str, Any]) -> None:
         """Send ``value`` as JSON (numbers exact) to the topic of ``role`` keyed by ``key``; returns once acked."""
@@ -360,6 +415,14 @@ class Runtime:
         await self.account(
             RemoteCall(operation_id, method, exc.status_code, outcome, remote_job_id, duration_ms, fencing_token)
         )
+
+
+def delivery_error(delivery: asyncio.Future[Any]) -> BaseException | None:
+    """What a done delivery of :meth:`Runtime.send_within` met: None (acknowledged) or its exception (a
+    ``CancelledError`` when it was cancelled)."""
+    if delivery.cancelled():
+        return asyncio.CancelledError()
+    return delivery.exception()
 
 
 class _StopAfterErrors(tenacity.stop.stop_base):

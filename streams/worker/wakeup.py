@@ -25,6 +25,8 @@ WRITTEN = "written"
 #: A verified completion callback made a poll due (streams.worker.stages.callbacks).
 CALLBACK = "callback"
 DUE = "due"
+#: A Kafka acknowledgement came after its round stopped waiting (the outbox relay marks its row).
+ACKED = "acked"
 FALLBACK = "fallback"
 
 

@@ -18,11 +18,18 @@ holds up only its own rows: they are not sent (their operations are left out of 
 blocked, re-probed every ``BLOCKED_SKIP_S``), the rows acknowledged are marked, and an outage or a bug leaves only
 the rows it met (and the later rows of their operations) for a later round. One operation's rows all go to one
 partition (keyed by operation id) and are marked in id order, never one before an earlier one.
+
+A round waits at most ``kafka_round_ack_wait_s`` for its acknowledgements, not the whole delivery timeout: a row
+still unacknowledged then is in flight, neither lost nor sent again while the producer holds it (that would write
+it twice); its partition is skipped from then on (as after a failed send), and the round after its acknowledgement
+marks it without sending it (the acknowledgement wakes the relay). Failed by the delivery timeout, it is sent again
+by a later round, as a failed send.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -30,16 +37,21 @@ from typing import Any
 import aiokafka.errors
 
 from streams import hooks, metrics
-from streams.errors import InvalidEventError
+from streams.errors import InvalidEventError, RecordNotHandedOverError
 from streams.outages import FailureKind, classify
 from streams.worker.partitions import report_skipped
-from streams.worker.runtime import RawMessage, Record, Runtime
+from streams.worker.runtime import RawMessage, Record, Runtime, delivery_error
+from streams.worker.wakeup import ACKED
 
 log = logging.getLogger(__name__)
 
 #: Most operations the relay leaves out of its selections while their partition is blocked; beyond, their rows
 #: are selected (and skipped) again, and may fill a batch.
 MAX_SKIPPED_OPERATIONS = 10_000
+#: Most rows the relay remembers as sent and not marked (in flight past their round's wait, or acknowledged
+#: after it); beyond, the oldest are forgotten, and such a row is sent again when next selected (a copy with
+#: its event id, which downstream drops).
+MAX_SENT_ROWS = 10_000
 
 
 def refused_for_good(exc: BaseException) -> bool:
@@ -69,6 +81,9 @@ class OutboxRelay:
         #: Operations whose rows wait for their blocked partition, with it: left out of the next selections
         #: while it stays blocked (at most :data:`MAX_SKIPPED_OPERATIONS`).
         self.waiting: dict[str, tuple[str, int]] = {}
+        #: Deliveries of rows sent and not marked, by outbox id: pending while in flight (never sent again then),
+        #: acknowledged (marked by the next round that selects them, without sending).
+        self.sent: dict[int, asyncio.Future[Any]] = {}
 
     async def run(self) -> None:
         """Drain the outbox, then sleep until woken (:attr:`Runtime.wakeups` ``.outbox``: this worker wrote
@@ -95,36 +110,97 @@ class OutboxRelay:
         if operation_id in self.waiting or len(self.waiting) < MAX_SKIPPED_OPERATIONS:
             self.waiting[operation_id] = route
 
+    def _remember(self, row_id: int, delivery: asyncio.Future[Any]) -> None:
+        """Keep the delivery of a row sent and not marked (at most :data:`MAX_SENT_ROWS`, the oldest forgotten)."""
+        self.sent[row_id] = delivery
+        while len(self.sent) > MAX_SENT_ROWS:
+            del self.sent[next(iter(self.sent))]
+
+    def _answered_late(self, row_id: int, operation_id: str, record: Record, delivery: asyncio.Future[Any]) -> None:
+        """A record left in flight at its round's wait was answered: acknowledged, its operation is selected again
+        and the relay woken to mark its row (not sent again); failed, its row is sent again by a later round."""
+        exc = delivery_error(delivery)
+        if exc is None:
+            self.rt.routes.note_success(record[0], record[1])
+            self.waiting.pop(operation_id, None)
+            self.rt.wakeups.outbox.notify(ACKED)
+            return
+        if self.sent.get(row_id) is delivery:
+            del self.sent[row_id]
+        if not isinstance(exc, asyncio.CancelledError):
+            self.rt.report_failure("outbox relay", exc)
+
     async def _publish(self, rows: list[dict[str, Any]]) -> list[int]:
         """Publish ``rows`` (in id order); returns the ids to mark: those acknowledged and those dead-lettered.
 
         A row whose partition is blocked (:class:`~streams.worker.partitions.PartitionRoutes`) is not sent, a row
         that met an outage is not marked; in both cases the later rows of its operation this round are not marked
-        either (sent again after it, with the same event ids), so an operation's rows are marked in order."""
+        either (sent again after it, with the same event ids), so an operation's rows are marked in order. A row
+        not acknowledged within ``kafka_round_ack_wait_s`` is in flight: not marked, its partition skipped, never
+        sent again while in flight (:attr:`sent`), marked by the round after its acknowledgement."""
         rt = self.rt
         topic = rt.settings.topic
         held: set[str] = set()  # operations with a row left for a later round
+        resent: set[str] = set()  # operations with a row sent or left afresh: their later rows go again after it
         skipped: dict[tuple[str, int], int] = {}
+        overdue: dict[tuple[str, int], int] = {}  # rows in flight past a round's wait, by partition
+        late: list[dict[str, Any]] = []  # rows acknowledged after their round: marked, not sent again
         sending: list[tuple[dict[str, Any], Record]] = []
         for row in rows:
             operation_id = row["operation_id"]
             record = (topic(row["topic_role"]), operation_id.encode(), row["payload"].encode())
-            route = None if operation_id in held else rt.routes.blocked(record[0], record[1])
+            delivery = self.sent.get(row["id"])
+            if delivery is not None and operation_id in resent:  # an earlier row goes again: this one after it
+                del self.sent[row["id"]]
+                delivery = None
+            if operation_id in held:
+                continue
+            if delivery is not None:
+                if not delivery.done():  # still in flight: never sent twice
+                    held.add(operation_id)
+                    route = rt.routes.route(record[0], record[1])
+                    if route is not None:
+                        overdue[route] = overdue.get(route, 0) + 1
+                        self._wait_for(operation_id, route)
+                    continue
+                del self.sent[row["id"]]
+                if delivery_error(delivery) is None:
+                    late.append(row)
+                    continue
+            resent.add(operation_id)
+            route = rt.routes.blocked(record[0], record[1])
             if route is not None:
                 skipped[route] = skipped.get(route, 0) + 1
                 self._wait_for(operation_id, route)
-            if operation_id in held or route is not None:
                 held.add(operation_id)
                 continue
             sending.append((row, record))
-        results = await rt.send_all([record for _, record in sending]) if sending else []
-        done: list[dict[str, Any]] = []
+        wait_s = rt.settings.kafka_round_ack_wait_s
+        deliveries = await rt.send_within([record for _, record in sending], wait_s) if sending else []
+        done: list[dict[str, Any]] = list(late)
         failed: dict[tuple[str, int], int] = {}
-        acked = any(exc is None for exc in results)
+        not_handed: dict[tuple[str, int], int] = {}
+        acked = any(d.done() and delivery_error(d) is None for d in deliveries)
         retried: dict[type, BaseException] = {}
         dead_letters: list[tuple[dict[str, Any], Record, BaseException]] = []
-        for (row, record), exc in zip(sending, results, strict=True):
+        for (row, record), delivery in zip(sending, deliveries, strict=True):
             operation_id = row["operation_id"]
+            if not delivery.done():  # in flight past the wait: not lost, and sending it again could write it twice
+                self._remember(row["id"], delivery)
+                delivery.add_done_callback(functools.partial(self._answered_late, row["id"], operation_id, record))
+                held.add(operation_id)
+                route = rt.routes.note_failure(record[0], record[1], others_acked=acked)
+                if route is not None:
+                    overdue[route] = overdue.get(route, 0) + 1
+                    self._wait_for(operation_id, route)
+                continue
+            exc = delivery_error(delivery)
+            if isinstance(exc, RecordNotHandedOverError):  # not sent: a later round sends it, its partition is fine
+                held.add(operation_id)
+                route = rt.routes.route(record[0], record[1])
+                if route is not None:
+                    not_handed[route] = not_handed.get(route, 0) + 1
+                continue
             if exc is not None and not refused_for_good(exc):  # an outage, or a bug (reported as one): left for
                 held.add(operation_id)  # a later round (its event id is deterministic)
                 retried.setdefault(type(exc), exc)
@@ -132,7 +208,9 @@ class OutboxRelay:
                 if route is not None:
                     failed[route] = failed.get(route, 0) + 1
                     self._wait_for(operation_id, route)
-            elif operation_id in held:  # an earlier row of its operation is left: this one goes again after it
+            elif operation_id in held:  # an earlier row of its operation is left: this one is marked after it
+                if exc is None:  # (or sent again after it, when that one goes again)
+                    self._remember(row["id"], delivery)
                 continue
             elif exc is None:
                 done.append(row)
@@ -143,6 +221,8 @@ class OutboxRelay:
             rt.report_failure("outbox relay", exc)
         report_skipped("outbox relay", skipped)
         report_skipped("outbox relay", failed, failed=True)
+        report_skipped("outbox relay", overdue, in_flight=True)
+        report_skipped("outbox relay", not_handed, not_handed_over=True)
         for row, (target, key, value), exc in dead_letters:  # refused for good: to the dead-letter topic, then marked
             log.error(
                 "outbox row %s (%s) of operation %s refused by Kafka for %s (%s: %s); sent to the dead-letter topic",

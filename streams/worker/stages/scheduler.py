@@ -17,7 +17,9 @@
   within one round's room per worker.
 * A blocked Kafka partition (:class:`~streams.worker.partitions.PartitionRoutes`): the claimed polls keyed to it
   are not sent (they return after the visibility timeout, as those whose send fails), so the round does not wait
-  on it and the polls of the other partitions go at once.
+  on it and the polls of the other partitions go at once. A round waits at most ``kafka_round_ack_wait_s`` for its
+  acknowledgements: a poll still in flight then is left to the producer (published when acknowledged, else back
+  after the visibility timeout) and its partition is skipped from then on, as after a failed send.
 * Redis unreachable: no new claims (a poll without a lease would only be dropped by the observer).
 * Rate budget: a round claims no more due polls than the account's ``claims`` budget (the GET rate and burst,
   shared by every worker, stopped by a GET's 429 pause) grants for the next round, and gives back what it did
@@ -38,17 +40,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from typing import Any
 
 from streams import metrics
 from streams.config import Settings
 from streams.coordination.ratebudget import BudgetKind
+from streams.errors import RecordNotHandedOverError
 from streams.ledger.records import ClaimBound, DuePoll
 from streams.outages import is_outage
 from streams.wire import exactjson
 from streams.worker.partitions import report_skipped
-from streams.worker.runtime import Record, Runtime
+from streams.worker.runtime import Record, Runtime, delivery_error
 from streams.worker.stages.dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -164,13 +169,23 @@ class PollScheduler:
             }
             records.append((topic, key, exactjson.dumps(value)))
         report_skipped("poll scheduler", skipped)
-        results = await rt.send_all(records) if records else []
-        failed = [r for r in results if r is not None]
+        wait_s = rt.settings.kafka_round_ack_wait_s
+        deliveries = await rt.send_within(records, wait_s) if records else []
+        results = [delivery_error(d) if d.done() else None for d in deliveries]
+        not_handed = [r for r in results if isinstance(r, RecordNotHandedOverError)]
+        failed = [r for r in results if r is not None and not isinstance(r, RecordNotHandedOverError)]
         for error in {type(r): r for r in failed}.values():  # each kind of failure reported once per tick
             rt.report_failure("poll publish", error)
         failed_on: dict[tuple[str, int], int] = {}
-        acked = len(failed) < len(results)
-        for (_, key, _), result in zip(records, results, strict=True):
+        overdue: dict[tuple[str, int], int] = {}
+        acked = any(d.done() and r is None for d, r in zip(deliveries, results, strict=True))
+        for (_, key, _), delivery, result in zip(records, deliveries, results, strict=True):
+            if not delivery.done():  # in flight past the wait: the producer publishes it or fails it later
+                delivery.add_done_callback(functools.partial(self._answered_late, key))
+                route = rt.routes.note_failure(topic, key, others_acked=acked)
+                if route is not None:
+                    overdue[route] = overdue.get(route, 0) + 1
+                continue
             if result is None:
                 rt.routes.note_success(topic, key)
             outage = result is not None and is_outage(result)
@@ -178,6 +193,14 @@ class PollScheduler:
             if route is not None:
                 failed_on[route] = failed_on.get(route, 0) + 1
         report_skipped("poll scheduler", failed_on, failed=True)
+        report_skipped("poll scheduler", overdue, in_flight=True)
+        if not_handed:  # not sent: they return after the visibility timeout; their partitions are not at fault
+            log.warning(
+                "%d of %d polls not handed to the producer within the round's wait (behind a blocked partition); "
+                "they return after the visibility timeout",
+                len(not_handed),
+                len(polls),
+            )
         if failed:
             log.warning(
                 "%d of %d polls not published (%s); they return after the visibility timeout",
@@ -185,7 +208,18 @@ class PollScheduler:
                 len(polls),
                 failed[0],
             )
-        return len(records) - len(failed)
+        return sum(1 for d, r in zip(deliveries, results, strict=True) if d.done() and r is None)
+
+    def _answered_late(self, key: bytes, delivery: asyncio.Future[Any]) -> None:
+        """A poll left in flight at its round's wait was answered: acknowledged (published late), or failed (it
+        returns after the visibility timeout; reported as a failed send)."""
+        rt = self.rt
+        topic = rt.settings.topic("polls")
+        exc = delivery_error(delivery)
+        if exc is None:
+            rt.routes.note_success(topic, key)
+        elif not isinstance(exc, asyncio.CancelledError):
+            rt.report_failure("poll publish", exc)
 
     async def _claim_limit(self) -> int:
         """How many due polls this round may claim: the batch size, or what the ``claims`` budget grants for the
