@@ -217,6 +217,8 @@ def run_command(faults: bool, fault_overrides: tuple[str, ...], **options: Any) 
     from streams_harness.report import broken_promises
     from streams_harness.run import DEFAULT_CALLBACK_FAULTS, DEFAULT_FAULTS
 
+    _check_lookup(options)
+
     rates = dict(DEFAULT_FAULTS) if faults else {}
     for item in fault_overrides:
         name, sep, value = item.partition("=")
@@ -259,9 +261,25 @@ def soak_command(**options: Any) -> None:
     from streams_harness.report import broken_promises
     from streams_harness.soak import SoakOptions, run_soak
 
+    _check_lookup(options)
+
     problems = broken_promises(_run_job(run_soak(SoakOptions(**options)), "streams soak"), repeats_allowed=True)
     if problems:
         raise click.ClickException("the soak broke a promise: " + ", ".join(problems))
+
+
+def _check_lookup(options: dict[str, Any]) -> None:
+    """Refuse ``--lookup`` with a dialect that declares no lookup by client reference (its workers would refuse
+    to start: docs/provider-dialects.md)."""
+    from streams.remote.dialect import DEFAULT_DIALECT, load_dialect
+
+    dialect = options.get("dialect", DEFAULT_DIALECT)
+    if options.get("lookup") and load_dialect(dialect).lookup is None:
+        raise click.BadParameter(
+            f"the provider dialect {dialect} declares no lookup by client reference; run without --lookup "
+            "(its uncertain operations wait for an operator's decision)",
+            param_hint="--lookup",
+        )
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:

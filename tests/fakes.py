@@ -331,7 +331,7 @@ class InMemoryLedger(WaitsOutOutages):
             remote_job_id=remote_job_id,
             reason=reason,
             reason_code=None if reason is None else ReasonCode.JOB_ID_VIA_ERROR,
-            next_poll_at=self._t + first_poll_delay_s,
+            next_poll_at=self._t if operation_id in self.cancellations else self._t + first_poll_delay_s,
             next_lookup_at=None,
             updated_by=self.worker,
         )
@@ -517,7 +517,11 @@ class InMemoryLedger(WaitsOutOutages):
             poll_count=op.poll_count + 1,
             unknown_status_count=0,
             failed_poll_count=0,
-            next_poll_at=None if terminal or next_poll_delay_s is None else self._t + next_poll_delay_s,
+            next_poll_at=None
+            if terminal or next_poll_delay_s is None
+            else self._t
+            if op.cancel_attempts == 0 and not op.cancel_answered and operation_id in self.cancellations
+            else self._t + next_poll_delay_s,
             remote_completed_at_ms=snapshot.completed_at_ms if terminal else op.remote_completed_at_ms,
             reason=reason,
             reason_code=None if reason is None else ReasonCode.REMOTE_JOB_FAILED,
@@ -680,7 +684,7 @@ class InMemoryLedger(WaitsOutOutages):
             remote_job_id=found[0].job_id,
             reason=clean_text(reason),
             reason_code=ReasonCode.ADOPTED_BY_LOOKUP,
-            next_poll_at=self._t + first_poll_delay_s,
+            next_poll_at=self._t if claim.operation_id in self.cancellations else self._t + first_poll_delay_s,
             next_lookup_at=None,
             updated_by=self.worker,
         )
@@ -740,7 +744,17 @@ class InMemoryLedger(WaitsOutOutages):
                 reason_code=ReasonCode.CANCELED_BEFORE_SUBMIT,
                 updated_by=self.worker,
             )
-        return CancelAsk(operation_id, state, recorded, canceled_now)
+        made_due = (
+            recorded
+            and op is not None
+            and op.state in POLLABLE
+            and not op.poll_claimed
+            and op.next_poll_at is not None
+            and op.next_poll_at > self._t
+        )
+        if op is not None and made_due:
+            self._write(op, next_poll_at=self._t)
+        return CancelAsk(operation_id, state, recorded, canceled_now, made_due)
 
     @waits_out_outages("note cancel call")
     async def note_cancel_call(

@@ -88,13 +88,15 @@ class CancelPath(enum.StrEnum):
 @dataclass(frozen=True)
 class CancelAsk:
     """What :meth:`~streams.ledger.store.Ledger.request_cancel` did: ``state_when_asked`` is the operation's state
-    (None: not in the ledger yet), ``recorded`` False when a cancellation was already recorded (nothing written),
-    ``canceled_now`` True when the operation went ``accepted -> canceled`` (no POST will be sent)."""
+        (None: not in the ledger yet), ``recorded`` False when a cancellation was already recorded (nothing written),
+        ``canceled_now`` True when the operation went ``accepted -> canceled`` (no POST will be sent), ``poll_made_due``
+    True when its job's poll moved to now (the observer then calls the provider's cancel route)."""
 
     operation_id: str
     state_when_asked: OperationState | None
     recorded: bool
     canceled_now: bool
+    poll_made_due: bool = False
 
 
 @dataclass(frozen=True)

@@ -582,7 +582,9 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         """Record that cancellation of ``operation_id`` was asked (by ``actor`` through ``path``, for ``reason``;
         the first ask is kept, a repeat writes nothing) and end an ``accepted`` operation ``canceled`` in the same
         statement, under the operation's row lock: a claim that comes after finds it past ``accepted`` (no POST).
-        Any other state keeps going: the observer calls the provider's cancel route once a job id is saved.
+        Any other state keeps going: the observer calls the provider's cancel route once a job id is saved; a job
+        being polled has its poll moved to now by the same statement (``poll_made_due``), so the call is made at
+        the next scheduler round, not at the job's next scheduled poll.
 
         Raises:
             LedgerDataError: an empty ``actor`` or ``reason``.
@@ -599,7 +601,11 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         assert row is not None  # one row always
         state = row["state_when_asked"]
         return CancelAsk(
-            operation_id, None if state is None else OperationState(state), row["recorded"], row["canceled_now"]
+            operation_id,
+            None if state is None else OperationState(state),
+            row["recorded"],
+            row["canceled_now"],
+            row["poll_made_due"],
         )
 
     @waits_out_outages("note cancel call")

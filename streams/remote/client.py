@@ -591,7 +591,8 @@ class RemoteClient:
 
         Raises:
             ConfigError: ``STREAMS_PROVIDER_DIALECT`` names no readable, valid declaration, or one whose
-                ``Prefer: wait`` is not shorter than the read timeout and the call deadline.
+                ``Prefer: wait`` is not shorter than the read timeout and the call deadline, or one without a lookup
+                while ``STREAMS_LOOKUP_ENABLED`` is on.
         """
         dialect = load_dialect(settings.provider_dialect)
         wait_s = dialect.prefer_wait_s()
@@ -601,6 +602,12 @@ class RemoteClient:
                 f"{wait_s:g} s (Prefer: wait), not less than STREAMS_HTTP_READ_TIMEOUT_S "
                 f"({settings.http_read_timeout_s:g}) or STREAMS_REMOTE_CALL_DEADLINE_S "
                 f"({settings.remote_call_deadline_s:g}): every POST would end uncertain; raise them or lower the wait"
+            )
+        if settings.lookup_enabled and dialect.lookup is None:
+            raise ConfigError(
+                f"STREAMS_LOOKUP_ENABLED is on but the provider dialect {dialect.source} declares no lookup by "
+                "client reference (lookup: null): turn it off; its uncertain operations then wait for an "
+                "operator's decision (streams operations adopt/abandon, docs/decisions.md)"
             )
         explicit_cancel = "remote_cancel_path" in settings.model_fields_set
         if explicit_cancel and settings.remote_cancel_path.count("{job_id}") != 1:
@@ -817,17 +824,27 @@ class RemoteClient:
         return CancelResult(outcome, definite, response.status_code, duration_ms, detail)
 
     async def lookup(self, operation_id: str) -> list[LookupJob]:
-        """The jobs the provider lists for client reference ``operation_id`` (``GET /v1/generations?
-        client_reference=...``), oldest first (by creation time, then id). Only for providers that offer it.
+        """The jobs the provider lists for client reference ``operation_id`` (the declaration's ``lookup``: in the
+        seed's dialect ``GET /v1/generations?client_reference=...``, the jobs at ``data``), each read with the
+        declaration's ``answer.job_id``, ``status`` and ``created_at``; oldest first (by creation time, then id).
 
         Raises:
+            ConfigError: the declaration has no lookup (``lookup: null``; :meth:`from_settings` refuses
+                ``lookup_enabled`` with it, so only a client built otherwise gets here).
             RemoteRateLimitedError: 429 (retry after its hint).
             RemoteRefusedError: another 4xx: the provider does not offer the lookup (turn it off) or refused it.
-            RemoteContractError: a 200 whose ``data`` is not a list of objects with usable job ids.
+            RemoteContractError: a 200 whose jobs are not a list of objects with usable job ids.
             RemoteTransientError: any other failure (the call deadline, timeouts, I/O, 5xx, unreadable body).
         """
+        route = self.dialect.lookup
+        if route is None:
+            raise ConfigError(
+                f"lookup of operation {operation_id}: the provider dialect {self.dialect.source} declares no lookup "
+                "by client reference; turn STREAMS_LOOKUP_ENABLED off (uncertain operations wait for an operator)"
+            )
+        fields = self.dialect.answer
         try:
-            call = _Call(self.http.build_request("GET", "/v1/generations", params={"client_reference": operation_id}))
+            call = _Call(self.http.build_request("GET", route.path, params={route.reference_param: operation_id}))
             response = await self._request(call, call.url)
         except (_DeadlineExceeded, httpx.HTTPError, httpx.InvalidURL) as exc:
             raise RemoteTransientError(operation_id, f"lookup failed ({type(exc).__name__}: {exc})") from exc
@@ -852,23 +869,28 @@ class RemoteClient:
             )
         if status != 200 or body is None:
             raise RemoteTransientError(operation_id, f"lookup answered HTTP {status}", status_code=status)
-        data = body.get("data")
+        data = read_path(body, route.jobs)
         if not isinstance(data, list) or not all(
-            isinstance(j, dict) and isinstance(j.get("id"), str) and JOB_ID.fullmatch(j["id"]) for j in data
+            isinstance(j, dict)
+            and isinstance(read_path(j, fields.job_id), str)
+            and JOB_ID.fullmatch(read_path(j, fields.job_id))
+            for j in data
         ):
             raise RemoteContractError(
                 operation_id,
                 f"lookup answer without a list of jobs with usable ids: {clean_text(repr(data), 300)}",
                 status_code=status,
             )
-        jobs = [
-            LookupJob(
-                job_id=j["id"],
-                status=clean_text(j["status"], 80) if isinstance(j.get("status"), str) else None,
-                created_at_ms=read_completed_at_ms(j.get("created_at"))[0],
+        jobs = []
+        for j in data:
+            status = read_path(j, fields.status)
+            jobs.append(
+                LookupJob(
+                    job_id=read_path(j, fields.job_id),
+                    status=clean_text(status, 80) if isinstance(status, str) else None,
+                    created_at_ms=read_completed_at_ms(read_path(j, fields.created_at))[0],
+                )
             )
-            for j in data
-        ]
         return sorted(jobs, key=lambda j: (j.created_at_ms is None, j.created_at_ms or 0, j.job_id))
 
 

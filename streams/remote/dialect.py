@@ -1,5 +1,7 @@
 """The provider's API shape, declared (docs/provider-dialects.md): routes, auth header, where each field of an
-answer sits, which status words mean which state, the cancel route and the callback signature scheme.
+answer sits, which status words mean which state, the cancel route and the lookup by client reference (or none).
+
+Every declared field is read by the product; a key it would not act on is refused as unknown.
 
 A declaration is a JSON file: a shipped one by name (``streams/remote/dialects/<name>.json``; the default,
 ``seed-generations``, is the seed's API) or any file by path (``STREAMS_PROVIDER_DIALECT``). :func:`load_dialect`
@@ -26,9 +28,6 @@ DIALECTS_PACKAGE = "streams.remote.dialects"
 
 #: The declaration used when none is named (the seed's API).
 DEFAULT_DIALECT = "seed-generations"
-
-#: Callback signature schemes a declaration may name (verification is built elsewhere; only declared here).
-SIGNATURE_SCHEMES = frozenset({"none", "standard-webhooks"})
 
 #: How the outputs of an answer are shaped: ``objects`` (each a JSON object with a string ``id``) or ``values``
 #: (any JSON value, or one value: each becomes ``{"id": "output_<i>", "value": <it>}``).
@@ -61,14 +60,13 @@ _ANSWER_KEYS = (
     "expires_at",
     "charge",
     "refund",
-    "get_url",
-    "cancel_url",
 )
 #: Answer fields every declaration must locate (the rest may be ``""``: absent from this API).
 _REQUIRED_ANSWER = frozenset({"job_id", "status", "outputs"})
 _TOP_KEYS = frozenset(
-    {"name", "description", "create", "get", "cancel", "auth", "request", "answer", "statuses", "callback_signature"}
+    {"name", "description", "create", "get", "cancel", "lookup", "auth", "request", "answer", "statuses"}
 )
+_LOOKUP_KEYS = frozenset({"path", "reference_param", "jobs"})
 
 
 def read_path(body: Any, path: FieldPath) -> Any:
@@ -102,8 +100,16 @@ class AnswerFields:
     expires_at: FieldPath
     charge: FieldPath
     refund: FieldPath
-    get_url: FieldPath
-    cancel_url: FieldPath
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRoute:
+    """The provider's list of jobs by client reference: ``GET <path>?<reference_param>=<operation id>``, the jobs
+    at ``jobs`` in its answer, each read with the declaration's ``answer.job_id``, ``status`` and ``created_at``."""
+
+    path: str
+    reference_param: str
+    jobs: FieldPath
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +118,11 @@ class ProviderDialect:
 
     Paths are relative to ``STREAMS_REMOTE_BASE_URL``; ``get_path`` and ``cancel_path`` hold ``{job_id}`` where
     the percent-encoded job id goes. ``create_headers`` are sent with every create call (e.g. ``Prefer: wait``).
-    ``model_field`` is the top-level key a default model goes into, ``input_field`` the key holding the
-    application's input, ``reference_path`` where the operation id is added (one or two keys). ``statuses``
-    maps each status word (lower case) to the operation state; a word not in it is an unknown status.
+    ``model_field`` is the top-level key a default model goes into, ``reference_path`` where the operation id is
+    added (one or two keys); the application's request is otherwise sent as written. ``lookup`` is the list of
+    jobs by client reference, None when the API offers none (then ``lookup_enabled`` is refused and an
+    ``uncertain`` operation waits for an operator's decision). ``statuses`` maps each status word (lower case) to
+    the operation state; a word not in it is an unknown status.
     """
 
     name: str
@@ -128,11 +136,10 @@ class ProviderDialect:
     auth_header: str
     auth_scheme: str
     model_field: str
-    input_field: str
     reference_path: FieldPath
+    lookup: LookupRoute | None
     answer: AnswerFields
     statuses: dict[str, OperationState]
-    callback_signature: str
     source: str
 
     def state_for(self, word: str) -> OperationState | None:
@@ -148,10 +155,6 @@ class ProviderDialect:
                 if match is not None:
                     return float(match.group(1)) if match.group(1) else PREFER_WAIT_DEFAULT_S
         return None
-
-    def get_path_for(self, quoted_job_id: str) -> str:
-        """The GET route of one job (``quoted_job_id`` already percent-encoded)."""
-        return self.get_path.replace("{job_id}", quoted_job_id)
 
 
 def shipped_dialects() -> list[str]:
@@ -240,7 +243,8 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
         ConfigError: an unknown or missing key, a value of the wrong kind, a route without (or, for create, with)
             ``{job_id}`` or with it twice, a route with another placeholder, a ``.``/``..``/empty segment, a
             fragment or a space, a status mapping to no operation state or a status word declared twice (after
-            stripping and lower-casing), an unknown signature scheme or output shape.
+            stripping and lower-casing), an unknown output shape, a ``lookup`` neither ``null`` nor a route without
+            ``{job_id}`` with a query parameter name and a jobs path.
     """
     top = _object(source, data, "the declaration", _TOP_KEYS, _TOP_KEYS - {"description"})
     name = _text(source, top, "name", "the declaration", _NAME)
@@ -256,10 +260,9 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
     auth = _object(source, top["auth"], "auth", frozenset({"header", "scheme"}), frozenset({"header", "scheme"}))
     auth_header = _text(source, auth, "header", "auth", _HEADER)
     auth_scheme = _text(source, auth, "scheme", "auth", re.compile(r"[A-Za-z0-9._~+/-]*"))
-    request_keys = frozenset({"model_field", "input_field", "reference_field"})
+    request_keys = frozenset({"model_field", "reference_field"})
     request = _object(source, top["request"], "request", request_keys, request_keys)
     model_field = _text(source, request, "model_field", "request", _KEY)
-    input_field = _text(source, request, "input_field", "request", _KEY)
     reference_path = _path(source, _text(source, request, "reference_field", "request"), "request.reference_field")
     if not 1 <= len(reference_path) <= 2:
         raise _refuse(source, "request.reference_field must be one key or two (object.key)")
@@ -295,9 +298,7 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
                 "declare each status word once",
             )
         statuses[key] = known_states[state]
-    scheme = _text(source, top, "callback_signature", "the declaration")
-    if scheme not in SIGNATURE_SCHEMES:
-        raise _refuse(source, f"callback_signature is {scheme!r}: expected one of {sorted(SIGNATURE_SCHEMES)}")
+    lookup = _lookup(source, top["lookup"])
     description = top.get("description", "")
     return ProviderDialect(
         name=name,
@@ -311,13 +312,27 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
         auth_header=auth_header,
         auth_scheme=auth_scheme,
         model_field=model_field,
-        input_field=input_field,
         reference_path=reference_path,
+        lookup=lookup,
         answer=AnswerFields(outputs_shape=shape, **paths),
         statuses=statuses,
-        callback_signature=scheme,
         source=source,
     )
+
+
+def _lookup(source: str, data: Any) -> LookupRoute | None:
+    """The ``lookup`` declaration: ``null`` (the API offers none) or ``{"path", "reference_param", "jobs"}``."""
+    if data is None:
+        return None
+    lookup = _object(source, data, "lookup", _LOOKUP_KEYS, _LOOKUP_KEYS)
+    _, path = _route(source, {"path": lookup["path"]}, "lookup", method=False, job_id=False)
+    if "?" in path:
+        raise _refuse(source, f"lookup.path is {path!r}: the query is built from lookup.reference_param")
+    param = _text(source, lookup, "reference_param", "lookup", _KEY)
+    jobs = _path(source, _text(source, lookup, "jobs", "lookup"), "lookup.jobs")
+    if not jobs:
+        raise _refuse(source, 'lookup.jobs must name where the list of jobs sits (it cannot be "")')
+    return LookupRoute(path=path, reference_param=param, jobs=jobs)
 
 
 @functools.lru_cache(maxsize=16)

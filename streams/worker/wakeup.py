@@ -24,6 +24,9 @@ from streams import metrics
 WRITTEN = "written"
 #: A verified completion callback made a poll due (streams.worker.stages.callbacks).
 CALLBACK = "callback"
+#: A recorded cancellation made its job's poll due, so the provider's cancel route is called now
+#: (streams.worker.stages.canceller).
+CANCEL = "cancel"
 DUE = "due"
 #: A Kafka acknowledgement came after its round stopped waiting (the outbox relay marks its row).
 ACKED = "acked"

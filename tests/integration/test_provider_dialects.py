@@ -14,16 +14,22 @@ import orjson
 import pytest
 
 from streams.config import Settings
+from streams.errors import ConfigError
+from streams.model.codes import ReasonCode
+from streams.model.states import OperationState
+from streams.remote.client import RemoteClient
 from streams.remote.dialect import DIALECTS_PACKAGE
 from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.observer import Observer
+from streams.worker.stages.reconciler import Reconciler
 from streams_harness.simulator import SimulatorConfig
 from tests.support import SimulatorServer as Simulator
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
+REQUEST = '{"input": {"prompt": "ten words of a prompt for a job to run on", "max_tokens": 5}}'
 #: Dialect -> the output ids its answers become (seed: the provider's ids; predictions: positions).
 OUTPUT_IDS = {"seed-generations": ["out_0", "out_1"], "replicate-predictions": ["output_0", "output_1"]}
 
@@ -118,3 +124,29 @@ async def test_a_submission_runs_to_delivered_outputs_in_each_dialect(
     assert all(c["method"] == "GET" and c["status_code"] == 200 for c in calls[1:]) and len(calls) >= 2
     sim_job = (await simulator.get(f"/_sim/operations/{op}"))["jobs"][0]
     assert sim_job["gets"] == len(calls) - 1 and sim_job["max_gets_in_flight"] == 1
+
+
+async def test_without_a_declared_lookup_an_uncertain_operation_waits_for_an_operator(
+    settings: Settings, runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator, dialect: str
+) -> None:
+    """The seed declares the lookup, the predictions API none: a worker with the lookup on refuses to start with
+    the latter; with it off the reconciler looks nothing up and the operation stays ``uncertain`` for a person."""
+    with_lookup = settings.replace(lookup_enabled=True, lookup_lag_s=0.0)
+    if dialect == "seed-generations":
+        await RemoteClient.from_settings(with_lookup).aclose()
+        return
+    with pytest.raises(ConfigError, match=r"STREAMS_LOOKUP_ENABLED is on .*declares no lookup by client reference"):
+        RemoteClient.from_settings(with_lookup)
+    op = f"op-nolookup-{uuid.uuid4().hex[:6]}"
+    assert await runtime.ledger.accept(op, REQUEST, submitted_at_ms=0)
+    fencing = await runtime.ledger.claim_for_submit(op)
+    assert fencing is not None
+    assert await runtime.ledger.save_submission_without_job(
+        op, fencing, OperationState.UNCERTAIN, "connection lost after send", ReasonCode.UNKNOWN_OUTCOME
+    )
+    assert await Reconciler(runtime).tick() == 0
+    row = await pool.fetchrow(
+        "SELECT state::text AS state, fencing_token, next_lookup_at FROM operations WHERE operation_id=$1", op
+    )
+    assert (row["state"], row["fencing_token"], row["next_lookup_at"]) == ("uncertain", fencing, None)
+    assert (await simulator.get("/_sim/summary"))["lookups"] == 0

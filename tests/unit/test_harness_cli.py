@@ -32,6 +32,14 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return options
 
 
+@pytest.mark.parametrize("command", [cli.run_command, cli.soak_command])
+def test_lookup_with_a_dialect_without_lookup_is_refused(started: list[Any], command: Any) -> None:
+    result = CliRunner().invoke(command, ["--lookup", "--dialect", "replicate-predictions"])
+    assert result.exit_code == 2 and started == []
+    assert "replicate-predictions declares no lookup by client reference" in result.output
+    assert CliRunner().invoke(command, ["--dialect", "replicate-predictions"]).exit_code == 0
+
+
 def test_run_options(started: list[Any], tmp_path: Path) -> None:
     args = ["--trace", "code", "--start", "3", "--rows", "5", "--compression", "2", "--workers", "3"]
     args += ["--seed", "2", "--keep", "--lookup", "--report", str(tmp_path / "r.json"), "--timeout-s", "10"]

@@ -52,10 +52,15 @@ def test_both_declarations_ship_and_the_seed_is_the_default() -> None:
     assert SEED.statuses == REMOTE_STATUS_TO_STATE  # the seed's words, as the model knew them
     assert SEED.answer.job_id == ("id",) and SEED.answer.error_job_id == ("error", "job_id")
     assert REPLICATE.create_headers == (("Prefer", "wait=5"),)
-    assert REPLICATE.get_path_for("p1") == "/v1/predictions/p1"
-    assert REPLICATE.answer.outputs == ("output",) and REPLICATE.answer.get_url == ("urls", "get")
+    assert REPLICATE.get_path == "/v1/predictions/{job_id}" and REPLICATE.answer.outputs == ("output",)
     assert REPLICATE.answer.poll_after_ms == () and REPLICATE.answer.charge == ()
-    assert REPLICATE.callback_signature == "standard-webhooks" and SEED.callback_signature == "none"
+    assert REPLICATE.lookup is None
+    assert SEED.lookup is not None
+    assert (SEED.lookup.path, SEED.lookup.reference_param, SEED.lookup.jobs) == (
+        "/v1/generations",
+        "client_reference",
+        ("data",),
+    )
     assert {w: s.value for w, s in REPLICATE.statuses.items()} == {
         "starting": "queued",
         "processing": "running",
@@ -90,7 +95,17 @@ def write(tmp_path: Path, data: Any) -> str:
         (lambda d: d["answer"].update(status=""), "answer.status must name where it sits"),
         (lambda d: d["answer"].update(outputs="a..b"), "answer.outputs is 'a..b'"),
         (lambda d: d["answer"].update(outputs_shape="rows"), "answer.outputs_shape is 'rows'"),
-        (lambda d: d.update(callback_signature="hmac-md5"), "callback_signature is 'hmac-md5'"),
+        # declared fields the product would not act on are unknown keys, refused
+        (lambda d: d["request"].update(input_field="input"), "unknown key(s) ['input_field'] in request"),
+        (lambda d: d["answer"].update(get_url="urls.get"), "unknown key(s) ['get_url'] in answer"),
+        (lambda d: d["answer"].update(cancel_url="urls.cancel"), "unknown key(s) ['cancel_url'] in answer"),
+        (lambda d: d.update(callback_signature="none"), "unknown key(s) ['callback_signature'] in the declaration"),
+        (lambda d: d.pop("lookup"), "missing key(s) ['lookup']"),
+        (lambda d: d.update(lookup={"path": "/v1/x"}), "missing key(s) ['jobs', 'reference_param'] in lookup"),
+        (lambda d: d.update(lookup={"path": "/v1/{job_id}", "reference_param": "r", "jobs": "data"}), "lookup.path"),
+        (lambda d: d.update(lookup={"path": "/v1/x?a=1", "reference_param": "r", "jobs": "data"}), "the query is"),
+        (lambda d: d.update(lookup={"path": "/v1/x", "reference_param": "r", "jobs": ""}), "lookup.jobs must name"),
+        (lambda d: d.update(lookup="/v1/x"), "lookup must be a JSON object"),
         (lambda d: d["create"].update(method="FETCH"), "create.method is 'FETCH'"),
         # hostile or wrong route templates: httpx resolves dot segments, so '/../..' left the base URL's path
         (lambda d: d["get"].update(path="/../../admin/{job_id}"), "get.path is '/../../admin/{job_id}': a '.'"),
@@ -123,7 +138,44 @@ def test_a_declaration_file_by_path_loads(tmp_path: Path) -> None:
     data["name"] = "my-provider"
     data["get"]["path"] = "/api/jobs/{job_id}/state"
     dialect = load_dialect(write(tmp_path, data))
-    assert dialect.name == "my-provider" and dialect.get_path_for("j%2F1") == "/api/jobs/j%2F1/state"
+    assert dialect.name == "my-provider" and dialect.get_path == "/api/jobs/{job_id}/state"
+
+
+def test_lookup_on_with_a_dialect_without_lookup_is_refused_when_the_client_is_built() -> None:
+    with pytest.raises(
+        ConfigError, match=r"STREAMS_LOOKUP_ENABLED is on .* replicate-predictions .*declares no lookup"
+    ):
+        RemoteClient.from_settings(Settings(provider_dialect="replicate-predictions", lookup_enabled=True))
+    RemoteClient.from_settings(Settings(provider_dialect="replicate-predictions"))  # off: builds
+    RemoteClient.from_settings(Settings(provider_dialect="seed-generations", lookup_enabled=True))
+
+
+async def test_a_declared_lookup_is_called_and_read_where_the_declaration_says(tmp_path: Path) -> None:
+    data = shipped_text("replicate-predictions")
+    data["lookup"] = {"path": "/v1/predictions", "reference_param": "ref", "jobs": "results"}
+    seen: Seen = []
+    listing = {
+        "results": [
+            {"id": "p2", "status": "processing", "created_at": "2023-11-14T22:13:21Z"},
+            {"id": "p1", "status": "succeeded", "created_at": "2023-11-14T22:13:20Z"},
+        ]
+    }
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=orjson.dumps(listing))
+
+    settings = Settings(provider_dialect=write(tmp_path, data), lookup_enabled=True)
+    remote = RemoteClient.from_settings(settings, transport=httpx.MockTransport(answer))
+    try:
+        jobs = await remote.lookup(OP)
+    finally:
+        await remote.aclose()
+    assert (seen[0].method, seen[0].url.path, dict(seen[0].url.params)) == ("GET", "/v1/predictions", {"ref": OP})
+    assert [(j.job_id, j.status, j.created_at_ms) for j in jobs] == [
+        ("p1", "succeeded", 1_700_000_000_000),
+        ("p2", "processing", 1_700_000_001_000),
+    ]  # oldest first, by the declared created_at
 
 
 # --- answers of each dialect -------------------------------------------------------------------------------------

@@ -8,12 +8,17 @@
 
 -- name: request_cancel
 -- Record that cancellation was asked (the first ask per operation; a repeat records nothing) and, when the
--- operation is still 'accepted', end it 'canceled' (nothing was sent). The operation's row is locked first.
+-- operation is still 'accepted', end it 'canceled' (nothing was sent); when it has a job to poll ('submitted',
+-- 'queued', 'running') whose poll is neither due already nor claimed by a scheduler, its next_poll_at moves to
+-- now, so the next scheduler round of any worker claims it and its observer calls the provider's cancel route
+-- (as note_callback in callbacks.sql does). The operation's row is locked first.
 -- :operation_id, :path ('topic' | 'operator'), :actor (who asked), :reason (why), :worker (who writes).
 -- Returns one row: state_when_asked (text, NULL when the operation is not in the ledger), recorded (this ask was
--- written), canceled_now (accepted -> canceled by this statement).
+-- written), canceled_now (accepted -> canceled by this statement), poll_made_due (the poll moved to now by this
+-- statement).
 WITH locked AS MATERIALIZED (
-    SELECT operation_id, state FROM operations WHERE operation_id = :operation_id FOR UPDATE
+    SELECT operation_id, state, next_poll_at, poll_claimed_at FROM operations
+    WHERE operation_id = :operation_id FOR UPDATE
 ), asked AS (
     INSERT INTO cancellations (operation_id, path, actor, reason, state_when_asked)
     VALUES (:operation_id, :path, :actor, :reason, (SELECT state FROM locked))
@@ -28,10 +33,19 @@ WITH locked AS MATERIALIZED (
     FROM locked
     WHERE o.operation_id = locked.operation_id AND locked.state = 'accepted'
     RETURNING o.operation_id
+), due AS (
+    UPDATE operations AS o
+    SET next_poll_at = now()
+    FROM locked
+    WHERE o.operation_id = locked.operation_id AND EXISTS (SELECT 1 FROM asked)
+      AND locked.state IN ('submitted', 'queued', 'running')
+      AND locked.poll_claimed_at IS NULL AND locked.next_poll_at > now()
+    RETURNING o.operation_id
 )
 SELECT (SELECT state::text FROM locked) AS state_when_asked,
        EXISTS (SELECT 1 FROM asked) AS recorded,
-       EXISTS (SELECT 1 FROM canceled) AS canceled_now;
+       EXISTS (SELECT 1 FROM canceled) AS canceled_now,
+       EXISTS (SELECT 1 FROM due) AS poll_made_due;
 
 -- name: note_cancel_call
 -- Fenced: one call of the provider's cancel route for the operation's job, with its classified answer; a definite

@@ -72,6 +72,8 @@ WHERE locked.state = 'submitting' AND locked.claim_id = req.claim_id;
 -- Batched, fenced: save the remote job id from a 2xx or from a 502's error.job_id; submitting|uncertain ->
 -- submitted. The job's accounting record is written by the same statement if the POST's accounting did not
 -- already.
+-- The first poll is due now instead of after its delay when a cancellation is recorded (the observer calls the
+-- provider's cancel route at that poll).
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :remote_job_ids (text[]), :first_poll_delays_s first poll
 -- delays (s, float8[]), :reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
 -- :worker, :lock_timeout. Returns i per saved request, and per request whose job id is already on the row (the
@@ -92,7 +94,8 @@ WITH req AS (
         remote_job_id = req.remote_job_id,
         reason = req.reason,
         reason_code = CASE WHEN req.reason IS NULL THEN NULL ELSE 'job_id_via_error' END,
-        next_poll_at = now() + make_interval(secs => req.delay_s),
+        next_poll_at = CASE WHEN EXISTS (SELECT 1 FROM cancellations c WHERE c.operation_id = o.operation_id)
+                            THEN now() ELSE now() + make_interval(secs => req.delay_s) END,
         next_lookup_at = NULL,
         updated_by = :worker
     FROM req JOIN locked USING (operation_id)
@@ -290,7 +293,8 @@ RETURNING req.i;
 -- (operation_id, output_id) are written by the same statement (a second row is impossible: primary key and
 -- unique index; a repeat is skipped). A known status ends any run of unknown ones and of failed polls. When a snapshot is terminal,
 -- the job's accounting record takes its outcome and the provider's charge, and a refund is recorded once per
--- (refund id, job id).
+-- (refund id, job id). A job still pollable whose recorded cancellation has not been called at the provider yet
+-- (asked while this poll was being observed) is due again now, not after its delay.
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :states new states (text[]), :observations
 -- (JSON texts with "status", "charge", "refund"), :next_poll_delays_s next poll delays (s, float8[], NULL when terminal),
 -- :remote_completed_at_ms remote completion times (epoch ms, bigint[], NULL unless terminal), :reasons (text[]), :source_states states each new
@@ -320,7 +324,11 @@ WITH req AS (
         poll_count = o.poll_count + 1,
         unknown_status_count = 0,
         failed_poll_count = 0,
-        next_poll_at = CASE WHEN req.delay_s IS NULL THEN NULL ELSE now() + make_interval(secs => req.delay_s) END,
+        next_poll_at = CASE WHEN req.delay_s IS NULL THEN NULL
+                            WHEN o.cancel_attempts = 0 AND o.cancel_answered_at IS NULL
+                                 AND EXISTS (SELECT 1 FROM cancellations c WHERE c.operation_id = o.operation_id)
+                                THEN now()
+                            ELSE now() + make_interval(secs => req.delay_s) END,
         remote_completed_at = COALESCE(to_timestamp(req.completed_ms::double precision / 1000.0),
                                        o.remote_completed_at),
         reason = req.reason,

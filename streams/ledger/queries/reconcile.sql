@@ -27,7 +27,8 @@ RETURNING o.operation_id, o.fencing_token, o.lookup_count,
 -- name: adopt_found_job
 -- Fenced: the lookup found jobs for this operation. The first by creation time is adopted (uncertain ->
 -- submitted, observed from now on); every job found gets its accounting record: the adopted one 'lookup', the
--- others 'duplicate' (the provider created them and may charge for them). Accounting records are written even
+-- others 'duplicate' (the provider created them and may charge for them). The first poll is due now when a
+-- cancellation is recorded (the observer then calls the cancel route). Accounting records are written even
 -- if the adoption is refused (a newer claim or an operator decided meanwhile): the jobs exist all the same.
 -- :operation_id, :fencing_token, :remote_job_id adopted remote_job_id, :reason, :first_poll_delay_s first poll delay (s),
 -- :jobs_found (jsonb array of {job_id, status}, oldest first; the first is :remote_job_id), :worker.
@@ -38,7 +39,8 @@ WITH adopted AS (
         remote_job_id = :remote_job_id,
         reason = :reason,
         reason_code = 'adopted_by_lookup',
-        next_poll_at = now() + make_interval(secs => :first_poll_delay_s),
+        next_poll_at = CASE WHEN EXISTS (SELECT 1 FROM cancellations c WHERE c.operation_id = :operation_id)
+                            THEN now() ELSE now() + make_interval(secs => :first_poll_delay_s) END,
         next_lookup_at = NULL,
         updated_by = :worker
     WHERE operation_id = :operation_id AND fencing_token = :fencing_token AND state = 'uncertain' AND remote_job_id IS NULL

@@ -4,9 +4,14 @@
 a replay writes nothing) and, for an operation still ``accepted``, ends it ``canceled`` under its row lock, so no
 claim after it sends a POST. In every other state the record is what the rest of the pipeline reads:
 
-* ``submitting``: the POST may be on the wire; once its job id is saved the observer calls the provider's cancel
-  route (:mod:`streams.worker.stages.observer`) and observes the job until the provider reports a terminal state;
-* ``submitted``/``queued``/``running``: the same, at the job's next poll;
+* ``submitting``: the POST may be on the wire; once its job id is saved (its first poll then due at once) the
+  observer calls the provider's cancel route (:mod:`streams.worker.stages.observer`) and observes the job until
+  the provider reports a terminal state;
+* ``submitted``/``queued``/``running``: the same, now: the statement that records the cancellation moves the job's
+  poll to now under the row lock (unless already due or claimed) and this worker's poll scheduler is woken (cause
+  ``cancel``), as a verified callback does; an operator's ``streams operations cancel`` makes the poll due the
+  same way and a scheduler's next round (its fallback timer at most) claims it. A cancellation recorded while
+  the job's poll is being observed makes the poll after it due at once;
 * ``uncertain``/``stalled``: recorded; applied when the reconciler or an operator gives it a job to observe again;
 * terminal: recorded, nothing changes (a job that succeeded first stays ``succeeded``, its outputs delivered);
 * not in the ledger yet (the cancellation overtook its submission): recorded; the dispatcher's claim finds it and
@@ -25,6 +30,7 @@ from streams.errors import InvalidEventError
 from streams.ledger.records import CancelAsk, CancelPath
 from streams.model.states import POLLABLE, OperationState, is_terminal
 from streams.wire import contracts
+from streams.worker import wakeup
 from streams.worker.runtime import RawMessage, Runtime
 
 log = logging.getLogger(__name__)
@@ -87,4 +93,6 @@ class Canceller:
             return
         ask = await rt.ledger.request_cancel(operation_id, CancelPath.TOPIC, event["requested_by"], event["reason"])
         metrics.CANCELLATIONS.labels(CancelPath.TOPIC.value, cancel_result(ask)).inc()
+        if ask.poll_made_due:
+            rt.wakeups.polls.notify(wakeup.CANCEL)
         log.info("%s (asked on %s)", describe(ask), message.topic)

@@ -27,11 +27,12 @@
 * Renewal before the save fails (:class:`LeaseLostError`): no save and no further GET for this poll.
 * Concurrency budget (:mod:`streams.coordination.running`): a GET answering a terminal status gives the job's
   running-job slot back; any other answer extends it by ``remote_running_slot_ttl_s``.
-* A cancellation recorded for the operation (docs/cancellation.md): before the GET, under the lease and the claim,
-  the provider's cancel route is called (:meth:`streams.remote.client.RemoteClient.cancel`), accounted (method
-  ``CANCEL``) and noted, fenced, on the operation; a definite answer (accepted, already terminal, refused) is never
-  asked again, another (not found, 429, 5xx, a timeout) is asked again at the next poll, with the poll's backoff, up
-  to ``cancel_attempt_limit`` calls. The GET that follows observes the job as usual: the state the provider reports
+* A cancellation recorded for the operation (docs/cancellation.md; recording it made the poll due now): before the
+  GET, under the lease and the claim, the provider's cancel route is called
+  (:meth:`streams.remote.client.RemoteClient.cancel`), accounted (method ``CANCEL``) and noted, fenced, on the
+  operation; a definite answer (accepted, already terminal, refused) is never asked again, another (not found,
+  429, 5xx, a timeout) is asked again at the next poll, with the poll's backoff, up to ``cancel_attempt_limit``
+  calls. The GET that follows observes the job as usual: the state the provider reports
   is saved, so a job that succeeded first stays ``succeeded`` with its outputs, and a canceled one ends
   ``canceled`` with none.
 * Completion callbacks on (``callbacks_enabled``, docs/callbacks.md): a job still running is polled again after at

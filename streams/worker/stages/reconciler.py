@@ -1,8 +1,16 @@
 """The reconciler: ``uncertain`` operations looked up at the provider by the client reference their POST carried.
 
 Runs in the poll scheduler's timer when ``lookup_enabled`` is set (off by default: the provider must offer a
-lookup by client reference). It never POSTs. For each claimed operation (claimed in PostgreSQL, fenced like an
-observation; first claim ``lookup_lag_s`` after the operation became uncertain, the provider's consistency lag):
+lookup by client reference, declared as the dialect's ``lookup``, docs/provider-dialects.md). It never POSTs.
+
+Without a lookup (``lookup_enabled`` off, or a dialect whose declaration says ``"lookup": null``, e.g.
+``replicate-predictions``, where turning it on is refused when the worker starts): nothing looks an ``uncertain``
+operation up. It stays ``uncertain``, is never POSTed again, and a cancellation recorded for it waits; an operator
+adopts the job found in the provider's console (``streams operations adopt OP JOB``) or abandons it
+(docs/decisions.md). A late POST answer with its job id still makes it ``submitted``.
+
+For each claimed operation (claimed in PostgreSQL, fenced like an observation; first claim ``lookup_lag_s`` after
+the operation became uncertain, the provider's consistency lag):
 
 * one job found: adopted, ``uncertain -> submitted``, then observed as usual (accounting record ``lookup``);
 * several found: the first by creation time is adopted; the others are recorded as duplicate creations in the
