@@ -35,6 +35,7 @@ import orjson
 
 #: The fields an operation's log records carry, in output order.
 FIELDS = ("operation_id", "remote_job_id", "fencing_token")
+_FIELD_SET = frozenset(FIELDS)
 
 #: The accepted values of ``--log-format`` / ``STREAMS_LOG_FORMAT``.
 FORMATS = ("json", "text")
@@ -58,11 +59,16 @@ def bind(**fields: Any) -> None:
     Raises:
         ValueError: a field name is not one of :data:`FIELDS`.
     """
-    unknown = set(fields) - set(FIELDS)
-    if unknown:
+    if not _FIELD_SET.issuperset(fields):
+        unknown = set(fields) - _FIELD_SET
         raise ValueError(f"unknown log field(s) {sorted(unknown)}; known: {', '.join(FIELDS)}")
-    merged = {**_bound.get(), **fields}
-    _bound.set({k: v for k, v in merged.items() if v is not None})
+    merged = dict(_bound.get())  # a new mapping: the one set before may be shared with other tasks' contexts
+    for name, value in fields.items():
+        if value is None:
+            merged.pop(name, None)
+        else:
+            merged[name] = value
+    _bound.set(merged)
 
 
 def clear() -> None:

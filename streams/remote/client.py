@@ -441,7 +441,6 @@ def read_completed_at_ms(value: Any) -> tuple[int | None, str | None]:
     """
     if value is None:
         return None, None
-    shown = _shown(value)
     ms: int | None = None
     if exactjson.is_number(value):
         number = value if isinstance(value, Decimal) else Decimal(repr(value) if isinstance(value, float) else value)
@@ -454,17 +453,17 @@ def read_completed_at_ms(value: Any) -> tuple[int | None, str | None]:
             except ValueError:
                 naive = False
             if naive:
-                return None, f"completed_at {shown} has no UTC offset (RFC 3339 requires Z or +hh:mm); not read"
-            return None, f"completed_at {shown} is not an RFC 3339 date-time; not read"
+                return None, f"completed_at {_shown(value)} has no UTC offset (RFC 3339 requires Z or +hh:mm); not read"
+            return None, f"completed_at {_shown(value)} is not an RFC 3339 date-time; not read"
         try:
             when = dt.datetime.fromisoformat(value.upper())
         except ValueError as exc:  # e.g. a leap second: valid RFC 3339, not representable
-            return None, f"completed_at {shown} cannot be represented ({exc}); not read"
+            return None, f"completed_at {_shown(value)} cannot be represented ({exc}); not read"
         ms = (when - _EPOCH) // dt.timedelta(milliseconds=1)
     else:
-        return None, f"completed_at {shown} is neither a number nor a date-time; not read"
+        return None, f"completed_at {_shown(value)} is neither a number nor a date-time; not read"
     if ms is None or not 0 <= ms <= MAX_EPOCH_MS:
-        return None, f"completed_at {shown} is outside 1970-01-01 .. 9999-12-31; not read"
+        return None, f"completed_at {_shown(value)} is outside 1970-01-01 .. 9999-12-31; not read"
     return ms, None
 
 

@@ -606,8 +606,10 @@ async def test_relay_publishes_each_outbox_row_once_and_nothing_when_kafka_fails
     assert await p.relay.tick() == 0
     assert all(not r.published for r in p.ledger.outbox)
     p.sent.fail = None
+    before = {role: published(role) for role in ("transitions", "outputs_delivered")}
     assert await p.relay.tick() == len(p.ledger.outbox) == 5
     assert await p.relay.tick() == 0
+    assert {role: published(role) - n for role, n in before.items()} == {"transitions": 4, "outputs_delivered": 1}
     transitions = [v["event_id"] for v in p.sent.values(p.rt.settings.topic("transitions"))]
     assert transitions == [
         f"transition:{OP}:1:accepted",
@@ -617,6 +619,11 @@ async def test_relay_publishes_each_outbox_row_once_and_nothing_when_kafka_fails
     ]
     [delivered] = p.sent.values(p.rt.settings.topic("outputs_delivered"))
     assert (delivered["event_id"], delivered["output"]["text"]) == (f"output:{OP}:out_0", "text 0")
+
+
+def published(role: str) -> float:
+    """``streams_outbox_published_total`` of ``role`` in this process."""
+    return REGISTRY.get_sample_value("streams_outbox_published_total", {"topic_role": role}) or 0.0
 
 
 # --- the fake's own rules ------------------------------------------------------------------------------------

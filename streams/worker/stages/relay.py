@@ -240,9 +240,12 @@ class OutboxRelay:
             )
             await rt.dead_letter(RawMessage(target, None, None, key, value), InvalidEventError("unpublishable", why))
         now_ms = time.time() * 1000
+        published: dict[str, int] = {}  # per topic role: one labelled increment per role and batch
         for row in done:
-            metrics.OUTBOX_PUBLISHED.labels(row["topic_role"]).inc()
+            published[row["topic_role"]] = published.get(row["topic_role"], 0) + 1
             self._check_expiry(row, now_ms)
+        for role, n in published.items():
+            metrics.OUTBOX_PUBLISHED.labels(role).inc(n)
         marked = done + [row for row, _, _ in dead_letters]
         hooks.reach(hooks.HookPoint.PUBLISHED_BEFORE_MARK, rows=marked)
         return [row["id"] for row in marked]
