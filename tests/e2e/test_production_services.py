@@ -309,13 +309,14 @@ async def test_a_sentinel_failover_under_load(base_settings: Settings, sim: Simu
         sent: list[str] = []
         load = asyncio.create_task(submit_steadily(settings, prefix, n, 10.0, sent))
         await wait_for(lambda: _true(len(sent) >= n // 3), 60, "a third of the load submitted")
-        t0 = time.monotonic()
+        t0, failover_ms = time.monotonic(), _now_ms()
         failover = await asyncio.to_thread(prod_services, "failover")
         assert failover.returncode == 0, failover.stderr
         print(f"\nsentinel failover: {time.monotonic() - t0:.1f} s ({failover.stdout.strip()})")
         ids = await load
         await wait_settled(settings, prefix, n)
         report = await report_of(settings, prefix, ids)
+        times = await ledger_times(settings, prefix)
         costs = {
             name: sum([await metric_total(w, name) for w in fleet.live()])
             for name in ("streams_lease_lost_total", "streams_fencing_refusals_total")
@@ -323,7 +324,12 @@ async def test_a_sentinel_failover_under_load(base_settings: Settings, sim: Simu
     finally:
         fleet.stop_all()
         await delete_topics(settings)
-    print(f"sentinel failover cost: max GETs in flight per job {report['max_gets_in_flight_per_job']}, {costs}")
+    finals = [f for _, _, f in times if f is not None]
+    stall_s = longest_gap_s(finals, failover_ms, max(finals, default=failover_ms))
+    print(
+        f"sentinel failover cost: max GETs in flight per job {report['max_gets_in_flight_per_job']}, {costs},"
+        f" longest time without an operation reaching a final state {stall_s:.1f} s"
+    )
     assert_promises(report, n)
 
 
@@ -492,26 +498,25 @@ async def test_broker_kills_under_load_cost_a_bounded_stall_and_break_no_promise
     assert_promises(report, n)
 
 
-#: The longest stall a 30 s SIGSTOP of the leader of most submission partitions may cost (docs/production-services.md
-#: has the measured figures; these bounds are them with margin): no operation reaching a final state in the ledger
-#: on a submissions partition it did not lead, on any partition, and no outbox row published. The whole fleet
-#: stands still for about the pause: the relay's round waits its sends to the frozen leader (the delivery timeout,
-#: KAFKA_DELIVERY_TIMEOUT_S), and when the frozen broker coordinates the group, the workers' heartbeats and commits
-#: wait on it until it answers again.
-PAUSE_STALL_BOUNDS_S = {"healthy partitions": 45.0, "any partition": 45.0, "publications": 45.0}
+#: How long the test's SIGSTOP lasts, and the longest stall it may cost (docs/production-services.md has the
+#: measured figures; the bounds are them with margin): no operation reaching a final state in the ledger on a
+#: submissions partition the frozen broker did not lead, on any partition, and no outbox row published. Today the
+#: whole fleet stands still for about the pause, whether or not the frozen broker also coordinates the group.
+PAUSE_S = 30.0
+PAUSE_STALL_BOUNDS_S = dict.fromkeys(("healthy partitions", "any partition", "publications"), PAUSE_S + 15.0)
 
 
 async def test_a_paused_broker_under_load_costs_a_bounded_stall_and_breaks_no_promise(
     cluster: tuple[Settings, dict[str, str]], tmp_path: Path
 ) -> None:
     """SIGSTOP (a GC pause, a VM freeze: its connections stay open, unanswered, until the controllers fence it
-    after broker.session.timeout.ms) of the broker leading most submission partitions, for 150 submissions at 5/s
-    (30 s), then SIGCONT."""
+    after broker.session.timeout.ms) of the broker leading most submission partitions for ``PAUSE_S``, then SIGCONT,
+    under 300 submissions at 5/s."""
     settings, _ = cluster
     checked(streams_cli(settings, "migrate"))
     fleet = Fleet(settings, tmp_path)
     prefix = f"pau{uuid.uuid4().hex[:8]}"
-    n, rate, pause_at, resume_at = 300, 5.0, 60, 210
+    n, rate = 300, 5.0
     try:
         for _ in range(2):
             fleet.start()
@@ -522,14 +527,14 @@ async def test_a_paused_broker_under_load_costs_a_bounded_stall_and_breaks_no_pr
         async def after(count: int) -> None:
             await wait_for(lambda: _true(len(sent) >= count or load.done()), 120, f"{count} submissions sent")
 
-        await after(pause_at)
+        await after(60)
         leaders_text = await run_kafka_tool_leaders(settings.topic("submissions"))
         leaders, paused = partition_leaders(leaders_text), most_common_leader(leaders_text)
         coordinator = await asyncio.to_thread(coordinator_of, settings.app_id)
         healthy = sorted(p for p, leader in leaders.items() if leader != paused)
         paused_ms = _now_ms()
         assert (await asyncio.to_thread(prod_services, "pause-broker", str(paused))).returncode == 0
-        await after(resume_at)
+        await asyncio.sleep(PAUSE_S)  # the fault's length (not a wait for an outcome); the load goes on meanwhile
         resumed_ms = _now_ms()
         resume = await asyncio.to_thread(prod_services, "resume-broker", str(paused))
         assert resume.returncode == 0, resume.stderr
