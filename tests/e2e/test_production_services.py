@@ -33,7 +33,7 @@ from streams.config import Settings
 from streams.ledger.pool import create_pool
 from streams.setup.admin import KafkaAdmin, delete_topics
 from streams_harness.fleet import Fleet, Worker
-from streams_harness.run import collect_report, progress, settled
+from streams_harness.run import collect_report, progress, publication_times_ms, settled
 from tests.support import ROOT, SimulatorServer, provider_request, unique_settings, wait_for
 
 PROD = ROOT / "scripts" / "prod-services"
@@ -571,8 +571,6 @@ def partition_leaders(leaders_text: str) -> dict[int, int]:
 
 async def publication_times(settings: Settings, prefix: str) -> list[int]:
     """The publication times (ms) of the outbox rows of the operations ``<prefix>-*``, in order."""
-    from streams_harness.report import REPORT
-
     pool = await create_pool(
         settings.database_url.get_secret_value(),
         min_size=1,
@@ -580,10 +578,9 @@ async def publication_times(settings: Settings, prefix: str) -> list[int]:
         statement_cache_size=settings.database_statement_cache_size,
     )
     try:
-        rows = await REPORT.run_publications.fetch(pool, operation_pattern=f"{prefix}-%")
+        return await publication_times_ms(pool, f"{prefix}-%")
     finally:
         await pool.close()
-    return [r["published_at_ms"] for r in rows]
 
 
 def longest_gap_s(marks_ms: list[int], since_ms: int, until_ms: int) -> float:
