@@ -305,6 +305,13 @@ async def progress(db: asyncpg.Pool | asyncpg.Connection, pattern: str) -> dict[
     return {r["state"]: r["n"] for r in rows}
 
 
+async def publication_times_ms(db: asyncpg.Pool | asyncpg.Connection, pattern: str) -> list[int]:
+    """When the relay published each outbox row of the operations whose id matches ``pattern`` (SQL ``LIKE``),
+    in ms since the epoch, in order, read through ``db``; rows not yet published are left out."""
+    rows = await REPORT.run_publications.fetch(db, operation_pattern=pattern)
+    return [r["published_at_ms"] for r in rows]
+
+
 async def states(db: asyncpg.Pool | asyncpg.Connection, operation_ids: list[str]) -> dict[str, str]:
     """The ledger state of each of ``operation_ids`` it holds, read through ``db``."""
     rows = await REPORT.operation_states.fetch(db, operation_ids=operation_ids)

@@ -14,6 +14,14 @@ SELECT o.operation_id,
 FROM operations o
 WHERE o.operation_id LIKE :operation_pattern;
 
+-- name: run_publications
+-- :operation_pattern operation id LIKE pattern. The publication time (ms since the epoch) of each outbox row of the run's
+-- operations that the relay published (Kafka acknowledged it), in order.
+SELECT floor(extract(epoch FROM published_at) * 1000)::bigint AS published_at_ms
+FROM outbox
+WHERE operation_id LIKE :operation_pattern AND published_at IS NOT NULL
+ORDER BY published_at;
+
 -- name: run_progress
 -- :operation_pattern operation id LIKE pattern. state -> count, plus unpublished outbox rows and uncertain operations whose
 -- lookup is still to come (lookup_pending; meaningful only with lookup on).

@@ -162,6 +162,7 @@ EXPECTED = {
     ],
     ("streams_harness", "report.sql"): [
         "run_operations",
+        "run_publications",
         "run_progress",
         "try_main_job_lock",
         "run_transitions",
