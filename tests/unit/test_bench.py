@@ -454,3 +454,13 @@ def test_the_callbacks_comparison_sets_the_runs_with_callbacks_beside_those_with
         "off": comparison["off"],
     }
     assert callbacks_comparison(summarize_runs([record("floor", FLOOR, 1.0, 1.0)]), 1000.0, 200) is None
+
+
+def test_the_chart_has_a_colour_for_every_kind_of_run(tmp_path: Path) -> None:
+    from streams_harness.bench.chart import draw
+
+    kinds = (FLOOR, NAIVE, PROCRASTINATE, PIPELINE, PACED, CALLBACKS)
+    records = [record(f"{kind} run", kind, 100.0, 1.0) for kind in kinds]
+    summary = summarize_runs(records)
+    path = draw(summary, compare(summary), tmp_path / "chart.png", "every kind")
+    assert path.read_bytes().startswith(b"\x89PNG")
