@@ -380,7 +380,7 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 @click.option(
     "--callbacks-rate",
     "callbacks_rate_per_s",
-    default=50.0,
+    default=20.0,
     show_default=True,
     type=click.FloatRange(min=0, min_open=True),
     help="Submissions a second of the callbacks runs.",

@@ -89,7 +89,7 @@ class BenchOptions:
     #: (:func:`callbacks_comparison`).
     callbacks_comparison: bool = True
     callbacks_operations: int = 300
-    callbacks_rate_per_s: float = 50.0
+    callbacks_rate_per_s: float = 20.0
     #: Creation to completion of each job in the callbacks runs (ms).
     callbacks_job_duration_ms: float = 1000.0
     #: The simulator's longest poll hint in the callbacks runs (ms): without callbacks, a job is polled about
