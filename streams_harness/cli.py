@@ -365,7 +365,7 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 )
 @click.option(
     "--callbacks-comparison/--no-callbacks-comparison",
-    default=True,
+    default=False,
     show_default=True,
     help="Also run 1 worker on long jobs with completion callbacks off, then on: GETs per completed operation, "
     "delivery latency, callbacks sent, received and refused.",

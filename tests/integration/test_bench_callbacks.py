@@ -28,6 +28,7 @@ async def test_callbacks_save_the_gets_of_long_jobs_and_every_one_sent_is_receiv
         floor=False,
         profile=False,
         paced_rate_per_s=0,
+        callbacks_comparison=True,
         callbacks_operations=OPERATIONS,
         callbacks_rate_per_s=20.0,
         callbacks_job_duration_ms=1000.0,

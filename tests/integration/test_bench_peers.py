@@ -28,7 +28,6 @@ async def test_the_procrastinate_peer_runs_a_round_and_reports_its_promises(
         naive_processes=1,
         profile=False,
         paced_rate_per_s=0,
-        callbacks_comparison=False,
         run_timeout_s=120,
     )
     out = io.StringIO()

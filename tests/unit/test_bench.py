@@ -57,14 +57,7 @@ def test_plan_alternates_repeats_and_profiles_the_smallest_pipeline_once_per_tra
 
 def test_plan_without_references() -> None:
     opts = BenchOptions(
-        workers=(4,),
-        partitions=(8,),
-        floor=False,
-        naive=False,
-        procrastinate=False,
-        profile=False,
-        paced_rate_per_s=0,
-        callbacks_comparison=False,
+        workers=(4,), partitions=(8,), floor=False, naive=False, procrastinate=False, profile=False, paced_rate_per_s=0
     )
     runs = plan(opts)
     assert [(r.label, r.profile) for r in runs] == [("pipeline w4 p8 aiohttp", False)]
@@ -295,11 +288,7 @@ def test_services_cpu_per_operation(tmp_path: Path) -> None:
 
 
 def test_plan_runs_the_job_queue_peer_beside_the_naive_one() -> None:
-    runs = plan(
-        BenchOptions(
-            workers=(1,), partitions=(4,), floor=False, profile=False, paced_rate_per_s=0, callbacks_comparison=False
-        )
-    )
+    runs = plan(BenchOptions(workers=(1,), partitions=(4,), floor=False, profile=False, paced_rate_per_s=0))
     assert [(r.kind, r.label, r.processes) for r in runs] == [
         (NAIVE, "naive x2 p4 aiohttp", 2),
         (PROCRASTINATE, "procrastinate x2 p4 aiohttp", 2),
@@ -309,8 +298,6 @@ def test_plan_runs_the_job_queue_peer_beside_the_naive_one() -> None:
         PIPELINE,
         PIPELINE,
         PACED,
-        CALLBACKS,
-        CALLBACKS,
     ]
 
 
@@ -372,7 +359,14 @@ def test_the_peers_report_which_promises_they_break() -> None:
 
 def test_the_callbacks_comparison_runs_one_worker_off_then_on_after_the_paced_run() -> None:
     opts = BenchOptions(
-        workers=(2,), partitions=(8,), floor=False, naive=False, procrastinate=False, profile=False, repeats=2
+        workers=(2,),
+        partitions=(8,),
+        floor=False,
+        naive=False,
+        procrastinate=False,
+        profile=False,
+        repeats=2,
+        callbacks_comparison=True,
     )
     runs = plan(opts)
     first = [(r.kind, r.label, r.processes, r.rate_per_s, r.callbacks) for r in runs[:4]]
@@ -383,7 +377,7 @@ def test_the_callbacks_comparison_runs_one_worker_off_then_on_after_the_paced_ru
         (CALLBACKS, "callbacks on w1 p8", 1, 20.0, True),
     ]
     assert [r.label for r in runs[4:]] == [label for _, label, *_ in reversed(first)]  # the second repeat reversed
-    assert not any(r.kind == CALLBACKS for r in plan(BenchOptions(workers=(2,), callbacks_comparison=False)))
+    assert not any(r.kind == CALLBACKS for r in plan(BenchOptions(workers=(2,))))  # off by default
 
 
 def test_callback_figures_come_from_the_simulator_the_ledger_and_the_workers() -> None:
