@@ -381,6 +381,42 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
     type=click.IntRange(min=10),
     help="Operations submitted in the paced run.",
 )
+@click.option(
+    "--callbacks-comparison/--no-callbacks-comparison",
+    default=False,
+    show_default=True,
+    help="Also run 1 worker on long jobs with completion callbacks off, then on: GETs per completed operation, "
+    "delivery latency, callbacks sent, received and refused.",
+)
+@click.option(
+    "--callbacks-operations",
+    default=300,
+    show_default=True,
+    type=click.IntRange(min=10),
+    help="Operations of each callbacks run.",
+)
+@click.option(
+    "--callbacks-rate",
+    "callbacks_rate_per_s",
+    default=20.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Submissions a second of the callbacks runs.",
+)
+@click.option(
+    "--callbacks-job-duration-ms",
+    default=1000.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Creation to completion of each job in the callbacks runs.",
+)
+@click.option(
+    "--callbacks-poll-interval-ms",
+    default=200,
+    show_default=True,
+    type=click.IntRange(min=50),
+    help="The simulator's longest poll hint in the callbacks runs.",
+)
 def bench_command(**options: Any) -> None:
     """The benchmark: the pipeline (1, 2, 4 workers; two partition counts) against the floor (the same calls,
     batched, no logic), a naive peer (several processes polling PostgreSQL, no lease) and a job-queue peer
@@ -391,7 +427,9 @@ def bench_command(**options: Any) -> None:
     opts = BenchOptions(**options)
     report = _run_job(run_bench(opts), "streams bench")
     broken = {
-        label: s["broken_promises"] for label, s in report["summary"].items() if s["kind"] in ("pipeline", "paced")
+        label: s["broken_promises"]
+        for label, s in report["summary"].items()
+        if s["kind"] in ("pipeline", "paced", "callbacks")
     }
     broken = {label: problems for label, problems in broken.items() if problems}
     if broken:

@@ -9,6 +9,7 @@ Field names are shared by the main job, the soak and the benchmark.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
@@ -29,6 +30,8 @@ COMPLETED_STATES = frozenset({"succeeded", "failed", "canceled"})
 #: Shown in ``operations_by_state`` even when zero.
 ALWAYS_SHOWN_STATES = ("uncertain", "stalled")
 TERMINAL_JOB_STATUSES = frozenset({"succeeded", "failed"})
+#: Bounds of the job-length classes of :func:`gets_by_job_length`, in poll intervals: <1, 1-3, 3-10, >=10.
+JOB_LENGTH_EDGES = (1.0, 3.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,37 @@ def percentile(values: list[float], pct: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[int(pct) - 1] if pct < 100 else max(values)
 
 
+def gets_by_job_length(
+    jobs: Iterable[tuple[int, float]], poll_interval_s: float, edges: tuple[float, ...] = JOB_LENGTH_EDGES
+) -> dict[str, Any]:
+    """GETs per completed operation by how long its remote job lasted, in poll intervals: ``jobs`` holds one
+    ``(gets, job_length_s)`` per completed operation (the simulator's GETs of its jobs; creation to completion of
+    its saved job, s), ``poll_interval_s`` the interval a job is measured in (> 0; the simulator's longest poll
+    hint, ``poll_max_ms``), ``edges`` the increasing class bounds in intervals.
+
+    Returns ``{"poll_interval_s": ..., "classes": {label: {"operations": n, "gets_mean": mean or None}}}``, the
+    labels ``"<1"``, ``"1-3"``, ..., ``">=10"`` for the default edges, every class present even when empty.
+
+    Raises:
+        ValueError: ``poll_interval_s`` not positive.
+    """
+    if poll_interval_s <= 0:
+        raise ValueError(f"poll_interval_s must be > 0, not {poll_interval_s}")
+    labels = [f"<{edges[0]:g}"] + [f"{lo:g}-{hi:g}" for lo, hi in itertools.pairwise(edges)]
+    labels.append(f">={edges[-1]:g}")
+    gets: dict[str, list[int]] = {label: [] for label in labels}
+    for n, length_s in jobs:
+        index = sum(1 for edge in edges if length_s / poll_interval_s >= edge)
+        gets[labels[index]].append(n)
+    return {
+        "poll_interval_s": poll_interval_s,
+        "classes": {
+            label: {"operations": len(v), "gets_mean": round(statistics.fmean(v), 3) if v else None}
+            for label, v in gets.items()
+        },
+    }
+
+
 def state_regressions(transitions: Iterable[tuple[str, str | None, str]]) -> int:
     """Count illegal steps in a transition log given as ``(operation_id, from_state, to_state)`` in order.
 
@@ -100,6 +134,7 @@ def build_report(
     accounting: LedgerAccounting | None = None,
     cancel_asked: Iterable[str] = (),
     cancel_asked_when: Mapping[str, int] | None = None,
+    poll_interval_s: float | None = None,
 ) -> dict[str, Any]:
     """Compute the report.
 
@@ -115,6 +150,9 @@ def build_report(
         cancel_asked: the operation ids the run asked to cancel (``cancellations`` and
             ``canceled_outputs_delivered``: :func:`cancellation_counts`), and ``cancel_asked_when`` the ledger's
             recorded cancellations by the state their operation was in when asked.
+        poll_interval_s: given (> 0), the report has ``gets_per_completed_operation_by_job_length``
+            (:func:`gets_by_job_length` over the operations that ended ``succeeded`` or ``failed``, a job's length
+            from its saved job's ``created_at`` to ``completed_at``).
 
     Returns the report dict (the fields: docs/harness.md).
     """
@@ -234,6 +272,20 @@ def build_report(
             "p99": _round(percentile(latencies, 99)),
         },
     }
+    if poll_interval_s is not None:
+        lengths = {
+            (str(j["client_reference"]), str(j["job_id"])): float(j["completed_at"]) - float(j["created_at"])
+            for js in jobs_by_op.values()
+            for j in js
+        }
+        report["gets_per_completed_operation_by_job_length"] = gets_by_job_length(
+            (
+                (n, lengths[(o.operation_id, str(o.remote_job_id))])
+                for o, n in zip(completed, gets, strict=True)
+                if o.state in TERMINAL_JOB_STATUSES and (o.operation_id, str(o.remote_job_id)) in lengths
+            ),
+            poll_interval_s,
+        )
     report.update(meta)
     return report
 

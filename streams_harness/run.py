@@ -477,7 +477,8 @@ async def collect_report(
     """Gather the independent records (ledger, simulator, Kafka read-back) of the operations matching ``pattern``
     and build the report (:func:`streams_harness.report.build_report`) with ``meta``: the run canceled the
     operations of ``cancels``, and the workers at ``worker_urls`` (``http://host:port``) give their callback
-    refusals by reason."""
+    refusals by reason. ``gets_per_completed_operation_by_job_length`` counts a job's length in the simulator's
+    longest poll hint (its ``poll_max_ms``)."""
     rows = await REPORT.run_operations.fetch(pool, operation_pattern=pattern)
     ledger = [
         LedgerOperation(
@@ -494,6 +495,8 @@ async def collect_report(
     async with httpx.AsyncClient(timeout=30.0) as client:
         sim = (await client.get(f"{settings.remote_base_url.get_secret_value()}/_sim/jobs")).json()["jobs"]
         summary = (await client.get(f"{settings.remote_base_url.get_secret_value()}/_sim/summary")).json()
+        # an empty change answers the simulator's whole config: its longest poll hint is the report's poll interval
+        sim_config = (await client.post(f"{settings.remote_base_url.get_secret_value()}/_sim/config", json={})).json()
     delivered = await read_topic_to_end(settings, "outputs_delivered")
     transitions = [
         (r["operation_id"], r["from_state"], r["to_state"])
@@ -527,6 +530,7 @@ async def collect_report(
             refunds_settled=accounting["refunds_settled"],
             refunds_pending=accounting["refunds_pending"],
         ),
+        poll_interval_s=int(sim_config["poll_max_ms"]) / 1000.0,
     )
 
 

@@ -22,7 +22,9 @@ from typing import Any
 from streams_harness.bench.runner import (
     Bench,
     BenchOptions,
+    callbacks_comparison,
     compare,
+    render_callbacks,
     render_scaling,
     render_summary,
     scaling,
@@ -62,6 +64,7 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
         f"{paced}; GET latency {opts.sim_get_latency_ms:g} ms, job duration {opts.job_duration_ms:g} ms; "
         f"{cpus} CPUs shared with every service"
     )
+    callbacks = callbacks_comparison(summary, opts.callbacks_job_duration_ms, opts.callbacks_poll_interval_ms)
     profiles = [{"label": r["label"], "run_id": r["run_id"], **r["profile"]} for r in records if "profile" in r]
     report: dict[str, Any] = {
         "bench_id": bench.bench_id,
@@ -74,6 +77,7 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
         "gets_ratio_to_naive_by_configuration": comparison.gets_ratio_to_naive,
         "summary": summary,
         "scaling": scaling_rows,
+        "callbacks_comparison": callbacks,
         "profiles": profiles,
         "runs": records,
         "chart": str(chart_path),
@@ -84,6 +88,8 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     print(render_summary(summary, comparison), file=out)
     if scaling_rows:
         print(render_scaling(scaling_rows), file=out)
+    if callbacks is not None:
+        print(render_callbacks(callbacks), file=out)
     for profile in profiles:
         top = ", ".join(f"{k} {v}%" for k, v in list(profile["by_component"].items())[:8])
         print(f"profile of one worker ({profile['label']}, {profile['samples']} samples): {top}", file=out)

@@ -18,6 +18,7 @@ COLOURS = {
     "procrastinate": "#edae49",
     "pipeline": "#2e86ab",
     "paced": "#8d99ae",
+    "callbacks": "#6a4c93",
 }
 
 

@@ -35,6 +35,7 @@ from streams_harness.bench.counters import (
 from streams_harness.bench.procrastinate_peer import QUEUE_DATABASE_SUFFIX, apply_schema, queue_database_url
 from streams_harness.bench.profile import Profiler, summarize
 from streams_harness.bench.server_cpu import ServerCpu, kafka_broker_pid, process_cpu_s, read_server_cpu
+from streams_harness.cancels import callback_refusals, callback_secret
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulator, wait_healthy
 from streams_harness.redis_server import PrivateRedis
@@ -45,6 +46,10 @@ from streams_harness.services import create_run_database, drop_run_database, wai
 from streams_harness.trace import read_trace
 
 PIPELINE, FLOOR, NAIVE, PACED = "pipeline", "floor", "naive", "paced"
+#: The callbacks comparison: paced runs of long jobs, completion callbacks off and on (``RunSpec.callbacks``).
+CALLBACKS = "callbacks"
+#: Workers of a callbacks run: the simulator sends every callback to the first one.
+CALLBACKS_WORKERS = 1
 #: The job-queue peer (:mod:`streams_harness.bench.procrastinate_peer`).
 PROCRASTINATE = "procrastinate"
 #: The peers: what a team would run instead (held to the product's checks, never failing the benchmark).
@@ -80,6 +85,17 @@ class BenchOptions:
     keep: bool = False
     paced_rate_per_s: float = 50.0
     paced_operations: int = 1000
+    #: Two paced runs of jobs lasting several poll intervals, completion callbacks off then on
+    #: (:func:`callbacks_comparison`); off by default: the run with callbacks waits for the product's 60 s fallback
+    #: poll of the jobs whose callback came while their poll was claimed.
+    callbacks_comparison: bool = False
+    callbacks_operations: int = 300
+    callbacks_rate_per_s: float = 20.0
+    #: Creation to completion of each job in the callbacks runs (ms).
+    callbacks_job_duration_ms: float = 1000.0
+    #: The simulator's longest poll hint in the callbacks runs (ms): without callbacks, a job is polled about
+    #: this often until it ends.
+    callbacks_poll_interval_ms: int = 200
 
 
 @dataclass(frozen=True)
@@ -92,7 +108,8 @@ class RunSpec:
     transport: str
     repeat: int
     profile: bool = False
-    rate_per_s: float = 0.0  # PACED only: submissions per second (open loop)
+    rate_per_s: float = 0.0  # PACED and CALLBACKS only: submissions per second (open loop)
+    callbacks: bool = False  # CALLBACKS only: the workers take the simulator's completion callbacks
 
     @property
     def label(self) -> str:
@@ -103,6 +120,8 @@ class RunSpec:
             return f"{self.kind} x{self.processes} p{self.partitions} {self.transport}"
         if self.kind == PACED:
             return f"paced {self.rate_per_s:g}/s w{self.processes} p{self.partitions}"
+        if self.kind == CALLBACKS:
+            return f"callbacks {'on' if self.callbacks else 'off'} w{self.processes} p{self.partitions}"
         return f"pipeline w{self.processes} p{self.partitions} {self.transport}"
 
 
@@ -137,6 +156,19 @@ def plan(opts: BenchOptions) -> list[RunSpec]:
                     PACED, workers, opts.partitions[0], opts.transports[0], repeat, rate_per_s=opts.paced_rate_per_s
                 )
             )
+        if opts.callbacks_comparison:  # GETs and delivery latency of long jobs, callbacks off and on
+            for on in (False, True):
+                batch.append(
+                    RunSpec(
+                        CALLBACKS,
+                        CALLBACKS_WORKERS,
+                        opts.partitions[0],
+                        opts.transports[0],
+                        repeat,
+                        rate_per_s=opts.callbacks_rate_per_s,
+                        callbacks=on,
+                    )
+                )
         runs.extend(batch if repeat % 2 == 0 else reversed(batch))
     return runs
 
@@ -157,7 +189,13 @@ class Bench:
         self.redis_url = self.base.redis_url.get_secret_value()
         self.sim_url = ""
         self.reading_cost = Counters(0, {}, 0)
-        self.rows = read_trace("conv", start=0, rows=max(opts.operations, opts.paced_operations))
+        self.rows = read_trace(
+            "conv", start=0, rows=max(opts.operations, opts.paced_operations, opts.callbacks_operations)
+        )
+        #: The Standard Webhooks secret of the callbacks runs (``whsec_<base64>``, never printed).
+        self.callback_secret = callback_secret()
+        #: The simulator's config as started (what a callbacks run changes is set back to it).
+        self.sim_config: dict[str, Any] = {}
         self._seq = 0
         self.sim_pid = 0
         self.kafka_pid = kafka_broker_pid()
@@ -187,6 +225,7 @@ class Bench:
         records: list[dict[str, Any]] = []
         try:
             await wait_healthy(f"{self.sim_url}/healthz", 60, sim, self.dir / "simulator.log")
+            self.sim_config = await self._configure_simulator({})
             specs = plan(self.opts)
             for i, spec in enumerate(specs, 1):
                 self.say(f"[{i}/{len(specs)}] {spec.label} (repeat {spec.repeat + 1})")
@@ -208,9 +247,17 @@ class Bench:
                 self.redis.stop()
         return records
 
+    async def _configure_simulator(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Apply ``changes`` to the simulator's config (``POST /_sim/config``); returns its whole config."""
+        async with httpx.AsyncClient(base_url=self.sim_url, timeout=30) as sim:
+            answer = await sim.post("/_sim/config", json=changes)
+            answer.raise_for_status()
+            config: dict[str, Any] = answer.json()
+            return config
+
     def _settings(self, spec: RunSpec, run_id: str, database_url: str) -> Settings:
         app_id = f"{self.base.app_id}-{run_id}" + (f"-{spec.kind}" if spec.kind in PEERS else "")
-        return self.base.replace(
+        settings = self.base.replace(
             database_url=database_url,
             topic_prefix=f"{self.base.topic_prefix}{run_id}.",
             app_id=app_id,
@@ -219,7 +266,11 @@ class Bench:
             redis_url=self.redis_url,
             remote_base_url=self.sim_url,
             http_transport=spec.transport,
+            callbacks_enabled=False,
         )
+        if spec.callbacks:  # the product's fallback interval: the bench loses no callback
+            return settings.replace(callbacks_enabled=True, callback_secrets=self.callback_secret, web_enabled=True)
+        return settings
 
     async def run_one(self, spec: RunSpec) -> dict[str, Any]:
         """One run (see the module docstring); returns its record of figures."""
@@ -241,6 +292,10 @@ class Bench:
                 (await sim.post("/_sim/reset")).raise_for_status()
             return await self._measure(spec, settings, run_id, log_dir)
         finally:
+            if spec.kind == CALLBACKS:  # the next runs' jobs as the simulator started
+                await self._configure_simulator(
+                    {k: self.sim_config[k] for k in ("queue_ms", "poll_max_ms", "callback_url")}
+                )
             if self.opts.keep:
                 print_kept(settings, self.out)
                 if queue_url is not None:
@@ -252,12 +307,22 @@ class Bench:
 
     async def _start(self, spec: RunSpec, settings: Settings, log_dir: Path) -> Fleet:
         python = sys.executable
-        if spec.kind in (PIPELINE, PACED):
+        if spec.kind in (PIPELINE, PACED, CALLBACKS):
             fleet = Fleet(settings, log_dir)
             for _ in range(spec.processes):
                 fleet.start()
             await fleet.wait_ready()
             await wait_group_stable(settings, spec.processes, 60)
+            if spec.kind == CALLBACKS:  # long jobs, short poll hints; with callbacks, sent to the first worker
+                url = f"{fleet.live()[0].url}{settings.callback_path}" if spec.callbacks else ""
+                await self._configure_simulator(
+                    {
+                        "queue_ms": self.opts.callbacks_job_duration_ms,
+                        "poll_max_ms": self.opts.callbacks_poll_interval_ms,
+                        "callback_url": url,
+                        "callback_secret": self.callback_secret,
+                    }
+                )
         elif spec.kind in PEERS:
             module = {NAIVE: "naive", PROCRASTINATE: "procrastinate_peer"}[spec.kind]
             fleet = Fleet(settings, log_dir, command=[python, "-m", f"streams_harness.bench.{module}"])
@@ -339,6 +404,8 @@ class Bench:
             finally:
                 await conn.close()
             cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
+            # the workers' refusals by reason, while they answer /metrics
+            refused = await callback_refusals([w.url for w in fleet.live()]) if spec.callbacks else {}
             sim_cpu_s = process_cpu_s(self.sim_pid) - sim_cpu_before
             # read while the measured processes still hold their connections (a backend gone is not counted)
             servers_s = (await self._server_cpu(spec, settings)).minus(servers_before)
@@ -361,6 +428,11 @@ class Bench:
             summary = (await sim.get("/_sim/summary")).json()
         record = figures(spec, report, summary, cost, n)
         record["rate_per_s"] = spec.rate_per_s
+        if spec.kind == CALLBACKS:
+            record["callbacks_enabled"] = spec.callbacks
+            record["job_duration_ms"] = self.opts.callbacks_job_duration_ms
+            record["poll_interval_ms"] = self.opts.callbacks_poll_interval_ms
+            record["callbacks"] = callback_figures(summary.get("callbacks"), report.get("callbacks"), refused)
         record["cpu_ms_per_operation"] = round(1000.0 * cpu_s / n, 3)
         record["idle_cpu_percent"] = round(idle_cpu_percent, 1)
         record["simulator_cpu_ms_per_operation"] = round(1000.0 * sim_cpu_s / n, 3)
@@ -371,6 +443,8 @@ class Bench:
         return record
 
     def _operations(self, spec: RunSpec) -> int:
+        if spec.kind == CALLBACKS:
+            return self.opts.callbacks_operations
         return self.opts.paced_operations if spec.kind == PACED else self.opts.operations
 
     async def _submit(self, settings: Settings, run_id: str, n: int, rate_per_s: float) -> list[str]:
@@ -399,6 +473,25 @@ async def _drop_quietly(admin_url: str, database_url: str, out: Any) -> None:
         print(
             f"warning: the run's database {name} not removed ({type(exc).__name__}: {exc}); drop it by hand", file=out
         )
+
+
+def callback_figures(
+    sim: dict[str, Any] | None, recorded: dict[str, Any] | None, refused_by_reason: dict[str, int]
+) -> dict[str, int]:
+    """A run's callbacks: ``sent`` (the simulator's delivery attempts), ``acknowledged`` (answered 2xx),
+    ``received`` (deliveries the ledger recorded), ``made_due`` (of those, the ones that made a poll due) and
+    ``refused`` (the workers' refusals, every reason), from the simulator's ``callbacks`` of ``GET /_sim/summary``
+    (``sim``, None: none sent), the report's ``callbacks`` (``recorded``, None: none sent) and the workers'
+    ``streams_callbacks_refused_total`` by reason; all 0 when none was sent."""
+    sim = sim or {}
+    recorded = recorded or {}
+    return {
+        "sent": int(sim.get("attempts", 0)),
+        "acknowledged": int(sim.get("acknowledged", 0)),
+        "received": int(recorded.get("received", 0)),
+        "made_due": int(recorded.get("made_due", 0)),
+        "refused": sum(refused_by_reason.values()),
+    }
 
 
 def server_cpu_figures(servers_s: dict[str, float], n: int, *, redis_counted: bool) -> dict[str, float | None]:
@@ -438,6 +531,7 @@ def figures(spec: RunSpec, report: dict[str, Any], sim: dict[str, Any], cost: Co
         "completion_to_delivery_ms": report["completion_to_delivery_ms"],
         "posts_per_operation": round(int(sim["posts"]) / n, 3),
         "gets_per_operation": round(gets / n, 3),
+        "gets_per_completed_operation": report.get("gets_per_completed_operation", {}).get("mean"),
         "max_gets_in_flight_per_job": int(sim["max_gets_in_flight_per_job"]),
         "max_jobs_per_operation": int(sim["max_jobs_per_operation"]),
         "output_duplicates": report["output_duplicates"],
@@ -504,6 +598,13 @@ def summarize_runs(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 if r["completion_to_delivery_ms"][pct] is not None
             ]
             entry.setdefault("completion_to_delivery_ms", {})[pct] = _median(values) if values else None
+        done = [
+            float(r["gets_per_completed_operation"]) for r in runs if r.get("gets_per_completed_operation") is not None
+        ]
+        entry["gets_per_completed_operation"] = _median(done) if done else None
+        if "callbacks" in runs[0]:  # the callbacks comparison's runs
+            entry["callbacks_enabled"] = runs[0]["callbacks_enabled"]
+            entry["callbacks"] = {k: _median([float(r["callbacks"][k]) for r in runs]) for k in runs[0]["callbacks"]}
         promises = [r["broken_promises"] for r in runs]
         entry["broken_promises"] = None if None in promises else sorted({p for found in promises for p in found})
         summary[label] = entry
@@ -533,6 +634,70 @@ def compare(summary: dict[str, dict[str, Any]]) -> Comparison:
         if naive is not None and naive["gets_per_operation"]:
             result.gets_ratio_to_naive[label] = round(entry["gets_per_operation"] / naive["gets_per_operation"], 3)
     return result
+
+
+def callbacks_comparison(
+    summary: dict[str, dict[str, Any]], job_duration_ms: float, poll_interval_ms: int
+) -> dict[str, Any] | None:
+    """The report's ``callbacks_comparison`` from the summary's callbacks runs (medians over repeats): the jobs'
+    ``job_duration_ms`` and the simulator's longest poll hint ``poll_interval_ms``, then under ``off`` and ``on``
+    (each present when run) the run's ``label``, ``gets_per_completed_operation``, ``gets_per_operation``,
+    ``completion_to_delivery_ms`` (``p50``, ``p99``) and ``callbacks`` (:func:`callback_figures`), and with both
+    ``gets_ratio_on_to_off`` (GETs per completed operation with callbacks over without; None when without is 0 or
+    unknown). None without a callbacks run."""
+    runs = {
+        ("on" if s["callbacks_enabled"] else "off"): (label, s)
+        for label, s in summary.items()
+        if s["kind"] == CALLBACKS
+    }
+    if not runs:
+        return None
+    result: dict[str, Any] = {"job_duration_ms": job_duration_ms, "poll_interval_ms": poll_interval_ms}
+    for key in ("off", "on"):
+        if key in runs:
+            label, s = runs[key]
+            result[key] = {
+                "label": label,
+                "gets_per_completed_operation": s["gets_per_completed_operation"],
+                "gets_per_operation": s["gets_per_operation"],
+                "completion_to_delivery_ms": s["completion_to_delivery_ms"],
+                "callbacks": s["callbacks"],
+            }
+    if "off" in result and "on" in result:
+        off, on = result["off"]["gets_per_completed_operation"], result["on"]["gets_per_completed_operation"]
+        result["gets_ratio_on_to_off"] = round(on / off, 3) if off and on is not None else None
+    return result
+
+
+def render_callbacks(comparison: dict[str, Any]) -> str:
+    """The callbacks comparison (:func:`callbacks_comparison`) as a fixed-width table."""
+    columns = (("GET/done op", 11), ("c2d p50", 8), ("c2d p99", 8), ("sent", 6), ("received", 8), ("refused", 7))
+    title = (
+        f"callbacks: jobs of {comparison['job_duration_ms']:g} ms, "
+        f"poll hints of at most {comparison['poll_interval_ms']} ms"
+    )
+    header = f"{'configuration':<28} " + " ".join(f"{name:>{width}}" for name, width in columns)
+    lines = [title, header, "-" * len(header)]
+    for key in ("off", "on"):
+        row = comparison.get(key)
+        if row is None:
+            continue
+        gets = row["gets_per_completed_operation"]
+        cells = (
+            "-" if gets is None else f"{gets:.2f}",
+            _ms(row["completion_to_delivery_ms"]["p50"]),
+            _ms(row["completion_to_delivery_ms"]["p99"]),
+            f"{row['callbacks']['sent']:.0f}",
+            f"{row['callbacks']['received']:.0f}",
+            f"{row['callbacks']['refused']:.0f}",
+        )
+        lines.append(
+            f"{row['label']:<28} "
+            + " ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns, strict=True))
+        )
+    if comparison.get("gets_ratio_on_to_off") is not None:
+        lines.append(f"GETs per completed operation, callbacks on over off: {comparison['gets_ratio_on_to_off']:.3f}")
+    return "\n".join(lines)
 
 
 def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -> str:

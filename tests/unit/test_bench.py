@@ -12,6 +12,7 @@ from streams_harness.bench.counters import Counters
 from streams_harness.bench.procrastinate_peer import queue_database_url
 from streams_harness.bench.profile import EVENT_LOOP, component_of, summarize
 from streams_harness.bench.runner import (
+    CALLBACKS,
     FLOOR,
     NAIVE,
     PACED,
@@ -19,9 +20,12 @@ from streams_harness.bench.runner import (
     PROCRASTINATE,
     BenchOptions,
     RunSpec,
+    callback_figures,
+    callbacks_comparison,
     compare,
     figures,
     plan,
+    render_callbacks,
     render_scaling,
     render_summary,
     scaling,
@@ -351,3 +355,106 @@ def test_the_peers_report_which_promises_they_break() -> None:
         "kept every promise checked: procrastinate x2 p4 aiohttp",
         "broke: naive x2 p4 aiohttp: output_duplicates=3",
     ]
+
+
+def test_the_callbacks_comparison_runs_one_worker_off_then_on_after_the_paced_run() -> None:
+    opts = BenchOptions(
+        workers=(2,),
+        partitions=(8,),
+        floor=False,
+        naive=False,
+        procrastinate=False,
+        profile=False,
+        repeats=2,
+        callbacks_comparison=True,
+    )
+    runs = plan(opts)
+    first = [(r.kind, r.label, r.processes, r.rate_per_s, r.callbacks) for r in runs[:4]]
+    assert first == [
+        (PIPELINE, "pipeline w2 p8 aiohttp", 2, 0.0, False),
+        (PACED, "paced 50/s w2 p8", 2, 50.0, False),
+        (CALLBACKS, "callbacks off w1 p8", 1, 20.0, False),
+        (CALLBACKS, "callbacks on w1 p8", 1, 20.0, True),
+    ]
+    assert [r.label for r in runs[4:]] == [label for _, label, *_ in reversed(first)]  # the second repeat reversed
+    assert not any(r.kind == CALLBACKS for r in plan(BenchOptions(workers=(2,))))  # off by default
+
+
+def test_callback_figures_come_from_the_simulator_the_ledger_and_the_workers() -> None:
+    sim = {"scheduled": 300, "attempts": 302, "acknowledged": 299, "statuses": {"204": 298, "200": 1, "404": 3}}
+    recorded = {"scheduled": 300, "received": 299, "made_due": 290, "replays": 1}
+    assert callback_figures(sim, recorded, {"unknown_job": 3, "replay": 1}) == {
+        "sent": 302,
+        "acknowledged": 299,
+        "received": 299,
+        "made_due": 290,
+        "refused": 4,
+    }
+    assert callback_figures(None, None, {}) == {
+        "sent": 0,
+        "acknowledged": 0,
+        "received": 0,
+        "made_due": 0,
+        "refused": 0,
+    }
+
+
+def callbacks_record(on: bool, gets_done: float, p50: float, sent: int) -> dict[str, Any]:
+    label = f"callbacks {'on' if on else 'off'} w1 p4"
+    figures = {"sent": sent, "acknowledged": sent, "received": sent, "made_due": sent, "refused": 0}
+    return record(label, CALLBACKS, 50.0, gets_done, p50) | {
+        "gets_per_completed_operation": gets_done,
+        "callbacks_enabled": on,
+        "callbacks": figures,
+    }
+
+
+def test_the_callbacks_comparison_sets_the_runs_with_callbacks_beside_those_without() -> None:
+    records = [
+        callbacks_record(False, 6.0, 120.0, 0),
+        callbacks_record(True, 2.0, 30.0, 300),
+        callbacks_record(True, 2.2, 50.0, 296),
+        callbacks_record(True, 2.1, 40.0, 298),
+    ]
+    summary = summarize_runs(records)
+    comparison = callbacks_comparison(summary, 1000.0, 200)
+    assert comparison == {
+        "job_duration_ms": 1000.0,
+        "poll_interval_ms": 200,
+        "off": {
+            "label": "callbacks off w1 p4",
+            "gets_per_completed_operation": 6.0,
+            "gets_per_operation": 6.0,
+            "completion_to_delivery_ms": {"p50": 120.0, "p99": 240.0},
+            "callbacks": {"sent": 0.0, "acknowledged": 0.0, "received": 0.0, "made_due": 0.0, "refused": 0.0},
+        },
+        "on": {
+            "label": "callbacks on w1 p4",
+            "gets_per_completed_operation": 2.1,
+            "gets_per_operation": 2.1,
+            "completion_to_delivery_ms": {"p50": 40.0, "p99": 80.0},
+            "callbacks": {"sent": 298.0, "acknowledged": 298.0, "received": 298.0, "made_due": 298.0, "refused": 0.0},
+        },
+        "gets_ratio_on_to_off": 0.35,
+    }
+    lines = render_callbacks(comparison).splitlines()
+    assert lines[0] == "callbacks: jobs of 1000 ms, poll hints of at most 200 ms"
+    assert lines[3].split() == ["callbacks", "off", "w1", "p4", "6.00", "120", "240", "0", "0", "0"]
+    assert lines[4].split() == ["callbacks", "on", "w1", "p4", "2.10", "40", "80", "298", "298", "0"]
+    assert lines[5] == "GETs per completed operation, callbacks on over off: 0.350"
+    assert callbacks_comparison(summarize_runs(records[:1]), 1000.0, 200) == {
+        "job_duration_ms": 1000.0,
+        "poll_interval_ms": 200,
+        "off": comparison["off"],
+    }
+    assert callbacks_comparison(summarize_runs([record("floor", FLOOR, 1.0, 1.0)]), 1000.0, 200) is None
+
+
+def test_the_chart_has_a_colour_for_every_kind_of_run(tmp_path: Path) -> None:
+    from streams_harness.bench.chart import draw
+
+    kinds = (FLOOR, NAIVE, PROCRASTINATE, PIPELINE, PACED, CALLBACKS)
+    records = [record(f"{kind} run", kind, 100.0, 1.0) for kind in kinds]
+    summary = summarize_runs(records)
+    path = draw(summary, compare(summary), tmp_path / "chart.png", "every kind")
+    assert path.read_bytes().startswith(b"\x89PNG")
