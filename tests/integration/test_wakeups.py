@@ -229,3 +229,34 @@ async def test_a_poll_this_worker_saved_is_claimed_by_its_signal_not_the_fallbac
     assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = $1", op) == "submitted"
     assert due._value.get() > due_before  # woken by the deadline the dispatcher gave after its commit
     assert fallbacks._value.get() == fallbacks_before
+
+
+async def test_a_fallback_wakeup_with_nothing_due_runs_no_round_and_a_due_poll_still_does(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings, kafka_send: Callable[[str, bytes, bytes], Awaitable[Any]]
+) -> None:
+    # a short fallback, nothing pollable or stale in the test database: each fallback only reads the ledger
+    scheduler_rt = await Runtime.create(settings.replace(wakeup_fallback_s=0.05), kafka_send, worker="idle-scheduler")
+    scheduler = PollScheduler(scheduler_rt)
+    fallbacks = metrics.WAKEUPS.labels("schedule_polls", FALLBACK)
+    task = asyncio.create_task(scheduler.run())
+    op = f"op-idle-{uuid.uuid4().hex[:6]}"
+    try:
+        await wait_for(lambda: _true(scheduler.skipped_rounds >= 5), 30.0, "five fallback wake-ups found nothing due")
+        assert scheduler.rounds == 1  # the first round only: every fallback since ran none
+        rounds, fallbacks_before = scheduler.rounds, fallbacks._value.get()
+        # a poll scheduled by another worker (no in-process signal here): the next fallback finds it due
+        assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+        fencing = await runtime.ledger.claim_for_submit(op)
+        assert fencing is not None
+        assert await runtime.ledger.save_submitted(op, fencing, f"job-{op}", 0.0, None)
+
+        async def claimed() -> bool:
+            return bool(await pool.fetchval("SELECT poll_claim_id > 0 FROM operations WHERE operation_id = $1", op))
+
+        await wait_for(claimed, 30.0, "the other worker's poll claimed by a fallback round")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await scheduler_rt.close()
+    assert scheduler.rounds > rounds
+    assert fallbacks._value.get() > fallbacks_before

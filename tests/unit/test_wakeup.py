@@ -8,7 +8,9 @@ import asyncio
 from streams import metrics
 from streams.config import Settings
 from streams.ledger.notices import NOTIFIED, TRANSITIONS, OutboxListener, notice_cause
+from streams.ledger.records import SchedulerDue
 from streams.worker.runtime import Runtime
+from streams.worker.stages.scheduler import work_due
 from streams.worker.wakeup import DUE, FALLBACK, WRITTEN, Wakeup, Wakeups
 
 
@@ -110,3 +112,10 @@ async def test_a_transitions_notice_wakes_the_relay_after_the_short_fallback_not
     assert not rt.wakeups.outbox.notified
     rt._on_outbox_notice(NOTIFIED)
     assert await rt.wakeups.outbox.wait(fallback_s=3600.0) == NOTIFIED
+
+
+def test_a_fallback_runs_a_round_only_for_work_due_in_the_ledger() -> None:
+    assert not work_due(SchedulerDue(None, None))  # nothing pollable, nothing left submitting or accepted
+    assert not work_due(SchedulerDue(0.5, 59.0))
+    assert work_due(SchedulerDue(0.0, None))  # a poll due now
+    assert work_due(SchedulerDue(None, -0.1))  # an operation past its stale age: reconcile or re-dispatch
