@@ -635,14 +635,22 @@ class Settings(ExplicitSettings):
     # wake-ups of the poll scheduler and the outbox relay (streams.worker.wakeup)
     wakeup_fallback_s: Seconds = Field(
         1.0,
-        description="Longest the poll scheduler and the outbox relay sleep without a wake-up (s): a lost outbox "
-        "notification, or a poll another worker scheduled sooner, waits at most this.",
+        description="Longest the poll scheduler, and the outbox relay while not listening, sleep without a wake-up "
+        "(s): a lost outbox notification, or a poll another worker scheduled sooner, waits at most this; also the "
+        "most a notified transition waits for the relay.",
     )
     outbox_listen_enabled: EnvBool = Field(
         True,
         description="Wake the outbox relay on PostgreSQL notifications of outbox rows any worker committed (LISTEN "
         "on one dedicated connection per worker); off (e.g. behind PgBouncer in transaction mode): other workers' "
         "rows wait for the fallback (STREAMS_WAKEUP_FALLBACK_S).",
+    )
+    # -- idle: longer fallbacks where a wake-up covers the work (docs/operations.md, "Wake-ups")
+    wakeup_listening_fallback_s: Seconds = Field(
+        30.0,
+        description="Longest the outbox relay sleeps without a wake-up while its outbox listener is connected (s): "
+        "every committed outbox row notifies it then (outputs at once, transitions within "
+        "STREAMS_WAKEUP_FALLBACK_S), so this only bounds a lost notification; at least STREAMS_WAKEUP_FALLBACK_S.",
     )
 
     # -- acks: how long one round of the outbox relay or the poll scheduler waits for Kafka's acknowledgements
@@ -674,6 +682,12 @@ class Settings(ExplicitSettings):
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"STREAMS_{name.upper()} must be more than 0 seconds")
+        if self.wakeup_listening_fallback_s < self.wakeup_fallback_s:
+            raise ValueError(
+                f"STREAMS_WAKEUP_LISTENING_FALLBACK_S ({self.wakeup_listening_fallback_s}) must be at least "
+                f"STREAMS_WAKEUP_FALLBACK_S ({self.wakeup_fallback_s}): a relay that listens never needs to look "
+                "for rows more often than one that does not"
+            )
         if self.remote_call_deadline_s + self.lease_margin_s >= self.lease_ttl_s:
             raise ValueError(
                 f"STREAMS_REMOTE_CALL_DEADLINE_S ({self.remote_call_deadline_s}) + STREAMS_LEASE_MARGIN_S "

@@ -44,6 +44,7 @@ from streams.ledger.records import (
     ObserveClaim,
     RemoteCall,
     SaveOutcome,
+    SchedulerDue,
     sources_for,
 )
 from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
@@ -395,6 +396,16 @@ class InMemoryLedger(WaitsOutOutages):
         self._call("read next poll due")
         due = [o.next_poll_at for o in self.operations.values() if o.state in POLLABLE and o.next_poll_at is not None]
         return min(due) - self._t if due else None
+
+    async def next_due_in_s(self, submitting_stale_after_s: float, accepted_stale_after_s: float) -> SchedulerDue:
+        self._call("read next scheduler work due")
+        due = [o.next_poll_at for o in self.operations.values() if o.state in POLLABLE and o.next_poll_at is not None]
+        stale = [
+            o.updated_at + (submitting_stale_after_s if o.state is S.SUBMITTING else accepted_stale_after_s)
+            for o in self.operations.values()
+            if o.state in (S.SUBMITTING, S.ACCEPTED)
+        ]
+        return SchedulerDue(min(due) - self._t if due else None, min(stale) - self._t if stale else None)
 
     async def claim_due_polls(
         self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None

@@ -1,11 +1,14 @@
 """The ledger's notifications: one dedicated connection that LISTENs for committed outbox rows.
 
 Every statement inserting outbox rows notifies :data:`OUTBOX_CHANNEL` in its own transaction (the trigger of
-migration ``0014.wakeups``), so a notification arrives only once its rows are committed, from any worker.
-:class:`OutboxListener` passes each one on (``on_notice("notified")``) and, after each (re)connection, one
-``on_notice("listening")``: rows committed while it was not listening are looked for then. A notification can
-still be lost (the connection dropped between a commit and its delivery): the relay's fallback timer covers that,
-so a lost notification only delays a row.
+migrations ``0014.wakeups`` and ``0016.wakeup-kinds``), so a notification arrives only once its rows are committed,
+from any worker; its payload names what was inserted (:data:`OUTPUTS_PAYLOAD`, :data:`TRANSITIONS_PAYLOAD`; empty
+from the trigger of ``0014``: outputs). :class:`OutboxListener` passes each one on (``on_notice("notified")`` for
+outputs, ``on_notice("transitions")`` for transitions alone), after each (re)connection one
+``on_notice("listening")`` (rows committed while it was not listening are looked for then), and when a connection
+is lost one ``on_notice("unlistened")`` (the relay then sleeps its short fallback again). A notification can still
+be lost (the connection dropped between a commit and its delivery): the reconnection's ``listening`` covers that,
+and the relay's fallback timer anything else, so a lost notification only delays a row.
 
 The connection is re-opened after it is lost or fails to open, forever, each attempt logged and counted
 (``streams_ledger_listener_connects_total{result}``), waiting :data:`RETRY_FIRST_WAIT_S` doubling up to the
@@ -38,14 +41,27 @@ CONNECT_TIMEOUT_S = 10.0
 #: First wait (s) after the connection was lost or failed to open; each next failure doubles it, up to the cap.
 RETRY_FIRST_WAIT_S = 0.2
 
-#: Causes passed to ``on_notice``.
+#: Causes passed to ``on_notice``: outputs committed, transitions alone committed, (re)connected, connection lost.
 NOTIFIED = "notified"
+TRANSITIONS = "transitions"
 LISTENING = "listening"
+UNLISTENED = "unlistened"
+
+#: Payloads of the trigger of migration 0016.wakeup-kinds.
+OUTPUTS_PAYLOAD = "outputs"
+TRANSITIONS_PAYLOAD = "transitions"
+
+
+def notice_cause(payload: str) -> str:
+    """The ``on_notice`` cause of a notification's ``payload``: :data:`TRANSITIONS` for transitions alone, else
+    :data:`NOTIFIED` (outputs, the empty payload of migration 0014's trigger, or one this version does not know)."""
+    return TRANSITIONS if payload == TRANSITIONS_PAYLOAD else NOTIFIED
 
 
 class OutboxListener:
     """LISTEN for outbox notifications on one connection to ``database_url``; call ``on_notice(cause)`` for each
-    (:data:`NOTIFIED`) and after each (re)connection (:data:`LISTENING`). :meth:`run` until cancelled."""
+    (:func:`notice_cause`), after each (re)connection (:data:`LISTENING`) and when a connection is lost
+    (:data:`UNLISTENED`). :meth:`run` until cancelled."""
 
     def __init__(self, database_url: str, on_notice: Callable[[str], None], *, retry_cap_s: float) -> None:
         self._database_url = database_url
@@ -80,8 +96,10 @@ class OutboxListener:
             try:
                 await self._listen(conn, address, reconnected=self.connections > 0)
             finally:
-                self.backend_pid = None
+                listened, self.backend_pid = self.backend_pid is not None, None
                 conn.terminate()
+                if listened:
+                    self._on_notice(UNLISTENED)
             failures = 0
             metrics.LEDGER_LISTENER_CONNECTS.labels("lost").inc()
             log.warning("outbox listener: connection to PostgreSQL at %s lost; reconnecting", address)
@@ -113,5 +131,10 @@ class OutboxListener:
                     log.info("outbox listener: check failed: %s: %s", type(exc).__name__, exc)
                     return
 
-    def _notified(self, _conn: Any, _pid: int, _channel: str, _payload: object) -> None:
-        self._on_notice(NOTIFIED)
+    @property
+    def listening(self) -> bool:
+        """True while the connection is open and LISTENing."""
+        return self.backend_pid is not None
+
+    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: object) -> None:
+        self._on_notice(notice_cause(payload if isinstance(payload, str) else ""))

@@ -22,6 +22,7 @@ from streams.ledger.records import (
     ObserveClaim,
     RemoteCall,
     SaveOutcome,
+    SchedulerDue,
 )
 from streams.ledger.waiting import OutageWait
 from streams.model.answers import JobSnapshot, LookupJob
@@ -55,6 +56,7 @@ class PipelineLedger(Protocol):
         self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None
     ) -> list[DuePoll]: ...
     async def next_poll_due_in_s(self) -> float | None: ...
+    async def next_due_in_s(self, submitting_stale_after_s: float, accepted_stale_after_s: float) -> SchedulerDue: ...
     async def claim_for_observe(
         self, operation_id: str, poll_claim_id: int, claim_id: uuid.UUID | None = None
     ) -> ObserveClaim | None: ...

@@ -51,6 +51,16 @@ class ClaimBound:
 
 
 @dataclass(frozen=True)
+class SchedulerDue:
+    """When the poll scheduler has work next, in seconds from now (negative: due already; None: none of that kind):
+    ``poll_due_in_s`` the earliest poll of a pollable operation, ``reconcile_due_in_s`` the earliest operation left
+    ``submitting`` or ``accepted`` past its stale-after age."""
+
+    poll_due_in_s: float | None
+    reconcile_due_in_s: float | None
+
+
+@dataclass(frozen=True)
 class DuePoll:
     """One poll claimed by the scheduler; ``claimed_at_ms``: when, in epoch ms of the database's clock."""
 

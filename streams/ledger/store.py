@@ -30,6 +30,7 @@ from streams.ledger.records import (
     ObserveClaim,
     RemoteCall,
     SaveOutcome,
+    SchedulerDue,
     sources_for,
 )
 from streams.ledger.sql import CALLBACKS, CANCELLATIONS, RECONCILE
@@ -294,6 +295,19 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         async with guard("read next poll due"):
             due_in_s: float | None = await Q.next_poll_due_in_s.fetchval(self.pool)
         return due_in_s
+
+    async def next_due_in_s(self, submitting_stale_after_s: float, accepted_stale_after_s: float) -> SchedulerDue:
+        """When the poll scheduler has work next (:class:`SchedulerDue`): the earliest due poll, and the earliest
+        operation left ``submitting`` / ``accepted`` longer than these ages (s); one round trip."""
+        async with guard("read next scheduler work due"):
+            row = await Q.next_due_in_s.fetchrow(
+                self.pool,
+                submitting_stale_after_s=submitting_stale_after_s,
+                accepted_stale_after_s=accepted_stale_after_s,
+            )
+        if row is None:  # never: a SELECT of aggregates returns one row
+            return SchedulerDue(None, None)
+        return SchedulerDue(row["poll_due_in_s"], row["reconcile_due_in_s"])
 
     @waits_out_outages("read")
     async def get_operation(self, operation_id: str) -> dict[str, Any] | None:

@@ -34,7 +34,7 @@ from streams.errors import (
     RecordNotHandedOverError,
     RemoteError,
 )
-from streams.ledger.notices import OutboxListener
+from streams.ledger.notices import TRANSITIONS, OutboxListener
 from streams.ledger.pool import create_pool
 from streams.ledger.protocol import PipelineLedger
 from streams.ledger.records import RemoteCall
@@ -182,10 +182,26 @@ class Runtime:
             return
         self.outbox_listener = OutboxListener(
             self.settings.database_url.get_secret_value(),
-            self.wakeups.outbox.notify,
+            self._on_outbox_notice,
             retry_cap_s=self.settings.coordination_retry_cap_s,
         )
         await self.outbox_listener.run()
+
+    def _on_outbox_notice(self, cause: str) -> None:
+        """Wake the relay for a notice of the listener: at once, but for transitions alone, which wake it within
+        ``wakeup_fallback_s`` (every transition of that span in one round)."""
+        if cause == TRANSITIONS:
+            self.wakeups.outbox.due_in(self.settings.wakeup_fallback_s)
+        else:
+            self.wakeups.outbox.notify(cause)
+
+    def outbox_fallback_s(self) -> float:
+        """Longest the outbox relay sleeps without a wake-up now (s): ``wakeup_listening_fallback_s`` while the
+        outbox listener is connected (every committed row notifies it), else ``wakeup_fallback_s``."""
+        listener = self.outbox_listener
+        if listener is not None and listener.listening:
+            return self.settings.wakeup_listening_fallback_s
+        return self.settings.wakeup_fallback_s
 
     async def close(self) -> None:
         """Close all clients."""

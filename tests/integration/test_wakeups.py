@@ -21,7 +21,7 @@ from streams.worker.runtime import Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.relay import OutboxRelay
 from streams.worker.stages.scheduler import PollScheduler
-from streams.worker.wakeup import FALLBACK
+from streams.worker.wakeup import DUE, FALLBACK
 from tests.integration.test_dispatcher import submission
 from tests.integration.test_relay_and_dead_letters import for_op, succeeded_operation
 from tests.support import wait_for
@@ -49,8 +49,11 @@ async def relay_worker(
     or without its outbox listener; everything started is stopped at the end."""
     started: list[tuple[Runtime, list[asyncio.Task[None]]]] = []
 
-    async def start(*, fallback_s: float, listen: bool) -> Runtime:
-        rt = await Runtime.create(settings.replace(wakeup_fallback_s=fallback_s), kafka_send, worker="relay-worker")
+    async def start(*, fallback_s: float, listen: bool, listening_fallback_s: float | None = None) -> Runtime:
+        relay_settings = settings.replace(
+            wakeup_fallback_s=fallback_s, wakeup_listening_fallback_s=listening_fallback_s or fallback_s
+        )
+        rt = await Runtime.create(relay_settings, kafka_send, worker="relay-worker")
         tasks = [asyncio.create_task(OutboxRelay(rt).run())]
         if listen:
             tasks.append(asyncio.create_task(rt.listen_outbox()))
@@ -75,10 +78,10 @@ def listening(rt: Runtime, after: int = 0) -> Callable[[], Awaitable[bool]]:
     return check
 
 
-def published(pool: asyncpg.Pool, op: str) -> Callable[[], Awaitable[bool]]:
+def published(pool: asyncpg.Pool, op: str, rows: int = ROWS_PER_OPERATION) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         n = await pool.fetchval("SELECT count(*) FROM outbox WHERE operation_id = $1 AND published_at IS NOT NULL", op)
-        return bool(n == ROWS_PER_OPERATION)
+        return bool(n == rows)
 
     return check
 
@@ -98,6 +101,24 @@ async def test_committed_outputs_wake_another_workers_relay_by_notification(
     assert wakeups(FALLBACK) == fallbacks
     outputs = for_op(await read_topic_to_end(settings, "outputs_delivered"), op)
     assert [o["event_id"] for o in outputs] == [f"output:{op}:out_0"]
+
+
+async def test_a_listening_relay_sleeps_its_long_fallback_and_is_woken_for_transitions_when_due(
+    runtime: Runtime, pool: asyncpg.Pool, relay_worker: Callable[..., Awaitable[Runtime]]
+) -> None:
+    woken = wakeups("listening")
+    # short fallback (the transitions' delay), but while listening the long one: never reached within this test
+    await relay_worker(fallback_s=0.2, listen=True, listening_fallback_s=3600.0)
+    await wait_for(lambda: _true(wakeups("listening") > woken), 30.0, "the relay woken once by the connection")
+    fallbacks, due, notified = wakeups(FALLBACK), wakeups(DUE), wakeups("notified")
+    op = f"op-transition-{uuid.uuid4().hex[:6]}"
+    # one transition (accepted) and no output, written by the test's worker, which runs no relay
+    assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+
+    await wait_for(published(pool, op, rows=1), 30.0, "the other worker's relay published the transition")
+    assert wakeups(DUE) > due  # the notification of transitions, due after the short fallback
+    assert wakeups(FALLBACK) == fallbacks  # the 0.2 s fallback no longer runs while listening
+    assert wakeups("notified") == notified  # transitions alone do not wake it at once
 
 
 async def test_without_notifications_the_fallback_timer_delivers(
@@ -161,7 +182,9 @@ async def test_the_scheduler_sleeps_until_the_ledgers_next_due_poll(
     assert fencing is not None
     # scheduled by the test's worker: no in-process signal reaches the scheduler's own runtime
     assert await runtime.ledger.save_submitted(op, fencing, f"job-{op}", 0.5, None)
-    scheduler_rt = await Runtime.create(settings.replace(wakeup_fallback_s=3600.0), kafka_send, worker="scheduler")
+    scheduler_rt = await Runtime.create(
+        settings.replace(wakeup_fallback_s=3600.0, wakeup_listening_fallback_s=3600.0), kafka_send, worker="scheduler"
+    )
     due, fallbacks = metrics.WAKEUPS.labels("schedule_polls", "due"), metrics.WAKEUPS.labels("schedule_polls", FALLBACK)
     due_before, fallbacks_before = due._value.get(), fallbacks._value.get()
     task = asyncio.create_task(PollScheduler(scheduler_rt).run())
@@ -184,7 +207,9 @@ async def test_a_poll_this_worker_saved_is_claimed_by_its_signal_not_the_fallbac
 ) -> None:
     # one worker: its dispatcher saves the job id (first poll due after the simulator's hint) while its scheduler
     # sleeps with nothing pollable; the fallback never fires within the test, so only the signal can claim it
-    rt = await Runtime.create(settings.replace(wakeup_fallback_s=3600.0), kafka_send, worker="one-worker")
+    rt = await Runtime.create(
+        settings.replace(wakeup_fallback_s=3600.0, wakeup_listening_fallback_s=3600.0), kafka_send, worker="one-worker"
+    )
     due, fallbacks = metrics.WAKEUPS.labels("schedule_polls", "due"), metrics.WAKEUPS.labels("schedule_polls", FALLBACK)
     task = asyncio.create_task(PollScheduler(rt).run())
     op = f"op-signal-{uuid.uuid4().hex[:6]}"
@@ -204,3 +229,34 @@ async def test_a_poll_this_worker_saved_is_claimed_by_its_signal_not_the_fallbac
     assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = $1", op) == "submitted"
     assert due._value.get() > due_before  # woken by the deadline the dispatcher gave after its commit
     assert fallbacks._value.get() == fallbacks_before
+
+
+async def test_a_fallback_wakeup_with_nothing_due_runs_no_round_and_a_due_poll_still_does(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings, kafka_send: Callable[[str, bytes, bytes], Awaitable[Any]]
+) -> None:
+    # a short fallback, nothing pollable or stale in the test database: each fallback only reads the ledger
+    scheduler_rt = await Runtime.create(settings.replace(wakeup_fallback_s=0.05), kafka_send, worker="idle-scheduler")
+    scheduler = PollScheduler(scheduler_rt)
+    fallbacks = metrics.WAKEUPS.labels("schedule_polls", FALLBACK)
+    task = asyncio.create_task(scheduler.run())
+    op = f"op-idle-{uuid.uuid4().hex[:6]}"
+    try:
+        await wait_for(lambda: _true(scheduler.skipped_rounds >= 5), 30.0, "five fallback wake-ups found nothing due")
+        assert scheduler.rounds == 1  # the first round only: every fallback since ran none
+        rounds, fallbacks_before = scheduler.rounds, fallbacks._value.get()
+        # a poll scheduled by another worker (no in-process signal here): the next fallback finds it due
+        assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+        fencing = await runtime.ledger.claim_for_submit(op)
+        assert fencing is not None
+        assert await runtime.ledger.save_submitted(op, fencing, f"job-{op}", 0.0, None)
+
+        async def claimed() -> bool:
+            return bool(await pool.fetchval("SELECT poll_claim_id > 0 FROM operations WHERE operation_id = $1", op))
+
+        await wait_for(claimed, 30.0, "the other worker's poll claimed by a fallback round")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await scheduler_rt.close()
+    assert scheduler.rounds > rounds
+    assert fallbacks._value.get() > fallbacks_before

@@ -119,6 +119,10 @@ def test_partitions_must_be_positive(raw: str, message: str) -> None:
         ({"STREAMS_WEB_PORT": "65536"}, "STREAMS_WEB_PORT='65536' should be less than or equal to 65535"),
         ({"STREAMS_SUBMIT_RETRY_DEADLINE_S": "300"}, "must exceed the POST budget"),
         (
+            {"STREAMS_WAKEUP_FALLBACK_S": "5", "STREAMS_WAKEUP_LISTENING_FALLBACK_S": "2"},
+            r"STREAMS_WAKEUP_LISTENING_FALLBACK_S \(2.0\) must be at least STREAMS_WAKEUP_FALLBACK_S \(5.0\)",
+        ),
+        (
             {"STREAMS_HTTP_TRANSPORT": "curl"},
             "STREAMS_HTTP_TRANSPORT='curl' is not a valid Literal: Input should be 'aiohttp' or 'httpx'",
         ),

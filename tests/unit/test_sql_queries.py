@@ -101,6 +101,7 @@ EXPECTED = {
         "reconcile_stale_submitting",
         "claim_due_polls",
         "next_poll_due_in_s",
+        "next_due_in_s",
         "get_operation",
         "claim_for_observe",
         "reschedule_poll",

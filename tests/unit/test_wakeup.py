@@ -6,7 +6,12 @@ from __future__ import annotations
 import asyncio
 
 from streams import metrics
-from streams.worker.wakeup import DUE, FALLBACK, WRITTEN, Wakeup
+from streams.config import Settings
+from streams.ledger.notices import NOTIFIED, TRANSITIONS, OutboxListener, notice_cause
+from streams.ledger.records import SchedulerDue
+from streams.worker.runtime import Runtime
+from streams.worker.stages.scheduler import work_due
+from streams.worker.wakeup import DUE, FALLBACK, WRITTEN, Wakeup, Wakeups
 
 
 class FakeClock:
@@ -76,3 +81,41 @@ async def test_a_notification_serves_a_passed_deadline_too() -> None:
     assert await wakeup.wait(fallback_s=3600.0) == WRITTEN
     assert wakeup.deadline is None
     assert await wakeup.wait(fallback_s=0.0) == FALLBACK
+
+
+def test_a_notifications_payload_names_its_cause() -> None:
+    assert notice_cause("outputs") == NOTIFIED
+    assert notice_cause("transitions") == TRANSITIONS
+    assert notice_cause("") == NOTIFIED  # migration 0014's trigger: outputs only
+    assert notice_cause("something-newer") == NOTIFIED  # unknown: woken at once, never later than before
+
+
+def test_the_relays_fallback_is_long_only_while_its_listener_listens() -> None:
+    rt = Runtime.__new__(Runtime)  # only the settings and the listener: no clients
+    rt.settings = Settings(wakeup_fallback_s=1.0, wakeup_listening_fallback_s=30.0)
+    rt.outbox_listener = None
+    assert rt.outbox_fallback_s() == 1.0  # listening off
+    rt.outbox_listener = OutboxListener("postgresql://u@127.0.0.1/db", lambda _cause: None, retry_cap_s=1.0)
+    assert rt.outbox_fallback_s() == 1.0  # not connected (yet, or any more)
+    rt.outbox_listener.backend_pid = 4242
+    assert rt.outbox_fallback_s() == 30.0
+
+
+async def test_a_transitions_notice_wakes_the_relay_after_the_short_fallback_not_at_once() -> None:
+    rt = Runtime.__new__(Runtime)
+    rt.settings = Settings(wakeup_fallback_s=1.0, wakeup_listening_fallback_s=30.0)
+    clock = FakeClock()
+    rt.wakeups = Wakeups()
+    rt.wakeups.outbox = Wakeup("test_transitions_notice", clock=clock)
+    rt._on_outbox_notice(TRANSITIONS)
+    assert rt.wakeups.outbox.deadline == clock.now_s + 1.0
+    assert not rt.wakeups.outbox.notified
+    rt._on_outbox_notice(NOTIFIED)
+    assert await rt.wakeups.outbox.wait(fallback_s=3600.0) == NOTIFIED
+
+
+def test_a_fallback_runs_a_round_only_for_work_due_in_the_ledger() -> None:
+    assert not work_due(SchedulerDue(None, None))  # nothing pollable, nothing left submitting or accepted
+    assert not work_due(SchedulerDue(0.5, 59.0))
+    assert work_due(SchedulerDue(0.0, None))  # a poll due now
+    assert work_due(SchedulerDue(None, -0.1))  # an operation past its stale age: reconcile or re-dispatch

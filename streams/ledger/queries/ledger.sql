@@ -210,6 +210,21 @@ SELECT extract(epoch FROM min(next_poll_at) - now())::float8 AS due_in_s
 FROM operations
 WHERE state IN ('submitted', 'queued', 'running');
 
+-- name: next_due_in_s
+-- The poll scheduler's idle check, one round trip: poll_due_in_s as next_poll_due_in_s, and reconcile_due_in_s,
+-- seconds from now until an operation left 'submitting' passes :submitting_stale_after_s or one left 'accepted'
+-- passes :accepted_stale_after_s (negative: one has; NULL: none is in either state). Reads the first entries of
+-- the operations_due_polls, operations_submitting and operations_accepted indexes.
+SELECT
+    extract(epoch FROM (SELECT min(next_poll_at) FROM operations WHERE state IN ('submitted', 'queued', 'running'))
+        - now())::float8 AS poll_due_in_s,
+    extract(epoch FROM least(
+        (SELECT min(updated_at) FROM operations WHERE state = 'submitting')
+            + make_interval(secs => :submitting_stale_after_s),
+        (SELECT min(updated_at) FROM operations WHERE state = 'accepted')
+            + make_interval(secs => :accepted_stale_after_s)
+    ) - now())::float8 AS reconcile_due_in_s;
+
 -- name: get_operation
 -- :operation_id. One row or none; request is the JSON text as submitted.
 SELECT operation_id, state::text AS state, remote_job_id, fencing_token, poll_claim_id, next_poll_at,

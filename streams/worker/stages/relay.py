@@ -87,8 +87,10 @@ class OutboxRelay:
 
     async def run(self) -> None:
         """Drain the outbox, then sleep until woken (:attr:`Runtime.wakeups` ``.outbox``: this worker wrote
-        outputs, a PostgreSQL notification of any worker's outputs, the listener reconnected) or at most
-        ``wakeup_fallback_s``; after a failed round, ``relay_interval_s`` before the next. Runs until cancelled.
+        outputs, a PostgreSQL notification of any worker's outputs, or of transitions ``wakeup_fallback_s`` after
+        it, the listener reconnected or lost its connection) or at most :meth:`Runtime.outbox_fallback_s` (long
+        while listening, short otherwise); after a failed round, ``relay_interval_s`` before the next. Runs until
+        cancelled.
 
         Rows are claimed as by every round (:meth:`tick`): a wake-up only says when to look, so a lost one
         delays a row to the fallback, never loses it."""
@@ -98,7 +100,7 @@ class OutboxRelay:
             if self.failed:
                 await asyncio.sleep(s.relay_interval_s)
             else:
-                await self.rt.wakeups.outbox.wait(s.wakeup_fallback_s)
+                await self.rt.wakeups.outbox.wait(self.rt.outbox_fallback_s())
 
     def _skip_operation_ids(self) -> list[str]:
         """The operations to leave out of the next selection: those whose partition is still blocked."""

@@ -49,12 +49,13 @@ from streams import metrics
 from streams.config import Settings
 from streams.coordination.ratebudget import BudgetKind
 from streams.errors import RecordNotHandedOverError
-from streams.ledger.records import ClaimBound, DuePoll
+from streams.ledger.records import ClaimBound, DuePoll, SchedulerDue
 from streams.outages import is_outage
 from streams.wire import exactjson
 from streams.worker.partitions import report_skipped
 from streams.worker.runtime import Record, Runtime, delivery_error
 from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.wakeup import FALLBACK
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ PACE_WINDOW_S = 5.0
 #: Re-dispatches a worker runs at once. A safety net for rare leftovers, kept small: they run beside the agents'
 #: slots, from which the HTTP and Redis pool sizes are derived, so they use the Redis pool's spare connections.
 REDISPATCH_AT_ONCE = 2
+
+
+def work_due(due: SchedulerDue) -> bool:
+    """True when a poll is due, or an operation has been left ``submitting`` / ``accepted`` past its stale age."""
+    return any(d is not None and d <= 0 for d in (due.poll_due_in_s, due.reconcile_due_in_s))
 
 
 def claim_bound(settings: Settings) -> ClaimBound:
@@ -91,31 +97,44 @@ class PollScheduler:
         self.redispatching: dict[str, asyncio.Task[bool]] = {}
         #: True when the last round claimed as many polls as it could (more may be due), False when fewer.
         self.claimed_all = False
+        #: Rounds run, and fallback wake-ups that found no work due in the ledger and so ran none.
+        self.rounds = 0
+        self.skipped_rounds = 0
 
     async def run(self) -> None:
         """Scheduling rounds back to back while they claim full batches; between them, sleep until the next poll is
         due: the ledger's earliest ``next_poll_at`` (every worker's), or sooner when this worker schedules one
-        (:attr:`Runtime.wakeups` ``.polls``), at most ``wakeup_fallback_s``. Due polls a round and the one right
+        (:attr:`Runtime.wakeups` ``.polls``), at most ``wakeup_fallback_s``. A fallback wake-up runs a round only
+        when the ledger has work due (:meth:`Ledger.next_due_in_s`: a poll, or an operation to reconcile or
+        re-dispatch), else it only reads when (one round trip, no Redis). Due polls a round and the one right
         after it left unclaimed (held back: rate budget, back-pressure, Redis) are tried again after
         ``poll_scheduler_interval_s``. Runs until cancelled."""
         rt = self.rt
         s = rt.settings
         wakeup = rt.wakeups.polls
         retried = False
+        cause: str | None = None
         while True:
+            if cause == FALLBACK:
+                due = await self._read_due()
+                if due is not None and not work_due(due):
+                    if due.poll_due_in_s is not None:
+                        wakeup.due_in(due.poll_due_in_s)
+                    self.skipped_rounds += 1
+                    cause = await wakeup.wait(s.wakeup_fallback_s)
+                    continue
             try:
                 published = await self.tick()
             except Exception:
                 log.exception("poll scheduler round failed; retrying")
                 published = 0
+            self.rounds += 1
+            cause = None
             if published and self.claimed_all:
                 retried = False
                 continue  # the round was full: more may be due
-            try:
-                due_in_s = await rt.ledger.next_poll_due_in_s()
-            except Exception as exc:  # an outage: the fallback timer tries again
-                rt.report_failure("poll scheduler", exc)
-                due_in_s = None
+            due = await self._read_due()
+            due_in_s = None if due is None else due.poll_due_in_s
             if due_in_s is not None and due_in_s <= 0:
                 if not retried:  # due since the round's claim (or claimed by none yet): one more round at once
                     retried = True
@@ -124,7 +143,17 @@ class PollScheduler:
             elif due_in_s is not None:
                 wakeup.due_in(due_in_s)
             retried = False
-            await wakeup.wait(s.wakeup_fallback_s)
+            cause = await wakeup.wait(s.wakeup_fallback_s)
+
+    async def _read_due(self) -> SchedulerDue | None:
+        """When the ledger has work for this scheduler next; None after an outage (reported; the fallback tries
+        again)."""
+        s = self.rt.settings
+        try:
+            return await self.rt.ledger.next_due_in_s(s.submitting_stale_after_s, s.accepted_stale_after_s)
+        except Exception as exc:
+            self.rt.report_failure("poll scheduler", exc)
+            return None
 
     async def tick(self) -> int:
         """One scheduling round; returns the number of polls published. Never raises for outages."""
