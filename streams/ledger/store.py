@@ -652,9 +652,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         Returns the number of rows marked (0 when another relay holds the lock).
         """
         async with guard("relay outbox"), self.pool.acquire() as conn, conn.transaction():
-            if not await Q.try_relay_lock.fetchval(conn):
-                return 0
-            rows = await Q.lock_unpublished_outbox.fetch(
+            rows = await Q.lock_unpublished_outbox.fetch(  # none while another relay holds the relay lock
                 conn, batch_size=batch_size, skip_operation_ids=list(skip_operation_ids)
             )
             if not rows:

@@ -503,11 +503,6 @@ WHERE req.method = 'POST' AND req.remote_job_id IS NOT NULL AND req.outcome IN (
 ORDER BY req.remote_job_id, req.i
 ON CONFLICT (remote_job_id) DO NOTHING;
 
--- name: try_relay_lock
--- One relay publishes at a time (keeps each operation's events in order); transaction-scoped.
--- Returns true when this transaction holds the relay lock.
-SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'));
-
 -- name: lock_unpublished_outbox
 -- Every unpublished row, never "ids above the last one published": an id is taken when its transaction
 -- writes the row, so a lower id can commit after a higher one was published; it is picked up next round.
@@ -515,13 +510,21 @@ SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'));
 -- :skip_operation_ids (text[]): operations whose rows are left out (their Kafka partition is blocked: every row
 -- of one operation goes to one partition, so leaving all of them out keeps their order), so they do not fill the
 -- batch ahead of the others.
+-- One relay publishes at a time (keeps each operation's events in order): the statement first takes the relay's
+-- transaction-scoped advisory lock without waiting (a one-time filter, evaluated before any row is read or
+-- locked) and returns no row when another transaction holds it; the caller's transaction keeps the lock until
+-- it has marked what it published.
 -- :batch_size. Returns id, event_id, topic_role, operation_id, payload (text) and expires_at_ms (a delivered
--- output's, epoch ms, else NULL) in id order.
+-- output's, epoch ms, else NULL) in id order; no row when the outbox is drained or another relay holds the lock.
+WITH relay_lock AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay')) AS held
+)
 SELECT id, event_id, topic_role, operation_id, payload::text AS payload,
        CASE WHEN jsonb_typeof(payload -> 'expires_at_ms') = 'number' THEN (payload ->> 'expires_at_ms')::bigint
        END AS expires_at_ms
 FROM outbox
-WHERE published_at IS NULL AND NOT (operation_id = ANY(:skip_operation_ids::text[]))
+WHERE (SELECT held FROM relay_lock)
+  AND published_at IS NULL AND NOT (operation_id = ANY(:skip_operation_ids::text[]))
 ORDER BY id
 LIMIT :batch_size
 FOR UPDATE SKIP LOCKED;
