@@ -54,6 +54,9 @@ class PipelineLedger(Protocol):
     async def claim_due_polls(
         self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None
     ) -> list[DuePoll]: ...
+    async def claim_due_polls_and_next(
+        self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None
+    ) -> tuple[list[DuePoll], float | None]: ...
     async def next_poll_due_in_s(self) -> float | None: ...
     async def claim_for_observe(
         self, operation_id: str, poll_claim_id: int, claim_id: uuid.UUID | None = None
