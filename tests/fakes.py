@@ -407,6 +407,13 @@ class InMemoryLedger(WaitsOutOutages):
         ]
         return SchedulerDue(min(due) - self._t if due else None, min(stale) - self._t if stale else None)
 
+    async def claim_due_polls_and_next(
+        self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None
+    ) -> tuple[list[DuePoll], float | None]:
+        polls = await self.claim_due_polls(batch_size, visibility_timeout_s, bound)
+        due = [o.next_poll_at for o in self.operations.values() if o.state in POLLABLE and o.next_poll_at is not None]
+        return polls, (min(due) - self._t if due else None)
+
     async def claim_due_polls(
         self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None
     ) -> list[DuePoll]:

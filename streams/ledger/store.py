@@ -278,6 +278,15 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         """Claim at most ``batch_size`` due polls, oldest due first, skipping rows other transactions hold; each
         comes back by itself after ``visibility_timeout_s`` unless an observer takes it sooner. With ``bound``,
         fewer (or none) so the polls claimed and not yet taken stay within it (:class:`ClaimBound`)."""
+        polls, _ = await self.claim_due_polls_and_next(batch_size, visibility_timeout_s, bound)
+        return polls
+
+    async def claim_due_polls_and_next(
+        self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None
+    ) -> tuple[list[DuePoll], float | None]:
+        """:meth:`claim_due_polls` and, in the same statement, what :meth:`next_poll_due_in_s` would read once the
+        claim committed: (the polls claimed, seconds until the earliest poll is due, negative when one is due
+        still, None when no operation is pollable)."""
         async with guard("claim due polls"):
             rows = await Q.claim_due_polls.fetch(
                 self.pool,
@@ -287,7 +296,13 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
                 pace_window_s=bound.pace_window_s if bound else 1.0,
                 take_target_s=bound.take_target_s if bound else 0.0,
             )
-        return [DuePoll(r["operation_id"], r["remote_job_id"], r["poll_claim_id"], r["claimed_at_ms"]) for r in rows]
+        polls = [
+            DuePoll(r["operation_id"], r["remote_job_id"], r["poll_claim_id"], r["claimed_at_ms"])
+            for r in rows
+            if r["operation_id"] is not None
+        ]
+        due_in_s: float | None = rows[-1]["due_in_s"]  # the last row: operation_id NULL, always there
+        return polls, due_in_s
 
     async def next_poll_due_in_s(self) -> float | None:
         """Seconds until the earliest poll of any pollable operation is due (negative: one is due now), None when
@@ -672,9 +687,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         Returns the number of rows marked (0 when another relay holds the lock).
         """
         async with guard("relay outbox"), self.pool.acquire() as conn, conn.transaction():
-            if not await Q.try_relay_lock.fetchval(conn):
-                return 0
-            rows = await Q.lock_unpublished_outbox.fetch(
+            rows = await Q.lock_unpublished_outbox.fetch(  # none while another relay holds the relay lock
                 conn, batch_size=batch_size, skip_operation_ids=list(skip_operation_ids)
             )
             if not rows:

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.integration
 
 CHROMIUM = Path("/usr/bin/chromium")
 TERMINAL = ("succeeded", "failed", "canceled", "rejected")
-#: The relay's advisory lock (streams/ledger/queries/ledger.sql, try_relay_lock): holding it keeps the outbox still.
+#: The outbox relay's advisory lock (streams/ledger/queries/ledger.sql): holding it keeps the outbox still.
 #: The live view's bearer token in these tests (STREAMS_WEB_AUTH_TOKEN).
 TOKEN = "live-view-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

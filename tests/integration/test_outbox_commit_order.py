@@ -106,3 +106,32 @@ async def test_concurrent_writers_with_random_commit_delays_lose_no_outbox_row(
     published = await published_event_ids(settings, prefix)
     print(f"{ids_out_of_commit_order} of {len(inserted)} rows committed after a higher id was published")
     assert sorted(published) == sorted(inserted)
+
+
+#: The relay's advisory lock (ledger.sql lock_unpublished_outbox), taken as another relay's transaction would.
+RELAY_LOCK = "SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'))"
+
+
+async def test_relay_publishes_nothing_and_locks_no_row_while_another_relay_holds_the_lock(
+    runtime: Runtime, pool: asyncpg.Pool
+) -> None:
+    op = f"held-{uuid.uuid4().hex[:6]}"
+    relay = OutboxRelay(runtime)
+    await relay.tick()
+    await pool.execute(ACCEPT, op)
+    row_id = await pool.fetchval("SELECT id FROM outbox WHERE operation_id=$1", op)
+    published: list[list[int]] = []
+
+    async def publish(rows: list[dict[str, object]]) -> None:
+        published.append([int(str(r["id"])) for r in rows])
+
+    async with pool.acquire() as other:
+        async with other.transaction():
+            assert await other.fetchval(RELAY_LOCK) is True
+            assert await runtime.ledger.relay_outbox(100, publish) == 0
+            assert published == []
+            # the refused relay's statement locked no outbox row: a writer can take the row at once
+            assert await other.fetchval("SELECT id FROM outbox WHERE id=$1 FOR UPDATE NOWAIT", row_id) == row_id
+        assert await runtime.ledger.relay_outbox(100, publish) == 1  # the lock released with its transaction
+    assert published == [[row_id]]
+    assert await pool.fetchval("SELECT published_at IS NOT NULL FROM outbox WHERE id=$1", row_id)

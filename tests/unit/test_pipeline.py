@@ -345,6 +345,21 @@ async def test_no_polls_claimed_while_redis_is_down(pipeline: Callable[..., Pipe
     assert await p.scheduler.tick() == 1
 
 
+async def test_a_round_that_claims_reads_the_next_poll_due_in_its_claim(pipeline: Callable[..., Pipeline]) -> None:
+    p = pipeline(Provider(posts=[created(poll_after_ms=2000)]))
+    await p.dispatcher.handle(submission())
+    assert await p.scheduler.tick() == 0
+    assert p.scheduler.next_due is not None  # read by the claim: run() sleeps on it
+    assert p.scheduler.next_due[0] == pytest.approx(2.0, abs=0.5)
+    p.ledger.advance(2.0)
+    assert await p.scheduler.tick() == 1
+    assert p.scheduler.next_due is not None
+    assert p.scheduler.next_due[0] == pytest.approx(p.rt.settings.visibility_timeout_s, abs=0.5)
+    p.redis.connected = False  # no claim made: nothing read, run() asks the ledger itself
+    assert await p.scheduler.tick() == 0
+    assert p.scheduler.next_due is None
+
+
 async def test_stale_submitting_becomes_uncertain_only_past_the_window(pipeline: Callable[..., Pipeline]) -> None:
     p = pipeline()
     await p.ledger.accept(OP, REQUEST, submitted_at_ms=1)

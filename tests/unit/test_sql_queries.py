@@ -110,7 +110,6 @@ EXPECTED = {
         "note_not_found",
         "note_poll_setback",
         "record_remote_call",
-        "try_relay_lock",
         "lock_unpublished_outbox",
         "mark_outbox_published",
         "stale_accepted",

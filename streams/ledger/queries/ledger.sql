@@ -178,8 +178,12 @@ RETURNING o.operation_id;
 -- most the larger of :least_in_flight and the polls observers took in the last :pace_window_s seconds scaled to
 -- :take_target_s seconds.
 -- :batch_size, :visibility_timeout_s visibility timeout (s), :least_in_flight (polls; NULL: no bound),
--- :pace_window_s (s), :take_target_s (s). Returns operation_id, remote_job_id, poll_claim_id and claimed_at_ms (the
--- claim's now(), epoch ms of the database's clock: the poll record's claimed_at_ms, never a worker's own clock).
+-- :pace_window_s (s), :take_target_s (s). Returns one row per poll claimed: operation_id, remote_job_id,
+-- poll_claim_id and claimed_at_ms (the claim's now(), epoch ms of the database's clock: the poll record's
+-- claimed_at_ms, never a worker's own clock), due_in_s NULL; then one last row, operation_id NULL, whose due_in_s
+-- is the scheduler's sleep as next_poll_due_in_s would read it once this claim committed (seconds to the earliest
+-- next_poll_at of a pollable operation, the polls claimed here counted at their new one; negative when one is due
+-- still, e.g. a row another transaction held; NULL when none is pollable), so a round costs one statement.
 WITH flow AS (
     SELECT (SELECT count(*) FROM operations
             WHERE poll_taken_at > now() - make_interval(secs => :pace_window_s)) AS taken,
@@ -187,20 +191,32 @@ WITH flow AS (
             WHERE poll_claimed_at > now() - make_interval(secs => :visibility_timeout_s)
               AND state IN ('submitted', 'queued', 'running')) AS claimed
     WHERE :least_in_flight::int IS NOT NULL
+), claimed AS (
+    UPDATE operations AS o
+    SET next_poll_at = now() + make_interval(secs => :visibility_timeout_s),
+        poll_claim_id = o.poll_claim_id + 1,
+        poll_claimed_at = now()
+    FROM (SELECT operation_id FROM operations
+          WHERE state IN ('submitted', 'queued', 'running') AND next_poll_at <= now()
+          ORDER BY next_poll_at
+          LIMIT COALESCE((SELECT LEAST(:batch_size, GREATEST(0, GREATEST(:least_in_flight::int,
+                                       ceil(taken * :take_target_s::float8 / :pace_window_s::float8)::int) - claimed))
+                          FROM flow), :batch_size)
+          FOR UPDATE SKIP LOCKED) AS due
+    WHERE o.operation_id = due.operation_id
+    RETURNING o.operation_id, o.remote_job_id, o.poll_claim_id
 )
-UPDATE operations AS o
-SET next_poll_at = now() + make_interval(secs => :visibility_timeout_s),
-    poll_claim_id = o.poll_claim_id + 1,
-    poll_claimed_at = now()
-FROM (SELECT operation_id FROM operations
-      WHERE state IN ('submitted', 'queued', 'running') AND next_poll_at <= now()
-      ORDER BY next_poll_at
-      LIMIT COALESCE((SELECT LEAST(:batch_size, GREATEST(0, GREATEST(:least_in_flight::int,
-                                   ceil(taken * :take_target_s::float8 / :pace_window_s::float8)::int) - claimed))
-                      FROM flow), :batch_size)
-      FOR UPDATE SKIP LOCKED) AS due
-WHERE o.operation_id = due.operation_id
-RETURNING o.operation_id, o.remote_job_id, o.poll_claim_id, floor(extract(epoch FROM now()) * 1000)::bigint AS claimed_at_ms;
+SELECT operation_id, remote_job_id, poll_claim_id, floor(extract(epoch FROM now()) * 1000)::bigint AS claimed_at_ms,
+       NULL::float8 AS due_in_s
+FROM claimed
+UNION ALL
+SELECT NULL, NULL, NULL, NULL,
+       extract(epoch FROM LEAST(
+           (SELECT min(next_poll_at) FROM operations
+            WHERE state IN ('submitted', 'queued', 'running')
+              AND operation_id NOT IN (SELECT operation_id FROM claimed)),
+           (SELECT now() + make_interval(secs => :visibility_timeout_s) WHERE EXISTS (SELECT 1 FROM claimed))
+       ) - now())::float8;
 
 -- name: next_poll_due_in_s
 -- The poll scheduler's sleep: seconds from now until the earliest next_poll_at of a pollable operation (a claimed
@@ -526,11 +542,6 @@ WHERE req.method = 'POST' AND req.remote_job_id IS NOT NULL AND req.outcome IN (
 ORDER BY req.remote_job_id, req.i
 ON CONFLICT (remote_job_id) DO NOTHING;
 
--- name: try_relay_lock
--- One relay publishes at a time (keeps each operation's events in order); transaction-scoped.
--- Returns true when this transaction holds the relay lock.
-SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'));
-
 -- name: lock_unpublished_outbox
 -- Every unpublished row, never "ids above the last one published": an id is taken when its transaction
 -- writes the row, so a lower id can commit after a higher one was published; it is picked up next round.
@@ -538,13 +549,21 @@ SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'));
 -- :skip_operation_ids (text[]): operations whose rows are left out (their Kafka partition is blocked: every row
 -- of one operation goes to one partition, so leaving all of them out keeps their order), so they do not fill the
 -- batch ahead of the others.
+-- One relay publishes at a time (keeps each operation's events in order): the statement first takes the relay's
+-- transaction-scoped advisory lock without waiting (a one-time filter, evaluated before any row is read or
+-- locked) and returns no row when another transaction holds it; the caller's transaction keeps the lock until
+-- it has marked what it published.
 -- :batch_size. Returns id, event_id, topic_role, operation_id, payload (text) and expires_at_ms (a delivered
--- output's, epoch ms, else NULL) in id order.
+-- output's, epoch ms, else NULL) in id order; no row when the outbox is drained or another relay holds the lock.
+WITH relay_lock AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay')) AS held
+)
 SELECT id, event_id, topic_role, operation_id, payload::text AS payload,
        CASE WHEN jsonb_typeof(payload -> 'expires_at_ms') = 'number' THEN (payload ->> 'expires_at_ms')::bigint
        END AS expires_at_ms
 FROM outbox
-WHERE published_at IS NULL AND NOT (operation_id = ANY(:skip_operation_ids::text[]))
+WHERE (SELECT held FROM relay_lock)
+  AND published_at IS NULL AND NOT (operation_id = ANY(:skip_operation_ids::text[]))
 ORDER BY id
 LIMIT :batch_size
 FOR UPDATE SKIP LOCKED;

@@ -100,6 +100,9 @@ class PollScheduler:
         #: Rounds run, and fallback wake-ups that found no work due in the ledger and so ran none.
         self.rounds = 0
         self.skipped_rounds = 0
+        #: What the last round's claim read of the next poll due (:meth:`Ledger.claim_due_polls_and_next`), or
+        #: None when the round made no claim (then :meth:`run` reads it).
+        self.next_due: tuple[float | None] | None = None
 
     async def run(self) -> None:
         """Scheduling rounds back to back while they claim full batches; between them, sleep until the next poll is
@@ -133,8 +136,11 @@ class PollScheduler:
             if published and self.claimed_all:
                 retried = False
                 continue  # the round was full: more may be due
-            due = await self._read_due()
-            due_in_s = None if due is None else due.poll_due_in_s
+            if self.next_due is not None:  # read by the round's claim, in the same statement
+                (due_in_s,) = self.next_due
+            else:
+                due = await self._read_due()
+                due_in_s = None if due is None else due.poll_due_in_s
             if due_in_s is not None and due_in_s <= 0:
                 if not retried:  # due since the round's claim (or claimed by none yet): one more round at once
                     retried = True
@@ -158,6 +164,7 @@ class PollScheduler:
     async def tick(self) -> int:
         """One scheduling round; returns the number of polls published. Never raises for outages."""
         rt = self.rt
+        self.next_due = None
         if not await rt.leases.healthy():
             metrics.COORDINATION_UNAVAILABLE.labels("schedule").inc()
             rt.log_outage("Redis", Exception("PING failed; not claiming polls"))
@@ -166,7 +173,10 @@ class PollScheduler:
             await self._maybe_reconcile()
             limit = await self._claim_limit()
             vt_s = rt.settings.visibility_timeout_s
-            polls = await rt.ledger.claim_due_polls(limit, vt_s, claim_bound(rt.settings)) if limit else []
+            polls: list[DuePoll] = []
+            if limit:
+                polls, due_in_s = await rt.ledger.claim_due_polls_and_next(limit, vt_s, claim_bound(rt.settings))
+                self.next_due = (due_in_s,)
             self.claimed_all = bool(polls) and len(polls) == limit
             await rt.budget.refund(BudgetKind.CLAIMS, limit - len(polls))  # a no-op when not paced or all used
         except Exception as exc:  # classified by type: an outage waits for the next tick, a bug is logged loudly
