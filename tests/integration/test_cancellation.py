@@ -232,7 +232,12 @@ async def test_a_cancel_of_a_polled_job_calls_the_provider_before_its_next_poll(
     """A job polled every 30 s, its worker's scheduler asleep (no fallback within the test): the cancellation makes
     the poll due and wakes the scheduler, so the provider sees the cancel call long before the next poll."""
     await simulator.configure(compression=1.0, queue_ms=600_000, poll_max_ms=200)  # queued all along
-    s = settings.replace(poll_min_delay_s=LONG_POLL_S, poll_backoff_cap_s=LONG_POLL_S, wakeup_fallback_s=3600.0)
+    s = settings.replace(
+        poll_min_delay_s=LONG_POLL_S,
+        poll_backoff_cap_s=LONG_POLL_S,
+        wakeup_fallback_s=3600.0,
+        wakeup_listening_fallback_s=3600.0,
+    )
     rt = await Runtime.create(s, kafka_send, worker="cancel-worker")
     woken = metrics.WAKEUPS.labels("schedule_polls", CANCEL)
     try:
