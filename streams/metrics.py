@@ -173,6 +173,10 @@ SUBMISSION_RESENDS = Counter(
     "Submissions sent again by a new producer after a failed batch (ledger accepts an operation id once).",
     ["reason"],
 )
+WEB_CONNECTIONS_REFUSED = Counter(
+    "streams_web_connections_refused_total",
+    "Connections to the worker's web server answered 503 at once: it held web_max_connections already.",
+)
 KAFKA_PARTITIONS_BLOCKED = Gauge(
     "streams_kafka_partitions_blocked",
     "1 while a product topic's partition has no leader in this worker's metadata (its writes wait), else 0.",
