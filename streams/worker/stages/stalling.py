@@ -27,6 +27,7 @@ from streams import metrics
 from streams.errors import RemoteError, RemoteJobNotFoundError, RemoteUnknownStatusError
 from streams.ledger.records import ObserveClaim
 from streams.model.answers import clean_text
+from streams.model.codes import ReasonCode
 from streams.model.states import OperationState
 from streams.worker.runtime import Runtime
 
@@ -102,8 +103,14 @@ class StallGuard:
         )
 
         async def note() -> OperationState | None:
-            noted = await rt.ledger.note_unknown_status(
-                operation_id, claim.fencing_token, limit, next_poll_delay_s, reason, exc.answer
+            noted = await rt.ledger.note_poll_setback(
+                operation_id,
+                claim.fencing_token,
+                ReasonCode.UNKNOWN_STATUS,
+                limit,
+                next_poll_delay_s,
+                reason,
+                exc.answer,
             )
             return None if noted is None else noted[0]
 
@@ -126,8 +133,14 @@ class StallGuard:
         )
 
         async def note() -> OperationState | None:
-            noted = await rt.ledger.note_failed_poll(
-                operation_id, claim.fencing_token, limit, next_poll_delay_s, reason, last_answer
+            noted = await rt.ledger.note_poll_setback(
+                operation_id,
+                claim.fencing_token,
+                ReasonCode.POLL_FAILURES,
+                limit,
+                next_poll_delay_s,
+                reason,
+                last_answer,
             )
             return None if noted is None else noted[0]
 
