@@ -38,13 +38,19 @@ def sandbox(tmp_path: Path, *, main_job_rc: int, promtool_finishes: bool, test_r
     )
     if promtool_finishes:
         stub(scripts / "promtool", 'echo "promtool $*" >>"$LOG"')
-    else:  # a build still running when the run fails
+    else:  # a build still running when the run fails: it says so once its TERM trap is set
         stub(
             scripts / "promtool",
-            'echo "promtool $*" >>"$LOG"\ntrap \'echo "promtool stopped" >>"$LOG"; exit 143\' TERM\n'
+            'trap \'echo "promtool stopped" >>"$LOG"; exit 143\' TERM\necho "promtool $*" >>"$LOG"\n'
             "while true; do sleep 0.05; done",
         )
-    stub(scripts / "main-job", f'echo "main-job $*" >>"$LOG"\nexit {main_job_rc}')
+    # The main job ends once the promtool build is under way (at most 10 s).
+    stub(
+        scripts / "main-job",
+        f'echo "main-job $*" >>"$LOG"\n'
+        'for _ in $(seq 200); do grep -q "^promtool path" "$LOG" && break; sleep 0.05; done\n'
+        f"exit {main_job_rc}",
+    )
     stub(scripts / "test", f'echo "test $*" >>"$LOG"\nexit {test_rc}')
     for name in ("wheel-check", "compose-cli", "chromium"):
         stub(scripts / name, f'echo "{name} $*" >>"$LOG"')
