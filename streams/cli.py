@@ -578,24 +578,32 @@ async def _actor(pool: asyncpg.Pool, given: str | None) -> str:
     return operators.actor(await database_role(pool), operators.os_user(), operators.given_actor(given))
 
 
-def _decide(decide: Callable[[Ledger, str], Awaitable[OperatorMove]], actor: str | None, as_json: bool) -> None:
-    """Run one operator's decision (a fenced ledger statement) and print what was written; a refusal exits with
-    EXIT_REFUSED, an unknown operation with EXIT_UNKNOWN_OPERATION. Only ``adopt`` calls the remote API (one GET
-    of the job, its provider check)."""
+def _as_operator(actor: str | None, act: Callable[[asyncpg.Pool, str], Awaitable[T]]) -> tuple[T, str]:
+    """``act(pool, who)`` on a pool of the ledger, ``who`` the operator's actor (:func:`_actor`), and ``who``; an
+    unknown operation exits with EXIT_UNKNOWN_OPERATION, a refused action with EXIT_REFUSED ("nothing was
+    written")."""
     from streams.errors import OperatorActionRefusedError, UnknownOperationError
-    from streams.ledger.store import Ledger
-    from streams.oncall import operations as operators
 
-    async def run(pool: asyncpg.Pool) -> tuple[OperatorMove, str]:
+    async def run(pool: asyncpg.Pool) -> tuple[T, str]:
         who = await _actor(pool, actor)
-        return await decide(Ledger(pool, who), who), who
+        return await act(pool, who), who
 
     try:
-        move, who = asyncio.run(_with_pool(_settings(), run))
+        return asyncio.run(_with_pool(_settings(), run))
     except UnknownOperationError as exc:
         raise CommandExit(str(exc), EXIT_UNKNOWN_OPERATION) from exc
     except OperatorActionRefusedError as exc:
         raise CommandExit(f"{exc}; nothing was written", EXIT_REFUSED) from exc
+
+
+def _decide(decide: Callable[[Ledger, str], Awaitable[OperatorMove]], actor: str | None, as_json: bool) -> None:
+    """Run one operator's decision (a fenced ledger statement) and print what was written; a refusal exits with
+    EXIT_REFUSED, an unknown operation with EXIT_UNKNOWN_OPERATION. Only ``adopt`` calls the remote API (one GET
+    of the job, its provider check)."""
+    from streams.ledger.store import Ledger
+    from streams.oncall import operations as operators
+
+    move, who = _as_operator(actor, lambda pool, who: decide(Ledger(pool, who), who))
     if as_json:
         _echo_json({**dataclasses.asdict(move), "actor": who})
     else:
@@ -700,20 +708,9 @@ def forget(operation_id: str, reason: str, actor: str | None, as_json: bool) -> 
     published outbox rows), recording who, when and why in the ledger's erasures. Its state, transition log and
     accounting stay. Refused (exit 3) while it is not terminal or an outbox row of it is unpublished. Copies
     already on Kafka topics (submissions, outputs, dead letters) go with the topics' retention."""
-    from streams.errors import OperatorActionRefusedError, UnknownOperationError
-    from streams.ledger.retention import Erasure
     from streams.ledger.retention import forget as erase
 
-    async def run(pool: asyncpg.Pool) -> tuple[Erasure, str]:
-        who = await _actor(pool, actor)
-        return await erase(pool, operation_id, reason, who), who
-
-    try:
-        erasure, who = asyncio.run(_with_pool(_settings(), run))
-    except UnknownOperationError as exc:
-        raise CommandExit(str(exc), EXIT_UNKNOWN_OPERATION) from exc
-    except OperatorActionRefusedError as exc:
-        raise CommandExit(f"{exc}; nothing was written", EXIT_REFUSED) from exc
+    erasure, who = _as_operator(actor, lambda pool, who: erase(pool, operation_id, reason, who))
     if as_json:
         _echo_json({**dataclasses.asdict(erasure), "actor": who})
     else:

@@ -515,6 +515,18 @@ class Settings(ExplicitSettings):
         2.0, description="Seconds /readyz waits for each service's answer before it reports it unavailable."
     )
 
+    # The web server's bounds (streams.oncall.webserver, docs/operations-http-and-alerts.md).
+    web_max_connections: PositiveInt = Field(
+        256,
+        description="Connections the worker's web server holds at once; a connection beyond them is answered 503 "
+        "at once and closed.",
+    )
+    web_header_timeout_s: Seconds = Field(
+        10.0,
+        description="Seconds a connection to the web server has to send a request's headers (and may stay idle "
+        "between two requests) before it is closed.",
+    )
+
     # Edges toward the provider (docs/provider-edges.md).
     # An answer over remote_answer_max_bytes is classified: a POST's -> ``uncertain`` (a job may exist), a GET's
     # -> another poll with backoff, counted as a failed poll. A longer ``Retry-After`` than
@@ -677,6 +689,7 @@ class Settings(ExplicitSettings):
             "redis_connect_timeout_s",
             "web_snapshot_interval_s",
             "web_probe_timeout_s",
+            "web_header_timeout_s",
             "clock_check_interval_s",
             "wakeup_fallback_s",
         ):

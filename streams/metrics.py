@@ -4,17 +4,21 @@ Counters count this process's events since it started; every counter is exported
 known label value (:func:`preinitialise`), so a rate and an alert see the series before its first event. The
 gauges are the figures of the worker's periodic snapshot (:mod:`streams.oncall.snapshot`, every
 ``web_snapshot_interval_s``): the ledger's and Kafka's state, the same in every worker.
-Names and units follow the Prometheus conventions (``_total``, ``_seconds``).
+Names and units follow the Prometheus conventions (``_total``, ``_seconds``). No ``_created`` series: they would
+double the page (one per counter and histogram child) and no rule or dashboard reads them; disabled at import,
+before any metric is made (``prometheus_client.disable_created_metrics``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
 from streams.model.codes import CallbackRefusal, RemoteCallOutcome
 from streams.model.states import OperationState
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
 
 FENCING_REFUSALS = Counter(
     "streams_fencing_refusals_total",
@@ -169,6 +173,10 @@ SUBMISSION_RESENDS = Counter(
     "streams_submission_resends_total",
     "Submissions sent again by a new producer after a failed batch (ledger accepts an operation id once).",
     ["reason"],
+)
+WEB_CONNECTIONS_REFUSED = Counter(
+    "streams_web_connections_refused_total",
+    "Connections to the worker's web server answered 503 at once: it held web_max_connections already.",
 )
 KAFKA_PARTITIONS_BLOCKED = Gauge(
     "streams_kafka_partitions_blocked",

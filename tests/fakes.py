@@ -49,7 +49,7 @@ from streams.ledger.records import (
 )
 from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
-from streams.model.codes import ReasonCode, RemoteCallOutcome
+from streams.model.codes import POLL_SETBACKS, ReasonCode, RemoteCallOutcome
 from streams.model.states import POLLABLE, OperationState, can_transition, is_terminal
 from streams.remote.client import RemoteClient
 from streams.wire import exactjson
@@ -595,66 +595,34 @@ class InMemoryLedger(WaitsOutOutages):
         self._write(op, poll_count=op.poll_count + 1, updated_by=self.worker, **changes)
         return self.operations[operation_id].state
 
-    @waits_out_outages("note unknown status")
-    async def note_unknown_status(
+    @waits_out_outages("note poll setback")
+    async def note_poll_setback(
         self,
         operation_id: str,
         fencing_token: int,
+        setback: ReasonCode,
         limit: int,
         next_poll_delay_s: float,
         reason: str,
         answer: dict[str, Any],
     ) -> tuple[OperationState, int] | None:
-        self._call(f"note unknown status for {operation_id}")
+        if setback not in POLL_SETBACKS:
+            raise ValueError(f"note_poll_setback: {setback} is not a poll setback (one of {sorted(POLL_SETBACKS)})")
+        self._call(f"note poll setback ({setback}) for {operation_id}")
         op = self._fenced(operation_id, fencing_token, POLLABLE)
         if op is None:
             return None
-        count = op.unknown_status_count + 1
-        if count >= limit:
-            changes: dict[str, Any] = {
-                "state": S.STALLED,
-                "reason": clean_text(reason),
-                "reason_code": ReasonCode.UNKNOWN_STATUS,
-                "next_poll_at": None,
-            }
-        else:
-            changes = {"next_poll_at": self._t + next_poll_delay_s}
-        self._write(
-            op,
-            last_observation=answer,
-            unknown_status_count=count,
-            poll_count=op.poll_count + 1,
-            updated_by=self.worker,
-            **changes,
+        unknown = setback is ReasonCode.UNKNOWN_STATUS
+        count = (op.unknown_status_count if unknown else op.failed_poll_count) + 1
+        changes: dict[str, Any] = (
+            {"state": S.STALLED, "reason": clean_text(reason), "reason_code": setback, "next_poll_at": None}
+            if count >= limit
+            else {"next_poll_at": self._t + next_poll_delay_s}
         )
-        return self.operations[operation_id].state, count
-
-    @waits_out_outages("note failed poll")
-    async def note_failed_poll(
-        self,
-        operation_id: str,
-        fencing_token: int,
-        limit: int,
-        next_poll_delay_s: float,
-        reason: str,
-        last_answer: dict[str, Any],
-    ) -> tuple[OperationState, int] | None:
-        self._call(f"note failed poll for {operation_id}")
-        op = self._fenced(operation_id, fencing_token, POLLABLE)
-        if op is None:
-            return None
-        count = op.failed_poll_count + 1
-        if count >= limit:
-            changes: dict[str, Any] = {
-                "state": S.STALLED,
-                "reason": clean_text(reason),
-                "reason_code": ReasonCode.POLL_FAILURES,
-                "next_poll_at": None,
-                "last_observation": last_answer,
-            }
-        else:
-            changes = {"next_poll_at": self._t + next_poll_delay_s}
-        self._write(op, failed_poll_count=count, poll_count=op.poll_count + 1, updated_by=self.worker, **changes)
+        if unknown or count >= limit:  # an unknown status is an observation; a failure's answer is kept at the end
+            changes["last_observation"] = answer
+        changes["unknown_status_count" if unknown else "failed_poll_count"] = count
+        self._write(op, poll_count=op.poll_count + 1, updated_by=self.worker, **changes)
         return self.operations[operation_id].state, count
 
     async def claim_due_lookups(self, batch_size: int, lag_s: float, visibility_timeout_s: float) -> list[LookupClaim]:

@@ -79,23 +79,15 @@ class PipelineLedger(Protocol):
         reason: str,
         answer: dict[str, Any],
     ) -> OperationState | None: ...
-    async def note_unknown_status(
+    async def note_poll_setback(
         self,
         operation_id: str,
         fencing_token: int,
+        setback: ReasonCode,
         limit: int,
         next_poll_delay_s: float,
         reason: str,
         answer: dict[str, Any],
-    ) -> tuple[OperationState, int] | None: ...
-    async def note_failed_poll(
-        self,
-        operation_id: str,
-        fencing_token: int,
-        limit: int,
-        next_poll_delay_s: float,
-        reason: str,
-        last_answer: dict[str, Any],
     ) -> tuple[OperationState, int] | None: ...
     async def claim_due_lookups(
         self, batch_size: int, lag_s: float, visibility_timeout_s: float

@@ -37,7 +37,7 @@ from streams.ledger.sql import CALLBACKS, CANCELLATIONS, RECONCILE
 from streams.ledger.sql import LEDGER as Q
 from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
-from streams.model.codes import ReasonCode, RemoteCallOutcome
+from streams.model.codes import POLL_SETBACKS, ReasonCode, RemoteCallOutcome
 from streams.model.states import OperationState, is_terminal
 from streams.wire import exactjson
 
@@ -430,78 +430,30 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             )
         return None if state is None else OperationState(state)
 
-    @waits_out_outages("note unknown status")
-    async def note_unknown_status(
+    @waits_out_outages("note poll setback")
+    async def note_poll_setback(
         self,
         operation_id: str,
         fencing_token: int,
-        limit: int,
-        next_poll_delay_s: float,
-        reason: str,
-        answer: dict[str, Any],
-    ) -> tuple[OperationState, int] | None:
-        """Fenced: the job's GET answered a status the client does not know (``answer`` becomes the last
-        observation). The ``limit``-th in a row makes the operation ``stalled`` with ``reason``; before that the
-        poll is rescheduled ``next_poll_delay_s`` out.
-
-        Returns (state afterwards, unknown statuses in a row), None when refused.
-        """
-        return await self._note_poll_setback(
-            "note unknown status",
-            ReasonCode.UNKNOWN_STATUS,
-            operation_id,
-            fencing_token,
-            limit,
-            next_poll_delay_s,
-            reason,
-            answer,
-        )
-
-    @waits_out_outages("note failed poll")
-    async def note_failed_poll(
-        self,
-        operation_id: str,
-        fencing_token: int,
-        limit: int,
-        next_poll_delay_s: float,
-        reason: str,
-        last_answer: dict[str, Any],
-    ) -> tuple[OperationState, int] | None:
-        """Fenced: the job's GET failed (counted as a poll, so the backoff grows). The ``limit``-th failure in a
-        row makes the operation ``stalled`` with ``reason`` and ``last_answer``; before that the poll is
-        rescheduled ``next_poll_delay_s`` out.
-
-        Returns (state afterwards, failed polls in a row), None when refused.
-        """
-        return await self._note_poll_setback(
-            "note failed poll",
-            ReasonCode.POLL_FAILURES,
-            operation_id,
-            fencing_token,
-            limit,
-            next_poll_delay_s,
-            reason,
-            last_answer,
-        )
-
-    async def _note_poll_setback(
-        self,
-        what: str,
         setback: ReasonCode,
-        operation_id: str,
-        fencing_token: int,
         limit: int,
         next_poll_delay_s: float,
         reason: str,
         answer: dict[str, Any],
     ) -> tuple[OperationState, int] | None:
-        """Fenced: a poll without a usable observation, of the kind ``setback`` (``UNKNOWN_STATUS`` or
-        ``POLL_FAILURES``; ledger.sql ``note_poll_setback`` states what each keeps); ``what`` names the operation
-        in errors.
+        """Fenced: a poll without a usable observation, of the kind ``setback`` (counted as a poll, so the backoff
+        grows): ``UNKNOWN_STATUS``, the GET answered a status the client does not know (``answer`` becomes the last
+        observation), or ``POLL_FAILURES``, the GET failed (``answer`` kept only when it stalls). The
+        ``limit``-th setback of that kind in a row makes the operation ``stalled`` with ``reason`` and ``setback``
+        as its code; before that the poll is rescheduled ``next_poll_delay_s`` out (ledger.sql
+        ``note_poll_setback``).
 
-        Returns (state afterwards, setbacks of that kind in a row), None when refused.
+        Returns (state afterwards, setbacks of that kind in a row), None when refused. Raises ValueError for a
+        ``setback`` outside :data:`~streams.model.codes.POLL_SETBACKS`.
         """
-        async with guard(f"{what} for {operation_id}"):
+        if setback not in POLL_SETBACKS:
+            raise ValueError(f"note_poll_setback: {setback} is not a poll setback (one of {sorted(POLL_SETBACKS)})")
+        async with guard(f"note poll setback ({setback}) for {operation_id}"):
             row = await Q.note_poll_setback.fetchrow(
                 self.pool,
                 operation_id=operation_id,

@@ -122,6 +122,11 @@ class ReasonCode(enum.StrEnum):
     CANCELED_BEFORE_SUBMIT = "canceled_before_submit"  # canceled: asked before the claim, no POST sent
 
 
+#: The setbacks a poll without a usable observation counts (``Ledger.note_poll_setback``): each kind has its own
+#: count in a row, and the limit-th makes the operation ``stalled`` with that reason code.
+POLL_SETBACKS = frozenset({ReasonCode.UNKNOWN_STATUS, ReasonCode.POLL_FAILURES})
+
+
 class CallbackRefusal(enum.StrEnum):
     """Why a completion callback was refused (docs/callbacks.md): the bounded ``reason`` label of
     ``streams_callbacks_refused_total``. Not stored in the ledger (a refused delivery records nothing)."""

@@ -24,7 +24,8 @@ a loop
   ``web_snapshot_interval_s``: the gauges of ``/metrics`` and the live view's figures.
 * Web (``web_bind``:``web_port``): ``GET /metrics`` (Prometheus text), the probes ``GET /livez`` and ``GET /readyz``
   (``/healthz``: the same as ``/readyz``), and the live view (:mod:`streams.oncall.liveview`); access and headers
-  by :mod:`streams.oncall.webaccess`. Faust's own pages are off. With ``callbacks_enabled``: ``POST
+  by :mod:`streams.oncall.webaccess`, connections bounded by :mod:`streams.oncall.webserver`
+  (``web_max_connections``, ``web_header_timeout_s``). Faust's own pages are off. With ``callbacks_enabled``: ``POST
   <callback_path>``, the provider's completion callbacks (:mod:`streams.worker.stages.callbacks`, signed, not behind
   the web credentials), which wake the ``schedule_polls`` task.
 
@@ -58,6 +59,7 @@ import tenacity
 from aiohttp import web
 from faust.transport.drivers.aiokafka import Consumer as FaustKafkaConsumer
 from faust.transport.drivers.aiokafka import Producer as FaustKafkaProducer
+from faust.web.drivers.aiohttp import Web as FaustAiohttpWeb
 from prometheus_client import generate_latest
 
 from streams import logs, metrics
@@ -69,6 +71,7 @@ from streams.model.answers import clean_text
 from streams.oncall import webaccess
 from streams.oncall.liveview import register_pages
 from streams.oncall.snapshot import Snapshot, Snapshotter
+from streams.oncall.webserver import CappedRunner
 from streams.outages import classify, is_outage
 from streams.retrying import failure_of, first_attempt_plain
 from streams.worker.clock import ClockCheck
@@ -313,9 +316,27 @@ class _SeekingConsumer(FaustKafkaConsumer):
         return committed
 
 
+class _CappedWeb(FaustAiohttpWeb):
+    """Faust's aiohttp web driver, served by a :class:`~streams.oncall.webserver.CappedRunner`: at most
+    ``max_connections`` connections, each with ``header_timeout_s`` to send a request's headers."""
+
+    def __init__(self, app: Any, *, max_connections: int, header_timeout_s: float) -> None:
+        super().__init__(app)
+        self._runner = CappedRunner(self.web_app, max_connections, header_timeout_s)
+
+
 class _App(faust.App):
     """The worker's Faust app: its producer is :class:`_IdempotentProducer`, its consumer
-    :class:`_SeekingConsumer`."""
+    :class:`_SeekingConsumer`, its web driver :class:`_CappedWeb` (``web_max_connections``,
+    ``web_header_timeout_s``)."""
+
+    def __init__(self, *args: Any, web_max_connections: int, web_header_timeout_s: float, **kwargs: Any) -> None:
+        self.web_bounds = (web_max_connections, web_header_timeout_s)
+        super().__init__(*args, **kwargs)
+
+    def _new_web(self) -> Any:
+        max_connections, header_timeout_s = self.web_bounds
+        return _CappedWeb(self, max_connections=max_connections, header_timeout_s=header_timeout_s)
 
     def _new_producer(self) -> Any:
         return _IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
@@ -384,6 +405,8 @@ def create_app(settings: Settings) -> faust.App:
         web_enabled=settings.web_enabled,
         web_port=settings.web_port,
         web_bind=settings.web_bind,
+        web_max_connections=settings.web_max_connections,
+        web_header_timeout_s=settings.web_header_timeout_s,
         web_in_thread=False,
         # Faust's own pages (/router/, /table/, /graph/, statistics) are off: they tell anyone the app's
         # partitions and tables (docs/operations-http-and-alerts.md).

@@ -6,6 +6,7 @@ same closed-loop workload against the real services and the simulator, with a pr
 * :mod:`~streams_harness.bench.floor`: the floor (the same calls, batched, no logic);
 * :mod:`~streams_harness.bench.naive`: the naive peer (polling from PostgreSQL, no lease, no fencing);
 * :mod:`~streams_harness.bench.procrastinate_peer`: the job-queue peer (procrastinate's jobs on PostgreSQL);
+* :mod:`~streams_harness.bench.peers`: the peers' bounded consume loop;
 * :mod:`~streams_harness.bench.server_cpu`: the CPU of PostgreSQL's backends, Redis and Kafka during a run;
 * :mod:`~streams_harness.bench.profile`: py-spy and the profile's summary;
 * :mod:`~streams_harness.bench.chart`: the PNG chart.

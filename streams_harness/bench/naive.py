@@ -30,6 +30,7 @@ from streams.ledger.store import Ledger
 from streams.model.states import OperationState
 from streams.remote.client import RemoteClient
 from streams_harness.bench.counters import BENCH
+from streams_harness.bench.peers import consume_bounded
 
 WORKER = f"naive:{socket.gethostname()}:{os.getpid()}"
 
@@ -58,20 +59,8 @@ class NaivePeer:
         )
 
     async def consume(self, consumer: AIOKafkaConsumer) -> None:
-        slots = asyncio.Semaphore(self.settings.dispatcher_concurrency)
-        tasks: set[asyncio.Task[None]] = set()
-
-        async def one(value: bytes) -> None:
-            async with slots:
-                with contextlib.suppress(Exception):
-                    await self.submit(orjson.loads(value))
-
-        async for message in consumer:
-            await slots.acquire()
-            slots.release()
-            task = asyncio.create_task(one(message.value))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        """Accept the submissions of ``consumer``, at most ``dispatcher_concurrency`` at once."""
+        await consume_bounded(consumer, self.submit, self.settings.dispatcher_concurrency)
 
     async def observe(self, operation_id: str, job_id: str) -> None:
         try:

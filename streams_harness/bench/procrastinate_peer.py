@@ -38,6 +38,7 @@ from streams.ledger.store import Ledger
 from streams.model.states import OperationState
 from streams.remote.client import RemoteClient
 from streams_harness.bench.counters import BENCH
+from streams_harness.bench.peers import consume_bounded
 
 WORKER = f"procrastinate:{socket.gethostname()}:{os.getpid()}"
 
@@ -105,20 +106,7 @@ class ProcrastinatePeer:
 
     async def consume(self, consumer: AIOKafkaConsumer) -> None:
         """Accept the submissions of ``consumer``, at most ``dispatcher_concurrency`` at once."""
-        slots = asyncio.Semaphore(self.settings.dispatcher_concurrency)
-        pending: set[asyncio.Task[None]] = set()
-
-        async def one(value: bytes) -> None:
-            async with slots:
-                with contextlib.suppress(Exception):
-                    await self.accept(orjson.loads(value))
-
-        async for message in consumer:
-            await slots.acquire()
-            slots.release()
-            task = asyncio.create_task(one(message.value))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
+        await consume_bounded(consumer, self.accept, self.settings.dispatcher_concurrency)
 
     async def submit(self, operation_id: str) -> None:
         """The ``submit`` job: POST once, save the job id, defer the first poll."""

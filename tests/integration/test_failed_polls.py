@@ -10,6 +10,7 @@ import asyncpg
 import pytest
 
 from streams.model.answers import JobSnapshot
+from streams.model.codes import ReasonCode
 from streams.model.states import OperationState
 from streams.remote.client import RemoteClient
 from streams.worker.runtime import Runtime
@@ -174,14 +175,26 @@ async def test_a_usable_answer_ends_a_run_of_failed_polls(runtime: Runtime, pool
     ledger = runtime.ledger
     fencing = await submitted(runtime, "op-reset-failed")
     last = {"error": "GET job-x answered HTTP 503", "http_status": 503}
-    assert await ledger.note_failed_poll("op-reset-failed", fencing, 3, 0.1, "r", last) == (OperationState.SUBMITTED, 1)
-    assert await ledger.note_failed_poll("op-reset-failed", fencing, 3, 0.1, "r", last) == (OperationState.SUBMITTED, 2)
+    assert await ledger.note_poll_setback("op-reset-failed", fencing, ReasonCode.POLL_FAILURES, 3, 0.1, "r", last) == (
+        OperationState.SUBMITTED,
+        1,
+    )
+    assert await ledger.note_poll_setback("op-reset-failed", fencing, ReasonCode.POLL_FAILURES, 3, 0.1, "r", last) == (
+        OperationState.SUBMITTED,
+        2,
+    )
     running = JobSnapshot(job_id="job-x", status="running", state=OperationState.RUNNING)
     assert await ledger.save_observation("op-reset-failed", fencing, running, 0.1) is not None
     row = await operation(pool, "op-reset-failed")
     assert (row["failed_poll_count"], row["poll_count"]) == (0, 3)
-    assert await ledger.note_failed_poll("op-reset-failed", fencing, 3, 0.1, "r", last) == (OperationState.RUNNING, 1)
-    assert await ledger.note_failed_poll("op-reset-failed", fencing - 1, 3, 0.1, "r", last) is None  # fenced
+    assert await ledger.note_poll_setback("op-reset-failed", fencing, ReasonCode.POLL_FAILURES, 3, 0.1, "r", last) == (
+        OperationState.RUNNING,
+        1,
+    )
+    assert (
+        await ledger.note_poll_setback("op-reset-failed", fencing - 1, ReasonCode.POLL_FAILURES, 3, 0.1, "r", last)
+        is None
+    )  # fenced
 
 
 async def test_unknown_statuses_and_failed_polls_count_apart_and_keep_their_own_answer(
@@ -193,23 +206,31 @@ async def test_unknown_statuses_and_failed_polls_count_apart_and_keep_their_own_
     fencing = await submitted(runtime, "op-setbacks")
     unknown = {"id": "job-x", "status": "paused"}
     failed = {"error": "GET job-x answered HTTP 503", "http_status": 503}
-    assert await ledger.note_unknown_status("op-setbacks", fencing, 3, 60.0, "u", unknown) == (
+    assert await ledger.note_poll_setback("op-setbacks", fencing, ReasonCode.UNKNOWN_STATUS, 3, 60.0, "u", unknown) == (
         OperationState.SUBMITTED,
         1,
     )
-    assert await ledger.note_failed_poll("op-setbacks", fencing, 2, 60.0, "f", failed) == (OperationState.SUBMITTED, 1)
+    assert await ledger.note_poll_setback("op-setbacks", fencing, ReasonCode.POLL_FAILURES, 2, 60.0, "f", failed) == (
+        OperationState.SUBMITTED,
+        1,
+    )
     row = await operation(pool, "op-setbacks")
     assert (row["unknown_status_count"], row["failed_poll_count"], row["poll_count"]) == (1, 1, 2)
     assert (row["last_observation"], row["reason"], row["reason_code"]) == (unknown, None, None)
     assert row["last_observed_at"] is not None
     assert 55.0 < await next_poll_in_s(pool, "op-setbacks") <= 60.0
-    assert await ledger.note_unknown_status("op-setbacks", fencing, 3, 60.0, "u", unknown) == (
+    assert await ledger.note_poll_setback("op-setbacks", fencing, ReasonCode.UNKNOWN_STATUS, 3, 60.0, "u", unknown) == (
         OperationState.SUBMITTED,
         2,
     )
-    assert await ledger.note_failed_poll("op-setbacks", fencing, 2, 60.0, "f", failed) == (OperationState.STALLED, 2)
+    assert await ledger.note_poll_setback("op-setbacks", fencing, ReasonCode.POLL_FAILURES, 2, 60.0, "f", failed) == (
+        OperationState.STALLED,
+        2,
+    )
     row = await operation(pool, "op-setbacks")
     assert (row["state"], row["reason"], row["reason_code"]) == ("stalled", "f", "poll_failures")
     assert (row["unknown_status_count"], row["failed_poll_count"], row["poll_count"]) == (2, 2, 4)
     assert (row["last_observation"], row["next_poll_at"]) == (failed, None)
-    assert await ledger.note_unknown_status("op-setbacks", fencing, 3, 60.0, "u", unknown) is None  # not pollable
+    assert (
+        await ledger.note_poll_setback("op-setbacks", fencing, ReasonCode.UNKNOWN_STATUS, 3, 60.0, "u", unknown) is None
+    )  # not pollable

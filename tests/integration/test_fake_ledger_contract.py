@@ -18,6 +18,7 @@ from streams.config import Settings
 from streams.ledger.records import ObserveClaim
 from streams.ledger.store import Ledger
 from streams.model.answers import JobSnapshot
+from streams.model.codes import ReasonCode
 from streams.model.states import POLLABLE, OperationState
 from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
@@ -360,3 +361,33 @@ async def test_a_callback_makes_a_poll_due_alike_on_both_ledgers(pool: asyncpg.P
         ("op-cb", True, False),
     ]
     assert await story(InMemoryLedger()) == real
+
+
+async def test_poll_setbacks_count_and_stall_alike_on_both_ledgers(pool: asyncpg.Pool) -> None:
+    """``note_poll_setback`` of either kind, interleaved: the same counts, states, reasons and last observations
+    from the fake as from PostgreSQL; a reason code that is no poll setback is refused by both."""
+    unknown, failed = {"status": "paused"}, {"error": "HTTP 502", "http_status": 502}
+    steps = [ReasonCode.UNKNOWN_STATUS, ReasonCode.POLL_FAILURES, ReasonCode.UNKNOWN_STATUS, ReasonCode.POLL_FAILURES]
+
+    async def story(ledger: Any) -> list[Any]:
+        assert await ledger.accept("op-setback", REQUEST, submitted_at_ms=0)
+        fencing = await ledger.claim_for_submit("op-setback")
+        assert await ledger.save_submitted("op-setback", fencing, "job-setback", 0.0, None)
+        with pytest.raises(ValueError, match="max_age is not a poll setback"):
+            await ledger.note_poll_setback("op-setback", fencing, ReasonCode.MAX_AGE, 3, 60.0, "m", unknown)
+        seen: list[Any] = []
+        for setback in steps:
+            answer = unknown if setback is ReasonCode.UNKNOWN_STATUS else failed
+            noted = await ledger.note_poll_setback("op-setback", fencing, setback, 2, 60.0, f"r {setback}", answer)
+            row = await ledger.get_operation("op-setback")
+            seen.append((noted, row["reason"], row["last_observation"], row["poll_count"]))
+        return seen
+
+    real = await story(Ledger(pool, "contract", batching=False))
+    assert real == [
+        ((OperationState.SUBMITTED, 1), None, unknown, 1),
+        ((OperationState.SUBMITTED, 1), None, unknown, 2),  # a failure keeps the last observation
+        ((OperationState.STALLED, 2), "r unknown_status", unknown, 3),
+        (None, "r unknown_status", unknown, 3),  # stalled: no longer pollable
+    ]
+    assert await story(InMemoryLedger(worker="contract")) == real

@@ -11,6 +11,7 @@ import pytest
 from streams.clients.follow import read_topic_to_end
 from streams.ledger.records import SaveOutcome
 from streams.model.answers import JobSnapshot
+from streams.model.codes import ReasonCode
 from streams.model.states import OperationState
 from streams.worker.runtime import Runtime
 from streams.worker.stages.relay import OutboxRelay
@@ -124,13 +125,24 @@ async def test_a_known_status_ends_a_run_of_unknown_ones(runtime: Runtime, pool:
     fencing = await ledger.claim_for_submit("op-reset")
     assert fencing is not None and await ledger.save_submitted("op-reset", fencing, "job-reset", 0.0, None)
     answer = {"http_status": 200, "body": '{"status": "paused"}'}
-    assert await ledger.note_unknown_status("op-reset", fencing, 3, 0.1, "r", answer) == (OperationState.SUBMITTED, 1)
-    assert await ledger.note_unknown_status("op-reset", fencing, 3, 0.1, "r", answer) == (OperationState.SUBMITTED, 2)
+    assert await ledger.note_poll_setback("op-reset", fencing, ReasonCode.UNKNOWN_STATUS, 3, 0.1, "r", answer) == (
+        OperationState.SUBMITTED,
+        1,
+    )
+    assert await ledger.note_poll_setback("op-reset", fencing, ReasonCode.UNKNOWN_STATUS, 3, 0.1, "r", answer) == (
+        OperationState.SUBMITTED,
+        2,
+    )
     running = JobSnapshot(job_id="job-reset", status="running", state=OperationState.RUNNING)
     assert await ledger.save_observation("op-reset", fencing, running, 0.1) is SaveOutcome.SAVED
     assert (await operation(pool, "op-reset"))["unknown_status_count"] == 0
-    assert await ledger.note_unknown_status("op-reset", fencing, 3, 0.1, "r", answer) == (OperationState.RUNNING, 1)
-    assert await ledger.note_unknown_status("op-reset", fencing - 1, 3, 0.1, "r", answer) is None  # fenced
+    assert await ledger.note_poll_setback("op-reset", fencing, ReasonCode.UNKNOWN_STATUS, 3, 0.1, "r", answer) == (
+        OperationState.RUNNING,
+        1,
+    )
+    assert (
+        await ledger.note_poll_setback("op-reset", fencing - 1, ReasonCode.UNKNOWN_STATUS, 3, 0.1, "r", answer) is None
+    )  # fenced
 
 
 async def test_a_job_that_never_finishes_stalls_at_the_maximum_age_with_gets_bounded(

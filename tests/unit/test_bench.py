@@ -3,12 +3,16 @@ profile's attribution of samples to components."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from streams_harness.bench.counters import Counters
+from streams_harness.bench.peers import consume_bounded
 from streams_harness.bench.procrastinate_peer import queue_database_url
 from streams_harness.bench.profile import EVENT_LOOP, component_of, summarize
 from streams_harness.bench.runner import (
@@ -458,3 +462,34 @@ def test_the_chart_has_a_colour_for_every_kind_of_run(tmp_path: Path) -> None:
     summary = summarize_runs(records)
     path = draw(summary, compare(summary), tmp_path / "chart.png", "every kind")
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+async def test_the_peers_consume_loop_handles_every_record_at_most_concurrency_at_once() -> None:
+    @dataclass
+    class Rec:
+        value: bytes | None
+
+    async def records() -> AsyncIterator[Rec]:
+        for value in (b'{"n": 1}', b"not json", None, b'{"n": 2}', b'{"n": 3}', b'{"n": 4}', b'{"n": 5}'):
+            yield Rec(value)
+
+    running, peak = 0, 0
+    seen: list[int] = []
+    release = asyncio.Event()  # set once two handlings run together: the loop held the third record back
+
+    async def handle(event: dict[str, int]) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        if event["n"] == 2:
+            running -= 1
+            raise RuntimeError("a handling that raises is skipped")
+        if running == 2:
+            release.set()
+        await release.wait()
+        seen.append(event["n"])
+        running -= 1
+
+    await consume_bounded(records(), handle, concurrency=2)
+    assert sorted(seen) == [1, 3, 4, 5]
+    assert peak == 2

@@ -27,6 +27,7 @@ from streams import metrics
 from streams.errors import RemoteError, RemoteJobNotFoundError, RemoteUnknownStatusError
 from streams.ledger.records import ObserveClaim
 from streams.model.answers import clean_text
+from streams.model.codes import ReasonCode
 from streams.model.states import OperationState
 from streams.worker.runtime import Runtime
 
@@ -101,13 +102,9 @@ class StallGuard:
             f"last answer: {_short(exc.answer)}; repoll or fail it"
         )
 
-        async def note() -> OperationState | None:
-            noted = await rt.ledger.note_unknown_status(
-                operation_id, claim.fencing_token, limit, next_poll_delay_s, reason, exc.answer
-            )
-            return None if noted is None else noted[0]
-
-        return await self._decide(operation_id, "unknown_status", reason, note)
+        return await self._setback(
+            operation_id, claim, ReasonCode.UNKNOWN_STATUS, limit, next_poll_delay_s, reason, exc.answer
+        )
 
     async def failed_poll(
         self, operation_id: str, claim: ObserveClaim, exc: RemoteError, next_poll_delay_s: float
@@ -125,13 +122,31 @@ class StallGuard:
             f"{_short(last_answer)}; repoll or fail it"
         )
 
+        return await self._setback(
+            operation_id, claim, ReasonCode.POLL_FAILURES, limit, next_poll_delay_s, reason, last_answer
+        )
+
+    async def _setback(
+        self,
+        operation_id: str,
+        claim: ObserveClaim,
+        setback: ReasonCode,
+        limit: int,
+        next_poll_delay_s: float,
+        reason: str,
+        answer: dict[str, Any],
+    ) -> OperationState | None:
+        """Fenced: one poll setback of the kind ``setback`` noted (``stalled`` at the ``limit``-th in a row, else
+        rescheduled ``next_poll_delay_s`` out) and reported under its code. The state afterwards, None when
+        refused."""
+
         async def note() -> OperationState | None:
-            noted = await rt.ledger.note_failed_poll(
-                operation_id, claim.fencing_token, limit, next_poll_delay_s, reason, last_answer
+            noted = await self.rt.ledger.note_poll_setback(
+                operation_id, claim.fencing_token, setback, limit, next_poll_delay_s, reason, answer
             )
             return None if noted is None else noted[0]
 
-        return await self._decide(operation_id, "poll_failures", reason, note)
+        return await self._decide(operation_id, setback.value, reason, note)
 
     async def _decide(
         self,
