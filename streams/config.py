@@ -674,6 +674,24 @@ class Settings(ExplicitSettings):
         "acknowledgement comes, so a partition that stops acknowledging holds up the others at most this long.",
     )
 
+    # -- pause: how long one Kafka request waits for a broker that stopped answering
+    kafka_request_timeout_s: Seconds = Field(
+        10.0,
+        description="seconds one request of a producer to one broker may wait for its answer (aiokafka's "
+        "request_timeout_ms; the broker's wait for acks=all too): a broker that stopped answering (frozen, its "
+        "connection open) holds the partitions of that request this long, then they are sent again to the leader "
+        "the metadata names; more than the brokers' broker.session.timeout.ms (9 s by default), after which a "
+        "frozen follower leaves the in-sync replicas, at most STREAMS_KAFKA_DELIVERY_TIMEOUT_S",
+    )
+    kafka_consumer_request_timeout_s: Seconds = Field(
+        90.0,
+        description="seconds one request of the worker's consumer (fetch, metadata, heartbeat, join, commit) may "
+        "wait for its answer (Faust's broker_request_timeout, whose default this is): a partition whose leader "
+        "moved off a frozen broker is fetched from its new leader only once a metadata request answered, and "
+        "aiokafka sends it to a random broker, maybe the frozen one; at least STREAMS_KAFKA_SESSION_TIMEOUT_S "
+        "(Faust refuses less), and a join waits as long as the slowest member takes to rejoin",
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -736,6 +754,18 @@ class Settings(ExplicitSettings):
         refusal = _services_refusal(self)
         if refusal is not None:
             raise ValueError(refusal)
+        if self.kafka_request_timeout_s > self.kafka_delivery_timeout_s:
+            raise ValueError(
+                f"STREAMS_KAFKA_REQUEST_TIMEOUT_S ({self.kafka_request_timeout_s}) must not exceed "
+                f"STREAMS_KAFKA_DELIVERY_TIMEOUT_S ({self.kafka_delivery_timeout_s}): a record's delivery spans "
+                "at least one request"
+            )
+        if self.kafka_consumer_request_timeout_s < self.kafka_session_timeout_s:
+            raise ValueError(
+                f"STREAMS_KAFKA_CONSUMER_REQUEST_TIMEOUT_S ({self.kafka_consumer_request_timeout_s}) must be at "
+                f"least STREAMS_KAFKA_SESSION_TIMEOUT_S ({self.kafka_session_timeout_s}): Faust refuses a consumer "
+                "whose requests time out before its session"
+            )
         if self.kafka_round_ack_wait_s >= self.kafka_delivery_timeout_s:
             raise ValueError(
                 f"STREAMS_KAFKA_ROUND_ACK_WAIT_S ({self.kafka_round_ack_wait_s}) must be less than "
@@ -888,8 +918,11 @@ def _services_refusal(s: Settings) -> str | None:
             f"STREAMS_KAFKA_MIN_INSYNC_REPLICAS ({s.kafka_min_insync_replicas}) must not exceed "
             f"STREAMS_KAFKA_REPLICATION_FACTOR ({s.kafka_replication_factor}): no write would ever be acknowledged"
         )
-    if s.kafka_delivery_timeout_s <= 0 or s.kafka_metadata_max_age_s <= 0:
-        return "STREAMS_KAFKA_DELIVERY_TIMEOUT_S and STREAMS_KAFKA_METADATA_MAX_AGE_S must be more than 0 seconds"
+    if s.kafka_delivery_timeout_s <= 0 or s.kafka_metadata_max_age_s <= 0 or s.kafka_request_timeout_s <= 0:
+        return (
+            "STREAMS_KAFKA_DELIVERY_TIMEOUT_S, STREAMS_KAFKA_METADATA_MAX_AGE_S and STREAMS_KAFKA_REQUEST_TIMEOUT_S "
+            "must be more than 0 seconds"
+        )
     for prefix, cert, key in (
         ("KAFKA_SSL", s.kafka_ssl_cert_file, s.kafka_ssl_key_file),
         ("REDIS_SSL", s.redis_ssl_cert_file, s.redis_ssl_key_file),

@@ -13,9 +13,13 @@ Contract:
 * ``SASL_SSL`` / ``SASL_PLAINTEXT``: SASL ``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512`` with user and password,
   or ``OAUTHBEARER`` with the token provider ``kafka_sasl_oauth_token_provider`` (``module:callable``, called
   with no arguments, returning an ``aiokafka.abc.AbstractTokenProvider``); over TLS as above for ``SASL_SSL``.
-* Producers are idempotent with ``acks=all``; a record not acknowledged within ``kafka_delivery_timeout_s``
-  fails (aiokafka's ``request_timeout_ms`` is both the produce request's timeout and the batch's delivery
-  timeout; Faust's ``producer_request_timeout`` sets it for the worker).
+* Producers are idempotent with ``acks=all``. Each request to a broker waits at most ``kafka_request_timeout_s``
+  (aiokafka's ``request_timeout_ms``, Faust's ``producer_request_timeout``): a broker that stopped answering
+  with its connections open (SIGSTOP, a GC pause, a VM freeze) holds the partitions of a request in flight that
+  long (aiokafka mutes them until it ends), then the connection is closed and the batches go again to the leader
+  the metadata names. aiokafka also takes ``request_timeout_ms`` as the batches' time to live (a batch of a
+  partition without a leader fails once it is older); :func:`keep_delivery_timeout` sets that back to
+  ``kafka_delivery_timeout_s`` (:func:`new_producer`, and the worker's Faust producer).
 * Every client refreshes its metadata at least every ``kafka_metadata_max_age_s`` (new partitions are seen
   within it).
 
@@ -31,6 +35,7 @@ import importlib
 import ssl
 from typing import Any
 
+from aiokafka import AIOKafkaProducer
 from aiokafka.conn import create_conn
 from aiokafka.errors import KafkaConnectionError, KafkaError, SaslAuthenticationFailed
 
@@ -127,19 +132,46 @@ def client_kwargs(settings: Settings) -> dict[str, Any]:
 
 def producer_kwargs(settings: Settings) -> dict[str, Any]:
     """Keyword arguments of every aiokafka producer: :func:`client_kwargs`, idempotent, ``acks=all``, and the
-    delivery timeout ``kafka_delivery_timeout_s`` (aiokafka's ``request_timeout_ms``)."""
+    request timeout ``kafka_request_timeout_s`` (aiokafka's ``request_timeout_ms``). Build the producer with
+    :func:`new_producer`, which keeps the batches' time to live at the delivery timeout."""
     return {
         **client_kwargs(settings),
         "acks": "all",
         "enable_idempotence": True,
-        "request_timeout_ms": int(settings.kafka_delivery_timeout_s * 1000),
+        "request_timeout_ms": int(settings.kafka_request_timeout_s * 1000),
     }
+
+
+def keep_delivery_timeout(producer: AIOKafkaProducer, delivery_timeout_s: float) -> AIOKafkaProducer:
+    """``producer`` with its batches' time to live set to ``delivery_timeout_s`` (seconds); returns it.
+
+    aiokafka 0.14 gives its accumulator ``request_timeout_ms`` as that time to live (``MessageAccumulator``'s
+    ``batch_ttl``: a batch of a partition without a leader fails with ``NotLeaderForPartitionError`` once older;
+    the idempotent producer never expires a batch otherwise, it retries it). With a request timeout shorter than
+    the delivery timeout, records would fail sooner than ``kafka_delivery_timeout_s`` during a leader election.
+
+    Raises:
+        TypeError: this aiokafka has no such accumulator attribute (its layout changed: check the rule above).
+    """
+    accumulator = getattr(producer, "_message_accumulator", None)
+    if not isinstance(getattr(accumulator, "_batch_ttl", None), float):
+        raise TypeError("aiokafka's producer has no MessageAccumulator._batch_ttl: check keep_delivery_timeout")
+    accumulator._batch_ttl = float(delivery_timeout_s)  # type: ignore[union-attr]
+    return producer
+
+
+def new_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
+    """An ``AIOKafkaProducer`` with :func:`producer_kwargs` (``overrides`` replace or add keyword arguments) and
+    the delivery timeout ``kafka_delivery_timeout_s`` (:func:`keep_delivery_timeout`)."""
+    producer = AIOKafkaProducer(**{**producer_kwargs(settings), **overrides})
+    return keep_delivery_timeout(producer, settings.kafka_delivery_timeout_s)
 
 
 def faust_settings(settings: Settings) -> dict[str, Any]:
     """``faust.App`` keyword arguments for the same: ``broker_credentials`` (faust's ``SSLCredentials``,
     ``SASLCredentials`` or ``OAuthCredentials``; none for PLAINTEXT), metadata ages, the producer's acks and
-    delivery timeout; Faust declares no topic (``topic_allow_declare``: they are ``streams migrate``'s)."""
+    request timeout (the producer must apply :func:`keep_delivery_timeout`), the consumer's request timeout;
+    Faust declares no topic (``topic_allow_declare``: they are ``streams migrate``'s)."""
     from faust.auth import OAuthCredentials, SASLCredentials, SSLCredentials  # the worker's import only
 
     protocol = settings.kafka_security_protocol
@@ -165,7 +197,9 @@ def faust_settings(settings: Settings) -> dict[str, Any]:
         "consumer_metadata_max_age_ms": metadata_max_age_ms,
         "producer_metadata_max_age_ms": metadata_max_age_ms,
         "producer_acks": -1,
-        "producer_request_timeout": settings.kafka_delivery_timeout_s,
+        # each request; the batches' time to live is set back to the delivery timeout (keep_delivery_timeout)
+        "producer_request_timeout": settings.kafka_request_timeout_s,
+        "broker_request_timeout": settings.kafka_consumer_request_timeout_s,
         # The topics are ``streams migrate``'s (replication and min ISR from the settings, or the broker's
         # defaults): Faust creates none, as it would with its own replication factor (it cannot pass -1).
         "topic_allow_declare": False,

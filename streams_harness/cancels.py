@@ -21,11 +21,10 @@ from dataclasses import dataclass
 
 import httpx
 import orjson
-from aiokafka import AIOKafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
 from streams.config import Settings
-from streams.kafka_security import producer_kwargs
+from streams.kafka_security import new_producer
 from streams.outages import is_outage
 from streams.wire import contracts
 from streams_harness.trace import TraceRow
@@ -124,7 +123,7 @@ async def publish_cancellations(
         KafkaError: a send failed (the idempotent producer's own retries spent); a state read's error that is not
             an outage.
     """
-    producer = AIOKafkaProducer(**producer_kwargs(settings))
+    producer = new_producer(settings)
     await producer.start()
     due: list[tuple[float, str]] = [(c.at_s, c.operation_id) for c in plan if c.kind == AT_SUBMISSION]
     waiting = {c.operation_id: c for c in plan if c.kind == WHILE_RUNNING}

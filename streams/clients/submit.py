@@ -14,7 +14,7 @@ from aiokafka.errors import KafkaTimeoutError, OutOfOrderSequenceNumber
 
 from streams.config import Settings
 from streams.errors import InvalidEventError, JsonValueError
-from streams.kafka_security import producer_kwargs, raise_for_security
+from streams.kafka_security import new_producer, raise_for_security
 from streams.metrics import SUBMISSION_RESENDS
 from streams.outages import is_outage
 from streams.wire import contracts, exactjson, jsontext
@@ -171,7 +171,7 @@ class SubmissionProducer:
     """Publishes submissions; each value is checked against its schema before it is sent.
 
     Use as ``async with SubmissionProducer(settings) as p: await p.submit(...)``. The producer is idempotent with
-    ``acks=all`` (:func:`streams.kafka_security.producer_kwargs`). When a batch fails in a way that leaves it
+    ``acks=all`` (:func:`streams.kafka_security.new_producer`). When a batch fails in a way that leaves it
     unusable (:func:`needs_new_producer`), the producer is replaced by a new one and every submission not yet
     acknowledged is sent again in the order it was first published (at most :data:`RESEND_ATTEMPTS` times each;
     each time logged and counted in ``streams_submission_resends_total``). A submission whose first copy was
@@ -185,7 +185,7 @@ class SubmissionProducer:
     def __init__(self, settings: Settings, producer_factory: Callable[[], AIOKafkaProducer] | None = None) -> None:
         self.settings = settings
         self.topic = settings.topic("submissions")
-        self._factory = producer_factory or (lambda: AIOKafkaProducer(**producer_kwargs(settings), linger_ms=5))
+        self._factory = producer_factory or (lambda: new_producer(settings, linger_ms=5))
         self._producer = self._factory()
         self._generation = 1
         self._pending: dict[_Pending, None] = {}  # insertion-ordered: publication order

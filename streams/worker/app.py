@@ -52,7 +52,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import faust
 import tenacity
@@ -65,7 +65,7 @@ from prometheus_client import generate_latest
 from streams import logs, metrics
 from streams.config import Settings
 from streams.errors import InvalidEventError, LedgerUnavailableError
-from streams.kafka_security import faust_settings
+from streams.kafka_security import faust_settings, keep_delivery_timeout
 from streams.ledger.snapshot import ping as ping_ledger
 from streams.model.answers import clean_text
 from streams.oncall import webaccess
@@ -295,6 +295,10 @@ class _IdempotentProducer(FaustKafkaProducer):
     def _settings_extra(self) -> Mapping[str, Any]:
         return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
 
+    def _new_producer(self, transactional_id: str | None = None) -> Any:
+        delivery_timeout_s = cast(_App, self.app).kafka_delivery_timeout_s
+        return keep_delivery_timeout(super()._new_producer(transactional_id), delivery_timeout_s)
+
 
 class _SeekingConsumer(FaustKafkaConsumer):
     """Faust's aiokafka consumer; a partition without a committed offset is sought back to its beginning too.
@@ -328,10 +332,19 @@ class _CappedWeb(FaustAiohttpWeb):
 class _App(faust.App):
     """The worker's Faust app: its producer is :class:`_IdempotentProducer`, its consumer
     :class:`_SeekingConsumer`, its web driver :class:`_CappedWeb` (``web_max_connections``,
-    ``web_header_timeout_s``)."""
+    ``web_header_timeout_s``); ``kafka_delivery_timeout_s`` is its producer's batches' time to live (Faust's
+    ``producer_request_timeout`` is each request's timeout, :func:`streams.kafka_security.keep_delivery_timeout`)."""
 
-    def __init__(self, *args: Any, web_max_connections: int, web_header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        web_max_connections: int,
+        web_header_timeout_s: float,
+        kafka_delivery_timeout_s: float,
+        **kwargs: Any,
+    ) -> None:
         self.web_bounds = (web_max_connections, web_header_timeout_s)
+        self.kafka_delivery_timeout_s = kafka_delivery_timeout_s
         super().__init__(*args, **kwargs)
 
     def _new_web(self) -> Any:
@@ -383,6 +396,7 @@ def create_app(settings: Settings) -> faust.App:
         topic_partitions=settings.partitions,
         # TLS/SASL credentials, metadata age, acks=all, delivery timeout, replication (streams.kafka_security)
         **faust_settings(settings),
+        kafka_delivery_timeout_s=settings.kafka_delivery_timeout_s,
         consumer_auto_offset_reset="earliest",
         producer_linger_ms=2,
         broker_session_timeout=settings.kafka_session_timeout_s,

@@ -500,10 +500,13 @@ async def test_broker_kills_under_load_cost_a_bounded_stall_and_break_no_promise
 
 #: How long the test's SIGSTOP lasts, and the longest stall it may cost (docs/production-services.md has the
 #: measured figures; the bounds are them with margin): no operation reaching a final state in the ledger on a
-#: submissions partition the frozen broker did not lead, on any partition, and no outbox row published. Today the
-#: whole fleet stands still for about the pause, whether or not the frozen broker also coordinates the group.
+#: healthy partition (one whose submissions and polls partitions, the two an operation is read from, the frozen
+#: broker did not lead), on any partition, and no outbox row published. A healthy partition's operations still
+#: arrive at about 0.6/s, so its gaps of 8 s and more happen without any fault. The frozen broker's partitions
+#: wait for the consumer's metadata (its request to the frozen broker is answered only at the resume) and for the
+#: relay's and the scheduler's next probe of a blocked partition (skips of 10 s doubling after each failed probe).
 PAUSE_S = 30.0
-PAUSE_STALL_BOUNDS_S = dict.fromkeys(("healthy partitions", "any partition", "publications"), PAUSE_S + 15.0)
+PAUSE_STALL_BOUNDS_S = {"healthy partitions": 20.0, "any partition": PAUSE_S + 25.0, "publications": 20.0}
 
 
 async def test_a_paused_broker_under_load_costs_a_bounded_stall_and_breaks_no_promise(
@@ -530,8 +533,9 @@ async def test_a_paused_broker_under_load_costs_a_bounded_stall_and_breaks_no_pr
         await after(60)
         leaders_text = await run_kafka_tool_leaders(settings.topic("submissions"))
         leaders, paused = partition_leaders(leaders_text), most_common_leader(leaders_text)
+        poll_leaders = partition_leaders(await run_kafka_tool_leaders(settings.topic("polls")))
         coordinator = await asyncio.to_thread(coordinator_of, settings.app_id)
-        healthy = sorted(p for p, leader in leaders.items() if leader != paused)
+        healthy = sorted(p for p, leader in leaders.items() if paused not in (leader, poll_leaders[p]))
         paused_ms = _now_ms()
         assert (await asyncio.to_thread(prod_services, "pause-broker", str(paused))).returncode == 0
         await asyncio.sleep(PAUSE_S)  # the fault's length (not a wait for an outcome); the load goes on meanwhile
@@ -551,8 +555,9 @@ async def test_a_paused_broker_under_load_costs_a_bounded_stall_and_breaks_no_pr
         "any partition": longest_stall_s(times, settings.partitions, paused_ms, until_ms)[0],
         "publications": longest_gap_s(published, paused_ms, max(published, default=until_ms)),
     }
+    led = sum(leader == paused for leader in leaders.values())
     print(
-        f"\nSIGSTOP broker {paused} (leader of {len(leaders) - len(healthy)} of {len(leaders)} submission partitions)"
+        f"\nSIGSTOP broker {paused} (leader of {led} of {len(leaders)} submission partitions; healthy {healthy})"
         f"{', the group coordinator,' if coordinator == paused else ''} for {(resumed_ms - paused_ms) / 1000:.1f} s:"
         " longest stall "
         + ", ".join(f"{what} {stall_s:.1f} s" for what, stall_s in stalls.items())

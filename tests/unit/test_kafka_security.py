@@ -11,7 +11,7 @@ from faust.auth import OAuthCredentials, SASLCredentials, SSLCredentials
 
 from streams.config import Settings
 from streams.errors import ConfigError
-from streams.kafka_security import client_kwargs, faust_settings, producer_kwargs
+from streams.kafka_security import client_kwargs, faust_settings, new_producer, producer_kwargs
 
 SASL = {
     "kafka_security_protocol": "SASL_SSL",
@@ -38,15 +38,16 @@ def test_plaintext_by_default_with_bounded_metadata_age_and_delivery() -> None:
         "security_protocol": "PLAINTEXT",
         "acks": "all",
         "enable_idempotence": True,
-        "request_timeout_ms": 30_000,
+        "request_timeout_ms": 10_000,
     }
-    faust = faust_settings(Settings(kafka_delivery_timeout_s=12, kafka_metadata_max_age_s=7))
+    faust = faust_settings(Settings(kafka_request_timeout_s=12, kafka_metadata_max_age_s=7))
     assert faust == {
         "broker_credentials": None,
         "consumer_metadata_max_age_ms": 7000,
         "producer_metadata_max_age_ms": 7000,
         "producer_acks": -1,
         "producer_request_timeout": 12.0,
+        "broker_request_timeout": 90.0,
         "topic_allow_declare": False,
     }
     assert faust_settings(Settings(kafka_replication_factor=3))["topic_replication_factor"] == 3
@@ -112,6 +113,15 @@ def test_oauthbearer_loads_the_token_provider() -> None:
         ({"kafka_replication_factor": 2, "kafka_min_insync_replicas": 3}, "must not exceed"),
         ({"kafka_replication_factor": 0}, "must be -1 \\(the broker's default\\) or at least 1"),
         ({"kafka_delivery_timeout_s": 0}, "must be more than 0 seconds"),
+        ({"kafka_request_timeout_s": 0}, "STREAMS_KAFKA_REQUEST_TIMEOUT_S must be more than 0 seconds"),
+        (
+            {"kafka_consumer_request_timeout_s": 20, "kafka_session_timeout_s": 30},
+            "STREAMS_KAFKA_CONSUMER_REQUEST_TIMEOUT_S \\(20.0\\) must be at least STREAMS_KAFKA_SESSION_TIMEOUT_S",
+        ),
+        (
+            {"kafka_request_timeout_s": 31, "kafka_delivery_timeout_s": 30},
+            "STREAMS_KAFKA_REQUEST_TIMEOUT_S \\(31.0\\) must not exceed STREAMS_KAFKA_DELIVERY_TIMEOUT_S \\(30.0\\)",
+        ),
         ({"redis_ssl_ca_file": "/ca.pem"}, "STREAMS_REDIS_URL is not rediss://"),
         ({"redis_sentinels": "127.0.0.1:26380"}, "STREAMS_REDIS_SENTINELS and STREAMS_REDIS_SENTINEL_MASTER go"),
         ({"redis_sentinels": "127.0.0.1", "redis_sentinel_master": "m"}, "holds '127.0.0.1': write host:port"),
@@ -134,3 +144,29 @@ def test_secrets_are_never_in_an_error_message() -> None:
     with pytest.raises(ConfigError) as caught:
         Settings(**{**SASL, "kafka_security_protocol": "PLAINTEXT"})
     assert "s3cret" not in str(caught.value)
+
+
+async def test_a_producer_times_out_each_request_but_keeps_its_batches_for_the_delivery_timeout() -> None:
+    """A frozen broker holds a produce request's partitions for the request timeout (aiokafka mutes them until
+    the request ends), not for the delivery timeout; a leaderless partition's batch still lives that long."""
+    producer = new_producer(Settings(kafka_request_timeout_s=4, kafka_delivery_timeout_s=25), linger_ms=5)
+    try:
+        assert producer.client._request_timeout_ms == 4000
+        assert producer._sender._request_timeout_ms == 4000  # also the broker's wait for acks=all
+        assert producer._message_accumulator._batch_ttl == 25.0
+        assert producer._message_accumulator._linger_time == 0.005
+    finally:
+        await producer.stop()
+
+
+async def test_the_workers_faust_producer_times_out_each_request_and_keeps_the_delivery_timeout() -> None:
+    from streams.worker.app import create_app
+
+    app = create_app(Settings(kafka_request_timeout_s=4, kafka_delivery_timeout_s=25))
+    faust_producer: Any = app.producer
+    producer = faust_producer._new_producer()
+    try:
+        assert (producer._txn_manager is not None, producer.client._request_timeout_ms) == (True, 4000)
+        assert producer._message_accumulator._batch_ttl == 25.0
+    finally:
+        await producer.stop()
