@@ -33,6 +33,10 @@ DEFAULT_DIALECT = "seed-generations"
 #: (any JSON value, or one value: each becomes ``{"id": "output_<i>", "value": <it>}``).
 OUTPUT_SHAPES = frozenset({"objects", "values"})
 
+#: Largest declaration file read (bytes): a declaration is a few kB; a bigger file is not one (a log named by
+#: mistake) and is refused before it is read whole.
+MAX_DECLARATION_BYTES = 1024 * 1024
+
 #: What a bare ``Prefer: wait`` asks of a provider of the Replicate kind (its documented longest hold, s).
 PREFER_WAIT_DEFAULT_S = 60.0
 
@@ -341,17 +345,25 @@ def load_dialect(name_or_path: str = DEFAULT_DIALECT) -> ProviderDialect:
     with ``/`` or ending ``.json``), validated by :func:`parse_dialect`; loaded once per value.
 
     Raises:
-        ConfigError: neither a shipped name nor a readable JSON file, or the declaration is invalid.
+        ConfigError: neither a shipped name nor a readable JSON file (larger than :data:`MAX_DECLARATION_BYTES`, not
+            UTF-8, not JSON, nested too deep), or the declaration is invalid.
     """
     if "/" in name_or_path or name_or_path.endswith(".json"):
+        source = name_or_path
         try:
-            text = Path(name_or_path).read_text(encoding="utf-8")
+            with Path(name_or_path).open("rb") as file:
+                raw = file.read(MAX_DECLARATION_BYTES + 1)
         except OSError as exc:
             raise ConfigError(
                 f"STREAMS_PROVIDER_DIALECT: cannot read the declaration {name_or_path} ({exc.strerror}); "
                 f"set it to a readable JSON file or one of {shipped_dialects()}"
             ) from None
-        source = name_or_path
+        if len(raw) > MAX_DECLARATION_BYTES:
+            raise _refuse(source, f"larger than {MAX_DECLARATION_BYTES} bytes: not a declaration")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _refuse(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     else:
         if name_or_path not in shipped_dialects():
             raise ConfigError(
@@ -364,4 +376,6 @@ def load_dialect(name_or_path: str = DEFAULT_DIALECT) -> ProviderDialect:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _refuse(source, f"not JSON ({exc})") from None
+    except RecursionError:  # the parser's recursion limit: no declaration nests more than a few levels
+        raise _refuse(source, "not a declaration: JSON nested deeper than the parser's recursion limit") from None
     return parse_dialect(data, source)

@@ -426,3 +426,24 @@ async def test_the_simulated_prediction_api_bounds_its_wait_and_answers_errors_a
             assert (await http.get(f"/v1/predictions/{job_id}")).json()["status"] == "canceled"
     finally:
         await server.close()
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        # json.loads raised RecursionError past ~1000 levels: a crash at startup, not a refusal naming the file
+        (b"[" * 100_000 + b"]" * 100_000, "nested deeper than"),
+        # read_text raised UnicodeDecodeError
+        (b"\xff\xfe{}", "not UTF-8"),
+        # read whole, however large: a file named by mistake (a log, an image) was read into memory
+        (b" " * (2 * 1024 * 1024) + b"{}", "larger than"),
+    ],
+)
+def test_a_declaration_file_that_is_no_declaration_is_refused_naming_it(
+    tmp_path: Path, content: bytes, words: str
+) -> None:
+    path = tmp_path / "broken.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        load_dialect(str(path))
+    assert words in str(caught.value) and str(path) in str(caught.value)
