@@ -45,6 +45,10 @@ _METHODS = frozenset({"POST", "PUT", "PATCH", "GET", "DELETE"})
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
 _HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+_HEADER_VALUE = re.compile(r"[\x20-\x7e\t]*")
+#: Headers of a create call the client sets itself, never a declaration (lower case): the body is JSON, its framing
+#: the sender's, the host the base URL's.
+_CLIENT_HEADERS = frozenset({"content-type", "content-length", "transfer-encoding", "host", "connection"})
 
 #: A field path: the keys from the answer's top object down to the value; ``()`` = not in this API's answers.
 FieldPath = tuple[str, ...]
@@ -247,22 +251,18 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
         ConfigError: an unknown or missing key, a value of the wrong kind, a route without (or, for create, with)
             ``{job_id}`` or with it twice, a route with another placeholder, a ``.``/``..``/empty segment, a
             fragment or a space, a status mapping to no operation state or a status word declared twice (after
-            stripping and lower-casing), an unknown output shape, a ``lookup`` neither ``null`` nor a route without
-            ``{job_id}`` with a query parameter name and a jobs path.
+            stripping and lower-casing), an unknown output shape, a create header the client sets itself or cannot
+            send (:func:`_create_headers`), a ``lookup`` neither ``null`` nor a route without ``{job_id}`` with a
+            query parameter name and a jobs path.
     """
     top = _object(source, data, "the declaration", _TOP_KEYS, _TOP_KEYS - {"description"})
     name = _text(source, top, "name", "the declaration", _NAME)
     create_method, create_path = _route(source, top["create"], "create", method=True, job_id=False)
-    headers = top["create"].get("headers", {})
-    if not isinstance(headers, dict) or not all(
-        isinstance(k, str) and _HEADER.fullmatch(k) and isinstance(v, str) and "\n" not in v and "\r" not in v
-        for k, v in headers.items()
-    ):
-        raise _refuse(source, "create.headers must be an object of header names to text values")
     _, get_path = _route(source, top["get"], "get", method=False, job_id=True)
     cancel_method, cancel_path = _route(source, top["cancel"], "cancel", method=True, job_id=True)
     auth = _object(source, top["auth"], "auth", frozenset({"header", "scheme"}), frozenset({"header", "scheme"}))
     auth_header = _text(source, auth, "header", "auth", _HEADER)
+    headers = _create_headers(source, top["create"].get("headers", {}), auth_header)
     auth_scheme = _text(source, auth, "scheme", "auth", re.compile(r"[A-Za-z0-9._~+/-]*"))
     request_keys = frozenset({"model_field", "reference_field"})
     request = _object(source, top["request"], "request", request_keys, request_keys)
@@ -322,6 +322,27 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
         statuses=statuses,
         source=source,
     )
+
+
+def _create_headers(source: str, data: Any, auth_header: str) -> dict[str, str]:
+    """The ``create.headers`` declaration: header names (RFC 9110 tokens) to values of printable ASCII, space and
+    tab (what httpx can send); never one the client sets itself (:data:`_CLIENT_HEADERS`, the auth header)."""
+    if not isinstance(data, dict):
+        raise _refuse(source, "create.headers must be an object of header names to text values")
+    for name, value in data.items():
+        if not _HEADER.fullmatch(name) or not isinstance(value, str) or not _HEADER_VALUE.fullmatch(value):
+            raise _refuse(
+                source,
+                f"create.headers.{name}: expected a header name (RFC 9110 token) and a text value of printable "
+                "ASCII, space or tab",
+            )
+        if name.lower() in _CLIENT_HEADERS or name.lower() == auth_header.lower():
+            raise _refuse(
+                source,
+                f"create.headers.{name}: set by the client itself (the body's type and framing, the host, the "
+                "auth header): remove it",
+            )
+    return data
 
 
 def _lookup(source: str, data: Any) -> LookupRoute | None:

@@ -447,3 +447,37 @@ def test_a_declaration_file_that_is_no_declaration_is_refused_naming_it(
     with pytest.raises(ConfigError) as caught:
         load_dialect(str(path))
     assert words in str(caught.value) and str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("headers", "words"),
+    [
+        # accepted, then httpx raised UnicodeEncodeError building the client: a crash, not a refusal
+        ({"Prefer": "wait=5 é"}, "create.headers.Prefer"),
+        # accepted and sent: a NUL or DEL in a header value
+        ({"Prefer": "wait=5\x00"}, "create.headers.Prefer"),
+        ({"X-Trace": "a\x7fb"}, "create.headers.X-Trace"),
+        # accepted and sent instead of the product's: the body's type and framing, the host, the credentials
+        ({"content-type": "text/plain"}, "create.headers.content-type"),
+        ({"Content-Length": "0"}, "create.headers.Content-Length"),
+        ({"Transfer-Encoding": "chunked"}, "create.headers.Transfer-Encoding"),
+        ({"Host": "other.example"}, "create.headers.Host"),
+        ({"authorization": "Bearer literal"}, "create.headers.authorization"),
+    ],
+)
+def test_create_headers_the_client_cannot_send_or_must_set_itself_are_refused(
+    tmp_path: Path, headers: dict[str, str], words: str
+) -> None:
+    data = shipped_text("replicate-predictions")
+    data["create"]["headers"] = headers
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        load_dialect(path)
+    assert words in str(caught.value) and path in str(caught.value)
+
+
+def test_printable_create_headers_load_and_are_sent(tmp_path: Path) -> None:
+    data = shipped_text("replicate-predictions")
+    data["create"]["headers"] = {"Prefer": "wait=5", "X-Trace": "a b\tc ~!"}
+    dialect = load_dialect(write(tmp_path, data))
+    assert dialect.create_headers == (("Prefer", "wait=5"), ("X-Trace", "a b\tc ~!"))
