@@ -45,6 +45,8 @@ _METHODS = frozenset({"POST", "PUT", "PATCH", "GET", "DELETE"})
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
 _HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+_SLASH_ESCAPE = re.compile(r"%(?:2f|5c)", re.IGNORECASE)
+_BROKEN_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 _HEADER_VALUE = re.compile(r"[\x20-\x7e\t]*")
 #: Headers of a create call the client sets itself, never a declaration (lower case): the body is JSON, its framing
 #: the sender's, the host the base URL's.
@@ -210,7 +212,8 @@ def route_problem(path: str) -> str | None:
     """What makes route template ``path`` unusable, None when nothing does: a placeholder other than
     ``{job_id}``, a ``.`` or ``..`` segment (plain or percent-encoded: httpx resolves it, so the call would leave
     ``STREAMS_REMOTE_BASE_URL``'s path), an empty segment (``//`` at the start names a host, which httpx drops), a
-    fragment, or a space or control character."""
+    fragment, a space or control character, a ``\\`` or an encoded ``/`` or ``\\`` (``%2F``, ``%5C``: servers that
+    read them as ``/`` resolve the dot segments they make), or a ``%`` that starts no escape."""
     route, _, query = path.partition("?")
     if "{" in path.replace("{job_id}", "") or "}" in path.replace("{job_id}", ""):
         return "the only placeholder a route may hold is {job_id}"
@@ -223,6 +226,10 @@ def route_problem(path: str) -> str | None:
         return "an empty segment ('//') is not a route"
     if "#" in path or any(c.isspace() or not c.isprintable() for c in path):
         return "a route holds no fragment ('#'), space or control character"
+    if "\\" in path or _SLASH_ESCAPE.search(route):
+        return "a '\\', '%2F' or '%5C' in a route is read as '/' by some servers: write the segments with '/'"
+    if _BROKEN_ESCAPE.search(path):
+        return "a '%' in a route starts an escape of two hex digits"
     return None
 
 

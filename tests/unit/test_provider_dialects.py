@@ -481,3 +481,26 @@ def test_printable_create_headers_load_and_are_sent(tmp_path: Path) -> None:
     data["create"]["headers"] = {"Prefer": "wait=5", "X-Trace": "a b\tc ~!"}
     dialect = load_dialect(write(tmp_path, data))
     assert dialect.create_headers == (("Prefer", "wait=5"), ("X-Trace", "a b\tc ~!"))
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        # sent as written by httpx; servers that read '\\' as '/' or decode '%2F' before resolving dot segments
+        # (WHATWG URL parsers, many proxies) then step out of the base URL's path
+        "/v1/..\\admin/{job_id}",
+        "/v1/%5C..%5Cadmin/{job_id}",
+        "/v1/..%2Fadmin/{job_id}",
+        "/v1/%2e%2e%2fadmin/{job_id}",
+        # a '%' that starts no escape: read differently by each server
+        "/v1/%zz/{job_id}",
+        "/v1/100%/{job_id}",
+    ],
+)
+def test_a_route_with_a_backslash_an_encoded_slash_or_a_broken_escape_is_refused(tmp_path: Path, path: str) -> None:
+    data = shipped_text("replicate-predictions")
+    data["get"]["path"] = path
+    file = write(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        load_dialect(file)
+    assert f"get.path is {path!r}" in str(caught.value)
