@@ -310,10 +310,10 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
             )
         statuses[key] = known_states[state]
     lookup = _lookup(source, top["lookup"])
-    description = top.get("description", "")
+    description = _text(source, top, "description", "the declaration") if "description" in top else ""
     return ProviderDialect(
         name=name,
-        description=description if isinstance(description, str) else "",
+        description=description,
         create_method=create_method,
         create_path=create_path,
         create_headers=tuple(headers.items()),

@@ -504,3 +504,14 @@ def test_a_route_with_a_backslash_an_encoded_slash_or_a_broken_escape_is_refused
     with pytest.raises(ConfigError) as caught:
         load_dialect(file)
     assert f"get.path is {path!r}" in str(caught.value)
+
+
+@pytest.mark.parametrize("description", [5, ["a"], {"text": "a"}, None])
+def test_a_description_that_is_not_text_is_refused(tmp_path: Path, description: Any) -> None:
+    # it was silently read as "" (every other value of the wrong kind is refused naming its key)
+    data = shipped_text("replicate-predictions")
+    data["description"] = description
+    file = write(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        load_dialect(file)
+    assert "the declaration.description is" in str(caught.value)
