@@ -269,6 +269,8 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
     cancel_method, cancel_path = _route(source, top["cancel"], "cancel", method=True, job_id=True)
     auth = _object(source, top["auth"], "auth", frozenset({"header", "scheme"}), frozenset({"header", "scheme"}))
     auth_header = _text(source, auth, "header", "auth", _HEADER)
+    if auth_header.lower() in _CLIENT_HEADERS:
+        raise _refuse(source, f"auth.header is {auth_header!r}: set by the client itself, it cannot carry the API key")
     headers = _create_headers(source, top["create"].get("headers", {}), auth_header)
     auth_scheme = _text(source, auth, "scheme", "auth", re.compile(r"[A-Za-z0-9._~+/-]*"))
     request_keys = frozenset({"model_field", "reference_field"})

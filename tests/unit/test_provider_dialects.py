@@ -515,3 +515,14 @@ def test_a_description_that_is_not_text_is_refused(tmp_path: Path, description: 
     with pytest.raises(ConfigError) as caught:
         load_dialect(file)
     assert "the declaration.description is" in str(caught.value)
+
+
+@pytest.mark.parametrize("header", ["Host", "content-type", "Content-Length", "Transfer-Encoding", "Connection"])
+def test_an_auth_header_the_client_sets_itself_is_refused(tmp_path: Path, header: str) -> None:
+    # accepted: the API key went out as the Host or Content-Type header (or was replaced by the client's own)
+    data = shipped_text("replicate-predictions")
+    data["auth"]["header"] = header
+    file = write(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        load_dialect(file)
+    assert f"auth.header is {header!r}" in str(caught.value)
