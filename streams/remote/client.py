@@ -87,6 +87,7 @@ from streams.kafka_security import ssl_context
 from streams.model.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.model.codes import RemoteCallOutcome
 from streams.remote.dialect import (
+    CLIENT_HEADERS,
     DEFAULT_DIALECT,
     FieldPath,
     ProviderDialect,
@@ -591,7 +592,8 @@ class RemoteClient:
         Raises:
             ConfigError: ``STREAMS_PROVIDER_DIALECT`` names no readable, valid declaration, or one whose
                 ``Prefer: wait`` is not shorter than the read timeout and the call deadline, or one without a lookup
-                while ``STREAMS_LOOKUP_ENABLED`` is on.
+                while ``STREAMS_LOOKUP_ENABLED`` is on; ``STREAMS_REMOTE_AUTH_HEADER`` names a header the client
+                sets itself (:data:`~streams.remote.dialect.CLIENT_HEADERS`).
         """
         dialect = load_dialect(settings.provider_dialect)
         wait_s = dialect.prefer_wait_s()
@@ -607,6 +609,11 @@ class RemoteClient:
                 f"STREAMS_LOOKUP_ENABLED is on but the provider dialect {dialect.source} declares no lookup by "
                 "client reference (lookup: null): turn it off; its uncertain operations then wait for an "
                 "operator's decision (streams operations adopt/abandon, docs/decisions.md)"
+            )
+        if "remote_auth_header" in settings.model_fields_set and settings.remote_auth_header.lower() in CLIENT_HEADERS:
+            raise ConfigError(
+                f"STREAMS_REMOTE_AUTH_HEADER is {settings.remote_auth_header!r}: a header the client sets itself "
+                "cannot carry the API key; name the provider's auth header (e.g. Authorization)"
             )
         explicit_cancel = "remote_cancel_path" in settings.model_fields_set
         if explicit_cancel and settings.remote_cancel_path.count("{job_id}") != 1:

@@ -50,7 +50,7 @@ _BROKEN_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 _HEADER_VALUE = re.compile(r"[\x20-\x7e\t]*")
 #: Headers of a create call the client sets itself, never a declaration (lower case): the body is JSON, its framing
 #: the sender's, the host the base URL's.
-_CLIENT_HEADERS = frozenset({"content-type", "content-length", "transfer-encoding", "host", "connection"})
+CLIENT_HEADERS = frozenset({"content-type", "content-length", "transfer-encoding", "host", "connection"})
 
 #: A field path: the keys from the answer's top object down to the value; ``()`` = not in this API's answers.
 FieldPath = tuple[str, ...]
@@ -269,7 +269,7 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
     cancel_method, cancel_path = _route(source, top["cancel"], "cancel", method=True, job_id=True)
     auth = _object(source, top["auth"], "auth", frozenset({"header", "scheme"}), frozenset({"header", "scheme"}))
     auth_header = _text(source, auth, "header", "auth", _HEADER)
-    if auth_header.lower() in _CLIENT_HEADERS:
+    if auth_header.lower() in CLIENT_HEADERS:
         raise _refuse(source, f"auth.header is {auth_header!r}: set by the client itself, it cannot carry the API key")
     headers = _create_headers(source, top["create"].get("headers", {}), auth_header)
     auth_scheme = _text(source, auth, "scheme", "auth", re.compile(r"[A-Za-z0-9._~+/-]*"))
@@ -335,7 +335,7 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
 
 def _create_headers(source: str, data: Any, auth_header: str) -> dict[str, str]:
     """The ``create.headers`` declaration: header names (RFC 9110 tokens) to values of printable ASCII, space and
-    tab (what httpx can send); never one the client sets itself (:data:`_CLIENT_HEADERS`, the auth header)."""
+    tab (what httpx can send); never one the client sets itself (:data:`CLIENT_HEADERS`, the auth header)."""
     if not isinstance(data, dict):
         raise _refuse(source, "create.headers must be an object of header names to text values")
     for name, value in data.items():
@@ -345,7 +345,7 @@ def _create_headers(source: str, data: Any, auth_header: str) -> dict[str, str]:
                 f"create.headers.{name}: expected a header name (RFC 9110 token) and a text value of printable "
                 "ASCII, space or tab",
             )
-        if name.lower() in _CLIENT_HEADERS or name.lower() == auth_header.lower():
+        if name.lower() in CLIENT_HEADERS or name.lower() == auth_header.lower():
             raise _refuse(
                 source,
                 f"create.headers.{name}: set by the client itself (the body's type and framing, the host, the "

@@ -526,3 +526,13 @@ def test_an_auth_header_the_client_sets_itself_is_refused(tmp_path: Path, header
     with pytest.raises(ConfigError) as caught:
         load_dialect(file)
     assert f"auth.header is {header!r}" in str(caught.value)
+
+
+@pytest.mark.parametrize("header", ["Host", "content-type", "Content-Length"])
+def test_an_explicit_auth_header_the_client_sets_itself_is_refused(header: str) -> None:
+    # STREAMS_REMOTE_AUTH_HEADER replaces the declaration's header and was only matched against the token pattern
+    with pytest.raises(ConfigError, match="STREAMS_REMOTE_AUTH_HEADER") as caught:
+        RemoteClient.from_settings(
+            Settings(remote_auth_header=header), transport=httpx.MockTransport(lambda r: httpx.Response(200))
+        )
+    assert repr(header) in str(caught.value)
