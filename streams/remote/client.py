@@ -419,7 +419,10 @@ def _poll_after_s(
     value = read_path(body, path) if body is not None else None
     if not exactjson.is_number(value):
         return None
-    seconds = float(value) / 1000.0  # a huge value is inf here: capped below
+    try:
+        seconds = float(value) / 1000.0  # a huge Decimal is inf here: capped below
+    except OverflowError:  # an integer past a float's range (exact JSON keeps integers as int)
+        seconds = math.inf if value > 0 else -math.inf
     return min(MAX_POLL_HINT_S, max(0.0, seconds)) if not math.isnan(seconds) else None
 
 
