@@ -471,6 +471,36 @@ def read_completed_at_ms(value: Any) -> tuple[int | None, str | None]:
     return ms, None
 
 
+def _json_kind(value: Any) -> str:
+    """The JSON kind of a parsed value, for a message that must not quote it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return "a number"
+
+
+def _lookup_jobs_problem(data: Any, where: str, job_id_path: FieldPath) -> str | None:
+    """What makes the jobs of a lookup answer unreadable (``where``: the declaration's jobs path), None when each
+    is an object with a usable job id at the declaration's ``answer.job_id``. Describes, never quotes: the jobs of
+    a provider's list may carry their inputs and outputs (user payload)."""
+    if not isinstance(data, list):
+        return f"at {where}: {_json_kind(data)}, not a list"
+    for i, job in enumerate(data):
+        if not isinstance(job, dict):
+            return f"job {i} of {len(data)} is {_json_kind(job)}, not an object"
+        job_id = read_path(job, job_id_path)
+        if not isinstance(job_id, str) or not JOB_ID.fullmatch(job_id):
+            return f"job {i} of {len(data)} has no usable id at {'.'.join(job_id_path)}"
+    return None
+
+
 def _shown(value: Any, limit: int = 80) -> str:
     """``value`` as short text for a reason (numbers exactly as they came: ``JsonDecimal`` shows its JSON)."""
     return clean_text(repr(value), limit)
@@ -879,16 +909,10 @@ class RemoteClient:
         if status != 200 or body is None:
             raise RemoteTransientError(operation_id, f"lookup answered HTTP {status}", status_code=status)
         data = read_path(body, route.jobs)
-        if not isinstance(data, list) or not all(
-            isinstance(j, dict)
-            and isinstance(read_path(j, fields.job_id), str)
-            and JOB_ID.fullmatch(read_path(j, fields.job_id))
-            for j in data
-        ):
+        why = _lookup_jobs_problem(data, ".".join(route.jobs), fields.job_id)
+        if why is not None:
             raise RemoteContractError(
-                operation_id,
-                f"lookup answer without a list of jobs with usable ids: {clean_text(repr(data), 300)}",
-                status_code=status,
+                operation_id, f"lookup answer without a list of jobs with usable ids: {why}", status_code=status
             )
         jobs = []
         for j in data:

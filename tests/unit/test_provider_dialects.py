@@ -536,3 +536,21 @@ def test_an_explicit_auth_header_the_client_sets_itself_is_refused(header: str) 
             Settings(remote_auth_header=header), transport=httpx.MockTransport(lambda r: httpx.Response(200))
         )
     assert repr(header) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("jobs", "why"),
+    [
+        ({"id": "p1", "input": {"prompt": "private words"}}, "at data: an object, not a list"),
+        ([{"id": "p1"}, {"input": {"prompt": "private words"}}], "job 1 of 2 has no usable id"),
+        ([{"id": "p1"}, "private words"], "job 1 of 2 is text, not an object"),
+    ],
+)
+async def test_a_lookup_answer_breaking_the_contract_is_described_never_quoted(
+    client: Callable[..., tuple[RemoteClient, Seen]], jobs: Any, why: str
+) -> None:
+    # The message (a reason in the ledger, a log line) quoted 300 characters of the jobs, prompts included.
+    remote, _ = client("seed-generations", 200, {"data": jobs})
+    with pytest.raises(RemoteContractError) as caught:
+        await remote.lookup(OP)
+    assert "private" not in str(caught.value) and why in str(caught.value)
