@@ -10,7 +10,7 @@ is lost one ``on_notice("unlistened")`` (the relay then sleeps its short fallbac
 be lost (the connection dropped between a commit and its delivery): the reconnection's ``listening`` covers that,
 and the relay's fallback timer anything else, so a lost notification only delays a row.
 
-The connection is re-opened after it is lost or fails to open, forever, each attempt logged and counted
+The connection is re-opened after it is lost, fails to open or fails to LISTEN, forever, each attempt logged and counted
 (``streams_ledger_listener_connects_total{result}``), waiting :data:`RETRY_FIRST_WAIT_S` doubling up to the
 caller's cap between attempts; a connection is checked with ``SELECT 1`` every :data:`CHECK_INTERVAL_S` (a
 peer gone without closing the socket).
@@ -93,16 +93,35 @@ class OutboxListener:
                 )
                 await asyncio.sleep(wait_s)
                 continue
+            listened = False
             try:
                 await self._listen(conn, address, reconnected=self.connections > 0)
+            except Exception as exc:  # LISTEN failed: the connection was lost as it opened (or a bug): reconnect
+                log.warning(
+                    "outbox listener: LISTEN on %s at %s failed (%s: %s)",
+                    OUTBOX_CHANNEL,
+                    address,
+                    type(exc).__name__,
+                    exc,
+                )
             finally:
                 listened, self.backend_pid = self.backend_pid is not None, None
                 conn.terminate()
                 if listened:
                     self._on_notice(UNLISTENED)
-            failures = 0
             metrics.LEDGER_LISTENER_CONNECTS.labels("lost").inc()
-            log.warning("outbox listener: connection to PostgreSQL at %s lost; reconnecting", address)
+            if listened:  # it listened: reconnect at once
+                failures = 0
+                log.warning("outbox listener: connection to PostgreSQL at %s lost; reconnecting", address)
+                continue
+            failures += 1  # lost before it listened: wait as after a failed attempt, never a busy loop
+            wait_s = min(self._retry_cap_s, RETRY_FIRST_WAIT_S * 2 ** (failures - 1))
+            log.warning(
+                "outbox listener: connection to PostgreSQL at %s lost before it listened; reconnecting in %.1f s",
+                address,
+                wait_s,
+            )
+            await asyncio.sleep(wait_s)
 
     async def _listen(self, conn: asyncpg.Connection, address: str, *, reconnected: bool) -> None:
         """Listen on ``conn`` until it is lost (returns) or the task is cancelled."""

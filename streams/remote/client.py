@@ -87,6 +87,7 @@ from streams.kafka_security import ssl_context
 from streams.model.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
 from streams.model.codes import RemoteCallOutcome
 from streams.remote.dialect import (
+    CLIENT_HEADERS,
     DEFAULT_DIALECT,
     FieldPath,
     ProviderDialect,
@@ -418,7 +419,10 @@ def _poll_after_s(
     value = read_path(body, path) if body is not None else None
     if not exactjson.is_number(value):
         return None
-    seconds = float(value) / 1000.0  # a huge value is inf here: capped below
+    try:
+        seconds = float(value) / 1000.0  # a huge Decimal is inf here: capped below
+    except OverflowError:  # an integer past a float's range (exact JSON keeps integers as int)
+        seconds = math.inf if value > 0 else -math.inf
     return min(MAX_POLL_HINT_S, max(0.0, seconds)) if not math.isnan(seconds) else None
 
 
@@ -465,6 +469,36 @@ def read_completed_at_ms(value: Any) -> tuple[int | None, str | None]:
     if ms is None or not 0 <= ms <= MAX_EPOCH_MS:
         return None, f"completed_at {_shown(value)} is outside 1970-01-01 .. 9999-12-31; not read"
     return ms, None
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON kind of a parsed value, for a message that must not quote it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return "a number"
+
+
+def _lookup_jobs_problem(data: Any, where: str, job_id_path: FieldPath) -> str | None:
+    """What makes the jobs of a lookup answer unreadable (``where``: the declaration's jobs path), None when each
+    is an object with a usable job id at the declaration's ``answer.job_id``. Describes, never quotes: the jobs of
+    a provider's list may carry their inputs and outputs (user payload)."""
+    if not isinstance(data, list):
+        return f"at {where}: {_json_kind(data)}, not a list"
+    for i, job in enumerate(data):
+        if not isinstance(job, dict):
+            return f"job {i} of {len(data)} is {_json_kind(job)}, not an object"
+        job_id = read_path(job, job_id_path)
+        if not isinstance(job_id, str) or not JOB_ID.fullmatch(job_id):
+            return f"job {i} of {len(data)} has no usable id at {'.'.join(job_id_path)}"
+    return None
 
 
 def _shown(value: Any, limit: int = 80) -> str:
@@ -591,7 +625,8 @@ class RemoteClient:
         Raises:
             ConfigError: ``STREAMS_PROVIDER_DIALECT`` names no readable, valid declaration, or one whose
                 ``Prefer: wait`` is not shorter than the read timeout and the call deadline, or one without a lookup
-                while ``STREAMS_LOOKUP_ENABLED`` is on.
+                while ``STREAMS_LOOKUP_ENABLED`` is on; ``STREAMS_REMOTE_AUTH_HEADER`` names a header the client
+                sets itself (:data:`~streams.remote.dialect.CLIENT_HEADERS`).
         """
         dialect = load_dialect(settings.provider_dialect)
         wait_s = dialect.prefer_wait_s()
@@ -607,6 +642,11 @@ class RemoteClient:
                 f"STREAMS_LOOKUP_ENABLED is on but the provider dialect {dialect.source} declares no lookup by "
                 "client reference (lookup: null): turn it off; its uncertain operations then wait for an "
                 "operator's decision (streams operations adopt/abandon, docs/decisions.md)"
+            )
+        if "remote_auth_header" in settings.model_fields_set and settings.remote_auth_header.lower() in CLIENT_HEADERS:
+            raise ConfigError(
+                f"STREAMS_REMOTE_AUTH_HEADER is {settings.remote_auth_header!r}: a header the client sets itself "
+                "cannot carry the API key; name the provider's auth header (e.g. Authorization)"
             )
         explicit_cancel = "remote_cancel_path" in settings.model_fields_set
         if explicit_cancel and settings.remote_cancel_path.count("{job_id}") != 1:
@@ -869,16 +909,10 @@ class RemoteClient:
         if status != 200 or body is None:
             raise RemoteTransientError(operation_id, f"lookup answered HTTP {status}", status_code=status)
         data = read_path(body, route.jobs)
-        if not isinstance(data, list) or not all(
-            isinstance(j, dict)
-            and isinstance(read_path(j, fields.job_id), str)
-            and JOB_ID.fullmatch(read_path(j, fields.job_id))
-            for j in data
-        ):
+        why = _lookup_jobs_problem(data, ".".join(route.jobs), fields.job_id)
+        if why is not None:
             raise RemoteContractError(
-                operation_id,
-                f"lookup answer without a list of jobs with usable ids: {clean_text(repr(data), 300)}",
-                status_code=status,
+                operation_id, f"lookup answer without a list of jobs with usable ids: {why}", status_code=status
             )
         jobs = []
         for j in data:

@@ -33,6 +33,10 @@ DEFAULT_DIALECT = "seed-generations"
 #: (any JSON value, or one value: each becomes ``{"id": "output_<i>", "value": <it>}``).
 OUTPUT_SHAPES = frozenset({"objects", "values"})
 
+#: Largest declaration file read (bytes): a declaration is a few kB; a bigger file is not one (a log named by
+#: mistake) and is refused before it is read whole.
+MAX_DECLARATION_BYTES = 1024 * 1024
+
 #: What a bare ``Prefer: wait`` asks of a provider of the Replicate kind (its documented longest hold, s).
 PREFER_WAIT_DEFAULT_S = 60.0
 
@@ -41,6 +45,12 @@ _METHODS = frozenset({"POST", "PUT", "PATCH", "GET", "DELETE"})
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
 _HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+_SLASH_ESCAPE = re.compile(r"%(?:2f|5c)", re.IGNORECASE)
+_BROKEN_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_HEADER_VALUE = re.compile(r"[\x20-\x7e\t]*")
+#: Headers of a create call the client sets itself, never a declaration (lower case): the body is JSON, its framing
+#: the sender's, the host the base URL's.
+CLIENT_HEADERS = frozenset({"content-type", "content-length", "transfer-encoding", "host", "connection"})
 
 #: A field path: the keys from the answer's top object down to the value; ``()`` = not in this API's answers.
 FieldPath = tuple[str, ...]
@@ -202,7 +212,8 @@ def route_problem(path: str) -> str | None:
     """What makes route template ``path`` unusable, None when nothing does: a placeholder other than
     ``{job_id}``, a ``.`` or ``..`` segment (plain or percent-encoded: httpx resolves it, so the call would leave
     ``STREAMS_REMOTE_BASE_URL``'s path), an empty segment (``//`` at the start names a host, which httpx drops), a
-    fragment, or a space or control character."""
+    fragment, a space or control character, a ``\\`` or an encoded ``/`` or ``\\`` (``%2F``, ``%5C``: servers that
+    read them as ``/`` resolve the dot segments they make), or a ``%`` that starts no escape."""
     route, _, query = path.partition("?")
     if "{" in path.replace("{job_id}", "") or "}" in path.replace("{job_id}", ""):
         return "the only placeholder a route may hold is {job_id}"
@@ -215,6 +226,10 @@ def route_problem(path: str) -> str | None:
         return "an empty segment ('//') is not a route"
     if "#" in path or any(c.isspace() or not c.isprintable() for c in path):
         return "a route holds no fragment ('#'), space or control character"
+    if "\\" in path or _SLASH_ESCAPE.search(route):
+        return "a '\\', '%2F' or '%5C' in a route is read as '/' by some servers: write the segments with '/'"
+    if _BROKEN_ESCAPE.search(path):
+        return "a '%' in a route starts an escape of two hex digits"
     return None
 
 
@@ -243,22 +258,20 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
         ConfigError: an unknown or missing key, a value of the wrong kind, a route without (or, for create, with)
             ``{job_id}`` or with it twice, a route with another placeholder, a ``.``/``..``/empty segment, a
             fragment or a space, a status mapping to no operation state or a status word declared twice (after
-            stripping and lower-casing), an unknown output shape, a ``lookup`` neither ``null`` nor a route without
-            ``{job_id}`` with a query parameter name and a jobs path.
+            stripping and lower-casing), an unknown output shape, a create header the client sets itself or cannot
+            send (:func:`_create_headers`), a ``lookup`` neither ``null`` nor a route without ``{job_id}`` with a
+            query parameter name and a jobs path.
     """
     top = _object(source, data, "the declaration", _TOP_KEYS, _TOP_KEYS - {"description"})
     name = _text(source, top, "name", "the declaration", _NAME)
     create_method, create_path = _route(source, top["create"], "create", method=True, job_id=False)
-    headers = top["create"].get("headers", {})
-    if not isinstance(headers, dict) or not all(
-        isinstance(k, str) and _HEADER.fullmatch(k) and isinstance(v, str) and "\n" not in v and "\r" not in v
-        for k, v in headers.items()
-    ):
-        raise _refuse(source, "create.headers must be an object of header names to text values")
     _, get_path = _route(source, top["get"], "get", method=False, job_id=True)
     cancel_method, cancel_path = _route(source, top["cancel"], "cancel", method=True, job_id=True)
     auth = _object(source, top["auth"], "auth", frozenset({"header", "scheme"}), frozenset({"header", "scheme"}))
     auth_header = _text(source, auth, "header", "auth", _HEADER)
+    if auth_header.lower() in CLIENT_HEADERS:
+        raise _refuse(source, f"auth.header is {auth_header!r}: set by the client itself, it cannot carry the API key")
+    headers = _create_headers(source, top["create"].get("headers", {}), auth_header)
     auth_scheme = _text(source, auth, "scheme", "auth", re.compile(r"[A-Za-z0-9._~+/-]*"))
     request_keys = frozenset({"model_field", "reference_field"})
     request = _object(source, top["request"], "request", request_keys, request_keys)
@@ -299,10 +312,10 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
             )
         statuses[key] = known_states[state]
     lookup = _lookup(source, top["lookup"])
-    description = top.get("description", "")
+    description = _text(source, top, "description", "the declaration") if "description" in top else ""
     return ProviderDialect(
         name=name,
-        description=description if isinstance(description, str) else "",
+        description=description,
         create_method=create_method,
         create_path=create_path,
         create_headers=tuple(headers.items()),
@@ -318,6 +331,27 @@ def parse_dialect(data: Any, source: str) -> ProviderDialect:
         statuses=statuses,
         source=source,
     )
+
+
+def _create_headers(source: str, data: Any, auth_header: str) -> dict[str, str]:
+    """The ``create.headers`` declaration: header names (RFC 9110 tokens) to values of printable ASCII, space and
+    tab (what httpx can send); never one the client sets itself (:data:`CLIENT_HEADERS`, the auth header)."""
+    if not isinstance(data, dict):
+        raise _refuse(source, "create.headers must be an object of header names to text values")
+    for name, value in data.items():
+        if not _HEADER.fullmatch(name) or not isinstance(value, str) or not _HEADER_VALUE.fullmatch(value):
+            raise _refuse(
+                source,
+                f"create.headers.{name}: expected a header name (RFC 9110 token) and a text value of printable "
+                "ASCII, space or tab",
+            )
+        if name.lower() in CLIENT_HEADERS or name.lower() == auth_header.lower():
+            raise _refuse(
+                source,
+                f"create.headers.{name}: set by the client itself (the body's type and framing, the host, the "
+                "auth header): remove it",
+            )
+    return data
 
 
 def _lookup(source: str, data: Any) -> LookupRoute | None:
@@ -341,17 +375,25 @@ def load_dialect(name_or_path: str = DEFAULT_DIALECT) -> ProviderDialect:
     with ``/`` or ending ``.json``), validated by :func:`parse_dialect`; loaded once per value.
 
     Raises:
-        ConfigError: neither a shipped name nor a readable JSON file, or the declaration is invalid.
+        ConfigError: neither a shipped name nor a readable JSON file (larger than :data:`MAX_DECLARATION_BYTES`, not
+            UTF-8, not JSON, nested too deep), or the declaration is invalid.
     """
     if "/" in name_or_path or name_or_path.endswith(".json"):
+        source = name_or_path
         try:
-            text = Path(name_or_path).read_text(encoding="utf-8")
+            with Path(name_or_path).open("rb") as file:
+                raw = file.read(MAX_DECLARATION_BYTES + 1)
         except OSError as exc:
             raise ConfigError(
                 f"STREAMS_PROVIDER_DIALECT: cannot read the declaration {name_or_path} ({exc.strerror}); "
                 f"set it to a readable JSON file or one of {shipped_dialects()}"
             ) from None
-        source = name_or_path
+        if len(raw) > MAX_DECLARATION_BYTES:
+            raise _refuse(source, f"larger than {MAX_DECLARATION_BYTES} bytes: not a declaration")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _refuse(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     else:
         if name_or_path not in shipped_dialects():
             raise ConfigError(
@@ -364,4 +406,6 @@ def load_dialect(name_or_path: str = DEFAULT_DIALECT) -> ProviderDialect:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _refuse(source, f"not JSON ({exc})") from None
+    except RecursionError:  # the parser's recursion limit: no declaration nests more than a few levels
+        raise _refuse(source, "not a declaration: JSON nested deeper than the parser's recursion limit") from None
     return parse_dialect(data, source)

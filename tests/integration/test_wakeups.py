@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import types
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from streams import metrics
 from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
+from streams.ledger import connect_options, notices
 from streams.worker.runtime import Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.relay import OutboxRelay
@@ -260,3 +262,40 @@ async def test_a_fallback_wakeup_with_nothing_due_runs_no_round_and_a_due_poll_s
         await scheduler_rt.close()
     assert scheduler.rounds > rounds
     assert fallbacks._value.get() > fallbacks_before
+
+
+async def test_a_listener_whose_connection_dies_before_listen_reconnects(
+    runtime: Runtime,
+    pool: asyncpg.Pool,
+    settings: Settings,
+    relay_worker: Callable[..., Awaitable[Runtime]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The race: the backend ends (pg_terminate_backend, a restart, a failover) after the connection opened and
+    # before LISTEN ran. add_listener raised out of OutboxListener.run, which ended for good: no reconnection,
+    # every other worker's rows waited for the relay's fallback from then on.
+    real_connect = connect_options.connect
+    killed: list[int] = []
+
+    async def connect_then_lose_the_first(*args: Any, **kwargs: Any) -> asyncpg.Connection:
+        conn = await real_connect(*args, **kwargs)
+        if not killed:  # only this test listener's own first backend, on this test database
+            killed.append(conn.get_server_pid())
+            assert await pool.fetchval("SELECT pg_terminate_backend($1)", killed[0])
+            await wait_for(lambda: _true(conn.is_closed()), 30.0, "the client saw its backend end")
+        return conn
+
+    # the listener's own connections only (the pool's go through the real module)
+    monkeypatch.setattr(notices, "connect_options", types.SimpleNamespace(connect=connect_then_lose_the_first))
+    lost = connects("lost")
+    relay_rt = await relay_worker(fallback_s=3600.0, listen=True)  # waits until listening
+    listener = relay_rt.outbox_listener
+    assert listener is not None and killed and listener.backend_pid not in (None, killed[0])
+    assert listener.connections == 1  # the lost connection never listened
+    assert connects("lost") == lost + 1
+
+    notified = wakeups("notified")
+    op = f"op-listen-race-{uuid.uuid4().hex[:6]}"
+    await succeeded_operation(runtime, op, outputs=1)
+    await wait_for(published(pool, op), 30.0, "the relay published every row by notification")
+    assert wakeups("notified") > notified

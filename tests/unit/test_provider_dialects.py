@@ -426,3 +426,131 @@ async def test_the_simulated_prediction_api_bounds_its_wait_and_answers_errors_a
             assert (await http.get(f"/v1/predictions/{job_id}")).json()["status"] == "canceled"
     finally:
         await server.close()
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        # json.loads raised RecursionError past ~1000 levels: a crash at startup, not a refusal naming the file
+        (b"[" * 100_000 + b"]" * 100_000, "nested deeper than"),
+        # read_text raised UnicodeDecodeError
+        (b"\xff\xfe{}", "not UTF-8"),
+        # read whole, however large: a file named by mistake (a log, an image) was read into memory
+        (b" " * (2 * 1024 * 1024) + b"{}", "larger than"),
+    ],
+)
+def test_a_declaration_file_that_is_no_declaration_is_refused_naming_it(
+    tmp_path: Path, content: bytes, words: str
+) -> None:
+    path = tmp_path / "broken.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        load_dialect(str(path))
+    assert words in str(caught.value) and str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("headers", "words"),
+    [
+        # accepted, then httpx raised UnicodeEncodeError building the client: a crash, not a refusal
+        ({"Prefer": "wait=5 é"}, "create.headers.Prefer"),
+        # accepted and sent: a NUL or DEL in a header value
+        ({"Prefer": "wait=5\x00"}, "create.headers.Prefer"),
+        ({"X-Trace": "a\x7fb"}, "create.headers.X-Trace"),
+        # accepted and sent instead of the product's: the body's type and framing, the host, the credentials
+        ({"content-type": "text/plain"}, "create.headers.content-type"),
+        ({"Content-Length": "0"}, "create.headers.Content-Length"),
+        ({"Transfer-Encoding": "chunked"}, "create.headers.Transfer-Encoding"),
+        ({"Host": "other.example"}, "create.headers.Host"),
+        ({"authorization": "Bearer literal"}, "create.headers.authorization"),
+    ],
+)
+def test_create_headers_the_client_cannot_send_or_must_set_itself_are_refused(
+    tmp_path: Path, headers: dict[str, str], words: str
+) -> None:
+    data = shipped_text("replicate-predictions")
+    data["create"]["headers"] = headers
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        load_dialect(path)
+    assert words in str(caught.value) and path in str(caught.value)
+
+
+def test_printable_create_headers_load_and_are_sent(tmp_path: Path) -> None:
+    data = shipped_text("replicate-predictions")
+    data["create"]["headers"] = {"Prefer": "wait=5", "X-Trace": "a b\tc ~!"}
+    dialect = load_dialect(write(tmp_path, data))
+    assert dialect.create_headers == (("Prefer", "wait=5"), ("X-Trace", "a b\tc ~!"))
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        # sent as written by httpx; servers that read '\\' as '/' or decode '%2F' before resolving dot segments
+        # (WHATWG URL parsers, many proxies) then step out of the base URL's path
+        "/v1/..\\admin/{job_id}",
+        "/v1/%5C..%5Cadmin/{job_id}",
+        "/v1/..%2Fadmin/{job_id}",
+        "/v1/%2e%2e%2fadmin/{job_id}",
+        # a '%' that starts no escape: read differently by each server
+        "/v1/%zz/{job_id}",
+        "/v1/100%/{job_id}",
+    ],
+)
+def test_a_route_with_a_backslash_an_encoded_slash_or_a_broken_escape_is_refused(tmp_path: Path, path: str) -> None:
+    data = shipped_text("replicate-predictions")
+    data["get"]["path"] = path
+    file = write(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        load_dialect(file)
+    assert f"get.path is {path!r}" in str(caught.value)
+
+
+@pytest.mark.parametrize("description", [5, ["a"], {"text": "a"}, None])
+def test_a_description_that_is_not_text_is_refused(tmp_path: Path, description: Any) -> None:
+    # it was silently read as "" (every other value of the wrong kind is refused naming its key)
+    data = shipped_text("replicate-predictions")
+    data["description"] = description
+    file = write(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        load_dialect(file)
+    assert "the declaration.description is" in str(caught.value)
+
+
+@pytest.mark.parametrize("header", ["Host", "content-type", "Content-Length", "Transfer-Encoding", "Connection"])
+def test_an_auth_header_the_client_sets_itself_is_refused(tmp_path: Path, header: str) -> None:
+    # accepted: the API key went out as the Host or Content-Type header (or was replaced by the client's own)
+    data = shipped_text("replicate-predictions")
+    data["auth"]["header"] = header
+    file = write(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        load_dialect(file)
+    assert f"auth.header is {header!r}" in str(caught.value)
+
+
+@pytest.mark.parametrize("header", ["Host", "content-type", "Content-Length"])
+def test_an_explicit_auth_header_the_client_sets_itself_is_refused(header: str) -> None:
+    # STREAMS_REMOTE_AUTH_HEADER replaces the declaration's header and was only matched against the token pattern
+    with pytest.raises(ConfigError, match="STREAMS_REMOTE_AUTH_HEADER") as caught:
+        RemoteClient.from_settings(
+            Settings(remote_auth_header=header), transport=httpx.MockTransport(lambda r: httpx.Response(200))
+        )
+    assert repr(header) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("jobs", "why"),
+    [
+        ({"id": "p1", "input": {"prompt": "private words"}}, "at data: an object, not a list"),
+        ([{"id": "p1"}, {"input": {"prompt": "private words"}}], "job 1 of 2 has no usable id"),
+        ([{"id": "p1"}, "private words"], "job 1 of 2 is text, not an object"),
+    ],
+)
+async def test_a_lookup_answer_breaking_the_contract_is_described_never_quoted(
+    client: Callable[..., tuple[RemoteClient, Seen]], jobs: Any, why: str
+) -> None:
+    # The message (a reason in the ledger, a log line) quoted 300 characters of the jobs, prompts included.
+    remote, _ = client("seed-generations", 200, {"data": jobs})
+    with pytest.raises(RemoteContractError) as caught:
+        await remote.lookup(OP)
+    assert "private" not in str(caught.value) and why in str(caught.value)

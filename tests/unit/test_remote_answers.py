@@ -299,7 +299,16 @@ def test_backoff_never_before_now_never_past_the_cap(hint: float | None, expecte
 
 @pytest.mark.parametrize(
     ("poll_after_ms", "seconds"),
-    [(b"250", 0.25), (b"-5", 0.0), (b"1e400", 3600.0), (b"18446744073709551616", 3600.0), (b'"250"', None)],
+    [
+        (b"250", 0.25),
+        (b"-5", 0.0),
+        (b"1e400", 3600.0),
+        (b"18446744073709551616", 3600.0),
+        (b'"250"', None),
+        # integers past a float's range: float() raised OverflowError out of observe
+        (b"9" * 400, 3600.0),
+        (b"-" + b"9" * 400, 0.0),
+    ],
 )
 async def test_poll_after_ms_hint(client: Client, poll_after_ms: bytes, seconds: float | None) -> None:
     snapshot = await client(200, b'{"status": "running", "poll_after_ms": %s}' % poll_after_ms, None).observe(OP, "j")

@@ -415,6 +415,10 @@ async def test_hints_are_capped_and_absurd_times_ignored(make_client: ClientFact
     client, _ = make_client(answer(201, {"id": "J1", "poll_after_ms": 1e16}))
     result = await client.submit(OP, REQUEST)
     assert result.poll_after_s == 3600.0
+    # an integer past a float's range: OverflowError out of submit, after the POST, its job id lost
+    client, _ = make_client(answer(201, b'{"id": "J2", "poll_after_ms": ' + b"9" * 400 + b"}"))
+    result = await client.submit(OP, REQUEST)
+    assert (result.job_id, result.poll_after_s) == ("J2", 3600.0)
     client, _ = make_client(answer(200, {"status": "succeeded", "outputs": [], "completed_at": 1e20}))
     snapshot = await client.observe(OP, "job-1")
     assert snapshot.completed_at_ms is None
