@@ -458,3 +458,21 @@ def test_the_chart_has_a_colour_for_every_kind_of_run(tmp_path: Path) -> None:
     summary = summarize_runs(records)
     path = draw(summary, compare(summary), tmp_path / "chart.png", "every kind")
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_with_no_worker_counts_the_plan_has_only_the_other_runs_and_the_paced_run_takes_two_workers() -> None:
+    opts = BenchOptions(workers=(), partitions=(4,), floor=False, naive=False, procrastinate=False)
+    assert [(r.kind, r.processes) for r in plan(opts)] == [(PACED, 2)]
+    opts = BenchOptions(
+        workers=(),
+        partitions=(4,),
+        floor=False,
+        naive=False,
+        procrastinate=False,
+        paced_rate_per_s=0,
+        callbacks_comparison=True,
+    )
+    assert [(r.label, r.callbacks) for r in plan(opts)] == [
+        ("callbacks off w1 p4", False),
+        ("callbacks on w1 p4", True),
+    ]
