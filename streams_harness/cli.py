@@ -292,6 +292,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[i
     return items
 
 
+def _worker_counts(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    """``--workers``: comma-separated worker counts, or empty for no pipeline run (the other runs alone)."""
+    return _int_list(ctx, param, value) if value.strip() else ()
+
+
 def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
     from streams.config import HTTP_TRANSPORTS
 
@@ -303,7 +308,13 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 
 @click.command("bench")
 @click.option("--operations", default=3000, show_default=True, type=click.IntRange(min=10), help="Per run.")
-@click.option("--workers", default="1,2,4", show_default=True, callback=_int_list, help="Worker counts.")
+@click.option(
+    "--workers",
+    default="1,2,4",
+    show_default=True,
+    callback=_worker_counts,
+    help="Worker counts of the pipeline runs; '' for none (e.g. the callbacks comparison alone).",
+)
 @click.option("--partitions", default="4,16", show_default=True, callback=_int_list, help="Partition counts.")
 @click.option(
     "--transports",

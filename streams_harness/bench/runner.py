@@ -150,7 +150,7 @@ def plan(opts: BenchOptions) -> list[RunSpec]:
                     )
                     batch.append(RunSpec(PIPELINE, workers, partitions, transport, repeat, profile))
         if opts.paced_rate_per_s > 0:  # delivery latency while not saturated: an open loop below capacity
-            workers = 2 if 2 in opts.workers else max(opts.workers)
+            workers = 2 if 2 in opts.workers or not opts.workers else max(opts.workers)
             batch.append(
                 RunSpec(
                     PACED, workers, opts.partitions[0], opts.transports[0], repeat, rate_per_s=opts.paced_rate_per_s

@@ -493,3 +493,21 @@ async def test_the_peers_consume_loop_handles_every_record_at_most_concurrency_a
     await consume_bounded(records(), handle, concurrency=2)
     assert sorted(seen) == [1, 3, 4, 5]
     assert peak == 2
+
+
+def test_with_no_worker_counts_the_plan_has_only_the_other_runs_and_the_paced_run_takes_two_workers() -> None:
+    opts = BenchOptions(workers=(), partitions=(4,), floor=False, naive=False, procrastinate=False)
+    assert [(r.kind, r.processes) for r in plan(opts)] == [(PACED, 2)]
+    opts = BenchOptions(
+        workers=(),
+        partitions=(4,),
+        floor=False,
+        naive=False,
+        procrastinate=False,
+        paced_rate_per_s=0,
+        callbacks_comparison=True,
+    )
+    assert [(r.label, r.callbacks) for r in plan(opts)] == [
+        ("callbacks off w1 p4", False),
+        ("callbacks on w1 p4", True),
+    ]

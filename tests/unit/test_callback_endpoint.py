@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
+import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import REGISTRY
 
 from streams.config import Settings
+from streams.ledger.records import CallbackNote
+from streams.remote import callbacks
 from streams.worker.app import create_app
 from streams.worker.stages.callbacks import CallbackReceiver
 from streams.worker.wakeup import Wakeups
@@ -103,3 +109,37 @@ async def test_a_chunked_body_over_the_limit_without_content_length_is_refused_4
             + b"\r\n0\r\n\r\n",
         )
     assert line == b"HTTP/1.1 413 Request Entity Too Large"
+
+
+class _LedgerWithoutTheJob:
+    """A ledger in which no operation has the callback's job (note_callback's answer for an unknown job)."""
+
+    async def note_callback(self, webhook_id: str, remote_job_id: str) -> CallbackNote:
+        return CallbackNote(operation_id=None, recorded=False, made_due=False)
+
+
+async def test_an_unknown_job_is_refused_404_with_the_webhook_id_and_job_id_in_its_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = Settings(callbacks_enabled=True, callback_secrets=_SECRET)
+    runtime = SimpleNamespace(settings=settings, ledger=_LedgerWithoutTheJob(), wakeups=Wakeups())
+    web_app = web.Application()
+    web_app.router.add_post("/cb", CallbackReceiver(runtime).handle)  # type: ignore[arg-type]  # the parts it uses
+    body = b'{"type": "generation.completed", "data": {"id": "job_0123456789abcdef"}}'
+    now_s = int(time.time())
+    key = base64.b64decode(_SECRET.removeprefix("whsec_"))
+    headers = {
+        "webhook-id": "msg_unknown_1",
+        "webhook-timestamp": str(now_s),
+        "webhook-signature": callbacks.signature(key, "msg_unknown_1", now_s, body),
+    }
+    async with TestClient(TestServer(web_app)) as client:
+        with caplog.at_level(logging.WARNING, logger="streams.worker.stages.callbacks"):
+            response = await client.post("/cb", data=body, headers=headers)
+            assert response.status == 404
+            assert await response.text() == "refused: unknown_job\n"
+    lines = [r.getMessage() for r in caplog.records if r.name == "streams.worker.stages.callbacks"]
+    assert lines == [
+        "completion callback refused (unknown_job): delivery 'msg_unknown_1': no operation has job "
+        "'job_0123456789abcdef' (yet); the sender retries"
+    ]

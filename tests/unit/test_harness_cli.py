@@ -91,3 +91,22 @@ def test_bench_options(started: list[Any]) -> None:
     result = CliRunner().invoke(cli.bench_command, args)
     assert result.exit_code == 0, result.output
     assert started == [BenchOptions(operations=50, workers=(1, 2), sim_get_latency_ms=5.0, profile=False)]
+
+
+def test_bench_with_no_worker_counts_runs_the_other_runs_alone(started: list[Any]) -> None:
+    args = ["--workers", "", "--no-floor", "--no-naive", "--no-procrastinate", "--no-profile", "--paced-rate", "0"]
+    result = CliRunner().invoke(cli.bench_command, [*args, "--callbacks-comparison"])
+    assert result.exit_code == 0, result.output
+    assert started == [
+        BenchOptions(
+            workers=(),
+            floor=False,
+            naive=False,
+            procrastinate=False,
+            profile=False,
+            paced_rate_per_s=0.0,
+            callbacks_comparison=True,
+        )
+    ]
+    refused = CliRunner().invoke(cli.bench_command, ["--workers", "1,0"])
+    assert refused.exit_code == 2 and "each at least 1" in refused.output

@@ -70,7 +70,9 @@ class CallbackReceiver:
         if note.operation_id is None:
             return self._refused(
                 CallbackRefusedError(
-                    CallbackRefusal.UNKNOWN_JOB, 404, f"no operation has job {job_id!r} (yet); the sender retries"
+                    CallbackRefusal.UNKNOWN_JOB,
+                    404,
+                    f"delivery {webhook_id!r}: no operation has job {job_id!r} (yet); the sender retries",
                 )
             )
         if not note.recorded:
