@@ -524,7 +524,8 @@ class InMemoryLedger(WaitsOutOutages):
                 self.outbox.append(row)
 
         cancel_pending = op.cancel_attempts == 0 and not op.cancel_answered and operation_id in self.cancellations
-        due_now = not (terminal or next_poll_delay_s is None) and (cancel_pending or op.hinted)
+        hint_pending = op.hinted and not op.poll_claimed  # a poll claimed since serves the hint
+        due_now = not (terminal or next_poll_delay_s is None) and (cancel_pending or hint_pending)
         self._write(
             op,
             also=write_outputs,

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 import httpx
+import orjson
 import pytest
 
 from streams import hooks
@@ -25,7 +26,7 @@ from streams.ledger.pool import create_pool
 from streams.ledger.records import CallbackNote, CancelAsk, CancelPath
 from streams.ledger.store import Ledger
 from streams.remote.callbacks import signature
-from streams.worker.runtime import Runtime
+from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.observer import Observer
 from tests.integration.test_callbacks import SECRET, callback_runtime, job_gets, long_jobs, received, receiver
 from tests.integration.test_cancellation import next_poll_in_s
@@ -170,3 +171,29 @@ async def test_a_cancel_during_a_get_wakes_the_observing_workers_scheduler(
     assert [a.recorded for a in asks] == [True]
     assert await next_poll_in_s(pool, "op-cancel-mid") <= 0
     assert rt.wakeups.polls.notified  # on the old code: a deadline 60 s out only
+
+
+async def test_a_poll_claimed_after_the_callback_serves_it_without_another_claim(
+    settings: Settings, rt: Runtime, pool: asyncpg.Pool, simulator: Simulator, before_save: list[Callable[[], None]]
+) -> None:
+    """The callback made the poll due during the GET and a scheduler claimed the next poll before the save: that
+    claimed poll's GET comes after the callback, so the save leaves it be (no second claim, no stale poll event),
+    and it is the one extra GET."""
+    job_id = await submitted_operation(rt, "op-reclaimed")
+    claimed: list[list[str]] = []
+
+    async def callback_then_claim(lg: Ledger) -> list[str]:
+        assert (await lg.note_callback("msg_reclaimed", job_id)).made_due
+        return [p.operation_id for p in await lg.claim_due_polls(100, 3.0)]
+
+    before_save.append(lambda: claimed.append(in_own_thread(settings, callback_then_claim)))
+    first = await claim_poll(rt, "op-reclaimed")
+    await Observer(rt).handle(first)
+    assert claimed == [["op-reclaimed"]]
+    assert await next_poll_in_s(pool, "op-reclaimed") > FALLBACK_S - 5  # the claimed poll is on its way
+    assert first.value is not None
+    poll_claim_id = await pool.fetchval("SELECT poll_claim_id FROM operations WHERE operation_id='op-reclaimed'")
+    event = orjson.loads(first.value) | {"poll_claim_id": poll_claim_id}
+    await Observer(rt).handle(RawMessage(first.topic, 0, 1, first.key, orjson.dumps(event)))
+    assert await job_gets(simulator, job_id) == 2
+    assert FALLBACK_S - 5 < await next_poll_in_s(pool, "op-reclaimed") <= FALLBACK_S

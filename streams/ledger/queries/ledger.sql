@@ -311,7 +311,8 @@ RETURNING req.i;
 -- (refund id, job id). A job still pollable whose recorded cancellation has not been called at the provider yet
 -- (asked while this poll was being observed) is due again now, not after its delay; so is one whose hinted_at is
 -- set (a completion callback came while this poll was being observed, its GET perhaps made before the job ended:
--- callbacks.sql), and the save clears hinted_at, so each callback costs at most one extra GET.
+-- callbacks.sql) unless a scheduler claimed the next poll meanwhile (its GET comes after the callback); the save
+-- clears hinted_at, so each callback costs at most one extra GET.
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :states new states (text[]), :observations
 -- (JSON texts with "status", "charge", "refund"), :next_poll_delays_s next poll delays (s, float8[], NULL when terminal),
 -- :remote_completed_at_ms remote completion times (epoch ms, bigint[], NULL unless terminal), :reasons (text[]), :source_states states each new
@@ -346,7 +347,7 @@ WITH req AS (
                             WHEN o.cancel_attempts = 0 AND o.cancel_answered_at IS NULL
                                  AND EXISTS (SELECT 1 FROM cancellations c WHERE c.operation_id = o.operation_id)
                                 THEN now()
-                            WHEN o.hinted_at IS NOT NULL THEN now()
+                            WHEN o.hinted_at IS NOT NULL AND o.poll_claimed_at IS NULL THEN now()
                             ELSE now() + make_interval(secs => req.delay_s) END,
         hinted_at = NULL,
         remote_completed_at = COALESCE(to_timestamp(req.completed_ms::double precision / 1000.0),
