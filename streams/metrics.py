@@ -115,8 +115,9 @@ CANCELLATIONS = Counter(
 )
 CALLBACKS_RECEIVED = Counter(
     "streams_callbacks_received_total",
-    "Completion callbacks verified and recorded, by result (poll_now: the job's poll moved to now; no_change: it "
-    "was due or claimed already, or the job is no longer pollable).",
+    "Completion callbacks verified and recorded, by result (poll_now: the job's poll moved to now; poll_claimed: "
+    "its poll was claimed already, its GET comes after; no_change: it was due already, or the job is no longer "
+    "pollable).",
     ["result"],
 )
 CALLBACKS_REFUSED = Counter(
@@ -270,7 +271,7 @@ def preinitialise(consumed_topics: Iterable[str]) -> None:
             CANCELLATIONS.labels(path, cancel_result)
     for kind in ("max_age", "not_found", "unknown_status"):
         STALLED.labels(kind)
-    for callback_result in ("poll_now", "no_change"):
+    for callback_result in ("poll_now", "poll_claimed", "no_change"):
         CALLBACKS_RECEIVED.labels(callback_result)
     for refusal in CallbackRefusal:
         CALLBACKS_REFUSED.labels(refusal.value)

@@ -82,6 +82,8 @@ class Operation:
     observe_claim_id: uuid.UUID | None = None
     #: The scheduler's latest claim is not yet taken by an observer (nor rescheduled): ``poll_claimed_at`` set.
     poll_claimed: bool = False
+    #: A callback came while the poll was claimed or being observed, or made it due (``hinted_at`` set).
+    hinted: bool = False
     next_poll_at: float | None = None
     poll_count: int = 0
     reason: str | None = None
@@ -457,6 +459,7 @@ class InMemoryLedger(WaitsOutOutages):
             updated_by=self.worker,
             poll_claimed=False,
             observe_claim_id=claim_id or uuid.uuid4(),
+            hinted=False,
         )
         return self._observe_claim(self.operations[operation_id], self._t - since)
 
@@ -527,6 +530,9 @@ class InMemoryLedger(WaitsOutOutages):
                 row = OutboxRow(next(self._ids), event_id, "outputs_delivered", operation_id, out["output_id"], payload)
                 self.outbox.append(row)
 
+        cancel_pending = op.cancel_attempts == 0 and not op.cancel_answered and operation_id in self.cancellations
+        hint_pending = op.hinted and not op.poll_claimed  # a poll claimed since serves the hint
+        due_now = not (terminal or next_poll_delay_s is None) and (cancel_pending or hint_pending)
         self._write(
             op,
             also=write_outputs,
@@ -535,17 +541,18 @@ class InMemoryLedger(WaitsOutOutages):
             poll_count=op.poll_count + 1,
             unknown_status_count=0,
             failed_poll_count=0,
+            hinted=False,
             next_poll_at=None
             if terminal or next_poll_delay_s is None
             else self._t
-            if op.cancel_attempts == 0 and not op.cancel_answered and operation_id in self.cancellations
+            if due_now
             else self._t + next_poll_delay_s,
             remote_completed_at_ms=snapshot.completed_at_ms if terminal else op.remote_completed_at_ms,
             reason=reason,
             reason_code=None if reason is None else ReasonCode.REMOTE_JOB_FAILED,
             updated_by=self.worker,
         )
-        return SaveOutcome.SAVED
+        return SaveOutcome.SAVED_DUE_NOW if due_now else SaveOutcome.SAVED
 
     @waits_out_outages("save stalled")
     async def save_stalled(
@@ -767,9 +774,10 @@ class InMemoryLedger(WaitsOutOutages):
             return CallbackNote(op.operation_id, False, False)
         self.callback_deliveries[webhook_id] = op.operation_id
         due = op.state in POLLABLE and not op.poll_claimed and op.next_poll_at is not None and op.next_poll_at > self._t
-        if due:
-            self._write(op, next_poll_at=self._t)
-        return CallbackNote(op.operation_id, True, due)
+        hinted = op.state in POLLABLE and (due or op.poll_claimed)
+        if hinted:
+            self._write(op, next_poll_at=self._t if due else op.next_poll_at, hinted=True)
+        return CallbackNote(op.operation_id, True, due, hinted)
 
     async def relay_outbox(
         self,

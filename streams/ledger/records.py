@@ -14,6 +14,9 @@ class SaveOutcome(enum.StrEnum):
     """What happened to a fenced save."""
 
     SAVED = "saved"  # written (a transition, or a refresh of the same state)
+    #: written, and the job's next poll is due now instead of after its delay: a cancellation not yet called at the
+    #: provider, or a completion callback that came while this poll was being observed (queries/ledger.sql)
+    SAVED_DUE_NOW = "saved_due_now"
     REFUSED_FENCING = "refused_fencing"  # a newer claim exists: the caller drops its result
     REFUSED_ORDER = "refused_order"  # the row is already at or past this state (e.g. late running)
 
@@ -113,11 +116,14 @@ class CancelAsk:
 class CallbackNote:
     """What :meth:`~streams.ledger.store.Ledger.note_callback` did: ``operation_id`` None when no operation has the
     job id (nothing recorded), ``recorded`` False for a replay (the webhook id was recorded before), ``made_due``
-    True when the job's poll moved to now."""
+    True when the job's poll moved to now, ``hinted`` True when the callback came while the poll was claimed or
+    being observed, or made it due (``hinted_at`` stamped: the save of a poll being observed then makes the next
+    one due now)."""
 
     operation_id: str | None
     recorded: bool
     made_due: bool
+    hinted: bool = False
 
 
 @dataclass(frozen=True)

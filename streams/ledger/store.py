@@ -82,13 +82,13 @@ def _observe_claim(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any
 
 
 def _save_outcome(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
-    """``save_observation``: one row per request; saved, refused by a newer claim, or refused by the state order
-    (or no such operation)."""
+    """``save_observation``: one row per request; saved (with the next poll due now, or not), refused by a newer
+    claim, or refused by the state order (or no such operation)."""
     outcomes: list[Any] = []
     for request, row in zip(batch, by_position(rows, len(batch)), strict=True):
         assert row is not None  # one row per request
         if row["saved"]:
-            outcomes.append(SaveOutcome.SAVED)
+            outcomes.append(SaveOutcome.SAVED_DUE_NOW if row["due_now"] else SaveOutcome.SAVED)
         elif row["fencing_token"] is not None and row["fencing_token"] != request[1]:
             outcomes.append(SaveOutcome.REFUSED_FENCING)
         else:
@@ -360,7 +360,9 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         """Fenced, conditional save of one GET snapshot (one statement).
 
         A terminal ``succeeded`` writes the outputs and one outbox row per ``(operation_id, output_id)`` in
-        the same statement. Returns :class:`SaveOutcome`; a refusal writes nothing.
+        the same statement. Returns :class:`SaveOutcome` (``SAVED_DUE_NOW`` when a cancellation or a callback that
+        came during this poll made the next poll due now instead of after ``next_poll_delay_s``); a refusal writes
+        nothing.
         """
         new = snapshot.state
         terminal = is_terminal(new)
@@ -611,8 +613,10 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
     @waits_out_outages("note callback")
     async def note_callback(self, webhook_id: str, remote_job_id: str) -> CallbackNote:
         """Record one verified callback delivery (``webhook_id``, once) for ``remote_job_id`` and make the job's
-        poll due now when it is pollable and neither due already nor claimed (queries/callbacks.sql). Idempotent: a
-        repeat of ``webhook_id`` records and changes nothing. Never saves a state: that comes from a GET.
+        poll due now when it is pollable and neither due already nor claimed; a pollable job's poll not due already
+        is marked hinted (``hinted_at``), so the save of a poll being observed makes the next one due now
+        (queries/callbacks.sql). Idempotent: a repeat of ``webhook_id`` records and changes nothing. Never saves a
+        state: that comes from a GET.
 
         Raises:
             LedgerDataError: an empty ``webhook_id``.
@@ -622,7 +626,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
                 self.pool, webhook_id=webhook_id, remote_job_id=remote_job_id, worker=self.worker
             )
         assert row is not None  # one row always
-        return CallbackNote(row["operation_id"], row["recorded"], row["made_due"])
+        return CallbackNote(row["operation_id"], row["recorded"], row["made_due"], row["hinted"])
 
     async def relay_outbox(
         self,

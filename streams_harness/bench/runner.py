@@ -86,8 +86,7 @@ class BenchOptions:
     paced_rate_per_s: float = 50.0
     paced_operations: int = 1000
     #: Two paced runs of jobs lasting several poll intervals, completion callbacks off then on
-    #: (:func:`callbacks_comparison`); off by default: the run with callbacks waits for the product's 60 s fallback
-    #: poll of the jobs whose callback came while their poll was claimed.
+    #: (:func:`callbacks_comparison`); off by default: it adds two paced runs of long jobs.
     callbacks_comparison: bool = False
     callbacks_operations: int = 300
     callbacks_rate_per_s: float = 20.0

@@ -250,7 +250,7 @@ WHERE operation_id = :operation_id;
 
 -- name: claim_for_observe
 -- Batched: the observer's claim for one poll, taken after the Redis lease: a new fencing value and the caller's
--- claim id.
+-- claim id. It clears hinted_at: the GET that follows comes after every callback recorded so far (callbacks.sql).
 -- :operation_ids (text[], distinct), :poll_claim_ids of the poll events (bigint[]), :claim_ids (uuid[]), :worker,
 -- :lock_timeout.
 -- Returns i, fencing_token, remote_job_id, state, poll_count, observed_for_s (since the observation began: job id
@@ -273,7 +273,7 @@ WITH req AS (
 ), claimed AS (
     UPDATE operations AS o
     SET fencing_token = o.fencing_token + 1, updated_by = :worker, poll_claimed_at = NULL, poll_taken_at = now(),
-        observe_claim_id = req.claim_id
+        observe_claim_id = req.claim_id, hinted_at = NULL
     FROM req JOIN locked USING (operation_id)
     WHERE o.operation_id = req.operation_id
       AND o.poll_claim_id = req.poll_claim_id
@@ -325,13 +325,17 @@ RETURNING req.i;
 -- unique index; a repeat is skipped). A known status ends any run of unknown ones and of failed polls. When a snapshot is terminal,
 -- the job's accounting record takes its outcome and the provider's charge, and a refund is recorded once per
 -- (refund id, job id). A job still pollable whose recorded cancellation has not been called at the provider yet
--- (asked while this poll was being observed) is due again now, not after its delay.
+-- (asked while this poll was being observed) is due again now, not after its delay; so is one whose hinted_at is
+-- set (a completion callback came while this poll was being observed, its GET perhaps made before the job ended:
+-- callbacks.sql) unless a scheduler claimed the next poll meanwhile (its GET comes after the callback); the save
+-- clears hinted_at, so each callback costs at most one extra GET.
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :states new states (text[]), :observations
 -- (JSON texts with "status", "charge", "refund"), :next_poll_delays_s next poll delays (s, float8[], NULL when terminal),
 -- :remote_completed_at_ms remote completion times (epoch ms, bigint[], NULL unless terminal), :reasons (text[]), :source_states states each new
 -- state may be saved over (operation_state[] literals, text[]), :outputs (JSON texts of arrays of
 -- {output_id, position, payload, expires_at_ms}; expires_at_ms, epoch ms or null, goes into the delivered event
--- only when not null), :worker, :lock_timeout. Returns one row per request: i, saved (boolean), and
+-- only when not null), :worker, :lock_timeout. Returns one row per request: i, saved (boolean), due_now (saved
+-- with the next poll due now: a cancellation or a callback came during this poll), and
 -- fencing_token: the operation's fencing value when its row was locked (NULL when the operation does not
 -- exist), which tells a stale fencing value from a refusal by the state order.
 WITH req AS (
@@ -359,7 +363,9 @@ WITH req AS (
                             WHEN o.cancel_attempts = 0 AND o.cancel_answered_at IS NULL
                                  AND EXISTS (SELECT 1 FROM cancellations c WHERE c.operation_id = o.operation_id)
                                 THEN now()
+                            WHEN o.hinted_at IS NOT NULL AND o.poll_claimed_at IS NULL THEN now()
                             ELSE now() + make_interval(secs => req.delay_s) END,
+        hinted_at = NULL,
         remote_completed_at = COALESCE(to_timestamp(req.completed_ms::double precision / 1000.0),
                                        o.remote_completed_at),
         reason = req.reason,
@@ -369,7 +375,7 @@ WITH req AS (
     WHERE o.operation_id = req.operation_id
       AND o.fencing_token = req.fencing_token
       AND o.state = ANY(req.sources)
-    RETURNING o.operation_id, o.state, o.remote_job_id
+    RETURNING o.operation_id, o.state, o.remote_job_id, o.next_poll_at <= now() AS due_now
 ), outs AS (
     INSERT INTO outputs (operation_id, output_id, position, payload)
     SELECT saved.operation_id, x.output_id, x.position, x.payload
@@ -427,7 +433,8 @@ WITH req AS (
     WHERE jsonb_typeof(req.observation #> '{refund,id}') = 'string'
     ON CONFLICT (refund_id, remote_job_id) DO NOTHING
 )
-SELECT req.i, saved.operation_id IS NOT NULL AS saved, locked.fencing_token
+SELECT req.i, saved.operation_id IS NOT NULL AS saved, COALESCE(saved.due_now, false) AS due_now,
+       locked.fencing_token
 FROM req LEFT JOIN saved USING (operation_id) LEFT JOIN locked USING (operation_id);
 
 -- name: save_stalled

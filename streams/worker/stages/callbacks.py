@@ -10,7 +10,7 @@ job's partition works the same: the owner's observer GETs the job under its leas
 Answers (each refusal counted in ``streams_callbacks_refused_total{reason}``, one log line without body or
 signature):
 
-* 204: recorded (``streams_callbacks_received_total{result}``: ``poll_now`` or ``no_change``);
+* 204: recorded (``streams_callbacks_received_total{result}``: ``poll_now``, ``poll_claimed`` or ``no_change``);
 * 200 for a replay (the ``webhook-id`` was recorded before): acknowledged, as the Standard Webhooks
   specification asks of a receiver that already processed a delivery, so the sender stops retrying; nothing done;
 * 400 malformed headers or body, 401 bad signature or stale timestamp, 408 body slower than
@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 NOTE_DEADLINE_S = 10.0
 #: Bytes read from the request body at a time while its size is checked.
 READ_CHUNK_BYTES = 16 * 1024
+#: The log line's words per ``streams_callbacks_received_total`` result.
+_SAID = {
+    "poll_now": "polled now (a poll being observed meanwhile is followed by another at once)",
+    "poll_claimed": "poll claimed already: its GET comes after this callback",
+    "no_change": "already due or ended: nothing changed",
+}
 
 
 class CallbackReceiver:
@@ -79,16 +85,11 @@ class CallbackReceiver:
             metrics.CALLBACKS_REFUSED.labels(CallbackRefusal.REPLAY.value).inc()
             log.info("callback %s for job %s is a replay: acknowledged, nothing done", webhook_id, job_id)
             return web.Response(status=200, text="already received\n")
-        metrics.CALLBACKS_RECEIVED.labels("poll_now" if note.made_due else "no_change").inc()
+        result = "poll_now" if note.made_due else "poll_claimed" if note.hinted else "no_change"
+        metrics.CALLBACKS_RECEIVED.labels(result).inc()
         if note.made_due:
             self.rt.wakeups.polls.notify(wakeup.CALLBACK)
-        log.info(
-            "callback %s: operation %s (job %s) %s",
-            webhook_id,
-            note.operation_id,
-            job_id,
-            "polled now" if note.made_due else "already due, claimed or ended: nothing changed",
-        )
+        log.info("callback %s: operation %s (job %s) %s", webhook_id, note.operation_id, job_id, _SAID[result])
         return web.Response(status=204)
 
     async def _body(self, request: web.Request) -> bytes:

@@ -37,6 +37,9 @@
   ``canceled`` with none.
 * Completion callbacks on (``callbacks_enabled``, docs/callbacks.md): a job still running is polled again after at
   least ``callback_fallback_poll_interval_s``; its callback makes the poll due at once, and a lost one only delays.
+  A callback that came while this poll was being observed (its GET may have read the job just before it ended)
+  makes the save leave the next poll due now (``SAVED_DUE_NOW``, once per callback), as a cancellation recorded
+  meanwhile does; this worker's poll scheduler is then woken at once.
 * Save refused by the fencing value: the result is dropped, counted (``streams_fencing_refusals_total``) and
   logged. A late ``running`` over a saved ``succeeded`` is refused by the state order.
 """
@@ -219,7 +222,9 @@ class Observer:
             log.error("the remote answer cannot be stored (%s); recording failed", exc)
             unstorable = _failed(snapshot.job_id, "unstorable_response", str(exc))
             outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, unstorable, None)
-        if outcome is SaveOutcome.SAVED:
+        if outcome is SaveOutcome.SAVED_DUE_NOW:  # a cancellation or a callback came during this poll
+            rt.wakeups.polls.notify(WRITTEN)
+        elif outcome is SaveOutcome.SAVED:
             if snapshot.outputs and snapshot.state is OperationState.SUCCEEDED:
                 rt.wakeups.outbox.notify(WRITTEN)  # outputs in the outbox (a transition alone waits for a round)
             elif not is_terminal(snapshot.state):
