@@ -319,9 +319,22 @@ class InMemoryLedger(WaitsOutOutages):
 
     @waits_out_outages("save job id")
     async def save_submitted(
-        self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
+        self,
+        operation_id: str,
+        fencing_token: int,
+        remote_job_id: str,
+        first_poll_delay_s: float,
+        reason: str | None,
+        call: RemoteCall | None = None,
     ) -> bool:
         self._call(f"save job id of {operation_id}")
+        saved = self._save_submitted(operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason)
+        self._record_call(call)  # written or refused, as the real statement does
+        return saved
+
+    def _save_submitted(
+        self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
+    ) -> bool:
         saved = self.operations.get(operation_id)
         if saved is not None and saved.remote_job_id == remote_job_id and saved.fencing_token >= fencing_token:
             return True  # the same save again: its reply was lost (the fencing value may have risen since)
@@ -487,9 +500,28 @@ class InMemoryLedger(WaitsOutOutages):
 
     @waits_out_outages("save observation")
     async def save_observation(
-        self, operation_id: str, fencing_token: int, snapshot: JobSnapshot, next_poll_delay_s: float | None
+        self,
+        operation_id: str,
+        fencing_token: int,
+        snapshot: JobSnapshot,
+        next_poll_delay_s: float | None,
+        call: RemoteCall | None = None,
     ) -> SaveOutcome:
         self._call(f"save observation of {operation_id}")
+        outcome = self._save_observation(operation_id, fencing_token, snapshot, next_poll_delay_s)
+        self._record_call(call)  # saved or refused, as the real statement does; not when it raised
+        return outcome
+
+    def _record_call(self, call: RemoteCall | None) -> None:
+        """The accounting row a save carries, once per call id."""
+        if call is None or call.call_id in self.call_ids:
+            return
+        self.call_ids.add(call.call_id)
+        self.remote_calls.append(call)
+
+    def _save_observation(
+        self, operation_id: str, fencing_token: int, snapshot: JobSnapshot, next_poll_delay_s: float | None
+    ) -> SaveOutcome:
         new = snapshot.state
         terminal = is_terminal(new)
         reason = None

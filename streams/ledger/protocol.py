@@ -44,7 +44,13 @@ class PipelineLedger(Protocol):
     async def get_operation(self, operation_id: str) -> dict[str, Any] | None: ...
     async def claim_for_submit(self, operation_id: str, claim_id: uuid.UUID | None = None) -> int | None: ...
     async def save_submitted(
-        self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
+        self,
+        operation_id: str,
+        fencing_token: int,
+        remote_job_id: str,
+        first_poll_delay_s: float,
+        reason: str | None,
+        call: RemoteCall | None = None,
     ) -> bool: ...
     async def save_submission_without_job(
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode
@@ -65,7 +71,12 @@ class PipelineLedger(Protocol):
     ) -> ObserveClaim | None: ...
     async def reschedule_poll(self, operation_id: str, poll_claim_id: int, delay_s: float) -> bool: ...
     async def save_observation(
-        self, operation_id: str, fencing_token: int, snapshot: JobSnapshot, next_poll_delay_s: float | None
+        self,
+        operation_id: str,
+        fencing_token: int,
+        snapshot: JobSnapshot,
+        next_poll_delay_s: float | None,
+        call: RemoteCall | None = None,
     ) -> SaveOutcome: ...
     async def save_stalled(
         self, operation_id: str, fencing_token: int, reason: str, last_answer: dict[str, Any]

@@ -96,6 +96,34 @@ def _save_outcome(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]
     return outcomes
 
 
+def _check_call(
+    call: RemoteCall | None, method: str, operation_id: str, fencing_token: int, remote_job_id: str | None = None
+) -> None:
+    """A call given to a save is the save's own: its ``method``, operation, fencing value (and job, when given).
+
+    Raises:
+        ValueError: it is not.
+    """
+    if call is None:
+        return
+    if (call.method, call.operation_id, call.fencing_token) != (method, operation_id, fencing_token) or (
+        remote_job_id is not None and call.remote_job_id != remote_job_id
+    ):
+        raise ValueError(
+            f"the {call.method} call of {call.operation_id} at fencing value {call.fencing_token} is not the "
+            f"{method} of this save ({operation_id} at {fencing_token}); record it with record_remote_call"
+        )
+
+
+def _call_fields(call: RemoteCall | None, *, job: bool) -> tuple[Any, ...]:
+    """The accounting columns a save carries for ``call`` (all None without one): call id, status code, outcome,
+    with ``job`` the job id, and the duration (ms)."""
+    if call is None:
+        return (None, None, None, None, None) if job else (None, None, None, None)
+    head = (call.call_id, call.status_code, str(call.outcome))
+    return (*head, call.remote_job_id, call.duration_ms) if job else (*head, call.duration_ms)
+
+
 def _nothing(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
     """A write whose callers need no answer (the accounting of remote calls)."""
     return [None] * len(batch)
@@ -112,7 +140,17 @@ BATCHED: tuple[BatchedStatement, ...] = (
     BatchedStatement(
         "save_submitted",
         Q.save_submitted,
-        ("operation_ids", "fencing_tokens", "remote_job_ids", "first_poll_delays_s", "reasons"),
+        (
+            "operation_ids",
+            "fencing_tokens",
+            "remote_job_ids",
+            "first_poll_delays_s",
+            "reasons",
+            "call_ids",
+            "call_status_codes",
+            "call_outcomes",
+            "call_durations_ms",
+        ),
         _written,
     ),
     BatchedStatement(
@@ -132,6 +170,11 @@ BATCHED: tuple[BatchedStatement, ...] = (
             "reasons",
             "source_states",
             "outputs",
+            "call_ids",
+            "call_status_codes",
+            "call_outcomes",
+            "call_remote_job_ids",
+            "call_durations_ms",
         ),
         _save_outcome,
     ),
@@ -214,11 +257,28 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
 
     @waits_out_outages("save job id")
     async def save_submitted(
-        self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
+        self,
+        operation_id: str,
+        fencing_token: int,
+        remote_job_id: str,
+        first_poll_delay_s: float,
+        reason: str | None,
+        call: RemoteCall | None = None,
     ) -> bool:
-        """Fenced: save the job id (``submitting|uncertain -> submitted``); False when refused."""
+        """Fenced: save the job id (``submitting|uncertain -> submitted``); False when refused.
+
+        ``call``: the accounting record of the POST that reported the job (``POST``, this operation, job and
+        fencing value), written by the same statement whether the save is written or refused, as
+        :meth:`record_remote_call` would (its job's record too). When this raises, nothing is written: the caller
+        records the call by itself.
+
+        Raises:
+            ValueError: ``call`` is not this save's POST.
+        """
+        _check_call(call, "POST", operation_id, fencing_token, remote_job_id)
         saved: bool = await self._batches.submit(
-            "save_submitted", (operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason)
+            "save_submitted",
+            (operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason, *_call_fields(call, job=False)),
         )
         return saved
 
@@ -355,15 +415,28 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
 
     @waits_out_outages("save observation")
     async def save_observation(
-        self, operation_id: str, fencing_token: int, snapshot: JobSnapshot, next_poll_delay_s: float | None
+        self,
+        operation_id: str,
+        fencing_token: int,
+        snapshot: JobSnapshot,
+        next_poll_delay_s: float | None,
+        call: RemoteCall | None = None,
     ) -> SaveOutcome:
         """Fenced, conditional save of one GET snapshot (one statement).
 
         A terminal ``succeeded`` writes the outputs and one outbox row per ``(operation_id, output_id)`` in
         the same statement. Returns :class:`SaveOutcome` (``SAVED_DUE_NOW`` when a cancellation or a callback that
         came during this poll made the next poll due now instead of after ``next_poll_delay_s``); a refusal writes
-        nothing.
+        nothing but ``call``.
+
+        ``call``: the accounting record of the GET that gave the snapshot (``GET``, this operation and fencing
+        value), written by the same statement whether the save is written or refused. When this raises, nothing
+        is written: the caller records the call by itself (:meth:`record_remote_call`, the same ``call_id``).
+
+        Raises:
+            ValueError: ``call`` is not a GET of this operation at this fencing value.
         """
+        _check_call(call, "GET", operation_id, fencing_token)
         new = snapshot.state
         terminal = is_terminal(new)
         reason = None
@@ -383,6 +456,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             reason,
             "{" + ",".join(sources_for(new)) + "}",
             _json_text(outputs),
+            *_call_fields(call, job=True),
         )
         outcome: SaveOutcome = await self._batches.submit("save_observation", request)
         return outcome

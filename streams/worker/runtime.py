@@ -408,11 +408,16 @@ class Runtime:
         self.report_failure("dead letter", failure_of(retry_state) or Exception("dead letter"))
 
     async def account(self, call: RemoteCall) -> None:
-        """Record one remote call in metrics and in the ledger's accounting (waits out PostgreSQL outages; the
-        record's ``call_id`` stays the same through the repeats, so it is one row)."""
+        """Record one remote call in metrics (:meth:`count_call`) and in the ledger's accounting (waits out
+        PostgreSQL outages; the record's ``call_id`` stays the same through the repeats, so it is one row)."""
+        self.count_call(call)
+        await self.ledger.record_remote_call(call)
+
+    def count_call(self, call: RemoteCall) -> None:
+        """Count one remote call in the metrics (calls by method and outcome, duration); its ledger record is
+        written by the save it comes with, or :meth:`account`'s ``record_remote_call``, never both."""
         metrics.REMOTE_CALLS.labels(call.method, call.outcome).inc()
         metrics.REMOTE_CALL_SECONDS.labels(call.method).observe(call.duration_ms / 1000.0)
-        await self.ledger.record_remote_call(call)
 
     async def account_failure(
         self,

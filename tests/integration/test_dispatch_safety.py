@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 
 from streams.config import lease_key
+from streams.ledger.records import RemoteCall
 from streams.remote.client import SubmitResult
 from streams.worker.runtime import Runtime
 from streams.worker.stages.dispatcher import Dispatcher
@@ -63,11 +64,16 @@ async def test_cancelled_dispatcher_posts_once_and_saves_the_outcome(
         real_save = runtime.ledger.save_submitted
 
         async def save_submitted(
-            operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
+            operation_id: str,
+            fencing_token: int,
+            remote_job_id: str,
+            first_poll_delay_s: float,
+            reason: str | None,
+            call: RemoteCall | None = None,
         ) -> bool:
             cancel_handler()
             await asyncio.sleep(0)
-            return await real_save(operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason)
+            return await real_save(operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason, call)
 
         monkeypatch.setattr(runtime.ledger, "save_submitted", save_submitted)
     else:  # the simulator creates the job, then holds its answer for 1 s (the read timeout is 2 s)
@@ -95,6 +101,8 @@ async def test_cancelled_dispatcher_posts_once_and_saves_the_outcome(
     assert await pool.fetchval("SELECT remote_job_id FROM operations WHERE operation_id=$1", op) == jobs[0]
     assert await runtime.ledger.reconcile_stale_submitting(0.0, 100) == []  # nothing left in submitting
     assert await runtime.leases.acquire(lease_key(runtime.settings, "submit", op)) is not None  # lease released
+    accounted = "SELECT method, outcome, remote_job_id FROM remote_calls WHERE operation_id = $1"
+    assert [tuple(r.values()) for r in await pool.fetch(accounted, op)] == [("POST", "created", jobs[0])]
 
 
 async def test_operation_left_accepted_is_dispatched_once_from_the_ledger(

@@ -48,6 +48,13 @@ STAGE_QUERIES = {
 }
 
 
+def no_calls(n: int, *, job: bool) -> dict[str, list[None]]:
+    """The accounting arrays of ``n`` saves that carry no remote call (``job``: with the calls' job ids, as
+    save_observation takes them)."""
+    names = ["call_ids", "call_status_codes", "call_outcomes", "call_durations_ms"]
+    return {name: [None] * n for name in names + (["call_remote_job_ids"] if job else [])}
+
+
 @dataclass
 class Logged:
     """A pool whose connections log every statement they send (asyncpg's query logger)."""
@@ -434,6 +441,7 @@ async def test_two_batches_locking_the_same_operations_in_opposite_orders_do_not
             "reasons": [None] * n,
             "source_states": ["{submitted,queued,running}"] * n,
             "outputs": ["[]"] * n,
+            **no_calls(n, job=True),
         }
 
     url = migrated.database_url.get_secret_value()
@@ -803,6 +811,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
                 "remote_job_ids": [],
                 "first_poll_delays_s": [],
                 "reasons": [],
+                **no_calls(0, job=False),
                 **fixed,
             },
             "claim_for_observe": {"operation_ids": [], "poll_claim_ids": [], "claim_ids": [], **fixed},
@@ -830,6 +839,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
             remote_job_ids=[f"job-{o}" for o in submitted],
             first_poll_delays_s=[60.0] * n,
             reasons=[None] * n,
+            **no_calls(n, job=False),
             **fixed,
         )
         # the scheduler's claim of two polls (claim id 0 kept): claim_for_observe takes only a claimed poll
@@ -843,6 +853,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
                 "remote_job_ids": ["job-x", "job-y"],
                 "first_poll_delays_s": [1.0, 1.0],
                 "reasons": [None, None],
+                **no_calls(2, job=False),
                 **fixed,
             },
             "claim_for_observe": {

@@ -70,19 +70,24 @@ WHERE locked.state = 'submitting' AND locked.claim_id = req.claim_id;
 
 -- name: save_submitted
 -- Batched, fenced: save the remote job id from a 2xx or from a 502's error.job_id; submitting|uncertain ->
--- submitted. The job's accounting record is written by the same statement if the POST's accounting did not
--- already.
+-- submitted. The same statement writes the accounting of the POST that reported the id, whether the save is
+-- written or refused: its remote_calls row (for a request with a call id; a call id already written, the same
+-- record sent again, is not written twice) and the job's remote_jobs record (kept when one exists).
 -- The first poll is due now instead of after its delay when a cancellation is recorded (the observer calls the
 -- provider's cancel route at that poll).
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :remote_job_ids (text[]), :first_poll_delays_s first poll
 -- delays (s, float8[]), :reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
--- :worker, :lock_timeout. Returns i per saved request, and per request whose job id is already on the row (the
--- same save sent again after its reply was lost: a job id belongs to the one POST that created it; the row's fencing
--- value may have risen since, e.g. its first poll taken while the repeat waited out an outage); none when the
--- fencing value is stale or another job id is already saved.
+-- :call_ids (uuid[]: the POST's accounting row, NULL for none), :call_status_codes (integer[]), :call_outcomes
+-- (text[]: 'created' | 'created_via_502'), :call_durations_ms (ms, float8[]) (the row's method is 'POST', its job
+-- id and fencing value the request's), :worker, :lock_timeout. Returns i per saved request, and per request whose
+-- job id is already on the row (the same save sent again after its reply was lost: a job id belongs to the one POST
+-- that created it; the row's fencing value may have risen since, e.g. its first poll taken while the repeat waited
+-- out an outage); none when the fencing value is stale or another job id is already saved.
 WITH req AS (
-    SELECT * FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :remote_job_ids::text[], :first_poll_delays_s::float8[], :reasons::text[])
-        WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, reason, i)
+    SELECT * FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :remote_job_ids::text[], :first_poll_delays_s::float8[], :reasons::text[],
+                         :call_ids::uuid[], :call_status_codes::integer[], :call_outcomes::text[], :call_durations_ms::float8[])
+        WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, reason, call_id, status_code, outcome,
+                             duration_ms, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id, state, remote_job_id, fencing_token FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
@@ -104,11 +109,24 @@ WITH req AS (
       AND locked.state IN ('submitting', 'uncertain')
       AND locked.remote_job_id IS NULL
     RETURNING req.i, o.operation_id, o.remote_job_id, req.reason
+), call AS (
+    INSERT INTO remote_calls (operation_id, call_id, method, status_code, outcome, remote_job_id, duration_ms,
+                              fencing_token, worker)
+    SELECT operation_id, call_id, 'POST', status_code, outcome, remote_job_id, duration_ms, fencing_token, :worker
+    FROM req
+    WHERE call_id IS NOT NULL
+    ORDER BY i
+    ON CONFLICT (call_id) DO NOTHING
 ), account AS (
     INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by)
-    SELECT remote_job_id, operation_id, CASE WHEN reason IS NULL THEN 'post_2xx' ELSE 'post_502' END, :worker
-    FROM saved
-    ORDER BY remote_job_id
+    SELECT req.remote_job_id, req.operation_id,
+           CASE WHEN COALESCE(req.outcome = 'created_via_502', req.reason IS NOT NULL) THEN 'post_502'
+                ELSE 'post_2xx' END,
+           :worker
+    FROM req
+    WHERE req.operation_id IN (SELECT operation_id FROM saved)
+       OR (req.call_id IS NOT NULL AND req.operation_id IN (SELECT operation_id FROM locked))
+    ORDER BY req.remote_job_id
     ON CONFLICT (remote_job_id) DO NOTHING
 )
 SELECT i FROM saved
@@ -328,24 +346,32 @@ RETURNING req.i;
 -- (asked while this poll was being observed) is due again now, not after its delay; so is one whose hinted_at is
 -- set (a completion callback came while this poll was being observed, its GET perhaps made before the job ended:
 -- callbacks.sql) unless a scheduler claimed the next poll meanwhile (its GET comes after the callback); the save
--- clears hinted_at, so each callback costs at most one extra GET.
+-- clears hinted_at, so each callback costs at most one extra GET. The same statement writes the remote_calls row
+-- of the GET that gave the snapshot, whether the save is written or refused (for a request with a call id; a call
+-- id already written, the same record sent again, is not written twice).
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :states new states (text[]), :observations
 -- (JSON texts with "status", "charge", "refund"), :next_poll_delays_s next poll delays (s, float8[], NULL when terminal),
 -- :remote_completed_at_ms remote completion times (epoch ms, bigint[], NULL unless terminal), :reasons (text[]), :source_states states each new
 -- state may be saved over (operation_state[] literals, text[]), :outputs (JSON texts of arrays of
 -- {output_id, position, payload, expires_at_ms}; expires_at_ms, epoch ms or null, goes into the delivered event
--- only when not null), :worker, :lock_timeout. Returns one row per request: i, saved (boolean), due_now (saved
--- with the next poll due now: a cancellation or a callback came during this poll), and
+-- only when not null), :call_ids (uuid[]: the GET's accounting row, NULL for none), :call_status_codes
+-- (integer[]), :call_outcomes (text[]), :call_remote_job_ids (text[]), :call_durations_ms (ms, float8[]) (the
+-- row's method is 'GET', its fencing value the request's), :worker, :lock_timeout. Returns one row per request: i,
+-- saved (boolean), due_now (saved with the next poll due now: a cancellation or a callback came during this
+-- poll), and
 -- fencing_token: the operation's fencing value when its row was locked (NULL when the operation does not
 -- exist), which tells a stale fencing value from a refusal by the state order.
 WITH req AS (
     SELECT r.i, r.operation_id, r.fencing_token, r.new_state::operation_state AS new_state,
            r.observation::jsonb AS observation, r.delay_s, r.completed_ms, r.reason,
-           r.sources::operation_state[] AS sources, r.outputs::jsonb AS outputs
+           r.sources::operation_state[] AS sources, r.outputs::jsonb AS outputs, r.call_id, r.call_status_code,
+           r.call_outcome, r.call_remote_job_id, r.call_duration_ms
     FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :states::text[], :observations::text[], :next_poll_delays_s::float8[], :remote_completed_at_ms::bigint[], :reasons::text[],
-                :source_states::text[], :outputs::text[])
+                :source_states::text[], :outputs::text[], :call_ids::uuid[], :call_status_codes::integer[],
+                :call_outcomes::text[], :call_remote_job_ids::text[], :call_durations_ms::float8[])
         WITH ORDINALITY AS r(operation_id, fencing_token, new_state, observation, delay_s, completed_ms, reason,
-                             sources, outputs, i)
+                             sources, outputs, call_id, call_status_code, call_outcome, call_remote_job_id,
+                             call_duration_ms, i)
 ), locked AS MATERIALIZED (
     SELECT operation_id, fencing_token FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
@@ -432,6 +458,15 @@ WITH req AS (
     FROM account JOIN req USING (operation_id)
     WHERE jsonb_typeof(req.observation #> '{refund,id}') = 'string'
     ON CONFLICT (refund_id, remote_job_id) DO NOTHING
+), call AS (
+    INSERT INTO remote_calls (operation_id, call_id, method, status_code, outcome, remote_job_id, duration_ms,
+                              fencing_token, worker)
+    SELECT operation_id, call_id, 'GET', call_status_code, call_outcome, call_remote_job_id, call_duration_ms,
+           fencing_token, :worker
+    FROM req
+    WHERE call_id IS NOT NULL
+    ORDER BY i
+    ON CONFLICT (call_id) DO NOTHING
 )
 SELECT req.i, saved.operation_id IS NOT NULL AS saved, COALESCE(saved.due_now, false) AS due_now,
        locked.fencing_token

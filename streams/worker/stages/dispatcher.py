@@ -457,6 +457,24 @@ class Dispatcher:
         ``slot_at``: ``time.monotonic()`` of a POST slot of the rate budget granted before the claim (None: none;
         one is then waited for inside the claim, within the retry deadline).
         """
+        posted: list[RemoteCall] = []  # the POST that reported a job, until its accounting record is written
+        try:
+            await self._submit_and_save(operation_id, request_text, fencing, lease, slot_at, posted)
+        finally:
+            if posted:  # no save carried it (refused as a value, or cut off before it): recorded by itself
+                await self.rt.ledger.record_remote_call(posted[0])
+
+    async def _submit_and_save(
+        self,
+        operation_id: str,
+        request_text: str,
+        fencing: int,
+        lease: Lease,
+        slot_at: float | None,
+        posted: list[RemoteCall],
+    ) -> None:
+        """:meth:`_submit`'s work; the POST that reported a job is put in ``posted`` and taken out once the job-id
+        save that carries its accounting record completed (written or refused)."""
         settings = self.rt.settings
         holder = [lease]
         deadline = time.monotonic() + settings.submit_retry_deadline_s
@@ -474,7 +492,9 @@ class Dispatcher:
                     log.info("POST slot %.3f s old, waiting for another", age_s)
                 await self._post_slot_in_claim(holder, deadline)
             slot_at = None
-            return await self._post_once(operation_id, request_text, fencing)
+            result, call = await self._post_once(operation_id, request_text, fencing)
+            posted.append(call)
+            return result
 
         def retrying() -> tenacity.AsyncRetrying:  # built only once a first POST was refused or not sent
             return tenacity.AsyncRetrying(
@@ -511,9 +531,13 @@ class Dispatcher:
         reason = f"job id from HTTP {result.status_code} error.job_id" if result.via_error else None
         first_poll_s = result.poll_after_s if result.poll_after_s is not None else settings.poll_backoff_base_s
         try:
-            saved = await self.rt.ledger.save_submitted(operation_id, fencing, result.job_id, first_poll_s, reason)
+            saved = await self.rt.ledger.save_submitted(
+                operation_id, fencing, result.job_id, first_poll_s, reason, call=posted[0]
+            )
+            posted.clear()  # its accounting record written by the save
         except LedgerDataError as exc:  # e.g. the API returned a job id another operation already holds
             log.error("job %s created but its id cannot be saved: %s", result.job_id, exc)
+            await self.rt.ledger.record_remote_call(posted.pop())  # the save wrote nothing: recorded by itself
             why = f"remote job {result.job_id} was created but its id could not be saved ({exc}); reconcile by hand"
             code = ReasonCode.JOB_ID_NOT_SAVED
             await self._finish_without_job(operation_id, fencing, OperationState.UNCERTAIN, why, code)
@@ -559,7 +583,9 @@ class Dispatcher:
         row = await self.rt.ledger.get_operation(operation_id)
         return row is not None and row["state"] == OperationState.SUBMITTING and row["fencing_token"] == fencing
 
-    async def _post_once(self, operation_id: str, request_text: str, fencing: int) -> SubmitResult:
+    async def _post_once(self, operation_id: str, request_text: str, fencing: int) -> tuple[SubmitResult, RemoteCall]:
+        """One POST: a failure is accounted (metrics and ledger) and raised; a job reported comes back with its
+        call, counted in the metrics, whose ledger record the caller writes (with the job-id save)."""
         started = time.perf_counter()
         try:
             result = await self.rt.remote.submit(operation_id, request_text)
@@ -571,10 +597,9 @@ class Dispatcher:
                 log.warning("POST %s: %s", exc.outcome, exc)
             raise
         outcome = RemoteCallOutcome.CREATED_VIA_502 if result.via_error else RemoteCallOutcome.CREATED
-        await self.rt.account(
-            RemoteCall(operation_id, "POST", result.status_code, outcome, result.job_id, result.duration_ms, fencing)
-        )
-        return result
+        call = RemoteCall(operation_id, "POST", result.status_code, outcome, result.job_id, result.duration_ms, fencing)
+        self.rt.count_call(call)
+        return result, call
 
     async def _finish_without_job(
         self, operation_id: str, fencing: int, state: OperationState, reason: str, code: ReasonCode

@@ -198,9 +198,32 @@ class Observer:
         # (streams.coordination.lease).
         if not await self._renewed(lease, operation_id, "no GET", if_due=True):
             return
-        snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim, lease, claimed_at)
-        if snapshot is None:
+        got = await self._get(operation_id, poll_claim_id, poll_count, claim, lease, claimed_at)
+        if got is None:
             return
+        snapshot, call = got
+        pending = [] if call is None else [call]  # the GET's accounting record, until a save carries it
+        try:
+            await self._keep(operation_id, poll_claim_id, claim, lease, claimed_at, snapshot, pending)
+        finally:
+            if pending:  # no save carried it (not saved, or refused as a value): recorded by itself
+                await rt.ledger.record_remote_call(pending[0])
+
+    async def _keep(
+        self,
+        operation_id: str,
+        poll_claim_id: int,
+        claim: ObserveClaim,
+        lease: Lease,
+        claimed_at: float,
+        snapshot: JobSnapshot,
+        pending: list[RemoteCall],
+    ) -> None:
+        """Save the GET's ``snapshot`` (or stall the job, or leave it to the visibility timeout when the lease is
+        lost); ``pending`` holds the GET's accounting record (when not written yet), taken out once a save wrote it
+        (saved or refused)."""
+        rt = self.rt
+        poll_count = claim.poll_count
         if is_terminal(snapshot.state):  # the job no longer runs at the provider: its slot is free
             await rt.running.release(operation_id)
         else:
@@ -217,9 +240,13 @@ class Observer:
         if rt.settings.callbacks_enabled:  # the job's callback makes its poll due sooner (docs/callbacks.md)
             delay = max(delay, rt.settings.callback_fallback_poll_interval_s)
         try:
-            outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay)
+            call = pending[0] if pending else None
+            outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, snapshot, delay, call)
+            pending.clear()  # its accounting record written by the save
         except LedgerDataError as exc:  # e.g. a NUL in an output: the answer cannot be stored as it is
             log.error("the remote answer cannot be stored (%s); recording failed", exc)
+            if pending:  # the save wrote nothing: the GET recorded by itself
+                await rt.ledger.record_remote_call(pending.pop())
             unstorable = _failed(snapshot.job_id, "unstorable_response", str(exc))
             outcome = await rt.ledger.save_observation(operation_id, claim.fencing_token, unstorable, None)
         if outcome is SaveOutcome.SAVED_DUE_NOW:  # a cancellation or a callback came during this poll
@@ -302,9 +329,12 @@ class Observer:
         claim: ObserveClaim,
         lease: Lease,
         claimed_at: float,
-    ) -> JobSnapshot | None:
+    ) -> tuple[JobSnapshot, RemoteCall | None] | None:
         """GET the job under ``lease`` (renewed during the call); on a classified failure account it, reschedule
-        (or stall), and return None. An abandoned GET leaves the lease to expire and polls again only after it."""
+        (or stall), and return None. An abandoned GET leaves the lease to expire and polls again only after it.
+
+        Returns the snapshot to save and, for an answer, its call (counted in the metrics, not yet in the ledger:
+        the save writes it); None as the call of a failed snapshot made from a contract violation (accounted)."""
         rt = self.rt
         job_id = claim.remote_job_id
         started = time.perf_counter()
@@ -319,13 +349,13 @@ class Observer:
             raise
         except RemoteError as exc:
             await rt.account_failure(operation_id, "GET", exc, started, job_id, claim.fencing_token)
-            return await self._get_failed(operation_id, poll_claim_id, poll_count, claim, exc, claimed_at)
+            failed = await self._get_failed(operation_id, poll_claim_id, poll_count, claim, exc, claimed_at)
+            return None if failed is None else (failed, None)
         answered = RemoteCallOutcome.answered(snapshot.state)
         fencing = claim.fencing_token
-        await rt.account(
-            RemoteCall(operation_id, "GET", snapshot.status_code, answered, job_id, snapshot.duration_ms, fencing)
-        )
-        return snapshot
+        call = RemoteCall(operation_id, "GET", snapshot.status_code, answered, job_id, snapshot.duration_ms, fencing)
+        rt.count_call(call)
+        return snapshot, call
 
     async def _get_failed(
         self,
