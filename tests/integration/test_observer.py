@@ -11,7 +11,8 @@ import pytest
 
 from streams import metrics
 from streams.config import lease_key
-from streams.ledger.records import SaveOutcome
+from streams.coordination.lease import Lease
+from streams.ledger.records import RemoteCall, SaveOutcome
 from streams.model.answers import JobSnapshot
 from streams.model.states import OperationState
 from streams.worker.runtime import RawMessage, Runtime
@@ -254,3 +255,33 @@ async def test_a_poll_event_delivered_again_makes_no_second_get(
     assert await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id='op-again'") == (
         fencing_after_first
     )
+
+
+async def test_the_gets_accounting_and_the_renewal_before_the_save_go_at_once(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both must precede the save, neither needs the other: the lease's renewal (Redis) is sent while the GET's
+    accounting (PostgreSQL) is on the wire, not one round trip after it; the answer is accounted and saved."""
+    await submitted_operation(runtime, "op-overlap")
+    events: list[str] = []
+    record = runtime.ledger.record_remote_call
+    renew = Lease.renew
+
+    async def recording_call(call: RemoteCall) -> None:
+        events.append(f"account {call.method}")
+        await record(call)
+        events.append(f"accounted {call.method}")
+
+    async def recording_renew(self: Lease, ttl_ms: int | None = None) -> None:
+        events.append("renew")
+        await renew(self, ttl_ms)
+
+    monkeypatch.setattr(runtime.ledger, "record_remote_call", recording_call)
+    monkeypatch.setattr(Lease, "renew", recording_renew)
+    await Observer(runtime).handle(await claim_poll(runtime, "op-overlap"))
+    assert events.count("account GET") == 1 and events.count("accounted GET") == 1
+    after_get = events[events.index("account GET") :]
+    assert "renew" in after_get and after_get.index("renew") < after_get.index("accounted GET")
+    assert await state_of(pool, "op-overlap") == "succeeded"
+    calls = await pool.fetch("SELECT method, outcome FROM remote_calls WHERE operation_id='op-overlap' ORDER BY id")
+    assert [(r["method"], r["outcome"]) for r in calls] == [("GET", "succeeded")]

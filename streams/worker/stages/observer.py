@@ -198,11 +198,18 @@ class Observer:
         snapshot = await self._get(operation_id, poll_claim_id, poll_count, claim, lease, claimed_at)
         if snapshot is None:
             return
-        if is_terminal(snapshot.state):  # the job no longer runs at the provider: its slot is free
-            await rt.running.release(operation_id)
-        else:
-            await rt.running.refresh(operation_id)
-        if not await self._renewed(lease, operation_id, "not saving the GET result"):
+        answered = RemoteCall(
+            operation_id,
+            "GET",
+            snapshot.status_code,
+            RemoteCallOutcome.answered(snapshot.state),
+            claim.remote_job_id,
+            snapshot.duration_ms,
+            claim.fencing_token,
+        )
+        # The GET's accounting (PostgreSQL) and the lease's renewal (Redis) both come before the save, at once.
+        _, renewed = await asyncio.gather(rt.account(answered), self._confirm_for_save(operation_id, snapshot, lease))
+        if not renewed:
             return
         # A worker can be paused right here, after a successful renewal: only the fencing value protects the
         # save below. A test harness makes that pause happen on purpose here (streams/hooks.py).
@@ -298,8 +305,9 @@ class Observer:
         lease: Lease,
         claimed_at: float,
     ) -> JobSnapshot | None:
-        """GET the job under ``lease`` (renewed during the call); on a classified failure account it, reschedule
-        (or stall), and return None. An abandoned GET leaves the lease to expire and polls again only after it."""
+        """GET the job under ``lease`` (renewed during the call) and return its answer, which the caller accounts;
+        on a classified failure account it, reschedule (or stall), and return None. An abandoned GET leaves the
+        lease to expire and polls again only after it."""
         rt = self.rt
         job_id = claim.remote_job_id
         started = time.perf_counter()
@@ -315,12 +323,16 @@ class Observer:
         except RemoteError as exc:
             await rt.account_failure(operation_id, "GET", exc, started, job_id, claim.fencing_token)
             return await self._get_failed(operation_id, poll_claim_id, poll_count, claim, exc, claimed_at)
-        answered = RemoteCallOutcome.answered(snapshot.state)
-        fencing = claim.fencing_token
-        await rt.account(
-            RemoteCall(operation_id, "GET", snapshot.status_code, answered, job_id, snapshot.duration_ms, fencing)
-        )
         return snapshot
+
+    async def _confirm_for_save(self, operation_id: str, snapshot: JobSnapshot, lease: Lease) -> bool:
+        """After an answered GET: give back (terminal) or extend the job's running slot, then renew ``lease``
+        before the save; False (logged, counted) when it cannot be confirmed."""
+        if is_terminal(snapshot.state):  # the job no longer runs at the provider: its slot is free
+            await self.rt.running.release(operation_id)
+        else:
+            await self.rt.running.refresh(operation_id)
+        return await self._renewed(lease, operation_id, "not saving the GET result")
 
     async def _get_failed(
         self,
