@@ -73,6 +73,23 @@ def percentile(values: list[float], pct: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[int(pct) - 1] if pct < 100 else max(values)
 
 
+def delivery_split(poll_shares_ms: list[float], pipeline_shares_ms: list[float]) -> dict[str, dict[str, float | None]]:
+    """Completion to delivery in its two shares, ``p50`` and ``p99`` of each (ms, None when empty):
+    ``poll_schedule`` (the job's completion at the provider to the first GET that answered it terminal, both from
+    the simulator's record: the wait for the poll schedule) and ``pipeline`` (that answer to the output-delivered
+    record's Kafka timestamp: the worker's own work). One value per delivered output in each list."""
+    return {
+        "poll_schedule": {
+            "p50": _round(percentile(poll_shares_ms, 50)),
+            "p99": _round(percentile(poll_shares_ms, 99)),
+        },
+        "pipeline": {
+            "p50": _round(percentile(pipeline_shares_ms, 50)),
+            "p99": _round(percentile(pipeline_shares_ms, 99)),
+        },
+    }
+
+
 def gets_by_job_length(
     jobs: Iterable[tuple[int, float]], poll_interval_s: float, edges: tuple[float, ...] = JOB_LENGTH_EDGES
 ) -> dict[str, Any]:
@@ -142,7 +159,7 @@ def build_report(
         submitted_ids: operation ids this run published.
         ledger: the ledger's rows for those operations.
         sim_jobs: the simulator's job records (``client_reference``: the operation id; ``gets``, ``max_gets_in_flight``,
-            ``completed_at`` in unix seconds).
+            ``completed_at`` and ``first_terminal_get_at`` in unix seconds).
         delivered: ``(value, kafka_timestamp_ms)`` of output-delivered records of this run.
         meta: ``workers``, ``partitions``, ``trace``, ``rows`` and anything else to carry into the report.
         transitions: the run's transition log, ``(operation_id, from_state, to_state)`` in order.
@@ -178,10 +195,18 @@ def build_report(
         for js in jobs_by_op.values()
         for j in js
     }
+    seen_end_s = {
+        (str(j["client_reference"]), str(j["job_id"])): float(j["first_terminal_get_at"])
+        for js in jobs_by_op.values()
+        for j in js
+        if j.get("first_terminal_get_at") is not None
+    }
     events = 0
     seen: set[str] = set()
     outputs_seen: set[tuple[str, str]] = set()
     latencies: list[float] = []
+    poll_shares: list[float] = []
+    pipeline_shares: list[float] = []
     for value, ts_ms in delivered:
         if value.get("operation_id") not in ids:
             continue
@@ -190,9 +215,14 @@ def build_report(
             continue
         seen.add(value["event_id"])
         outputs_seen.add((str(value["operation_id"]), str(value["output_id"])))
-        done = completion_s.get((value["operation_id"], value["remote_job_id"]))
+        job_key = (str(value["operation_id"]), str(value["remote_job_id"]))
+        done = completion_s.get(job_key)
         if done is not None:
             latencies.append(ts_ms - done * 1000.0)
+            seen_end = seen_end_s.get(job_key)
+            if seen_end is not None:
+                poll_shares.append(max(0.0, seen_end - done) * 1000.0)
+                pipeline_shares.append(ts_ms - seen_end * 1000.0)
     outputs_expected = sum(o.outputs for o in ops.values() if o.state == "succeeded")
     final = [o for o in ops.values() if o.state in FINAL_STATES]
     span_s = 0.0
@@ -271,6 +301,7 @@ def build_report(
             "p50": _round(percentile(latencies, 50)),
             "p99": _round(percentile(latencies, 99)),
         },
+        "completion_to_delivery_split_ms": delivery_split(poll_shares, pipeline_shares),
     }
     if poll_interval_s is not None:
         lengths = {

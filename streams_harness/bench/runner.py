@@ -528,6 +528,7 @@ def figures(spec: RunSpec, report: dict[str, Any], sim: dict[str, Any], cost: Co
         "operations_per_s": round(throughput, 1),
         "observations_per_s": round(gets / span_s, 1) if span_s else 0.0,
         "completion_to_delivery_ms": report["completion_to_delivery_ms"],
+        "completion_to_delivery_split_ms": report.get("completion_to_delivery_split_ms", {}),
         "posts_per_operation": round(int(sim["posts"]) / n, 3),
         "gets_per_operation": round(gets / n, 3),
         "gets_per_completed_operation": report.get("gets_per_completed_operation", {}).get("mean"),
@@ -570,6 +571,10 @@ OPTIONAL_MEDIAN_FIELDS = (
 )
 
 
+#: The shares of ``completion_to_delivery_split_ms`` (:func:`streams_harness.report.delivery_split`).
+SPLIT_SHARES = ("poll_schedule", "pipeline")
+
+
 def _median(values: list[float]) -> float:
     return round(statistics.median(values), 2)
 
@@ -597,6 +602,14 @@ def summarize_runs(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 if r["completion_to_delivery_ms"][pct] is not None
             ]
             entry.setdefault("completion_to_delivery_ms", {})[pct] = _median(values) if values else None
+            for share in SPLIT_SHARES:
+                values = [
+                    float(r["completion_to_delivery_split_ms"][share][pct])
+                    for r in runs
+                    if r.get("completion_to_delivery_split_ms", {}).get(share, {}).get(pct) is not None
+                ]
+                split = entry.setdefault("completion_to_delivery_split_ms", {}).setdefault(share, {})
+                split[pct] = _median(values) if values else None
         done = [
             float(r["gets_per_completed_operation"]) for r in runs if r.get("gets_per_completed_operation") is not None
         ]
@@ -711,6 +724,9 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
         ("obs/s", 7),
         ("c2d p50", 8),
         ("c2d p99", 8),
+        ("poll p50", 8),
+        ("pipe p50", 8),
+        ("pipe p99", 8),
         ("POST/op", 7),
         ("GET/op", 7),
         ("GETs||", 6),
@@ -723,6 +739,7 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
     lines = [header, "-" * len(header)]
     for label, s in summary.items():
         c2d = s["completion_to_delivery_ms"]
+        split = s.get("completion_to_delivery_split_ms", {})
         ratio = comparison.ratio_to_floor.get(label)
         cells = (
             f"{s['operations_per_s']:.1f}",
@@ -734,6 +751,9 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
             f"{s['observations_per_s']:.1f}",
             _ms(c2d["p50"]),
             _ms(c2d["p99"]),
+            _ms(split.get("poll_schedule", {}).get("p50")),
+            _ms(split.get("pipeline", {}).get("p50")),
+            _ms(split.get("pipeline", {}).get("p99")),
             f"{s['posts_per_operation']:.2f}",
             f"{s['gets_per_operation']:.2f}",
             f"{s['max_gets_in_flight_per_job']:.0f}",

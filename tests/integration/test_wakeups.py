@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import types
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -299,3 +300,28 @@ async def test_a_listener_whose_connection_dies_before_listen_reconnects(
     await succeeded_operation(runtime, op, outputs=1)
     await wait_for(published(pool, op), 30.0, "the relay published every row by notification")
     assert wakeups("notified") > notified
+
+
+async def test_the_first_polls_wakeup_is_due_when_the_ledgers_first_poll_is(
+    settings: Settings, kafka_send: Callable[[str, bytes, bytes], Awaitable[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the ledger's first poll is due the hint after its save statement started: the dispatcher's wake-up of its
+    # scheduler must not come a save's duration later (no scheduler runs: the deadline stays as the dispatcher set it)
+    rt = await Runtime.create(settings, kafka_send, worker="one-worker")
+    save = rt.ledger.save_submitted
+    calls: list[tuple[float, float]] = []
+
+    async def timed_save(operation_id: str, fencing: int, job_id: str, delay_s: float, reason: str | None) -> bool:
+        calls.append((time.monotonic(), delay_s))
+        return await save(operation_id, fencing, job_id, delay_s, reason)
+
+    monkeypatch.setattr(rt.ledger, "save_submitted", timed_save)
+    try:
+        assert rt.wakeups.polls.deadline is None
+        await Dispatcher(rt).handle(submission(f"op-first-{uuid.uuid4().hex[:6]}"))
+    finally:
+        await rt.close()
+    ((saving_at, first_poll_s),) = calls
+    deadline = rt.wakeups.polls.deadline
+    assert deadline is not None and first_poll_s > 0
+    assert deadline <= saving_at + first_poll_s

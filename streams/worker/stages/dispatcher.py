@@ -530,6 +530,7 @@ class Dispatcher:
         logs.bind(remote_job_id=result.job_id)
         reason = f"job id from HTTP {result.status_code} error.job_id" if result.via_error else None
         first_poll_s = result.poll_after_s if result.poll_after_s is not None else settings.poll_backoff_base_s
+        saving_at = time.monotonic()  # the ledger's first poll is due first_poll_s after its statement started
         try:
             saved = await self.rt.ledger.save_submitted(
                 operation_id, fencing, result.job_id, first_poll_s, reason, call=posted[0]
@@ -544,7 +545,8 @@ class Dispatcher:
             return
         if saved:
             metrics.SUBMISSIONS.labels("submitted").inc()
-            self.rt.wakeups.polls.due_in(first_poll_s)  # its first poll, to this worker's scheduler
+            # its first poll, to this worker's scheduler: due when the ledger's is, not a save's duration later
+            self.rt.wakeups.polls.due_in(first_poll_s - (time.monotonic() - saving_at))
         else:
             metrics.FENCING_REFUSALS.labels("submit").inc()
             await self._record_late_job(operation_id, result.job_id, fencing)
