@@ -20,6 +20,7 @@ from streams import metrics
 from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
 from streams.ledger import connect_options, notices
+from streams.ledger.records import RemoteCall
 from streams.worker.runtime import Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.relay import OutboxRelay
@@ -311,9 +312,11 @@ async def test_the_first_polls_wakeup_is_due_when_the_ledgers_first_poll_is(
     save = rt.ledger.save_submitted
     calls: list[tuple[float, float]] = []
 
-    async def timed_save(operation_id: str, fencing: int, job_id: str, delay_s: float, reason: str | None) -> bool:
+    async def timed_save(
+        operation_id: str, fencing: int, job_id: str, delay_s: float, reason: str | None, call: RemoteCall | None = None
+    ) -> bool:
         calls.append((time.monotonic(), delay_s))
-        return await save(operation_id, fencing, job_id, delay_s, reason)
+        return await save(operation_id, fencing, job_id, delay_s, reason, call=call)
 
     monkeypatch.setattr(rt.ledger, "save_submitted", timed_save)
     try:
