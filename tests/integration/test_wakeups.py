@@ -258,6 +258,8 @@ async def test_a_fallback_wakeup_with_nothing_due_runs_no_round_and_a_due_poll_s
             return bool(await pool.fetchval("SELECT poll_claim_id > 0 FROM operations WHERE operation_id = $1", op))
 
         await wait_for(claimed, 30.0, "the other worker's poll claimed by a fallback round")
+        # the claim commits inside the round, which is counted once it returns
+        await wait_for(lambda: _true(scheduler.rounds > rounds), 30.0, "the fallback round counted")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
