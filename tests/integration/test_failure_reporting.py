@@ -37,10 +37,10 @@ def unexpected(where: str) -> float:
 async def test_a_bug_in_the_scheduler_is_logged_with_its_traceback_not_as_an_outage(
     runtime: Runtime, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def broken(batch_size: int, visibility_timeout_s: float, bound: object = None) -> list[object]:
-        return [[]][batch_size]  # an IndexError: a programming error, PostgreSQL is fine
+    async def broken(batch_size: int, visibility_timeout_s: float, bound: object = None) -> tuple[list[object], None]:
+        return [[]][batch_size], None  # an IndexError: a programming error, PostgreSQL is fine
 
-    monkeypatch.setattr(runtime.ledger, "claim_due_polls", broken)
+    monkeypatch.setattr(runtime.ledger, "claim_due_polls_and_next", broken)  # the scheduler's claim
     before = unexpected("poll scheduler")
     with caplog.at_level(logging.INFO):
         assert await PollScheduler(runtime).tick() == 0
