@@ -35,6 +35,12 @@ BATCH, BATCH_EVERY_S, OPERATIONS = 10, 2.5, 200
 #: seconds against the Date, so at most 2 s read).
 PAUSE_CAP_S = 5.0
 LEGIT_PAUSE_S = 2.0
+#: How far a skewed worker's GETs per operation may stand from the on-time worker's (a fraction of it). Each worker
+#: observes a different draw of about 65 jobs, so correct workers differ by up to about 10%. A date read against
+#: the worker's own clock moves it by far more: 120 s ahead, every hint reads as past and the job is polled every
+#: ``poll_min_delay_s`` (several times the GETs); 120 s behind, every hint reads as ``poll_backoff_cap_s`` (30 s)
+#: away and a job of about 3 s is seen done at its first GET (about a third of the GETs).
+GETS_PER_OP_SPREAD = 0.3
 
 #: Partitions of each topic: two for each of the three workers (with fewer, one may get none of generation.polls).
 PARTITIONS = 6
@@ -149,7 +155,8 @@ async def test_skewed_workers_poll_alike_and_pause_no_one(
     assert {r["state"]: r["n"] for r in states} == {"succeeded": len(ids)}
     assert set(gets_per_op) == set(SHIFTS_S), gets_per_op
     for name in ("ahead", "behind"):
-        assert abs(gets_per_op[name] - gets_per_op["on-time"]) <= 0.1 * gets_per_op["on-time"], gets_per_op
+        spread = abs(gets_per_op[name] - gets_per_op["on-time"])
+        assert spread <= GETS_PER_OP_SPREAD * gets_per_op["on-time"], gets_per_op
     # No pause any worker shared was longer than the provider's own Retry-After (none reached the cap) ...
     assert all(p <= LEGIT_PAUSE_S + 0.1 for ps in pauses.values() for p in ps), pauses
     # ... and no submission waited like behind a fleet-wide pause: well under the cap plus a retry.
