@@ -38,7 +38,9 @@ RETRY_BASE_S = 0.2
 ATTEMPT_TIMEOUT_S = 5.0
 #: The key of a delivery sent with a bad signature (no receiver is configured with it).
 WRONG_KEY = b"not the endpoint's secret"
-#: What :attr:`CallbackSender.counts` reports (``GET /_sim/summary``'s ``callbacks``).
+#: What :attr:`CallbackSender.counts` reports (``GET /_sim/summary``'s ``callbacks``); ``attempts`` counts the
+#: attempts that ended, each with its outcome (``acknowledged``, ``refused`` or ``unanswered``) and, when answered,
+#: its status, so ``attempts == acknowledged + refused + unanswered`` at every read.
 COUNT_KINDS = (
     "scheduled",
     "lost",
@@ -132,17 +134,22 @@ class CallbackSender:
                 "webhook-timestamp": str(timestamp_s),
                 "webhook-signature": signature(key, webhook_id, timestamp_s, body),
             }
-            self.counts["attempts"] += 1
+            status: int | None = None
             try:
                 async with self._session.post(config.callback_url, data=body, headers=headers) as answer:
-                    self.statuses[answer.status] += 1
-                    if 200 <= answer.status < 300:
-                        self.counts["acknowledged"] += 1
-                        return
-                    self.counts["refused"] += 1
+                    status = answer.status
             except (aiohttp.ClientError, TimeoutError) as exc:
-                self.counts["unanswered"] += 1
                 logger.info("callback %s for %s: attempt %d unanswered: %s", webhook_id, job_id, attempt + 1, exc)
+            # An attempt is counted once it ended, together with its outcome: a reader never sees it without one.
+            self.counts["attempts"] += 1
+            if status is None:
+                self.counts["unanswered"] += 1
+                continue
+            self.statuses[status] += 1
+            if 200 <= status < 300:
+                self.counts["acknowledged"] += 1
+                return
+            self.counts["refused"] += 1
 
     async def close(self) -> None:
         """Stop the deliveries under way and close the HTTP session."""

@@ -165,11 +165,16 @@ async def test_live_dispatcher_and_redispatch_racing_post_once(
         await asyncio.sleep(delay_s)
         return await work
 
-    # The live handler reads and checks the ledger before its lease: give the re-dispatch a random head start
-    # of 0-100 ms, so that each side wins some of the operations.
+    # Each side starts at once on half of the operations and 0-1,000 ms late on the other half, so that each wins
+    # some of them however the machine's load shifts the two sides' pace (the live handler makes two ledger round
+    # trips before its lease, the re-dispatch none: with one order only, a loaded machine let the re-dispatch win
+    # all 30 from 0-100 ms behind).
+    def late_s(i: int, side: int) -> float:
+        return rng.uniform(0.0, 1.0) if i % 2 == side else 0.0
+
     results = await asyncio.gather(
-        *(live.handle(submission(op)) for op in ops),
-        *(after(rng.uniform(0.0, 0.1), again.redispatch(op, stale[op])) for op in ops),
+        *(after(late_s(i, 0), live.handle(submission(op))) for i, op in enumerate(ops)),
+        *(after(late_s(i, 1), again.redispatch(op, stale[op])) for i, op in enumerate(ops)),
     )
     redispatched = sum(1 for r in results[len(ops) :] if r)
     assert 0 < redispatched < len(ops)

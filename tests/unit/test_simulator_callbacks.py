@@ -26,14 +26,20 @@ BODY = {"model": "sim-model", "input": {"prompt": "a short prompt", "max_tokens"
 
 
 class Receiver:
-    """A callback receiver recording what arrived, answering ``status`` the first ``refuse_first`` times."""
+    """A callback receiver recording what arrived, answering ``status`` the first ``refuse_first`` times; while
+    ``hold`` is set it keeps each request unanswered until the event is set (``holding`` is set once one waits)."""
 
     def __init__(self) -> None:
         self.arrived: list[tuple[str, str]] = []  # (webhook-id, "ok" | the refusal's reason)
         self.refuse_first = 0
+        self.hold: asyncio.Event | None = None
+        self.holding = asyncio.Event()
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
+        if self.hold is not None:
+            self.holding.set()
+            await self.hold.wait()
         try:
             webhook_id = verify(
                 request.headers, body, [callback_secret_key(SECRET)], tolerance_s=300, now_s=time.time()
@@ -103,6 +109,31 @@ async def test_bad_signatures_are_refused_and_retried_up_to_the_attempts(receive
     summary = await run_job(url, callback_bad_signature=1.0, callback_attempts=2)
     assert [reason for _, reason in r.arrived] == ["bad_signature", "bad_signature"]
     assert (summary["attempts"], summary["refused"], summary["statuses"]) == (2, 2, {"401": 2})
+
+
+async def test_an_attempt_is_counted_when_it_ends_with_its_outcome(receiver: tuple[Receiver, str]) -> None:
+    """A summary read while an attempt waits for its answer does not count it yet, so a reader waiting for
+    ``attempts`` to reach a number finds every outcome of those attempts counted too."""
+    r, url = receiver
+    r.hold = asyncio.Event()
+    config = SimulatorConfig(compression=1000.0, get_latency_ms=1.0, seed=3, callback_url=url, callback_secret=SECRET)
+    server = TestServer(make_app(config), host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        async with httpx.AsyncClient(base_url=str(server.make_url("")).rstrip("/"), timeout=5.0) as client:
+            assert (await client.post("/v1/generations", content=orjson.dumps(BODY), headers=AUTH)).status_code == 201
+            await asyncio.wait_for(r.holding.wait(), 10)
+            held = (await client.get("/_sim/summary")).json()["callbacks"]
+            assert (held["attempts"], held["acknowledged"], held["statuses"]) == (0, 0, {})
+            r.hold.set()
+            for _ in range(200):
+                ended = (await client.get("/_sim/summary")).json()["callbacks"]
+                if ended["attempts"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert (ended["attempts"], ended["acknowledged"], ended["statuses"]) == (1, 1, {"204": 1})
+    finally:
+        await server.close()
 
 
 async def test_a_non_2xx_answer_is_retried_with_the_same_id(receiver: tuple[Receiver, str]) -> None:
