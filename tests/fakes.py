@@ -407,11 +407,6 @@ class InMemoryLedger(WaitsOutOutages):
         )[:batch_size]
         return [(o.operation_id, o.request) for o in stale]
 
-    async def next_poll_due_in_s(self) -> float | None:
-        self._call("read next poll due")
-        due = [o.next_poll_at for o in self.operations.values() if o.state in POLLABLE and o.next_poll_at is not None]
-        return min(due) - self._t if due else None
-
     async def next_due_in_s(self, submitting_stale_after_s: float, accepted_stale_after_s: float) -> SchedulerDue:
         self._call("read next scheduler work due")
         due = [o.next_poll_at for o in self.operations.values() if o.state in POLLABLE and o.next_poll_at is not None]

@@ -344,9 +344,9 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
     async def claim_due_polls_and_next(
         self, batch_size: int, visibility_timeout_s: float, bound: ClaimBound | None = None
     ) -> tuple[list[DuePoll], float | None]:
-        """:meth:`claim_due_polls` and, in the same statement, what :meth:`next_poll_due_in_s` would read once the
-        claim committed: (the polls claimed, seconds until the earliest poll is due, negative when one is due
-        still, None when no operation is pollable)."""
+        """:meth:`claim_due_polls` and, in the same statement, the ``poll_due_in_s`` :meth:`next_due_in_s` would
+        read once the claim committed: (the polls claimed, seconds until the earliest poll is due, negative when one
+        is due still, None when no operation is pollable)."""
         async with guard("claim due polls"):
             rows = await Q.claim_due_polls.fetch(
                 self.pool,
@@ -363,13 +363,6 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         ]
         due_in_s: float | None = rows[-1]["due_in_s"]  # the last row: operation_id NULL, always there
         return polls, due_in_s
-
-    async def next_poll_due_in_s(self) -> float | None:
-        """Seconds until the earliest poll of any pollable operation is due (negative: one is due now), None when
-        no operation is pollable."""
-        async with guard("read next poll due"):
-            due_in_s: float | None = await Q.next_poll_due_in_s.fetchval(self.pool)
-        return due_in_s
 
     async def next_due_in_s(self, submitting_stale_after_s: float, accepted_stale_after_s: float) -> SchedulerDue:
         """When the poll scheduler has work next (:class:`SchedulerDue`): the earliest due poll, and the earliest

@@ -134,19 +134,19 @@ class CallbackSender:
                 "webhook-timestamp": str(timestamp_s),
                 "webhook-signature": signature(key, webhook_id, timestamp_s, body),
             }
-            status: int | None = None
+            answered: int | None = None
             try:
                 async with self._session.post(config.callback_url, data=body, headers=headers) as answer:
-                    status = answer.status
+                    answered = answer.status
             except (aiohttp.ClientError, TimeoutError) as exc:
                 logger.info("callback %s for %s: attempt %d unanswered: %s", webhook_id, job_id, attempt + 1, exc)
             # An attempt is counted once it ended, together with its outcome: a reader never sees it without one.
             self.counts["attempts"] += 1
-            if status is None:
+            if answered is None:
                 self.counts["unanswered"] += 1
                 continue
-            self.statuses[status] += 1
-            if 200 <= status < 300:
+            self.statuses[answered] += 1
+            if 200 <= answered < 300:
                 self.counts["acknowledged"] += 1
                 return
             self.counts["refused"] += 1

@@ -29,7 +29,7 @@ from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.observer import Observer
 from streams.worker.stages.reconciler import Reconciler
 from streams.worker.stages.relay import OutboxRelay
-from streams.worker.stages.scheduler import PollScheduler
+from streams.worker.stages.scheduler import NOT_READ, PollScheduler
 from tests.fakes import InMemoryLedger, Sent, fake_leases, fake_runtime, observed_again
 from tests.support import wait_for
 
@@ -349,15 +349,16 @@ async def test_a_round_that_claims_reads_the_next_poll_due_in_its_claim(pipeline
     p = pipeline(Provider(posts=[created(poll_after_ms=2000)]))
     await p.dispatcher.handle(submission())
     assert await p.scheduler.tick() == 0
-    assert p.scheduler.next_due is not None  # read by the claim: run() sleeps on it
-    assert p.scheduler.next_due[0] == pytest.approx(2.0, abs=0.5)
+    assert isinstance(p.scheduler.next_due, float)  # read by the claim: run() sleeps on it
+    assert p.scheduler.next_due == pytest.approx(2.0, abs=0.5)
     p.ledger.advance(2.0)
     assert await p.scheduler.tick() == 1
-    assert p.scheduler.next_due is not None
-    assert p.scheduler.next_due[0] == pytest.approx(p.rt.settings.visibility_timeout_s, abs=0.5)
+    assert isinstance(p.scheduler.next_due, float)
+    assert p.scheduler.next_due == pytest.approx(p.rt.settings.visibility_timeout_s, abs=0.5)
     p.redis.connected = False  # no claim made: nothing read, run() asks the ledger itself
     assert await p.scheduler.tick() == 0
-    assert p.scheduler.next_due is None
+    unread: object = p.scheduler.next_due  # (mypy keeps the float read above)
+    assert unread is NOT_READ
 
 
 async def test_stale_submitting_becomes_uncertain_only_past_the_window(pipeline: Callable[..., Pipeline]) -> None:

@@ -100,7 +100,6 @@ EXPECTED = {
         "save_submission_without_job",
         "reconcile_stale_submitting",
         "claim_due_polls",
-        "next_poll_due_in_s",
         "next_due_in_s",
         "get_operation",
         "claim_for_observe",

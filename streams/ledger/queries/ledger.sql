@@ -199,7 +199,7 @@ RETURNING o.operation_id;
 -- :pace_window_s (s), :take_target_s (s). Returns one row per poll claimed: operation_id, remote_job_id,
 -- poll_claim_id and claimed_at_ms (the claim's now(), epoch ms of the database's clock: the poll record's
 -- claimed_at_ms, never a worker's own clock), due_in_s NULL; then one last row, operation_id NULL, whose due_in_s
--- is the scheduler's sleep as next_poll_due_in_s would read it once this claim committed (seconds to the earliest
+-- is the scheduler's sleep as next_due_in_s's poll_due_in_s would read it once this claim committed (seconds to the earliest
 -- next_poll_at of a pollable operation, the polls claimed here counted at their new one; negative when one is due
 -- still, e.g. a row another transaction held; NULL when none is pollable), so a round costs one statement.
 WITH flow AS (
@@ -236,16 +236,10 @@ SELECT NULL, NULL, NULL, NULL,
            (SELECT now() + make_interval(secs => :visibility_timeout_s) WHERE EXISTS (SELECT 1 FROM claimed))
        ) - now())::float8;
 
--- name: next_poll_due_in_s
--- The poll scheduler's sleep: seconds from now until the earliest next_poll_at of a pollable operation (a claimed
--- poll's comes back after its visibility timeout), negative when one is due already; NULL when none is pollable.
--- Reads the operations_due_polls index's first entry.
-SELECT extract(epoch FROM min(next_poll_at) - now())::float8 AS due_in_s
-FROM operations
-WHERE state IN ('submitted', 'queued', 'running');
-
 -- name: next_due_in_s
--- The poll scheduler's idle check, one round trip: poll_due_in_s as next_poll_due_in_s, and reconcile_due_in_s,
+-- The poll scheduler's idle check, one round trip: poll_due_in_s, seconds from now until the earliest next_poll_at
+-- of a pollable operation (a claimed poll's comes back after its visibility timeout; negative when one is due
+-- already; NULL when none is pollable), and reconcile_due_in_s,
 -- seconds from now until an operation left 'submitting' passes :submitting_stale_after_s or one left 'accepted'
 -- passes :accepted_stale_after_s (negative: one has; NULL: none is in either state). Reads the first entries of
 -- the operations_due_polls, operations_submitting and operations_accepted indexes.

@@ -40,6 +40,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import logging
 import time
@@ -64,6 +65,17 @@ log = logging.getLogger(__name__)
 TAKE_WITHIN_FRACTION = 0.5
 #: How far back the observers' pace is read (s); a shorter take target is read over itself.
 PACE_WINDOW_S = 5.0
+
+
+class NotRead(enum.Enum):
+    """The type of :data:`NOT_READ`."""
+
+    NOT_READ = enum.auto()
+
+
+#: :attr:`PollScheduler.next_due` when the last round made no claim, so read nothing of the next poll due (None
+#: means the claim read that no operation is pollable).
+NOT_READ = NotRead.NOT_READ
 
 #: Re-dispatches a worker runs at once. A safety net for rare leftovers, kept small: they run beside the agents'
 #: slots, from which the HTTP and Redis pool sizes are derived, so they use the Redis pool's spare connections.
@@ -100,9 +112,10 @@ class PollScheduler:
         #: Rounds run, and fallback wake-ups that found no work due in the ledger and so ran none.
         self.rounds = 0
         self.skipped_rounds = 0
-        #: What the last round's claim read of the next poll due (:meth:`Ledger.claim_due_polls_and_next`), or
-        #: None when the round made no claim (then :meth:`run` reads it).
-        self.next_due: tuple[float | None] | None = None
+        #: What the last round's claim read of the next poll due (:meth:`Ledger.claim_due_polls_and_next`: seconds,
+        #: or None when no operation is pollable), or :data:`NOT_READ` when the round made no claim (then
+        #: :meth:`run` reads it).
+        self.next_due: float | NotRead | None = NOT_READ
 
     async def run(self) -> None:
         """Scheduling rounds back to back while they claim full batches; between them, sleep until the next poll is
@@ -136,8 +149,8 @@ class PollScheduler:
             if published and self.claimed_all:
                 retried = False
                 continue  # the round was full: more may be due
-            if self.next_due is not None:  # read by the round's claim, in the same statement
-                (due_in_s,) = self.next_due
+            if self.next_due is not NOT_READ:  # read by the round's claim, in the same statement
+                due_in_s = self.next_due
             else:
                 due = await self._read_due()
                 due_in_s = None if due is None else due.poll_due_in_s
@@ -164,7 +177,7 @@ class PollScheduler:
     async def tick(self) -> int:
         """One scheduling round; returns the number of polls published. Never raises for outages."""
         rt = self.rt
-        self.next_due = None
+        self.next_due = NOT_READ
         if not await rt.leases.healthy():
             metrics.COORDINATION_UNAVAILABLE.labels("schedule").inc()
             rt.log_outage("Redis", Exception("PING failed; not claiming polls"))
@@ -176,7 +189,7 @@ class PollScheduler:
             polls: list[DuePoll] = []
             if limit:
                 polls, due_in_s = await rt.ledger.claim_due_polls_and_next(limit, vt_s, claim_bound(rt.settings))
-                self.next_due = (due_in_s,)
+                self.next_due = due_in_s
             self.claimed_all = bool(polls) and len(polls) == limit
             await rt.budget.refund(BudgetKind.CLAIMS, limit - len(polls))  # a no-op when not paced or all used
         except Exception as exc:  # classified by type: an outage waits for the next tick, a bug is logged loudly
