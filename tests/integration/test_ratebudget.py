@@ -39,17 +39,24 @@ def budget(client: aioredis.Redis, settings: Settings, **rates: Any) -> RateBudg
 
 async def test_grants_follow_the_rate(client: aioredis.Redis, settings: Settings) -> None:
     b = budget(client, settings, remote_post_rate_per_s=20.0, remote_post_burst=1)
+    started = time.monotonic()
     grants = [await b.take(BudgetKind.POST) for _ in range(25)]
+    took_s = time.monotonic() - started
     first = grants[0]
     assert (first.granted, first.wait_s) == (1, 0.0)
     # Unit k goes exactly k * 50 ms after the first (Redis clock); only those within the 1 s horizon of their
-    # take are granted (k <= 20 while the takes last less than 50 ms).
+    # take are granted: k <= 20 at the first take, one more for every 50 ms the takes lasted (a loaded machine's
+    # takes can last longer than 50 ms, so a grant may follow a refusal).
     granted = [g for g in grants if g.granted]
     assert [g.at_us - first.at_us for g in granted] == [k * 50_000 for k in range(len(granted))]
-    assert 20 <= len(granted) <= 21 and all(not g.paused for g in grants)
-    for refused in grants[len(granted) :]:  # asked again once the next unit is within the horizon
-        assert refused.granted == 0
-        assert refused.at_us == first.at_us + len(granted) * 50_000 - 1_000_000
+    assert 20 <= len(granted) <= 21 + int(took_s / 0.05), took_s
+    assert all(not g.paused for g in grants)
+    so_far = 0
+    for grant in grants:  # a refused take is told when the next unit comes within the horizon
+        if grant.granted:
+            so_far += 1
+        else:
+            assert grant.at_us == first.at_us + so_far * 50_000 - 1_000_000
 
 
 async def test_burst_then_pace_and_the_burst_comes_back_when_idle(client: aioredis.Redis, settings: Settings) -> None:
