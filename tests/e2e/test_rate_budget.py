@@ -15,7 +15,7 @@ from streams.clients.submit import SubmissionProducer
 from streams.coordination.ratebudget import Pace
 from streams_harness.fleet import Fleet
 from streams_harness.services import wait_group_stable
-from tests.support import SimulatorServer, provider_request, wait_for
+from tests.support import ROOM_FOR_CALLS, SimulatorServer, provider_request, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -51,6 +51,7 @@ async def test_workers_under_one_budget_get_no_429_and_finish_everything(
         "remote_get_rate_per_s": BUDGET_GET_PER_S,
         "remote_post_burst": BUDGET_BURST,
         "remote_get_burst": BUDGET_BURST,
+        **ROOM_FOR_CALLS,
     }
     for name in ("a", "b", "c"):
         fleet.start(name, **budget)

@@ -19,7 +19,7 @@ from streams.config import Settings
 from streams.setup.admin import create_topics, delete_topics
 from streams_harness.fleet import Fleet, faketime_env
 from streams_harness.services import wait_group_stable
-from tests.support import SimulatorServer, provider_request, unique_settings, wait_for
+from tests.support import ROOM_FOR_CALLS, SimulatorServer, provider_request, unique_settings, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -88,7 +88,7 @@ async def test_skewed_workers_poll_alike_and_pause_no_one(
         "remote_shared_pause_cap_s": PAUSE_CAP_S,
         "remote_post_rate_per_s": BUDGET_POST_PER_S,
         "remote_post_burst": BUDGET_BURST,
-        "http_read_timeout_s": 5.0,
+        **ROOM_FOR_CALLS,
     }
     for name, shift_s in SHIFTS_S.items():
         # the one on time too, at +0 s: every worker pays libfaketime's cost on each clock read alike
@@ -152,7 +152,20 @@ async def test_skewed_workers_poll_alike_and_pause_no_one(
         f"accepted -> submitted: median {submit_delays[len(submit_delays) // 2]:.2f} s, "
         f"p99 {submit_delays[int(len(submit_delays) * 0.99)]:.2f} s, max {submit_delays[-1]:.2f} s"
     )
-    assert {r["state"]: r["n"] for r in states} == {"succeeded": len(ids)}
+    odd = await ledger_pool.fetch(
+        "SELECT operation_id, state::text AS state, reason_code, reason, updated_by FROM operations "
+        "WHERE operation_id = ANY($1) AND state <> 'succeeded' ORDER BY operation_id",
+        ids,
+    )
+    odd_calls = await ledger_pool.fetch(
+        "SELECT operation_id, method, status_code, outcome, duration_ms, worker, at FROM remote_calls "
+        "WHERE operation_id = ANY($1) AND method = 'POST' ORDER BY id",
+        [r["operation_id"] for r in odd],
+    )
+    assert {r["state"]: r["n"] for r in states} == {"succeeded": len(ids)}, (
+        [dict(r) for r in odd],
+        [dict(r) for r in odd_calls],
+    )
     assert set(gets_per_op) == set(SHIFTS_S), gets_per_op
     for name in ("ahead", "behind"):
         spread = abs(gets_per_op[name] - gets_per_op["on-time"])
