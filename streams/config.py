@@ -664,6 +664,12 @@ class Settings(ExplicitSettings):
         "every committed outbox row notifies it then (outputs at once, transitions within "
         "STREAMS_WAKEUP_FALLBACK_S), so this only bounds a lost notification; at least STREAMS_WAKEUP_FALLBACK_S.",
     )
+    wakeup_peer_outputs_delay_s: Seconds = Field(
+        0.2,
+        description="How long after a notification of committed outputs the outbox relay looks for them (s): the "
+        "worker that wrote them wakes its own relay at once, so the others' rounds are a back-up, one per this "
+        "span however many outputs commit in it; never longer than STREAMS_WAKEUP_FALLBACK_S (the shorter applies).",
+    )
 
     # -- acks: how long one round of the outbox relay or the poll scheduler waits for Kafka's acknowledgements
     kafka_round_ack_wait_s: Annotated[float, Field(gt=0)] = Field(
@@ -710,6 +716,7 @@ class Settings(ExplicitSettings):
             "web_header_timeout_s",
             "clock_check_interval_s",
             "wakeup_fallback_s",
+            "wakeup_peer_outputs_delay_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"STREAMS_{name.upper()} must be more than 0 seconds")

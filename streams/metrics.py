@@ -93,12 +93,17 @@ RECONCILED_UNCERTAIN = Counter(
     "streams_reconciled_uncertain_total", "Operations found stuck in submitting and marked uncertain."
 )
 OUTBOX_PUBLISHED = Counter("streams_outbox_published_total", "Outbox rows published.", ["topic_role"])
+RELAY_LOCK_MISSED = Counter(
+    "streams_outbox_relay_lock_missed_total",
+    "Rounds of the outbox relay that found the relay lock held by another relay (each tried again shortly).",
+)
 WAKEUPS = Counter(
     "streams_wakeups_total",
     "Wake-ups of a background loop (loop: schedule_polls, relay_outbox) by cause: written (this worker wrote work), "
-    "notified (PostgreSQL NOTIFY from any worker), listening (the listener (re)connected), due (a known deadline "
-    "passed), acked (a Kafka acknowledgement came after its round's wait), fallback (nothing woke it within "
-    "STREAMS_WAKEUP_FALLBACK_S).",
+    "notified (PostgreSQL NOTIFY of outputs from any worker, STREAMS_WAKEUP_PEER_OUTPUTS_DELAY_S after it), "
+    "listening (the listener (re)connected), due (a known deadline passed), acked (a Kafka acknowledgement came "
+    "after its round's wait), lock_missed (the relay found its lock held and looks again), fallback (nothing woke "
+    "it within its fallback).",
     ["loop", "cause"],
 )
 LEDGER_LISTENER_CONNECTS = Counter(

@@ -811,7 +811,7 @@ class InMemoryLedger(WaitsOutOutages):
         batch_size: int,
         publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
         skip_operation_ids: Sequence[str] = (),
-    ) -> int:
+    ) -> int | None:
         self._call("relay outbox")
         skip = set(skip_operation_ids)
         batch = [r for r in self.outbox if not r.published and r.operation_id not in skip][:batch_size]

@@ -700,22 +700,27 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         batch_size: int,
         publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
         skip_operation_ids: Sequence[str] = (),
-    ) -> int:
+    ) -> int | None:
         """Publish one batch of unpublished outbox rows with ``publish`` and mark those it published.
 
         Only one relay runs at a time (a transaction-scoped advisory lock), which keeps each operation's
         events in order. ``publish`` returns the ids of the rows Kafka acknowledged (or that are done with), None
         for all of them, or raises: then nothing is marked. The rows of ``skip_operation_ids`` are not selected.
         A crash between publish and mark repeats rows with the same ``event_id``.
-        Returns the number of rows marked (0 when another relay holds the lock).
+        Returns the number of rows marked, or None when another relay held the lock (no row was looked at).
         """
         async with guard("relay outbox"), self.pool.acquire() as conn, conn.transaction():
-            rows = await Q.lock_unpublished_outbox.fetch(  # none while another relay holds the relay lock
+            found = await Q.lock_unpublished_outbox.fetch(
                 conn, batch_size=batch_size, skip_operation_ids=list(skip_operation_ids)
             )
+            if not found[0]["held"]:
+                return None
+            rows = [dict(r) for r in found if r["id"] is not None]
             if not rows:
                 return 0
-            published = await publish([dict(r) for r in rows])
+            for row in rows:
+                del row["held"]
+            published = await publish(rows)
             ids = [r["id"] for r in rows] if published is None else list(published)
             if ids:
                 await Q.mark_outbox_published.execute(conn, outbox_ids=ids)

@@ -34,7 +34,7 @@ from streams.errors import (
     RecordNotHandedOverError,
     RemoteError,
 )
-from streams.ledger.notices import TRANSITIONS, OutboxListener
+from streams.ledger.notices import NOTIFIED, TRANSITIONS, OutboxListener
 from streams.ledger.pool import create_pool
 from streams.ledger.protocol import PipelineLedger
 from streams.ledger.records import RemoteCall
@@ -188,10 +188,16 @@ class Runtime:
         await self.outbox_listener.run()
 
     def _on_outbox_notice(self, cause: str) -> None:
-        """Wake the relay for a notice of the listener: at once, but for transitions alone, which wake it within
-        ``wakeup_fallback_s`` (every transition of that span in one round)."""
+        """Wake the relay for a notice of the listener: committed outputs within ``wakeup_peer_outputs_delay_s``
+        (or ``wakeup_fallback_s`` if shorter; their writer's relay, woken in-process, publishes them at once, so
+        this round is the back-up, one for every output of that span), transitions alone within
+        ``wakeup_fallback_s`` (every transition of that span in one round), a (re)connection or a lost connection
+        at once."""
         if cause == TRANSITIONS:
             self.wakeups.outbox.due_in(self.settings.wakeup_fallback_s)
+        elif cause == NOTIFIED:
+            delay_s = min(self.settings.wakeup_peer_outputs_delay_s, self.settings.wakeup_fallback_s)
+            self.wakeups.outbox.due_in(delay_s, NOTIFIED)
         else:
             self.wakeups.outbox.notify(cause)
 

@@ -30,6 +30,8 @@ CANCEL = "cancel"
 DUE = "due"
 #: A Kafka acknowledgement came after its round stopped waiting (the outbox relay marks its row).
 ACKED = "acked"
+#: The outbox relay found its lock held by another relay and looks again shortly.
+LOCK_MISSED = "lock_missed"
 FALLBACK = "fallback"
 
 
@@ -42,6 +44,7 @@ class Wakeup:
         self._event = asyncio.Event()
         self._cause: str | None = None
         self._deadline: float | None = None
+        self._deadline_cause = DUE
 
     @property
     def deadline(self) -> float | None:
@@ -60,16 +63,18 @@ class Wakeup:
             self._cause = cause
         self._event.set()
 
-    def due_in(self, delay_s: float) -> None:
-        """Wake the loop ``delay_s`` seconds from now, unless an earlier deadline is already known."""
+    def due_in(self, delay_s: float, cause: str = DUE) -> None:
+        """Wake the loop ``delay_s`` seconds from now, unless an earlier deadline is already known; the wake-up
+        reports ``cause`` (a fixed word: :data:`DUE`, or what set the deadline, e.g. a notification)."""
         deadline = self._clock() + max(0.0, delay_s)
         if self._deadline is None or deadline < self._deadline:
-            self._deadline = deadline
+            self._deadline, self._deadline_cause = deadline, cause
             self._event.set()  # the sleeper re-reads its deadline
 
     async def wait(self, fallback_s: float) -> str:
         """Sleep until notified, until the earliest deadline passes, or ``fallback_s`` seconds; returns the cause
-        (a :meth:`notify` cause, :data:`DUE` or :data:`FALLBACK`) and forgets it and the deadline it met."""
+        (a :meth:`notify` cause, the passed deadline's cause (:data:`DUE` unless :meth:`due_in` named another) or
+        :data:`FALLBACK`) and forgets it and the deadline it met."""
         limit = self._clock() + fallback_s
         while True:
             cause = self._take()
@@ -96,7 +101,7 @@ class Wakeup:
             return cause
         if self._deadline is not None and self._deadline <= self._clock():
             self._deadline = None
-            return DUE
+            return self._deadline_cause
         return None
 
 

@@ -191,7 +191,7 @@ class Floor:
         return len(polls)
 
     async def relay(self) -> int:
-        """Publish one batch of the outbox; returns how many rows."""
+        """Publish one batch of the outbox; returns how many rows (0 when another process's relay held the lock)."""
 
         async def publish(rows: list[dict[str, Any]]) -> None:
             futures = [
@@ -202,7 +202,8 @@ class Floor:
             ]
             await asyncio.gather(*futures)
 
-        return await self.ledger.relay_outbox(BATCH, publish)
+        marked = await self.ledger.relay_outbox(BATCH, publish)
+        return 0 if marked is None else marked
 
     async def consume(self, consumer: AIOKafkaConsumer) -> None:
         """Hand each fetched batch of submissions and of polls to its step, several batches at a time."""

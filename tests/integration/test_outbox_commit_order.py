@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 
 import asyncpg
 import pytest
 
+from streams import metrics
 from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
 from streams.worker.runtime import Runtime
-from streams.worker.stages.relay import OutboxRelay
+from streams.worker.stages.relay import LOCK_RETRY_S, OutboxRelay
+from streams.worker.wakeup import LOCK_MISSED
 
 pytestmark = pytest.mark.integration
 
@@ -128,10 +131,37 @@ async def test_relay_publishes_nothing_and_locks_no_row_while_another_relay_hold
     async with pool.acquire() as other:
         async with other.transaction():
             assert await other.fetchval(RELAY_LOCK) is True
-            assert await runtime.ledger.relay_outbox(100, publish) == 0
+            assert await runtime.ledger.relay_outbox(100, publish) is None  # the lock missed, not an empty outbox
             assert published == []
             # the refused relay's statement locked no outbox row: a writer can take the row at once
             assert await other.fetchval("SELECT id FROM outbox WHERE id=$1 FOR UPDATE NOWAIT", row_id) == row_id
         assert await runtime.ledger.relay_outbox(100, publish) == 1  # the lock released with its transaction
     assert published == [[row_id]]
     assert await pool.fetchval("SELECT published_at IS NOT NULL FROM outbox WHERE id=$1", row_id)
+
+
+async def test_a_relay_that_missed_the_lock_looks_again_shortly_and_publishes_its_rows(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings
+) -> None:
+    """The rows that woke a relay may have committed after the lock holder's selection: a round that finds the lock
+    held (counted) makes the relay look again LOCK_RETRY_S later, not at its long fallback, and that round
+    publishes them once the holder's transaction ended."""
+    relay = OutboxRelay(runtime)
+    await relay.tick()
+    op = f"missed-{uuid.uuid4().hex[:6]}"
+    await pool.execute(ACCEPT, op)
+    missed = metrics.RELAY_LOCK_MISSED._value.get()
+    async with pool.acquire() as other:
+        async with other.transaction():
+            assert await other.fetchval(RELAY_LOCK) is True
+            assert runtime.wakeups.outbox.deadline is None
+            assert await relay.tick() == 0
+            assert metrics.RELAY_LOCK_MISSED._value.get() == missed + 1
+            # on the old code: no deadline, the row left for the 30 s fallback or the next notification
+            deadline = runtime.wakeups.outbox.deadline
+            assert deadline is not None and deadline - time.monotonic() <= LOCK_RETRY_S
+        # the other relay's transaction ended, and its lock with it
+    assert await runtime.wakeups.outbox.wait(fallback_s=30.0) == LOCK_MISSED
+    assert await relay.tick() == 1
+    assert await pool.fetchval("SELECT published_at IS NOT NULL FROM outbox WHERE operation_id=$1", op)
+    assert await published_event_ids(settings, op) == [f"transition:{op}:1:accepted"]

@@ -87,7 +87,7 @@ def test_a_notifications_payload_names_its_cause() -> None:
     assert notice_cause("outputs") == NOTIFIED
     assert notice_cause("transitions") == TRANSITIONS
     assert notice_cause("") == NOTIFIED  # migration 0014's trigger: outputs only
-    assert notice_cause("something-newer") == NOTIFIED  # unknown: woken at once, never later than before
+    assert notice_cause("something-newer") == NOTIFIED  # unknown: taken for outputs, never later than before
 
 
 def test_the_relays_fallback_is_long_only_while_its_listener_listens() -> None:
@@ -110,8 +110,43 @@ async def test_a_transitions_notice_wakes_the_relay_after_the_short_fallback_not
     rt._on_outbox_notice(TRANSITIONS)
     assert rt.wakeups.outbox.deadline == clock.now_s + 1.0
     assert not rt.wakeups.outbox.notified
+    clock.now_s += 1.0
+    assert await rt.wakeups.outbox.wait(fallback_s=3600.0) == DUE
+
+
+async def test_an_outputs_notice_wakes_the_relay_after_the_peer_delay_once_for_all_of_that_span() -> None:
+    """Committed outputs' notifications are a back-up (their writer's relay was woken in-process): the relay looks
+    ``wakeup_peer_outputs_delay_s`` later, one round for every notification of that span, reported as notified."""
+    rt = Runtime.__new__(Runtime)
+    rt.settings = Settings(wakeup_fallback_s=1.0, wakeup_peer_outputs_delay_s=0.2)
+    clock = FakeClock()
+    rt.wakeups = Wakeups()
+    rt.wakeups.outbox = Wakeup("test_outputs_notice", clock=clock)
     rt._on_outbox_notice(NOTIFIED)
+    assert rt.wakeups.outbox.deadline == clock.now_s + 0.2
+    assert not rt.wakeups.outbox.notified  # on the old code: woken at once, one round per notification
+    clock.now_s += 0.1
+    for _ in range(5):
+        rt._on_outbox_notice(NOTIFIED)  # later than the deadline known: changes nothing
+    rt._on_outbox_notice(TRANSITIONS)
+    assert rt.wakeups.outbox.deadline == 1000.2
+    clock.now_s += 0.1
     assert await rt.wakeups.outbox.wait(fallback_s=3600.0) == NOTIFIED
+    assert await rt.wakeups.outbox.wait(fallback_s=0.0) == FALLBACK  # the six were one wake-up
+    assert count("test_outputs_notice", NOTIFIED) == 1
+
+
+async def test_a_deadline_reports_the_cause_that_set_it() -> None:
+    clock = FakeClock()
+    wakeup = Wakeup("test_deadline_cause", clock=clock)
+    wakeup.due_in(2.0)
+    wakeup.due_in(1.0, "notified")  # sooner: its cause is reported
+    wakeup.due_in(1.5, "other")  # later: changes nothing
+    clock.now_s += 1.0
+    assert await wakeup.wait(fallback_s=3600.0) == "notified"
+    wakeup.due_in(1.0)
+    clock.now_s += 1.0
+    assert await wakeup.wait(fallback_s=3600.0) == DUE  # a deadline without a cause is due
 
 
 def test_a_fallback_runs_a_round_only_for_work_due_in_the_ledger() -> None:

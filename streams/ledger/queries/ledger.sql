@@ -587,22 +587,26 @@ ON CONFLICT (remote_job_id) DO NOTHING;
 -- batch ahead of the others.
 -- One relay publishes at a time (keeps each operation's events in order): the statement first takes the relay's
 -- transaction-scoped advisory lock without waiting (a one-time filter, evaluated before any row is read or
--- locked) and returns no row when another transaction holds it; the caller's transaction keeps the lock until
--- it has marked what it published.
--- :batch_size. Returns id, event_id, topic_role, operation_id, payload (text) and expires_at_ms (a delivered
--- output's, epoch ms, else NULL) in id order; no row when the outbox is drained or another relay holds the lock.
+-- locked); the caller's transaction keeps the lock until it has marked what it published.
+-- :batch_size. Returns held (whether this transaction took the lock) with id, event_id, topic_role, operation_id,
+-- payload (text) and expires_at_ms (a delivered output's, epoch ms, else NULL), in id order; one row of held alone
+-- (the others NULL) when the outbox is drained (held true) or another relay holds the lock (held false).
 WITH relay_lock AS MATERIALIZED (
     SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay')) AS held
 )
-SELECT id, event_id, topic_role, operation_id, payload::text AS payload,
-       CASE WHEN jsonb_typeof(payload -> 'expires_at_ms') = 'number' THEN (payload ->> 'expires_at_ms')::bigint
+SELECT l.held, o.id, o.event_id, o.topic_role, o.operation_id, o.payload::text AS payload,
+       CASE WHEN jsonb_typeof(o.payload -> 'expires_at_ms') = 'number' THEN (o.payload ->> 'expires_at_ms')::bigint
        END AS expires_at_ms
-FROM outbox
-WHERE (SELECT held FROM relay_lock)
-  AND published_at IS NULL AND NOT (operation_id = ANY(:skip_operation_ids::text[]))
-ORDER BY id
-LIMIT :batch_size
-FOR UPDATE SKIP LOCKED;
+FROM relay_lock AS l
+LEFT JOIN LATERAL (
+    SELECT id, event_id, topic_role, operation_id, payload
+    FROM outbox
+    WHERE l.held AND published_at IS NULL AND NOT (operation_id = ANY(:skip_operation_ids::text[]))
+    ORDER BY id
+    LIMIT :batch_size
+    FOR UPDATE SKIP LOCKED
+) AS o ON true
+ORDER BY o.id;
 
 -- name: mark_outbox_published!
 -- :outbox_ids (bigint[]).

@@ -41,7 +41,7 @@ from streams.errors import InvalidEventError, RecordNotHandedOverError
 from streams.outages import FailureKind, classify
 from streams.worker.partitions import report_skipped
 from streams.worker.runtime import RawMessage, Record, Runtime, delivery_error
-from streams.worker.wakeup import ACKED
+from streams.worker.wakeup import ACKED, LOCK_MISSED
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ MAX_SKIPPED_OPERATIONS = 10_000
 #: after it); beyond, the oldest are forgotten, and such a row is sent again when next selected (a copy with
 #: its event id, which downstream drops).
 MAX_SENT_ROWS = 10_000
+#: How long after a round that found the relay lock held the relay looks again (s): about one publishing round of
+#: the holder (a select, Kafka's acknowledgements, a mark).
+LOCK_RETRY_S = 0.05
 
 
 def refused_for_good(exc: BaseException) -> bool:
@@ -272,18 +275,27 @@ class OutboxRelay:
             )
 
     async def tick(self) -> int:
-        """Publish until the outbox is drained or a batch fails; returns rows published. Never raises."""
+        """Publish until the outbox is drained or a batch fails; returns rows published. Never raises.
+
+        A round that finds the relay lock held by another relay ends the tick and makes the relay look again
+        :data:`LOCK_RETRY_S` later (a wake-up with cause ``lock_missed``, sooner if work wakes it; each miss counted
+        in ``streams_outbox_relay_lock_missed_total``): the rows that woke it may have committed after the
+        holder's selection."""
+        s = self.rt.settings
         total = 0
         self.failed = False
         while True:
             try:
-                n = await self.rt.ledger.relay_outbox(
-                    self.rt.settings.relay_batch_size, self._publish, self._skip_operation_ids()
-                )
+                n = await self.rt.ledger.relay_outbox(s.relay_batch_size, self._publish, self._skip_operation_ids())
             except Exception as exc:  # nothing was marked; the next tick retries (an outage is waited out there)
                 self.rt.report_failure("outbox relay", exc)
                 self.failed = True
                 return total
+            if n is None:  # another relay holds the lock
+                metrics.RELAY_LOCK_MISSED.inc()
+                log.debug("outbox relay: lock held by another relay; looking again in %.3f s", LOCK_RETRY_S)
+                self.rt.wakeups.outbox.due_in(LOCK_RETRY_S, LOCK_MISSED)
+                return total
             total += n
-            if n < self.rt.settings.relay_batch_size:
+            if n < s.relay_batch_size:
                 return total
