@@ -661,8 +661,9 @@ class Settings(ExplicitSettings):
     wakeup_listening_fallback_s: Seconds = Field(
         30.0,
         description="Longest the outbox relay sleeps without a wake-up while its outbox listener is connected (s): "
-        "every committed outbox row notifies it then (outputs at once, transitions within "
-        "STREAMS_WAKEUP_FALLBACK_S), so this only bounds a lost notification; at least STREAMS_WAKEUP_FALLBACK_S.",
+        "every committed outbox row notifies it then (outputs within STREAMS_WAKEUP_PEER_OUTPUTS_DELAY_S, "
+        "transitions within STREAMS_WAKEUP_FALLBACK_S), so this only bounds a lost notification; at least "
+        "STREAMS_WAKEUP_FALLBACK_S.",
     )
     wakeup_peer_outputs_delay_s: Seconds = Field(
         0.2,

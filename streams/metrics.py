@@ -101,9 +101,9 @@ WAKEUPS = Counter(
     "streams_wakeups_total",
     "Wake-ups of a background loop (loop: schedule_polls, relay_outbox) by cause: written (this worker wrote work), "
     "notified (PostgreSQL NOTIFY of outputs from any worker, STREAMS_WAKEUP_PEER_OUTPUTS_DELAY_S after it), "
-    "listening (the listener (re)connected), due (a known deadline passed), acked (a Kafka acknowledgement came "
-    "after its round's wait), lock_missed (the relay found its lock held and looks again), fallback (nothing woke "
-    "it within its fallback).",
+    "listening (the listener (re)connected), unlistened (it lost its connection), due (a known deadline passed), "
+    "acked (a Kafka acknowledgement came after its round's wait), lock_missed (the relay found its lock held and "
+    "looks again), fallback (nothing woke it within its fallback).",
     ["loop", "cause"],
 )
 LEDGER_LISTENER_CONNECTS = Counter(

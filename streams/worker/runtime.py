@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -189,15 +190,16 @@ class Runtime:
 
     def _on_outbox_notice(self, cause: str) -> None:
         """Wake the relay for a notice of the listener: committed outputs within ``wakeup_peer_outputs_delay_s``
-        (or ``wakeup_fallback_s`` if shorter; their writer's relay, woken in-process, publishes them at once, so
-        this round is the back-up, one for every output of that span), transitions alone within
+        (or ``wakeup_fallback_s`` if shorter), times 0.5-1 so that the relays notified together do not all meet at
+        the relay lock (their writer's relay, woken in-process, publishes them at once, so this round is the
+        back-up, one for every output of that span), transitions alone within
         ``wakeup_fallback_s`` (every transition of that span in one round), a (re)connection or a lost connection
         at once."""
         if cause == TRANSITIONS:
             self.wakeups.outbox.due_in(self.settings.wakeup_fallback_s)
         elif cause == NOTIFIED:
             delay_s = min(self.settings.wakeup_peer_outputs_delay_s, self.settings.wakeup_fallback_s)
-            self.wakeups.outbox.due_in(delay_s, NOTIFIED)
+            self.wakeups.outbox.due_in(delay_s * random.uniform(0.5, 1.0), NOTIFIED)  # relays woken apart
         else:
             self.wakeups.outbox.notify(cause)
 

@@ -2,9 +2,10 @@
 
 A :class:`Wakeup` is a coalescing signal with an earliest deadline, for one loop in one event loop:
 
-* :meth:`Wakeup.notify` wakes the loop now (work is there: an outbox row committed, a notification);
-  notifications made while the loop runs coalesce into one wake-up after it;
-* :meth:`Wakeup.due_in` wakes it when a deadline passes (a poll becomes due), the earliest of those given;
+* :meth:`Wakeup.notify` wakes the loop now (work is there: this worker committed outputs, a listener
+  reconnected); notifications made while the loop runs coalesce into one wake-up after it;
+* :meth:`Wakeup.due_in` wakes it when a deadline passes (a poll becomes due, another worker's outputs' back-up
+  round, a look after a missed relay lock), the earliest of those given, reported with the cause that set it;
   a later deadline than one already known changes nothing;
 * :meth:`Wakeup.wait` sleeps until either, or at most ``fallback_s`` (a notification that never came, a poll
   another worker scheduled, only delays work: the loop then looks for itself). It returns why it woke, counted in

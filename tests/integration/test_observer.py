@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import threading
 import time
+from collections.abc import Awaitable, Callable
 
 import asyncpg
 import orjson
 import pytest
 
-from streams import metrics
-from streams.config import lease_key
+from streams import hooks, metrics
+from streams.config import Settings, lease_key
 from streams.ledger.records import SaveOutcome
 from streams.model.answers import JobSnapshot
 from streams.model.states import OperationState
@@ -254,3 +257,48 @@ async def test_a_poll_event_delivered_again_makes_no_second_get(
     assert await pool.fetchval("SELECT fencing_token FROM operations WHERE operation_id='op-again'") == (
         fencing_after_first
     )
+
+
+async def test_a_succeeded_answer_refused_over_a_later_state_still_wakes_the_relay(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings, simulator: Simulator
+) -> None:
+    """The GET read the job succeeded with outputs, and its save was refused for order (the row already succeeded:
+    say this save committed, its answer was lost and its retry refused): the outputs may wait in the outbox, so
+    this worker's relay is woken at once, not 0.2 s later by the notification."""
+    op = f"op-order-{time.monotonic_ns()}"
+    await submitted_operation(runtime, op)
+
+    async def job_done() -> bool:
+        return bool((await simulator.get(f"/_sim/operations/{op}"))["jobs"][0]["status"] == "succeeded")
+
+    await wait_for(job_done, 10, "the job to succeed at the provider")
+    event = await claim_poll(runtime, op)
+
+    async def moved_on(conn: asyncpg.Connection) -> None:  # another writer's save, committed first
+        await conn.execute("UPDATE operations SET state = 'succeeded', next_poll_at = NULL WHERE operation_id = $1", op)
+
+    hooks.install(hooks.HookPoint.OBSERVED_BEFORE_SAVE, lambda **_: in_own_thread(settings, moved_on))
+    refused = metrics.ORDER_REFUSALS._value.get()
+    try:
+        assert not runtime.wakeups.outbox.notified
+        await Observer(runtime).handle(event)
+    finally:
+        hooks.clear()
+    assert metrics.ORDER_REFUSALS._value.get() == refused + 1
+    assert runtime.wakeups.outbox.notified  # on the old code: no wake-up, the notification's back-up only
+
+
+def in_own_thread(settings: Settings, act: Callable[[asyncpg.Connection], Awaitable[None]]) -> None:
+    """Run ``act`` on a connection of its own, in a thread and event loop of its own, and wait for it: another
+    writer's statement, made while this event loop is held by a synchronous hook."""
+
+    async def run() -> None:
+        conn = await asyncpg.connect(settings.database_url.get_secret_value())
+        try:
+            await act(conn)
+        finally:
+            await conn.close()
+
+    thread = threading.Thread(target=lambda: asyncio.run(run()))
+    thread.start()
+    thread.join()

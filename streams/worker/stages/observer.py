@@ -266,6 +266,9 @@ class Observer:
         elif outcome is SaveOutcome.REFUSED_ORDER:
             metrics.ORDER_REFUSALS.inc()
             log.info("%s not saved over a later state", snapshot.status)
+            if snapshot.outputs and snapshot.state is OperationState.SUCCEEDED:
+                # e.g. this save committed, its answer was lost and its retry refused: its outputs may be waiting
+                rt.wakeups.outbox.notify(WRITTEN)
             await self._reschedule(operation_id, poll_claim_id, delay)  # still pollable: poll again soon
 
     async def _cancel_at_provider(self, operation_id: str, claim: ObserveClaim, lease: Lease) -> None:

@@ -31,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiokafka.errors
@@ -53,8 +55,18 @@ MAX_SKIPPED_OPERATIONS = 10_000
 #: its event id, which downstream drops).
 MAX_SENT_ROWS = 10_000
 #: How long after a round that found the relay lock held the relay looks again (s): about one publishing round of
-#: the holder (a select, Kafka's acknowledgements, a mark).
+#: the holder (a select, Kafka's acknowledgements, a mark); each next miss in a row doubles it, up to
+#: :data:`LOCK_RETRY_CAP_S`, and each is jittered (x 0.5-1.5) so that relays woken together do not meet again.
 LOCK_RETRY_S = 0.05
+LOCK_RETRY_CAP_S = 0.4
+
+
+def lock_retry_s(misses: int, draw: Callable[[], float] = random.random) -> float:
+    """How long after its ``misses``-th round in a row that found the relay lock held a relay looks again (s):
+    :data:`LOCK_RETRY_S` doubled for each miss before, at most :data:`LOCK_RETRY_CAP_S`, times 0.5-1.5 (``draw``
+    in [0, 1))."""
+    base_s = min(LOCK_RETRY_S * 2.0 ** min(max(misses - 1, 0), 16), LOCK_RETRY_CAP_S)
+    return base_s * (0.5 + draw())
 
 
 def refused_for_good(exc: BaseException) -> bool:
@@ -87,11 +99,14 @@ class OutboxRelay:
         #: Deliveries of rows sent and not marked, by outbox id: pending while in flight (never sent again then),
         #: acknowledged (marked by the next round that selects them, without sending).
         self.sent: dict[int, asyncio.Future[Any]] = {}
+        #: Rounds in a row that found the relay lock held (0 after a round that took it).
+        self.lock_misses = 0
 
     async def run(self) -> None:
         """Drain the outbox, then sleep until woken (:attr:`Runtime.wakeups` ``.outbox``: this worker wrote
-        outputs, a PostgreSQL notification of any worker's outputs, or of transitions ``wakeup_fallback_s`` after
-        it, the listener reconnected or lost its connection) or at most :meth:`Runtime.outbox_fallback_s` (long
+        outputs, a PostgreSQL notification of any worker's outputs ``wakeup_peer_outputs_delay_s`` after it, or of
+        transitions ``wakeup_fallback_s`` after it, the listener reconnected or lost its connection, a look again
+        after a round that found the relay lock held) or at most :meth:`Runtime.outbox_fallback_s` (long
         while listening, short otherwise); after a failed round, ``relay_interval_s`` before the next. Runs until
         cancelled.
 
@@ -278,8 +293,8 @@ class OutboxRelay:
         """Publish until the outbox is drained or a batch fails; returns rows published. Never raises.
 
         A round that finds the relay lock held by another relay ends the tick and makes the relay look again
-        :data:`LOCK_RETRY_S` later (a wake-up with cause ``lock_missed``, sooner if work wakes it; each miss counted
-        in ``streams_outbox_relay_lock_missed_total``): the rows that woke it may have committed after the
+        shortly (:func:`lock_retry_s`; a wake-up with cause ``lock_missed``, sooner if work wakes it; each miss
+        counted in ``streams_outbox_relay_lock_missed_total``): the rows that woke it may have committed after the
         holder's selection."""
         s = self.rt.settings
         total = 0
@@ -293,9 +308,12 @@ class OutboxRelay:
                 return total
             if n is None:  # another relay holds the lock
                 metrics.RELAY_LOCK_MISSED.inc()
-                log.debug("outbox relay: lock held by another relay; looking again in %.3f s", LOCK_RETRY_S)
-                self.rt.wakeups.outbox.due_in(LOCK_RETRY_S, LOCK_MISSED)
+                self.lock_misses += 1
+                wait_s = lock_retry_s(self.lock_misses)
+                log.debug("outbox relay: lock held by another relay; looking again in %.3f s", wait_s)
+                self.rt.wakeups.outbox.due_in(wait_s, LOCK_MISSED)
                 return total
+            self.lock_misses = 0
             total += n
             if n < s.relay_batch_size:
                 return total
