@@ -180,6 +180,11 @@ SUBMISSION_RESENDS = Counter(
     "Submissions sent again by a new producer after a failed batch (ledger accepts an operation id once).",
     ["reason"],
 )
+SUBMISSION_PRODUCER_START_RETRIES = Counter(
+    "streams_submission_producer_start_retries_total",
+    "Replacement submission producers that could not start for an outage (no broker answered) and were retried.",
+    ["reason"],
+)
 WEB_CONNECTIONS_REFUSED = Counter(
     "streams_web_connections_refused_total",
     "Connections to the worker's web server answered 503 at once: it held web_max_connections already.",

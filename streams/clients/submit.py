@@ -9,13 +9,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import tenacity
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaTimeoutError, OutOfOrderSequenceNumber
 
 from streams.config import Settings
 from streams.errors import InvalidEventError, JsonValueError
 from streams.kafka_security import new_producer, raise_for_security
-from streams.metrics import SUBMISSION_RESENDS
+from streams.metrics import SUBMISSION_PRODUCER_START_RETRIES, SUBMISSION_RESENDS
 from streams.outages import is_outage
 from streams.wire import contracts, exactjson, jsontext
 
@@ -144,6 +145,9 @@ def submissions_from_jsonl(text: str, max_value_bytes: int) -> list[tuple[str, b
 
 #: Times one submission is sent again after the batch carrying it failed (then its future fails).
 RESEND_ATTEMPTS = 3
+#: First and longest wait (s) between starts of a replacement producer that found no broker (exponential, jittered).
+START_RETRY_INITIAL_S = 0.1
+START_RETRY_MAX_S = 2.0
 
 
 def needs_new_producer(exc: BaseException) -> bool:
@@ -178,6 +182,12 @@ class SubmissionProducer:
     written after all is then in the topic twice: the workers accept an operation id once (the ledger's
     idempotent accept), so none is lost, reordered among those sent again, or handled twice.
 
+    A new producer that cannot start for an outage (the cluster restarting: no broker answers its bootstrap) is
+    started again, waits growing from :data:`START_RETRY_INITIAL_S` to :data:`START_RETRY_MAX_S`, until
+    ``kafka_delivery_timeout_s`` after the failure (each retry logged and counted in
+    ``streams_submission_producer_start_retries_total``); then what is pending fails with that outage, and the
+    next submission published tries a new producer again.
+
     ``producer_factory`` makes each producer (default: an ``AIOKafkaProducer`` from the settings; tests pass
     their own).
     """
@@ -191,6 +201,7 @@ class SubmissionProducer:
         self._pending: dict[_Pending, None] = {}  # insertion-ordered: publication order
         self._recovery: asyncio.Task[None] | None = None
         self._recover_again: BaseException | None = None
+        self._unstarted: BaseException | None = None  # why the last replacement did not start (None: it did)
 
     async def __aenter__(self) -> SubmissionProducer:
         try:
@@ -228,7 +239,11 @@ class SubmissionProducer:
         submission failed :data:`RESEND_ATTEMPTS` resends or failed for a reason a new producer cannot help."""
         entry = _Pending(operation_id.encode(), value, asyncio.get_running_loop().create_future())
         self._pending[entry] = None
-        if self._recovery is None:  # during a recovery the resend loop sends it, after the older ones
+        if self._recovery is not None:  # the resend loop sends it, after the older ones
+            pass
+        elif self._unstarted is not None:  # the last replacement never started: another one sends it
+            self._recovery = asyncio.get_running_loop().create_task(self._recover(self._unstarted))
+        else:
             await self._send(entry)
         return entry.future
 
@@ -282,8 +297,8 @@ class SubmissionProducer:
                 reason,
                 len(self._pending),
             )
-            self._producer = self._factory()
-            await self._producer.start()
+            self._producer = await self._start_replacement()
+            self._unstarted = None
             while True:
                 unsent = [entry for entry in self._pending if entry.generation != self._generation]
                 if not unsent:
@@ -294,6 +309,7 @@ class SubmissionProducer:
                         SUBMISSION_RESENDS.labels(reason=reason).inc()
                     await self._send(entry)
         except Exception as recover_exc:  # the new producer cannot start: fail what is pending
+            self._unstarted = recover_exc
             for entry in list(self._pending):
                 self._pending.pop(entry, None)
                 if not entry.future.done():
@@ -303,3 +319,42 @@ class SubmissionProducer:
             again, self._recover_again = self._recover_again, None
             if again is not None and self._pending:
                 self._recovery = asyncio.get_running_loop().create_task(self._recover(again))
+
+    async def _start_replacement(self) -> AIOKafkaProducer:
+        """A new started producer; a start that fails for an outage is retried (see the class docstring).
+
+        Raises:
+            The last start's error: not an outage, or an outage still there ``kafka_delivery_timeout_s`` on.
+        """
+
+        def retried(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            reason = type(exc).__name__
+            SUBMISSION_PRODUCER_START_RETRIES.labels(reason=reason).inc()
+            log.warning(
+                "submission producer: a new producer could not start (%s: no broker answered); starting another "
+                "in %.1f s, for at most %.0f s in all",
+                reason,
+                state.upcoming_sleep,
+                self.settings.kafka_delivery_timeout_s,
+            )
+
+        async def start() -> AIOKafkaProducer:
+            producer = self._factory()
+            try:
+                await producer.start()
+            except BaseException:
+                await producer.stop()  # a producer that did not start still holds its client
+                raise
+            return producer
+
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(is_outage),
+            stop=tenacity.stop_after_delay(self.settings.kafka_delivery_timeout_s),
+            wait=tenacity.wait_exponential_jitter(
+                multiplier=START_RETRY_INITIAL_S, max=START_RETRY_MAX_S, jitter=START_RETRY_INITIAL_S
+            ),
+            before_sleep=retried,
+            reraise=True,
+        )
+        return await retrying(start)

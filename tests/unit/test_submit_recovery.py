@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from aiokafka.errors import KafkaTimeoutError, OutOfOrderSequenceNumber, RecordTooLargeError
+from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, OutOfOrderSequenceNumber, RecordTooLargeError
 from prometheus_client import REGISTRY
 
 from streams.clients.submit import RESEND_ATTEMPTS, SubmissionProducer
@@ -104,3 +104,75 @@ async def test_a_submission_fails_after_its_resends_or_for_a_reason_a_new_produc
             await settle()
         assert isinstance(stuck.exception(), KafkaTimeoutError)
         assert len(factory.made) == 1 + RESEND_ATTEMPTS
+
+
+class Refusing(Factory):
+    """Producers whose ``start`` raises the next of ``failures`` (then starts)."""
+
+    def __init__(self, failures: list[BaseException]) -> None:
+        super().__init__()
+        self.failures = failures
+        self.starts = 0
+
+    def __call__(self) -> Any:
+        producer = super().__call__()
+        real_start = producer.start
+
+        async def start() -> None:
+            self.starts += 1
+            if self.starts > 1 and self.failures:  # the first producer (the context's) starts
+                raise self.failures.pop(0)
+            await real_start()
+
+        producer.start = start
+        return producer
+
+
+def start_retries(reason: str) -> float:
+    return REGISTRY.get_sample_value("streams_submission_producer_start_retries_total", {"reason": reason}) or 0.0
+
+
+async def until(cond: Any, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_replacement_that_finds_no_broker_is_started_again_until_one_answers() -> None:
+    factory = Refusing([KafkaConnectionError("Unable to bootstrap"), KafkaConnectionError("Unable to bootstrap")])
+    before = start_retries("KafkaConnectionError")
+    async with SubmissionProducer(Settings(), producer_factory=factory) as producer:
+        future = await producer.publish("op-0", b"{}")
+        factory.made[0].sent[0][1].set_exception(KafkaTimeoutError())  # the cluster restarts
+        await until(lambda: bool(factory.made[-1].sent) and len(factory.made) == 4)
+        assert [p.stopped for p in factory.made[1:3]] == [True, True]  # the two that did not start are closed
+        factory.made[-1].sent[0][1].set_result("meta-0")
+        assert await future == "meta-0"
+    assert start_retries("KafkaConnectionError") - before == 2
+
+
+async def test_a_replacement_that_cannot_start_fails_what_is_pending_and_the_next_submission_tries_again() -> None:
+    settings = Settings(kafka_delivery_timeout_s=0.5, kafka_request_timeout_s=0.2, kafka_round_ack_wait_s=0.1)
+    outages = [KafkaConnectionError("Unable to bootstrap") for _ in range(50)]
+    factory = Refusing(outages)
+    async with SubmissionProducer(settings, producer_factory=factory) as producer:
+        lost = await producer.publish("op-0", b"{}")
+        factory.made[0].sent[0][1].set_exception(KafkaTimeoutError())
+        with pytest.raises(KafkaConnectionError):
+            await asyncio.wait_for(lost, 5.0)  # the outage outlasted the delivery timeout: said, not hung
+        made = len(factory.made)
+        assert 2 < made < 50  # retried, within the delivery timeout
+        outages.clear()  # the cluster is back
+        later = await producer.publish("op-1", b"{}")
+        await until(lambda: len(factory.made) == made + 1 and bool(factory.made[-1].sent))
+        assert [key for key, _ in factory.made[-1].sent] == [b"op-1"]
+        factory.made[-1].sent[0][1].set_result("meta-1")
+        assert await later == "meta-1"
+
+    refused = Refusing([RecordTooLargeError()])  # not an outage: no retry, pending fails at once
+    async with SubmissionProducer(Settings(), producer_factory=refused) as producer:
+        failed = await producer.publish("op-0", b"{}")
+        refused.made[0].sent[0][1].set_exception(KafkaTimeoutError())
+        with pytest.raises(RecordTooLargeError):
+            await asyncio.wait_for(failed, 5.0)
+        assert len(refused.made) == 2
