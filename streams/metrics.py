@@ -111,6 +111,12 @@ LEDGER_LISTENER_CONNECTS = Counter(
     "Connections of the ledger's LISTEN connection (outbox notifications), by result: connected, failed, lost.",
     ["result"],
 )
+LEDGER_NOTIFICATIONS = Counter(
+    "streams_ledger_notifications_total",
+    "Outbox notifications the ledger's LISTEN connection received, by kind: outputs, transitions (each one costs "
+    "PostgreSQL a transaction in the listening backend, beside the statements of the worker).",
+    ["kind"],
+)
 SUBMISSIONS = Counter("streams_submissions_total", "Submission events by result.", ["result"])
 CANCELLATIONS = Counter(
     "streams_cancellations_total",

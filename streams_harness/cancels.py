@@ -162,6 +162,13 @@ def callback_secret() -> str:
 async def callback_refusals(worker_urls: Iterable[str]) -> dict[str, int]:
     """The callbacks refused by reason, summed over the workers at ``worker_urls`` (``http://host:port``: their
     ``/metrics``); a worker that does not answer is left out (its counts died with it)."""
+    return await worker_counter_sums(worker_urls, REFUSED_METRIC, "reason")
+
+
+async def worker_counter_sums(worker_urls: Iterable[str], metric: str, label: str) -> dict[str, int]:
+    """Samples of the counter ``metric`` (its ``_total`` sample name) summed over the workers at ``worker_urls``
+    (``http://host:port``: their ``/metrics``) by the value of ``label`` (``unknown`` when a sample has none),
+    sorted; a worker that does not answer is left out (its counts died with it)."""
     counts: Counter[str] = Counter()
     async with httpx.AsyncClient(timeout=5.0) as client:
         for url in worker_urls:
@@ -172,6 +179,6 @@ async def callback_refusals(worker_urls: Iterable[str]) -> dict[str, int]:
                 continue
             for family in text_string_to_metric_families(answer.text):
                 for sample in family.samples:
-                    if sample.name == REFUSED_METRIC and sample.value:
-                        counts[sample.labels.get("reason", "unknown")] += int(sample.value)
+                    if sample.name == metric and sample.value:
+                        counts[sample.labels.get(label, "unknown")] += int(sample.value)
     return dict(sorted(counts.items()))

@@ -156,4 +156,6 @@ class OutboxListener:
         return self.backend_pid is not None
 
     def _notified(self, _conn: Any, _pid: int, _channel: str, payload: object) -> None:
-        self._on_notice(notice_cause(payload if isinstance(payload, str) else ""))
+        cause = notice_cause(payload if isinstance(payload, str) else "")
+        metrics.LEDGER_NOTIFICATIONS.labels(OUTPUTS_PAYLOAD if cause == NOTIFIED else TRANSITIONS_PAYLOAD).inc()
+        self._on_notice(cause)

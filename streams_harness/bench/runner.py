@@ -13,6 +13,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from streams_harness.bench.counters import (
 from streams_harness.bench.procrastinate_peer import QUEUE_DATABASE_SUFFIX, apply_schema, queue_database_url
 from streams_harness.bench.profile import Profiler, summarize
 from streams_harness.bench.server_cpu import ServerCpu, kafka_broker_pid, process_cpu_s, read_server_cpu
-from streams_harness.cancels import callback_refusals, callback_secret
+from streams_harness.cancels import callback_refusals, callback_secret, worker_counter_sums
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulator, wait_healthy
 from streams_harness.redis_server import PrivateRedis
@@ -374,6 +375,7 @@ class Bench:
         timed_out = False
         try:
             before = await self._counters(spec, settings)
+            notifications_before = await listener_notifications(fleet.live())
             if spec.profile:
                 profiler = Profiler(fleet.live()[0].pid, log_dir / "profile.txt")
                 if not profiler.start():
@@ -405,6 +407,7 @@ class Bench:
             cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
             # the workers' refusals by reason, while they answer /metrics
             refused = await callback_refusals([w.url for w in fleet.live()]) if spec.callbacks else {}
+            notifications = await listener_notifications(fleet.live()) - notifications_before
             sim_cpu_s = process_cpu_s(self.sim_pid) - sim_cpu_before
             # read while the measured processes still hold their connections (a backend gone is not counted)
             servers_s = (await self._server_cpu(spec, settings)).minus(servers_before)
@@ -427,6 +430,7 @@ class Bench:
             summary = (await sim.get("/_sim/summary")).json()
         record = figures(spec, report, summary, cost, n)
         record["rate_per_s"] = spec.rate_per_s
+        record["postgres_notifications_per_operation"] = round(notifications / n, 2)
         if spec.kind == CALLBACKS:
             record["callbacks_enabled"] = spec.callbacks
             record["job_duration_ms"] = self.opts.callbacks_job_duration_ms
@@ -504,6 +508,16 @@ def server_cpu_figures(servers_s: dict[str, float], n: int, *, redis_counted: bo
         "redis_server_cpu_ms_per_operation": redis,
         "kafka_broker_cpu_ms_per_operation": kafka,
     }
+
+
+#: The workers' counter of outbox notifications their listeners read (streams.metrics).
+NOTIFICATIONS_METRIC = "streams_ledger_notifications_total"
+
+
+async def listener_notifications(workers: Iterable[Any]) -> int:
+    """Outbox notifications the listeners of ``workers`` (fleet processes with a ``url``) have read so far, from
+    their ``/metrics`` (0 for a process without the metric: the floor and the peers)."""
+    return sum((await worker_counter_sums([w.url for w in workers], NOTIFICATIONS_METRIC, "kind")).values())
 
 
 def figures(spec: RunSpec, report: dict[str, Any], sim: dict[str, Any], cost: Counters, n: int) -> dict[str, Any]:

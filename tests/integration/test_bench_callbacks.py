@@ -48,6 +48,8 @@ async def test_callbacks_save_the_gets_of_long_jobs_and_every_one_sent_is_receiv
         assert record["broken_promises"] == [], record["broken_promises"]
         assert record["max_gets_in_flight_per_job"] == 1
         assert record["completion_to_delivery_ms"]["p99"] is not None
+        # its worker's listener read the notifications of its committed outputs (streams_ledger_notifications_total)
+        assert record["postgres_notifications_per_operation"] > 0
     # without callbacks a 1 s job is polled every 200 ms hint until it ends
     assert off["gets_per_completed_operation"] >= 3.0, off
     assert off["callbacks"] == {"sent": 0, "acknowledged": 0, "received": 0, "made_due": 0, "refused": 0}

@@ -41,6 +41,10 @@ def wakeups(cause: str) -> float:
     return float(metrics.WAKEUPS.labels(RELAY, cause)._value.get())
 
 
+def notifications(kind: str) -> float:
+    return float(metrics.LEDGER_NOTIFICATIONS.labels(kind)._value.get())
+
+
 def connects(result: str) -> float:
     return float(metrics.LEDGER_LISTENER_CONNECTS.labels(result)._value.get())
 
@@ -96,12 +100,13 @@ async def test_committed_outputs_wake_another_workers_relay_by_notification(
     woken = wakeups("listening")
     await relay_worker(fallback_s=3600.0, listen=True)  # the fallback timer never fires within this test
     await wait_for(lambda: _true(wakeups("listening") > woken), 30.0, "the relay woken once by the connection")
-    notified, fallbacks = wakeups("notified"), wakeups(FALLBACK)
+    notified, fallbacks, read = wakeups("notified"), wakeups(FALLBACK), notifications("outputs")
     op = f"op-notify-{uuid.uuid4().hex[:6]}"
     await succeeded_operation(runtime, op, outputs=1)  # written by the test's worker, which runs no relay
 
     await wait_for(published(pool, op), 30.0, "the other worker's relay published every row")
     assert wakeups("notified") > notified
+    assert notifications("outputs") > read  # counted by kind (the benchmark reads it)
     assert wakeups(FALLBACK) == fallbacks
     outputs = for_op(await read_topic_to_end(settings, "outputs_delivered"), op)
     assert [o["event_id"] for o in outputs] == [f"output:{op}:out_0"]
@@ -115,6 +120,7 @@ async def test_a_listening_relay_sleeps_its_long_fallback_and_is_woken_for_trans
     await relay_worker(fallback_s=0.2, listen=True, listening_fallback_s=3600.0)
     await wait_for(lambda: _true(wakeups("listening") > woken), 30.0, "the relay woken once by the connection")
     fallbacks, due, notified = wakeups(FALLBACK), wakeups(DUE), wakeups("notified")
+    read, outputs_read = notifications("transitions"), notifications("outputs")
     op = f"op-transition-{uuid.uuid4().hex[:6]}"
     # one transition (accepted) and no output, written by the test's worker, which runs no relay
     assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
@@ -123,6 +129,8 @@ async def test_a_listening_relay_sleeps_its_long_fallback_and_is_woken_for_trans
     assert wakeups(DUE) > due  # the notification of transitions, due after the short fallback
     assert wakeups(FALLBACK) == fallbacks  # the 0.2 s fallback no longer runs while listening
     assert wakeups("notified") == notified  # transitions alone do not wake it at once
+    assert notifications("transitions") > read
+    assert notifications("outputs") == outputs_read
 
 
 async def test_without_notifications_the_fallback_timer_delivers(
