@@ -153,6 +153,8 @@ class InMemoryLedger(WaitsOutOutages):
     operations: dict[str, Operation] = field(default_factory=dict)
     transitions: list[Transition] = field(default_factory=list)
     outbox: list[OutboxRow] = field(default_factory=list)
+    #: The ``probe`` argument of every ``relay_outbox`` call, in order.
+    relay_probes: list[bool] = field(default_factory=list)
     remote_calls: list[RemoteCall] = field(default_factory=list)
     cancellations: dict[str, Cancellation] = field(default_factory=dict)
     #: Callback deliveries recorded: webhook id -> operation id.
@@ -811,8 +813,11 @@ class InMemoryLedger(WaitsOutOutages):
         batch_size: int,
         publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
         skip_operation_ids: Sequence[str] = (),
+        *,
+        probe: bool = False,
     ) -> int | None:
         self._call("relay outbox")
+        self.relay_probes.append(probe)
         skip = set(skip_operation_ids)
         batch = [r for r in self.outbox if not r.published and r.operation_id not in skip][:batch_size]
         if not batch:

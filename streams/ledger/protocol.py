@@ -118,5 +118,7 @@ class PipelineLedger(Protocol):
         batch_size: int,
         publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
         skip_operation_ids: Sequence[str] = (),
+        *,
+        probe: bool = False,
     ) -> int | None: ...
     async def close(self) -> None: ...

@@ -700,6 +700,8 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         batch_size: int,
         publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
         skip_operation_ids: Sequence[str] = (),
+        *,
+        probe: bool = False,
     ) -> int | None:
         """Publish one batch of unpublished outbox rows with ``publish`` and mark those it published.
 
@@ -707,8 +709,19 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         events in order. ``publish`` returns the ids of the rows Kafka acknowledged (or that are done with), None
         for all of them, or raises: then nothing is marked. The rows of ``skip_operation_ids`` are not selected.
         A crash between publish and mark repeats rows with the same ``event_id``.
+        ``probe``: first look, in one statement, whether the lock is free and a row waits (``probe_outbox``), and
+        open the round's transaction only then: a round that finds nothing or the lock held costs one round trip
+        instead of three, one that finds rows one more.
         Returns the number of rows marked, or None when another relay held the lock (no row was looked at).
         """
+        if probe:
+            async with guard("probe outbox"):
+                row = await Q.probe_outbox.fetchrow(self.pool, skip_operation_ids=list(skip_operation_ids))
+            assert row is not None  # one row always
+            if not row["held"]:
+                return None
+            if not row["pending"]:
+                return 0
         async with guard("relay outbox"), self.pool.acquire() as conn, conn.transaction():
             found = await Q.lock_unpublished_outbox.fetch(
                 conn, batch_size=batch_size, skip_operation_ids=list(skip_operation_ids)

@@ -18,6 +18,8 @@ import pytest
 from streams import metrics
 from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
+from streams.ledger.pool import create_pool
+from streams.ledger.store import Ledger
 from streams.worker.runtime import Runtime
 from streams.worker.stages.relay import LOCK_RETRY_S, OutboxRelay
 from streams.worker.wakeup import LOCK_MISSED
@@ -165,3 +167,51 @@ async def test_a_relay_that_missed_the_lock_looks_again_shortly_and_publishes_it
     assert await relay.tick() == 1
     assert await pool.fetchval("SELECT published_at IS NOT NULL FROM outbox WHERE operation_id=$1", op)
     assert await published_event_ids(settings, op) == [f"transition:{op}:1:accepted"]
+
+
+async def test_a_probing_round_costs_one_statement_when_the_lock_is_held_or_nothing_waits(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings
+) -> None:
+    """``relay_outbox(probe=True)`` looks in one statement outside a transaction (``probe_outbox``) and opens the
+    round's transaction (BEGIN, the select, the mark, COMMIT) only when the lock is free and a row waits; the old
+    rounds cost three statements to find nothing or the lock held."""
+    await OutboxRelay(runtime).tick()  # the outbox drained of earlier tests' rows
+    own = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=1)
+    statements: list[str] = []
+    async with own.acquire() as conn:
+        conn.add_query_logger(lambda q: statements.append(q.query))
+    ledger = Ledger(own, "probe-test", batching=False)
+
+    async def publish(rows: list[dict[str, object]]) -> None:
+        return None  # every row done with
+
+    try:
+        op = f"probed-{uuid.uuid4().hex[:6]}"
+        await pool.execute(ACCEPT, f"{op}-0")
+        assert await ledger.relay_outbox(100, publish) == 1  # statements prepared (asyncpg's type lookups) first
+        assert await ledger.relay_outbox(100, publish, probe=True) == 0
+        statements.clear()
+        assert await ledger.relay_outbox(100, publish, probe=True) == 0  # nothing waits
+        assert len(statements) == 1, statements
+        async with pool.acquire() as other:
+            async with other.transaction():
+                assert await other.fetchval(RELAY_LOCK) is True
+                await pool.execute(ACCEPT, op)
+                statements.clear()
+                assert await ledger.relay_outbox(100, publish, probe=True) is None  # the lock held
+                assert len(statements) == 1, statements
+        statements.clear()
+        assert await ledger.relay_outbox(100, publish, probe=True) == 1  # the lock free and a row waits
+        probed = len(statements)
+        await pool.execute(ACCEPT, f"{op}-2")
+        statements.clear()
+        assert await ledger.relay_outbox(100, publish) == 1  # no probe: the round's transaction at once
+        assert (probed, len(statements)) == (5, 4), statements  # the probe, BEGIN, the select, the mark, COMMIT
+        assert (
+            await pool.fetchval(
+                "SELECT count(*) FROM outbox WHERE operation_id LIKE $1 AND published_at IS NOT NULL", f"{op}%"
+            )
+            == 3
+        )
+    finally:
+        await own.close()

@@ -273,3 +273,19 @@ def test_the_round_wait_must_be_shorter_than_the_delivery_timeout(base_settings:
     with pytest.raises(ConfigError, match=r"STREAMS_KAFKA_ROUND_ACK_WAIT_S \(30.0\) must be less than"):
         base_settings.replace(kafka_round_ack_wait_s=30.0, kafka_delivery_timeout_s=30.0)
     assert Settings.model_fields["kafka_round_ack_wait_s"].default == 3.0
+
+
+async def test_relay_probes_before_a_round_unless_its_last_round_found_rows(base_settings: Settings) -> None:
+    """A round after one that found nothing (or the lock held, or failed) first probes in one statement
+    (``Ledger.relay_outbox(probe=True)``); a round after one that published rows opens its transaction at once."""
+    ledger, enqueue, clock = InMemoryLedger(), StuckEnqueue(stuck=set()), Clock()
+    relay = OutboxRelay(runtime(base_settings, ledger, enqueue, clock))
+    assert await tick(relay) == 0  # nothing yet: probed
+    add_rows(ledger, HEALTHY_A)
+    assert await tick(relay) == 1  # after an empty round: probed
+    add_rows(ledger, HEALTHY_C)
+    assert await tick(relay) == 1  # the last round found rows: at once
+    assert await tick(relay) == 0  # so did that one: at once, finding nothing; the next one probes again
+    assert ledger.relay_probes == [True, True, False, False]
+    assert await tick(relay) == 0
+    assert ledger.relay_probes[-1] is True

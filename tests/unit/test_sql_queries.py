@@ -110,6 +110,7 @@ EXPECTED = {
         "note_poll_setback",
         "record_remote_call",
         "lock_unpublished_outbox",
+        "probe_outbox",
         "mark_outbox_published",
         "stale_accepted",
     ],

@@ -608,6 +608,21 @@ LEFT JOIN LATERAL (
 ) AS o ON true
 ORDER BY o.id;
 
+-- name: probe_outbox
+-- Whether a relay round would find work, in one statement outside a transaction (a round costs three: BEGIN, the
+-- select of lock_unpublished_outbox, COMMIT): takes the relay's advisory lock without waiting, for this statement
+-- only, and looks for an unpublished row only with it (never a row read or locked). :skip_operation_ids (text[])
+-- as for lock_unpublished_outbox. Returns one row: held (the lock was free), pending (held and a row waits).
+WITH relay_lock AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay')) AS held
+)
+SELECT l.held,
+       CASE WHEN l.held THEN EXISTS (
+           SELECT 1 FROM outbox
+           WHERE published_at IS NULL AND NOT (operation_id = ANY(:skip_operation_ids::text[]))
+       ) ELSE false END AS pending
+FROM relay_lock AS l;
+
 -- name: mark_outbox_published!
 -- :outbox_ids (bigint[]).
 UPDATE outbox SET published_at = now() WHERE id = ANY(:outbox_ids::bigint[]);

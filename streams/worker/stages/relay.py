@@ -101,6 +101,10 @@ class OutboxRelay:
         self.sent: dict[int, asyncio.Future[Any]] = {}
         #: Rounds in a row that found the relay lock held (0 after a round that took it).
         self.lock_misses = 0
+        #: True when the last round published or marked rows: the next one opens its transaction at once, where
+        #: after a round that found nothing or the lock held it first probes (one round trip, see
+        #: ``Ledger.relay_outbox``), since a wake-up then is often one whose rows another relay already took.
+        self.found_rows = False
 
     async def run(self) -> None:
         """Drain the outbox, then sleep until woken (:attr:`Runtime.wakeups` ``.outbox``: this worker wrote
@@ -301,11 +305,15 @@ class OutboxRelay:
         self.failed = False
         while True:
             try:
-                n = await self.rt.ledger.relay_outbox(s.relay_batch_size, self._publish, self._skip_operation_ids())
+                n = await self.rt.ledger.relay_outbox(
+                    s.relay_batch_size, self._publish, self._skip_operation_ids(), probe=not self.found_rows
+                )
             except Exception as exc:  # nothing was marked; the next tick retries (an outage is waited out there)
                 self.rt.report_failure("outbox relay", exc)
                 self.failed = True
+                self.found_rows = False
                 return total
+            self.found_rows = bool(n)
             if n is None:  # another relay holds the lock
                 metrics.RELAY_LOCK_MISSED.inc()
                 self.lock_misses += 1
