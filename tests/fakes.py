@@ -48,6 +48,7 @@ from streams.ledger.records import (
     sources_for,
 )
 from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
+from streams.ledger.written import AnnouncesTransitions, writes_transitions
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
 from streams.model.codes import POLL_SETBACKS, ReasonCode, RemoteCallOutcome
 from streams.model.states import POLLABLE, OperationState, can_transition, is_terminal
@@ -141,7 +142,7 @@ class OutboxRow:
 
 
 @dataclass
-class InMemoryLedger(WaitsOutOutages):
+class InMemoryLedger(WaitsOutOutages, AnnouncesTransitions):
     """The ledger in memory (see module docstring). ``worker`` is written as ``updated_by``.
 
     Set ``unavailable_calls`` to make the next N calls raise :class:`LedgerUnavailableError` (PostgreSQL down);
@@ -153,6 +154,8 @@ class InMemoryLedger(WaitsOutOutages):
     operations: dict[str, Operation] = field(default_factory=dict)
     transitions: list[Transition] = field(default_factory=list)
     outbox: list[OutboxRow] = field(default_factory=list)
+    #: ``announce_transitions`` calls so far.
+    announcements: int = 0
     #: The ``probe`` argument of every ``relay_outbox`` call, in order.
     relay_probes: list[bool] = field(default_factory=list)
     remote_calls: list[RemoteCall] = field(default_factory=list)
@@ -249,9 +252,14 @@ class InMemoryLedger(WaitsOutOutages):
 
     # --- the ledger's interface ------------------------------------------------------------------------------
 
+    async def announce_transitions(self) -> None:
+        """Counted in ``announcements``."""
+        self.announcements += 1
+
     async def close(self) -> None:
         """Nothing to close."""
 
+    @writes_transitions
     @waits_out_outages("accept")
     async def accept(
         self, operation_id: str, request_text: str, *, submitted_at_ms: int, source_text: str | None = None
@@ -293,6 +301,7 @@ class InMemoryLedger(WaitsOutOutages):
             "request": op.request,
         }
 
+    @writes_transitions
     @waits_out_outages("claim submit")
     async def claim_for_submit(self, operation_id: str, claim_id: uuid.UUID | None = None) -> int | None:
         self._call(f"claim {operation_id}")
@@ -319,6 +328,7 @@ class InMemoryLedger(WaitsOutOutages):
         )
         return op.fencing_token + 1
 
+    @writes_transitions
     @waits_out_outages("save job id")
     async def save_submitted(
         self,
@@ -364,6 +374,7 @@ class InMemoryLedger(WaitsOutOutages):
             return None
         return op.state.value
 
+    @writes_transitions
     @waits_out_outages("save without job")
     async def save_submission_without_job(
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode
@@ -384,6 +395,7 @@ class InMemoryLedger(WaitsOutOutages):
         self._write(op, state=state, reason=clean_text(reason), reason_code=reason_code, updated_by=self.worker)
         return True
 
+    @writes_transitions
     async def reconcile_stale_submitting(self, stale_after_s: float, batch_size: int) -> list[str]:
         self._call("reconcile submitting")
         now = self._t
@@ -495,6 +507,7 @@ class InMemoryLedger(WaitsOutOutages):
         self._write(op, next_poll_at=self._t + delay_s, poll_claimed=False)
         return True
 
+    @writes_transitions
     @waits_out_outages("save observation")
     async def save_observation(
         self,
@@ -583,6 +596,7 @@ class InMemoryLedger(WaitsOutOutages):
         )
         return SaveOutcome.SAVED_DUE_NOW if due_now else SaveOutcome.SAVED
 
+    @writes_transitions
     @waits_out_outages("save stalled")
     async def save_stalled(
         self, operation_id: str, fencing_token: int, reason: str, last_answer: dict[str, Any]
@@ -602,6 +616,7 @@ class InMemoryLedger(WaitsOutOutages):
         )
         return True
 
+    @writes_transitions
     @waits_out_outages("note not found")
     async def note_not_found(
         self,
@@ -631,6 +646,7 @@ class InMemoryLedger(WaitsOutOutages):
         self._write(op, poll_count=op.poll_count + 1, updated_by=self.worker, **changes)
         return self.operations[operation_id].state
 
+    @writes_transitions
     @waits_out_outages("note poll setback")
     async def note_poll_setback(
         self,
@@ -690,6 +706,7 @@ class InMemoryLedger(WaitsOutOutages):
             )
         return claims
 
+    @writes_transitions
     @waits_out_outages("adopt found job")
     async def adopt_found_job(
         self, claim: LookupClaim, found: list[LookupJob], reason: str, first_poll_delay_s: float
@@ -747,6 +764,7 @@ class InMemoryLedger(WaitsOutOutages):
         self.call_ids.add(call.call_id)
         self.remote_calls.append(call)
 
+    @writes_transitions
     @waits_out_outages("request cancel")
     async def request_cancel(self, operation_id: str, path: CancelPath, actor: str, reason: str) -> CancelAsk:
         self._call(f"request cancel {operation_id}")

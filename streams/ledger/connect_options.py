@@ -19,6 +19,14 @@ from urllib.parse import parse_qs
 
 import asyncpg
 
+#: ``application_name`` of a worker's connections: the outbox trigger does not notify the transitions they write
+#: (migrations/0019.worker-transitions.sql matches this prefix), since the worker wakes its own relay for them.
+WORKER_APPLICATION_NAME = "streams-worker"
+#: ``application_name`` of every other connection of this package (the operators' commands, migrations' checks).
+APPLICATION_NAME = "streams"
+#: PostgreSQL keeps this many bytes of an application_name (NAMEDATALEN - 1).
+APPLICATION_NAME_MAX_BYTES = 63
+
 #: URL parameters of libpq that name a file.
 TLS_FILE_PARAMETERS = ("sslrootcert", "sslcert", "sslkey")
 
@@ -71,7 +79,22 @@ async def connect(database_url: str, *args: Any, **kwargs: Any) -> asyncpg.Conne
     return conn
 
 
-def connect_kwargs(statement_cache_size: int) -> dict[str, Any]:
-    """asyncpg keyword arguments of the ledger's connections: ``statement_cache_size``
-    (``STREAMS_DATABASE_STATEMENT_CACHE_SIZE``; 0 behind PgBouncer in transaction mode)."""
-    return {"statement_cache_size": statement_cache_size}
+def application_name(database_url: str, *, worker: bool) -> str:
+    """The ``application_name`` of this package's connections to ``database_url``: :data:`WORKER_APPLICATION_NAME`
+    for a worker's, else :data:`APPLICATION_NAME`, followed by ``/`` and the URL's own ``application_name`` when
+    it names one (so an operator's name stays visible in ``pg_stat_activity``); cut to
+    :data:`APPLICATION_NAME_MAX_BYTES` bytes as PostgreSQL would (the prefix always survives)."""
+    base = WORKER_APPLICATION_NAME if worker else APPLICATION_NAME
+    given = _parameters(database_url).get("application_name", "")
+    name = f"{base}/{given}" if given else base
+    return name.encode()[:APPLICATION_NAME_MAX_BYTES].decode(errors="ignore")
+
+
+def connect_kwargs(database_url: str, statement_cache_size: int, *, worker: bool = False) -> dict[str, Any]:
+    """asyncpg keyword arguments of the ledger's connections to ``database_url``: ``statement_cache_size``
+    (``STREAMS_DATABASE_STATEMENT_CACHE_SIZE``; 0 behind PgBouncer in transaction mode) and the
+    ``application_name`` (:func:`application_name`; PgBouncer passes it on to the server connection it lends)."""
+    return {
+        "statement_cache_size": statement_cache_size,
+        "server_settings": {"application_name": application_name(database_url, worker=worker)},
+    }

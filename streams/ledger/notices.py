@@ -27,6 +27,7 @@ import asyncpg
 
 from streams import metrics
 from streams.ledger import connect_options
+from streams.ledger.connect_options import application_name
 from streams.ledger.pool import database_address
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,14 @@ class OutboxListener:
         """Listen, reconnecting forever; returns only by cancellation (the connection is closed then)."""
         failures = 0
         address = database_address(self._database_url)
+        name = application_name(self._database_url, worker=True)
         while True:
             try:
-                conn = await connect_options.connect(self._database_url, timeout=CONNECT_TIMEOUT_S)
+                conn = await connect_options.connect(
+                    self._database_url,
+                    timeout=CONNECT_TIMEOUT_S,
+                    server_settings={"application_name": name},
+                )
             except Exception as exc:  # an outage or a wrong setting: the pool reports those too; keep trying
                 failures += 1
                 wait_s = min(self._retry_cap_s, RETRY_FIRST_WAIT_S * 2 ** (failures - 1))

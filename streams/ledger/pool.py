@@ -65,11 +65,13 @@ async def create_pool(
     max_size: int = 10,
     idle_lifetime_s: float = 60.0,
     statement_cache_size: int = 100,
+    worker: bool = False,
 ) -> asyncpg.Pool:
     """An asyncpg pool whose connections encode/decode json and jsonb with every number exact, connected by
     :func:`streams.ledger.connect_options.connect`; a connection idle for ``idle_lifetime_s`` seconds is closed
     (0: never) and opened again when next needed; ``statement_cache_size``: 0 behind PgBouncer in transaction
-    mode.
+    mode; ``worker``: a worker's pool, whose connections' transitions notify no other worker
+    (:func:`streams.ledger.connect_options.application_name`).
 
     Raises:
         LedgerUnavailableError: PostgreSQL did not accept the connection.
@@ -86,7 +88,7 @@ async def create_pool(
                 command_timeout=30,
                 max_inactive_connection_lifetime=idle_lifetime_s,
                 connect=connect_options.connect,
-                **connect_options.connect_kwargs(statement_cache_size),
+                **connect_options.connect_kwargs(database_url, statement_cache_size, worker=worker),
             )
     except CONNECT_CONFIG_ERRORS as exc:
         raise connect_config_error(database_url, exc) from exc

@@ -36,6 +36,7 @@ from streams.ledger.records import (
 from streams.ledger.sql import CALLBACKS, CANCELLATIONS, RECONCILE
 from streams.ledger.sql import LEDGER as Q
 from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
+from streams.ledger.written import AnnouncesTransitions, writes_transitions
 from streams.model.answers import JobSnapshot, LookupJob, clean_text
 from streams.model.codes import POLL_SETBACKS, ReasonCode, RemoteCallOutcome
 from streams.model.states import OperationState, is_terminal
@@ -197,7 +198,7 @@ BATCHED: tuple[BatchedStatement, ...] = (
 )
 
 
-class Ledger(WaitsOutOutages, Decisions, Accounting):
+class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
     """Typed access to the ledger's named queries (``streams/ledger/queries/ledger.sql``).
 
     Args:
@@ -225,6 +226,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         await self._batches.drain()
         await self.pool.close()
 
+    @writes_transitions
     @waits_out_outages("accept")
     async def accept(
         self, operation_id: str, request_text: str, *, submitted_at_ms: int, source_text: str | None = None
@@ -238,6 +240,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         inserted: bool = await self._batches.submit("accept", request)
         return inserted
 
+    @writes_transitions
     @waits_out_outages("claim submit")
     async def claim_for_submit(self, operation_id: str, claim_id: uuid.UUID | None = None) -> int | None:
         """``accepted -> submitting`` with a new fencing value, written before the POST.
@@ -255,6 +258,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         fencing: int | None = await self._batches.submit("claim_submit", (operation_id, claim_id or uuid.uuid4()))
         return fencing
 
+    @writes_transitions
     @waits_out_outages("save job id")
     async def save_submitted(
         self,
@@ -295,6 +299,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             )
         return state
 
+    @writes_transitions
     @waits_out_outages("save without job")
     async def save_submission_without_job(
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode
@@ -316,6 +321,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             )
         return saved is not None
 
+    @writes_transitions
     async def reconcile_stale_submitting(self, stale_after_s: float, batch_size: int) -> list[str]:
         """Mark operations stuck in ``submitting`` as ``uncertain`` (with a reason); returns their ids."""
         async with guard("reconcile submitting"):
@@ -406,6 +412,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         rescheduled: bool = await self._batches.submit("reschedule_poll", (operation_id, poll_claim_id, delay_s))
         return rescheduled
 
+    @writes_transitions
     @waits_out_outages("save observation")
     async def save_observation(
         self,
@@ -454,6 +461,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
         outcome: SaveOutcome = await self._batches.submit("save_observation", request)
         return outcome
 
+    @writes_transitions
     @waits_out_outages("save stalled")
     async def save_stalled(
         self, operation_id: str, fencing_token: int, reason: str, last_answer: dict[str, Any]
@@ -471,6 +479,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             )
         return saved is not None
 
+    @writes_transitions
     @waits_out_outages("note not found")
     async def note_not_found(
         self,
@@ -499,6 +508,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             )
         return None if state is None else OperationState(state)
 
+    @writes_transitions
     @waits_out_outages("note poll setback")
     async def note_poll_setback(
         self,
@@ -553,6 +563,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             LookupClaim(r["operation_id"], r["fencing_token"], r["uncertain_for_s"], r["lookup_count"]) for r in rows
         ]
 
+    @writes_transitions
     @waits_out_outages("adopt found job")
     async def adopt_found_job(
         self, claim: LookupClaim, found: list[LookupJob], reason: str, first_poll_delay_s: float
@@ -627,6 +638,7 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
 
     # --- cancellation (docs/cancellation.md) ---------------------------------------------------------------
 
+    @writes_transitions
     @waits_out_outages("request cancel")
     async def request_cancel(self, operation_id: str, path: CancelPath, actor: str, reason: str) -> CancelAsk:
         """Record that cancellation of ``operation_id`` was asked (by ``actor`` through ``path``, for ``reason``;
@@ -694,6 +706,17 @@ class Ledger(WaitsOutOutages, Decisions, Accounting):
             )
         assert row is not None  # one row always
         return CallbackNote(row["operation_id"], row["recorded"], row["made_due"], row["hinted"])
+
+    async def announce_transitions(self) -> None:
+        """Once the batches on the wire or queued are done, wake every other worker's relay for transitions this
+        worker wrote and its relay may not publish now (it stops): one notification (queries/ledger.sql).
+
+        Raises:
+            LedgerUnavailableError: PostgreSQL did not answer (the others' relays find the rows at their fallback).
+        """
+        await self._batches.drain()
+        async with guard("announce transitions"):
+            await Q.announce_transitions.fetchval(self.pool)
 
     async def relay_outbox(
         self,

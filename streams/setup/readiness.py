@@ -109,12 +109,13 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
             parse): what to fix, never retried.
         ServiceNotReadyError: no answer within ``deadline_s``, or another definite refusal.
     """
+    database_url = settings.database_url.get_secret_value()
 
     async def check() -> str:
         conn = await connect_options.connect(
-            settings.database_url.get_secret_value(),
+            database_url,
             timeout=min(5.0, deadline_s),
-            **connect_options.connect_kwargs(settings.database_statement_cache_size),  # 0 behind PgBouncer
+            **connect_options.connect_kwargs(database_url, settings.database_statement_cache_size),  # 0: PgBouncer
         )
         try:
             version: str = await conn.fetchval("SELECT current_setting('server_version')")
@@ -122,7 +123,6 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
         finally:
             await conn.close()
 
-    database_url = settings.database_url.get_secret_value()
     try:
         return await _retry_transient(check, deadline_s, f"postgres ({database_address(database_url)})")
     except CONNECT_CONFIG_ERRORS as exc:

@@ -48,7 +48,7 @@ from streams.remote.client import RemoteClient
 from streams.retrying import failure_of, retry_without_deadline
 from streams.wire import contracts, exactjson
 from streams.worker.partitions import PartitionRoutes
-from streams.worker.wakeup import Wakeups
+from streams.worker.wakeup import WRITTEN, Wakeups
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,8 @@ class Runtime:
         # the pipeline's statements wait out PostgreSQL outages inside the ledger, counted and logged here
         waiting = OutageWait(retry_cap_s=settings.coordination_retry_cap_s, on_retry=self._on_ledger_retry)
         ledger.wait_out_outages(waiting)
+        # this worker's transitions notify no other worker (streams.ledger.written): its own relay publishes them
+        ledger.on_transitions_written = self.transitions_written
         self._last_outage_log: dict[str, float] = {}
         #: True once :meth:`close` began: a failure of a client being closed is this worker stopping, no outage.
         self.closing = False
@@ -154,6 +156,7 @@ class Runtime:
             max_size=settings.db_pool_max_size,
             idle_lifetime_s=settings.db_pool_idle_lifetime_s,
             statement_cache_size=settings.database_statement_cache_size,
+            worker=True,
         )
         redis = redis_for(
             settings,
@@ -203,6 +206,12 @@ class Runtime:
         else:
             self.wakeups.outbox.notify(cause)
 
+    def transitions_written(self) -> None:
+        """Wake the relay within ``wakeup_fallback_s`` for transitions this worker wrote (``written``; every
+        transition of that span in one round): the outbox trigger notifies no worker of them
+        (migrations/0019.worker-transitions.sql)."""
+        self.wakeups.outbox.due_in(self.settings.wakeup_fallback_s, WRITTEN)
+
     def outbox_fallback_s(self) -> float:
         """Longest the outbox relay sleeps without a wake-up now (s): ``wakeup_listening_fallback_s`` while the
         outbox listener is connected (every committed row notifies it), else ``wakeup_fallback_s``."""
@@ -217,6 +226,10 @@ class Runtime:
         await self.remote.aclose()
         await self.leases.stage.drain()  # lease releases still queued or on the wire
         await self.leases.client.aclose()
+        try:  # the relay has stopped: other workers' relays publish what it left
+            await self.ledger.announce_transitions()
+        except LedgerUnavailableError as exc:
+            log.info("could not announce this worker's transitions (their rows wait for another relay): %s", exc)
         await self.ledger.close()
 
     def log_outage(self, service: str, exc: BaseException) -> None:

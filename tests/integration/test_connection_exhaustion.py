@@ -12,6 +12,7 @@ import pytest
 
 from streams.config import Settings
 from streams.errors import ServiceNotReadyError
+from streams.ledger.connect_options import application_name
 from streams.ledger.pool import create_pool
 from streams.setup import readiness
 from tests.support import wait_for
@@ -56,16 +57,17 @@ async def test_a_pool_closes_connections_idle_for_its_lifetime_down_to_its_floor
     tag = f"idle-{uuid.uuid4().hex[:8]}"
     named = url + ("&" if "?" in url else "?") + f"application_name={tag}"
     pool = await create_pool(named, min_size=1, max_size=4, idle_lifetime_s=0.5)
+    name = application_name(named, worker=False)  # "streams/<tag>": the URL's name after the package's
     watcher = await asyncpg.connect(url)
     count = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1"
     try:
         async with pool.acquire() as a, pool.acquire() as b, pool.acquire() as c:
             for conn in (a, b, c):
                 await conn.fetchval("SELECT 1")
-            assert await watcher.fetchval(count, tag) == 3
+            assert await watcher.fetchval(count, name) == 3
 
         async def given_back() -> bool:
-            return bool(await watcher.fetchval(count, tag) == 1)  # the pool's floor (min_size) stays
+            return bool(await watcher.fetchval(count, name) == 1)  # the pool's floor (min_size) stays
 
         await wait_for(given_back, 30, "the idle connections over the floor to be closed")
         assert await pool.fetchval("SELECT 2") == 2

@@ -112,6 +112,31 @@ async def test_the_ledger_pool_through_pgbouncer_without_a_statement_cache(prod:
         await pool.close()
 
 
+async def test_pgbouncer_lends_its_server_connections_under_each_clients_application_name(
+    prod: dict[str, str],
+) -> None:
+    """The outbox trigger tells a worker's transitions by the server connection's application_name (migrations
+    0019.worker-transitions): PgBouncer in transaction mode sets it on each server connection it lends to a
+    client, so a worker's pool and an operator's, sharing the server connections, keep their own names."""
+    url = prod["pgbouncer.url"]
+    worker = await create_pool(url, min_size=1, max_size=2, statement_cache_size=0, worker=True)
+    operator = await create_pool(url, min_size=1, max_size=2, statement_cache_size=0)
+    query = "SELECT current_setting('application_name'), pg_backend_pid()"
+    try:
+        names: dict[str, set[str]] = {"worker": set(), "operator": set()}
+        backends: dict[str, set[int]] = {"worker": set(), "operator": set()}
+        for _ in range(20):
+            for who, pool in (("worker", worker), ("operator", operator)):
+                name, pid = await pool.fetchrow(query)
+                names[who].add(name)
+                backends[who].add(pid)
+    finally:
+        await worker.close()
+        await operator.close()
+    assert names == {"worker": {"streams-worker"}, "operator": {"streams"}}
+    assert backends["worker"] & backends["operator"]  # the same server connections served both
+
+
 def test_ready_through_sentinel(prod: dict[str, str]) -> None:
     env = {
         "STREAMS_REDIS_SENTINELS": prod["redis-sentinel.sentinels"],

@@ -21,11 +21,12 @@ from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
 from streams.ledger import connect_options, notices
 from streams.ledger.records import RemoteCall
+from streams.ledger.store import Ledger
 from streams.worker.runtime import Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.relay import OutboxRelay
 from streams.worker.stages.scheduler import PollScheduler
-from streams.worker.wakeup import DUE, FALLBACK
+from streams.worker.wakeup import DUE, FALLBACK, WRITTEN
 from tests.integration.test_dispatcher import submission
 from tests.integration.test_relay_and_dead_letters import for_op, succeeded_operation
 from tests.support import wait_for
@@ -113,7 +114,7 @@ async def test_committed_outputs_wake_another_workers_relay_by_notification(
 
 
 async def test_a_listening_relay_sleeps_its_long_fallback_and_is_woken_for_transitions_when_due(
-    runtime: Runtime, pool: asyncpg.Pool, relay_worker: Callable[..., Awaitable[Runtime]]
+    pool: asyncpg.Pool, relay_worker: Callable[..., Awaitable[Runtime]]
 ) -> None:
     woken = wakeups("listening")
     # short fallback (the transitions' delay), but while listening the long one: never reached within this test
@@ -122,8 +123,9 @@ async def test_a_listening_relay_sleeps_its_long_fallback_and_is_woken_for_trans
     fallbacks, due, notified = wakeups(FALLBACK), wakeups(DUE), wakeups("notified")
     read, outputs_read = notifications("transitions"), notifications("outputs")
     op = f"op-transition-{uuid.uuid4().hex[:6]}"
-    # one transition (accepted) and no output, written by the test's worker, which runs no relay
-    assert await runtime.ledger.accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+    # one transition (accepted) and no output, written on a connection that is not a worker's (as an operator's
+    # command writes): the trigger notifies it
+    assert await Ledger(pool, "operator").accept(op, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
 
     await wait_for(published(pool, op, rows=1), 30.0, "the other worker's relay published the transition")
     assert wakeups(DUE) > due  # the notification of transitions, due after the short fallback
@@ -131,6 +133,53 @@ async def test_a_listening_relay_sleeps_its_long_fallback_and_is_woken_for_trans
     assert wakeups("notified") == notified  # transitions alone do not wake it at once
     assert notifications("transitions") > read
     assert notifications("outputs") == outputs_read
+
+
+async def test_a_workers_transitions_notify_no_other_worker_its_own_relay_publishes_them_and_its_exit_announces(
+    settings: Settings,
+    pool: asyncpg.Pool,
+    migrated: Settings,
+    kafka_send: Callable[[str, bytes, bytes], Awaitable[Any]],
+    relay_worker: Callable[..., Awaitable[Runtime]],
+) -> None:
+    """Migration 0019.worker-transitions: transitions from a worker's connections notify nobody (the notifications
+    a listener reads come in commit order, so one sent after them proves none came before); the writer's own relay
+    is woken in-process (``written``); a worker that stops announces the transitions it may have left."""
+    heard: list[tuple[int, str]] = []
+    listener = await asyncpg.connect(migrated.database_url.get_secret_value())
+    await listener.add_listener(notices.OUTBOX_CHANNEL, lambda _c, pid, _ch, payload: heard.append((pid, payload)))
+    operator = await pool.acquire()
+    writer = await Runtime.create(settings.replace(wakeup_fallback_s=0.2), kafka_send, worker="writer-worker")
+    relay = asyncio.create_task(OutboxRelay(writer).run())
+    try:
+        written = float(metrics.WAKEUPS.labels(RELAY, WRITTEN)._value.get())
+        mine = f"op-mine-{uuid.uuid4().hex[:6]}"
+        assert await writer.ledger.accept(mine, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+        await wait_for(published(pool, mine, rows=1), 30.0, "the writer's own relay published its transition")
+        assert metrics.WAKEUPS.labels(RELAY, WRITTEN)._value.get() > written
+        theirs = f"op-theirs-{uuid.uuid4().hex[:6]}"
+        assert await Ledger(operator, "operator").accept(
+            theirs, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0
+        )
+        await wait_for(lambda: _true(len(heard) > 0), 30.0, "the operator's transition notified")
+        assert heard == [(operator.get_server_pid(), notices.TRANSITIONS_PAYLOAD)]  # the worker's sent nothing
+    finally:
+        relay.cancel()
+        await asyncio.gather(relay, return_exceptions=True)
+        await pool.release(operator)
+
+    # a worker that stops with a transition its relay did not publish: another worker's listening relay, whose
+    # listening fallback never comes within this test, publishes it 0.2 s after the stopping worker's announcement
+    heard.clear()
+    await relay_worker(fallback_s=0.2, listen=True, listening_fallback_s=3600.0)
+    left = f"op-left-{uuid.uuid4().hex[:6]}"
+    try:
+        assert await writer.ledger.accept(left, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+    finally:
+        await writer.close()
+    await wait_for(published(pool, left, rows=1), 30.0, "the other worker's relay published what the writer left")
+    assert [payload for _pid, payload in heard] == [notices.TRANSITIONS_PAYLOAD]  # the announcement alone
+    await listener.close()
 
 
 async def test_without_notifications_the_fallback_timer_delivers(

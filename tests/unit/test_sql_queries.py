@@ -112,6 +112,7 @@ EXPECTED = {
         "lock_unpublished_outbox",
         "probe_outbox",
         "mark_outbox_published",
+        "announce_transitions",
         "stale_accepted",
     ],
     ("streams.ledger", "operators.sql"): [

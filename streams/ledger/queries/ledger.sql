@@ -627,6 +627,11 @@ FROM relay_lock AS l;
 -- :outbox_ids (bigint[]).
 UPDATE outbox SET published_at = now() WHERE id = ANY(:outbox_ids::bigint[]);
 
+-- name: announce_transitions
+-- Wake every listening relay for transitions as the outbox trigger would (channel streams_outbox, payload
+-- 'transitions'): a stopping worker's, which the trigger does not notify (migrations/0019.worker-transitions.sql).
+SELECT pg_notify('streams_outbox', 'transitions');
+
 -- name: stale_accepted
 -- Defence in depth: operations still 'accepted' more than :stale_after_s seconds after their last change. A dispatcher
 -- claims an operation milliseconds after accepting it; one left here had its event handled by a worker that
