@@ -649,7 +649,7 @@ class Settings(ExplicitSettings):
         1.0,
         description="Longest the poll scheduler, and the outbox relay while not listening, sleep without a wake-up "
         "(s): a lost outbox notification, or a poll another worker scheduled sooner, waits at most this; also the "
-        "most a notified transition waits for the relay.",
+        "most a transition waits for the relay (this worker's, or any worker's once notified).",
     )
     outbox_listen_enabled: EnvBool = Field(
         True,
@@ -661,9 +661,10 @@ class Settings(ExplicitSettings):
     wakeup_listening_fallback_s: Seconds = Field(
         30.0,
         description="Longest the outbox relay sleeps without a wake-up while its outbox listener is connected (s): "
-        "every committed outbox row notifies it then (outputs within STREAMS_WAKEUP_PEER_OUTPUTS_DELAY_S, "
-        "transitions within STREAMS_WAKEUP_FALLBACK_S), so this only bounds a lost notification; at least "
-        "STREAMS_WAKEUP_FALLBACK_S.",
+        "every committed outbox row notifies it then or is this worker's own (outputs within "
+        "STREAMS_WAKEUP_PEER_OUTPUTS_DELAY_S, transitions within STREAMS_WAKEUP_FALLBACK_S; a stopping worker "
+        "announces the transitions it leaves), so this bounds a lost notification and the transitions of a worker "
+        "that died; at least STREAMS_WAKEUP_FALLBACK_S.",
     )
     wakeup_peer_outputs_delay_s: Seconds = Field(
         0.2,
