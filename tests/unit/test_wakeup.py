@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
+
 from streams import metrics
 from streams.config import Settings
 from streams.ledger.notices import NOTIFIED, TRANSITIONS, OutboxListener, notice_cause
@@ -12,6 +14,7 @@ from streams.ledger.records import SchedulerDue
 from streams.worker.runtime import Runtime
 from streams.worker.stages.scheduler import work_due
 from streams.worker.wakeup import DUE, FALLBACK, WRITTEN, Wakeup, Wakeups
+from tests.fakes import InMemoryLedger, fake_runtime
 
 
 class FakeClock:
@@ -112,6 +115,34 @@ async def test_a_transitions_notice_wakes_the_relay_after_the_short_fallback_not
     assert not rt.wakeups.outbox.notified
     clock.now_s += 1.0
     assert await rt.wakeups.outbox.wait(fallback_s=3600.0) == DUE
+
+
+async def test_a_statement_that_wrote_transitions_wakes_its_own_relay_after_the_short_fallback() -> None:
+    """A worker's transitions notify no worker (migration 0019.worker-transitions): the ledger's hook wakes the
+    writer's relay ``wakeup_fallback_s`` later, one round for every statement of that span, reported as written."""
+    settings = Settings(wakeup_fallback_s=1.0, wakeup_listening_fallback_s=30.0)
+    ledger = InMemoryLedger()
+    rt = fake_runtime(settings, lambda request: httpx.Response(500), ledger=ledger)
+    clock = FakeClock()
+    rt.wakeups.outbox = Wakeup("test_transitions_written", clock=clock)
+    assert ledger.on_transitions_written == rt.transitions_written  # the runtime hears its ledger
+    assert await ledger.accept("op-1", '{"input": {}}', submitted_at_ms=0)
+    assert rt.wakeups.outbox.deadline == clock.now_s + 1.0
+    clock.now_s += 0.5
+    assert await ledger.claim_for_submit("op-1") is not None  # later than the deadline known: changes nothing
+    assert await ledger.get_operation("op-1") is not None  # a read: no hook
+    assert rt.wakeups.outbox.deadline == 1001.0
+    clock.now_s += 0.5
+    assert await rt.wakeups.outbox.wait(fallback_s=3600.0) == WRITTEN
+    assert await rt.wakeups.outbox.wait(fallback_s=0.0) == FALLBACK
+    assert count("test_transitions_written", WRITTEN) == 1
+
+
+async def test_a_stopping_worker_announces_its_transitions_once() -> None:
+    ledger = InMemoryLedger()
+    rt = fake_runtime(Settings(), lambda request: httpx.Response(500), ledger=ledger)
+    await rt.close()
+    assert ledger.announcements == 1
 
 
 async def test_an_outputs_notice_wakes_the_relay_after_the_peer_delay_once_for_all_of_that_span() -> None:
