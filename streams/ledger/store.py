@@ -198,6 +198,11 @@ BATCHED: tuple[BatchedStatement, ...] = (
 )
 
 
+#: The name of the outbox relay's transaction-scoped advisory lock (``pg_try_advisory_xact_lock(hashtext(name))``):
+#: one relay publishes at a time, across every worker on the database (queries/ledger.sql).
+OUTBOX_RELAY_LOCK_NAME = "generation-streams:outbox-relay"
+
+
 class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
     """Typed access to the ledger's named queries (``streams/ledger/queries/ledger.sql``).
 
@@ -739,7 +744,9 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
         """
         if probe:
             async with guard("probe outbox"):
-                row = await Q.probe_outbox.fetchrow(self.pool, skip_operation_ids=list(skip_operation_ids))
+                row = await Q.probe_outbox.fetchrow(
+                    self.pool, relay_lock_name=OUTBOX_RELAY_LOCK_NAME, skip_operation_ids=list(skip_operation_ids)
+                )
             assert row is not None  # one row always
             if not row["held"]:
                 return None
@@ -747,7 +754,10 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
                 return 0
         async with guard("relay outbox"), self.pool.acquire() as conn, conn.transaction():
             found = await Q.lock_unpublished_outbox.fetch(
-                conn, batch_size=batch_size, skip_operation_ids=list(skip_operation_ids)
+                conn,
+                relay_lock_name=OUTBOX_RELAY_LOCK_NAME,
+                batch_size=batch_size,
+                skip_operation_ids=list(skip_operation_ids),
             )
             if not found[0]["held"]:
                 return None

@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaProducer
 from streams.clients.follow import read_topic_to_end
 from streams.config import Settings, lease_key
 from streams.coordination.lease import LeaseManager, make_redis
-from streams.ledger.store import Ledger
+from streams.ledger.store import OUTBOX_RELAY_LOCK_NAME, Ledger
 from streams.setup.admin import create_topics, delete_topics
 from streams_harness.fleet import Fleet, Worker
 from tests.conftest import SESSION_ID
@@ -38,7 +38,7 @@ TERMINAL = ("succeeded", "failed", "canceled", "rejected")
 #: The live view's bearer token in these tests (STREAMS_WEB_AUTH_TOKEN).
 TOKEN = "live-view-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-RELAY_LOCK = "SELECT pg_advisory_xact_lock(hashtext('generation-streams:outbox-relay'))"
+RELAY_LOCK = f"SELECT pg_advisory_xact_lock(hashtext('{OUTBOX_RELAY_LOCK_NAME}'))"
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from streams import metrics
 from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
 from streams.ledger.pool import create_pool
-from streams.ledger.store import Ledger
+from streams.ledger.store import OUTBOX_RELAY_LOCK_NAME, Ledger
 from streams.worker.runtime import Runtime
 from streams.worker.stages.relay import LOCK_RETRY_S, OutboxRelay
 from streams.worker.wakeup import LOCK_MISSED
@@ -114,7 +114,7 @@ async def test_concurrent_writers_with_random_commit_delays_lose_no_outbox_row(
 
 
 #: The relay's advisory lock (ledger.sql lock_unpublished_outbox), taken as another relay's transaction would.
-RELAY_LOCK = "SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay'))"
+RELAY_LOCK = f"SELECT pg_try_advisory_xact_lock(hashtext('{OUTBOX_RELAY_LOCK_NAME}'))"
 
 
 async def test_relay_publishes_nothing_and_locks_no_row_while_another_relay_holds_the_lock(

@@ -588,11 +588,12 @@ ON CONFLICT (remote_job_id) DO NOTHING;
 -- One relay publishes at a time (keeps each operation's events in order): the statement first takes the relay's
 -- transaction-scoped advisory lock without waiting (a one-time filter, evaluated before any row is read or
 -- locked); the caller's transaction keeps the lock until it has marked what it published.
+-- :relay_lock_name: the lock's name (streams.ledger.store.OUTBOX_RELAY_LOCK_NAME, hashed by hashtext).
 -- :batch_size. Returns held (whether this transaction took the lock) with id, event_id, topic_role, operation_id,
 -- payload (text) and expires_at_ms (a delivered output's, epoch ms, else NULL), in id order; one row of held alone
 -- (the others NULL) when the outbox is drained (held true) or another relay holds the lock (held false).
 WITH relay_lock AS MATERIALIZED (
-    SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay')) AS held
+    SELECT pg_try_advisory_xact_lock(hashtext(:relay_lock_name)) AS held
 )
 SELECT l.held, o.id, o.event_id, o.topic_role, o.operation_id, o.payload::text AS payload,
        CASE WHEN jsonb_typeof(o.payload -> 'expires_at_ms') = 'number' THEN (o.payload ->> 'expires_at_ms')::bigint
@@ -611,10 +612,10 @@ ORDER BY o.id;
 -- name: probe_outbox
 -- Whether a relay round would find work, in one statement outside a transaction (a round costs three: BEGIN, the
 -- select of lock_unpublished_outbox, COMMIT): takes the relay's advisory lock without waiting, for this statement
--- only, and looks for an unpublished row only with it (never a row read or locked). :skip_operation_ids (text[])
--- as for lock_unpublished_outbox. Returns one row: held (the lock was free), pending (held and a row waits).
+-- only, and looks for an unpublished row only when it took the lock (never a row read or locked).
+-- :relay_lock_name and :skip_operation_ids (text[]) as for lock_unpublished_outbox. Returns one row: held (the lock was free), pending (held and a row waits).
 WITH relay_lock AS MATERIALIZED (
-    SELECT pg_try_advisory_xact_lock(hashtext('generation-streams:outbox-relay')) AS held
+    SELECT pg_try_advisory_xact_lock(hashtext(:relay_lock_name)) AS held
 )
 SELECT l.held,
        CASE WHEN l.held THEN EXISTS (
