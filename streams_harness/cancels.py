@@ -15,18 +15,16 @@ import base64
 import random
 import secrets
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import httpx
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from streams.config import Settings
 from streams.kafka_security import new_producer
 from streams.outages import is_outage
 from streams.wire import contracts
+from streams_harness.fleet import worker_counter_sums
 from streams_harness.trace import TraceRow
 
 #: Share of a plan's cancellations sent at their operation's submission (before the POST, often before the
@@ -163,22 +161,3 @@ async def callback_refusals(worker_urls: Iterable[str]) -> dict[str, int]:
     """The callbacks refused by reason, summed over the workers at ``worker_urls`` (``http://host:port``: their
     ``/metrics``); a worker that does not answer is left out (its counts died with it)."""
     return await worker_counter_sums(worker_urls, REFUSED_METRIC, "reason")
-
-
-async def worker_counter_sums(worker_urls: Iterable[str], metric: str, label: str) -> dict[str, int]:
-    """Samples of the counter ``metric`` (its ``_total`` sample name) summed over the workers at ``worker_urls``
-    (``http://host:port``: their ``/metrics``) by the value of ``label`` (``unknown`` when a sample has none),
-    sorted; a worker that does not answer is left out (its counts died with it)."""
-    counts: Counter[str] = Counter()
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        for url in worker_urls:
-            try:
-                answer = await client.get(f"{url}/metrics")
-                answer.raise_for_status()
-            except httpx.HTTPError:
-                continue
-            for family in text_string_to_metric_families(answer.text):
-                for sample in family.samples:
-                    if sample.name == metric and sample.value:
-                        counts[sample.labels.get(label, "unknown")] += int(sample.value)
-    return dict(sorted(counts.items()))

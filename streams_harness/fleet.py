@@ -12,7 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,25 @@ class Worker:
     def log_text(self) -> str:
         """The whole log so far (invalid UTF-8 replaced)."""
         return self.log_path.read_text(errors="replace")
+
+
+async def worker_counter_sums(worker_urls: Iterable[str], metric: str, label: str) -> dict[str, int]:
+    """Samples of the counter ``metric`` (its ``_total`` sample name) summed over the workers at ``worker_urls``
+    (``http://host:port``: their ``/metrics``) by the value of ``label`` (``unknown`` when a sample has none),
+    sorted; a worker that does not answer is left out (its counts died with it)."""
+    counts: Counter[str] = Counter()
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        for url in worker_urls:
+            try:
+                answer = await client.get(f"{url}/metrics")
+                answer.raise_for_status()
+            except httpx.HTTPError:
+                continue
+            for family in text_string_to_metric_families(answer.text):
+                for sample in family.samples:
+                    if sample.name == metric and sample.value:
+                        counts[sample.labels.get(label, "unknown")] += int(sample.value)
+    return dict(sorted(counts.items()))
 
 
 class Fleet:

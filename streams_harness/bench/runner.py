@@ -36,9 +36,9 @@ from streams_harness.bench.counters import (
 from streams_harness.bench.procrastinate_peer import QUEUE_DATABASE_SUFFIX, apply_schema, queue_database_url
 from streams_harness.bench.profile import Profiler, summarize
 from streams_harness.bench.server_cpu import ServerCpu, kafka_broker_pid, process_cpu_s, read_server_cpu
-from streams_harness.cancels import callback_refusals, callback_secret, worker_counter_sums
+from streams_harness.cancels import callback_refusals, callback_secret
 from streams_harness.checkout import checkout_dir
-from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulator, wait_healthy
+from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulator, wait_healthy, worker_counter_sums
 from streams_harness.redis_server import PrivateRedis
 from streams_harness.replay import trace_request
 from streams_harness.report import broken_promises
