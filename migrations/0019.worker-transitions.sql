@@ -2,7 +2,7 @@
 -- its own outbox relay in-process (streams.ledger.written), and announces on its way out what its relay may have
 -- left; a notification of them only woke every other worker's listener (one transaction on each listening
 -- backend per notification read) for a round that found them already published. A worker's connections are
--- named application_name 'streams-worker...' (streams.ledger.pool.application_name); transitions from any
+-- named application_name 'streams-worker...' (streams.ledger.connect_options.application_name); transitions from any
 -- other connection (the operators' commands, another client, a worker of an earlier version) still notify
 -- 'transitions', and outputs notify 'outputs' from every connection, as in 0016.
 -- depends: 0018.callback-hints

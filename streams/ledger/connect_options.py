@@ -22,7 +22,8 @@ import asyncpg
 #: ``application_name`` of a worker's connections: the outbox trigger does not notify the transitions they write
 #: (migrations/0019.worker-transitions.sql matches this prefix), since the worker wakes its own relay for them.
 WORKER_APPLICATION_NAME = "streams-worker"
-#: ``application_name`` of every other connection of this package (the operators' commands, migrations' checks).
+#: ``application_name`` of this package's other pools and checks (the operators' commands, the readiness check, the
+#: harness); the migrations' client and one-off administration connections set none.
 APPLICATION_NAME = "streams"
 #: PostgreSQL keeps this many bytes of an application_name (NAMEDATALEN - 1).
 APPLICATION_NAME_MAX_BYTES = 63

@@ -19,6 +19,7 @@ import asyncpg
 from streams.ledger.accounting import Accounting
 from streams.ledger.batching import BatchedStatement, Batcher, Request, by_position
 from streams.ledger.decisions import Decisions
+from streams.ledger.notices import OUTBOX_CHANNEL, TRANSITIONS_PAYLOAD
 from streams.ledger.pool import guard
 from streams.ledger.records import (
     CallbackNote,
@@ -721,7 +722,7 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
         """
         await self._batches.drain()
         async with guard("announce transitions"):
-            await Q.announce_transitions.fetchval(self.pool)
+            await Q.announce_transitions.fetchval(self.pool, channel=OUTBOX_CHANNEL, payload=TRANSITIONS_PAYLOAD)
 
     async def relay_outbox(
         self,

@@ -459,10 +459,30 @@ def create_app(settings: Settings) -> faust.App:
                 log.info("worker %s ready (settings: %s)", holder["rt"].worker, settings)
             return holder["rt"]
 
+    #: The running tasks that write the ledger outside the agents (poll scheduler, outbox relay, lookups).
+    ledger_loops: set[asyncio.Task[Any]] = set()
+
+    async def ledger_loop(run: Callable[[], Awaitable[None]]) -> None:
+        """Run ``run()`` as one of :data:`ledger_loops`, which ``close_runtime`` stops before the runtime closes."""
+        task = asyncio.current_task()
+        assert task is not None  # a Faust task runs in one
+        ledger_loops.add(task)
+        try:
+            await run()
+        finally:
+            ledger_loops.discard(task)
+
     @app.on_before_shutdown.connect  # type: ignore[arg-type]  # mode types receivers as sync-or-awaitable unions
     async def close_runtime(sender: Any, **kwargs: Any) -> None:
-        # Sent once the consumer stopped and in-flight events finished: close the pool, Redis and the HTTP
-        # transport's pooled connections (aiohttp logs every session left open at exit as an error).
+        # Sent once the consumer stopped and in-flight events finished, but before mode cancels the app's tasks:
+        # stop the loops that write the ledger first, so that the runtime's announcement of this worker's
+        # transitions follows its last write; then close the pool, Redis and the HTTP transport's pooled
+        # connections (aiohttp logs every session left open at exit as an error). A relay round cancelled here
+        # marks nothing: another relay publishes its rows, with the same event ids.
+        loops = list(ledger_loops)
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
         rt = holder.pop("rt", None)
         if rt is not None:
             await rt.close()
@@ -505,11 +525,11 @@ def create_app(settings: Settings) -> faust.App:
 
     @app.task
     async def schedule_polls() -> None:
-        await PollScheduler(await runtime()).run()
+        await ledger_loop(PollScheduler(await runtime()).run)
 
     @app.task
     async def relay_outbox() -> None:
-        await OutboxRelay(await runtime()).run()
+        await ledger_loop(OutboxRelay(await runtime()).run)
 
     @app.task
     async def listen_outbox() -> None:
@@ -518,7 +538,8 @@ def create_app(settings: Settings) -> faust.App:
     @app.task
     async def reconcile_lookups() -> None:
         if settings.lookup_enabled:
-            await run_forever(Reconciler(await runtime()).tick, RECONCILER_IDLE_S)
+            reconciler = Reconciler(await runtime())
+            await ledger_loop(lambda: run_forever(reconciler.tick, RECONCILER_IDLE_S))
 
     @app.task
     async def watch_partitions() -> None:

@@ -76,6 +76,10 @@ MAX_LOGGED_ERROR_CHARS = 500
 #: Seconds between two log lines about the same ongoing outage.
 OUTAGE_LOG_INTERVAL_S = 5.0
 
+#: Longest a stopping worker spends announcing its transitions (s): the rest of its stop does not wait on an
+#: unanswering PostgreSQL for this.
+ANNOUNCE_TIMEOUT_S = 5.0
+
 #: First wait (s) after Redis did not answer a lease acquisition or a rate budget request, and after a dead letter
 #: was not published; each next wait doubles, up to ``Settings.coordination_retry_cap_s``.
 REDIS_RETRY_FIRST_WAIT_S = 0.1
@@ -214,23 +218,33 @@ class Runtime:
 
     def outbox_fallback_s(self) -> float:
         """Longest the outbox relay sleeps without a wake-up now (s): ``wakeup_listening_fallback_s`` while the
-        outbox listener is connected (every committed row notifies it), else ``wakeup_fallback_s``."""
+        outbox listener is connected (every committed row notifies it, or is this worker's own and wakes it through
+        :meth:`transitions_written`), else ``wakeup_fallback_s``."""
         listener = self.outbox_listener
         if listener is not None and listener.listening:
             return self.settings.wakeup_listening_fallback_s
         return self.settings.wakeup_fallback_s
 
     async def close(self) -> None:
-        """Close all clients."""
+        """Close all clients; before the ledger's pool, announce this worker's transitions (at most
+        :data:`ANNOUNCE_TIMEOUT_S`; a failure is logged, never raised). Call it after the loops that write the
+        ledger stopped (streams.worker.app ``close_runtime``)."""
         self.closing = True
         await self.remote.aclose()
         await self.leases.stage.drain()  # lease releases still queued or on the wire
         await self.leases.client.aclose()
-        try:  # the relay has stopped: other workers' relays publish what it left
-            await self.ledger.announce_transitions()
-        except LedgerUnavailableError as exc:
-            log.info("could not announce this worker's transitions (their rows wait for another relay): %s", exc)
-        await self.ledger.close()
+        try:  # after this worker's last write: other workers' relays publish what its relay left
+            async with asyncio.timeout(ANNOUNCE_TIMEOUT_S):
+                await self.ledger.announce_transitions()
+        except Exception as exc:  # an outage, a timeout or a bug: the rows wait for another relay's round
+            log.warning(
+                "could not announce this worker's transitions; their outbox rows wait for another worker's relay "
+                "(at most STREAMS_WAKEUP_LISTENING_FALLBACK_S): %s: %s",
+                type(exc).__name__,
+                exc,
+            )
+        finally:
+            await self.ledger.close()
 
     def log_outage(self, service: str, exc: BaseException) -> None:
         """Log an outage of ``service`` (``PostgreSQL``, ``Redis``, ``Kafka``) at most once every

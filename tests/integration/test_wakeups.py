@@ -147,39 +147,47 @@ async def test_a_workers_transitions_notify_no_other_worker_its_own_relay_publis
     is woken in-process (``written``); a worker that stops announces the transitions it may have left."""
     heard: list[tuple[int, str]] = []
     listener = await asyncpg.connect(migrated.database_url.get_secret_value())
-    await listener.add_listener(notices.OUTBOX_CHANNEL, lambda _c, pid, _ch, payload: heard.append((pid, payload)))
-    operator = await pool.acquire()
-    writer = await Runtime.create(settings.replace(wakeup_fallback_s=0.2), kafka_send, worker="writer-worker")
-    relay = asyncio.create_task(OutboxRelay(writer).run())
     try:
-        written = float(metrics.WAKEUPS.labels(RELAY, WRITTEN)._value.get())
-        mine = f"op-mine-{uuid.uuid4().hex[:6]}"
-        assert await writer.ledger.accept(mine, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
-        await wait_for(published(pool, mine, rows=1), 30.0, "the writer's own relay published its transition")
-        assert metrics.WAKEUPS.labels(RELAY, WRITTEN)._value.get() > written
-        theirs = f"op-theirs-{uuid.uuid4().hex[:6]}"
-        assert await Ledger(operator, "operator").accept(
-            theirs, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0
-        )
-        await wait_for(lambda: _true(len(heard) > 0), 30.0, "the operator's transition notified")
-        assert heard == [(operator.get_server_pid(), notices.TRANSITIONS_PAYLOAD)]  # the worker's sent nothing
-    finally:
-        relay.cancel()
-        await asyncio.gather(relay, return_exceptions=True)
-        await pool.release(operator)
+        await listener.add_listener(notices.OUTBOX_CHANNEL, lambda _c, pid, _ch, payload: heard.append((pid, payload)))
+        # the writer listens, so its relay's fallback is the long one: only its own signal wakes it within the test
+        writer_settings = settings.replace(wakeup_fallback_s=0.2, wakeup_listening_fallback_s=3600.0)
+        writer = await Runtime.create(writer_settings, kafka_send, worker="writer-worker")
+        tasks = [asyncio.create_task(OutboxRelay(writer).run()), asyncio.create_task(writer.listen_outbox())]
+        try:
+            await wait_for(listening(writer), 30.0, "the writer's outbox listener connected")
+            written = wakeups(WRITTEN)
+            mine = f"op-mine-{uuid.uuid4().hex[:6]}"
+            assert await writer.ledger.accept(mine, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+            await wait_for(published(pool, mine, rows=1), 30.0, "the writer's own relay published its transition")
+            await wait_for(lambda: _true(wakeups(WRITTEN) > written), 30.0, "the writer's relay woken as written")
+            async with pool.acquire() as operator:
+                theirs = f"op-theirs-{uuid.uuid4().hex[:6]}"
+                request = '{"input": {"prompt": "p", "max_tokens": 1}}'
+                assert await Ledger(operator, "operator").accept(theirs, request, submitted_at_ms=0)
+                await wait_for(lambda: _true(len(heard) > 0), 30.0, "the operator's transition notified")
+                assert heard == [(operator.get_server_pid(), notices.TRANSITIONS_PAYLOAD)]  # none of the worker's
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
-    # a worker that stops with a transition its relay did not publish: another worker's listening relay, whose
-    # listening fallback never comes within this test, publishes it 0.2 s after the stopping worker's announcement
-    heard.clear()
-    await relay_worker(fallback_s=0.2, listen=True, listening_fallback_s=3600.0)
-    left = f"op-left-{uuid.uuid4().hex[:6]}"
-    try:
-        assert await writer.ledger.accept(left, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+        # a worker that stops with a transition its relay did not publish: another worker's listening relay, whose
+        # listening fallback never comes within this test, publishes it 0.2 s after the stopping worker's announcement
+        woken = wakeups("listening")
+        await relay_worker(fallback_s=0.2, listen=True, listening_fallback_s=3600.0)
+        await wait_for(lambda: _true(wakeups("listening") > woken), 30.0, "the relay's round after it connected")
+        heard.clear()
+        due = wakeups(DUE)
+        left = f"op-left-{uuid.uuid4().hex[:6]}"
+        try:
+            assert await writer.ledger.accept(left, '{"input": {"prompt": "p", "max_tokens": 1}}', submitted_at_ms=0)
+        finally:
+            await writer.close()
+        await wait_for(published(pool, left, rows=1), 30.0, "the other worker's relay published what the writer left")
+        assert [payload for _pid, payload in heard] == [notices.TRANSITIONS_PAYLOAD]  # the announcement alone
+        assert wakeups(DUE) > due  # woken by it, when due
     finally:
-        await writer.close()
-    await wait_for(published(pool, left, rows=1), 30.0, "the other worker's relay published what the writer left")
-    assert [payload for _pid, payload in heard] == [notices.TRANSITIONS_PAYLOAD]  # the announcement alone
-    await listener.close()
+        await listener.close()
 
 
 async def test_without_notifications_the_fallback_timer_delivers(

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from streams import metrics
 from streams.config import Settings
+from streams.errors import LedgerUnavailableError
 from streams.ledger.notices import NOTIFIED, TRANSITIONS, OutboxListener, notice_cause
 from streams.ledger.records import SchedulerDue
 from streams.worker.runtime import Runtime
@@ -143,6 +145,31 @@ async def test_a_stopping_worker_announces_its_transitions_once() -> None:
     rt = fake_runtime(Settings(), lambda request: httpx.Response(500), ledger=ledger)
     await rt.close()
     assert ledger.announcements == 1
+
+
+class FailingAnnouncement(InMemoryLedger):
+    """A ledger whose announcement raises ``error`` and which records that it was closed."""
+
+    error: BaseException = RuntimeError("a bug in the announcement")
+    closed = False
+
+    async def announce_transitions(self) -> None:
+        raise self.error
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("error", [LedgerUnavailableError("announce transitions"), RuntimeError("a bug")])
+async def test_a_failed_announcement_is_logged_and_the_ledger_closed_all_the_same(
+    error: BaseException, caplog: pytest.LogCaptureFixture
+) -> None:
+    ledger = FailingAnnouncement()
+    ledger.error = error
+    rt = fake_runtime(Settings(), lambda request: httpx.Response(500), ledger=ledger)
+    await rt.close()  # raises nothing
+    assert ledger.closed
+    assert "could not announce this worker's transitions" in caplog.text
 
 
 async def test_an_outputs_notice_wakes_the_relay_after_the_peer_delay_once_for_all_of_that_span() -> None:

@@ -629,9 +629,10 @@ FROM relay_lock AS l;
 UPDATE outbox SET published_at = now() WHERE id = ANY(:outbox_ids::bigint[]);
 
 -- name: announce_transitions
--- Wake every listening relay for transitions as the outbox trigger would (channel streams_outbox, payload
--- 'transitions'): a stopping worker's, which the trigger does not notify (migrations/0019.worker-transitions.sql).
-SELECT pg_notify('streams_outbox', 'transitions');
+-- Wake every listening relay for transitions as the outbox trigger would: a stopping worker's, which the trigger
+-- does not notify (migrations/0019.worker-transitions.sql). :channel (streams.ledger.notices.OUTBOX_CHANNEL),
+-- :payload (streams.ledger.notices.TRANSITIONS_PAYLOAD).
+SELECT pg_notify(:channel, :payload);
 
 -- name: stale_accepted
 -- Defence in depth: operations still 'accepted' more than :stale_after_s seconds after their last change. A dispatcher

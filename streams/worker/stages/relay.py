@@ -108,11 +108,12 @@ class OutboxRelay:
 
     async def run(self) -> None:
         """Drain the outbox, then sleep until woken (:attr:`Runtime.wakeups` ``.outbox``: this worker wrote
-        outputs, a PostgreSQL notification of any worker's outputs ``wakeup_peer_outputs_delay_s`` after it, or of
-        transitions ``wakeup_fallback_s`` after it, the listener reconnected or lost its connection, a look again
-        after a round that found the relay lock held) or at most :meth:`Runtime.outbox_fallback_s` (long
-        while listening, short otherwise); after a failed round, ``relay_interval_s`` before the next. Runs until
-        cancelled.
+        outputs (at once) or transitions (``wakeup_fallback_s`` later), a PostgreSQL notification of any worker's
+        outputs ``wakeup_peer_outputs_delay_s`` after it, or of transitions written on a connection that is not a
+        worker's, or announced by a stopping worker, ``wakeup_fallback_s`` after it, the listener reconnected or
+        lost its connection, a look again after a round that found the relay lock held) or at most
+        :meth:`Runtime.outbox_fallback_s` (long while listening, short otherwise); after a failed round,
+        ``relay_interval_s`` before the next. Runs until cancelled.
 
         Rows are claimed as by every round (:meth:`tick`): a wake-up only says when to look, so a lost one
         delays a row to the fallback, never loses it."""
