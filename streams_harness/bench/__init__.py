@@ -8,6 +8,7 @@ same closed-loop workload against the real services and the simulator, with a pr
 * :mod:`~streams_harness.bench.procrastinate_peer`: the job-queue peer (procrastinate's jobs on PostgreSQL);
 * :mod:`~streams_harness.bench.peers`: the peers' bounded consume loop;
 * :mod:`~streams_harness.bench.server_cpu`: the CPU of PostgreSQL's backends, Redis and Kafka during a run;
+* :mod:`~streams_harness.bench.statements`: PostgreSQL's statement profile (``pg_stat_statements``) of a run;
 * :mod:`~streams_harness.bench.profile`: py-spy and the profile's summary;
 * :mod:`~streams_harness.bench.chart`: the PNG chart.
 """
@@ -32,6 +33,7 @@ from streams_harness.bench.runner import (
     summarize_runs,
     write_report,
 )
+from streams_harness.bench.statements import render_statements
 
 __all__ = ["BenchOptions", "run_bench"]
 
@@ -89,6 +91,9 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     print(render_summary(summary, comparison), file=out)
     if scaling_rows:
         print(render_scaling(scaling_rows), file=out)
+    statements = render_statements(records)
+    if statements:
+        print(statements, file=out)
     if callbacks is not None:
         print(render_callbacks(callbacks), file=out)
     for profile in profiles:

@@ -36,6 +36,14 @@ from streams_harness.bench.counters import (
 from streams_harness.bench.procrastinate_peer import QUEUE_DATABASE_SUFFIX, apply_schema, queue_database_url
 from streams_harness.bench.profile import Profiler, summarize
 from streams_harness.bench.server_cpu import ServerCpu, kafka_broker_pid, process_cpu_s, read_server_cpu
+from streams_harness.bench.statements import (
+    STATEMENTS_UNREAD,
+    Statement,
+    create_statement_statistics,
+    known_queries,
+    read_statements,
+    statement_figures,
+)
 from streams_harness.cancels import callback_refusals, callback_secret
 from streams_harness.checkout import checkout_dir
 from streams_harness.fleet import Fleet, ProcessError, free_port, start_simulator, wait_healthy, worker_counter_sums
@@ -199,6 +207,9 @@ class Bench:
         self._seq = 0
         self.sim_pid = 0
         self.kafka_pid = kafka_broker_pid()
+        #: Why PostgreSQL's statement profile cannot be read (None while it can).
+        self.statements_unavailable: str | None = None
+        self.query_names = known_queries()
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -284,6 +295,7 @@ class Bench:
         queue_url = queue_database_url(database_url) if spec.kind == PROCRASTINATE else None
         try:
             migrate_quietly(database_url)
+            await self._prepare_statement_statistics(database_url)
             if queue_url is not None:
                 await create_run_database(database_url, QUEUE_DATABASE_SUFFIX)
                 await apply_schema(queue_url)
@@ -304,6 +316,20 @@ class Bench:
                 if queue_url is not None:
                     await _drop_quietly(admin_url, queue_url, self.out)
                 await remove_run(settings, admin_url, self.out)
+
+    async def _prepare_statement_statistics(self, database_url: str) -> None:
+        """Create ``pg_stat_statements`` in the run's database; once it fails, say why once and read no more."""
+        if self.statements_unavailable is not None:
+            return
+        self.statements_unavailable = await create_statement_statistics(database_url)
+        if self.statements_unavailable is not None:
+            self.say(f"        (no statement profile: pg_stat_statements: {self.statements_unavailable})")
+
+    async def _statements(self, spec: RunSpec, settings: Settings) -> dict[int, Statement] | None:
+        if self.statements_unavailable is not None:
+            return None
+        database_url = settings.database_url.get_secret_value()
+        return await read_statements(database_url, self._databases(spec, settings), self.query_names)
 
     async def _start(self, spec: RunSpec, settings: Settings, log_dir: Path) -> Fleet:
         python = sys.executable
@@ -375,6 +401,7 @@ class Bench:
         timed_out = False
         try:
             before = await self._counters(spec, settings)
+            statements_before = await self._statements(spec, settings)
             notifications_before = await listener_notifications(fleet.live())
             if spec.profile:
                 profiler = Profiler(fleet.live()[0].pid, log_dir / "profile.txt")
@@ -416,6 +443,7 @@ class Bench:
                 profiler.stop()
             fleet.stop_all()
         after = await self._counters(spec, settings)
+        statements_after = await self._statements(spec, settings)
         cost = after.minus(before, self.reading_cost)
         # the progress queries: one transaction each, and one more for preparing the statement
         cost = Counters(
@@ -431,6 +459,10 @@ class Bench:
         record = figures(spec, report, summary, cost, n)
         record["rate_per_s"] = spec.rate_per_s
         record["postgres_notifications_per_operation"] = round(notifications / n, 2)
+        if statements_before is not None and statements_after is not None:
+            record.update(statement_figures(statements_before, statements_after, n))
+        else:
+            record.update(STATEMENTS_UNREAD)
         if spec.kind == CALLBACKS:
             record["callbacks_enabled"] = spec.callbacks
             record["job_duration_ms"] = self.opts.callbacks_job_duration_ms
@@ -582,6 +614,8 @@ OPTIONAL_MEDIAN_FIELDS = (
     "postgres_backends_cpu_ms_per_operation",
     "redis_server_cpu_ms_per_operation",
     "kafka_broker_cpu_ms_per_operation",
+    "postgres_statements_per_operation",
+    "postgres_exec_ms_per_operation",
 )
 
 

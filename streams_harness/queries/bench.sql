@@ -173,3 +173,19 @@ SELECT (xact_commit + xact_rollback)::bigint FROM pg_stat_database WHERE datname
 -- :databases (text array of names). Returns pid of each backend connected to one of them (the caller's own
 -- connection excluded).
 SELECT pid FROM pg_stat_activity WHERE datname = ANY(:databases::text[]) AND pid <> pg_backend_pid();
+
+-- name: create_statement_statistics!
+-- The pg_stat_statements extension in the connected database (a run's own, which the benchmark created), so that
+-- its view reads there. Needs the module in shared_preload_libraries to read anything, and a role allowed to
+-- create the extension (a superuser, or the owner of a database where it is trusted).
+CREATE EXTENSION IF NOT EXISTS pg_stat_statements;
+
+-- name: statement_statistics
+-- :databases (text array of names). Returns queryid, query (PostgreSQL's text of the statement, its constants
+-- replaced by $n), calls, exec_ms (execution time, ms) and rows of the top-level statements run in those databases
+-- since the statistics were reset, summed over the roles that ran them.
+SELECT s.queryid, min(s.query) AS query, sum(s.calls)::bigint AS calls, sum(s.total_exec_time)::float8 AS exec_ms,
+       sum(s.rows)::bigint AS rows
+FROM pg_stat_statements AS s JOIN pg_database AS d ON d.oid = s.dbid
+WHERE d.datname = ANY(:databases::text[]) AND s.toplevel
+GROUP BY s.queryid;

@@ -50,6 +50,15 @@ async def test_callbacks_save_the_gets_of_long_jobs_and_every_one_sent_is_receiv
         assert record["completion_to_delivery_ms"]["p99"] is not None
         # its worker's listener read the notifications of its committed outputs (streams_ledger_notifications_total)
         assert record["postgres_notifications_per_operation"] > 0
+        # PostgreSQL's statement profile (pg_stat_statements): the worker's writes named by their queries, a
+        # claim and a save at least per operation, and no write of the product's left unnamed
+        listed = {s["statement"]: s for s in record["postgres_statements"]}
+        assert listed["ledger.sql:claim_for_submit"]["calls_per_operation"] > 0, listed
+        assert listed["ledger.sql:save_observation"]["calls_per_operation"] > 0, listed
+        unnamed = [name for name in listed if ":" not in name]  # neither the project's nor the client library's
+        assert not [name for name in unnamed if name.split()[0] in ("WITH", "INSERT", "UPDATE", "DELETE")], unnamed
+        assert record["postgres_exec_ms_per_operation"] > 0
+        assert record["postgres_statements_per_operation"] >= 3.0  # accept, claim, save submitted, observe, ...
     # without callbacks a 1 s job is polled every 200 ms hint until it ends
     assert off["gets_per_completed_operation"] >= 3.0, off
     assert off["callbacks"] == {"sent": 0, "acknowledged": 0, "received": 0, "made_due": 0, "refused": 0}

@@ -188,6 +188,8 @@ EXPECTED = {
         "peer_save_outputs_once",
         "database_transactions",
         "database_backends",
+        "create_statement_statistics",
+        "statement_statistics",
     ],
 }
 
