@@ -35,7 +35,7 @@ from streams_harness.bench.counters import (
 )
 from streams_harness.bench.procrastinate_peer import QUEUE_DATABASE_SUFFIX, apply_schema, queue_database_url
 from streams_harness.bench.profile import Profiler, summarize
-from streams_harness.bench.server_cpu import ServerCpu, kafka_broker_pid, process_cpu_s, read_server_cpu
+from streams_harness.bench.server_cpu import ServerCpu, host_cpu_s, kafka_broker_pid, process_cpu_s, read_server_cpu
 from streams_harness.bench.statements import (
     STATEMENTS_UNREAD,
     Statement,
@@ -415,6 +415,7 @@ class Bench:
             idle_cpu_percent = 100.0 * (cpu_before - idle_from[1]) / (time.monotonic() - idle_from[0])
             sim_cpu_before = process_cpu_s(self.sim_pid)
             servers_before = await self._server_cpu(spec, settings)
+            host_before = (time.monotonic(), host_cpu_s())
             ids = await self._submit(settings, run_id, n, spec.rate_per_s)
             conn = await asyncpg.connect(settings.database_url.get_secret_value())
             try:
@@ -438,6 +439,7 @@ class Bench:
             sim_cpu_s = process_cpu_s(self.sim_pid) - sim_cpu_before
             # read while the measured processes still hold their connections (a backend gone is not counted)
             servers_s = (await self._server_cpu(spec, settings)).minus(servers_before)
+            host_s, host_wall_s = host_cpu_s() - host_before[1], time.monotonic() - host_before[0]
         finally:
             if profiler is not None:
                 profiler.stop()
@@ -472,6 +474,8 @@ class Bench:
         record["idle_cpu_percent"] = round(idle_cpu_percent, 1)
         record["simulator_cpu_ms_per_operation"] = round(1000.0 * sim_cpu_s / n, 3)
         record.update(server_cpu_figures(servers_s, n, redis_counted=self.redis is not None))
+        record["host_cpu_ms_per_operation"] = round(1000.0 * host_s / n, 3)
+        record["host_busy_cores"] = round(host_s / host_wall_s, 2) if host_wall_s > 0 else None
         record.update({"run_id": run_id, "timed_out": timed_out, "wall_clock_s": round(time.monotonic() - started, 1)})
         if profiler is not None and profiler.path.exists():
             record["profile"] = {"path": str(profiler.path), **summarize(profiler.path)}
@@ -616,6 +620,8 @@ OPTIONAL_MEDIAN_FIELDS = (
     "kafka_broker_cpu_ms_per_operation",
     "postgres_statements_per_operation",
     "postgres_exec_ms_per_operation",
+    "host_cpu_ms_per_operation",
+    "host_busy_cores",
 )
 
 
@@ -768,6 +774,8 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
         ("PG CPU", 6),
         ("Redis CPU", 9),
         ("Kafka CPU", 9),
+        ("host CPU", 8),
+        ("cores", 5),
         ("idle CPU%", 9),
         ("obs/s", 7),
         ("c2d p50", 8),
@@ -795,6 +803,8 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
             _cpu(s.get("postgres_backends_cpu_ms_per_operation")),
             _cpu(s.get("redis_server_cpu_ms_per_operation")),
             _cpu(s.get("kafka_broker_cpu_ms_per_operation")),
+            _cpu(s.get("host_cpu_ms_per_operation")),
+            _cpu(s.get("host_busy_cores")),
             f"{s['idle_cpu_percent']:.1f}",
             f"{s['observations_per_s']:.1f}",
             _ms(c2d["p50"]),

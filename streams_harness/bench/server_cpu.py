@@ -4,7 +4,9 @@
   databases' clients are not counted; the server's shared processes (WAL writer, checkpointer, autovacuum) are
   not counted either;
 * Redis: the benchmark's own ``redis-server`` (every command it serves is the run's), when it runs one;
-* Kafka: the broker's whole process (``kafka.Kafka``): it serves every client of the host, the run's and others'.
+* Kafka: the broker's whole process (``kafka.Kafka``): it serves every client of the host, the run's and others';
+* the host: every process's CPU (``/proc/stat``), the measured and the rest (the simulator, the benchmark itself,
+  the services' shared processes, other users): whether the machine's cores were the limit.
 """
 
 from __future__ import annotations
@@ -36,6 +38,22 @@ def process_cpu_s(pid: int) -> float:
     except (FileNotFoundError, ProcessLookupError):
         return 0.0
     return stat_cpu_ticks(text) / os.sysconf("SC_CLK_TCK")
+
+
+#: The busy fields of ``/proc/stat``'s ``cpu`` line (user, nice, system, irq, softirq), by position after the label;
+#: idle and iowait are not busy, steal is time the hypervisor gave no process of this host, guest time is in user.
+_BUSY_FIELDS = (0, 1, 2, 5, 6)
+
+
+def stat_busy_ticks(stat: str) -> int:
+    """Busy clock ticks of all CPUs since boot, from a ``/proc/stat`` text (its first line, ``cpu ...``)."""
+    fields = stat.split("\n", 1)[0].split()[1:]
+    return sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
+
+
+def host_cpu_s(stat: Path = Path("/proc/stat")) -> float:
+    """CPU seconds every process of the host has used since boot (all CPUs, busy time only)."""
+    return stat_busy_ticks(stat.read_text()) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_delta_s(before: Mapping[int, float], after: Mapping[int, float]) -> float:

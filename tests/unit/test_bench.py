@@ -4,6 +4,7 @@ profile's attribution of samples to components."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,14 @@ from streams_harness.bench.runner import (
     server_cpu_figures,
     summarize_runs,
 )
-from streams_harness.bench.server_cpu import ServerCpu, cpu_delta_s, kafka_broker_pid, stat_cpu_ticks
+from streams_harness.bench.server_cpu import (
+    ServerCpu,
+    cpu_delta_s,
+    host_cpu_s,
+    kafka_broker_pid,
+    stat_busy_ticks,
+    stat_cpu_ticks,
+)
 
 SITE = "/venv/lib/python3.11/site-packages"
 STDLIB = "/usr/lib/python3.11"
@@ -261,6 +269,15 @@ def test_the_pipeline_and_the_peers_are_held_to_the_promises_and_the_floor_is_no
 def test_cpu_ticks_of_a_stat_line_whose_command_holds_spaces_and_parentheses() -> None:
     stat = "4242 (postgres: streams db (x)) S 1 4242 4242 0 -1 4194304 100 0 0 0 7 3 5 9 20 0 1 0 100 2000 50"
     assert stat_cpu_ticks(stat) == 10  # utime 7 + stime 3, the children's 5 and 9 not counted
+
+
+def test_the_hosts_busy_ticks_leave_idle_iowait_and_steal_out(tmp_path: Path) -> None:
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat = "cpu  61473 1 16075 178014 1016 7 1146 1342 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\nintr 1\n"
+    assert stat_busy_ticks(stat) == 61473 + 1 + 16075 + 7 + 1146
+    path = tmp_path / "stat"
+    path.write_text(stat)
+    assert host_cpu_s(path) == pytest.approx(stat_busy_ticks(stat) / os.sysconf("SC_CLK_TCK"))
 
 
 def test_cpu_delta_counts_new_processes_whole_and_gone_ones_not() -> None:
