@@ -73,13 +73,13 @@ async def once(args: argparse.Namespace) -> str:
         if args.command == "ready":
             group = f"prod-services-ready-{uuid.uuid4().hex[:8]}"
             node = await asyncio.wait_for(client.find_coordinator(group), 10)
-            brokers = client._client.cluster.brokers()  # noqa: SLF001 (aiokafka has no public accessor)
+            brokers = client._client.cluster.brokers()  # aiokafka has no public accessor
             if args.brokers and len(brokers) < args.brokers:
                 raise RuntimeError(f"the metadata lists {len(brokers)} broker(s), not {args.brokers}")
             return f"group coordinator: node {node}; brokers: {sorted(b.nodeId for b in brokers)}"
         if args.command == "coordinator":
             node = await asyncio.wait_for(client.find_coordinator(args.name), 10)
-            broker = client._client.cluster.broker_metadata(node)  # noqa: SLF001
+            broker = client._client.cluster.broker_metadata(node)
             where = f"{broker.host}:{broker.port}" if broker else "?"
             return f"group {args.name}: coordinator node {node} ({where})"
         topics = await asyncio.wait_for(client.describe_topics([args.name]), 10)
@@ -110,7 +110,7 @@ async def main(args: argparse.Namespace) -> int:
         try:
             print(await once(args))
             return 0
-        except Exception as exc:  # noqa: BLE001 (report the last one when the time is up)
+        except Exception as exc:  # report the last one when the time is up
             last = exc
         if time.monotonic() > deadline:
             reason = f" (aiokafka logged: {LastError.message})" if LastError.message else ""
