@@ -37,11 +37,14 @@ from streams_harness.bench.procrastinate_peer import QUEUE_DATABASE_SUFFIX, appl
 from streams_harness.bench.profile import Profiler, summarize
 from streams_harness.bench.server_cpu import ServerCpu, host_cpu_s, kafka_broker_pid, process_cpu_s, read_server_cpu
 from streams_harness.bench.statements import (
+    READER_ERRORS,
     STATEMENTS_UNREAD,
-    Statement,
-    create_statement_statistics,
+    Reading,
+    StatementReader,
+    changed_between,
     known_queries,
-    read_statements,
+    open_reader,
+    reader_error,
     statement_figures,
 )
 from streams_harness.cancels import callback_refusals, callback_secret
@@ -295,7 +298,6 @@ class Bench:
         queue_url = queue_database_url(database_url) if spec.kind == PROCRASTINATE else None
         try:
             migrate_quietly(database_url)
-            await self._prepare_statement_statistics(database_url)
             if queue_url is not None:
                 await create_run_database(database_url, QUEUE_DATABASE_SUFFIX)
                 await apply_schema(queue_url)
@@ -317,19 +319,31 @@ class Bench:
                     await _drop_quietly(admin_url, queue_url, self.out)
                 await remove_run(settings, admin_url, self.out)
 
-    async def _prepare_statement_statistics(self, database_url: str) -> None:
-        """Create ``pg_stat_statements`` in the run's database; once it fails, say why once and read no more."""
-        if self.statements_unavailable is not None:
-            return
-        self.statements_unavailable = await create_statement_statistics(database_url)
-        if self.statements_unavailable is not None:
-            self.say(f"        (no statement profile: pg_stat_statements: {self.statements_unavailable})")
+    def _statements_failed(self, exc: BaseException) -> None:
+        """No statement profile from now on: say why, once."""
+        self.statements_unavailable = reader_error(exc)
+        self.say(f"        (no statement profile: pg_stat_statements: {self.statements_unavailable})")
 
-    async def _statements(self, spec: RunSpec, settings: Settings) -> dict[int, Statement] | None:
+    async def _open_statements(self, spec: RunSpec, settings: Settings) -> StatementReader | None:
+        """A reader of the run's statements (:func:`open_reader`), or None once the profile is unavailable."""
         if self.statements_unavailable is not None:
             return None
-        database_url = settings.database_url.get_secret_value()
-        return await read_statements(database_url, self._databases(spec, settings), self.query_names)
+        try:
+            return await open_reader(
+                settings.database_url.get_secret_value(), self._databases(spec, settings), self.query_names
+            )
+        except READER_ERRORS as exc:
+            self._statements_failed(exc)
+            return None
+
+    async def _read_statements(self, reader: StatementReader | None) -> Reading | None:
+        if reader is None or self.statements_unavailable is not None:
+            return None
+        try:
+            return await reader.read()
+        except READER_ERRORS as exc:
+            self._statements_failed(exc)
+            return None
 
     async def _start(self, spec: RunSpec, settings: Settings, log_dir: Path) -> Fleet:
         python = sys.executable
@@ -397,11 +411,15 @@ class Bench:
         started = time.monotonic()
         fleet = await self._start(spec, settings, log_dir)
         profiler: Profiler | None = None
+        reader: StatementReader | None = None
+        statements_before: Reading | None = None
+        statements_after: Reading | None = None
         progress_queries = 0
         timed_out = False
         try:
+            # prepared here, before the counters' first reading: each of its two readings is then one transaction
+            reader = await self._open_statements(spec, settings)
             before = await self._counters(spec, settings)
-            statements_before = await self._statements(spec, settings)
             notifications_before = await listener_notifications(fleet.live())
             if spec.profile:
                 profiler = Profiler(fleet.live()[0].pid, log_dir / "profile.txt")
@@ -416,6 +434,7 @@ class Bench:
             sim_cpu_before = process_cpu_s(self.sim_pid)
             servers_before = await self._server_cpu(spec, settings)
             host_before = (time.monotonic(), host_cpu_s())
+            statements_before = await self._read_statements(reader)
             ids = await self._submit(settings, run_id, n, spec.rate_per_s)
             conn = await asyncpg.connect(settings.database_url.get_secret_value())
             try:
@@ -440,16 +459,23 @@ class Bench:
             # read while the measured processes still hold their connections (a backend gone is not counted)
             servers_s = (await self._server_cpu(spec, settings)).minus(servers_before)
             host_s, host_wall_s = host_cpu_s() - host_before[1], time.monotonic() - host_before[0]
+            statements_after = await self._read_statements(reader)
         finally:
             if profiler is not None:
                 profiler.stop()
             fleet.stop_all()
+            if reader is not None:
+                await reader.close()
         after = await self._counters(spec, settings)
-        statements_after = await self._statements(spec, settings)
         cost = after.minus(before, self.reading_cost)
-        # the progress queries: one transaction each, and one more for preparing the statement
+        # the progress queries: one transaction each, and one more for preparing the statement; the statement
+        # profile's readings: one each (prepared before the first reading of the counters)
+        readings = (statements_before is not None) + (statements_after is not None)
         cost = Counters(
-            cost.redis_reads, cost.redis_calls, cost.postgres_transactions - progress_queries - 1, cost.kafka_messages
+            cost.redis_reads,
+            cost.redis_calls,
+            cost.postgres_transactions - progress_queries - 1 - readings,
+            cost.kafka_messages,
         )
         pool = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=2)
         try:
@@ -461,10 +487,7 @@ class Bench:
         record = figures(spec, report, summary, cost, n)
         record["rate_per_s"] = spec.rate_per_s
         record["postgres_notifications_per_operation"] = round(notifications / n, 2)
-        if statements_before is not None and statements_after is not None:
-            record.update(statement_figures(statements_before, statements_after, n))
-        else:
-            record.update(STATEMENTS_UNREAD)
+        record.update(self._statement_figures(spec, statements_before, statements_after, n))
         if spec.kind == CALLBACKS:
             record["callbacks_enabled"] = spec.callbacks
             record["job_duration_ms"] = self.opts.callbacks_job_duration_ms
@@ -480,6 +503,17 @@ class Bench:
         if profiler is not None and profiler.path.exists():
             record["profile"] = {"path": str(profiler.path), **summarize(profiler.path)}
         return record
+
+    def _statement_figures(
+        self, spec: RunSpec, before: Reading | None, after: Reading | None, n: int
+    ) -> dict[str, object]:
+        if before is None or after is None:
+            return STATEMENTS_UNREAD
+        changed = changed_between(before, after)
+        if changed is not None:
+            self.say(f"        (no statement profile for {spec.label}: pg_stat_statements: {changed})")
+            return STATEMENTS_UNREAD
+        return statement_figures(before.statements, after.statements, n)
 
     def _operations(self, spec: RunSpec) -> int:
         if spec.kind == CALLBACKS:
@@ -837,7 +871,12 @@ def _cpu(value: float | None) -> str:
 
 
 #: The CPU figures of :func:`scaling` summed into ``total_cpu_ms_per_operation`` (a service not measured adds 0).
-CPU_FIELDS = ("cpu_ms_per_operation", *OPTIONAL_MEDIAN_FIELDS)
+CPU_FIELDS = (
+    "cpu_ms_per_operation",
+    "postgres_backends_cpu_ms_per_operation",
+    "redis_server_cpu_ms_per_operation",
+    "kafka_broker_cpu_ms_per_operation",
+)
 
 
 def scaling(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

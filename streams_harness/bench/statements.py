@@ -1,33 +1,42 @@
 """PostgreSQL's statement profile of a benchmark run, from ``pg_stat_statements``.
 
-The run's databases' top-level statements are read when the submissions start and once every operation is final;
-the difference, per operation, is the profile: for each statement its calls, execution time (ms, PostgreSQL's
-``total_exec_time``: planning, the protocol and the commit's WAL flush are not in it) and rows per call. A
-statement is named by its query in the project's ``.sql`` files (``ledger.sql:save_observation``), found by
-comparing the texts with literals and parameters blanked, else by the start of PostgreSQL's own text of it, whose
-constants PostgreSQL replaced by ``$n``: no value of the run appears in either. The benchmark's own readings
-(:data:`OWN_QUERIES`) are left out.
+The run's databases' top-level statements are read beside the services' CPU: when the submissions start and once
+every operation is final, before the measured processes stop. The difference, per operation, is the profile: for
+each statement its calls, execution time (ms, PostgreSQL's ``total_exec_time``: planning, the protocol and the
+commit's WAL flush are not in it) and rows per call. A statement is named by its query in the project's ``.sql``
+files (``ledger.sql:save_observation``), found by comparing the texts with their values blanked
+(:func:`statement_shape`), else by the client library's name for it (:data:`LIBRARY_STATEMENTS`), else by the
+start of its text with its values blanked: no value of the run appears in a name, even of a statement PostgreSQL
+does not normalize (a utility statement's). The benchmark's own reading (:data:`OWN_QUERIES`) is left out.
 
-Needs the module loaded (``shared_preload_libraries=pg_stat_statements``, as ``scripts/services`` and
-``compose/docker-compose.yml`` start PostgreSQL) and the extension created in the run's database (by the
-benchmark: a role allowed to create it); without either, :func:`read_statements` answers None with the reason
-and the report says ``null``.
+Needs PostgreSQL 14 or later with the module loaded (``shared_preload_libraries=pg_stat_statements``, as
+``scripts/services`` and ``compose/docker-compose.yml`` start PostgreSQL) and a superuser to create the extension
+in the run's database (it is not a trusted extension). Without them, or when PostgreSQL evicted or reset entries
+between the two readings (``pg_stat_statements_info``), the run's figures are ``null``
+(:data:`STATEMENTS_UNREAD`) and the benchmark says why once.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime
+from importlib import resources
+from importlib.resources.abc import Traversable
 
 import asyncpg
 
-from streams.ledger import sql as ledger_sql
+from streams.errors import StreamsError
+from streams.ledger.pool import connect
+from streams.ledger.sql import Queries
 from streams_harness.bench.counters import BENCH
-from streams_harness.report import REPORT
 
-#: The benchmark's own queries that run in a run's database while it is measured: not the measured programs'.
-OWN_QUERIES = frozenset({"bench.sql:statement_statistics", "report.sql:run_progress"})
+#: The benchmark's own reading, run in the run's database while it is measured: not the measured programs'.
+OWN_QUERIES = frozenset({"bench.sql:statement_statistics"})
+
+#: The packages whose ``queries/*.sql`` files (at any depth) name the statements.
+QUERY_PACKAGES = ("streams", "streams_harness")
 
 #: Statements of the client library, by the start of their text: asyncpg's look-up of a connection's types (run
 #: on a connection's first use of a type it has not seen, e.g. an enum) and its JIT switch around that look-up.
@@ -36,11 +45,14 @@ LIBRARY_STATEMENTS = {
     "SELECT current_setting($1) AS cur, set_config(": "asyncpg:introspection_jit_off",
 }
 
-#: Characters of PostgreSQL's text that name a statement no ``.sql`` file holds.
+#: Characters of a statement's blanked text that name a statement no ``.sql`` file holds.
 UNNAMED_TEXT_CHARS = 60
 
 #: Statements listed per run in the report, by execution time (the rest summed in the totals).
 LISTED_STATEMENTS = 12
+
+#: Statements printed per configuration (the report lists :data:`LISTED_STATEMENTS`).
+PRINTED_STATEMENTS = 5
 
 #: The report's statement figures of a run whose statements could not be read.
 STATEMENTS_UNREAD: dict[str, object] = {
@@ -49,31 +61,65 @@ STATEMENTS_UNREAD: dict[str, object] = {
     "postgres_statements": None,
 }
 
-#: A string literal, a ``$n`` parameter, a number standing alone, a boolean, a NULL value (not ``IS [NOT] NULL``) or
-#: the field of ``extract(<field> FROM ...)``: blanked before two texts are compared (PostgreSQL replaces each
-#: constant of a statement by a parameter).
+#: A string constant (with its ``E``/``B``/``X``/``N``/``U&`` prefix and its continuations on the next lines, which
+#: PostgreSQL reads as one constant) or a ``--`` comment (dropped: PostgreSQL keeps the first text it saw).
+_STRING_OR_COMMENT = re.compile(r"(?:\b(?:[EBXN]|U&))?'(?:[^']|'')*'(?:\s*\n\s*'(?:[^']|'')*')*|--[^\n]*", re.I)
+#: A ``$n`` parameter, a number standing alone (``1``, ``2.5``, ``.5``, ``1e3``), a boolean, or a NULL value (not
+#: ``IS [NOT] NULL``): each a constant PostgreSQL replaces by a parameter.
 _VALUE = re.compile(
-    r"'(?:[^']|'')*'|\$\d+|(?<![\w.])\d+(?:\.\d+)?(?![\w.])|\b(?:true|false)\b|(?<!IS )(?<!NOT )\bNULL\b"
-    r"|(?<=extract\()\w+(?=\s+FROM\b)",
-    re.IGNORECASE,
+    r"\$\d+|(?<![\w.$])(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?(?![\w.])|\b(?:true|false)\b|(?<!IS )(?<!NOT )\bNULL\b", re.I
 )
+#: The field of ``extract(<field> FROM ...)``, which PostgreSQL reads as a string constant.
+_EXTRACT_FIELD = re.compile(r"\b(extract\s*\(\s*)\w+(\s+FROM\b)", re.I)
+#: A minus sign before a blanked constant where it can only be unary (PostgreSQL replaces ``-1`` whole).
+_UNARY_MINUS = re.compile(r"((?:^|[=<>(,\[]|\b(?:THEN|ELSE|WHEN|AND|OR|SELECT|RETURN)\b)\s*)-\s*\?", re.I)
 
 
 def statement_shape(sql: str) -> str:
-    """``sql`` with its values blanked (:data:`_VALUE`: ``?``), its whitespace collapsed and a final ``;``
+    """``sql`` with its comments dropped, its values blanked (string constants, ``$n`` parameters, numbers, booleans,
+    NULL values, ``extract`` fields and a unary minus before one: ``?``), its whitespace collapsed and a final ``;``
     dropped: equal for a query as the project sends it and as ``pg_stat_statements`` shows it."""
-    return " ".join(_VALUE.sub("?", sql).split()).rstrip(";").rstrip()
+    text = _STRING_OR_COMMENT.sub(lambda m: "" if m.group().startswith("--") else "?", sql)
+    text = _EXTRACT_FIELD.sub(r"\1?\2", text)
+    text = _UNARY_MINUS.sub(r"\1?", _VALUE.sub("?", text))
+    return " ".join(text.split()).rstrip(";").rstrip()
 
 
-def query_names(queries: Iterable[ledger_sql.Queries]) -> dict[str, str]:
-    """``statement_shape(sql) -> "<file>:<query name>"`` of every query of ``queries``."""
-    return {statement_shape(q.sql): f"{source.filename}:{q.name}" for source in queries for q in source.all()}
+def _query_files(directory: Traversable, package: str) -> Iterator[Queries]:
+    """The :class:`Queries` of every ``queries/*.sql`` file under ``directory`` (the files of ``package``)."""
+    for entry in directory.iterdir():
+        if not entry.is_dir() or entry.name.startswith(("_", ".")):
+            continue
+        if entry.name == "queries":
+            for file in sorted(entry.iterdir(), key=lambda f: f.name):
+                if file.name.endswith(".sql"):
+                    yield Queries(file.name, package=package)
+        else:
+            yield from _query_files(entry, f"{package}.{entry.name}")
+
+
+def query_files() -> list[Queries]:
+    """Every query file of :data:`QUERY_PACKAGES`, found on disk (a file added later is found too)."""
+    return [queries for package in QUERY_PACKAGES for queries in _query_files(resources.files(package), package)]
 
 
 def known_queries() -> dict[str, str]:
-    """:func:`query_names` of the product's query files and the benchmark's own."""
-    files = [value for value in vars(ledger_sql).values() if isinstance(value, ledger_sql.Queries)]
-    return query_names([*files, BENCH, REPORT])
+    """``statement_shape(sql) -> "<file>:<query name>"`` of every query of :func:`query_files`."""
+    return {statement_shape(q.sql): f"{source.filename}:{q.name}" for source in query_files() for q in source.all()}
+
+
+def statement_name(text: str, names: Mapping[str, str]) -> str:
+    """The name of PostgreSQL's ``text`` of a statement: its query's in ``names`` (:func:`known_queries`), the
+    client library's (:data:`LIBRARY_STATEMENTS`), else the first :data:`UNNAMED_TEXT_CHARS` characters of its
+    shape (its values blanked)."""
+    shape = statement_shape(text)
+    if shape in names:
+        return names[shape]
+    collapsed = " ".join(text.split())
+    for start, name in LIBRARY_STATEMENTS.items():
+        if collapsed.startswith(start):
+            return name
+    return shape if len(shape) <= UNNAMED_TEXT_CHARS else shape[: UNNAMED_TEXT_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -86,52 +132,80 @@ class Statement:
     rows: int
 
 
-def statement_name(text: str, names: Mapping[str, str]) -> str:
-    """The name of PostgreSQL's ``text`` of a statement: its query's in ``names`` (:func:`query_names`), the client
-    library's (:data:`LIBRARY_STATEMENTS`), else its first :data:`UNNAMED_TEXT_CHARS` characters, whitespace
-    collapsed."""
-    shape = statement_shape(text)
-    if shape in names:
-        return names[shape]
-    collapsed = " ".join(text.split())
-    for start, name in LIBRARY_STATEMENTS.items():
-        if collapsed.startswith(start):
-            return name
-    return collapsed if len(collapsed) <= UNNAMED_TEXT_CHARS else collapsed[: UNNAMED_TEXT_CHARS - 3] + "..."
+@dataclass(frozen=True)
+class Reading:
+    """One reading: ``queryid -> Statement``, and the view's own record (``pg_stat_statements_info``) of entries
+    evicted (``dealloc``) and of its last reset (``stats_reset``): a change of either between two readings makes
+    their difference wrong."""
+
+    statements: dict[int, Statement]
+    dealloc: int
+    stats_reset: datetime | None
 
 
-async def create_statement_statistics(database_url: str) -> str | None:
-    """Create the extension in the database of ``database_url`` and read its view once; returns None when it
-    reads, else why it cannot (the error's class and first line: no credentials in it)."""
-    try:
-        conn = await asyncpg.connect(database_url)
-    except (OSError, asyncpg.PostgresError) as exc:
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+class StatementReader:
+    """Reads the statements of ``databases`` over one connection to the run's database, whose statement is
+    prepared by the first :meth:`read`: each later reading is one transaction of that database."""
+
+    def __init__(self, conn: asyncpg.Connection, databases: list[str], names: Mapping[str, str]) -> None:
+        self._conn = conn
+        self._databases = databases
+        self._names = names
+
+    async def read(self) -> Reading:
+        """The statements now (the benchmark's own, :data:`OWN_QUERIES`, left out)."""
+        rows = await BENCH.statement_statistics.fetch(self._conn, databases=self._databases)
+        statements: dict[int, Statement] = {}
+        for row in rows:
+            if row["queryid"] is None:  # the view's record alone: no statement yet
+                continue
+            name = statement_name(row["query"], self._names)
+            if name not in OWN_QUERIES:
+                statements[row["queryid"]] = Statement(name, row["calls"], row["exec_ms"], row["rows"])
+        return Reading(statements, rows[0]["dealloc"], rows[0]["stats_reset"])
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+#: What opening or using a :class:`StatementReader` raises when the profile cannot be read: PostgreSQL refused
+#: (no such view, no privilege), the connection failed or ended, or :func:`streams.ledger.pool.connect`'s errors.
+READER_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, StreamsError)
+
+
+async def open_reader(database_url: str, databases: list[str], names: Mapping[str, str]) -> StatementReader:
+    """A reader of ``databases``' statements over a new connection to ``database_url`` (a run's database, where
+    the extension is created), its statement prepared by a first reading.
+
+    Raises:
+        One of :data:`READER_ERRORS` (the connection is closed then).
+    """
+    conn = await connect(database_url)
     try:
         await BENCH.create_statement_statistics.execute(conn)
-        await BENCH.statement_statistics.fetch(conn, databases=[])
-    except asyncpg.PostgresError as exc:
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    finally:
+        reader = StatementReader(conn, databases, names)
+        await reader.read()
+    except BaseException:
         await conn.close()
+        raise
+    return reader
+
+
+def reader_error(exc: BaseException) -> str:
+    """Why the profile cannot be read, in one line: the error's type and its message's first line (PostgreSQL's
+    or the ledger's connection errors, which name no password)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def changed_between(before: Reading, after: Reading) -> str | None:
+    """Why the difference of two readings is wrong (PostgreSQL evicted entries, at ``pg_stat_statements.max``, or
+    reset them), or None."""
+    if after.stats_reset != before.stats_reset:
+        return "its statistics were reset during the run"
+    if after.dealloc != before.dealloc:
+        return f"it evicted entries during the run ({after.dealloc - before.dealloc} times; pg_stat_statements.max)"
     return None
-
-
-async def read_statements(database_url: str, databases: list[str], names: Mapping[str, str]) -> dict[int, Statement]:
-    """``queryid -> Statement`` of the top-level statements run in ``databases`` (names), read over a connection
-    to ``database_url`` (where :func:`create_statement_statistics` created the extension); the benchmark's own
-    (:data:`OWN_QUERIES`) left out."""
-    conn = await asyncpg.connect(database_url)
-    try:
-        rows = await BENCH.statement_statistics.fetch(conn, databases=databases)
-    finally:
-        await conn.close()
-    read: dict[int, Statement] = {}
-    for row in rows:
-        name = statement_name(row["query"], names)
-        if name not in OWN_QUERIES:
-            read[row["queryid"]] = Statement(name, row["calls"], row["exec_ms"], row["rows"])
-    return read
 
 
 def statement_figures(
@@ -141,10 +215,13 @@ def statement_figures(
     ``postgres_statements_per_operation`` (calls), ``postgres_exec_ms_per_operation`` (execution time) and
     ``postgres_statements`` (the :data:`LISTED_STATEMENTS` with the most execution time: ``statement``,
     ``calls_per_operation``, ``exec_ms_per_operation``, ``exec_ms_per_call``, ``rows_per_call``). Statements
-    of one name (texts that differ only in values) are summed."""
+    of one name are summed (texts that differ only in values; unnamed ones whose shapes begin alike). An entry
+    with fewer calls than before was made anew in between and counts whole."""
     by_name: dict[str, list[float]] = {}
     for queryid, stat in after.items():
         prior = before.get(queryid)
+        if prior is not None and prior.calls > stat.calls:
+            prior = None
         calls = stat.calls - (prior.calls if prior else 0)
         if calls <= 0:
             continue
@@ -168,10 +245,6 @@ def statement_figures(
             for name, (calls, exec_ms, rows) in ranked[:LISTED_STATEMENTS]
         ],
     }
-
-
-#: Statements printed per configuration (the report lists :data:`LISTED_STATEMENTS`).
-PRINTED_STATEMENTS = 5
 
 
 def render_statements(records: list[dict[str, object]]) -> str:

@@ -176,16 +176,21 @@ SELECT pid FROM pg_stat_activity WHERE datname = ANY(:databases::text[]) AND pid
 
 -- name: create_statement_statistics!
 -- The pg_stat_statements extension in the connected database (a run's own, which the benchmark created), so that
--- its view reads there. Needs the module in shared_preload_libraries to read anything, and a role allowed to
--- create the extension (a superuser, or the owner of a database where it is trusted).
+-- its view reads there. Needs the module in shared_preload_libraries to read anything, and a superuser (the
+-- extension is not trusted).
 CREATE EXTENSION IF NOT EXISTS pg_stat_statements;
 
 -- name: statement_statistics
--- :databases (text array of names). Returns queryid, query (PostgreSQL's text of the statement, its constants
--- replaced by $n), calls, exec_ms (execution time, ms) and rows of the top-level statements run in those databases
--- since the statistics were reset, summed over the roles that ran them.
-SELECT s.queryid, min(s.query) AS query, sum(s.calls)::bigint AS calls, sum(s.total_exec_time)::float8 AS exec_ms,
-       sum(s.rows)::bigint AS rows
-FROM pg_stat_statements AS s JOIN pg_database AS d ON d.oid = s.dbid
-WHERE d.datname = ANY(:databases::text[]) AND s.toplevel
-GROUP BY s.queryid;
+-- :databases (text array of names). Returns a row per top-level statement run in those databases since the
+-- statistics were reset (PostgreSQL 14 or later), summed over the roles that ran it: queryid, query (PostgreSQL's
+-- text of it, its constants replaced by $n), calls, exec_ms (execution time, ms), rows; each row also holds the
+-- view's dealloc (entries evicted so far) and stats_reset; one row with a NULL queryid when there is no statement.
+SELECT s.queryid, s.query, s.calls, s.exec_ms, s.rows, i.dealloc, i.stats_reset
+FROM pg_stat_statements_info AS i
+LEFT JOIN (
+    SELECT p.queryid, min(p.query) AS query, sum(p.calls)::bigint AS calls,
+           sum(p.total_exec_time)::float8 AS exec_ms, sum(p.rows)::bigint AS rows
+    FROM pg_stat_statements AS p JOIN pg_database AS d ON d.oid = p.dbid
+    WHERE d.datname = ANY(:databases::text[]) AND p.toplevel
+    GROUP BY p.queryid
+) AS s ON true;

@@ -335,6 +335,11 @@ def scaled(workers: int, cpu: float, pg_cpu: float | None, pg_rt: float, redis_r
     entry["kafka_broker_cpu_ms_per_operation"] = 0.5
     entry["postgres_round_trips_per_operation"] = pg_rt
     entry["redis_round_trips_per_operation"] = redis_rt
+    # figures beside the CPU that are not a process's CPU: never in the total
+    entry["host_cpu_ms_per_operation"] = 9.0
+    entry["host_busy_cores"] = 1.7
+    entry["postgres_statements_per_operation"] = 1.1
+    entry["postgres_exec_ms_per_operation"] = 1.6
     return entry
 
 

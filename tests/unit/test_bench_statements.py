@@ -3,19 +3,24 @@ per-operation figures between two readings, and their table."""
 
 from __future__ import annotations
 
-from streams.ledger import sql as ledger_sql
+from datetime import UTC, datetime
+from pathlib import Path
+
 from streams.ledger.sql import LEDGER, parse_queries
-from streams_harness.bench.counters import BENCH
 from streams_harness.bench.statements import (
     LISTED_STATEMENTS,
+    Reading,
     Statement,
+    changed_between,
     known_queries,
+    query_files,
     render_statements,
     statement_figures,
     statement_name,
     statement_shape,
 )
-from streams_harness.report import REPORT
+
+ROOT = Path(__file__).resolve().parents[2]
 
 #: PostgreSQL's texts of three queries as pg_stat_statements showed them (their constants as parameters: a
 #: boolean, a NULL value, extract's field), and of statements no .sql file holds.
@@ -26,6 +31,12 @@ SEEN = {
     "SELECT CASE WHEN r.s IS NOT NULL THEN $2 ELSE $1 END": "SELECT CASE WHEN r.s IS NOT NULL THEN NULL ELSE :a END",
     "SELECT floor(extract($1 FROM t.at) * $2)::bigint FROM t": (
         "SELECT floor(extract(epoch FROM t.at) * 1000)::bigint FROM t"
+    ),
+    # a string continued on the next line is one constant; a comment's apostrophe opens no string; a unary minus
+    # goes with its constant; prefixed strings and exponents are constants too
+    "SELECT $1 || x, $2 -- the row's text\nFROM t WHERE n = $3 AND m > $4 - y AND e = $5 AND f = $6": (
+        "SELECT 'one, '\n       'continued' || x, :a -- the row's text\nFROM t WHERE n = -1 AND m > 2.5e3 - y "
+        "AND e = E'\\n' AND f = .5"
     ),
 }
 
@@ -38,17 +49,26 @@ def test_a_query_reads_the_same_as_postgres_shows_it() -> None:
     assert statement_shape("SELECT x1, t.col2, $1::int4[]  FROM t2;") == "SELECT x1, t.col2, ?::int4[] FROM t2"
 
 
-def test_no_two_queries_of_the_project_read_alike() -> None:
-    """Every named query's shape is its own: a statement is never charged to another query's name."""
+def test_every_query_file_is_read_and_no_two_queries_read_alike() -> None:
+    """Every ``queries/*.sql`` file of the repository names statements, and every named query's shape is its own:
+    a statement is never charged to another query's name."""
     names = known_queries()
     assert names[statement_shape(LEDGER.claim_for_submit.sql)] == "ledger.sql:claim_for_submit"
-    # as many shapes as queries in the files read (a collision would drop one)
-    files = [v for v in vars(ledger_sql).values() if isinstance(v, ledger_sql.Queries)] + [BENCH, REPORT]
+    on_disk = sorted(
+        p.name for package in ("streams", "streams_harness") for p in (ROOT / package).rglob("queries/*.sql")
+    )
+    files = query_files()
+    assert sorted(f.filename for f in files) == on_disk
+    assert {"databases.sql", "snapshot.sql", "ledger.sql", "bench.sql"} <= set(on_disk)
+    # as many shapes as queries (a collision would drop one)
     assert len(names) == sum(len(f.names()) for f in files)
 
 
-def test_a_statement_no_file_holds_is_named_by_its_text_cut_short() -> None:
+def test_a_statement_no_file_holds_is_named_by_its_text_cut_short_with_its_values_blanked() -> None:
     assert statement_name("COMMIT", {}) == "COMMIT"
+    # PostgreSQL does not normalize a utility statement: its values are blanked all the same
+    assert statement_name("SET application_name = 'x'", {}) == "SET application_name = ?"
+    assert statement_name("ALTER ROLE r PASSWORD 'hunter2'", {}) == "ALTER ROLE r PASSWORD ?"
     assert statement_name("WITH RECURSIVE typeinfo_tree(\n oid, ns) AS (SELECT 1)", {}) == "asyncpg:type_introspection"
     long = "SELECT   " + ", ".join(f"c{i}" for i in range(40)) + " FROM t WHERE a = $1"
     name = statement_name(long, {})
@@ -82,6 +102,9 @@ def test_the_figures_are_the_differences_per_operation_ranked_by_time() -> None:
             "rows_per_call": 2.0,
         },
     ]
+    # an entry with fewer calls than before was evicted and made anew: it counts whole
+    anew = statement_figures({1: Statement("x", 50, 9.0, 50)}, {1: Statement("x", 2, 1.0, 2)}, operations=1)
+    assert anew["postgres_statements_per_operation"] == 2.0
     many = {i: Statement(f"s{i}", 1, float(i), 1) for i in range(LISTED_STATEMENTS + 3)}
     listed = statement_figures({}, many, operations=1)["postgres_statements"]
     assert isinstance(listed, list) and len(listed) == LISTED_STATEMENTS
@@ -100,3 +123,13 @@ def test_the_table_shows_each_configuration_once_and_skips_runs_without_a_profil
     assert [line.split()[0] for line in lines[2:]] == ["pipeline", "ledger.sql:a"]
     assert lines[3].split()[1:] == ["2.000", "1.0000", "0.500"]
     assert render_statements([{"label": "floor", "postgres_statements": None}]) == ""
+
+
+def test_a_reset_or_an_eviction_between_readings_voids_the_difference() -> None:
+    at = datetime(2026, 12, 4, tzinfo=UTC)
+    before = Reading({}, dealloc=3, stats_reset=at)
+    assert changed_between(before, Reading({}, dealloc=3, stats_reset=at)) is None
+    evicted = changed_between(before, Reading({}, dealloc=5, stats_reset=at))
+    assert evicted is not None and "evicted" in evicted and "2 times" in evicted
+    reset = changed_between(before, Reading({}, dealloc=0, stats_reset=datetime(2026, 12, 5, tzinfo=UTC)))
+    assert reset is not None and "reset" in reset
