@@ -165,7 +165,11 @@ class StatementReader:
         return Reading(statements, rows[0]["dealloc"], rows[0]["stats_reset"])
 
     async def close(self) -> None:
-        await self._conn.close()
+        """Close the connection; a connection already broken closes quietly."""
+        try:
+            await self._conn.close()
+        except (asyncpg.InterfaceError, OSError):
+            self._conn.terminate()
 
 
 #: What opening or using a :class:`StatementReader` raises when the profile cannot be read: PostgreSQL refused
