@@ -26,7 +26,8 @@ starts raises. So:
    :data:`MAX_START_ATTEMPTS`, while a worker that meets an outage once a week never runs out of attempts.
 
 A started worker also calls ``gc.freeze()``: what was made while starting stays out of the cyclic collector's full
-collections (measured with ``streams bench``: CHANGELOG.md).
+collections; and it collects its young objects less often (:data:`GC_THRESHOLDS`). Both measured with ``streams
+bench``: CHANGELOG.md.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ MAX_START_ATTEMPTS = 5
 #: A worker crashed by an outage after running this long (since Faust reported it started) begins a new series
 #: of start attempts; a crash sooner counts as one more attempt of the current series.
 STABLE_UPTIME_S = 60.0
+#: The cyclic garbage collector's thresholds once a worker has started (``gc.set_threshold``; CPython's defaults are
+#: 700, 10, 10): a young collection after 20,000 more allocations than deallocations of container objects, a
+#: middle one after 20 young ones, a full one after 10 middle ones (and, by CPython's own rule, only when a quarter of
+#: the long-lived objects are new). Most of a worker's objects (an event's frames, futures, rows) are freed by their
+#: last reference long before 20,000 more are made, so a collection finds and promotes few; at the defaults a worker
+#: under load spends a noticeable share of its CPU collecting (figures: CHANGELOG.md). Cyclic garbage waits longer
+#: for its collection: at most the objects of 20,000 allocations.
+GC_THRESHOLDS = (20_000, 20, 10)
 #: Environment variable carrying the attempt number across ``exec`` (set by this module only).
 START_ATTEMPT_ENV = "STREAMS_WORKER_START_ATTEMPT"
 
@@ -99,9 +108,10 @@ class StreamsWorker(faust.Worker):
         # Everything made while starting (modules, the app, its clients) lives as long as the process: keep it out
         # of the cyclic garbage collector's full collections, which otherwise walk all of it again and again. The
         # garbage the start-up left (cycles of refused connections' exceptions and frames) is collected first: a
-        # frozen object is never collected again.
+        # frozen object is never collected again. Then young objects are collected less often (GC_THRESHOLDS).
         gc.collect()
         gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
         hooks.reach(HookPoint.WORKER_STARTED, worker=self)
         await super().on_started()  # mode's worker (a daemon) waits here until it stops
 

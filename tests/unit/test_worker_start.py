@@ -12,7 +12,7 @@ import faust
 import pytest
 
 from streams.errors import ServiceNotReadyError
-from streams.worker.process import MAX_START_ATTEMPTS, STABLE_UPTIME_S, StreamsWorker, next_attempt
+from streams.worker.process import GC_THRESHOLDS, MAX_START_ATTEMPTS, STABLE_UPTIME_S, StreamsWorker, next_attempt
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,8 @@ async def test_started_freezes_only_live_objects_not_the_garbage_waiting_for_a_c
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Cyclic garbage left by the start-up (e.g. the exceptions and frames of refused connections while waiting for
-    the services) is collected before ``gc.freeze()``: a frozen object is never collected again."""
+    the services) is collected before ``gc.freeze()``: a frozen object is never collected again. Then the collector
+    runs at the worker's thresholds (a young collection after 20,000 allocations, not CPython's 700)."""
 
     async def faust_started(self: faust.Worker) -> None:
         return None
@@ -92,6 +93,7 @@ async def test_started_freezes_only_live_objects_not_the_garbage_waiting_for_a_c
     monkeypatch.setattr(faust.Worker, "on_started", faust_started)
     worker = object.__new__(StreamsWorker)  # on_started needs no more than the instance
     was_enabled = gc.isenabled()
+    thresholds = gc.get_threshold()
     gc.disable()  # no collection between making the garbage and the worker's start, as between two thresholds
     try:
         garbage = _Cycle()
@@ -101,7 +103,9 @@ async def test_started_freezes_only_live_objects_not_the_garbage_waiting_for_a_c
         assert gc.get_freeze_count() > 0
         gc.collect()
         assert collected() is None
+        assert gc.get_threshold() == (20_000, 20, 10) == GC_THRESHOLDS
     finally:
+        gc.set_threshold(*thresholds)
         gc.unfreeze()
         if was_enabled:
             gc.enable()
