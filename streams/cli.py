@@ -36,7 +36,14 @@ import click
 
 from streams import logs
 from streams.config import Settings
-from streams.errors import EXIT_CONFIG, EXIT_UNAVAILABLE, ConfigError, LedgerUnavailableError, StreamsError
+from streams.errors import (
+    EXIT_CONFIG,
+    EXIT_UNAVAILABLE,
+    ConfigError,
+    LedgerUnavailableError,
+    StreamsError,
+    error_summary,
+)
 from streams.model.states import OperationState
 from streams.wire import exactjson
 
@@ -202,21 +209,14 @@ def service_exit(exc: BaseException, what: str) -> CommandExit | None:
     if isinstance(exc, KafkaAdminError):
         detail = exc.failure  # its own advice is the one below
     else:
-        detail = str(exc) if isinstance(exc, StreamsError) else _named(exc)
+        detail = str(exc) if isinstance(exc, StreamsError) else error_summary(exc)
     if link is not exc and not isinstance(exc, StreamsError):
-        detail += f" (from {_named(link)})"
+        detail += f" (from {error_summary(link)})"
     message = (
         f"{what} stopped: {service} did not answer: {detail.rstrip('. ')}. What to do: {_WHAT_TO_DO[service]}, "
         "then run it again"
     )
     return CommandExit(" ".join(message.split()), EXIT_UNAVAILABLE)
-
-
-def _named(exc: BaseException) -> str:
-    """``Type: message`` of ``exc``, once (aiokafka's messages start with their type's name already)."""
-    text = str(exc)
-    name = type(exc).__name__
-    return text if text.startswith(name) else f"{name}: {text}"
 
 
 def command_failed(exc: StreamsError, what: str) -> click.ClickException:

@@ -57,6 +57,16 @@ from typing import ClassVar
 from streams.model.codes import CallbackRefusal, RemoteCallOutcome
 
 
+def error_summary(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` for an error message or a log line: its type's name once (a message that starts
+    with it already, as aiokafka's do, is kept as it is), and the name alone when the message is empty."""
+    text = str(exc)
+    name = type(exc).__name__
+    if not text:
+        return name
+    return text if text.startswith(name) else f"{name}: {text}"
+
+
 class StreamsError(Exception):
     """Root of every error this project raises on purpose."""
 
@@ -221,7 +231,7 @@ class KafkaAdminError(StreamsError):
 
     def __init__(self, call: str, bootstrap: str, *, attempts: int, elapsed_s: float, cause: BaseException) -> None:
         retried = f" after {attempts} attempts over {elapsed_s:.1f} s" if attempts > 1 else ""
-        said = str(cause) if str(cause).startswith(type(cause).__name__) else f"{type(cause).__name__}: {cause}"
+        said = error_summary(cause)
         #: What failed, without what to do: ``Kafka admin call 'connect' on HOST:PORT failed ...: ERROR``.
         self.failure = f"Kafka admin call {call!r} on {bootstrap} failed{retried}: {said}"
         super().__init__(

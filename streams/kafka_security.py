@@ -40,7 +40,7 @@ from aiokafka.conn import create_conn
 from aiokafka.errors import KafkaConnectionError, KafkaError, SaslAuthenticationFailed
 
 from streams.config import Settings
-from streams.errors import ConfigError, KafkaSecurityError
+from streams.errors import ConfigError, KafkaSecurityError, error_summary
 
 
 def ssl_context(
@@ -63,7 +63,7 @@ def ssl_context(
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(
                 f"{what}_CERT_FILE={cert_file!r} / {what}_KEY_FILE={key_file!r} cannot be read as a PEM "
-                f"certificate and its key: {type(exc).__name__}: {exc}"
+                f"certificate and its key: {error_summary(exc)}"
             ) from None
     return context
 
@@ -97,7 +97,7 @@ def load_token_provider(reference: str) -> Any:
     try:
         factory = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"{var}={reference!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"{var}={reference!r} cannot be loaded: {error_summary(exc)}") from None
     provider = factory()
     if not callable(getattr(provider, "token", None)):
         raise ConfigError(f"{var}={reference!r} returned {type(provider).__name__}, which has no token() method")

@@ -22,7 +22,7 @@ import tenacity
 from prometheus_client.parser import text_string_to_metric_families
 
 from streams.config import ENV_PREFIX, Settings
-from streams.errors import StreamsError
+from streams.errors import StreamsError, error_summary
 from streams_harness.checkout import checkout_dir
 
 #: The ``streams`` script of the running virtualenv.
@@ -99,9 +99,9 @@ async def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen[bytes]
             await retrying(probe)
         except tenacity.RetryError as exc:
             last = exc.last_attempt.exception()
+            said = error_summary(last) if last is not None else "no answer"
             raise ProcessError(
-                f"{url} did not answer 200 within {timeout_s:.0f} s (last: {type(last).__name__}: {last}); "
-                f"see {log_path}"
+                f"{url} did not answer 200 within {timeout_s:.0f} s (last: {said}); see {log_path}"
             ) from last
 
 

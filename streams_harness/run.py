@@ -29,7 +29,7 @@ import orjson
 from streams.clients.follow import read_topic_to_end
 from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
-from streams.errors import StreamsError
+from streams.errors import StreamsError, error_summary
 from streams.ledger.store import Ledger
 from streams.outages import is_outage
 from streams.setup.admin import create_topics, database_name, delete_topics, migrate, migrations_line
@@ -92,7 +92,7 @@ class RunStoppedError(StreamsError):
     (:func:`streams_harness.cli._run_job`)."""
 
     def __init__(self, step: str, cause: Exception) -> None:
-        super().__init__(f"in step {step!r}: {type(cause).__name__}: {cause}")
+        super().__init__(f"in step {step!r}: {error_summary(cause)}")
         self.step = step
         self.cause = cause
 
@@ -295,7 +295,7 @@ async def _remove(what: str, remove: Callable[[], Awaitable[Any]], out: TextIO) 
     try:
         await remove()
     except Exception as exc:
-        print(f"warning: the run's {what} not removed ({type(exc).__name__}: {exc}); remove it by hand", file=out)
+        print(f"warning: the run's {what} not removed ({error_summary(exc)}); remove it by hand", file=out)
 
 
 async def progress(db: asyncpg.Pool | asyncpg.Connection, pattern: str) -> dict[str, int]:
@@ -420,7 +420,7 @@ async def replay_until_final(
                 except Exception as exc:
                     if not is_outage(exc):
                         raise
-                    print(f"[{elapsed_s:6.1f}s] progress not read: {type(exc).__name__}: {exc}", file=out, flush=True)
+                    print(f"[{elapsed_s:6.1f}s] progress not read: {error_summary(exc)}", file=out, flush=True)
                 else:
                     line = progress_line(counts, sent[0], len(rows), elapsed_s, opts.lookup)
                     print(f"{line}{extra()}", file=out, flush=True)

@@ -36,7 +36,7 @@ import asyncpg
 
 from streams import metrics
 from streams.coalesce import LINGER_UNDER_LOAD_S, Coalescer
-from streams.errors import LedgerDataError, LedgerUnavailableError
+from streams.errors import LedgerDataError, LedgerUnavailableError, error_summary
 from streams.ledger.pool import guard
 from streams.ledger.sql import Query
 
@@ -251,7 +251,7 @@ class Batcher:
                 metrics.LEDGER_CONFLICTS.labels(name, exc.sqlstate).inc()
                 if attempt == CONFLICT_ATTEMPTS:
                     raise LedgerUnavailableError(
-                        f"{what} rolled back {attempt} times in a row ({type(exc).__name__}: {exc}); nothing was "
+                        f"{what} rolled back {attempt} times in a row ({error_summary(exc)}); nothing was "
                         "written; retrying later"
                     ) from exc
                 log.warning("%s rolled back (%s: %s); running it again", what, type(exc).__name__, exc)

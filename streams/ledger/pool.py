@@ -15,7 +15,13 @@ from urllib.parse import unquote
 
 import asyncpg
 
-from streams.errors import DatabaseConfigError, DatabasePrivilegeError, LedgerDataError, LedgerUnavailableError
+from streams.errors import (
+    DatabaseConfigError,
+    DatabasePrivilegeError,
+    LedgerDataError,
+    LedgerUnavailableError,
+    error_summary,
+)
 from streams.ledger import connect_options
 from streams.outages import is_outage
 from streams.wire import exactjson
@@ -35,10 +41,10 @@ async def guard(what: str) -> AsyncIterator[None]:
     try:
         yield
     except REFUSED_VALUES as exc:
-        raise LedgerDataError(f"PostgreSQL refused the values of {what}: {type(exc).__name__}: {exc}") from exc
+        raise LedgerDataError(f"PostgreSQL refused the values of {what}: {error_summary(exc)}") from exc
     except Exception as exc:
         if is_outage(exc):  # streams.outages: connection errors, shutdown, too many connections, timeouts
-            raise LedgerUnavailableError(f"PostgreSQL unavailable during {what}: {type(exc).__name__}: {exc}") from exc
+            raise LedgerUnavailableError(f"PostgreSQL unavailable during {what}: {error_summary(exc)}") from exc
         raise
 
 

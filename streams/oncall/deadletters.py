@@ -35,7 +35,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from streams.config import Settings
-from streams.errors import DeadLetterReadError, InvalidEventError, JsonValueError, RedriveRefusedError
+from streams.errors import DeadLetterReadError, InvalidEventError, JsonValueError, RedriveRefusedError, error_summary
 from streams.ledger import redrives
 from streams.ledger.redrives import Redrive, ValueSource
 from streams.wire import contracts, exactjson, jsontext
@@ -194,7 +194,7 @@ async def scan(settings: Settings, selection: Filter, *, limit: int, timeout_s: 
             raise DeadLetterReadError(f"Kafka did not answer within {timeout_s} s reading {topic}") from None
         result.stopped = "time budget"
     except (KafkaError, OSError) as exc:
-        raise DeadLetterReadError(f"reading {topic}: {type(exc).__name__}: {exc}") from exc
+        raise DeadLetterReadError(f"reading {topic}: {error_summary(exc)}") from exc
     finally:
         await consumer.stop()
     return result
@@ -415,7 +415,7 @@ async def redrive(
                 )
             except (KafkaError, TimeoutError) as exc:
                 raise DeadLetterReadError(
-                    f"publishing dead letter {letter.record} to {target}: {type(exc).__name__}: {exc}; "
+                    f"publishing dead letter {letter.record} to {target}: {error_summary(exc)}; "
                     f"{len(results)} handled before it"
                 ) from exc
             record = await redrives.record_redrive(

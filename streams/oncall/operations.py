@@ -29,6 +29,7 @@ from prometheus_client import REGISTRY
 
 from streams.config import Settings, lease_key
 from streams.coordination.lease import REDIS_POOL_EXHAUSTED, REDIS_UNAVAILABLE
+from streams.errors import error_summary
 from streams.kafka_security import client_kwargs
 from streams.ledger.pool import guard as ledger_guard  # PostgreSQL errors -> LedgerUnavailableError/LedgerDataError
 from streams.ledger.records import OperatorMove
@@ -241,7 +242,7 @@ async def operation_detail(
         try:
             leases = await lease_holders(redis, settings, operation_id)
         except REDIS_UNAVAILABLE as exc:
-            leases_error = f"Redis unavailable: {type(exc).__name__}: {exc}"
+            leases_error = f"Redis unavailable: {error_summary(exc)}"
         except REDIS_POOL_EXHAUSTED as exc:
             leases_error = f"no Redis connection free in this process's pool: {exc}"
     return {
@@ -371,7 +372,7 @@ async def dead_letter_topic(settings: Settings, *, timeout_s: float = 3.0) -> di
     try:
         by_partition = await asyncio.wait_for(read(), timeout_s)
     except (KafkaError, OSError, TimeoutError) as exc:
-        return {"topic": topic, "retained": None, "by_partition": {}, "error": f"{type(exc).__name__}: {exc}"}
+        return {"topic": topic, "retained": None, "by_partition": {}, "error": error_summary(exc)}
     finally:
         await consumer.stop()
         await admin.close()

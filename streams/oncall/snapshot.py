@@ -26,7 +26,7 @@ from aiokafka.errors import KafkaError
 
 from streams import metrics
 from streams.config import Settings
-from streams.errors import LedgerUnavailableError
+from streams.errors import LedgerUnavailableError, error_summary
 from streams.ledger.snapshot import LedgerFigures, read_figures
 from streams.model.states import OperationState
 from streams.oncall import operations as operators
@@ -159,7 +159,7 @@ class Snapshotter:
         try:
             figures, overview = await asyncio.wait_for(self._ledger(), PART_TIMEOUT_S)
         except (LedgerUnavailableError, TimeoutError) as exc:
-            snap.ledger_error = _describe(exc)
+            snap.ledger_error = error_summary(exc)
             metrics.SNAPSHOT_FAILURES.labels("ledger").inc()
             log.warning("snapshot: the ledger did not answer; keeping the previous figures: %s", snap.ledger_error)
         else:
@@ -167,7 +167,7 @@ class Snapshotter:
         try:
             lag, dead_letters = await asyncio.wait_for(self.kafka.read(), PART_TIMEOUT_S)
         except (KafkaError, OSError, TimeoutError) as exc:
-            snap.kafka_error = _describe(exc)
+            snap.kafka_error = error_summary(exc)
             metrics.SNAPSHOT_FAILURES.labels("kafka").inc()
             log.warning("snapshot: Kafka did not answer; keeping the previous figures: %s", snap.kafka_error)
         else:
@@ -209,7 +209,3 @@ def export(snap: Snapshot) -> None:
         metrics.DEAD_LETTERS_RETAINED.set(snap.dead_letter_topic["retained"])
     for agent, blocked in snap.blocked.items():
         metrics.PARTITIONS_BLOCKED.labels(agent).set(blocked)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

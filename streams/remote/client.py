@@ -82,6 +82,7 @@ from streams.errors import (
     RemoteTransientError,
     RemoteUnknownOutcomeError,
     RemoteUnknownStatusError,
+    error_summary,
 )
 from streams.kafka_security import ssl_context
 from streams.model.answers import JOB_ID, JobSnapshot, LookupJob, clean_text
@@ -749,18 +750,18 @@ class RemoteClient:
             why = f"POST timed out after send ({exc}); a job may exist"
             raise RemoteUnknownOutcomeError(operation_id, why) from exc
         except _NOT_SENT as exc:
-            raise RemoteNotSentError(operation_id, f"POST not sent ({type(exc).__name__}: {exc})") from exc
+            raise RemoteNotSentError(operation_id, f"POST not sent ({error_summary(exc)})") from exc
         except httpx.TimeoutException as exc:
             raise RemoteUnknownOutcomeError(
                 operation_id, f"POST timed out after send ({type(exc).__name__}); a job may exist"
             ) from exc
         except httpx.TransportError as exc:
             raise RemoteUnknownOutcomeError(
-                operation_id, f"connection lost after send ({type(exc).__name__}: {exc}); a job may exist"
+                operation_id, f"connection lost after send ({error_summary(exc)}); a job may exist"
             ) from exc
         except httpx.HTTPError as exc:  # answered, but the answer could not be read (DecodingError: a bad gzip)
             raise RemoteUnknownOutcomeError(
-                operation_id, f"POST answer could not be read ({type(exc).__name__}: {exc}); a job may exist"
+                operation_id, f"POST answer could not be read ({error_summary(exc)}); a job may exist"
             ) from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
         return self._classify_submit(operation_id, response, duration_ms)
@@ -827,13 +828,13 @@ class RemoteClient:
                 raise RemoteAbandonedError(operation_id, f"GET {job_id} abandoned: {exc}") from exc
             raise RemoteTransientError(operation_id, f"GET {job_id} not sent: {exc}") from exc
         except _NOT_SENT as exc:
-            raise RemoteTransientError(operation_id, f"GET {job_id} not sent ({type(exc).__name__}: {exc})") from exc
+            raise RemoteTransientError(operation_id, f"GET {job_id} not sent ({error_summary(exc)})") from exc
         except httpx.TransportError as exc:
             raise RemoteAbandonedError(
-                operation_id, f"GET {job_id} abandoned after send ({type(exc).__name__}: {exc})"
+                operation_id, f"GET {job_id} abandoned after send ({error_summary(exc)})"
             ) from exc
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise RemoteTransientError(operation_id, f"GET {job_id} failed ({type(exc).__name__}: {exc})") from exc
+            raise RemoteTransientError(operation_id, f"GET {job_id} failed ({error_summary(exc)})") from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
         return parse_job_answer(
             operation_id, job_id, response, duration_ms, self.throttled_codes, self.output_ttl_s, self.dialect
@@ -855,7 +856,7 @@ class RemoteClient:
             response = await self._request(call, call.url, b"{}")
         except (_DeadlineExceeded, httpx.HTTPError, httpx.InvalidURL) as exc:
             duration_ms = (time.perf_counter() - started) * 1000.0
-            detail = clean_text(f"cancel of {job_id} failed ({type(exc).__name__}: {exc})", 300)
+            detail = clean_text(f"cancel of {job_id} failed ({error_summary(exc)})", 300)
             return CancelResult(RemoteCallOutcome.CANCEL_UNKNOWN_OUTCOME, False, None, duration_ms, detail)
         duration_ms = (time.perf_counter() - started) * 1000.0
         outcome, definite = classify_cancel_answer(response.status_code)
@@ -886,7 +887,7 @@ class RemoteClient:
             call = _Call(self.http.build_request("GET", route.path, params={route.reference_param: operation_id}))
             response = await self._request(call, call.url)
         except (_DeadlineExceeded, httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise RemoteTransientError(operation_id, f"lookup failed ({type(exc).__name__}: {exc})") from exc
+            raise RemoteTransientError(operation_id, f"lookup failed ({error_summary(exc)})") from exc
         status = response.status_code
         body, _ = _read_json(response)
         body = body if isinstance(body, dict) else None

@@ -73,6 +73,8 @@ import yarl
 from aiohttp.connector import Connection
 from multidict import CIMultiDict
 
+from streams.errors import error_summary
+
 log = logging.getLogger(__name__)
 
 #: Seconds an idle pooled connection is kept (httpx's default keep-alive expiry), well below the idle timeout
@@ -102,7 +104,7 @@ def httpx_error_for(exc: BaseException, request: httpx.Request | None) -> httpx.
     not an HTTP failure (a programming error or a cancellation, left to propagate as it is)."""
     for source, target in EXCEPTION_MAP:
         if isinstance(exc, source):
-            return target(f"{type(exc).__name__}: {exc}", request=request)
+            return target(error_summary(exc), request=request)
     return None
 
 

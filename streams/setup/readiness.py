@@ -27,7 +27,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 
 from streams.config import Settings
 from streams.coordination.lease import redis_for
-from streams.errors import KafkaAdminError, ServiceNotReadyError
+from streams.errors import KafkaAdminError, ServiceNotReadyError, error_summary
 from streams.ledger import connect_options
 from streams.ledger.pool import CONNECT_CONFIG_ERRORS, connect_config_error, database_address
 from streams.outages import is_outage
@@ -97,8 +97,8 @@ async def _retry_transient(check: Callable[[], Awaitable[str]], deadline_s: floa
 def _failure(what: str, exc: BaseException, deadline_s: float) -> str:
     """``what`` failed: still an outage at the deadline, or a definite refusal (not retried)."""
     if is_outage(exc):
-        return f"{what} within {deadline_s:.0f} s (last error: {type(exc).__name__}: {exc})"
-    return f"{what}: refused with {type(exc).__name__}: {exc}"
+        return f"{what} within {deadline_s:.0f} s (last error: {error_summary(exc)})"
+    return f"{what}: refused with {error_summary(exc)}"
 
 
 async def check_postgres(settings: Settings, deadline_s: float) -> str:

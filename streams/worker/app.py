@@ -64,7 +64,7 @@ from prometheus_client import generate_latest
 
 from streams import logs, metrics
 from streams.config import Settings
-from streams.errors import InvalidEventError, LedgerUnavailableError
+from streams.errors import InvalidEventError, LedgerUnavailableError, error_summary
 from streams.kafka_security import faust_settings, keep_delivery_timeout
 from streams.ledger.snapshot import ping as ping_ledger
 from streams.model.answers import clean_text
@@ -143,7 +143,7 @@ async def handle_with_retries(rt: Runtime, handle: Callable[[RawMessage], Awaita
             type(exc).__name__,
             exc_info=exc,
         )
-        message = clean_text(f"{type(exc).__name__}: {exc}", MAX_LOGGED_ERROR_CHARS)
+        message = clean_text(error_summary(exc), MAX_LOGGED_ERROR_CHARS)
         await rt.dead_letter(raw, InvalidEventError("processing_error", message))
 
 

@@ -34,6 +34,7 @@ from streams.errors import (
     LedgerUnavailableError,
     RecordNotHandedOverError,
     RemoteError,
+    error_summary,
 )
 from streams.ledger.notices import NOTIFIED, TRANSITIONS, OutboxListener
 from streams.ledger.pool import create_pool
@@ -435,7 +436,7 @@ class Runtime:
         except Exception as exc:  # only a failure that is not an outage stops the retrying
             raise DeadLetterError(
                 f"dead letter for {message.topic}[{message.partition}]@{message.offset} not published "
-                f"after {DEAD_LETTER_ATTEMPTS} attempts ({type(exc).__name__}: {exc}); the event is "
+                f"after {DEAD_LETTER_ATTEMPTS} attempts ({error_summary(exc)}); the event is "
                 "neither processed nor recorded: fix the cause and consume it again"
             ) from exc
 

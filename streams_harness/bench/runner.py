@@ -24,6 +24,7 @@ import orjson
 
 from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
+from streams.errors import error_summary
 from streams.ledger.pool import create_pool
 from streams.setup.admin import create_topics, database_name
 from streams_harness.bench.counters import (
@@ -543,9 +544,7 @@ async def _drop_quietly(admin_url: str, database_url: str, out: Any) -> None:
         await drop_run_database(admin_url, database_url)
     except Exception as exc:
         name = database_name(database_url)
-        print(
-            f"warning: the run's database {name} not removed ({type(exc).__name__}: {exc}); drop it by hand", file=out
-        )
+        print(f"warning: the run's database {name} not removed ({error_summary(exc)}); drop it by hand", file=out)
 
 
 def callback_figures(

@@ -27,7 +27,7 @@ from importlib.resources.abc import Traversable
 
 import asyncpg
 
-from streams.errors import StreamsError
+from streams.errors import StreamsError, error_summary
 from streams.ledger.pool import connect
 from streams.ledger.sql import Queries
 from streams_harness.bench.counters import BENCH
@@ -198,8 +198,7 @@ async def open_reader(database_url: str, databases: list[str], names: Mapping[st
 def reader_error(exc: BaseException) -> str:
     """Why the profile cannot be read, in one line: the error's type and its message's first line (PostgreSQL's
     or the ledger's connection errors, which name no password)."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    return error_summary(exc).strip().splitlines()[0]
 
 
 def changed_between(before: Reading, after: Reading) -> str | None:

@@ -39,7 +39,7 @@ from typing import Any
 import aiokafka.errors
 
 from streams import hooks, metrics
-from streams.errors import InvalidEventError, RecordNotHandedOverError
+from streams.errors import InvalidEventError, RecordNotHandedOverError, error_summary
 from streams.outages import FailureKind, classify
 from streams.worker.partitions import report_skipped
 from streams.worker.runtime import RawMessage, Record, Runtime, delivery_error
@@ -260,7 +260,7 @@ class OutboxRelay:
             )
             why = (
                 f"outbox row {row['id']} ({row['event_id']}) of operation {row['operation_id']} refused by Kafka "
-                f"for {target}: {type(exc).__name__}: {exc}; its bytes are here: raise the topic's and the "
+                f"for {target}: {error_summary(exc)}; its bytes are here: raise the topic's and the "
                 "producer's record size limits and republish them"
             )
             await rt.dead_letter(RawMessage(target, None, None, key, value), InvalidEventError("unpublishable", why))
