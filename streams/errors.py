@@ -52,19 +52,28 @@ was sent is never re-sent (docs/guarantees.md).
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 from streams.model.codes import CallbackRefusal, RemoteCallOutcome
 
 
 def error_summary(exc: BaseException) -> str:
-    """``Type: message`` of ``exc`` for an error message or a log line: its type's name once (a message that starts
-    with it already, as aiokafka's do, is kept as it is), and the name alone when the message is empty."""
-    text = str(exc)
+    """``Type: message`` of ``exc`` for an error message or a log line: its type's name once (a message that is the
+    name, or starts with it and a colon, or is a Kafka broker error's ``[Error 7] RequestTimedOutError...``, is kept
+    as it is) and the name alone when the message is empty or blank. The message is stripped of surrounding
+    whitespace; it is otherwise the exception's own (what it may say is the raiser's concern)."""
+    text = str(exc).strip()
     name = type(exc).__name__
     if not text:
         return name
-    return text if text.startswith(name) else f"{name}: {text}"
+    itself = _NAMES_ITSELF.match(text)
+    return text if itself is not None and itself.group("name") == name else f"{name}: {text}"
+
+
+#: A message that begins with its exception's name: ``Name``, ``Name: ...``, or aiokafka's broker errors
+#: ``[Error 7] Name...`` (``aiokafka/errors.py``, ``BrokerResponseError.__str__``).
+_NAMES_ITSELF = re.compile(r"(?:\[Error -?\d+\] )?(?P<name>\w+)(?::|$|\s)")
 
 
 class StreamsError(Exception):

@@ -254,6 +254,6 @@ class Batcher:
                         f"{what} rolled back {attempt} times in a row ({error_summary(exc)}); nothing was "
                         "written; retrying later"
                     ) from exc
-                log.warning("%s rolled back (%s: %s); running it again", what, type(exc).__name__, exc)
+                log.warning("%s rolled back (%s); running it again", what, error_summary(exc))
                 await asyncio.sleep(random.uniform(0, 0.005 * 2**attempt))
         raise AssertionError("unreachable")  # pragma: no cover

@@ -26,6 +26,7 @@ from typing import Any
 import asyncpg
 
 from streams import metrics
+from streams.errors import error_summary
 from streams.ledger import connect_options
 from streams.ledger.connect_options import application_name
 from streams.ledger.pool import database_address
@@ -90,11 +91,10 @@ class OutboxListener:
                 wait_s = min(self._retry_cap_s, RETRY_FIRST_WAIT_S * 2 ** (failures - 1))
                 metrics.LEDGER_LISTENER_CONNECTS.labels("failed").inc()
                 log.warning(
-                    "outbox listener: connecting to PostgreSQL at %s failed (%s: %s); retrying in %.1f s (outbox "
+                    "outbox listener: connecting to PostgreSQL at %s failed (%s); retrying in %.1f s (outbox "
                     "rows of other workers wait for the relay's fallback meanwhile)",
                     address,
-                    type(exc).__name__,
-                    exc,
+                    error_summary(exc),
                     wait_s,
                 )
                 await asyncio.sleep(wait_s)
@@ -104,11 +104,10 @@ class OutboxListener:
                 await self._listen(conn, address, reconnected=self.connections > 0)
             except Exception as exc:  # LISTEN failed: the connection was lost as it opened (or a bug): reconnect
                 log.warning(
-                    "outbox listener: LISTEN on %s at %s failed (%s: %s)",
+                    "outbox listener: LISTEN on %s at %s failed (%s)",
                     OUTBOX_CHANNEL,
                     address,
-                    type(exc).__name__,
-                    exc,
+                    error_summary(exc),
                 )
             finally:
                 listened, self.backend_pid = self.backend_pid is not None, None
@@ -153,7 +152,7 @@ class OutboxListener:
                 try:
                     await conn.execute("SELECT 1", timeout=CONNECT_TIMEOUT_S)
                 except Exception as exc:  # gone without closing the socket, or closed meanwhile
-                    log.info("outbox listener: check failed: %s: %s", type(exc).__name__, exc)
+                    log.info("outbox listener: check failed: %s", error_summary(exc))
                     return
 
     @property

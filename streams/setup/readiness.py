@@ -72,13 +72,12 @@ class WaitLog:
             return
         self._last = now
         log.warning(
-            "%s not ready after %.1f s (%d attempt%s), waiting: %s: %s",
+            "%s not ready after %.1f s (%d attempt%s), waiting: %s",
             self.service,
             now - self.started,
             self._attempts,
             "s" * (self._attempts != 1),
-            type(exc).__name__,
-            exc,
+            error_summary(exc) if exc is not None else "no reason given",
         )
 
 

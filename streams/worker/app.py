@@ -57,6 +57,7 @@ from typing import Any, cast
 import faust
 import tenacity
 from aiohttp import web
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from faust.transport.drivers.aiokafka import Consumer as FaustKafkaConsumer
 from faust.transport.drivers.aiokafka import Producer as FaustKafkaProducer
 from faust.web.drivers.aiohttp import Web as FaustAiohttpWeb
@@ -183,15 +184,14 @@ class HandlerFailureLog:
         self._last[key] = (now, 0)
         held = f" [{last[1]} more like it held back]" if last is not None and last[1] else ""
         log.warning(
-            "handling %s[%s]@%s failed (attempt %d of %d, %s): %s: %s; retrying%s",
+            "handling %s[%s]@%s failed (attempt %d of %d, %s): %s; retrying%s",
             raw.topic,
             raw.partition,
             raw.offset,
             attempt,
             HANDLER_ATTEMPTS,
             kind,
-            type(exc).__name__,
-            clean_text(str(exc), MAX_LOGGED_ERROR_CHARS),
+            clean_text(error_summary(exc), MAX_LOGGED_ERROR_CHARS),
             held,
         )
         return True
@@ -300,8 +300,33 @@ class _IdempotentProducer(FaustKafkaProducer):
         return keep_delivery_timeout(super()._new_producer(transactional_id), delivery_timeout_s)
 
 
+#: The most an idle worker's aiokafka fetcher waits before it looks at its partitions again (aiokafka's
+#: ``consumer_timeout_ms``, 200 ms by default, which Faust does not set): as long as the fetch requests Faust makes
+#: wait at the broker for data (its ``fetch_max_wait_ms``, 1,500 ms). The fetcher wakes at once for what it acts on
+#: (``aiokafka/consumer/fetcher.py``, ``_fetch_requests_routine``): a fetch or offset reset that ends (data, an error,
+#: a leader change), buffered records consumed, a seek, a new assignment, a partition aiokafka resumes, and a
+#: metadata update when a partition has no leader; this bound only paces its idle rounds, five a second by default.
+FETCHER_IDLE_WAKEUP_S = 1.5
+
+
+class _QuietFetcherThread(AIOKafkaConsumerThread):
+    """Faust's thread around the aiokafka consumer, whose fetcher waits :data:`FETCHER_IDLE_WAKEUP_S` between idle
+    rounds."""
+
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        consumer = super()._create_worker_consumer(transport)
+        # Read by AIOKafkaConsumer.start() when it makes its Fetcher (fetcher_timeout); not a constructor argument
+        # Faust passes. tests/integration/test_worker_fetcher.py checks the started fetcher's value.
+        if hasattr(consumer, "_consumer_timeout"):
+            consumer._consumer_timeout = FETCHER_IDLE_WAKEUP_S
+        else:  # an aiokafka that keeps it elsewhere: its own default stays, only idle CPU differs
+            log.warning("aiokafka's consumer has no _consumer_timeout: its fetcher keeps its own idle pace")
+        return consumer
+
+
 class _SeekingConsumer(FaustKafkaConsumer):
-    """Faust's aiokafka consumer; a partition without a committed offset is sought back to its beginning too.
+    """Faust's aiokafka consumer (its thread a :class:`_QuietFetcherThread`); a partition without a committed offset
+    is sought back to its beginning too.
 
     Faust drops the records it fetched while a rebalance suspended its flow (or a generation changed within a
     fetch), trusting ``seek_to_committed`` to read them again; aiokafka's seeks only to a committed offset above
@@ -311,6 +336,9 @@ class _SeekingConsumer(FaustKafkaConsumer):
     once. On a partition whose head retention deleted (log start above 0), the broker answers the fetch at 0 with
     OffsetOutOfRange and aiokafka resets to the log start by that same policy: nothing still in the log is
     skipped (tests/integration/test_seek_below_log_start.py)."""
+
+    def _new_consumer_thread(self) -> AIOKafkaConsumerThread:
+        return _QuietFetcherThread(self, loop=self.loop, beacon=self.beacon)
 
     async def seek_to_committed(self) -> Mapping[Any, int]:
         committed = await super().seek_to_committed()

@@ -44,7 +44,7 @@ import faust
 
 from streams import hooks
 from streams.config import Settings
-from streams.errors import EXIT_CONFIG, EXIT_UNAVAILABLE, ConfigError, ServiceNotReadyError
+from streams.errors import EXIT_CONFIG, EXIT_UNAVAILABLE, ConfigError, ServiceNotReadyError, error_summary
 from streams.hooks import HookPoint
 from streams.outages import is_outage
 from streams.setup.readiness import SERVICES, wait_ready
@@ -56,14 +56,16 @@ MAX_START_ATTEMPTS = 5
 #: A worker crashed by an outage after running this long (since Faust reported it started) begins a new series
 #: of start attempts; a crash sooner counts as one more attempt of the current series.
 STABLE_UPTIME_S = 60.0
-#: The cyclic garbage collector's thresholds once a worker has started (``gc.set_threshold``; CPython's defaults are
-#: 700, 10, 10): a young collection after 20,000 more allocations than deallocations of container objects, a
-#: middle one after 20 young ones, a full one after 10 middle ones (and, by CPython's own rule, only when a quarter of
-#: the long-lived objects are new). Most of a worker's objects (an event's frames, futures, rows) are freed by their
-#: last reference long before 20,000 more are made, so a collection finds and promotes few; at the defaults a worker
-#: under load spends a noticeable share of its CPU collecting (figures: CHANGELOG.md). Cyclic garbage waits longer
-#: for its collection: at most the objects of 20,000 allocations.
-GC_THRESHOLDS = (20_000, 20, 10)
+#: The cyclic garbage collector's thresholds once a worker has started (``gc.set_threshold``; CPython 3.11's
+#: defaults are 700, 10, 10): a young collection once 5,000 more container objects were made than freed, the older
+#: generations as by default. A worker under load keeps many objects alive for a while (each event's frames,
+#: futures, rows), so at 700 young collections come often and each moves live objects along; most of them are freed
+#: by their last reference before 5,000 more are made (figures: CHANGELOG.md). The cost is memory held by cyclic
+#: garbage: an event whose handling raised leaves a cycle (its exception, traceback and frames, which hold its
+#: value, up to ``max_value_bytes``) that waits for the next young collection, about seven times as many such
+#: cycles as at 700, and longer when one was moved to an older generation while its retries waited. The meaning of
+#: the thresholds is CPython 3.11-3.13's.
+GC_THRESHOLDS = (5_000, 10, 10)
 #: Environment variable carrying the attempt number across ``exec`` (set by this module only).
 START_ATTEMPT_ENV = "STREAMS_WORKER_START_ATTEMPT"
 
@@ -186,10 +188,9 @@ def run_worker(app: faust.App, settings: Settings, **kwargs: Any) -> None:
             raise
         when = "while this worker started" if worker.started_monotonic is None else "and crashed this worker"
         log.warning(
-            "a service went away %s (%s: %s); starting again (attempt %d of %d)",
+            "a service went away %s (%s); starting again (attempt %d of %d)",
             when,
-            type(failure).__name__,
-            failure,
+            error_summary(failure) if failure is not None else "no reason given",
             following,
             MAX_START_ATTEMPTS,
         )

@@ -240,9 +240,8 @@ class Runtime:
         except Exception as exc:  # an outage, a timeout or a bug: the rows wait for another relay's round
             log.warning(
                 "could not announce this worker's transitions; their outbox rows wait for another worker's relay "
-                "(at most STREAMS_WAKEUP_LISTENING_FALLBACK_S): %s: %s",
-                type(exc).__name__,
-                exc,
+                "(at most STREAMS_WAKEUP_LISTENING_FALLBACK_S): %s",
+                error_summary(exc),
             )
         finally:
             await self.ledger.close()
@@ -252,12 +251,12 @@ class Runtime:
         :data:`OUTAGE_LOG_INTERVAL_S` per service (it can last minutes). Only for failures classified as an
         outage (:func:`streams.outages.classify`); anything else goes through :meth:`report_failure`."""
         if self.closing:  # e.g. "pool is closed" from a timer still running while the worker stops
-            log.debug("%s closed while this worker stops: %s: %s", service, type(exc).__name__, exc)
+            log.debug("%s closed while this worker stops: %s", service, error_summary(exc))
             return
         now = time.monotonic()
         if now - self._last_outage_log.get(service, 0.0) >= OUTAGE_LOG_INTERVAL_S:
             self._last_outage_log[service] = now
-            log.warning("%s unavailable, waiting: %s: %s", service, type(exc).__name__, exc)
+            log.warning("%s unavailable, waiting: %s", service, error_summary(exc))
 
     def report_failure(self, where: str, exc: BaseException) -> Failure:
         """Classify ``exc`` by type (:func:`streams.outages.classify`) and report it for the stage ``where``.
@@ -279,7 +278,7 @@ class Runtime:
             log.info("%s: %s busy: %s", where, failure.service, exc)
         else:
             metrics.UNEXPECTED_ERRORS.labels(where).inc()
-            log.error("%s failed unexpectedly (not an outage): %s: %s", where, type(exc).__name__, exc, exc_info=exc)
+            log.error("%s failed unexpectedly (not an outage): %s", where, error_summary(exc), exc_info=exc)
         return failure
 
     def _on_ledger_retry(self, what: str, exc: BaseException) -> None:

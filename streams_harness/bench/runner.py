@@ -36,7 +36,15 @@ from streams_harness.bench.counters import (
 )
 from streams_harness.bench.procrastinate_peer import QUEUE_DATABASE_SUFFIX, apply_schema, queue_database_url
 from streams_harness.bench.profile import Profiler, summarize
-from streams_harness.bench.server_cpu import ServerCpu, host_cpu_s, kafka_broker_pid, process_cpu_s, read_server_cpu
+from streams_harness.bench.server_cpu import (
+    ServerCpu,
+    host_cpu_s,
+    kafka_broker_pid,
+    process_cpu_s,
+    read_server_cpu,
+    thread_cpu_ns,
+    threads_cpu_delta_s,
+)
 from streams_harness.bench.statements import (
     READER_ERRORS,
     STATEMENTS_UNREAD,
@@ -68,8 +76,11 @@ PROCRASTINATE = "procrastinate"
 #: The peers: what a team would run instead (held to the product's checks, never failing the benchmark).
 PEERS = (NAIVE, PROCRASTINATE)
 
-#: Seconds the started processes are watched idle before the submissions, for ``idle_cpu_percent``.
-IDLE_WINDOW_S = 3.0
+#: Seconds the started processes are watched idle before the submissions, for ``idle_cpu_percent`` (each thread's
+#: CPU to the nanosecond: :func:`~streams_harness.bench.server_cpu.thread_cpu_ns`): several rounds of a worker's
+#: frequent timers (Faust's commit and keepalive, the fetcher's idle rounds); the 30 s ones (the relay's listening
+#: fallback, Kafka's metadata refresh) fall in a third of the windows, a run-to-run difference.
+IDLE_WINDOW_S = 10.0
 
 
 @dataclass
@@ -422,16 +433,14 @@ class Bench:
             reader = await self._open_statements(spec, settings)
             before = await self._counters(spec, settings)
             notifications_before = await listener_notifications(fleet.live())
+            pids = [worker.pid for worker in fleet.live()]
+            idle_cpu_percent = await idle_percent(pids)  # before py-spy attaches: sampling costs a process CPU
             if spec.profile:
                 profiler = Profiler(fleet.live()[0].pid, log_dir / "profile.txt")
                 if not profiler.start():
                     self.say("        (py-spy is not installed: no profile)")
                     profiler = None
-            pids = [worker.pid for worker in fleet.live()]
-            idle_from = (time.monotonic(), sum(process_cpu_s(pid) for pid in pids))
-            await asyncio.sleep(IDLE_WINDOW_S)  # what the processes spend with nothing to do (timers, heartbeats)
             cpu_before = sum(process_cpu_s(pid) for pid in pids)
-            idle_cpu_percent = 100.0 * (cpu_before - idle_from[1]) / (time.monotonic() - idle_from[0])
             sim_cpu_before = process_cpu_s(self.sim_pid)
             servers_before = await self._server_cpu(spec, settings)
             host_before = (time.monotonic(), host_cpu_s())
@@ -495,7 +504,8 @@ class Bench:
             record["poll_interval_ms"] = self.opts.callbacks_poll_interval_ms
             record["callbacks"] = callback_figures(summary.get("callbacks"), report.get("callbacks"), refused)
         record["cpu_ms_per_operation"] = round(1000.0 * cpu_s / n, 3)
-        record["idle_cpu_percent"] = round(idle_cpu_percent, 1)
+        record["idle_cpu_percent"] = round(idle_cpu_percent, 2)
+        record["idle_cpu_percent_per_process"] = round(idle_cpu_percent / len(pids), 2)
         record["simulator_cpu_ms_per_operation"] = round(1000.0 * sim_cpu_s / n, 3)
         record.update(server_cpu_figures(servers_s, n, redis_counted=self.redis is not None))
         record["host_cpu_ms_per_operation"] = round(1000.0 * host_s / n, 3)
@@ -583,6 +593,22 @@ def server_cpu_figures(servers_s: dict[str, float], n: int, *, redis_counted: bo
 NOTIFICATIONS_METRIC = "streams_ledger_notifications_total"
 
 
+async def idle_percent(pids: list[int], window_s: float = IDLE_WINDOW_S) -> float:
+    """Percent of one core the processes ``pids`` used together over ``window_s`` seconds from now, to the
+    nanosecond (:func:`~streams_harness.bench.server_cpu.thread_cpu_ns`, a thread that ends meanwhile not counted);
+    in clock ticks (10 ms) on a kernel that keeps no ``schedstat``."""
+    started = time.monotonic()
+    try:
+        before = [thread_cpu_ns(pid) for pid in pids]
+    except FileNotFoundError:
+        ticks_before = sum(process_cpu_s(pid) for pid in pids)
+        await asyncio.sleep(window_s)
+        return 100.0 * (sum(process_cpu_s(pid) for pid in pids) - ticks_before) / (time.monotonic() - started)
+    await asyncio.sleep(window_s)
+    used_s = sum(threads_cpu_delta_s(b, thread_cpu_ns(pid)) for b, pid in zip(before, pids, strict=True))
+    return 100.0 * used_s / (time.monotonic() - started)
+
+
 async def listener_notifications(workers: Iterable[Any]) -> int:
     """Outbox notifications the listeners of ``workers`` (fleet processes with a ``url``) have read so far, from
     their ``/metrics`` (0 for a process without the metric: the floor and the peers)."""
@@ -635,6 +661,7 @@ MEDIAN_FIELDS = (
     "operations_per_s",
     "cpu_ms_per_operation",
     "idle_cpu_percent",
+    "idle_cpu_percent_per_process",
     "simulator_cpu_ms_per_operation",
     "observations_per_s",
     "posts_per_operation",
@@ -809,7 +836,7 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
         ("Kafka CPU", 9),
         ("host CPU", 8),
         ("cores", 5),
-        ("idle CPU%", 9),
+        ("idle%/proc", 10),
         ("obs/s", 7),
         ("c2d p50", 8),
         ("c2d p99", 8),
@@ -838,7 +865,7 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
             _cpu(s.get("kafka_broker_cpu_ms_per_operation")),
             _cpu(s.get("host_cpu_ms_per_operation")),
             _cpu(s.get("host_busy_cores")),
-            f"{s['idle_cpu_percent']:.1f}",
+            f"{s['idle_cpu_percent_per_process']:.2f}",
             f"{s['observations_per_s']:.1f}",
             _ms(c2d["p50"]),
             _ms(c2d["p99"]),

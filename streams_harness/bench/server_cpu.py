@@ -40,6 +40,43 @@ def process_cpu_s(pid: int) -> float:
     return stat_cpu_ticks(text) / os.sysconf("SC_CLK_TCK")
 
 
+def schedstat_run_ns(schedstat: str) -> int:
+    """Nanoseconds a thread has run on a CPU, from its ``/proc/<pid>/task/<tid>/schedstat`` text (the first of
+    its three fields: run time, wait time, time slices; the kernel's ``Documentation/scheduler/sched-stats.rst``)."""
+    return int(schedstat.split()[0])
+
+
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """Nanoseconds each live thread of process ``pid`` has run so far, by thread id (each thread's ``schedstat``:
+    ``/proc/<pid>/stat`` counts clock ticks, 10 ms each, too coarse for a process that is nearly idle); empty
+    when the process is gone.
+
+    Raises:
+        FileNotFoundError: the kernel keeps no ``schedstat`` (built without ``CONFIG_SCHED_INFO``).
+    """
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        tids = os.listdir(tasks)
+    except (FileNotFoundError, ProcessLookupError):
+        return {}
+    readings: dict[int, int] = {}
+    for tid in tids:
+        try:
+            readings[int(tid)] = schedstat_run_ns((tasks / tid / "schedstat").read_text())
+        except (FileNotFoundError, ProcessLookupError):
+            if (tasks / tid).exists():
+                raise FileNotFoundError(f"{tasks / tid / 'schedstat'}: this kernel keeps no schedstat") from None
+            # the thread ended between the listing and the reading
+    return readings
+
+
+def threads_cpu_delta_s(before: Mapping[int, int], after: Mapping[int, int]) -> float:
+    """CPU seconds between two :func:`thread_cpu_ns` readings of one process: each thread's own difference, a
+    thread started in between counted from 0; a thread that ended in between is not counted (its time went with it),
+    so the figure never goes below 0."""
+    return sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
+
+
 #: The busy fields of ``/proc/stat``'s ``cpu`` line (user, nice, system, irq, softirq), by position after the label;
 #: idle and iowait are not busy, steal is time the hypervisor gave no process of this host, guest time is in user.
 _BUSY_FIELDS = (0, 1, 2, 5, 6)

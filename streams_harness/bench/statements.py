@@ -198,7 +198,7 @@ async def open_reader(database_url: str, databases: list[str], names: Mapping[st
 def reader_error(exc: BaseException) -> str:
     """Why the profile cannot be read, in one line: the error's type and its message's first line (PostgreSQL's
     or the ledger's connection errors, which name no password)."""
-    return error_summary(exc).strip().splitlines()[0]
+    return error_summary(exc).splitlines()[0]
 
 
 def changed_between(before: Reading, after: Reading) -> str | None:

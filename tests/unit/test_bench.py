@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +44,11 @@ from streams_harness.bench.server_cpu import (
     cpu_delta_s,
     host_cpu_s,
     kafka_broker_pid,
+    schedstat_run_ns,
     stat_busy_ticks,
     stat_cpu_ticks,
+    thread_cpu_ns,
+    threads_cpu_delta_s,
 )
 
 SITE = "/venv/lib/python3.11/site-packages"
@@ -105,6 +110,7 @@ def record(label: str, kind: str, ops: float, gets: float, p50: float | None = 1
         "operations_per_s": ops,
         "cpu_ms_per_operation": 2.0,
         "idle_cpu_percent": 3.0,
+        "idle_cpu_percent_per_process": 3.0 / extra.get("processes", 1),
         "simulator_cpu_ms_per_operation": 0.5,
         "observations_per_s": ops * gets,
         "posts_per_operation": 1.0,
@@ -260,10 +266,54 @@ def test_the_pipeline_and_the_peers_are_held_to_the_promises_and_the_floor_is_no
             "output_duplicates=3",
         ]
     assert pipeline["broken_promises"] == ["charges recorded minus the provider's for the jobs seen ending=-0.25"]
-    measured = {"cpu_ms_per_operation": 1.0, "idle_cpu_percent": 1.0, "simulator_cpu_ms_per_operation": 0.5}
+    measured = {
+        "cpu_ms_per_operation": 1.0,
+        "idle_cpu_percent": 1.0,
+        "idle_cpu_percent_per_process": 0.5,
+        "simulator_cpu_ms_per_operation": 0.5,
+    }
     summary = summarize_runs([floor | measured, pipeline | measured])
     assert summary["floor x2"]["broken_promises"] is None
     assert summary["pipeline w1 p4 aiohttp"]["broken_promises"] == pipeline["broken_promises"]
+
+
+def test_a_threads_run_time_is_the_first_field_of_its_schedstat() -> None:
+    assert schedstat_run_ns("197004537 19156113 528\n") == 197_004_537  # run ns, wait ns, time slices
+
+
+def test_the_threads_cpu_of_a_process_is_read_to_below_a_tick() -> None:
+    """A thread's spin of 30 ms of CPU shows in this process's threads' CPU (every thread's schedstat) within 5 ms,
+    and never more than the process's own CPU clock says it used (``/proc/<pid>/stat`` tells 10 ms ticks only)."""
+    spun: list[float] = []
+    done, release = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.03:
+            pass
+        spun.append(time.thread_time() - start)
+        done.set()
+        release.wait()  # alive while it is read: an ended thread takes its schedstat with it
+
+    worker = threading.Thread(target=spin)
+    process_before = time.process_time()
+    before = thread_cpu_ns(os.getpid())
+    worker.start()
+    done.wait()
+    after = thread_cpu_ns(os.getpid())
+    process_used = time.process_time() - process_before
+    release.set()
+    worker.join()
+    used = threads_cpu_delta_s(before, after)
+    assert spun[0] - 0.005 <= used <= process_used + 0.002
+    assert worker.native_id in after and worker.native_id not in before
+    assert thread_cpu_ns(2**22 + 1) == {}  # no such process (above the kernel's largest pid)
+
+
+def test_a_thread_that_ended_between_two_readings_is_left_out_and_a_new_one_counted_from_zero() -> None:
+    before = {10: 5_000_000, 11: 50_000_000}
+    after = {10: 7_000_000, 12: 1_000_000}  # 11 ended (its 50 ms gone with it), 12 started
+    assert threads_cpu_delta_s(before, after) == pytest.approx(0.003)  # not 0.003 - 0.050
 
 
 def test_cpu_ticks_of_a_stat_line_whose_command_holds_spaces_and_parentheses() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import KafkaConnectionError, RequestTimedOutError
 
 from streams.errors import error_summary
 
@@ -13,16 +13,22 @@ class _NamesItself(Exception):
         return "_NamesItself: broker 3 unreachable"
 
 
+class Error(Exception):
+    pass
+
+
 @pytest.mark.parametrize(
     ("exc", "summary"),
     [
         (ValueError("bad port"), "ValueError: bad port"),
         (TimeoutError(), "TimeoutError"),  # an empty message: the name alone, no dangling colon
-        (_NamesItself(), "_NamesItself: broker 3 unreachable"),  # the name once, as aiokafka's messages give it
-        (
-            KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 1, 0)]"),
-            "KafkaConnectionError: Unable to bootstrap from [('127.0.0.1', 1, 0)]",
-        ),
+        (OSError("  \n"), "OSError"),  # a blank one too
+        (ValueError("\nport 0 refused\n"), "ValueError: port 0 refused"),
+        (_NamesItself(), "_NamesItself: broker 3 unreachable"),  # the name once
+        (KafkaConnectionError("Unable to bootstrap"), "KafkaConnectionError: Unable to bootstrap"),
+        (RequestTimedOutError(), "[Error 7] RequestTimedOutError"),  # a broker's error names itself after its code
+        (RequestTimedOutError("in fetch"), "[Error 7] RequestTimedOutError: in fetch"),
+        (Error("Errors occurred"), "Error: Errors occurred"),  # a message that only begins like the name
     ],
 )
 def test_error_summary_names_the_type_once_and_keeps_the_message(exc: BaseException, summary: str) -> None:

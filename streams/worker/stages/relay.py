@@ -250,13 +250,12 @@ class OutboxRelay:
         report_skipped("outbox relay", not_handed, not_handed_over=True)
         for row, (target, key, value), exc in dead_letters:  # refused for good: to the dead-letter topic, then marked
             log.error(
-                "outbox row %s (%s) of operation %s refused by Kafka for %s (%s: %s); sent to the dead-letter topic",
+                "outbox row %s (%s) of operation %s refused by Kafka for %s (%s); sent to the dead-letter topic",
                 row["id"],
                 row["event_id"],
                 row["operation_id"],
                 target,
-                type(exc).__name__,
-                exc,
+                error_summary(exc),
             )
             why = (
                 f"outbox row {row['id']} ({row['event_id']}) of operation {row['operation_id']} refused by Kafka "
