@@ -10,6 +10,7 @@ from typing import Any
 import asyncpg
 import pytest
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from streams.config import Settings
 from streams.coordination.lease import LeaseManager, make_redis
@@ -52,6 +53,24 @@ async def simulator() -> AsyncIterator[Simulator]:
     await sim.start(SimulatorConfig(port=0, compression=100.0, get_latency_ms=1.0))
     yield sim
     await sim.stop()
+
+
+@pytest.fixture
+async def kafka_admin(migrated: Settings) -> AsyncIterator[AIOKafkaAdminClient]:
+    """A started Kafka admin client of the test's cluster."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=migrated.kafka_bootstrap)
+    await admin.start()
+    yield admin
+    await admin.close()
+
+
+@pytest.fixture
+async def one_partition_topic(migrated: Settings, kafka_admin: AIOKafkaAdminClient) -> AsyncIterator[str]:
+    """The name of a topic of one partition made for this test under the run's prefix, deleted after it."""
+    topic = f"{migrated.topic_prefix}t-{uuid.uuid4().hex[:8]}"
+    await kafka_admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    yield topic
+    await kafka_admin.delete_topics([topic])
 
 
 @pytest.fixture

@@ -5,12 +5,10 @@ aiokafka's own; and a record sent to an idle, assigned partition is read."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any, cast
 
 import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from streams.config import Settings
 from streams.worker.app import FETCHER_IDLE_WAKEUP_S, create_app
@@ -18,31 +16,25 @@ from streams.worker.app import FETCHER_IDLE_WAKEUP_S, create_app
 pytestmark = pytest.mark.integration
 
 
-async def test_the_worker_consumer_fetcher_waits_its_idle_bound_and_still_reads_new_records(migrated: Settings) -> None:
+async def test_the_worker_consumer_fetcher_waits_its_idle_bound_and_still_reads_new_records(
+    migrated: Settings, one_partition_topic: str
+) -> None:
     app = create_app(migrated.replace(web_enabled=False))
     thread = cast(Any, app.consumer)._thread  # Faust's consumer thread, a _QuietFetcherThread
     consumer = thread._create_worker_consumer(app.transport)
-    topic = f"{migrated.topic_prefix}fetcher-{uuid.uuid4().hex[:8]}"
-    tp = TopicPartition(topic, 0)
-    admin = AIOKafkaAdminClient(bootstrap_servers=migrated.kafka_bootstrap)
-    await admin.start()
+    tp = TopicPartition(one_partition_topic, 0)
+    await consumer.start()
     try:
-        await admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
-        await consumer.start()
+        assert consumer._fetcher._fetcher_timeout == FETCHER_IDLE_WAKEUP_S == 1.5
+        consumer.assign([tp])
+        assert await consumer.getmany(tp, timeout_ms=200) == {}  # idle: nothing yet
+        producer = AIOKafkaProducer(bootstrap_servers=migrated.kafka_bootstrap)
+        await producer.start()
         try:
-            assert consumer._fetcher._fetcher_timeout == FETCHER_IDLE_WAKEUP_S == 1.5
-            consumer.assign([tp])
-            assert await consumer.getmany(tp, timeout_ms=200) == {}  # idle: nothing yet
-            producer = AIOKafkaProducer(bootstrap_servers=migrated.kafka_bootstrap)
-            await producer.start()
-            try:
-                await producer.send_and_wait(topic, b"r0", partition=0)
-            finally:
-                await producer.stop()
-            batch = await consumer.getmany(tp, timeout_ms=10_000)
-            assert [r.value for r in batch.get(tp, [])] == [b"r0"]
+            await producer.send_and_wait(one_partition_topic, b"r0", partition=0)
         finally:
-            await consumer.stop()
+            await producer.stop()
+        batch = await consumer.getmany(tp, timeout_ms=10_000)
+        assert [r.value for r in batch.get(tp, [])] == [b"r0"]
     finally:
-        await admin.delete_topics([topic])
-        await admin.close()
+        await consumer.stop()
