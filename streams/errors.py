@@ -60,20 +60,25 @@ from streams.model.codes import CallbackRefusal, RemoteCallOutcome
 
 def error_summary(exc: BaseException) -> str:
     """``Type: message`` of ``exc`` for an error message or a log line: its type's name once (a message that is the
-    name, or starts with it and a colon, or is a Kafka broker error's ``[Error 7] RequestTimedOutError...``, is kept
-    as it is) and the name alone when the message is empty or blank. The message is stripped of surrounding
-    whitespace; it is otherwise the exception's own (what it may say is the raiser's concern)."""
-    text = str(exc).strip()
+    name or starts with it and a colon, as aiokafka's ``KafkaConnectionError: ...`` and a broker error's ``[Error 7]
+    RequestTimedOutError`` do, is kept as it is) and the name alone when the message is empty or blank. The message
+    is stripped of surrounding whitespace (and of a colon with nothing after it); it is otherwise the exception's
+    own (what it may say is the raiser's concern). An exception whose ``str()`` raises is named with a note saying
+    so, as :mod:`traceback` does."""
     name = type(exc).__name__
-    if not text:
-        return name
+    try:
+        text = str(exc).strip()
+    except Exception:
+        return f"{name}: <exception str() failed>"
     itself = _NAMES_ITSELF.match(text)
-    return text if itself is not None and itself.group("name") == name else f"{name}: {text}"
+    if itself is not None and itself.group("name") == name:
+        return text[:-1] if text[itself.end() :] == "" and text.endswith(":") else text
+    return f"{name}: {text}" if text else name
 
 
 #: A message that begins with its exception's name: ``Name``, ``Name: ...``, or aiokafka's broker errors
 #: ``[Error 7] Name...`` (``aiokafka/errors.py``, ``BrokerResponseError.__str__``).
-_NAMES_ITSELF = re.compile(r"(?:\[Error -?\d+\] )?(?P<name>\w+)(?::|$|\s)")
+_NAMES_ITSELF = re.compile(r"(?:\[Error -?\d+\] )?(?P<name>\w+)(?::|$)")
 
 
 class StreamsError(Exception):

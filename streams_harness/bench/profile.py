@@ -16,11 +16,13 @@ for that library, and the loop is not charged to whoever started it.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,18 @@ class Profiler:
             stderr=subprocess.STDOUT,
         )
         return True
+
+    async def sampling(self, timeout_s: float = 10.0) -> bool:
+        """Wait until py-spy says it samples (``Sampling process`` in its log: it has attached), at most
+        ``timeout_s`` seconds; False when it did not say so in time or exited."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                return False
+            if self.log_path.exists() and b"Sampling process" in self.log_path.read_bytes():
+                return True
+            await asyncio.sleep(0.05)
+        return False
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop sampling (SIGINT: py-spy writes its file); True when the file was written."""

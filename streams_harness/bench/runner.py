@@ -431,8 +431,6 @@ class Bench:
         try:
             # prepared here, before the counters' first reading: each of its two readings is then one transaction
             reader = await self._open_statements(spec, settings)
-            before = await self._counters(spec, settings)
-            notifications_before = await listener_notifications(fleet.live())
             pids = [worker.pid for worker in fleet.live()]
             idle_cpu_percent = await idle_percent(pids)  # before py-spy attaches: sampling costs a process CPU
             if spec.profile:
@@ -440,6 +438,11 @@ class Bench:
                 if not profiler.start():
                     self.say("        (py-spy is not installed: no profile)")
                     profiler = None
+                elif not await profiler.sampling():  # attached before the run's readings, not during them
+                    self.say("        (py-spy did not attach within 10 s: the profile may miss the start)")
+            # after the idle window: what the processes did idle (the floor's polling rounds) is not the run's
+            before = await self._counters(spec, settings)
+            notifications_before = await listener_notifications(fleet.live())
             cpu_before = sum(process_cpu_s(pid) for pid in pids)
             sim_cpu_before = process_cpu_s(self.sim_pid)
             servers_before = await self._server_cpu(spec, settings)

@@ -52,7 +52,8 @@ def thread_cpu_ns(pid: int) -> dict[int, int]:
     when the process is gone.
 
     Raises:
-        FileNotFoundError: the kernel keeps no ``schedstat`` (built without ``CONFIG_SCHED_INFO``).
+        FileNotFoundError: the kernel keeps no ``schedstat`` (built without ``CONFIG_SCHED_INFO``, or an older one
+            with schedstats off, where every thread reads 0).
     """
     tasks = Path(f"/proc/{pid}/task")
     try:
@@ -67,13 +68,15 @@ def thread_cpu_ns(pid: int) -> dict[int, int]:
             if (tasks / tid).exists():
                 raise FileNotFoundError(f"{tasks / tid / 'schedstat'}: this kernel keeps no schedstat") from None
             # the thread ended between the listing and the reading
+    if readings and not any(readings.values()):  # schedstats off in an older kernel: every thread reads 0 0 0
+        raise FileNotFoundError(f"{tasks}/*/schedstat: every thread reads 0 (this kernel keeps no run times)")
     return readings
 
 
 def threads_cpu_delta_s(before: Mapping[int, int], after: Mapping[int, int]) -> float:
     """CPU seconds between two :func:`thread_cpu_ns` readings of one process: each thread's own difference, a
-    thread started in between counted from 0; a thread that ended in between is not counted (its time went with it),
-    so the figure never goes below 0."""
+    thread started in between counted from 0; a thread that ended in between is not counted at all (its time went
+    with it), so the figure never goes below 0 and misses what such a thread ran in the window."""
     return sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from aiokafka.errors import KafkaConnectionError, RequestTimedOutError
+from aiokafka.errors import KafkaConnectionError, KafkaError, RequestTimedOutError
 
 from streams.errors import error_summary
 
@@ -15,6 +15,11 @@ class _NamesItself(Exception):
 
 class Error(Exception):
     pass
+
+
+class _StrRaises(Exception):
+    def __str__(self) -> str:
+        raise IndexError("tuple index out of range")  # as asyncpg's PostgresError() without arguments
 
 
 @pytest.mark.parametrize(
@@ -29,6 +34,10 @@ class Error(Exception):
         (RequestTimedOutError(), "[Error 7] RequestTimedOutError"),  # a broker's error names itself after its code
         (RequestTimedOutError("in fetch"), "[Error 7] RequestTimedOutError: in fetch"),
         (Error("Errors occurred"), "Error: Errors occurred"),  # a message that only begins like the name
+        (Error("Error occurred"), "Error: Error occurred"),
+        (KafkaError(""), "KafkaError"),  # aiokafka's "KafkaError: " of an empty argument: no dangling colon
+        (RequestTimedOutError(""), "[Error 7] RequestTimedOutError"),
+        (_StrRaises(), "_StrRaises: <exception str() failed>"),
     ],
 )
 def test_error_summary_names_the_type_once_and_keeps_the_message(exc: BaseException, summary: str) -> None:
