@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from streams_harness.bench.counters import Counters
 from streams_harness.bench.peers import consume_bounded
 from streams_harness.bench.procrastinate_peer import queue_database_url
-from streams_harness.bench.profile import EVENT_LOOP, component_of, summarize
+from streams_harness.bench.profile import EVENT_LOOP, Profiler, component_of, summarize
 from streams_harness.bench.runner import (
     CALLBACKS,
     FLOOR,
@@ -583,3 +584,28 @@ def test_with_no_worker_counts_the_plan_has_only_the_other_runs_and_the_paced_ru
         ("callbacks off w1 p4", False),
         ("callbacks on w1 p4", True),
     ]
+
+
+@pytest.fixture
+def stand_in() -> Iterator[subprocess.Popen[bytes]]:
+    """A live process standing for py-spy (the profiler only watches whether it lives and what its log says)."""
+    proc = subprocess.Popen(["sleep", "30"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+async def test_the_profiler_is_sampling_once_py_spy_says_so_and_not_when_it_exited(
+    tmp_path: Path, stand_in: subprocess.Popen[bytes]
+) -> None:
+    """The run's readings wait for py-spy's ``Sampling process`` line (it has attached); a py-spy that exited (it
+    could not attach) is no wait at all."""
+    profiler = Profiler(os.getpid(), tmp_path / "profile.txt")
+    profiler.proc = stand_in
+    profiler.log_path.write_bytes(b"")
+    assert not await profiler.sampling(timeout_s=0.2)
+    profiler.log_path.write_bytes(b"py-spy> Sampling process 100 times a second. Press Control-C to exit.\n")
+    assert await profiler.sampling(timeout_s=5.0)
+    stand_in.kill()
+    await asyncio.to_thread(stand_in.wait)
+    assert not await profiler.sampling(timeout_s=5.0)  # exited: False at once, whatever its log says
