@@ -280,6 +280,13 @@ class Settings(ExplicitSettings):
         "budget, back-pressure or Redis) (s); otherwise it sleeps until the next poll is due.",
     )
     poll_batch_size: PositiveInt = Field(500, description="Polls the scheduler claims at most per tick.")
+    # A job whose POST answer hints its first poll this soon has that poll claimed by the save of its job id and
+    # taken in the same worker (streams/worker/stages/firstpoll.py): no scheduler claim, no poll event.
+    first_poll_in_process_max_s: Seconds = Field(
+        1.0,
+        description="Longest first-poll hint for which the worker that saved the job id takes the first poll itself "
+        "(s); 0: every first poll goes through the poll scheduler.",
+    )
     poll_backoff_base_s: Seconds = Field(0.5, description="First delay of a job's poll backoff (s).")
     poll_backoff_cap_s: Seconds = Field(30.0, description="Longest delay between two polls of one job (s).")
     poll_min_delay_s: Seconds = Field(0.05, description="Shortest delay between two polls of one job (s).")

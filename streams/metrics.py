@@ -89,6 +89,13 @@ REMOTE_CALL_SECONDS = Histogram("streams_remote_call_seconds", "Remote API call 
 DEAD_LETTERS = Counter("streams_dead_letters_total", "Inputs sent to the dead-letter topic.", ["topic", "reason"])
 STALE_POLLS = Counter("streams_stale_polls_total", "Poll events dropped because a newer claim or state exists.")
 POLLS_CLAIMED = Counter("streams_polls_claimed_total", "Due polls claimed by this worker's scheduler.")
+FIRST_POLLS = Counter(
+    "streams_first_polls_total",
+    "First polls claimed by the save of the job id and taken in this worker, by outcome (observed: observed or "
+    "left to a newer claim; given_back: due again at once as the worker stopped; failed: back after the "
+    "visibility timeout).",
+    ["outcome"],
+)
 RECONCILED_UNCERTAIN = Counter(
     "streams_reconciled_uncertain_total", "Operations found stuck in submitting and marked uncertain."
 )

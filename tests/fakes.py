@@ -40,6 +40,7 @@ from streams.ledger.records import (
     CancelPath,
     ClaimBound,
     DuePoll,
+    FirstPollClaim,
     LookupClaim,
     ObserveClaim,
     RemoteCall,
@@ -338,32 +339,69 @@ class InMemoryLedger(WaitsOutOutages, AnnouncesTransitions):
         first_poll_delay_s: float,
         reason: str | None,
         call: RemoteCall | None = None,
-    ) -> bool:
+        *,
+        first_poll_claim_id: uuid.UUID | None = None,
+    ) -> bool | FirstPollClaim:
         self._call(f"save job id of {operation_id}")
-        saved = self._save_submitted(operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason)
+        saved = self._save_submitted(
+            operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason, first_poll_claim_id
+        )
         self._record_call(call)  # written or refused, as the real statement does
         return saved
 
     def _save_submitted(
-        self, operation_id: str, fencing_token: int, remote_job_id: str, first_poll_delay_s: float, reason: str | None
-    ) -> bool:
+        self,
+        operation_id: str,
+        fencing_token: int,
+        remote_job_id: str,
+        first_poll_delay_s: float,
+        reason: str | None,
+        claim_id: uuid.UUID | None,
+    ) -> bool | FirstPollClaim:
         saved = self.operations.get(operation_id)
         if saved is not None and saved.remote_job_id == remote_job_id and saved.fencing_token >= fencing_token:
-            return True  # the same save again: its reply was lost (the fencing value may have risen since)
+            # the same save again: its reply was lost (the fencing value may have risen since); its first poll's
+            # claim when nothing claimed since
+            if (
+                claim_id is not None
+                and saved.observe_claim_id == claim_id
+                and saved.fencing_token == fencing_token + 1
+                and not saved.poll_claimed
+                and saved.state in POLLABLE
+            ):
+                return self._first_poll_claim(saved)
+            return True
         op = self._fenced(operation_id, fencing_token, frozenset({S.SUBMITTING, S.UNCERTAIN}))
         if op is None or op.remote_job_id is not None:
             return False
+        cancel_recorded = operation_id in self.cancellations
+        claims = claim_id is not None and not cancel_recorded
         self._write(
             op,
             state=S.SUBMITTED,
             remote_job_id=remote_job_id,
             reason=reason,
             reason_code=None if reason is None else ReasonCode.JOB_ID_VIA_ERROR,
-            next_poll_at=self._t if operation_id in self.cancellations else self._t + first_poll_delay_s,
+            next_poll_at=self._t if cancel_recorded else self._t + first_poll_delay_s,
             next_lookup_at=None,
             updated_by=self.worker,
         )
-        return True
+        if not claims:
+            return True
+        op = self.operations[operation_id]
+        self._write(
+            op,
+            fencing_token=op.fencing_token + 1,
+            poll_claim_id=op.poll_claim_id + 1,
+            poll_claimed=False,
+            observe_claim_id=claim_id,
+            hinted=False,
+        )
+        return self._first_poll_claim(self.operations[operation_id])
+
+    def _first_poll_claim(self, op: Operation) -> FirstPollClaim:
+        since = op.observing_since if op.observing_since is not None else op.accepted_at
+        return FirstPollClaim(op.poll_claim_id, self._observe_claim(op, self._t - since))
 
     @waits_out_outages("record late job")
     async def record_late_job(self, operation_id: str, remote_job_id: str) -> str | None:

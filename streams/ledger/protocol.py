@@ -18,6 +18,7 @@ from streams.ledger.records import (
     CancelPath,
     ClaimBound,
     DuePoll,
+    FirstPollClaim,
     LookupClaim,
     ObserveClaim,
     RemoteCall,
@@ -54,7 +55,9 @@ class PipelineLedger(Protocol):
         first_poll_delay_s: float,
         reason: str | None,
         call: RemoteCall | None = None,
-    ) -> bool: ...
+        *,
+        first_poll_claim_id: uuid.UUID | None = None,
+    ) -> bool | FirstPollClaim: ...
     async def save_submission_without_job(
         self, operation_id: str, fencing_token: int, state: OperationState, reason: str, reason_code: ReasonCode
     ) -> bool: ...

@@ -91,6 +91,15 @@ class ObserveClaim:
     cancel_attempts: int = 0
 
 
+@dataclass(frozen=True)
+class FirstPollClaim:
+    """A job's first poll, claimed for the saving worker by the save of its job id (``save_submitted`` with a first
+    poll claim id): the poll claim a reschedule names and the observer's claim every save must name."""
+
+    poll_claim_id: int
+    claim: ObserveClaim
+
+
 class CancelPath(enum.StrEnum):
     """How a cancellation was asked (``cancellations.path``)."""
 

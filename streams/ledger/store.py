@@ -27,6 +27,7 @@ from streams.ledger.records import (
     CancelPath,
     ClaimBound,
     DuePoll,
+    FirstPollClaim,
     LookupClaim,
     ObserveClaim,
     RemoteCall,
@@ -62,6 +63,28 @@ def _fencing_token(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any
 def _written(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
     """A fenced write: True where its row came back (written), False where fencing or the state refused it."""
     return [row is not None for row in by_position(rows, len(batch))]
+
+
+def _submitted(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
+    """``save_submitted``: False where refused, the :class:`FirstPollClaim` where the save claimed the first poll,
+    True where it saved without."""
+    out: list[Any] = []
+    for row, request in zip(by_position(rows, len(batch)), batch, strict=True):
+        if row is None or not row["first_poll_claimed"]:
+            out.append(row is not None)
+            continue
+        claim = ObserveClaim(
+            row["fencing_token"],
+            request[2],
+            OperationState.SUBMITTED,
+            row["poll_count"],
+            row["observed_for_s"],
+            False,
+            row["cancel_answered"],
+            row["cancel_attempts"],
+        )
+        out.append(FirstPollClaim(row["poll_claim_id"], claim))
+    return out
 
 
 def _observe_claim(rows: list[asyncpg.Record], batch: list[Request]) -> list[Any]:
@@ -147,13 +170,14 @@ BATCHED: tuple[BatchedStatement, ...] = (
             "fencing_tokens",
             "remote_job_ids",
             "first_poll_delays_s",
+            "first_poll_claim_ids",
             "reasons",
             "call_ids",
             "call_status_codes",
             "call_outcomes",
             "call_durations_ms",
         ),
-        _written,
+        _submitted,
     ),
     BatchedStatement(
         "claim_observe", Q.claim_for_observe, ("operation_ids", "poll_claim_ids", "claim_ids"), _observe_claim
@@ -274,21 +298,37 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
         first_poll_delay_s: float,
         reason: str | None,
         call: RemoteCall | None = None,
-    ) -> bool:
+        *,
+        first_poll_claim_id: uuid.UUID | None = None,
+    ) -> bool | FirstPollClaim:
         """Fenced: save the job id (``submitting|uncertain -> submitted``); False when refused.
 
-        ``call``: the accounting record of the POST that reported the job (``POST``, this operation, job and
-        fencing value), written by the same statement whether the save is written or refused, as
-        :meth:`record_remote_call` would (its job's record too). When this raises, nothing is written: the caller
-        records the call by itself.
+        ``first_poll_delay_s``: when the first poll is due (s from now). ``call``: the accounting record of the POST
+        that reported the job (``POST``, this operation, job and fencing value), written by the same statement
+        whether the save is written or refused, as :meth:`record_remote_call` would (its job's record too). When
+        this raises, nothing is written: the caller records the call by itself.
+
+        ``first_poll_claim_id``: the save also claims the job's first poll for this worker, as
+        :meth:`claim_for_observe` would with that claim id, and returns it (a :class:`FirstPollClaim`); the poll is
+        then due ``first_poll_delay_s`` from now only for another worker (the caller passes its hint plus the
+        visibility timeout). True instead (saved, the first poll left to the poll scheduler) when a cancellation is
+        recorded, or when this was a repeat and a newer claim was taken since.
 
         Raises:
             ValueError: ``call`` is not this save's POST.
         """
         _check_call(call, "POST", operation_id, fencing_token, remote_job_id)
-        saved: bool = await self._batches.submit(
+        saved: bool | FirstPollClaim = await self._batches.submit(
             "save_submitted",
-            (operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason, *_call_fields(call, job=False)),
+            (
+                operation_id,
+                fencing_token,
+                remote_job_id,
+                first_poll_delay_s,
+                first_poll_claim_id,
+                reason,
+                *_call_fields(call, job=False),
+            ),
         )
         return saved
 

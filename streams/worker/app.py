@@ -87,6 +87,7 @@ from streams.worker.runtime import MAX_LOGGED_ERROR_CHARS, RawMessage, Runtime
 from streams.worker.stages.callbacks import CallbackReceiver
 from streams.worker.stages.canceller import Canceller
 from streams.worker.stages.dispatcher import Dispatcher
+from streams.worker.stages.firstpoll import FirstPolls
 from streams.worker.stages.observer import Observer
 from streams.worker.stages.reconciler import Reconciler
 from streams.worker.stages.relay import OutboxRelay
@@ -489,6 +490,8 @@ def create_app(settings: Settings) -> faust.App:
 
     #: The running tasks that write the ledger outside the agents (poll scheduler, outbox relay, lookups).
     ledger_loops: set[asyncio.Task[Any]] = set()
+    #: This worker's first polls taken in process (streams.worker.stages.firstpoll), closed with the runtime.
+    dispatchers: dict[str, FirstPolls] = {}
 
     async def ledger_loop(run: Callable[[], Awaitable[None]]) -> None:
         """Run ``run()`` as one of :data:`ledger_loops`, which ``close_runtime`` stops before the runtime closes."""
@@ -511,6 +514,9 @@ def create_app(settings: Settings) -> faust.App:
         for task in loops:
             task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
+        first_polls = dispatchers.pop("first_polls", None)
+        if first_polls is not None:
+            await first_polls.close()
         rt = holder.pop("rt", None)
         if rt is not None:
             await rt.close()
@@ -539,7 +545,9 @@ def create_app(settings: Settings) -> faust.App:
     @app.agent(topic("submissions"))
     async def dispatch(stream: Any) -> None:
         rt = await runtime()
-        await submissions.consume(stream, Dispatcher(rt).handle, rt)
+        if "first_polls" not in dispatchers:  # one per worker: it outlives a restart of the agent's actor
+            dispatchers["first_polls"] = FirstPolls(rt, Observer(rt), polls.slots)
+        await submissions.consume(stream, Dispatcher(rt, dispatchers["first_polls"]).handle, rt)
 
     @app.agent(topic("polls"))
     async def observe(stream: Any) -> None:

@@ -75,21 +75,35 @@ WHERE locked.state = 'submitting' AND locked.claim_id = req.claim_id;
 -- record sent again, is not written twice) and the job's remote_jobs record (kept when one exists).
 -- The first poll is due now instead of after its delay when a cancellation is recorded (the observer calls the
 -- provider's cancel route at that poll).
+-- A request with a first_poll_claim_id also claims the job's first poll for the saving worker, as
+-- claim_for_observe would (a new fencing value and poll claim, the poll taken, hinted_at cleared, its claim id on
+-- the row), unless a cancellation is recorded: its first_poll_delays_s is then when the poll comes back if that
+-- worker never takes it (its hint plus the visibility timeout).
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :remote_job_ids (text[]), :first_poll_delays_s first poll
--- delays (s, float8[]), :reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
+-- delays (s, float8[]), :first_poll_claim_ids (uuid[]; NULL: the poll scheduler claims the first poll),
+-- :reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
 -- :call_ids (uuid[]: the POST's accounting row, NULL for none), :call_status_codes (integer[]), :call_outcomes
 -- (text[]: 'created' | 'created_via_502'), :call_durations_ms (ms, float8[]) (the row's method is 'POST', its job
 -- id and fencing value the request's), :worker, :lock_timeout. Returns i per saved request, and per request whose
 -- job id is already on the row (the same save sent again after its reply was lost: a job id belongs to the one POST
 -- that created it; the row's fencing value may have risen since, e.g. its first poll taken while the repeat waited
--- out an outage); none when the fencing value is stale or another job id is already saved.
+-- out an outage); none when the fencing value is stale or another job id is already saved. With i: first_poll_claimed
+-- (the first poll is this request's: claimed by it, or by its first run when this is a repeat and nothing claimed
+-- since), then as claim_for_observe returns them: fencing_token, poll_claim_id, poll_count, observed_for_s,
+-- cancel_answered and cancel_attempts.
 WITH req AS (
-    SELECT * FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :remote_job_ids::text[], :first_poll_delays_s::float8[], :reasons::text[],
-                         :call_ids::uuid[], :call_status_codes::integer[], :call_outcomes::text[], :call_durations_ms::float8[])
-        WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, reason, call_id, status_code, outcome,
-                             duration_ms, i)
+    SELECT r.*, c.cancel_recorded, (r.claim_id IS NOT NULL AND NOT c.cancel_recorded) AS claims
+    FROM unnest(:operation_ids::text[], :fencing_tokens::bigint[], :remote_job_ids::text[], :first_poll_delays_s::float8[],
+                :first_poll_claim_ids::uuid[], :reasons::text[], :call_ids::uuid[], :call_status_codes::integer[],
+                :call_outcomes::text[], :call_durations_ms::float8[])
+        WITH ORDINALITY AS r(operation_id, fencing_token, remote_job_id, delay_s, claim_id, reason, call_id, status_code,
+                             outcome, duration_ms, i)
+        CROSS JOIN LATERAL (SELECT EXISTS (SELECT 1 FROM cancellations x WHERE x.operation_id = r.operation_id)
+                            AS cancel_recorded) AS c
 ), locked AS MATERIALIZED (
-    SELECT operation_id, state, remote_job_id, fencing_token FROM operations
+    SELECT operation_id, state, remote_job_id, fencing_token, poll_claim_id, poll_claimed_at, observe_claim_id,
+           poll_count, observing_since, accepted_at, cancel_answered_at, cancel_attempts
+    FROM operations
     WHERE operation_id = ANY(:operation_ids::text[]) AND (SELECT set_config('lock_timeout', :lock_timeout, true)) IS NOT NULL
     ORDER BY operation_id
     FOR NO KEY UPDATE
@@ -99,16 +113,24 @@ WITH req AS (
         remote_job_id = req.remote_job_id,
         reason = req.reason,
         reason_code = CASE WHEN req.reason IS NULL THEN NULL ELSE 'job_id_via_error' END,
-        next_poll_at = CASE WHEN EXISTS (SELECT 1 FROM cancellations c WHERE c.operation_id = o.operation_id)
-                            THEN now() ELSE now() + make_interval(secs => req.delay_s) END,
+        next_poll_at = CASE WHEN req.cancel_recorded THEN now() ELSE now() + make_interval(secs => req.delay_s) END,
         next_lookup_at = NULL,
+        fencing_token = o.fencing_token + CASE WHEN req.claims THEN 1 ELSE 0 END,
+        poll_claim_id = o.poll_claim_id + CASE WHEN req.claims THEN 1 ELSE 0 END,
+        poll_claimed_at = CASE WHEN req.claims THEN NULL ELSE o.poll_claimed_at END,
+        poll_taken_at = CASE WHEN req.claims THEN now() ELSE o.poll_taken_at END,
+        observe_claim_id = CASE WHEN req.claims THEN req.claim_id ELSE o.observe_claim_id END,
+        hinted_at = CASE WHEN req.claims THEN NULL ELSE o.hinted_at END,
         updated_by = :worker
     FROM req JOIN locked USING (operation_id)
     WHERE o.operation_id = req.operation_id
       AND o.fencing_token = req.fencing_token
       AND locked.state IN ('submitting', 'uncertain')
       AND locked.remote_job_id IS NULL
-    RETURNING req.i, o.operation_id, o.remote_job_id, req.reason
+    RETURNING req.i, o.operation_id, o.remote_job_id, req.reason, req.claims AS first_poll_claimed, o.fencing_token,
+              o.poll_claim_id, o.poll_count,
+              extract(epoch FROM now() - COALESCE(o.observing_since, o.accepted_at))::float8 AS observed_for_s,
+              o.cancel_answered_at IS NOT NULL AS cancel_answered, o.cancel_attempts
 ), call AS (
     INSERT INTO remote_calls (operation_id, call_id, method, status_code, outcome, remote_job_id, duration_ms,
                               fencing_token, worker)
@@ -129,9 +151,17 @@ WITH req AS (
     ORDER BY req.remote_job_id
     ON CONFLICT (remote_job_id) DO NOTHING
 )
-SELECT i FROM saved
+SELECT i, first_poll_claimed, fencing_token, poll_claim_id, poll_count, observed_for_s, cancel_answered,
+       cancel_attempts
+FROM saved
 UNION ALL
-SELECT req.i FROM req JOIN locked USING (operation_id)
+SELECT req.i,
+       COALESCE(locked.observe_claim_id = req.claim_id AND locked.fencing_token = req.fencing_token + 1
+                AND locked.poll_claimed_at IS NULL AND locked.state IN ('submitted', 'queued', 'running'), false),
+       locked.fencing_token, locked.poll_claim_id, locked.poll_count,
+       extract(epoch FROM now() - COALESCE(locked.observing_since, locked.accepted_at))::float8,
+       locked.cancel_answered_at IS NOT NULL, locked.cancel_attempts
+FROM req JOIN locked USING (operation_id)
 WHERE locked.remote_job_id = req.remote_job_id AND locked.fencing_token >= req.fencing_token;
 
 -- name: record_late_job

@@ -54,7 +54,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tenacity
 
@@ -75,13 +75,16 @@ from streams.errors import (
     RemoteRefusedError,
     RemoteUnknownOutcomeError,
 )
-from streams.ledger.records import RemoteCall
+from streams.ledger.records import FirstPollClaim, RemoteCall
 from streams.model.codes import ReasonCode, RemoteCallOutcome
 from streams.model.states import OperationState
 from streams.remote.client import SubmitResult
 from streams.retrying import failure_of, first_attempt_plain, retry_without_deadline
 from streams.wire import contracts, exactjson, jsontext
 from streams.worker.runtime import RawMessage, Runtime
+
+if TYPE_CHECKING:
+    from streams.worker.stages.firstpoll import FirstPolls
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +172,10 @@ def request_digest(request: Any) -> str:
 class Dispatcher:
     """Handles ``generation.submissions`` events for one worker (see module docstring)."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, first_polls: FirstPolls | None = None) -> None:
         self.rt = runtime
+        #: Takes the first poll of a job with a short hint in this worker (None: the scheduler takes every one).
+        self.first_polls = first_polls
 
     async def handle(self, message: RawMessage) -> None:
         """Process one raw submission event; invalid input goes to the dead-letter topic."""
@@ -531,9 +536,19 @@ class Dispatcher:
         reason = f"job id from HTTP {result.status_code} error.job_id" if result.via_error else None
         first_poll_s = result.poll_after_s if result.poll_after_s is not None else settings.poll_backoff_base_s
         saving_at = time.monotonic()  # the ledger's first poll is due first_poll_s after its statement started
+        first_polls = self.first_polls
+        in_process = first_polls is not None and first_polls.reserve(first_poll_s)
+        saved: bool | FirstPollClaim = False
         try:
             saved = await self.rt.ledger.save_submitted(
-                operation_id, fencing, result.job_id, first_poll_s, reason, call=posted[0]
+                operation_id,
+                fencing,
+                result.job_id,
+                # claimed here: due for another worker only if this one never takes it (firstpoll.py)
+                first_poll_s + settings.visibility_timeout_s if in_process else first_poll_s,
+                reason,
+                call=posted[0],
+                first_poll_claim_id=uuid.uuid4() if in_process else None,
             )
             posted.clear()  # its accounting record written by the save
         except LedgerDataError as exc:  # e.g. the API returned a job id another operation already holds
@@ -543,10 +558,18 @@ class Dispatcher:
             code = ReasonCode.JOB_ID_NOT_SAVED
             await self._finish_without_job(operation_id, fencing, OperationState.UNCERTAIN, why, code)
             return
-        if saved:
+        finally:
+            if first_polls is not None and in_process and not isinstance(saved, FirstPollClaim):
+                first_polls.unreserve()
+        if isinstance(saved, FirstPollClaim):
+            assert first_polls is not None  # only a reservation asks for the claim
             metrics.SUBMISSIONS.labels("submitted").inc()
-            # its first poll, to this worker's scheduler: due when the ledger's is, not a save's duration later
-            self.rt.wakeups.polls.due_in(first_poll_s - (time.monotonic() - saving_at))
+            first_polls.start(operation_id, saved, saving_at + first_poll_s)
+        elif saved:
+            metrics.SUBMISSIONS.labels("submitted").inc()
+            # its first poll, to this worker's scheduler: due when the ledger's is, not a save's duration later (now,
+            # when the save asked for the first poll and a recorded cancellation made it due at once instead)
+            self.rt.wakeups.polls.due_in((0.0 if in_process else first_poll_s) - (time.monotonic() - saving_at))
         else:
             metrics.FENCING_REFUSALS.labels("submit").inc()
             await self._record_late_job(operation_id, result.job_id, fencing)

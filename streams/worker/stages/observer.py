@@ -70,7 +70,7 @@ from streams.errors import (
     RemoteRateLimitedError,
     RemoteUnknownStatusError,
 )
-from streams.ledger.records import ObserveClaim, RemoteCall, SaveOutcome
+from streams.ledger.records import FirstPollClaim, ObserveClaim, RemoteCall, SaveOutcome
 from streams.model.answers import JobSnapshot, clean_text
 from streams.model.codes import RemoteCallOutcome
 from streams.model.states import OperationState, is_terminal
@@ -112,15 +112,8 @@ class Observer:
         operation_id: str = event["operation_id"]
         logs.bind(operation_id=operation_id)
         poll_claim_id: int = event["poll_claim_id"]
-        try:
-            lease = await rt.leases.acquire(lease_key(rt.settings, "observe", operation_id))
-        except CoordinationUnavailableError as exc:
-            metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
-            rt.log_outage("Redis", exc)
-            return  # no claim and no GET without a lease; the visibility timeout brings the poll back
+        lease = await self._lease(operation_id, poll_claim_id)
         if lease is None:
-            metrics.LEASE_BUSY.labels("observe").inc()
-            await self._reschedule(operation_id, poll_claim_id, rt.settings.lease_busy_retry_s)
             return
         claim_id = uuid.uuid4()  # the same through the ledger's repeats: a repeat gets the claim it committed
         try:
@@ -132,6 +125,39 @@ class Observer:
             await self._observe(operation_id, poll_claim_id, claim, lease)
         finally:
             await lease.release()  # a no-op when a GET was abandoned: the lease is then left to expire
+
+    async def observe_first_poll(self, operation_id: str, first: FirstPollClaim) -> None:
+        """Observe a job's first poll, claimed by the save of its job id in this worker
+        (:mod:`streams.worker.stages.firstpoll`): as :meth:`handle` does once the poll event is claimed, under the
+        same lease; the claim was taken before the lease, so a newer claim (a callback's or a cancellation's poll,
+        the visibility timeout) refuses this poll's saves by its fencing value."""
+        logs.bind(
+            operation_id=operation_id,
+            fencing_token=first.claim.fencing_token,
+            remote_job_id=first.claim.remote_job_id,
+        )
+        lease = await self._lease(operation_id, first.poll_claim_id)
+        if lease is None:
+            return
+        try:
+            await self._observe(operation_id, first.poll_claim_id, first.claim, lease)
+        finally:
+            await lease.release()
+
+    async def _lease(self, operation_id: str, poll_claim_id: int) -> Lease | None:
+        """The observe lease of ``operation_id``; None when Redis is unavailable (the visibility timeout brings the
+        poll back) or another holder has it (the poll claimed as ``poll_claim_id`` is rescheduled: no spin)."""
+        rt = self.rt
+        try:
+            lease = await rt.leases.acquire(lease_key(rt.settings, "observe", operation_id))
+        except CoordinationUnavailableError as exc:
+            metrics.COORDINATION_UNAVAILABLE.labels("observe").inc()
+            rt.log_outage("Redis", exc)
+            return None  # no claim and no GET without a lease; the visibility timeout brings the poll back
+        if lease is None:
+            metrics.LEASE_BUSY.labels("observe").inc()
+            await self._reschedule(operation_id, poll_claim_id, rt.settings.lease_busy_retry_s)
+        return lease
 
     async def _not_claimed(self, message: RawMessage, operation_id: str) -> None:
         """A poll that claims nothing: stale (counted), or for an unknown operation (dead-lettered)."""

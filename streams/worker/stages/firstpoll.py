@@ -1,0 +1,125 @@
+"""First polls taken by the worker that saved the job id, when the provider hints a short first poll.
+
+A job whose POST answer hints its first poll within ``first_poll_in_process_max_s`` has that poll claimed by the
+save of its job id (``save_submitted`` with a first poll claim id: the claim ``claim_for_observe`` would take, in
+the same statement) and observed in this worker once the hint has passed
+(:meth:`~streams.worker.stages.observer.Observer.observe_first_poll`: the observe lease, the rate budget, the GET,
+the fenced save): no poll scheduler claim and no ``generation.polls`` event for it. Every later poll goes through
+the poll scheduler as before.
+
+* Bounded: at most ``observer_concurrency`` first polls wait or run here at once, and they observe in the polls
+  agent's slots (this worker's HTTP and Redis pools are sized for those); beyond that, the first poll goes the
+  scheduler's way, due at its hint.
+* A worker lost holding one loses nothing: in the ledger the poll is due again at its hint plus the visibility
+  timeout, then claimed by any worker's scheduler, as a claimed poll lost with a worker.
+* A newer claim wins: a poll a callback or a cancellation makes due is claimed by a scheduler; its observer's claim
+  raises the fencing value, so this poll's save is refused, and its GET waits for the lease this one holds.
+* Stopping (:meth:`FirstPolls.close`): the first polls still waiting for their hint are made due at once
+  (``reschedule_poll``), so the next worker takes them without waiting out the visibility timeout; one observing is
+  cancelled like the observer's polls (a GET abandoned leaves its lease to expire).
+* An error out of an observation is logged and counted (``streams_first_polls_total{outcome="failed"}``); the poll
+  comes back after the visibility timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from streams import metrics
+from streams.errors import error_summary
+from streams.ledger.records import FirstPollClaim
+from streams.worker.runtime import Runtime
+from streams.worker.stages.observer import Observer
+
+log = logging.getLogger(__name__)
+
+#: How long a stopping worker tries to make its waiting first polls due again (s); past it they come back after
+#: the visibility timeout.
+GIVE_BACK_TIMEOUT_S = 5.0
+
+
+class FirstPolls:
+    """This worker's first polls claimed by its job-id saves (see module docstring).
+
+    Args:
+        rt: the worker's runtime; ``first_poll_in_process_max_s`` and ``observer_concurrency`` from its settings.
+        observer: observes each poll.
+        slots: the polls agent's handling slots, shared (a semaphore of ``observer_concurrency``).
+    """
+
+    def __init__(self, rt: Runtime, observer: Observer, slots: asyncio.Semaphore) -> None:
+        self.rt = rt
+        self.observer = observer
+        self.slots = slots
+        self.max_hint_s = rt.settings.first_poll_in_process_max_s
+        self.limit = rt.settings.observer_concurrency
+        self._held = 0  # reserved or running
+        self._waiting: dict[str, int] = {}  # operation id -> poll claim id, not yet observing
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def reserve(self, hint_s: float) -> bool:
+        """Room for a first poll due in ``hint_s`` s: True (then :meth:`start` or :meth:`unreserve` follows) when
+        the hint is within ``first_poll_in_process_max_s`` and fewer than ``observer_concurrency`` are held."""
+        if self._closed or hint_s > self.max_hint_s or self.max_hint_s <= 0 or self._held >= self.limit:
+            return False
+        self._held += 1
+        return True
+
+    def unreserve(self) -> None:
+        """Give back a reservation whose save claimed no first poll."""
+        self._held -= 1
+
+    def start(self, operation_id: str, first: FirstPollClaim, due_at: float) -> None:
+        """Observe ``first`` at ``due_at`` (monotonic s), in a task of its own; takes a reservation's place."""
+        self._waiting[operation_id] = first.poll_claim_id
+        task = asyncio.create_task(self._run(operation_id, first, due_at))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, operation_id: str, first: FirstPollClaim, due_at: float) -> None:
+        try:
+            wait_s = due_at - time.monotonic()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+            async with self.slots:
+                self._waiting.pop(operation_id, None)
+                await self.observer.observe_first_poll(operation_id, first)
+            metrics.FIRST_POLLS.labels("observed").inc()
+        except Exception as exc:  # its own task: nothing above it would log it
+            metrics.FIRST_POLLS.labels("failed").inc()
+            log.error(
+                "first poll not observed (%s); it is due again after the visibility timeout (%.0f s)",
+                error_summary(exc),
+                self.rt.settings.visibility_timeout_s,
+            )
+        finally:
+            self._waiting.pop(operation_id, None)
+            self._held -= 1
+
+    async def close(self) -> None:
+        """Stop: cancel every first poll held; make those not yet observing due again at once (at most
+        :data:`GIVE_BACK_TIMEOUT_S`; past it, or on an error, they come back after the visibility timeout)."""
+        self._closed = True
+        waiting = dict(self._waiting)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not waiting:
+            return
+        ledger = self.rt.ledger
+        give_back = [ledger.reschedule_poll(op, claim, 0.0) for op, claim in waiting.items()]
+        try:
+            async with asyncio.timeout(GIVE_BACK_TIMEOUT_S):
+                given = await asyncio.gather(*give_back)
+        except Exception as exc:  # stopping: said, and the visibility timeout brings them back
+            log.warning(
+                "%d first polls not made due again as the worker stopped (%s); due after the visibility timeout",
+                len(waiting),
+                error_summary(exc),
+            )
+            return
+        metrics.FIRST_POLLS.labels("given_back").inc(sum(1 for ok in given if ok))
