@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from streams.config import Settings
-from streams.ledger.records import ObserveClaim
+from streams.ledger.records import CancelPath, FirstPollClaim, ObserveClaim
 from streams.ledger.store import Ledger
 from streams.model.answers import JobSnapshot
 from streams.model.codes import ReasonCode
@@ -389,5 +389,69 @@ async def test_poll_setbacks_count_and_stall_alike_on_both_ledgers(pool: asyncpg
         ((OperationState.SUBMITTED, 1), None, unknown, 2),  # a failure keeps the last observation
         ((OperationState.STALLED, 2), "r unknown_status", unknown, 3),
         (None, "r unknown_status", unknown, 3),  # stalled: no longer pollable
+    ]
+    assert await story(InMemoryLedger(worker="contract")) == real
+
+
+async def test_a_first_poll_claimed_by_the_job_id_save_reads_alike_on_both_ledgers(pool: asyncpg.Pool) -> None:
+    """``save_submitted`` with a first poll claim id: the observer's claim taken by the save (a new fencing value
+    and poll claim, not due for the scheduler before its delay), the same claim again for a repeat, none once a
+    newer claim was taken, and none with a cancellation recorded (the poll due at once, the fencing value kept);
+    the same answers from the fake as from PostgreSQL."""
+
+    def seen(saved: bool | FirstPollClaim) -> Any:
+        if isinstance(saved, FirstPollClaim):
+            c = saved.claim
+            return (saved.poll_claim_id, c.fencing_token, c.remote_job_id, str(c.state), c.poll_count, c.cancel_asked)
+        return saved
+
+    async def story(ledger: Any) -> list[Any]:
+        claim_id = uuid.uuid4()
+        assert await ledger.accept("op-first", REQUEST, submitted_at_ms=0)
+        fencing = await ledger.claim_for_submit("op-first")
+        answers = [
+            seen(
+                await ledger.save_submitted("op-first", fencing, "job-first", 60.0, None, first_poll_claim_id=claim_id)
+            )
+        ]
+        answers.append(
+            seen(
+                await ledger.save_submitted("op-first", fencing, "job-first", 60.0, None, first_poll_claim_id=claim_id)
+            )
+        )
+        answers.append([p.operation_id for p in await ledger.claim_due_polls(10, 30.0)])  # due in 60 s: not claimed
+        answers.append(await ledger.reschedule_poll("op-first", 1, 0.0))  # given back: due now
+        answers.append([(p.operation_id, p.poll_claim_id) for p in await ledger.claim_due_polls(10, 30.0)])
+        answers.append(
+            seen(
+                await ledger.save_submitted("op-first", fencing, "job-first", 60.0, None, first_poll_claim_id=claim_id)
+            )
+        )
+        assert await ledger.accept("op-asked", REQUEST, submitted_at_ms=0)
+        fencing = await ledger.claim_for_submit("op-asked")
+        await ledger.request_cancel("op-asked", CancelPath.OPERATOR, "alice", "not needed")
+        answers.append(
+            seen(
+                await ledger.save_submitted(
+                    "op-asked", fencing, "job-asked", 60.0, None, first_poll_claim_id=uuid.uuid4()
+                )
+            )
+        )
+        answers.append([p.operation_id for p in await ledger.claim_due_polls(10, 30.0)])  # due at once
+        row = await ledger.get_operation("op-asked")
+        answers.append((row["fencing_token"], row["poll_claim_id"]))
+        return answers
+
+    real = await story(Ledger(pool, "contract", batching=False))
+    assert real == [
+        (1, 2, "job-first", "submitted", 0, False),  # claimed: fencing 1 -> 2, poll claim 0 -> 1
+        (1, 2, "job-first", "submitted", 0, False),  # the same save again: the same claim, nothing written
+        [],
+        True,
+        [("op-first", 2)],
+        True,  # a scheduler claimed the poll since: saved, not this save's poll any more
+        True,
+        ["op-asked"],
+        (1, 1),  # the scheduler's claim only: the save took no observer claim
     ]
     assert await story(InMemoryLedger(worker="contract")) == real
