@@ -6,7 +6,9 @@ Layout (faust-streaming user guide, "medium/large projects"): the pipeline logic
 module only wires them to Kafka.
 
 * ``dispatch`` agent: ``generation.submissions`` -> :class:`~streams.worker.stages.dispatcher.Dispatcher`.
-* ``observe`` agent: ``generation.polls`` -> :class:`~streams.worker.stages.observer.Observer`.
+* ``observe`` agent: ``generation.polls`` -> :class:`~streams.worker.stages.observer.Observer`; a job's first poll
+  with a short hint is taken in the dispatching worker instead (:class:`~streams.worker.stages.firstpoll.FirstPolls`,
+  in the same slots).
 * ``cancel`` agent: ``generation.cancellations`` -> :class:`~streams.worker.stages.canceller.Canceller`
   (docs/cancellation.md).
 * ``schedule_polls`` task: :class:`~streams.worker.stages.scheduler.PollScheduler` (due polls, reconciliation,

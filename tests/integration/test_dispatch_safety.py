@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 from collections.abc import Awaitable
 from typing import Any
 
@@ -16,7 +17,7 @@ import asyncpg
 import pytest
 
 from streams.config import lease_key
-from streams.ledger.records import RemoteCall
+from streams.ledger.records import FirstPollClaim, RemoteCall
 from streams.remote.client import SubmitResult
 from streams.worker.runtime import Runtime
 from streams.worker.stages.dispatcher import Dispatcher
@@ -70,10 +71,20 @@ async def test_cancelled_dispatcher_posts_once_and_saves_the_outcome(
             first_poll_delay_s: float,
             reason: str | None,
             call: RemoteCall | None = None,
-        ) -> bool:
+            *,
+            first_poll_claim_id: uuid.UUID | None = None,
+        ) -> bool | FirstPollClaim:
             cancel_handler()
             await asyncio.sleep(0)
-            return await real_save(operation_id, fencing_token, remote_job_id, first_poll_delay_s, reason, call)
+            return await real_save(
+                operation_id,
+                fencing_token,
+                remote_job_id,
+                first_poll_delay_s,
+                reason,
+                call,
+                first_poll_claim_id=first_poll_claim_id,
+            )
 
         monkeypatch.setattr(runtime.ledger, "save_submitted", save_submitted)
     else:  # the simulator creates the job, then holds its answer for 1 s (the read timeout is 2 s)

@@ -61,7 +61,7 @@ async def test_a_short_hint_first_poll_is_observed_by_the_saving_worker_without_
         assert saved["due_in_s"] > runtime.settings.visibility_timeout_s - 5
 
         async def polled() -> bool:
-            return (await row(pool, op))["poll_count"] == 1
+            return bool((await row(pool, op))["poll_count"] == 1)
 
         await wait_for(polled, 10.0, "the first poll observed with no poll scheduler running")
         assert await get_fencing_tokens(pool, op) == [2]  # one GET, under the save's claim

@@ -20,7 +20,7 @@ from streams import metrics
 from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
 from streams.ledger import connect_options, notices
-from streams.ledger.records import RemoteCall
+from streams.ledger.records import FirstPollClaim, RemoteCall
 from streams.ledger.store import Ledger
 from streams.worker.runtime import Runtime
 from streams.worker.stages.dispatcher import Dispatcher
@@ -380,10 +380,19 @@ async def test_the_first_polls_wakeup_is_due_when_the_ledgers_first_poll_is(
     calls: list[tuple[float, float]] = []
 
     async def timed_save(
-        operation_id: str, fencing: int, job_id: str, delay_s: float, reason: str | None, call: RemoteCall | None = None
-    ) -> bool:
+        operation_id: str,
+        fencing: int,
+        job_id: str,
+        delay_s: float,
+        reason: str | None,
+        call: RemoteCall | None = None,
+        *,
+        first_poll_claim_id: uuid.UUID | None = None,
+    ) -> bool | FirstPollClaim:
         calls.append((time.monotonic(), delay_s))
-        return await save(operation_id, fencing, job_id, delay_s, reason, call=call)
+        return await save(
+            operation_id, fencing, job_id, delay_s, reason, call=call, first_poll_claim_id=first_poll_claim_id
+        )
 
     monkeypatch.setattr(rt.ledger, "save_submitted", timed_save)
     try:

@@ -2,7 +2,9 @@
 
 Outcome of the POST (see :mod:`streams.remote.client`):
 
-* created (2xx, or 502 with ``error.job_id``): the job id is saved, fenced; the first poll is scheduled.
+* created (2xx, or 502 with ``error.job_id``): the job id is saved, fenced; the first poll is scheduled, or, when
+  its hint is short and this worker has room, claimed by the same statement and taken here
+  (:mod:`streams.worker.stages.firstpoll`).
 * definite refusal (4xx): ``rejected`` with the API's reason.
 * 429 or "not sent" (connection refused before any byte): retried after ``Retry-After`` / with backoff,
   within ``submit_retry_deadline_s``; past it (or at once, for a ``Retry-After`` ending past it), ``rejected``

@@ -9,7 +9,9 @@ the poll scheduler as before.
 
 * Bounded: at most ``observer_concurrency`` first polls wait or run here at once, and they observe in the polls
   agent's slots (this worker's HTTP and Redis pools are sized for those); beyond that, the first poll goes the
-  scheduler's way, due at its hint.
+  scheduler's way, due at its hint. So does every first poll while the account's GETs are paced
+  (``remote_get_rate_per_s``): the scheduler's claims budget then paces all polls, so that they wait in
+  PostgreSQL rather than at observers (:mod:`streams.coordination.ratebudget`).
 * A worker lost holding one loses nothing: in the ledger the poll is due again at its hint plus the visibility
   timeout, then claimed by any worker's scheduler, as a claimed poll lost with a worker.
 * A newer claim wins: a poll a callback or a cancellation makes due is claimed by a scheduler; its observer's claim
@@ -28,6 +30,7 @@ import logging
 import time
 
 from streams import metrics
+from streams.coordination.ratebudget import BudgetKind
 from streams.errors import error_summary
 from streams.ledger.records import FirstPollClaim
 from streams.worker.runtime import Runtime
@@ -62,8 +65,11 @@ class FirstPolls:
 
     def reserve(self, hint_s: float) -> bool:
         """Room for a first poll due in ``hint_s`` s: True (then :meth:`start` or :meth:`unreserve` follows) when
-        the hint is within ``first_poll_in_process_max_s`` and fewer than ``observer_concurrency`` are held."""
+        the hint is within ``first_poll_in_process_max_s``, fewer than ``observer_concurrency`` are held and the
+        account's GETs are not paced (then the scheduler's claims budget paces every poll, the first ones too)."""
         if self._closed or hint_s > self.max_hint_s or self.max_hint_s <= 0 or self._held >= self.limit:
+            return False
+        if self.rt.budget.paces[BudgetKind.CLAIMS].paced:
             return False
         self._held += 1
         return True

@@ -3,7 +3,9 @@
 * Poll scheduling lives in PostgreSQL: due operations (``next_poll_at <= now()``) are claimed with
   ``FOR UPDATE SKIP LOCKED`` (workers never claim the same poll twice), their ``next_poll_at`` moves to
   now + visibility timeout, and one event per claim goes to ``generation.polls`` keyed by operation id.
-  A poll lost with a crashed worker comes back when its visibility timeout passes.
+  A poll lost with a crashed worker comes back when its visibility timeout passes. (A job's first poll with a
+  short hint is claimed by the save of its job id instead and taken in that worker:
+  :mod:`streams.worker.stages.firstpoll`.)
 * Back-pressure: a poll must reach an observer before its visibility timeout passes, or it is claimed again
   and its first event arrives stale (the topic then fills with polls nobody can use, and a burst never ends).
   So the polls claimed and not yet taken by an observer (cluster-wide, read from the ledger in the claiming
