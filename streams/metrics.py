@@ -92,8 +92,8 @@ POLLS_CLAIMED = Counter("streams_polls_claimed_total", "Due polls claimed by thi
 FIRST_POLLS = Counter(
     "streams_first_polls_total",
     "First polls claimed by the save of the job id and taken in this worker, by outcome (observed: observed or "
-    "left to a newer claim; given_back: due again at once as the worker stopped; failed: back after the "
-    "visibility timeout).",
+    "left to a newer claim; given_back: made due at once for the scheduler, as the worker stopped or after a "
+    "failure; failed: an error out of the observation).",
     ["outcome"],
 )
 RECONCILED_UNCERTAIN = Counter(

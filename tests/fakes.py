@@ -376,6 +376,18 @@ class InMemoryLedger(WaitsOutOutages, AnnouncesTransitions):
             return False
         cancel_recorded = operation_id in self.cancellations
         claims = claim_id is not None and not cancel_recorded
+        # the first poll's claim, as claim_for_observe writes it, in the same write (one transition)
+        claim: dict[str, Any] = (
+            {
+                "fencing_token": op.fencing_token + 1,
+                "poll_claim_id": op.poll_claim_id + 1,
+                "poll_claimed": False,
+                "observe_claim_id": claim_id,
+                "hinted": False,
+            }
+            if claims
+            else {}
+        )
         self._write(
             op,
             state=S.SUBMITTED,
@@ -385,23 +397,15 @@ class InMemoryLedger(WaitsOutOutages, AnnouncesTransitions):
             next_poll_at=self._t if cancel_recorded else self._t + first_poll_delay_s,
             next_lookup_at=None,
             updated_by=self.worker,
+            **claim,
         )
-        if not claims:
-            return True
-        op = self.operations[operation_id]
-        self._write(
-            op,
-            fencing_token=op.fencing_token + 1,
-            poll_claim_id=op.poll_claim_id + 1,
-            poll_claimed=False,
-            observe_claim_id=claim_id,
-            hinted=False,
-        )
-        return self._first_poll_claim(self.operations[operation_id])
+        return self._first_poll_claim(self.operations[operation_id]) if claims else True
 
     def _first_poll_claim(self, op: Operation) -> FirstPollClaim:
         since = op.observing_since if op.observing_since is not None else op.accepted_at
-        return FirstPollClaim(op.poll_claim_id, self._observe_claim(op, self._t - since))
+        claim = self._observe_claim(op, self._t - since)
+        # claimed with no cancellation recorded (a repeat's answer says so too, as the statement's does)
+        return FirstPollClaim(op.poll_claim_id, replace(claim, cancel_asked=False))
 
     @waits_out_outages("record late job")
     async def record_late_job(self, operation_id: str, remote_job_id: str) -> str | None:

@@ -810,6 +810,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
                 "fencing_tokens": [],
                 "remote_job_ids": [],
                 "first_poll_delays_s": [],
+                "first_poll_claim_ids": [],
                 "reasons": [],
                 **no_calls(0, job=False),
                 **fixed,
@@ -838,6 +839,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
             fencing_tokens=[1] * n,
             remote_job_ids=[f"job-{o}" for o in submitted],
             first_poll_delays_s=[60.0] * n,
+            first_poll_claim_ids=[None] * n,
             reasons=[None] * n,
             **no_calls(n, job=False),
             **fixed,
@@ -852,6 +854,7 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
                 "fencing_tokens": [1, 1],
                 "remote_job_ids": ["job-x", "job-y"],
                 "first_poll_delays_s": [1.0, 1.0],
+                "first_poll_claim_ids": [uuid.uuid4(), None],  # one save claims its first poll, one does not
                 "reasons": [None, None],
                 **no_calls(2, job=False),
                 **fixed,

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 from typing import Any
 
+from streams import metrics
 from streams.config import Settings
 from streams.coordination.ratebudget import BudgetKind, Pace
+from streams.ledger.records import FirstPollClaim, ObserveClaim
+from streams.model.states import OperationState
 from streams.worker.stages.firstpoll import FirstPolls
 
 
@@ -40,3 +44,51 @@ def test_at_most_observer_concurrency_are_held_and_a_reservation_given_back_make
 def test_paced_gets_leave_every_first_poll_to_the_scheduler() -> None:
     assert not first_polls(get_rate_per_s=10.0).reserve(0.05)
     assert first_polls(get_rate_per_s=0.0).reserve(0.05)
+
+
+def test_completion_callbacks_leave_every_first_poll_to_the_scheduler() -> None:
+    assert not first_polls(callbacks_enabled=True, callback_secrets="whsec_dGVzdHNlY3JldHRlc3RzZWNyZXQ=").reserve(0.05)
+
+
+CLAIM = FirstPollClaim(7, ObserveClaim(2, "job-1", OperationState.SUBMITTED, 0))
+
+
+async def test_a_save_ending_after_close_starts_nothing_and_gives_its_reservation_back() -> None:
+    polls = first_polls()
+    assert polls.reserve(0.05)
+    await polls.close()
+    polls.start("op-1", CLAIM, time.monotonic())
+    assert polls.held == 0
+    assert not polls.reserve(0.05)
+
+
+class Failing:
+    async def observe_first_poll(self, operation_id: str, first: FirstPollClaim) -> None:
+        raise RuntimeError("boom")
+
+
+async def test_an_error_out_of_the_observation_is_reported_and_the_poll_made_due_at_once() -> None:
+    rescheduled: list[tuple[str, int, float]] = []
+    reported: list[str] = []
+
+    async def reschedule_poll(operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
+        rescheduled.append((operation_id, poll_claim_id, delay_s))
+        return True
+
+    polls = first_polls()
+    rt: Any = polls.rt
+    rt.ledger = types.SimpleNamespace(reschedule_poll=reschedule_poll)
+    rt.report_failure = lambda where, exc: reported.append(f"{where}: {exc}")
+    polls.observer = Failing()  # type: ignore[assignment]
+    failed, given_back = (
+        metrics.FIRST_POLLS.labels("failed")._value.get(),
+        metrics.FIRST_POLLS.labels("given_back")._value.get(),
+    )
+    assert polls.reserve(0.0)
+    polls.start("op-1", CLAIM, time.monotonic())
+    while polls.held:
+        await asyncio.sleep(0)
+    assert reported == ["first_poll: boom"]
+    assert rescheduled == [("op-1", 7, 0.0)]
+    assert metrics.FIRST_POLLS.labels("failed")._value.get() == failed + 1
+    assert metrics.FIRST_POLLS.labels("given_back")._value.get() == given_back + 1

@@ -76,9 +76,10 @@ WHERE locked.state = 'submitting' AND locked.claim_id = req.claim_id;
 -- The first poll is due now instead of after its delay when a cancellation is recorded (the observer calls the
 -- provider's cancel route at that poll).
 -- A request with a first_poll_claim_id also claims the job's first poll for the saving worker, as
--- claim_for_observe would (a new fencing value and poll claim, the poll taken, hinted_at cleared, its claim id on
--- the row), unless a cancellation is recorded: its first_poll_delays_s is then when the poll comes back if that
--- worker never takes it (its hint plus the visibility timeout).
+-- claim_for_observe would (a new fencing value and poll claim, hinted_at cleared, its claim id on the row; not
+-- poll_taken_at: claim_due_polls paces itself by the polls its observers took), unless a cancellation is recorded:
+-- its first_poll_delays_s is then when the poll comes back if that worker never takes it (its hint plus the
+-- visibility timeout).
 -- :operation_ids (text[], distinct), :fencing_tokens (bigint[]), :remote_job_ids (text[]), :first_poll_delays_s first poll
 -- delays (s, float8[]), :first_poll_claim_ids (uuid[]; NULL: the poll scheduler claims the first poll),
 -- :reasons (NULL for a 2xx; the 502's words when the id came from error.job_id),
@@ -118,7 +119,6 @@ WITH req AS (
         fencing_token = o.fencing_token + CASE WHEN req.claims THEN 1 ELSE 0 END,
         poll_claim_id = o.poll_claim_id + CASE WHEN req.claims THEN 1 ELSE 0 END,
         poll_claimed_at = CASE WHEN req.claims THEN NULL ELSE o.poll_claimed_at END,
-        poll_taken_at = CASE WHEN req.claims THEN now() ELSE o.poll_taken_at END,
         observe_claim_id = CASE WHEN req.claims THEN req.claim_id ELSE o.observe_claim_id END,
         hinted_at = CASE WHEN req.claims THEN NULL ELSE o.hinted_at END,
         updated_by = :worker

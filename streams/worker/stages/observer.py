@@ -1,5 +1,8 @@
 """The observer: one due-poll event -> Redis lease -> fenced claim -> GET -> renew -> fenced save -> release.
 
+A job's first poll claimed by the save of its job id enters after the claim (:meth:`Observer.observe_first_poll`,
+from :mod:`streams.worker.stages.firstpoll`): the lease, then the same steps.
+
 * Lease not acquired: another worker is observing (or this worker's Redis pool was full); the poll is
   rescheduled (same job id), no spin, no failure.
 * Redis unavailable: no claim and no GET; the poll comes back after its visibility timeout.
