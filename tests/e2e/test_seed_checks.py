@@ -154,7 +154,10 @@ async def test_redis_restarted_empty_keeps_ledger_and_creates_nothing(
     that already had a job id, fencing values keep increasing, polling resumes."""
     fleet.start("a")
     await fleet.wait_ready()
-    ids = await submit(producer, f"flush{uuid.uuid4().hex[:6]}", 20, generated=600)
+    assert fleet.settings.first_poll_in_process_max_s == 1.0
+    # jobs of about 1.26 s (the simulator's 200 ms queue and 25 ms per token, compressed 20x): the first poll's hint
+    # is past first_poll_in_process_max_s, so every observation is claimed after the job id's save
+    ids = await submit(producer, f"flush{uuid.uuid4().hex[:6]}", 20, generated=1000)
 
     async def all_have_jobs() -> bool:
         n = await ledger_pool.fetchval(

@@ -14,6 +14,8 @@ import pytest
 
 from streams import metrics
 from streams.config import Settings
+from streams.ledger.records import FirstPollClaim
+from streams.ledger.store import Ledger
 from streams.worker.runtime import Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.firstpoll import FirstPolls
@@ -107,3 +109,34 @@ async def test_a_stopping_worker_makes_its_waiting_first_polls_due_at_once(
     assert stopped["due_in_s"] <= 0.0  # due now, for any worker's scheduler
     assert first_polls("given_back") == given_back + 1
     assert not polls.reserve(0.0)  # closed: no first poll is taken here any more
+
+
+async def test_one_batch_of_saves_answers_each_request_as_its_own_statement_would(pool: asyncpg.Pool) -> None:
+    """Saves made at once go out as one batched statement: the one with a first poll claim id gets its claim, the
+    one without is saved with its poll left to the scheduler, the stale one is refused."""
+    ledger = Ledger(pool, "batched")
+    ops = ["op-b-claim", "op-b-plain", "op-b-stale"]
+    fencing: dict[str, int] = {}
+    for op in ops:
+        assert await ledger.accept(op, '{"input": {"prompt": "p"}}', submitted_at_ms=0)
+        claimed = await ledger.claim_for_submit(op)
+        assert claimed == 1
+        fencing[op] = claimed
+    answers = await asyncio.gather(
+        ledger.save_submitted(
+            "op-b-claim", fencing["op-b-claim"], "job-b-claim", 60.0, None, first_poll_claim_id=uuid.uuid4()
+        ),
+        ledger.save_submitted("op-b-plain", fencing["op-b-plain"], "job-b-plain", 0.05, None),
+        ledger.save_submitted(
+            "op-b-stale", fencing["op-b-stale"] + 1, "job-b-stale", 0.05, None, first_poll_claim_id=uuid.uuid4()
+        ),
+    )
+    assert list(answers[1:]) == [True, False]
+    assert isinstance(answers[0], FirstPollClaim)
+    assert (answers[0].poll_claim_id, answers[0].claim.fencing_token, answers[0].claim.remote_job_id) == (
+        1,
+        2,
+        "job-b-claim",
+    )
+    states = {op: (await row(pool, op))["state"] for op in ops}
+    assert states == {"op-b-claim": "submitted", "op-b-plain": "submitted", "op-b-stale": "submitting"}
