@@ -56,8 +56,8 @@ async def test_a_short_hint_first_poll_is_observed_by_the_saving_worker_without_
     try:
         await Dispatcher(runtime, polls).handle(submission(op))
         saved = await row(pool, op)
-        # the save claimed the poll: an observer's fencing value (the submit claim's was 1), the poll taken, and due
-        # for the scheduler only after the visibility timeout
+        # the save claimed the poll: an observer's fencing value (the submit claim's was 1), a new poll claim, and
+        # due for the scheduler only after the visibility timeout
         assert (saved["fencing_token"], saved["poll_claim_id"], saved["poll_claimed_at"]) == (2, 1, None)
         assert saved["poll_taken_at"] is None  # not counted as a poll the observers took (the scheduler's pace)
         assert saved["due_in_s"] > runtime.settings.visibility_timeout_s - 5
