@@ -284,8 +284,9 @@ class Settings(ExplicitSettings):
     # taken in the same worker (streams/worker/stages/firstpoll.py): no scheduler claim, no poll event.
     first_poll_in_process_max_s: Seconds = Field(
         1.0,
-        description="Longest first-poll hint for which the worker that saved the job id takes the first poll itself "
-        "(s); 0: every first poll goes through the poll scheduler.",
+        description="Longest first-poll delay (the POST answer's hint, or poll_backoff_base_s without one) for which "
+        "the worker that saved the job id takes the first poll itself (s); 0: every first poll goes through the poll "
+        "scheduler.",
     )
     poll_backoff_base_s: Seconds = Field(0.5, description="First delay of a job's poll backoff (s).")
     poll_backoff_cap_s: Seconds = Field(30.0, description="Longest delay between two polls of one job (s).")

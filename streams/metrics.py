@@ -91,11 +91,14 @@ STALE_POLLS = Counter("streams_stale_polls_total", "Poll events dropped because 
 POLLS_CLAIMED = Counter("streams_polls_claimed_total", "Due polls claimed by this worker's scheduler.")
 FIRST_POLLS = Counter(
     "streams_first_polls_total",
-    "First polls claimed by the save of the job id and taken in this worker, by outcome (observed: observed or "
-    "left to a newer claim; given_back: made due at once for the scheduler, as the worker stopped or after a "
-    "failure; failed: an error out of the observation).",
+    "First polls claimed by the save of the job id and taken in this worker, by outcome (taken: its observation "
+    "ran, with a GET, or without one when another holder had the lease or Redis was unavailable; given_back: made "
+    "due at once for the scheduler, as the worker stopped or after a failure; failed: an error out of the "
+    "observation).",
     ["outcome"],
 )
+#: The outcomes of :data:`FIRST_POLLS`.
+FIRST_POLL_OUTCOMES = ("taken", "given_back", "failed")
 RECONCILED_UNCERTAIN = Counter(
     "streams_reconciled_uncertain_total", "Operations found stuck in submitting and marked uncertain."
 )
@@ -294,6 +297,8 @@ def preinitialise(consumed_topics: Iterable[str]) -> None:
             CANCELLATIONS.labels(path, cancel_result)
     for kind in ("max_age", "not_found", "unknown_status"):
         STALLED.labels(kind)
+    for first_poll_outcome in FIRST_POLL_OUTCOMES:
+        FIRST_POLLS.labels(first_poll_outcome)
     for callback_result in ("poll_now", "poll_claimed", "no_change"):
         CALLBACKS_RECEIVED.labels(callback_result)
     for refusal in CallbackRefusal:

@@ -52,7 +52,7 @@ async def test_a_short_hint_first_poll_is_observed_by_the_saving_worker_without_
 ) -> None:
     op = f"op-fp-{uuid.uuid4().hex[:8]}"
     polls = FirstPolls(runtime, Observer(runtime), asyncio.Semaphore(4))
-    observed = first_polls("observed")
+    observed = first_polls("taken")
     try:
         await Dispatcher(runtime, polls).handle(submission(op))
         saved = await row(pool, op)
@@ -67,7 +67,7 @@ async def test_a_short_hint_first_poll_is_observed_by_the_saving_worker_without_
 
         await wait_for(polled, 10.0, "the first poll observed with no poll scheduler running")
         assert await get_fencing_tokens(pool, op) == [2]  # one GET, under the save's claim
-        assert first_polls("observed") == observed + 1
+        assert first_polls("taken") == observed + 1
     finally:
         await polls.close()
 

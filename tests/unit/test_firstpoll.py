@@ -92,3 +92,20 @@ async def test_an_error_out_of_the_observation_is_reported_and_the_poll_made_due
     assert rescheduled == [("op-1", 7, 0.0)]
     assert metrics.FIRST_POLLS.labels("failed")._value.get() == failed + 1
     assert metrics.FIRST_POLLS.labels("given_back")._value.get() == given_back + 1
+
+
+async def test_close_in_the_turn_of_a_start_gives_the_poll_back_and_its_reservation() -> None:
+    rescheduled: list[tuple[str, int, float]] = []
+
+    async def reschedule_poll(operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
+        rescheduled.append((operation_id, poll_claim_id, delay_s))
+        return True
+
+    polls = first_polls()
+    rt: Any = polls.rt
+    rt.ledger = types.SimpleNamespace(reschedule_poll=reschedule_poll)
+    assert polls.reserve(0.05)
+    polls.start("op-1", CLAIM, time.monotonic() + 0.05)  # its task has not run a step when close() cancels it
+    await polls.close()
+    assert rescheduled == [("op-1", 7, 0.0)]
+    assert polls.held == 0

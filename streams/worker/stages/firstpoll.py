@@ -25,9 +25,10 @@ later poll goes through the poll scheduler.
   (``reschedule_poll``), so the next worker takes them without waiting out the visibility timeout; one observing is
   cancelled like the observer's polls (a GET abandoned leaves its lease to expire). A save that ends after that
   starts nothing: its poll is due again after the visibility timeout.
-* An error out of an observation is logged with its traceback and counted (``streams_first_polls_total{outcome=
-  "failed"}``, ``streams_unexpected_errors_total{where="first_poll"}``), and the poll is made due at once for the
-  scheduler (after the visibility timeout when that fails too).
+* An error out of an observation is counted (``streams_first_polls_total{outcome="failed"}``) and reported as the
+  runtime reports failures (an outage logged as one; anything else logged with its traceback and counted in
+  ``streams_unexpected_errors_total{where="first_poll"}``), and the poll is made due at once for the scheduler
+  (after the visibility timeout when that fails too).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from streams.worker.stages.observer import Observer
 
 log = logging.getLogger(__name__)
 
-#: How long a stopping worker tries to make its waiting first polls due again (s); past it they come back after
-#: the visibility timeout.
+#: How long a stopping worker waits for its cancelled first polls to end, and then tries to make its waiting ones due
+#: again (s); past it they come back after the visibility timeout.
 GIVE_BACK_TIMEOUT_S = 5.0
 
 
@@ -104,7 +105,13 @@ class FirstPolls:
         self._waiting[operation_id] = first.poll_claim_id
         task = asyncio.create_task(self._run(operation_id, first, due_at))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+
+        def ended(done: asyncio.Task[None]) -> None:  # also for a task cancelled before its first step
+            self._tasks.discard(done)
+            self._waiting.pop(operation_id, None)
+            self._held -= 1
+
+        task.add_done_callback(ended)
 
     async def _run(self, operation_id: str, first: FirstPollClaim, due_at: float) -> None:
         try:
@@ -114,24 +121,23 @@ class FirstPolls:
             async with self.slots:
                 self._waiting.pop(operation_id, None)
                 await self.observer.observe_first_poll(operation_id, first)
-            metrics.FIRST_POLLS.labels("observed").inc()
+            metrics.FIRST_POLLS.labels("taken").inc()
         except Exception as exc:  # its own task: nothing above it would log it
             metrics.FIRST_POLLS.labels("failed").inc()
-            self.rt.report_failure("first_poll", exc)  # logged with its traceback, counted
+            self.rt.report_failure("first_poll", exc)
             await self._give_back({operation_id: first.poll_claim_id})
-        finally:
-            self._waiting.pop(operation_id, None)
-            self._held -= 1
 
     async def close(self) -> None:
-        """Stop: cancel every first poll held; make those not yet observing due again at once (at most
-        :data:`GIVE_BACK_TIMEOUT_S`; past it, or on an error, they come back after the visibility timeout)."""
+        """Stop: cancel every first poll held (waiting at most :data:`GIVE_BACK_TIMEOUT_S` for them to end); make
+        those not yet observing due again at once (at most as long again; past it, or on an error, they come back
+        after the visibility timeout)."""
         self._closed = True
         waiting = dict(self._waiting)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:  # a cancelled observation still writes its GET's accounting: bounded, as the give-back is
+            await asyncio.wait(tasks, timeout=GIVE_BACK_TIMEOUT_S)
         if waiting:
             await self._give_back(waiting)
 
