@@ -67,17 +67,24 @@ class Failing:
         raise RuntimeError("boom")
 
 
-async def test_an_error_out_of_the_observation_is_reported_and_the_poll_made_due_at_once() -> None:
+def recording_reschedules(polls: FirstPolls) -> list[tuple[str, int, float]]:
+    """Give ``polls``' runtime a ledger whose ``reschedule_poll`` records its calls (operation, poll claim, delay)."""
     rescheduled: list[tuple[str, int, float]] = []
-    reported: list[str] = []
 
     async def reschedule_poll(operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
         rescheduled.append((operation_id, poll_claim_id, delay_s))
         return True
 
-    polls = first_polls()
     rt: Any = polls.rt
     rt.ledger = types.SimpleNamespace(reschedule_poll=reschedule_poll)
+    return rescheduled
+
+
+async def test_an_error_out_of_the_observation_is_reported_and_the_poll_made_due_at_once() -> None:
+    reported: list[str] = []
+    polls = first_polls()
+    rescheduled = recording_reschedules(polls)
+    rt: Any = polls.rt
     rt.report_failure = lambda where, exc: reported.append(f"{where}: {exc}")
     polls.observer = Failing()  # type: ignore[assignment]
     failed, given_back = (
@@ -95,15 +102,8 @@ async def test_an_error_out_of_the_observation_is_reported_and_the_poll_made_due
 
 
 async def test_close_in_the_turn_of_a_start_gives_the_poll_back_and_its_reservation() -> None:
-    rescheduled: list[tuple[str, int, float]] = []
-
-    async def reschedule_poll(operation_id: str, poll_claim_id: int, delay_s: float) -> bool:
-        rescheduled.append((operation_id, poll_claim_id, delay_s))
-        return True
-
     polls = first_polls()
-    rt: Any = polls.rt
-    rt.ledger = types.SimpleNamespace(reschedule_poll=reschedule_poll)
+    rescheduled = recording_reschedules(polls)
     assert polls.reserve(0.05)
     polls.start("op-1", CLAIM, time.monotonic() + 0.05)  # its task has not run a step when close() cancels it
     await polls.close()
