@@ -143,6 +143,13 @@ class PartitionRoutes:
             return False
         return True
 
+    def next_probe_in_s(self) -> float | None:
+        """Seconds until the first partition skipped after a failed send is probed again (0 when one is due); None
+        when no partition is skipped for a failed send."""
+        if not self.failed_until:
+            return None
+        return max(0.0, min(self.failed_until.values()) - self.clock())
+
     def note_failure(self, topic: str, key: bytes, *, others_acked: bool = True) -> tuple[str, int] | None:
         """Skip the partition of a record keyed ``key`` whose send failed with an outage: :attr:`skip_s`, doubled
         for each earlier failure since its last success, at most :data:`BLOCKED_SKIP_MAX_S`; returns that

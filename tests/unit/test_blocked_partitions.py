@@ -5,6 +5,7 @@ the blocked one's are skipped, then re-probed and published in order once it has
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import aiokafka.errors
@@ -15,7 +16,7 @@ from prometheus_client import REGISTRY
 from streams.config import Settings
 from streams.model.states import OperationState as S
 from streams.wire import exactjson
-from streams.worker.partitions import BLOCKED_SKIP_S, PartitionRoutes
+from streams.worker.partitions import BLOCKED_CHECK_INTERVAL_S, BLOCKED_SKIP_S, PartitionRoutes
 from streams.worker.runtime import Runtime
 from streams.worker.stages.relay import OutboxRelay
 from streams.worker.stages.scheduler import PollScheduler
@@ -215,3 +216,21 @@ def test_failures_in_a_round_where_nothing_was_acknowledged_skip_without_doublin
         assert routes.failed_until[("t", 1)] == clock.t + 10.0
         clock.t += 10.0
         assert routes.blocked("t", b"op-1") is None
+
+
+async def test_a_round_leaving_rows_for_a_blocked_partition_wakes_the_relay_again_without_new_work(
+    base_settings: Settings,
+) -> None:
+    ledger, send, clock = InMemoryLedger(), PartitionedSend(down={1}), Clock()
+    rt = runtime(base_settings, ledger, send, clock)
+    relay = OutboxRelay(rt)
+    add_rows(ledger, HEALTHY_A)
+    assert await relay.tick() == 1
+    assert rt.wakeups.outbox.deadline is None  # nothing left: no wake-up of its own
+    add_rows(ledger, BLOCKED)
+    started = time.monotonic()
+    assert await relay.tick() == 0  # its send failed: skipped BLOCKED_SKIP_S, and left for a later round
+    deadline = rt.wakeups.outbox.deadline
+    assert deadline is not None  # woken again by itself, not only by work or the listening fallback
+    assert deadline - started <= BLOCKED_CHECK_INTERVAL_S + 0.5
+    assert rt.routes.next_probe_in_s() == BLOCKED_SKIP_S

@@ -41,7 +41,7 @@ import aiokafka.errors
 from streams import hooks, metrics
 from streams.errors import InvalidEventError, RecordNotHandedOverError, error_summary
 from streams.outages import FailureKind, classify
-from streams.worker.partitions import report_skipped
+from streams.worker.partitions import BLOCKED_CHECK_INTERVAL_S, report_skipped
 from streams.worker.runtime import RawMessage, Record, Runtime, delivery_error
 from streams.worker.wakeup import ACKED, LOCK_MISSED
 
@@ -130,6 +130,17 @@ class OutboxRelay:
         routes = self.rt.routes
         self.waiting = {op: route for op, route in self.waiting.items() if routes.skipped(route)}
         return list(self.waiting)
+
+    def _look_again_for_waiting(self) -> None:
+        """Rows left for blocked partitions: wake the relay when the first of them is probed again (a failed send's
+        skip ends) or the producer's metadata has been read again (:data:`BLOCKED_CHECK_INTERVAL_S`), whichever
+        comes first. With no more work to wake it, they would otherwise wait the listening fallback."""
+        if not self.waiting:
+            return
+        probe_s = self.rt.routes.next_probe_in_s()
+        self.rt.wakeups.outbox.due_in(
+            BLOCKED_CHECK_INTERVAL_S if probe_s is None else min(probe_s, BLOCKED_CHECK_INTERVAL_S)
+        )
 
     def _wait_for(self, operation_id: str, route: tuple[str, int]) -> None:
         if operation_id in self.waiting or len(self.waiting) < MAX_SKIPPED_OPERATIONS:
@@ -324,4 +335,5 @@ class OutboxRelay:
             self.lock_misses = 0
             total += n
             if n < s.relay_batch_size:
+                self._look_again_for_waiting()
                 return total
