@@ -4,7 +4,7 @@ entry-point group (``pyproject.toml``; ``streams simulator`` is :data:`streams_h
     streams replay [--trace conv]    publish trace rows as submissions, time-compressed
     streams run [...]                the main job: simulator, workers, trace replay, report
     streams soak [...]               random faults under load, then an audit
-    streams bench [...]              the pipeline against the floor and two peers, with a profile
+    streams bench [...]              the pipeline against the floor and two peers, with profiles
 """
 
 from __future__ import annotations
@@ -357,7 +357,9 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 @click.option(
     "--job-duration-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Creation to completion."
 )
-@click.option("--profile/--no-profile", default=True, show_default=True, help="py-spy one worker under load.")
+@click.option(
+    "--profile/--no-profile", default=True, show_default=True, help="py-spy one worker and the floor under load."
+)
 @click.option(
     "--report",
     "report_path",
@@ -431,8 +433,8 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 def bench_command(**options: Any) -> None:
     """The benchmark: the pipeline (1, 2, 4 workers; two partition counts) against the floor (the same calls,
     batched, no logic), a naive peer (several processes polling PostgreSQL, no lease) and a job-queue peer
-    (procrastinate), N operations submitted at once per run; a JSON report, a PNG chart and a profile of one
-    worker (docs/benchmark.md)."""
+    (procrastinate), N operations submitted at once per run; a JSON report, a PNG chart and profiles of one
+    worker and of the floor (docs/benchmark.md)."""
     from streams_harness.bench import BenchOptions, run_bench
 
     opts = BenchOptions(**options)

@@ -1,5 +1,6 @@
 """The benchmark (``streams bench``): the pipeline against the floor, a naive peer and a job-queue peer, on the
-same closed-loop workload against the real services and the simulator, with a profile of one worker under load.
+same closed-loop workload against the real services and the simulator, with profiles of one worker and of the
+floor under load.
 
 * :mod:`~streams_harness.bench.runner`: the plan of runs, one run measured end to end, the summary;
 * :mod:`~streams_harness.bench.counters`: what a run cost, from Redis', PostgreSQL's and Kafka's own counters;
@@ -9,7 +10,7 @@ same closed-loop workload against the real services and the simulator, with a pr
 * :mod:`~streams_harness.bench.peers`: the peers' bounded consume loop;
 * :mod:`~streams_harness.bench.server_cpu`: the CPU of PostgreSQL's backends, Redis and Kafka during a run;
 * :mod:`~streams_harness.bench.statements`: PostgreSQL's statement profile (``pg_stat_statements``) of a run;
-* :mod:`~streams_harness.bench.profile`: py-spy and the profile's summary;
+* :mod:`~streams_harness.bench.profile`: py-spy, the profiles' summary and their CPU per operation by component;
 * :mod:`~streams_harness.bench.chart`: the PNG chart.
 """
 
@@ -21,6 +22,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from streams_harness.bench.profile import render_profiles
 from streams_harness.bench.runner import (
     Bench,
     BenchOptions,
@@ -98,7 +100,10 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
         print(render_callbacks(callbacks), file=out)
     for profile in profiles:
         top = ", ".join(f"{k} {v}%" for k, v in list(profile["by_component"].items())[:8])
-        print(f"profile of one worker ({profile['label']}, {profile['samples']} samples): {top}", file=out)
+        print(f"profile of one process ({profile['label']}, {profile['samples']} samples): {top}", file=out)
         print(f"  {profile['path']}", file=out)
+    costs = render_profiles(profiles)
+    if costs:
+        print(costs, file=out)
     print(f"report: {report_path}\nchart:  {chart_path}", file=out)
     return report

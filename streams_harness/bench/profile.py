@@ -1,5 +1,7 @@
-"""A CPU profile of one process under load: py-spy (``py-spy record --pid --gil``, sampling from outside, no change
-to the process) writes collapsed stacks; :func:`summarize` says which component the samples were spent in.
+"""A CPU profile of one process under load (a pipeline worker, and the one-process floor in the same run): py-spy
+(``py-spy record --pid --gil``, sampling from outside, no change to the process) writes collapsed stacks;
+:func:`summarize` says which component the samples were spent in, :func:`component_costs` what each cost per
+operation, and :func:`render_profiles` sets the floor's beside the worker's.
 
 Only a thread holding the GIL is sampled (``--gil``): a thread waiting in C with the GIL released (faust's
 consumer thread in ``epoll_wait``, an event loop with nothing to run) costs no CPU and is not counted. Without
@@ -54,6 +56,7 @@ COMPONENTS: dict[str, str] = {
     "tenacity": "tenacity",
     "prometheus_client": "prometheus_client",
     "streams": "streams (own code)",
+    "streams_harness": "streams_harness (the floor's code)",
 }
 
 EVENT_LOOP = "event loop + stdlib"
@@ -66,6 +69,8 @@ _LOOP_STEP = re.compile(
     r"^(?:\w+\.)?(?:_run_once|run_forever|run_until_complete|execute_from_commandline|_start_thread) \("
 )
 _OWN = re.compile(r"(?:^|[/\\])streams(?:[/\\][A-Za-z0-9_]+)*[/\\][^/\\]+\.py$")
+#: The benchmark's own code: the floor's logic (and its peers'), in the repository, never in the product's wheel.
+_HARNESS = re.compile(r"(?:^|[/\\])streams_harness(?:[/\\][A-Za-z0-9_]+)*[/\\][^/\\]+\.py$")
 
 
 def py_spy() -> str | None:
@@ -133,6 +138,8 @@ def component_of(frame: str) -> str | None:
         return COMPONENTS.get(package, package)
     if _OWN.search(path):
         return COMPONENTS["streams"]
+    if _HARNESS.search(path):
+        return COMPONENTS["streams_harness"]
     return None
 
 
@@ -187,3 +194,34 @@ def summarize(path: Path, top: int = 15) -> dict[str, Any]:
         "top_functions": percent(leaves, top),
         "top_own_functions": percent(own_total, top),
     }
+
+
+def component_costs(profile: dict[str, Any], cpu_ms_per_operation: float) -> dict[str, float]:
+    """The profiled process's CPU per operation (ms) split by component: each component's share of the samples
+    (``profile["by_component"]``, percent) times ``cpu_ms_per_operation`` (the process's CPU over the run, from
+    ``/proc``, divided by the run's operations). An estimate: the samples cover what ran holding the GIL, the CPU
+    figure everything the process did (system calls with the GIL released included), so each component is
+    charged its share of both."""
+    return {k: round(v * cpu_ms_per_operation / 100.0, 3) for k, v in profile["by_component"].items()}
+
+
+def render_profiles(profiles: list[dict[str, Any]]) -> str:
+    """The profiled processes side by side (the floor's beside one pipeline worker's, in the same run): CPU ms
+    per operation of each process, then by component (:func:`component_costs`), components in order of the
+    largest; empty when no profile has the process's CPU figure."""
+    costed = [p for p in profiles if p.get("cpu_ms_per_operation_by_component")]
+    if not costed:
+        return ""
+    width = max(20, *(len(p["label"]) for p in costed))
+    header = f"{'profiled process: CPU ms/op':<36}" + "".join(f" {p['label']:>{width}}" for p in costed)
+    components: dict[str, float] = {}
+    for p in costed:
+        for name, ms in p["cpu_ms_per_operation_by_component"].items():
+            components[name] = max(components.get(name, 0.0), ms)
+    lines = [f"{'all (from /proc)':<36}" + "".join(f" {p['cpu_ms_per_operation']:>{width}.3f}" for p in costed)]
+    for name in sorted(components, key=lambda n: -components[n]):
+        lines.append(
+            f"  {name:<34}"
+            + "".join(f" {p['cpu_ms_per_operation_by_component'].get(name, 0.0):>{width}.3f}" for p in costed)
+        )
+    return "\n".join([header, "-" * len(header), *lines])

@@ -35,7 +35,7 @@ from streams_harness.bench.counters import (
     settled_postgres_transactions,
 )
 from streams_harness.bench.procrastinate_peer import QUEUE_DATABASE_SUFFIX, apply_schema, queue_database_url
-from streams_harness.bench.profile import Profiler, summarize
+from streams_harness.bench.profile import Profiler, component_costs, summarize
 from streams_harness.bench.server_cpu import (
     ServerCpu,
     host_cpu_s,
@@ -150,14 +150,15 @@ class RunSpec:
 
 def plan(opts: BenchOptions) -> list[RunSpec]:
     """The runs, repeat after repeat; every other repeat in reverse order (slow drifts of a shared machine
-    then weigh on every configuration alike). The first repeat profiles the first pipeline configuration with
-    the fewest workers, once per transport."""
+    then weigh on every configuration alike). The first repeat profiles the one-process floor and the first
+    pipeline configuration with the fewest workers, once per transport."""
     runs: list[RunSpec] = []
     for repeat in range(opts.repeats):
         batch: list[RunSpec] = []
-        if opts.floor:
+        if opts.floor:  # the one-process floor profiled too: its profile beside the pipeline worker's
             for processes in opts.floor_processes:
-                batch.append(RunSpec(FLOOR, processes, opts.partitions[0], "aiohttp", repeat))
+                profile = opts.profile and repeat == 0 and processes == min(opts.floor_processes)
+                batch.append(RunSpec(FLOOR, processes, opts.partitions[0], "aiohttp", repeat, profile))
         if opts.naive:
             batch.append(RunSpec(NAIVE, opts.naive_processes, opts.partitions[0], opts.transports[0], repeat))
         if opts.procrastinate:
@@ -444,6 +445,7 @@ class Bench:
             before = await self._counters(spec, settings)
             notifications_before = await listener_notifications(fleet.live())
             cpu_before = sum(process_cpu_s(pid) for pid in pids)
+            profiled_cpu_before = process_cpu_s(profiler.pid) if profiler is not None else 0.0
             sim_cpu_before = process_cpu_s(self.sim_pid)
             servers_before = await self._server_cpu(spec, settings)
             host_before = (time.monotonic(), host_cpu_s())
@@ -465,6 +467,7 @@ class Bench:
             finally:
                 await conn.close()
             cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
+            profiled_cpu_s = process_cpu_s(profiler.pid) - profiled_cpu_before if profiler is not None else 0.0
             # the workers' refusals by reason, while they answer /metrics
             refused = await callback_refusals([w.url for w in fleet.live()]) if spec.callbacks else {}
             notifications = await listener_notifications(fleet.live()) - notifications_before
@@ -515,7 +518,14 @@ class Bench:
         record["host_busy_cores"] = round(host_s / host_wall_s, 2) if host_wall_s > 0 else None
         record.update({"run_id": run_id, "timed_out": timed_out, "wall_clock_s": round(time.monotonic() - started, 1)})
         if profiler is not None and profiler.path.exists():
-            record["profile"] = {"path": str(profiler.path), **summarize(profiler.path)}
+            profile = summarize(profiler.path)
+            profiled_ms = round(1000.0 * profiled_cpu_s / n, 3)
+            record["profile"] = {
+                "path": str(profiler.path),
+                "cpu_ms_per_operation": profiled_ms,
+                "cpu_ms_per_operation_by_component": component_costs(profile, profiled_ms),
+                **profile,
+            }
         return record
 
     def _statement_figures(

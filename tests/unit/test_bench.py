@@ -18,7 +18,14 @@ import pytest
 from streams_harness.bench.counters import Counters
 from streams_harness.bench.peers import consume_bounded
 from streams_harness.bench.procrastinate_peer import queue_database_url
-from streams_harness.bench.profile import EVENT_LOOP, Profiler, component_of, summarize
+from streams_harness.bench.profile import (
+    EVENT_LOOP,
+    Profiler,
+    component_costs,
+    component_of,
+    render_profiles,
+    summarize,
+)
 from streams_harness.bench.runner import (
     CALLBACKS,
     FLOOR,
@@ -56,7 +63,7 @@ SITE = "/venv/lib/python3.11/site-packages"
 STDLIB = "/usr/lib/python3.11"
 
 
-def test_plan_alternates_repeats_and_profiles_the_smallest_pipeline_once_per_transport() -> None:
+def test_plan_alternates_repeats_and_profiles_the_floor_and_the_smallest_pipeline_once_per_transport() -> None:
     opts = BenchOptions(workers=(1, 2), partitions=(4, 16), transports=("aiohttp", "httpx"), repeats=2)
     runs = plan(opts)
     first, second = runs[: len(runs) // 2], runs[len(runs) // 2 :]
@@ -66,7 +73,7 @@ def test_plan_alternates_repeats_and_profiles_the_smallest_pipeline_once_per_tra
         (FLOOR, "floor x2", 2),
         (NAIVE, "naive x2 p4 aiohttp", 2),
     ]
-    assert {r.label for r in runs if r.profile} == {"pipeline w1 p4 aiohttp", "pipeline w1 p4 httpx"}
+    assert {r.label for r in runs if r.profile} == {"floor", "pipeline w1 p4 aiohttp", "pipeline w1 p4 httpx"}
     assert all(r.repeat == 0 for r in runs if r.profile)
     assert len([r for r in first if r.kind == PIPELINE]) == 2 * 2 * 2
     paced = [r for r in first if r.kind == PACED]
@@ -174,7 +181,9 @@ def test_components_of_frames() -> None:
     assert component_of(observer) == "streams (own code)"
     assert component_of(frame("Something.run", f"{SITE}/unknownpkg/x.py")) == "unknownpkg"
     assert component_of(frame("BaseEventLoop._run_once", f"{STDLIB}/asyncio/base_events.py")) is None
-    assert component_of(frame("worker", "/work/repo/streams_harness/cli.py")) is None
+    floor = frame("Floor.observe", "/work/repo/streams_harness/bench/floor.py")
+    assert component_of(floor) == "streams_harness (the floor's code)"
+    assert component_of(frame("worker", "/work/repo/streams_harness_extra/cli.py")) is None
 
 
 def test_samples_are_charged_below_the_event_loop(tmp_path: Path) -> None:
@@ -235,6 +244,22 @@ def test_under_uvloop_samples_are_charged_below_the_frame_that_entered_the_loop(
     path = tmp_path / "profile.txt"
     path.write_text(f"{entry} 20\n{thread} 10\n{task} 50\n{consumer} 20\n")
     assert summarize(path)["by_component"] == {"asyncpg": 50.0, EVENT_LOOP: 30.0, "faust": 20.0}
+
+
+def test_the_profiles_cost_each_component_its_share_of_the_process_cpu_side_by_side() -> None:
+    worker = {"label": "pipeline w1 p4 aiohttp", "by_component": {"streams (own code)": 40.0, "asyncpg": 25.0}}
+    floor = {"label": "floor", "by_component": {"asyncpg": 50.0, "streams_harness (the floor's code)": 10.0}}
+    worker_costs = component_costs(worker, 1.5)
+    assert worker_costs == {"streams (own code)": 0.6, "asyncpg": 0.375}
+    assert component_costs(floor, 0.8) == {"asyncpg": 0.4, "streams_harness (the floor's code)": 0.08}
+    assert render_profiles([worker, floor]) == ""  # no process CPU figure: nothing to set side by side
+    worker |= {"cpu_ms_per_operation": 1.5, "cpu_ms_per_operation_by_component": worker_costs}
+    floor |= {"cpu_ms_per_operation": 0.8, "cpu_ms_per_operation_by_component": component_costs(floor, 0.8)}
+    lines = render_profiles([floor, worker]).splitlines()
+    assert lines[0].split() == ["profiled", "process:", "CPU", "ms/op", "floor", "pipeline", "w1", "p4", "aiohttp"]
+    assert lines[2].split() == ["all", "(from", "/proc)", "0.800", "1.500"]
+    assert [line.split()[-2:] for line in lines[3:]] == [["0.000", "0.600"], ["0.400", "0.375"], ["0.080", "0.000"]]
+    assert [line.split()[0] for line in lines[3:]] == ["streams", "asyncpg", "streams_harness"]
 
 
 def test_the_pipeline_and_the_peers_are_held_to_the_promises_and_the_floor_is_not() -> None:
