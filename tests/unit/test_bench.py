@@ -247,8 +247,14 @@ def test_under_uvloop_samples_are_charged_below_the_frame_that_entered_the_loop(
 
 
 def test_the_profiles_cost_each_component_its_share_of_the_process_cpu_side_by_side() -> None:
-    worker = {"label": "pipeline w1 p4 aiohttp", "by_component": {"streams (own code)": 40.0, "asyncpg": 25.0}}
-    floor = {"label": "floor", "by_component": {"asyncpg": 50.0, "streams_harness (the floor's code)": 10.0}}
+    worker: dict[str, Any] = {
+        "label": "pipeline w1 p4 aiohttp",
+        "by_component": {"streams (own code)": 40.0, "asyncpg": 25.0},
+    }
+    floor: dict[str, Any] = {
+        "label": "floor",
+        "by_component": {"asyncpg": 50.0, "streams_harness (the floor's code)": 10.0},
+    }
     worker_costs = component_costs(worker, 1.5)
     assert worker_costs == {"streams (own code)": 0.6, "asyncpg": 0.375}
     assert component_costs(floor, 0.8) == {"asyncpg": 0.4, "streams_harness (the floor's code)": 0.08}
