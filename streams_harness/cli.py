@@ -358,7 +358,10 @@ def _transport_list(ctx: click.Context, param: click.Parameter, value: str) -> t
     "--job-duration-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Creation to completion."
 )
 @click.option(
-    "--profile/--no-profile", default=True, show_default=True, help="py-spy one worker and the floor under load."
+    "--profile/--no-profile",
+    default=True,
+    show_default=True,
+    help="Run one worker and the floor once more under py-spy (left out of the figures).",
 )
 @click.option(
     "--report",

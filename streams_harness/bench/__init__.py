@@ -47,7 +47,8 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     started = time.monotonic()
     bench = Bench(opts, out)
     records = await bench.run()
-    summary = summarize_runs(records)
+    measured = [r for r in records if not r["profiled"]]  # the profiled runs: their profiles only
+    summary = summarize_runs(measured)
     comparison = compare(summary)
     scaling_rows = scaling(summary)
     pipelines = {k: v for k, v in summary.items() if v["kind"] == "pipeline"}  # closed loop: paced runs excluded
@@ -93,13 +94,13 @@ async def run_bench(opts: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]
     print(render_summary(summary, comparison), file=out)
     if scaling_rows:
         print(render_scaling(scaling_rows), file=out)
-    statements = render_statements(records)
+    statements = render_statements(measured)
     if statements:
         print(statements, file=out)
     if callbacks is not None:
         print(render_callbacks(callbacks), file=out)
     for profile in profiles:
-        top = ", ".join(f"{k} {v}%" for k, v in list(profile["by_component"].items())[:8])
+        top = ", ".join(f"{k} {v}%" for k, v in list(profile["by_component"].items())[:8]) or "(no samples)"
         print(f"profile of one process ({profile['label']}, {profile['samples']} samples): {top}", file=out)
         print(f"  {profile['path']}", file=out)
     costs = render_profiles(profiles)

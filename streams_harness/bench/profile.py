@@ -136,10 +136,10 @@ def component_of(frame: str) -> str | None:
     if site is not None:
         package = site.group("package")
         return COMPONENTS.get(package, package)
+    if _HARNESS.search(path):  # first: a checkout in a directory named streams would match _OWN too
+        return COMPONENTS["streams_harness"]
     if _OWN.search(path):
         return COMPONENTS["streams"]
-    if _HARNESS.search(path):
-        return COMPONENTS["streams_harness"]
     return None
 
 
@@ -199,21 +199,23 @@ def summarize(path: Path, top: int = 15) -> dict[str, Any]:
 def component_costs(profile: dict[str, Any], cpu_ms_per_operation: float) -> dict[str, float]:
     """The profiled process's CPU per operation (ms) split by component: each component's share of the samples
     (``profile["by_component"]``, percent) times ``cpu_ms_per_operation`` (the process's CPU over the run, from
-    ``/proc``, divided by the run's operations). An estimate: the samples cover what ran holding the GIL, the CPU
-    figure everything the process did (system calls with the GIL released included), so each component is
-    charged its share of both."""
+    ``/proc``, divided by the run's operations). An estimate: a sample is a moment a thread held the GIL (also
+    while the system had it waiting for a core), the CPU figure everything the process did (system calls with the
+    GIL released included), so each component is charged its share of the GIL-held time."""
     return {k: round(v * cpu_ms_per_operation / 100.0, 3) for k, v in profile["by_component"].items()}
 
 
 def render_profiles(profiles: list[dict[str, Any]]) -> str:
     """The profiled processes side by side (the floor's beside one pipeline worker's, in the same run): CPU ms
     per operation of each process, then by component (:func:`component_costs`), components in order of the
-    largest; empty when no profile has the process's CPU figure."""
+    largest; a process of a run of several is named ``(1 of N)``: its figures are its own share of the run's
+    operations. Empty when no profile has the process's CPU figure."""
     costed = [p for p in profiles if p.get("cpu_ms_per_operation_by_component")]
     if not costed:
         return ""
-    width = max(20, *(len(p["label"]) for p in costed))
-    header = f"{'profiled process: CPU ms/op':<36}" + "".join(f" {p['label']:>{width}}" for p in costed)
+    names = [p["label"] + (f" (1 of {p['processes']})" if p.get("processes", 1) > 1 else "") for p in costed]
+    width = max(20, *(len(name) for name in names))
+    header = f"{'profiled process: CPU ms/op':<36}" + "".join(f" {name:>{width}}" for name in names)
     components: dict[str, float] = {}
     for p in costed:
         for name, ms in p["cpu_ms_per_operation_by_component"].items():

@@ -150,15 +150,16 @@ class RunSpec:
 
 def plan(opts: BenchOptions) -> list[RunSpec]:
     """The runs, repeat after repeat; every other repeat in reverse order (slow drifts of a shared machine
-    then weigh on every configuration alike). The first repeat profiles the one-process floor and the first
-    pipeline configuration with the fewest workers, once per transport."""
+    then weigh on every configuration alike). Then, with ``profile``, extra runs under py-spy whose figures are
+    left out of the summary (sampling pauses the process it samples, so a profiled run is slower than the same run
+    unprofiled): the floor with the fewest processes and the first pipeline configuration with the fewest
+    workers, once per transport."""
     runs: list[RunSpec] = []
     for repeat in range(opts.repeats):
         batch: list[RunSpec] = []
-        if opts.floor:  # the one-process floor profiled too: its profile beside the pipeline worker's
+        if opts.floor:
             for processes in opts.floor_processes:
-                profile = opts.profile and repeat == 0 and processes == min(opts.floor_processes)
-                batch.append(RunSpec(FLOOR, processes, opts.partitions[0], "aiohttp", repeat, profile))
+                batch.append(RunSpec(FLOOR, processes, opts.partitions[0], "aiohttp", repeat))
         if opts.naive:
             batch.append(RunSpec(NAIVE, opts.naive_processes, opts.partitions[0], opts.transports[0], repeat))
         if opts.procrastinate:
@@ -166,13 +167,7 @@ def plan(opts: BenchOptions) -> list[RunSpec]:
         for transport in opts.transports:
             for workers in opts.workers:
                 for partitions in opts.partitions:
-                    profile = (
-                        opts.profile
-                        and repeat == 0
-                        and workers == min(opts.workers)
-                        and partitions == opts.partitions[0]
-                    )
-                    batch.append(RunSpec(PIPELINE, workers, partitions, transport, repeat, profile))
+                    batch.append(RunSpec(PIPELINE, workers, partitions, transport, repeat))
         if opts.paced_rate_per_s > 0:  # delivery latency while not saturated: an open loop below capacity
             workers = 2 if 2 in opts.workers or not opts.workers else max(opts.workers)
             batch.append(
@@ -194,6 +189,11 @@ def plan(opts: BenchOptions) -> list[RunSpec]:
                     )
                 )
         runs.extend(batch if repeat % 2 == 0 else reversed(batch))
+    if opts.profile:  # extra runs under py-spy, after the measured ones: sampling slows the process it samples
+        if opts.floor:
+            runs.append(RunSpec(FLOOR, min(opts.floor_processes), opts.partitions[0], "aiohttp", 0, profile=True))
+        for transport in opts.transports if opts.workers else ():
+            runs.append(RunSpec(PIPELINE, min(opts.workers), opts.partitions[0], transport, 0, profile=True))
     return runs
 
 
@@ -255,7 +255,12 @@ class Bench:
             self.sim_config = await self._configure_simulator({})
             specs = plan(self.opts)
             for i, spec in enumerate(specs, 1):
-                self.say(f"[{i}/{len(specs)}] {spec.label} (repeat {spec.repeat + 1})")
+                how = (
+                    "profiled: py-spy attached, left out of the figures"
+                    if spec.profile
+                    else f"repeat {spec.repeat + 1}"
+                )
+                self.say(f"[{i}/{len(specs)}] {spec.label} ({how})")
                 record = await self.run_one(spec)
                 records.append(record)
                 self.say(
@@ -468,6 +473,8 @@ class Bench:
                 await conn.close()
             cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
             profiled_cpu_s = process_cpu_s(profiler.pid) - profiled_cpu_before if profiler is not None else 0.0
+            if profiler is not None and profiler.pid not in [worker.pid for worker in fleet.live()]:
+                profiled_cpu_s = -1.0  # it exited during the run: its CPU is unknown
             # the workers' refusals by reason, while they answer /metrics
             refused = await callback_refusals([w.url for w in fleet.live()]) if spec.callbacks else {}
             notifications = await listener_notifications(fleet.live()) - notifications_before
@@ -519,11 +526,14 @@ class Bench:
         record.update({"run_id": run_id, "timed_out": timed_out, "wall_clock_s": round(time.monotonic() - started, 1)})
         if profiler is not None and profiler.path.exists():
             profile = summarize(profiler.path)
-            profiled_ms = round(1000.0 * profiled_cpu_s / n, 3)
+            profiled_ms = round(1000.0 * profiled_cpu_s / n, 3) if profiled_cpu_s >= 0 else None
             record["profile"] = {
                 "path": str(profiler.path),
+                "processes": spec.processes,
                 "cpu_ms_per_operation": profiled_ms,
-                "cpu_ms_per_operation_by_component": component_costs(profile, profiled_ms),
+                "cpu_ms_per_operation_by_component": (
+                    component_costs(profile, profiled_ms) if profiled_ms is not None else {}
+                ),
                 **profile,
             }
         return record

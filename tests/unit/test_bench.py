@@ -63,21 +63,32 @@ SITE = "/venv/lib/python3.11/site-packages"
 STDLIB = "/usr/lib/python3.11"
 
 
-def test_plan_alternates_repeats_and_profiles_the_floor_and_the_smallest_pipeline_once_per_transport() -> None:
+def test_plan_alternates_repeats_then_profiles_the_floor_and_the_smallest_pipeline_in_extra_runs() -> None:
     opts = BenchOptions(workers=(1, 2), partitions=(4, 16), transports=("aiohttp", "httpx"), repeats=2)
     runs = plan(opts)
-    first, second = runs[: len(runs) // 2], runs[len(runs) // 2 :]
+    measured, profiled = [r for r in runs if not r.profile], [r for r in runs if r.profile]
+    assert runs[len(measured) :] == profiled  # after every measured run: sampling slows the sampled process
+    first, second = measured[: len(measured) // 2], measured[len(measured) // 2 :]
     assert [r.label for r in first] == [r.label for r in reversed(second)]
     assert [(r.kind, r.label, r.processes) for r in first[:3]] == [
         (FLOOR, "floor", 1),
         (FLOOR, "floor x2", 2),
         (NAIVE, "naive x2 p4 aiohttp", 2),
     ]
-    assert {r.label for r in runs if r.profile} == {"floor", "pipeline w1 p4 aiohttp", "pipeline w1 p4 httpx"}
-    assert all(r.repeat == 0 for r in runs if r.profile)
+    assert [(r.label, r.repeat) for r in profiled] == [
+        ("floor", 0),
+        ("pipeline w1 p4 aiohttp", 0),
+        ("pipeline w1 p4 httpx", 0),
+    ]
     assert len([r for r in first if r.kind == PIPELINE]) == 2 * 2 * 2
     paced = [r for r in first if r.kind == PACED]
     assert [(r.label, r.processes, r.rate_per_s, r.profile) for r in paced] == [("paced 50/s w2 p4", 2, 50.0, False)]
+    only_two = plan(BenchOptions(workers=(2, 4), partitions=(4,), floor_processes=(2,), paced_rate_per_s=0))
+    assert [r.label for r in only_two if r.profile] == ["floor x2", "pipeline w2 p4 aiohttp"]
+    unprofiled = plan(BenchOptions(workers=(1,), partitions=(4,), profile=False, paced_rate_per_s=0))
+    assert not any(r.profile for r in unprofiled)
+    callbacks_alone = plan(BenchOptions(workers=(), floor=False, naive=False, procrastinate=False, paced_rate_per_s=0))
+    assert [r.profile for r in callbacks_alone] == []
 
 
 def test_plan_without_references() -> None:
@@ -183,6 +194,8 @@ def test_components_of_frames() -> None:
     assert component_of(frame("BaseEventLoop._run_once", f"{STDLIB}/asyncio/base_events.py")) is None
     floor = frame("Floor.observe", "/work/repo/streams_harness/bench/floor.py")
     assert component_of(floor) == "streams_harness (the floor's code)"
+    in_a_streams_directory = frame("Floor.observe", "/home/me/streams/streams_harness/bench/floor.py")
+    assert component_of(in_a_streams_directory) == "streams_harness (the floor's code)"
     assert component_of(frame("worker", "/work/repo/streams_harness_extra/cli.py")) is None
 
 
@@ -261,6 +274,7 @@ def test_the_profiles_cost_each_component_its_share_of_the_process_cpu_side_by_s
     assert render_profiles([worker, floor]) == ""  # no process CPU figure: nothing to set side by side
     worker |= {"cpu_ms_per_operation": 1.5, "cpu_ms_per_operation_by_component": worker_costs}
     floor |= {"cpu_ms_per_operation": 0.8, "cpu_ms_per_operation_by_component": component_costs(floor, 0.8)}
+    assert render_profiles([worker | {"processes": 2}]).splitlines()[0].split()[-4:] == ["aiohttp", "(1", "of", "2)"]
     lines = render_profiles([floor, worker]).splitlines()
     assert lines[0].split() == ["profiled", "process:", "CPU", "ms/op", "floor", "pipeline", "w1", "p4", "aiohttp"]
     assert lines[2].split() == ["all", "(from", "/proc)", "0.800", "1.500"]
@@ -397,11 +411,9 @@ def test_plan_runs_the_job_queue_peer_beside_the_naive_one() -> None:
         (PROCRASTINATE, "procrastinate x2 p4 aiohttp", 2),
         (PIPELINE, "pipeline w1 p4 aiohttp", 1),
     ]
-    assert [r.kind for r in plan(BenchOptions(workers=(1,), floor=False, naive=False, procrastinate=False))] == [
-        PIPELINE,
-        PIPELINE,
-        PACED,
-    ]
+    assert [
+        (r.kind, r.profile) for r in plan(BenchOptions(workers=(1,), floor=False, naive=False, procrastinate=False))
+    ] == [(PIPELINE, False), (PIPELINE, False), (PACED, False), (PIPELINE, True)]
 
 
 def test_queue_database_sits_next_to_the_ledger() -> None:
