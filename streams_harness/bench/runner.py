@@ -151,9 +151,9 @@ class RunSpec:
 def plan(opts: BenchOptions) -> list[RunSpec]:
     """The runs, repeat after repeat; every other repeat in reverse order (slow drifts of a shared machine
     then weigh on every configuration alike). Then, with ``profile``, extra runs under py-spy whose figures are
-    left out of the summary (sampling pauses the process it samples, so a profiled run is slower than the same run
-    unprofiled): the floor with the fewest processes and the first pipeline configuration with the fewest
-    workers, once per transport."""
+    left out of the summary (py-spy pauses the process for each sample and uses CPU of its own on the same
+    cores): the floor with the fewest processes and the first pipeline configuration with the fewest workers,
+    once per transport."""
     runs: list[RunSpec] = []
     for repeat in range(opts.repeats):
         batch: list[RunSpec] = []
@@ -189,7 +189,7 @@ def plan(opts: BenchOptions) -> list[RunSpec]:
                     )
                 )
         runs.extend(batch if repeat % 2 == 0 else reversed(batch))
-    if opts.profile:  # extra runs under py-spy, after the measured ones: sampling slows the process it samples
+    if opts.profile:  # extra runs under py-spy, after the measured ones: py-spy pauses the process it samples
         if opts.floor:
             runs.append(RunSpec(FLOOR, min(opts.floor_processes), opts.partitions[0], "aiohttp", 0, profile=True))
         for transport in opts.transports if opts.workers else ():

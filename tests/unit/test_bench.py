@@ -67,7 +67,7 @@ def test_plan_alternates_repeats_then_profiles_the_floor_and_the_smallest_pipeli
     opts = BenchOptions(workers=(1, 2), partitions=(4, 16), transports=("aiohttp", "httpx"), repeats=2)
     runs = plan(opts)
     measured, profiled = [r for r in runs if not r.profile], [r for r in runs if r.profile]
-    assert runs[len(measured) :] == profiled  # after every measured run: sampling slows the sampled process
+    assert runs[len(measured) :] == profiled  # after every measured run: py-spy pauses what it samples
     first, second = measured[: len(measured) // 2], measured[len(measured) // 2 :]
     assert [r.label for r in first] == [r.label for r in reversed(second)]
     assert [(r.kind, r.label, r.processes) for r in first[:3]] == [
