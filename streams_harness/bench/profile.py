@@ -1,5 +1,6 @@
-"""A CPU profile of one process under load (a pipeline worker, and the one-process floor in the same run): py-spy
-(``py-spy record --pid --gil``, sampling from outside, no change to the process) writes collapsed stacks;
+"""A CPU profile of one process under load (a pipeline worker's and the floor's, each in an extra run of the
+benchmark): py-spy (``py-spy record --pid --gil``, sampling from outside, no change to the process) writes
+collapsed stacks;
 :func:`summarize` says which component the samples were spent in, :func:`component_costs` what each cost per
 operation, and :func:`render_profiles` sets the floor's beside the worker's.
 

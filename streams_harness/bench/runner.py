@@ -450,7 +450,7 @@ class Bench:
             before = await self._counters(spec, settings)
             notifications_before = await listener_notifications(fleet.live())
             cpu_before = sum(process_cpu_s(pid) for pid in pids)
-            profiled_cpu_before = process_cpu_s(profiler.pid) if profiler is not None else 0.0
+            profiled_cpu_before = process_cpu_s(profiler.pid) if profiler is not None else None
             sim_cpu_before = process_cpu_s(self.sim_pid)
             servers_before = await self._server_cpu(spec, settings)
             host_before = (time.monotonic(), host_cpu_s())
@@ -472,9 +472,13 @@ class Bench:
             finally:
                 await conn.close()
             cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
-            profiled_cpu_s = process_cpu_s(profiler.pid) - profiled_cpu_before if profiler is not None else 0.0
-            if profiler is not None and profiler.pid not in [worker.pid for worker in fleet.live()]:
-                profiled_cpu_s = -1.0  # it exited during the run: its CPU is unknown
+            # the profiled process's own CPU, unknown (None) when it exited during the run
+            profiled_alive = profiler is not None and profiler.pid in [worker.pid for worker in fleet.live()]
+            profiled_cpu_s = (
+                process_cpu_s(profiler.pid) - profiled_cpu_before
+                if profiler is not None and profiled_cpu_before is not None and profiled_alive
+                else None
+            )
             # the workers' refusals by reason, while they answer /metrics
             refused = await callback_refusals([w.url for w in fleet.live()]) if spec.callbacks else {}
             notifications = await listener_notifications(fleet.live()) - notifications_before
@@ -526,7 +530,7 @@ class Bench:
         record.update({"run_id": run_id, "timed_out": timed_out, "wall_clock_s": round(time.monotonic() - started, 1)})
         if profiler is not None and profiler.path.exists():
             profile = summarize(profiler.path)
-            profiled_ms = round(1000.0 * profiled_cpu_s / n, 3) if profiled_cpu_s >= 0 else None
+            profiled_ms = round(1000.0 * profiled_cpu_s / n, 3) if profiled_cpu_s is not None else None
             record["profile"] = {
                 "path": str(profiler.path),
                 "processes": spec.processes,
