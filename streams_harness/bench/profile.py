@@ -1,8 +1,8 @@
-"""A CPU profile of one process under load (a pipeline worker's and the floor's, each in an extra run of the
+"""A profile of one process under load (a pipeline worker's and the floor's, each in an extra run of the
 benchmark): py-spy (``py-spy record --pid --gil``, sampling from outside, no change to the process) writes
 collapsed stacks;
-:func:`summarize` says which component the samples were spent in, :func:`component_costs` what each cost per
-operation, and :func:`render_profiles` sets the floor's beside the worker's.
+:func:`summarize` says which component the samples were spent in, :func:`component_times` how long each took per
+operation (on a core or waiting for one), and :func:`render_profiles` sets the floor's beside the worker's.
 
 Only a thread holding the GIL is sampled (``--gil``): a thread waiting in C with the GIL released (faust's
 consumer thread in ``epoll_wait``, an event loop with nothing to run) costs no CPU and is not counted. Without
@@ -197,34 +197,45 @@ def summarize(path: Path, top: int = 15) -> dict[str, Any]:
     }
 
 
-def component_costs(profile: dict[str, Any], cpu_ms_per_operation: float) -> dict[str, float]:
-    """The profiled process's CPU per operation (ms) split by component: each component's share of the samples
-    (``profile["by_component"]``, percent) times ``cpu_ms_per_operation`` (the process's CPU over the run, from
-    ``/proc``, divided by the run's operations). An estimate: a sample is a moment a thread held the GIL (also
-    while the system had it waiting for a core), the CPU figure everything the process did (system calls with the
-    GIL released included), so each component is charged its share of the GIL-held time."""
-    return {k: round(v * cpu_ms_per_operation / 100.0, 3) for k, v in profile["by_component"].items()}
+def component_times(profile: dict[str, Any], active_ms_per_operation: float) -> dict[str, float]:
+    """The profiled process's time per operation (ms) on a core or waiting for one, split by component: each
+    component's share of the samples (``profile["by_component"]``, percent) times ``active_ms_per_operation`` (the
+    process's CPU plus its threads' run-queue wait over the run, from ``/proc``, divided by the run's operations).
+
+    Why both: py-spy samples a thread whose state is ``R``, which the kernel gives a thread running on a core and
+    one ready to run while no core is free alike, so its samples count both. On a machine whose cores the services
+    share, the wait is large (one worker under load: about as long as it ran) and falls mostly right after a
+    write to a service on the same cores (the woken server takes the core): the component that wrote is charged
+    it. A native on-CPU profile (``perf record -e cpu-clock``) shows how little of it is that component's CPU
+    (docs/benchmark.md)."""
+    return {k: round(v * active_ms_per_operation / 100.0, 3) for k, v in profile["by_component"].items()}
 
 
 def render_profiles(profiles: list[dict[str, Any]]) -> str:
-    """The profiled processes side by side (the floor's beside one pipeline worker's, in the same run): CPU ms
-    per operation of each process, then by component (:func:`component_costs`), components in order of the
-    largest; a process of a run of several is named ``(1 of N)``: its figures are its own share of the run's
-    operations. Empty when no profile has the process's CPU figure."""
-    costed = [p for p in profiles if p.get("cpu_ms_per_operation_by_component")]
-    if not costed:
+    """The profiled processes side by side (the floor's beside one pipeline worker's, in the same run): CPU and
+    run-queue wait ms per operation of each process, then the time on a core or waiting for one by component
+    (:func:`component_times`), components in order of the largest; a process of a run of several is named
+    ``(1 of N)``: its figures are its own share of the run's operations. Empty when no profile has the process's
+    CPU and wait figures."""
+    timed = [p for p in profiles if p.get("active_ms_per_operation_by_component")]
+    if not timed:
         return ""
-    names = [p["label"] + (f" (1 of {p['processes']})" if p.get("processes", 1) > 1 else "") for p in costed]
+    names = [p["label"] + (f" (1 of {p['processes']})" if p.get("processes", 1) > 1 else "") for p in timed]
     width = max(20, *(len(name) for name in names))
-    header = f"{'profiled process: CPU ms/op':<36}" + "".join(f" {name:>{width}}" for name in names)
+    header = f"{'profiled process: ms/op':<36}" + "".join(f" {name:>{width}}" for name in names)
     components: dict[str, float] = {}
-    for p in costed:
-        for name, ms in p["cpu_ms_per_operation_by_component"].items():
+    for p in timed:
+        for name, ms in p["active_ms_per_operation_by_component"].items():
             components[name] = max(components.get(name, 0.0), ms)
-    lines = [f"{'all (from /proc)':<36}" + "".join(f" {p['cpu_ms_per_operation']:>{width}.3f}" for p in costed)]
+    lines = [
+        f"{'CPU (from /proc)':<36}" + "".join(f" {p['cpu_ms_per_operation']:>{width}.3f}" for p in timed),
+        f"{'waiting for a core (schedstat)':<36}"
+        + "".join(f" {p['runqueue_wait_ms_per_operation']:>{width}.3f}" for p in timed),
+        "on a core or waiting, by component:",
+    ]
     for name in sorted(components, key=lambda n: -components[n]):
         lines.append(
             f"  {name:<34}"
-            + "".join(f" {p['cpu_ms_per_operation_by_component'].get(name, 0.0):>{width}.3f}" for p in costed)
+            + "".join(f" {p['active_ms_per_operation_by_component'].get(name, 0.0):>{width}.3f}" for p in timed)
         )
     return "\n".join([header, "-" * len(header), *lines])

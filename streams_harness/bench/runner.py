@@ -35,7 +35,7 @@ from streams_harness.bench.counters import (
     settled_postgres_transactions,
 )
 from streams_harness.bench.procrastinate_peer import QUEUE_DATABASE_SUFFIX, apply_schema, queue_database_url
-from streams_harness.bench.profile import Profiler, component_costs, summarize
+from streams_harness.bench.profile import Profiler, component_times, summarize
 from streams_harness.bench.server_cpu import (
     ServerCpu,
     host_cpu_s,
@@ -43,7 +43,8 @@ from streams_harness.bench.server_cpu import (
     process_cpu_s,
     read_server_cpu,
     thread_cpu_ns,
-    threads_cpu_delta_s,
+    thread_wait_ns,
+    threads_delta_s,
 )
 from streams_harness.bench.statements import (
     READER_ERRORS,
@@ -450,7 +451,9 @@ class Bench:
             before = await self._counters(spec, settings)
             notifications_before = await listener_notifications(fleet.live())
             cpu_before = sum(process_cpu_s(pid) for pid in pids)
+            waits_before = _waits(pids)
             profiled_cpu_before = process_cpu_s(profiler.pid) if profiler is not None else None
+            profiled_wait_before = _waits([profiler.pid]) if profiler is not None else None
             sim_cpu_before = process_cpu_s(self.sim_pid)
             servers_before = await self._server_cpu(spec, settings)
             host_before = (time.monotonic(), host_cpu_s())
@@ -472,12 +475,16 @@ class Bench:
             finally:
                 await conn.close()
             cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
-            # the profiled process's own CPU, unknown (None) when it exited during the run
+            wait_s = _waited_s(waits_before, pids)
+            # the profiled process's own CPU and wait, unknown (None) when it exited during the run
             profiled_alive = profiler is not None and profiler.pid in [worker.pid for worker in fleet.live()]
             profiled_cpu_s = (
                 process_cpu_s(profiler.pid) - profiled_cpu_before
                 if profiler is not None and profiled_cpu_before is not None and profiled_alive
                 else None
+            )
+            profiled_wait_s = (
+                _waited_s(profiled_wait_before, [profiler.pid]) if profiler is not None and profiled_alive else None
             )
             # the workers' refusals by reason, while they answer /metrics
             refused = await callback_refusals([w.url for w in fleet.live()]) if spec.callbacks else {}
@@ -521,6 +528,7 @@ class Bench:
             record["poll_interval_ms"] = self.opts.callbacks_poll_interval_ms
             record["callbacks"] = callback_figures(summary.get("callbacks"), report.get("callbacks"), refused)
         record["cpu_ms_per_operation"] = round(1000.0 * cpu_s / n, 3)
+        record["runqueue_wait_ms_per_operation"] = None if wait_s is None else round(1000.0 * wait_s / n, 3)
         record["idle_cpu_percent"] = round(idle_cpu_percent, 2)
         record["idle_cpu_percent_per_process"] = round(idle_cpu_percent / len(pids), 2)
         record["simulator_cpu_ms_per_operation"] = round(1000.0 * sim_cpu_s / n, 3)
@@ -531,12 +539,16 @@ class Bench:
         if profiler is not None and profiler.path.exists():
             profile = summarize(profiler.path)
             profiled_ms = round(1000.0 * profiled_cpu_s / n, 3) if profiled_cpu_s is not None else None
+            waited_ms = round(1000.0 * profiled_wait_s / n, 3) if profiled_wait_s is not None else None
             record["profile"] = {
                 "path": str(profiler.path),
                 "processes": spec.processes,
                 "cpu_ms_per_operation": profiled_ms,
-                "cpu_ms_per_operation_by_component": (
-                    component_costs(profile, profiled_ms) if profiled_ms is not None else {}
+                "runqueue_wait_ms_per_operation": waited_ms,
+                "active_ms_per_operation_by_component": (
+                    component_times(profile, profiled_ms + waited_ms)
+                    if profiled_ms is not None and waited_ms is not None
+                    else {}
                 ),
                 **profile,
             }
@@ -620,6 +632,26 @@ def server_cpu_figures(servers_s: dict[str, float], n: int, *, redis_counted: bo
 NOTIFICATIONS_METRIC = "streams_ledger_notifications_total"
 
 
+def _waits(pids: list[int]) -> list[dict[int, int]] | None:
+    """Each process's threads' run-queue waits so far (:func:`~streams_harness.bench.server_cpu.thread_wait_ns`);
+    None on a kernel that keeps no ``schedstat``."""
+    try:
+        return [thread_wait_ns(pid) for pid in pids]
+    except FileNotFoundError:
+        return None
+
+
+def _waited_s(before: list[dict[int, int]] | None, pids: list[int]) -> float | None:
+    """Seconds the processes ``pids`` waited for a core since :func:`_waits` read ``before`` (None when it could
+    not; a process or thread gone meanwhile counts nothing)."""
+    if before is None:
+        return None
+    try:
+        return sum(threads_delta_s(b, thread_wait_ns(pid)) for b, pid in zip(before, pids, strict=True))
+    except FileNotFoundError:
+        return None
+
+
 async def idle_percent(pids: list[int], window_s: float = IDLE_WINDOW_S) -> float:
     """Percent of one core the processes ``pids`` used together over ``window_s`` seconds from now, to the
     nanosecond (:func:`~streams_harness.bench.server_cpu.thread_cpu_ns`, a thread that ends meanwhile not counted);
@@ -632,7 +664,7 @@ async def idle_percent(pids: list[int], window_s: float = IDLE_WINDOW_S) -> floa
         await asyncio.sleep(window_s)
         return 100.0 * (sum(process_cpu_s(pid) for pid in pids) - ticks_before) / (time.monotonic() - started)
     await asyncio.sleep(window_s)
-    used_s = sum(threads_cpu_delta_s(b, thread_cpu_ns(pid)) for b, pid in zip(before, pids, strict=True))
+    used_s = sum(threads_delta_s(b, thread_cpu_ns(pid)) for b, pid in zip(before, pids, strict=True))
     return 100.0 * used_s / (time.monotonic() - started)
 
 
@@ -705,6 +737,7 @@ OPTIONAL_MEDIAN_FIELDS = (
     "postgres_backends_cpu_ms_per_operation",
     "redis_server_cpu_ms_per_operation",
     "kafka_broker_cpu_ms_per_operation",
+    "runqueue_wait_ms_per_operation",
     "postgres_statements_per_operation",
     "postgres_exec_ms_per_operation",
     "host_cpu_ms_per_operation",
@@ -858,6 +891,7 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
     columns = (
         ("ops/s", 7),
         ("CPU ms/op", 9),
+        ("wait", 5),
         ("PG CPU", 6),
         ("Redis CPU", 9),
         ("Kafka CPU", 9),
@@ -887,6 +921,7 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
         cells = (
             f"{s['operations_per_s']:.1f}",
             f"{s['cpu_ms_per_operation']:.2f}",
+            _cpu(s.get("runqueue_wait_ms_per_operation")),
             _cpu(s.get("postgres_backends_cpu_ms_per_operation")),
             _cpu(s.get("redis_server_cpu_ms_per_operation")),
             _cpu(s.get("kafka_broker_cpu_ms_per_operation")),

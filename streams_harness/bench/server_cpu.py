@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +46,30 @@ def schedstat_run_ns(schedstat: str) -> int:
     return int(schedstat.split()[0])
 
 
+def schedstat_wait_ns(schedstat: str) -> int:
+    """Nanoseconds a thread has waited on a run queue (ready to run, no core free), from its ``schedstat`` text
+    (the second of its three fields, as :func:`schedstat_run_ns`)."""
+    return int(schedstat.split()[1])
+
+
+def _thread_schedstat_ns(pid: int, field: Callable[[str], int]) -> dict[int, int]:
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        tids = os.listdir(tasks)
+    except (FileNotFoundError, ProcessLookupError):
+        return {}
+    readings: dict[int, int] = {}
+    for tid in tids:
+        try:
+            text = (tasks / tid / "schedstat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            if (tasks / tid).exists():
+                raise FileNotFoundError(f"{tasks / tid / 'schedstat'}: this kernel keeps no schedstat") from None
+            continue  # the thread ended between the listing and the reading
+        readings[int(tid)] = field(text)
+    return readings
+
+
 def thread_cpu_ns(pid: int) -> dict[int, int]:
     """Nanoseconds each live thread of process ``pid`` has run so far, by thread id (each thread's ``schedstat``:
     ``/proc/<pid>/stat`` counts clock ticks, 10 ms each, too coarse for a process that is nearly idle); empty
@@ -55,28 +79,27 @@ def thread_cpu_ns(pid: int) -> dict[int, int]:
         FileNotFoundError: the kernel keeps no ``schedstat`` (built without ``CONFIG_SCHED_INFO``, or an older one
             with schedstats off, where every thread reads 0).
     """
-    tasks = Path(f"/proc/{pid}/task")
-    try:
-        tids = os.listdir(tasks)
-    except (FileNotFoundError, ProcessLookupError):
-        return {}
-    readings: dict[int, int] = {}
-    for tid in tids:
-        try:
-            readings[int(tid)] = schedstat_run_ns((tasks / tid / "schedstat").read_text())
-        except (FileNotFoundError, ProcessLookupError):
-            if (tasks / tid).exists():
-                raise FileNotFoundError(f"{tasks / tid / 'schedstat'}: this kernel keeps no schedstat") from None
-            # the thread ended between the listing and the reading
+    readings = _thread_schedstat_ns(pid, schedstat_run_ns)
     if readings and not any(readings.values()):  # schedstats off in an older kernel: every thread reads 0 0 0
-        raise FileNotFoundError(f"{tasks}/*/schedstat: every thread reads 0 (this kernel keeps no run times)")
+        raise FileNotFoundError(f"/proc/{pid}/task/*/schedstat: every thread reads 0 (this kernel keeps no run times)")
     return readings
 
 
-def threads_cpu_delta_s(before: Mapping[int, int], after: Mapping[int, int]) -> float:
-    """CPU seconds between two :func:`thread_cpu_ns` readings of one process: each thread's own difference, a
-    thread started in between counted from 0; a thread that ended in between is not counted at all (its time went
-    with it), so the figure never goes below 0 and misses what such a thread ran in the window."""
+def thread_wait_ns(pid: int) -> dict[int, int]:
+    """Nanoseconds each live thread of process ``pid`` has waited for a core so far (:func:`schedstat_wait_ns`),
+    by thread id; empty when the process is gone.
+
+    Raises:
+        FileNotFoundError: the kernel keeps no ``schedstat`` (as :func:`thread_cpu_ns`).
+    """
+    return _thread_schedstat_ns(pid, schedstat_wait_ns)
+
+
+def threads_delta_s(before: Mapping[int, int], after: Mapping[int, int]) -> float:
+    """Seconds between two readings of one process (:func:`thread_cpu_ns` or :func:`thread_wait_ns`): each
+    thread's own difference, a thread started in between counted from 0; a thread that ended in between is not
+    counted at all (its time went with it), so the figure never goes below 0 and misses what such a thread spent
+    in the window."""
     return sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -21,8 +22,8 @@ from streams_harness.bench.procrastinate_peer import queue_database_url
 from streams_harness.bench.profile import (
     EVENT_LOOP,
     Profiler,
-    component_costs,
     component_of,
+    component_times,
     render_profiles,
     summarize,
 )
@@ -53,10 +54,12 @@ from streams_harness.bench.server_cpu import (
     host_cpu_s,
     kafka_broker_pid,
     schedstat_run_ns,
+    schedstat_wait_ns,
     stat_busy_ticks,
     stat_cpu_ticks,
     thread_cpu_ns,
-    threads_cpu_delta_s,
+    thread_wait_ns,
+    threads_delta_s,
 )
 
 SITE = "/venv/lib/python3.11/site-packages"
@@ -259,7 +262,8 @@ def test_under_uvloop_samples_are_charged_below_the_frame_that_entered_the_loop(
     assert summarize(path)["by_component"] == {"asyncpg": 50.0, EVENT_LOOP: 30.0, "faust": 20.0}
 
 
-def test_the_profiles_cost_each_component_its_share_of_the_process_cpu_side_by_side() -> None:
+def test_the_profiles_give_each_component_its_share_of_the_time_on_a_core_or_waiting_side_by_side() -> None:
+    """py-spy samples a thread running or ready to run alike, so the shares split CPU plus run-queue wait."""
     worker: dict[str, Any] = {
         "label": "pipeline w1 p4 aiohttp",
         "by_component": {"streams (own code)": 40.0, "asyncpg": 25.0},
@@ -268,18 +272,28 @@ def test_the_profiles_cost_each_component_its_share_of_the_process_cpu_side_by_s
         "label": "floor",
         "by_component": {"asyncpg": 50.0, "streams_harness (the floor's code)": 10.0},
     }
-    worker_costs = component_costs(worker, 1.5)
-    assert worker_costs == {"streams (own code)": 0.6, "asyncpg": 0.375}
-    assert component_costs(floor, 0.8) == {"asyncpg": 0.4, "streams_harness (the floor's code)": 0.08}
-    assert render_profiles([worker, floor]) == ""  # no process CPU figure: nothing to set side by side
-    worker |= {"cpu_ms_per_operation": 1.5, "cpu_ms_per_operation_by_component": worker_costs}
-    floor |= {"cpu_ms_per_operation": 0.8, "cpu_ms_per_operation_by_component": component_costs(floor, 0.8)}
+    worker_times = component_times(worker, 1.5 + 1.0)
+    assert worker_times == {"streams (own code)": 1.0, "asyncpg": 0.625}
+    assert component_times(floor, 0.8 + 0.2) == {"asyncpg": 0.5, "streams_harness (the floor's code)": 0.1}
+    assert render_profiles([worker, floor]) == ""  # no process CPU and wait figures: nothing to set side by side
+    worker |= {
+        "cpu_ms_per_operation": 1.5,
+        "runqueue_wait_ms_per_operation": 1.0,
+        "active_ms_per_operation_by_component": worker_times,
+    }
+    floor |= {
+        "cpu_ms_per_operation": 0.8,
+        "runqueue_wait_ms_per_operation": 0.2,
+        "active_ms_per_operation_by_component": component_times(floor, 1.0),
+    }
     assert render_profiles([worker | {"processes": 2}]).splitlines()[0].split()[-4:] == ["aiohttp", "(1", "of", "2)"]
     lines = render_profiles([floor, worker]).splitlines()
-    assert lines[0].split() == ["profiled", "process:", "CPU", "ms/op", "floor", "pipeline", "w1", "p4", "aiohttp"]
-    assert lines[2].split() == ["all", "(from", "/proc)", "0.800", "1.500"]
-    assert [line.split()[-2:] for line in lines[3:]] == [["0.000", "0.600"], ["0.400", "0.375"], ["0.080", "0.000"]]
-    assert [line.split()[0] for line in lines[3:]] == ["streams", "asyncpg", "streams_harness"]
+    assert lines[0].split() == ["profiled", "process:", "ms/op", "floor", "pipeline", "w1", "p4", "aiohttp"]
+    assert lines[2].split() == ["CPU", "(from", "/proc)", "0.800", "1.500"]
+    assert lines[3].split() == ["waiting", "for", "a", "core", "(schedstat)", "0.200", "1.000"]
+    assert lines[4] == "on a core or waiting, by component:"
+    assert [line.split()[-2:] for line in lines[5:]] == [["0.000", "1.000"], ["0.500", "0.625"], ["0.100", "0.000"]]
+    assert [line.split()[0] for line in lines[5:]] == ["streams", "asyncpg", "streams_harness"]
 
 
 def test_the_pipeline_and_the_peers_are_held_to_the_promises_and_the_floor_is_not() -> None:
@@ -325,6 +339,36 @@ def test_the_pipeline_and_the_peers_are_held_to_the_promises_and_the_floor_is_no
 
 def test_a_threads_run_time_is_the_first_field_of_its_schedstat() -> None:
     assert schedstat_run_ns("197004537 19156113 528\n") == 197_004_537  # run ns, wait ns, time slices
+    assert schedstat_wait_ns("197004537 19156113 528\n") == 19_156_113
+
+
+def test_a_process_ready_to_run_while_another_holds_its_only_core_shows_the_wait() -> None:
+    """Two processes that each spin 200 ms of CPU on the same single core: each waits on the run queue while the
+    other runs, and :func:`thread_wait_ns` shows it (the kernel's own account, not a guess from timings)."""
+    spin = (
+        "import sys, time\n"
+        "start = time.process_time()\n"
+        "while time.process_time() - start < 0.2: pass\n"
+        "print('spun', flush=True)\n"
+        "sys.stdin.read()\n"  # alive until told: an ended process takes its schedstat with it
+    )
+    children = [
+        subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        core = min(os.sched_getaffinity(0))
+        for child in children:
+            os.sched_setaffinity(child.pid, {core})
+        before = [thread_wait_ns(child.pid) for child in children]
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline() == "spun\n"
+        waited = [threads_delta_s(b, thread_wait_ns(child.pid)) for b, child in zip(before, children, strict=True)]
+    finally:
+        for child in children:
+            child.communicate("")
+    assert sum(waited) >= 0.1  # one ran while the other waited, at least for the shorter child's 200 ms
+    assert thread_wait_ns(2**22 + 1) == {}  # no such process
 
 
 def test_the_threads_cpu_of_a_process_is_read_to_below_a_tick() -> None:
@@ -350,7 +394,7 @@ def test_the_threads_cpu_of_a_process_is_read_to_below_a_tick() -> None:
     process_used = time.process_time() - process_before
     release.set()
     worker.join()
-    used = threads_cpu_delta_s(before, after)
+    used = threads_delta_s(before, after)
     assert spun[0] - 0.005 <= used <= process_used + 0.002
     assert worker.native_id in after and worker.native_id not in before
     assert thread_cpu_ns(2**22 + 1) == {}  # no such process (above the kernel's largest pid)
@@ -359,7 +403,7 @@ def test_the_threads_cpu_of_a_process_is_read_to_below_a_tick() -> None:
 def test_a_thread_that_ended_between_two_readings_is_left_out_and_a_new_one_counted_from_zero() -> None:
     before = {10: 5_000_000, 11: 50_000_000}
     after = {10: 7_000_000, 12: 1_000_000}  # 11 ended (its 50 ms gone with it), 12 started
-    assert threads_cpu_delta_s(before, after) == pytest.approx(0.003)  # not 0.003 - 0.050
+    assert threads_delta_s(before, after) == pytest.approx(0.003)  # not 0.003 - 0.050
 
 
 def test_cpu_ticks_of_a_stat_line_whose_command_holds_spaces_and_parentheses() -> None:
