@@ -203,20 +203,20 @@ def component_times(profile: dict[str, Any], active_ms_per_operation: float) -> 
     process's CPU plus its threads' run-queue wait over the run, from ``/proc``, divided by the run's operations).
 
     Why both: py-spy samples a thread whose state is ``R``, which the kernel gives a thread running on a core and
-    one ready to run while no core is free alike, so its samples count both. On a machine whose cores the services
-    share, the wait is large (one worker under load: about as long as it ran) and falls mostly right after a
-    write to a service on the same cores (the woken server takes the core): the component that wrote is charged
-    it. A native on-CPU profile (``perf record -e cpu-clock``) shows how little of it is that component's CPU
-    (docs/benchmark.md)."""
+    one ready to run while no core is free alike, so its samples count both, and a wait is charged to whatever the
+    thread was running when it lost its core. On a machine whose cores the services share, the wait is large (a
+    lone process here waits 0.4-0.85 of the time it runs; docs/benchmark.md sets a native on-core profile beside
+    py-spy's). Time a thread spends with the GIL released (a system call) is spread over the GIL-held shares.
+    Where the kernel keeps no ``schedstat`` the runner passes the CPU alone."""
     return {k: round(v * active_ms_per_operation / 100.0, 3) for k, v in profile["by_component"].items()}
 
 
 def render_profiles(profiles: list[dict[str, Any]]) -> str:
     """The profiled processes side by side (the floor's beside one pipeline worker's, in the same run): CPU and
     run-queue wait ms per operation of each process, then the time on a core or waiting for one by component
-    (:func:`component_times`), components in order of the largest; a process of a run of several is named
-    ``(1 of N)``: its figures are its own share of the run's operations. Empty when no profile has the process's
-    CPU and wait figures."""
+    (:func:`component_times`; CPU alone for a process whose wait is unknown, ``-``), components in order of the
+    largest; a process of a run of several is named ``(1 of N)``: its figures are its own share of the run's
+    operations. Empty when no profile has the process's CPU figure."""
     timed = [p for p in profiles if p.get("active_ms_per_operation_by_component")]
     if not timed:
         return ""
@@ -227,11 +227,14 @@ def render_profiles(profiles: list[dict[str, Any]]) -> str:
     for p in timed:
         for name, ms in p["active_ms_per_operation_by_component"].items():
             components[name] = max(components.get(name, 0.0), ms)
+    waits = [p.get("runqueue_wait_ms_per_operation") for p in timed]
     lines = [
         f"{'CPU (from /proc)':<36}" + "".join(f" {p['cpu_ms_per_operation']:>{width}.3f}" for p in timed),
         f"{'waiting for a core (schedstat)':<36}"
-        + "".join(f" {p['runqueue_wait_ms_per_operation']:>{width}.3f}" for p in timed),
-        "on a core or waiting, by component:",
+        + "".join(f" {'-' if w is None else format(w, '.3f'):>{width}}" for w in waits),
+        "on a core or waiting, by component:"
+        if None not in waits
+        else "by component (CPU alone where the wait is -: this kernel keeps no schedstat):",
     ]
     for name in sorted(components, key=lambda n: -components[n]):
         lines.append(

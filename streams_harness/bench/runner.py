@@ -451,9 +451,9 @@ class Bench:
             before = await self._counters(spec, settings)
             notifications_before = await listener_notifications(fleet.live())
             cpu_before = sum(process_cpu_s(pid) for pid in pids)
-            waits_before = _waits(pids)
+            waits_before = _waits_ns(pids)
             profiled_cpu_before = process_cpu_s(profiler.pid) if profiler is not None else None
-            profiled_wait_before = _waits([profiler.pid]) if profiler is not None else None
+            profiled_wait_before = _waits_ns([profiler.pid]) if profiler is not None else None
             sim_cpu_before = process_cpu_s(self.sim_pid)
             servers_before = await self._server_cpu(spec, settings)
             host_before = (time.monotonic(), host_cpu_s())
@@ -545,10 +545,9 @@ class Bench:
                 "processes": spec.processes,
                 "cpu_ms_per_operation": profiled_ms,
                 "runqueue_wait_ms_per_operation": waited_ms,
+                # CPU plus wait; CPU alone where the kernel keeps no schedstat (the wait is null then)
                 "active_ms_per_operation_by_component": (
-                    component_times(profile, profiled_ms + waited_ms)
-                    if profiled_ms is not None and waited_ms is not None
-                    else {}
+                    component_times(profile, profiled_ms + (waited_ms or 0.0)) if profiled_ms is not None else {}
                 ),
                 **profile,
             }
@@ -632,7 +631,7 @@ def server_cpu_figures(servers_s: dict[str, float], n: int, *, redis_counted: bo
 NOTIFICATIONS_METRIC = "streams_ledger_notifications_total"
 
 
-def _waits(pids: list[int]) -> list[dict[int, int]] | None:
+def _waits_ns(pids: list[int]) -> list[dict[int, int]] | None:
     """Each process's threads' run-queue waits so far (:func:`~streams_harness.bench.server_cpu.thread_wait_ns`);
     None on a kernel that keeps no ``schedstat``."""
     try:
@@ -642,14 +641,13 @@ def _waits(pids: list[int]) -> list[dict[int, int]] | None:
 
 
 def _waited_s(before: list[dict[int, int]] | None, pids: list[int]) -> float | None:
-    """Seconds the processes ``pids`` waited for a core since :func:`_waits` read ``before`` (None when it could
-    not; a process or thread gone meanwhile counts nothing)."""
-    if before is None:
+    """Seconds the processes ``pids`` waited for a core since :func:`_waits_ns` read ``before``: None when it could
+    not, or when one of them is gone (its wait went with it). A thread of a live process that ended meanwhile is
+    not counted (:func:`~streams_harness.bench.server_cpu.threads_delta_s`)."""
+    after = _waits_ns(pids)
+    if before is None or after is None or any(not threads for threads in after):
         return None
-    try:
-        return sum(threads_delta_s(b, thread_wait_ns(pid)) for b, pid in zip(before, pids, strict=True))
-    except FileNotFoundError:
-        return None
+    return sum(threads_delta_s(b, a) for b, a in zip(before, after, strict=True))
 
 
 async def idle_percent(pids: list[int], window_s: float = IDLE_WINDOW_S) -> float:
@@ -891,7 +889,7 @@ def render_summary(summary: dict[str, dict[str, Any]], comparison: Comparison) -
     columns = (
         ("ops/s", 7),
         ("CPU ms/op", 9),
-        ("wait", 5),
+        ("wait ms/op", 10),
         ("PG CPU", 6),
         ("Redis CPU", 9),
         ("Kafka CPU", 9),

@@ -53,12 +53,19 @@ def schedstat_wait_ns(schedstat: str) -> int:
 
 
 def _thread_schedstat_ns(pid: int, field: Callable[[str], int]) -> dict[int, int]:
+    """``field`` of each live thread's ``schedstat`` of process ``pid``, by thread id; empty when it is gone.
+
+    Raises:
+        FileNotFoundError: the kernel keeps no ``schedstat`` (no file, or every thread's run time reads 0: an older
+            kernel with schedstats off reads ``0 0 0``).
+    """
     tasks = Path(f"/proc/{pid}/task")
     try:
         tids = os.listdir(tasks)
     except (FileNotFoundError, ProcessLookupError):
         return {}
     readings: dict[int, int] = {}
+    ran_ns = 0
     for tid in tids:
         try:
             text = (tasks / tid / "schedstat").read_text()
@@ -67,6 +74,9 @@ def _thread_schedstat_ns(pid: int, field: Callable[[str], int]) -> dict[int, int
                 raise FileNotFoundError(f"{tasks / tid / 'schedstat'}: this kernel keeps no schedstat") from None
             continue  # the thread ended between the listing and the reading
         readings[int(tid)] = field(text)
+        ran_ns += schedstat_run_ns(text)
+    if readings and not ran_ns:  # schedstats off in an older kernel: every thread reads 0 0 0
+        raise FileNotFoundError(f"{tasks}/*/schedstat: every thread reads 0 (this kernel keeps no run times)")
     return readings
 
 
@@ -79,10 +89,7 @@ def thread_cpu_ns(pid: int) -> dict[int, int]:
         FileNotFoundError: the kernel keeps no ``schedstat`` (built without ``CONFIG_SCHED_INFO``, or an older one
             with schedstats off, where every thread reads 0).
     """
-    readings = _thread_schedstat_ns(pid, schedstat_run_ns)
-    if readings and not any(readings.values()):  # schedstats off in an older kernel: every thread reads 0 0 0
-        raise FileNotFoundError(f"/proc/{pid}/task/*/schedstat: every thread reads 0 (this kernel keeps no run times)")
-    return readings
+    return _thread_schedstat_ns(pid, schedstat_run_ns)
 
 
 def thread_wait_ns(pid: int) -> dict[int, int]:

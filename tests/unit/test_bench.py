@@ -36,6 +36,8 @@ from streams_harness.bench.runner import (
     PROCRASTINATE,
     BenchOptions,
     RunSpec,
+    _waited_s,
+    _waits_ns,
     callback_figures,
     callbacks_comparison,
     compare,
@@ -174,6 +176,28 @@ def test_summary_takes_medians_and_ratios_compare_with_floor_and_naive() -> None
     table = render_summary(summary, comparison)
     assert table.splitlines()[4].startswith("naive x2 p4 aiohttp")
     assert table.splitlines()[5].split()[-1] == "0.200"
+    header = table.splitlines()[0]
+    assert header.split()[4:7] == ["wait", "ms/op", "PG"]  # beside the processes' CPU
+    wait_column = header.index("wait ms/op") + len("wait ms/op")  # right-aligned under its header
+    assert [line[:wait_column].split()[-1] for line in table.splitlines()[2:6]] == ["-", "-", "-", "-"]
+
+
+def test_the_run_queue_wait_is_a_median_of_the_runs_that_measured_it_and_a_column() -> None:
+    """A run on a kernel without schedstat has no wait (None): the median is of the others, and the column shows
+    the figure right-aligned under its header even when it takes six characters."""
+    records = [
+        record("floor", FLOOR, 1000.0, 1.0) | {"runqueue_wait_ms_per_operation": 0.4},
+        record("pipeline w4 p4 aiohttp", PIPELINE, 150.0, 1.0) | {"runqueue_wait_ms_per_operation": 120.25},
+        record("pipeline w4 p4 aiohttp", PIPELINE, 250.0, 1.0) | {"runqueue_wait_ms_per_operation": None},
+        record("pipeline w4 p4 aiohttp", PIPELINE, 200.0, 1.0) | {"runqueue_wait_ms_per_operation": 100.75},
+    ]
+    summary = summarize_runs(records)
+    assert summary["floor"]["runqueue_wait_ms_per_operation"] == 0.4
+    assert summary["pipeline w4 p4 aiohttp"]["runqueue_wait_ms_per_operation"] == 110.5
+    lines = render_summary(summary, compare(summary)).splitlines()
+    wait_column = lines[0].index("wait ms/op") + len("wait ms/op")
+    assert [line[:wait_column].split()[-1] for line in lines[2:4]] == ["0.40", "110.50"]
+    assert [line[wait_column] for line in lines[2:4]] == [" ", " "]  # the next column starts after a space
 
 
 def test_run_labels() -> None:
@@ -294,6 +318,10 @@ def test_the_profiles_give_each_component_its_share_of_the_time_on_a_core_or_wai
     assert lines[4] == "on a core or waiting, by component:"
     assert [line.split()[-2:] for line in lines[5:]] == [["0.000", "1.000"], ["0.500", "0.625"], ["0.100", "0.000"]]
     assert [line.split()[0] for line in lines[5:]] == ["streams", "asyncpg", "streams_harness"]
+    unmeasured = floor | {"runqueue_wait_ms_per_operation": None}  # a kernel without schedstat: CPU alone
+    lines = render_profiles([unmeasured, worker]).splitlines()
+    assert lines[3].split()[-2:] == ["-", "1.000"]
+    assert lines[4].startswith("by component (CPU alone where the wait is -")
 
 
 def test_the_pipeline_and_the_peers_are_held_to_the_promises_and_the_floor_is_not() -> None:
@@ -342,11 +370,13 @@ def test_a_threads_run_time_is_the_first_field_of_its_schedstat() -> None:
     assert schedstat_wait_ns("197004537 19156113 528\n") == 19_156_113
 
 
-def test_a_process_ready_to_run_while_another_holds_its_only_core_shows_the_wait() -> None:
-    """Two processes that each spin 200 ms of CPU on the same single core: each waits on the run queue while the
-    other runs, and :func:`thread_wait_ns` shows it (the kernel's own account, not a guess from timings)."""
+def test_processes_ready_to_run_while_others_hold_their_only_core_show_the_wait() -> None:
+    """Three processes spinning on the same single core each wait on the run queue while the other two run, so
+    each one's wait grows by more than its run time (about twice as much; other load on that core only adds to
+    the wait): :func:`thread_wait_ns` reads the kernel's account of it, not the run time."""
     spin = (
         "import sys, time\n"
+        "sys.stdin.readline()\n"  # go: every child is on the core by then
         "start = time.process_time()\n"
         "while time.process_time() - start < 0.2: pass\n"
         "print('spun', flush=True)\n"
@@ -354,21 +384,46 @@ def test_a_process_ready_to_run_while_another_holds_its_only_core_shows_the_wait
     )
     children = [
         subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
+        for _ in range(3)
     ]
     try:
         core = min(os.sched_getaffinity(0))
         for child in children:
             os.sched_setaffinity(child.pid, {core})
-        before = [thread_wait_ns(child.pid) for child in children]
+        try:
+            before = [(thread_cpu_ns(child.pid), thread_wait_ns(child.pid)) for child in children]
+        except FileNotFoundError:
+            pytest.skip("this kernel keeps no schedstat")
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write("go\n")
+            child.stdin.flush()
         for child in children:
             assert child.stdout is not None and child.stdout.readline() == "spun\n"
-        waited = [threads_delta_s(b, thread_wait_ns(child.pid)) for b, child in zip(before, children, strict=True)]
+        ran = [threads_delta_s(run, thread_cpu_ns(child.pid)) for (run, _), child in zip(before, children, strict=True)]
+        waited = [
+            threads_delta_s(wait, thread_wait_ns(child.pid)) for (_, wait), child in zip(before, children, strict=True)
+        ]
     finally:
         for child in children:
             child.communicate("")
-    assert sum(waited) >= 0.1  # one ran while the other waited, at least for the shorter child's 200 ms
+    assert all(r >= 0.19 for r in ran)  # each spun its 200 ms in the window
+    assert all(w > r for w, r in zip(waited, ran, strict=True)), (waited, ran)
     assert thread_wait_ns(2**22 + 1) == {}  # no such process
+
+
+def test_the_wait_of_processes_gone_or_unmeasured_is_unknown_not_zero() -> None:
+    """A process that exited took its threads' waits with it, and a kernel without schedstat gives none: either
+    way the run's wait is None, never a smaller figure."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    alive = os.getpid()
+    before = _waits_ns([alive])
+    assert before is not None and before[0]
+    waited = _waited_s(before, [alive])
+    assert waited is not None and waited >= 0.0
+    assert _waited_s([*before, {}], [alive, child.pid]) is None  # one of them gone
+    assert _waited_s(None, [alive]) is None  # no reading before it (no schedstat)
 
 
 def test_the_threads_cpu_of_a_process_is_read_to_below_a_tick() -> None:
