@@ -205,7 +205,7 @@ def component_times(profile: dict[str, Any], active_ms_per_operation: float) -> 
     Why both: py-spy samples a thread whose state is ``R``, which the kernel gives a thread running on a core and
     one ready to run while no core is free alike, so its samples count both, and a wait is charged to whatever the
     thread was running when it lost its core. On a machine whose cores the services share, the wait is large (a
-    lone process here waits 0.4-0.85 of the time it runs; docs/benchmark.md sets a native on-core profile beside
+    lone process here waits 0.4-0.9 of the time it runs; docs/benchmark.md sets a native on-core profile beside
     py-spy's). Time a thread spends with the GIL released (a system call) is spread over the GIL-held shares.
     Where the kernel keeps no ``schedstat`` the runner passes the CPU alone."""
     return {k: round(v * active_ms_per_operation / 100.0, 3) for k, v in profile["by_component"].items()}
