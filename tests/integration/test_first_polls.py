@@ -67,7 +67,11 @@ async def test_a_short_hint_first_poll_is_observed_by_the_saving_worker_without_
 
         await wait_for(polled, 10.0, "the first poll observed with no poll scheduler running")
         assert await get_fencing_tokens(pool, op) == [2]  # one GET, under the save's claim
-        assert first_polls("taken") == observed + 1
+
+        async def counted() -> bool:  # counted once the observation returns, after its save committed
+            return first_polls("taken") == observed + 1
+
+        await wait_for(counted, 10.0, "the first poll counted as taken")
     finally:
         await polls.close()
 
