@@ -21,9 +21,12 @@ def stub(path: Path, body: str) -> None:
     path.chmod(0o755)
 
 
-def sandbox(tmp_path: Path, *, main_job_rc: int, promtool_finishes: bool, test_rc: int) -> Path:
-    """A copy of ``.ci/run`` beside stub scripts; every stub appends its arguments to ``calls.log``."""
-    (tmp_path / ".ci").mkdir()
+def sandbox(
+    tmp_path: Path, *, main_job_rc: int, promtool_finishes: bool, test_rc: int, toxiproxy_before: bool = True
+) -> Path:
+    """A copy of ``.ci/run`` beside stub scripts; every stub appends its arguments to ``calls.log``.
+    ``toxiproxy_before``: whether ``scripts/toxiproxy status`` finds one answering before the run."""
+    (tmp_path / ".ci").mkdir(parents=True)
     shutil.copy(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
     scripts = tmp_path / "scripts"
     stub(scripts / "services", f'echo "services $*" >>"$LOG"\n[[ $1 == status ]] && printf "{SERVICES_STATUS}"\ntrue')
@@ -52,6 +55,8 @@ def sandbox(tmp_path: Path, *, main_job_rc: int, promtool_finishes: bool, test_r
         f"exit {main_job_rc}",
     )
     stub(scripts / "test", f'echo "test $*" >>"$LOG"\nexit {test_rc}')
+    status_rc = 0 if toxiproxy_before else 3
+    stub(scripts / "toxiproxy", f'echo "toxiproxy $*" >>"$LOG"\n[[ $1 == status ]] && exit {status_rc}\ntrue')
     for name in ("wheel-check", "compose-cli", "chromium"):
         stub(scripts / name, f'echo "{name} $*" >>"$LOG"')
     for name in ("ruff", "mypy", "lint-imports"):
@@ -100,3 +105,17 @@ def test_a_successful_run_stops_what_it_started_too(tmp_path: Path) -> None:
     tail = calls[calls.index("test --durations=25") + 1 :]
     assert tail[0] == "prod-services down kafka-cluster redis-tls redis-sentinel postgres-tls pgbouncer"
     assert sorted(tail[1:]) == ["services stop kafka", "services stop redis"]
+
+
+def test_toxiproxy_is_stopped_only_when_none_answered_before_the_run(tmp_path: Path) -> None:
+    """The fault tests start Toxiproxy on first use; the run stops it after, but never one that served before it."""
+    for before in (False, True):
+        root = sandbox(
+            tmp_path / str(before), main_job_rc=0, promtool_finishes=True, test_rc=0, toxiproxy_before=before
+        )
+        rc, calls = run(root)
+        assert rc == 0
+        toxiproxy = [c for c in calls if c.startswith("toxiproxy")]
+        assert toxiproxy == (["toxiproxy status"] if before else ["toxiproxy status", "toxiproxy down"])
+        if not before:
+            assert calls[-1] == "toxiproxy down"  # after the tests
