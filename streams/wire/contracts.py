@@ -25,7 +25,7 @@ import base64
 import functools
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -35,7 +35,7 @@ import jsonschema
 import jsonschema_rs
 
 from streams.errors import ConfigError, InvalidEventError, JsonValueError, MissingResourceError
-from streams.wire import exactjson
+from streams.wire import exactjson, iri
 
 #: The package that holds the schema files (``schemas/`` of the repository, see ``pyproject.toml``).
 SCHEMA_PACKAGE = "streams.schemas"
@@ -52,8 +52,37 @@ SCHEMA_FILES = {
 
 _BASE = jsonschema.Draft202012Validator
 
-#: The format checker of every schema: each format jsonschema can check with the installed packages.
-FORMAT_CHECKER: jsonschema.FormatChecker = _BASE.FORMAT_CHECKER
+
+#: Formats whose checks match a pattern up to ``$``, which also matches before a final newline: jsonschema took
+#: ``"https://example.org/\n"`` for a ``uri``. No value of these formats holds a line break.
+NO_FINAL_NEWLINE_FORMATS = ("date-time", "time", "hostname", "uri", "uri-reference")
+
+
+def _without_final_newline(check: Callable[[object], bool]) -> Callable[[object], bool]:
+    def checked(instance: object) -> bool:
+        return not (isinstance(instance, str) and instance.endswith("\n")) and check(instance)
+
+    return checked
+
+
+def _format_checker() -> jsonschema.FormatChecker:
+    """Draft 2020-12's format checks with the installed packages, plus ``iri`` and ``iri-reference``
+    (:mod:`streams.wire.iri`: jsonschema checks them only with ``rfc3987-syntax``, not installed), and a final
+    newline refused where jsonschema's check lets it through (:data:`NO_FINAL_NEWLINE_FORMATS`); a copy, so
+    jsonschema's own checker stays as it is for other users in the process."""
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers = dict(_BASE.FORMAT_CHECKER.checkers)
+    for fmt in NO_FINAL_NEWLINE_FORMATS:
+        check, raises = checker.checkers[fmt]
+        checker.checkers[fmt] = (_without_final_newline(check), raises)
+    checker.checks("iri")(iri.is_iri)
+    checker.checks("iri-reference")(iri.is_iri_reference)
+    return checker
+
+
+#: The format checker of every schema: each format of JSON Schema 2020-12 (``format_conforms`` refuses to answer
+#: for one it cannot check).
+FORMAT_CHECKER: jsonschema.FormatChecker = _format_checker()
 
 
 def _is_integer(checker: Any, instance: Any) -> bool:
@@ -89,7 +118,8 @@ def compile_schema(schema: dict[str, Any], name: str) -> jsonschema.protocols.Va
 
     Raises:
         ConfigError: the schema is invalid, or uses a format the installed checker does not enforce (install
-            ``jsonschema[format-nongpl]``; an unknown format name is a typo in the schema).
+            the project's dependencies, which include jsonschema's format packages; an unknown format name is a
+            typo in the schema).
     """
     try:
         _Validator.check_schema(schema)
@@ -99,7 +129,7 @@ def compile_schema(schema: dict[str, Any], name: str) -> jsonschema.protocols.Va
         if fmt not in FORMAT_CHECKER.checkers:
             raise ConfigError(
                 f"JSON Schema {name} uses format {fmt!r} at {where}, which is not enforced: jsonschema checks it "
-                "only with its format packages (pip install 'jsonschema[format-nongpl]'), or the name is unknown"
+                "only with its format packages (dependencies of this project: reinstall it), or the name is unknown"
             )
     v: jsonschema.protocols.Validator = _Validator(schema, format_checker=FORMAT_CHECKER)
     return v
@@ -236,7 +266,10 @@ def format_conforms(value: Any, fmt: str) -> bool:
         ConfigError: the installed packages cannot check ``fmt`` (jsonschema would accept anything).
     """
     if fmt not in FORMAT_CHECKER.checkers:
-        raise ConfigError(f"format {fmt!r} cannot be checked: pip install 'jsonschema[format-nongpl]'")
+        raise ConfigError(
+            f"format {fmt!r} cannot be checked: jsonschema's format packages are missing (dependencies of this "
+            "project: reinstall it)"
+        )
     return bool(FORMAT_CHECKER.conforms(value, fmt))
 
 
