@@ -39,7 +39,7 @@ from streams_harness.bench.profile import Profiler, component_times, summarize
 from streams_harness.bench.server_cpu import (
     ServerCpu,
     host_cpu_s,
-    kafka_broker_pid,
+    kafka_broker_pids,
     process_cpu_s,
     read_server_cpu,
     thread_cpu_ns,
@@ -223,7 +223,8 @@ class Bench:
         self.sim_config: dict[str, Any] = {}
         self._seq = 0
         self.sim_pid = 0
-        self.kafka_pid = kafka_broker_pid()
+        #: The brokers of the bootstrap address on this host (empty: Kafka's CPU is not counted, its figure null).
+        self.kafka_pids = kafka_broker_pids(self.base.kafka_bootstrap)
         #: Why PostgreSQL's statement profile cannot be read (None while it can).
         self.statements_unavailable: str | None = None
         self.query_names = known_queries()
@@ -421,7 +422,7 @@ class Bench:
     async def _server_cpu(self, spec: RunSpec, settings: Settings) -> ServerCpu:
         redis_pid = self.redis.proc.pid if self.redis is not None and self.redis.proc is not None else None
         return await read_server_cpu(
-            self.base.database_url.get_secret_value(), self._databases(spec, settings), redis_pid, self.kafka_pid
+            self.base.database_url.get_secret_value(), self._databases(spec, settings), redis_pid, self.kafka_pids
         )
 
     async def _measure(self, spec: RunSpec, settings: Settings, run_id: str, log_dir: Path) -> dict[str, Any]:
@@ -532,7 +533,9 @@ class Bench:
         record["idle_cpu_percent"] = round(idle_cpu_percent, 2)
         record["idle_cpu_percent_per_process"] = round(idle_cpu_percent / len(pids), 2)
         record["simulator_cpu_ms_per_operation"] = round(1000.0 * sim_cpu_s / n, 3)
-        record.update(server_cpu_figures(servers_s, n, redis_counted=self.redis is not None))
+        record.update(
+            server_cpu_figures(servers_s, n, redis_counted=self.redis is not None, kafka_counted=bool(self.kafka_pids))
+        )
         record["host_cpu_ms_per_operation"] = round(1000.0 * host_s / n, 3)
         record["host_busy_cores"] = round(host_s / host_wall_s, 2) if host_wall_s > 0 else None
         record.update({"run_id": run_id, "timed_out": timed_out, "wall_clock_s": round(time.monotonic() - started, 1)})
@@ -614,12 +617,15 @@ def callback_figures(
     }
 
 
-def server_cpu_figures(servers_s: dict[str, float], n: int, *, redis_counted: bool) -> dict[str, float | None]:
+def server_cpu_figures(
+    servers_s: dict[str, float], n: int, *, redis_counted: bool, kafka_counted: bool = True
+) -> dict[str, float | None]:
     """A run's CPU of the services per operation, in ms, from the seconds each spent (``postgres``, ``redis``,
-    ``kafka``, see :mod:`streams_harness.bench.server_cpu`); Redis's is None without the benchmark's own server."""
+    ``kafka``, see :mod:`streams_harness.bench.server_cpu`); Redis's is None without the benchmark's own server,
+    Kafka's without a broker of the bootstrap address found on this host."""
     postgres = round(1000.0 * servers_s["postgres"] / n, 3)
     redis = round(1000.0 * servers_s["redis"] / n, 3) if redis_counted else None
-    kafka = round(1000.0 * servers_s["kafka"] / n, 3)
+    kafka = round(1000.0 * servers_s["kafka"] / n, 3) if kafka_counted else None
     return {
         "postgres_backends_cpu_ms_per_operation": postgres,
         "redis_server_cpu_ms_per_operation": redis,

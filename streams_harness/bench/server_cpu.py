@@ -4,7 +4,9 @@
   databases' clients are not counted; the server's shared processes (WAL writer, checkpointer, autovacuum) are
   not counted either;
 * Redis: the benchmark's own ``redis-server`` (every command it serves is the run's), when it runs one;
-* Kafka: the broker's whole process (``kafka.Kafka``): it serves every client of the host, the run's and others';
+* Kafka: the whole process of each broker of the run's bootstrap address that listens on this host (``kafka.Kafka``
+  owning the listening socket of its port: another broker of the host, a second cluster's, is not counted); it
+  serves every client, the run's and others';
 * the host: every process's CPU (``/proc/stat``), the measured and the rest (the simulator, the benchmark itself,
   the services' shared processes, other users): whether the machine's cores were the limit.
 """
@@ -133,19 +135,61 @@ def cpu_delta_s(before: Mapping[int, float], after: Mapping[int, float]) -> floa
     return sum(max(0.0, cpu - before.get(pid, 0.0)) for pid, cpu in after.items())
 
 
-def kafka_broker_pid(proc: Path = Path("/proc")) -> int | None:
-    """The pid of the Kafka broker on this host (the first process whose command line holds
-    :data:`KAFKA_MAIN_CLASS` as one argument), or None."""
+#: Host names of a bootstrap address that mean this host.
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0"})
+
+#: ``st`` of a listening socket in ``/proc/net/tcp`` and ``tcp6``.
+TCP_LISTEN = "0A"
+
+
+def bootstrap_local_ports(bootstrap: str) -> set[int]:
+    """The ports of ``bootstrap`` (``host:port``, comma-separated) whose host is this one (loopback, or this host's
+    name)."""
+    local = LOCAL_HOSTS | {os.uname().nodename}
+    ports = set()
+    for address in bootstrap.split(","):
+        host, _, port = address.strip().rpartition(":")
+        if host in local and port.isdigit():
+            ports.add(int(port))
+    return ports
+
+
+def listening_socket_inodes(ports: set[int], proc: Path = Path("/proc")) -> set[str]:
+    """The inodes of the TCP sockets listening on ``ports`` in this process's network namespace
+    (``<proc>/net/tcp`` and ``tcp6``)."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == TCP_LISTEN and int(fields[1].rsplit(":", 1)[1], 16) in ports:
+                inodes.add(fields[9])
+    return inodes
+
+
+def kafka_broker_pids(bootstrap: str, proc: Path = Path("/proc")) -> list[int]:
+    """The pids of the Kafka brokers of ``bootstrap`` on this host: each process whose command line holds
+    :data:`KAFKA_MAIN_CLASS` as one argument and that owns a socket listening on one of the address's local ports
+    (:func:`bootstrap_local_ports`); empty when none is found (a remote cluster, or the other processes' file
+    descriptors not readable)."""
+    inodes = {f"socket:[{inode}]" for inode in listening_socket_inodes(bootstrap_local_ports(bootstrap), proc)}
+    if not inodes:
+        return []
+    pids = []
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            arguments = (entry / "cmdline").read_bytes().split(b"\0")
+            if KAFKA_MAIN_CLASS not in (entry / "cmdline").read_bytes().split(b"\0"):
+                continue
+            if any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir()):
+                pids.append(int(entry.name))
         except OSError:
             continue
-        if KAFKA_MAIN_CLASS in arguments:
-            return int(entry.name)
-    return None
+    return sorted(pids)
 
 
 @dataclass(frozen=True)
@@ -176,13 +220,13 @@ async def backend_pids(admin_url: str, databases: Iterable[str]) -> list[int]:
 
 
 async def read_server_cpu(
-    admin_url: str, databases: Iterable[str], redis_pid: int | None, kafka_pid: int | None
+    admin_url: str, databases: Iterable[str], redis_pid: int | None, kafka_pids: Iterable[int]
 ) -> ServerCpu:
-    """The services' CPU now: the backends of ``databases``, the Redis server ``redis_pid`` and the broker
-    ``kafka_pid`` (None: not counted)."""
+    """The services' CPU now: the backends of ``databases``, the Redis server ``redis_pid`` (None: not counted) and
+    the brokers ``kafka_pids``."""
     pids = await backend_pids(admin_url, databases)
     return ServerCpu(
         postgres={pid: process_cpu_s(pid) for pid in pids},
         redis={} if redis_pid is None else {redis_pid: process_cpu_s(redis_pid)},
-        kafka={} if kafka_pid is None else {kafka_pid: process_cpu_s(kafka_pid)},
+        kafka={pid: process_cpu_s(pid) for pid in kafka_pids},
     )

@@ -54,7 +54,7 @@ from streams_harness.bench.server_cpu import (
     ServerCpu,
     cpu_delta_s,
     host_cpu_s,
-    kafka_broker_pid,
+    kafka_broker_pids,
     schedstat_run_ns,
     schedstat_wait_ns,
     stat_busy_ticks,
@@ -482,15 +482,44 @@ def test_cpu_delta_counts_new_processes_whole_and_gone_ones_not() -> None:
     assert cpu_delta_s({10: 3.0}, {10: 2.0}) == 0.0  # a reused pid never subtracts
 
 
+TCP_HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+
+
+def fake_process(proc: Path, pid: int, cmdline: bytes, sockets: list[str]) -> None:
+    """``<proc>/<pid>`` with a command line and file descriptors linked to ``socket:[inode]`` names."""
+    (proc / str(pid) / "fd").mkdir(parents=True)
+    (proc / str(pid) / "cmdline").write_bytes(cmdline)
+    for fd, inode in enumerate(sockets):
+        (proc / str(pid) / "fd" / str(fd)).symlink_to(f"socket:[{inode}]")
+
+
+def test_the_brokers_measured_are_those_listening_on_the_bootstrap_ports(tmp_path: Path) -> None:
+    """Another broker of the host (a second cluster, a TLS broker of the tests) is not counted: the first process
+    named kafka.Kafka was, whichever it was."""
+    java = b"/usr/bin/java\0-Xmx1g\0kafka.Kafka\0config/server.properties\0"
+    fake_process(tmp_path, 120, java, ["5001"])  # a broker on 19094: not the run's
+    fake_process(tmp_path, 321, java, ["5002", "5009"])  # listens on 9092
+    fake_process(tmp_path, 322, java, ["5003"])  # a second broker of the address, on 9093
+    fake_process(tmp_path, 99, b"python\0-c\0print('kafka.Kafka')\0", ["5004"])  # listens on 9094, no broker
+    (tmp_path / "net").mkdir()
+    rows = [
+        ("0100007F:4A96", "0A", "5001"),  # 127.0.0.1:19094 listening
+        ("0100007F:2384", "0A", "5002"),  # 127.0.0.1:9092 listening
+        ("0100007F:2384", "01", "5009"),  # 9092, an established connection
+        ("0100007F:2386", "0A", "5004"),  # 9094 listening
+    ]
+    (tmp_path / "net" / "tcp").write_text(
+        TCP_HEADER + "".join(f"  0: {a} 00000000:0000 {st} 0:0 00:0 0 0 0 {i}\n" for a, st, i in rows)
+    )
+    any6 = "0" * 32
+    (tmp_path / "net" / "tcp6").write_text(TCP_HEADER + f"  0: {any6}:2385 {any6}:0000 0A 0:0 00:0 0 0 0 5003\n")
+    assert kafka_broker_pids("127.0.0.1:9092", tmp_path) == [321]
+    assert kafka_broker_pids("localhost:9092,127.0.0.1:9093,127.0.0.1:9094", tmp_path) == [321, 322]
+    assert kafka_broker_pids("kafka.example:9092", tmp_path) == []  # another host's broker: not measured here
+    assert kafka_broker_pids("127.0.0.1:9095", tmp_path) == []
+
+
 def test_services_cpu_per_operation(tmp_path: Path) -> None:
-    broker = tmp_path / "321"
-    broker.mkdir()
-    (broker / "cmdline").write_bytes(b"/usr/bin/java\0-Xmx1g\0kafka.Kafka\0config/server.properties\0")
-    other = tmp_path / "99"
-    other.mkdir()
-    (other / "cmdline").write_bytes(b"python\0-c\0print('kafka.Kafka')\0")
-    (tmp_path / "self").mkdir()
-    assert kafka_broker_pid(tmp_path) == 321
     before = ServerCpu(postgres={1: 1.0}, redis={2: 1.0}, kafka={3: 10.0})
     after = ServerCpu(postgres={1: 1.5, 4: 0.5}, redis={2: 1.2}, kafka={3: 12.0})
     spent = after.minus(before)
@@ -501,6 +530,8 @@ def test_services_cpu_per_operation(tmp_path: Path) -> None:
         "kafka_broker_cpu_ms_per_operation": 4.0,
     }
     assert server_cpu_figures(spent, 500, redis_counted=False)["redis_server_cpu_ms_per_operation"] is None
+    no_broker = server_cpu_figures(spent, 500, redis_counted=True, kafka_counted=False)
+    assert no_broker["kafka_broker_cpu_ms_per_operation"] is None  # none found: unknown, not 0
 
 
 def test_plan_runs_the_job_queue_peer_beside_the_naive_one() -> None:
