@@ -18,7 +18,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -271,16 +271,24 @@ class KafkaAdmin:
             ) from exc
 
     async def create_topics(
-        self, names: list[str], partitions: int, replication_factor: int = -1, min_insync_replicas: int = 0
+        self,
+        names: list[str],
+        partitions: int,
+        replication_factor: int = -1,
+        min_insync_replicas: int = 0,
+        topic_configs: Mapping[str, str] | None = None,
     ) -> list[str]:
         """Create ``names`` with ``partitions`` partitions each, ``replication_factor`` replicas (-1: the broker's
-        ``default.replication.factor``) and ``min.insync.replicas`` (0: the broker's); returns those created.
+        ``default.replication.factor``), ``min.insync.replicas`` (0: the broker's) and ``topic_configs`` (more topic
+        configs, Kafka's names); returns those created.
 
         Topics that already exist are left as they are (see :meth:`topic_layouts`). Raises
         :class:`KafkaAdminError` for any other per-topic error the broker reports (e.g. an invalid name, more
-        replicas than brokers).
+        replicas than brokers, a config it does not know).
         """
-        configs = {"min.insync.replicas": str(min_insync_replicas)} if min_insync_replicas else {}
+        configs = dict(topic_configs or {})
+        if min_insync_replicas:
+            configs["min.insync.replicas"] = str(min_insync_replicas)
 
         async def request(client: AIOKafkaAdminClient) -> list[str]:
             existing = set(await client.list_topics())
@@ -484,10 +492,13 @@ def layout_differences(settings: Settings, layout: TopicLayout) -> list[str]:
     return out
 
 
-async def create_topics(settings: Settings, *, strict: bool = False) -> list[str]:
-    """Create the five topics with ``settings.partitions`` partitions, ``kafka_replication_factor`` replicas and
-    ``kafka_min_insync_replicas``; returns those created. Then check every topic (:func:`layout_differences`):
-    each difference is logged as a warning, or with ``strict`` refused.
+async def create_topics(
+    settings: Settings, *, strict: bool = False, topic_configs: Mapping[str, str] | None = None
+) -> list[str]:
+    """Create the five topics with ``settings.partitions`` partitions, ``kafka_replication_factor`` replicas,
+    ``kafka_min_insync_replicas`` and ``topic_configs`` (more topic configs, Kafka's names: none for ``streams
+    migrate``); returns those created. Then check every topic (:func:`layout_differences`): each difference is
+    logged as a warning, or with ``strict`` refused.
 
     Existing topics are left as they are (their partition count is not changed).
 
@@ -498,7 +509,11 @@ async def create_topics(settings: Settings, *, strict: bool = False) -> list[str
     names = list(settings.topics.values())
     async with KafkaAdmin(settings) as admin:
         created = await admin.create_topics(
-            names, settings.partitions, settings.kafka_replication_factor, settings.kafka_min_insync_replicas
+            names,
+            settings.partitions,
+            settings.kafka_replication_factor,
+            settings.kafka_min_insync_replicas,
+            topic_configs,
         )
         layouts = await admin.topic_layouts(names)
     differences = [

@@ -77,6 +77,14 @@ PROCRASTINATE = "procrastinate"
 #: The peers: what a team would run instead (held to the product's checks, never failing the benchmark).
 PEERS = (NAIVE, PROCRASTINATE)
 
+#: Configs of each run's own topics. ``segment.index.bytes``: a broker preallocates each new segment's offset and time
+#: indexes at this size (10 MiB by default) as sparse files written through memory maps, and on a disk whose
+#: ``read_ahead_kb`` is large the kernel reads ahead around each first touch of an index page, zeroing every page it
+#: reads: on a run's fresh topics that was most of the broker's CPU (docs/benchmark.md, "The services' CPU"). A
+#: topic in production meets it once per segment (1 GiB of log by default); a run's topics at every run. 1 MiB
+#: indexes more than 300 MiB of log a segment (an entry per 4 KiB), more than a run writes to a partition.
+RUN_TOPIC_CONFIGS = {"segment.index.bytes": str(1024 * 1024)}
+
 #: Seconds the started processes are watched idle before the submissions, for ``idle_cpu_percent`` (each thread's
 #: CPU to the nanosecond: :func:`~streams_harness.bench.server_cpu.thread_cpu_ns`): several rounds of a worker's
 #: frequent timers (Faust's commit and keepalive, the fetcher's idle rounds); the 30 s ones (the relay's listening
@@ -321,7 +329,7 @@ class Bench:
             if queue_url is not None:
                 await create_run_database(database_url, QUEUE_DATABASE_SUFFIX)
                 await apply_schema(queue_url)
-            await create_topics(settings)
+            await create_topics(settings, topic_configs=RUN_TOPIC_CONFIGS)
             async with httpx.AsyncClient(base_url=self.sim_url, timeout=30) as sim:
                 (await sim.post("/_sim/reset")).raise_for_status()
             return await self._measure(spec, settings, run_id, log_dir)

@@ -14,6 +14,7 @@ from streams.config import Settings
 from streams.errors import DatabaseConfigError, KafkaAdminError, ServiceNotReadyError
 from streams.setup.admin import KafkaAdmin, create_topics, delete_topics
 from streams.setup.readiness import wait_ready
+from streams_harness.bench.runner import RUN_TOPIC_CONFIGS
 from streams_harness.fleet import free_port
 from streams_harness.services import wait_group_stable
 from tests.support import unique_settings
@@ -33,6 +34,23 @@ async def test_topics_are_created_once_and_deleted_once(base_settings: Settings)
     finally:
         assert sorted(await delete_topics(settings)) == sorted(names)
     assert await delete_topics(settings) == []
+
+
+async def test_topic_configs_are_set_on_the_topics_created(base_settings: Settings) -> None:
+    """streams bench gives its runs' topics smaller index files (streams_harness/bench/runner.py RUN_TOPIC_CONFIGS);
+    the broker keeps them, beside min.insync.replicas, and a config it does not know is refused."""
+    settings = unique_settings(base_settings, partitions=1).replace(kafka_min_insync_replicas=1)
+    names = list(settings.topics.values())
+    try:
+        await create_topics(settings, topic_configs=RUN_TOPIC_CONFIGS)
+        async with KafkaAdmin(settings) as admin:
+            for name in names:
+                configs = await admin.describe_topic_configs(name, ["segment.index.bytes", "min.insync.replicas"])
+                assert configs == {"segment.index.bytes": "1048576", "min.insync.replicas": "1"}
+            with pytest.raises(KafkaAdminError, match=r"no\.such\.config"):
+                await admin.create_topics([f"{names[0]}-x"], 1, topic_configs={"no.such.config": "1"})
+    finally:
+        await delete_topics(settings)
 
 
 async def test_a_topic_the_broker_refuses_is_an_error_not_a_silent_success(base_settings: Settings) -> None:
