@@ -403,7 +403,7 @@ def submit(path: Path) -> None:
     help="Where to start without committed offsets: the topic's first output or the next one (a --group-id with "
     "committed offsets resumes there either way).",
 )
-@click.option("--count", type=int, default=None, help="Stop after this many outputs.")
+@click.option("--count", type=click.IntRange(min=1), default=None, help="Stop after this many outputs.")
 @click.option("--operation-prefix", default="", help="Only outputs of operations whose id starts with this.")
 def follow(group_id: str | None, from_beginning: bool, count: int | None, operation_prefix: str) -> None:
     """Print each delivered output once, as JSON lines."""
@@ -429,6 +429,11 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None, operat
 
 
 # --- operators' commands -----------------------------------------------------------------------------------------
+
+
+#: The most rows a listing command prints (``--limit``): a bigger number is refused as a usage error, not sent to
+#: PostgreSQL (whose bigint it may not fit).
+MAX_LIST_ROWS = 1_000_000
 
 
 class Duration(click.ParamType):
@@ -512,7 +517,9 @@ def operations() -> None:
     default=None,
     help="Only operations in their state longer than this (30s, 5m, 2h, 1d, 1h30m).",
 )
-@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True, help="At most this many rows.")
+@click.option(
+    "--limit", type=click.IntRange(1, MAX_LIST_ROWS), default=100, show_default=True, help="At most this many rows."
+)
 @_JSON_OPTION
 def list_operations(states: tuple[str, ...], older_than: float | None, limit: int, as_json: bool) -> None:
     """Operations, oldest in their state first: id, state, age in that state, job id, fencing value, reason.
@@ -725,7 +732,7 @@ def forget(operation_id: str, reason: str, actor: str | None, as_json: bool) -> 
     "--older-than",
     type=Duration(),
     required=True,
-    help="Delete operations terminal for longer than this (30s, 5m, 2h, 7d, 1h30m).",
+    help="Purge operations terminal for longer than this (30s, 5m, 2h, 7d, 1h30m).",
 )
 @click.option(
     "--batch-size",
@@ -734,13 +741,15 @@ def forget(operation_id: str, reason: str, actor: str | None, as_json: bool) -> 
     show_default=True,
     help="Operations per transaction.",
 )
-@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option("--dry-run", is_flag=True, help="Count what would be purged; change nothing.")
 @_JSON_OPTION
 def purge(older_than: float, batch_size: int, dry_run: bool, as_json: bool) -> None:
-    """Delete terminal operations (succeeded, failed, canceled, rejected) older than --older-than in their state,
-    with their transitions, outputs and outbox rows, in batches of --batch-size, one transaction each. The
-    accounting (remote_calls, remote_jobs, refunds) and the records of erasures and re-drives are kept; an
-    operation whose outbox row is not yet published is kept until the relay publishes it.
+    """Purge terminal operations (succeeded, failed, canceled, rejected) older than --older-than in their state, in
+    batches of --batch-size, one transaction each: their transitions, outputs and outbox rows deleted, their request,
+    source, last observation and reason text erased. Each operation's row of its id, state and times stays, so that a
+    replay of its submission is refused, never POSTed again. The accounting (remote_calls, remote_jobs, refunds) and
+    the records of erasures and re-drives are kept; an operation whose outbox row is not yet published is kept until
+    the relay publishes it.
 
     \b
     streams purge --older-than 30d --dry-run
@@ -755,7 +764,7 @@ def purge(older_than: float, batch_size: int, dry_run: bool, as_json: bool) -> N
         def told(counts: retention.PurgeCounts) -> None:
             batches.append(counts)
             if not as_json:
-                click.echo(f"batch {len(batches)}: {counts.operations} operations deleted")
+                click.echo(f"batch {len(batches)}: {counts.operations} operations purged")
 
         total = await retention.purge(pool, older_than, batch_size, on_batch=told)
         return {"dry_run": False, "batches": len(batches), **dataclasses.asdict(total)}
@@ -765,14 +774,14 @@ def purge(older_than: float, batch_size: int, dry_run: bool, as_json: bool) -> N
         _echo_json(result)
     elif dry_run:
         click.echo(
-            f"would delete {result['operations']} operations with {result['transitions']} transitions, "
+            f"would purge {result['operations']} operations with {result['transitions']} transitions, "
             f"{result['outputs']} outputs and {result['outbox']} outbox rows (oldest terminal for "
             f"{operators_age(result['oldest_age_s'])}); {result['held_by_outbox']} kept for their unpublished "
             "outbox rows"
         )
     else:
         click.echo(
-            f"deleted {result['operations']} operations with {result['transitions']} transitions, "
+            f"purged {result['operations']} operations (their ids kept) with {result['transitions']} transitions, "
             f"{result['outputs']} outputs and {result['outbox']} outbox rows in {result['batches']} batches"
         )
 
@@ -812,11 +821,15 @@ _DL_OPERATION = click.option(
     "--operation-id", "operation_ids", multiple=True, help="Only dead letters of this operation (repeatable)."
 )
 _DL_LIMIT = click.option(
-    "--limit", type=click.IntRange(min=1), default=100, show_default=True, help="At most this many dead letters."
+    "--limit",
+    type=click.IntRange(1, MAX_LIST_ROWS),
+    default=100,
+    show_default=True,
+    help="At most this many dead letters.",
 )
 _DL_TIMEOUT = click.option(
     "--timeout-s",
-    type=click.FloatRange(min=0.1),
+    type=click.FloatRange(0.1, 86400.0),
     default=30.0,
     show_default=True,
     help="Stop reading the topic after this long (what was read is shown, marked incomplete).",

@@ -1,6 +1,7 @@
-"""Retention and erasure on the ledger: ``streams purge`` (terminal operations deleted in bounded batches, the
-accounting kept) and ``streams operations forget`` (one operation's request, source and outputs erased, and the
-erasure recorded); and the database role an operator's command runs as (its actor).
+"""Retention and erasure on the ledger: ``streams purge`` (terminal operations erased in bounded batches, their
+transitions, outputs and outbox rows deleted, the row of each id and the accounting kept) and ``streams operations
+forget`` (one operation's request, source and outputs erased, and the erasure recorded); and the database role an
+operator's command runs as (its actor).
 
 Queries of ``queries/retention.sql``; the tables and the grants of ``migrations/0011.retention.sql``.
 """
@@ -21,8 +22,8 @@ from streams.model.states import OperationState, is_terminal
 
 @dataclass(frozen=True)
 class PurgeCounts:
-    """Rows deleted (or that would be) by a purge: operations and the transitions, outputs and outbox rows that
-    went with them."""
+    """What a purge did (or would do): operations erased (their rows kept) and the transitions, outputs and outbox
+    rows deleted with them."""
 
     operations: int = 0
     transitions: int = 0
@@ -60,7 +61,7 @@ async def database_role(pool: asyncpg.Pool) -> str:
 
 
 async def purge_preview(pool: asyncpg.Pool, older_than_s: float) -> dict[str, Any]:
-    """What :func:`purge` would delete now: ``{operations, held_by_outbox, oldest_age_s, transitions, outputs,
+    """What :func:`purge` would do now: ``{operations, held_by_outbox, oldest_age_s, transitions, outputs,
     outbox}`` (``held_by_outbox``: terminal operations old enough but with an unpublished outbox row, kept).
 
     Raises:
@@ -80,10 +81,14 @@ async def purge(
     max_batches: int | None = None,
     on_batch: Callable[[PurgeCounts], None] | None = None,
 ) -> PurgeCounts:
-    """Delete the terminal operations (succeeded, failed, canceled, rejected) in their state longer than
-    ``older_than_s`` seconds, with their transitions, outputs, outbox rows and callback deliveries (not counted); the
-    accounting rows (remote_calls,
-    remote_jobs, refunds) and the erasure and re-drive records stay. One transaction per batch of at most
+    """Purge the terminal operations (succeeded, failed, canceled, rejected) in their state longer than
+    ``older_than_s`` seconds and not purged yet: their transitions, outputs, outbox rows and callback deliveries (not
+    counted) deleted, their request (JSON null), source, last observation and reason text erased and ``purged_at``
+    set.
+    Each operation's row stays, its id taken: a replay of its submission is refused (dead-lettered
+    ``conflicting_duplicate``, as after ``forget``), never accepted again and POSTed a second time (migration
+    ``0020.purge-keeps-ids``). The accounting rows (remote_calls, remote_jobs, refunds) and the erasure and re-drive
+    records stay. One transaction per batch of at most
     ``batch_size`` (>= 1) operations, oldest first, until a batch finds none (or ``max_batches`` ran);
     ``on_batch`` is told each batch's counts. Operations with an unpublished outbox row are kept.
 

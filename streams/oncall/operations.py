@@ -62,12 +62,17 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
+#: The longest duration an operator's command takes (s): 100 years, which every age of the ledger is within (a
+#: longer one put the start of its window before PostgreSQL's earliest timestamp: a traceback, not an answer).
+MAX_DURATION_S = 100 * 365 * 86400.0
+
+
 def parse_duration(text: str) -> float:
     """Seconds in a duration such as ``30s``, ``5m``, ``2h``, ``1d``, ``1.5h`` or ``1h30m`` (units s, m, h, d,
     largest first, each at most once).
 
     Raises:
-        ValueError: the text is not such a duration, or it is zero.
+        ValueError: the text is not such a duration, it is zero, or it is longer than :data:`MAX_DURATION_S`.
     """
     raw = text.strip().lower()
     pos, total, units = 0, 0.0, []
@@ -82,6 +87,8 @@ def parse_duration(text: str) -> float:
         raise ValueError(f"{text!r} is not a duration: write a number and a unit (s, m, h, d), e.g. 30s, 5m, 1h30m")
     if total <= 0:
         raise ValueError(f"{text!r} is not a positive duration")
+    if total > MAX_DURATION_S:
+        raise ValueError(f"{text!r} is longer than {MAX_DURATION_S // 86400:.0f}d, the longest duration taken")
     return total
 
 

@@ -101,7 +101,8 @@ async def test_every_operator_command_runs_as_the_operator_role(
     assert preview["operations"] == 1
     done = ok(await streams_cli(op_settings, "purge", "--older-than", "1d", "--json")).json()
     assert done["operations"] == 1
-    assert await pool.fetchval("SELECT count(*) FROM operations WHERE operation_id = $1", purged) == 0
+    assert await pool.fetchval("SELECT request::text FROM operations WHERE operation_id = $1", purged) == "null"
+    assert await pool.fetchval("SELECT count(*) FROM transitions WHERE operation_id = $1", purged) == 0
 
     dead = f"opdl-{uuid.uuid4().hex[:6]}"
     now_ms = int(time.time() * 1000)

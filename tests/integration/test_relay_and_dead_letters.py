@@ -16,6 +16,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from streams.clients.follow import EventDeduplicator, read_topic_to_end
 from streams.config import Settings
+from streams.ledger import retention
 from streams.ledger.records import SaveOutcome
 from streams.model.answers import JobSnapshot
 from streams.model.states import OperationState
@@ -24,6 +25,7 @@ from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
 from streams.worker.stages.observer import Observer
 from streams.worker.stages.relay import OutboxRelay
+from tests.integration.operators_support import backdate
 
 pytestmark = pytest.mark.integration
 
@@ -223,6 +225,41 @@ async def test_duplicate_operation_with_a_different_request_is_dead_lettered(
     stored = await pool.fetchval("SELECT request::text FROM operations WHERE operation_id = $1", op)
     assert stored == dup_request()
     assert await pool.fetchval("SELECT count(*) FROM remote_calls WHERE operation_id = $1", op) == 1
+
+
+async def test_a_replay_after_a_purge_is_dead_lettered_and_never_posted_again(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings, simulator: Any
+) -> None:
+    """``streams purge`` deleted the operation's row, the only record of its id: a replay (or a re-drive) of its
+    submission was then accepted as a new operation and POSTed a second time. The purge now keeps the row, erased."""
+    op = f"purged-{uuid.uuid4().hex[:6]}"
+    d = Dispatcher(runtime)
+    value = submission_bytes(op, '{"input": "not an object"}')  # the provider refuses it: rejected, terminal
+    await d.handle(RawMessage(settings.topic("submissions"), 0, 1, op.encode(), value))
+    assert (await simulator.get(f"/_sim/operations/{op}"))["posts"] == 1
+    assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = $1", op) == "rejected"
+    await pool.execute("UPDATE outbox SET published_at = now() WHERE operation_id = $1", op)  # as the relay does
+    await backdate(pool, op, "2 days")
+    purged = await retention.purge(pool, 86400.0, 100)
+    assert purged.operations >= 1
+    row = await pool.fetchrow(
+        "SELECT request::text AS request, reason, purged_at IS NOT NULL AS purged FROM operations "
+        "WHERE operation_id = $1",
+        op,
+    )
+    assert row is not None
+    assert (row["request"], row["reason"], row["purged"]) == ("null", "erased by streams purge", True)
+
+    await d.handle(RawMessage(settings.topic("submissions"), 0, 2, op.encode(), value))  # the same record again
+    assert (await simulator.get(f"/_sim/operations/{op}"))["posts"] == 1
+    letters = [
+        r.value
+        for r in await read_topic_to_end(settings, "dead_letter")
+        if r.value["key_base64"] == base64.b64encode(op.encode()).decode()
+    ]
+    assert [(x["reason"], x["offset"]) for x in letters] == [("conflicting_duplicate", 2)]
+    assert "was erased" in letters[0]["error"] and "its id stays taken" in letters[0]["error"]
+    assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = $1", op) == "rejected"
 
 
 async def test_a_blocked_partition_holds_up_only_its_own_operations(

@@ -1,5 +1,5 @@
-"""Retention and erasure on the real ledger: ``streams purge`` deletes old terminal operations with their rows in
-batches and keeps the accounting; ``streams operations forget`` erases one operation's request, source and
+"""Retention and erasure on the real ledger: ``streams purge`` erases old terminal operations and deletes their rows
+in batches, keeping each id and the accounting; ``streams operations forget`` erases one operation's request, source and
 outputs and records it; the operator role (migration 0008, granted more by 0009) may do both and no more."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ async def published(pool: asyncpg.Pool, *ops: str) -> None:
     await pool.execute("UPDATE outbox SET published_at = now() WHERE operation_id = ANY($1::text[])", list(ops))
 
 
-async def test_purge_deletes_old_terminal_operations_in_batches_and_keeps_the_accounting(
+async def test_purge_erases_old_terminal_operations_in_batches_and_keeps_their_ids_and_the_accounting(
     settings: Settings, pool: asyncpg.Pool, seeded: Seeded
 ) -> None:
     old = [*seeded.by_state["succeeded"][:2], *seeded.by_state["failed"], *seeded.by_state["rejected"]]
@@ -79,16 +79,24 @@ async def test_purge_deletes_old_terminal_operations_in_batches_and_keeps_the_ac
     done = result.json()
     assert (done["operations"], done["batches"]) == (3, 2)
     assert (done["transitions"], done["outputs"], done["outbox"]) == (out["transitions"], out["outputs"], out["outbox"])
-    for op in purged:
-        assert await rows_of(pool, op) == (0, 0, 0, 0)
+    for op in purged:  # the row of the id stays, erased: the guard against a replay of its submission
+        assert await rows_of(pool, op) == (1, 0, 0, 0)
+        kept = await pool.fetchrow(
+            "SELECT request::text AS request, source, last_observation, purged_at IS NOT NULL AS purged "
+            "FROM operations WHERE operation_id = $1",
+            op,
+        )
+        assert kept is not None and tuple(kept.values()) == ("null", None, None, True)
     assert (await rows_of(pool, held))[0] == 1
-    assert await pool.fetchval("SELECT count(*) FROM operations") == operations_before - 3
+    assert await pool.fetchval("SELECT purged_at FROM operations WHERE operation_id = $1", held) is None
+    assert await pool.fetchval("SELECT count(*) FROM operations") == operations_before
     assert tuple((await pool.fetchrow(ACCOUNTING)).values()) == accounting  # every accounting row stays
     job = seeded.job_ids[seeded.by_state["succeeded"][0]]
     assert await pool.fetchval("SELECT count(*) FROM refunds WHERE remote_job_id = $1", job) == 1
 
-    again = await streams_cli(settings, "purge", "--older-than", "1d")
-    assert again.exit_code == 0 and "deleted 0 operations" in again.stdout
+    again = await streams_cli(settings, "purge", "--older-than", "1d")  # the purged ones are not counted again
+    assert again.exit_code == 0 and "purged 0 operations" in again.stdout
+    assert (await retention.purge_preview(pool, 86400.0))["operations"] == 0
 
 
 async def test_the_ledger_refuses_to_delete_an_operation_that_is_not_terminal(

@@ -30,10 +30,29 @@ def test_durations(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "30", "s", "5 m", "5min", "1m1h", "1h1h", "-5m", "5m!", "0s", "1e3s"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "30", "s", "5 m", "5min", "1m1h", "1h1h", "-5m", "5m!", "0s", "1e3s", "36501d", "99999999999999999999d"],
+)
 def test_not_durations(text: str) -> None:
+    """Past 100 years the window's start falls before PostgreSQL's earliest timestamp: a traceback, not an answer."""
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
+
+
+def test_the_longest_duration_is_taken() -> None:
+    assert parse_duration("36500d") == 36500 * 86400
+
+
+def test_a_limit_too_large_is_a_usage_error() -> None:
+    """A ``--limit`` beyond a bigint reached PostgreSQL and ended in a traceback."""
+    from click.testing import CliRunner
+
+    from streams.cli import main
+
+    for args in (["operations", "list"], ["dead-letters", "list"]):
+        result = CliRunner().invoke(main, [*args, "--limit", "99999999999999999999"])
+        assert result.exit_code == 2 and "is not in the range 1<=x<=1000000" in result.output
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 -- Named queries of retention and erasure (loaded by streams.ledger.sql.Queries; called by streams.ledger.retention):
--- `streams purge` deletes terminal operations with their rows in bounded batches, `streams operations forget`
+-- `streams purge` erases terminal operations and deletes their rows in bounded batches, keeping each one's row of
+-- its id, state and times as the guard against a replay of the id (migration 0020), `streams operations forget`
 -- erases one operation's request, source and outputs and records it (table erasures, migration 0009).
 -- Terminal: succeeded, failed, canceled, rejected (streams.model.states.is_terminal). The accounting rows
 -- (remote_calls, remote_jobs, refunds) are never deleted.
@@ -9,7 +10,7 @@
 SELECT session_user::text;
 
 -- name: purge_preview
--- What a purge would delete now. :older_than_s (float8): terminal for longer than this.
+-- What a purge would erase and delete now. :older_than_s (float8): terminal for longer than this, not purged yet.
 -- Returns operations (deletable now), held_by_outbox (terminal and old enough, but with an outbox row not yet
 -- published: kept until the relay publishes it), oldest_age_s (seconds in its terminal state of the oldest
 -- deletable one; NULL when none), transitions, outputs, outbox (the rows that would go with them).
@@ -19,6 +20,7 @@ WITH old AS (
     FROM operations o
     WHERE o.state IN ('succeeded', 'failed', 'canceled', 'rejected')
       AND o.state_entered_at < now() - make_interval(secs => :older_than_s::float8)
+      AND o.purged_at IS NULL
 ), doomed AS (
     SELECT operation_id, state_entered_at FROM old WHERE NOT held
 )
@@ -30,15 +32,19 @@ SELECT (SELECT count(*) FROM doomed)::bigint AS operations,
        (SELECT count(*) FROM outbox b JOIN doomed d USING (operation_id))::bigint AS outbox;
 
 -- name: purge_batch
--- Delete at most :batch_size terminal operations older than :older_than_s (float8 s in their terminal state), oldest
--- first, with their transitions, outputs, outbox rows and callback deliveries, in one statement (one transaction). Operations with an
--- unpublished outbox row are skipped, as are rows another transaction holds (SKIP LOCKED).
--- Returns operations, transitions, outputs, outbox: the rows deleted.
+-- Purge at most :batch_size terminal operations older than :older_than_s (float8 s in their terminal state) and not
+-- purged yet, oldest first, in one statement (one transaction): their transitions, outputs, outbox rows and callback
+-- deliveries deleted; their row kept, its request (JSON null), source, last observation and reason (its text; the
+-- reason_code stays) erased and purged_at set: the id stays taken, so a replay of its submission is refused as for
+-- a forgotten operation, never accepted again and POSTed a second time. Operations with an unpublished outbox row
+-- are skipped, as are rows another transaction holds (SKIP LOCKED).
+-- Returns operations (erased), transitions, outputs, outbox (deleted).
 WITH doomed AS (
     SELECT o.operation_id
     FROM operations o
     WHERE o.state IN ('succeeded', 'failed', 'canceled', 'rejected')
       AND o.state_entered_at < now() - make_interval(secs => :older_than_s::float8)
+      AND o.purged_at IS NULL
       AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.operation_id = o.operation_id AND b.published_at IS NULL)
     ORDER BY o.state_entered_at, o.operation_id
     LIMIT :batch_size
@@ -52,7 +58,10 @@ WITH doomed AS (
 ), hints AS (  -- the record of the operations' completion callbacks (docs/callbacks.md) goes with them
     DELETE FROM callback_deliveries c USING doomed d WHERE c.operation_id = d.operation_id RETURNING 1
 ), ops AS (
-    DELETE FROM operations o USING doomed d WHERE o.operation_id = d.operation_id RETURNING 1
+    UPDATE operations o
+    SET request = 'null'::json, source = NULL, last_observation = NULL, purged_at = now(),
+        reason = CASE WHEN o.reason IS NOT NULL THEN 'erased by streams purge' END  -- reason_code stays
+    FROM doomed d WHERE o.operation_id = d.operation_id RETURNING 1
 )
 SELECT (SELECT count(*) FROM ops)::bigint AS operations,
        (SELECT count(*) FROM log)::bigint AS transitions,

@@ -92,6 +92,10 @@ log = logging.getLogger(__name__)
 
 SUBMISSIONS_TOPIC = "generation.submissions"
 
+#: The ledger's request of an erased operation (``streams purge``, ``streams operations forget``: JSON null), never a
+#: submission's (the schema wants an object).
+ERASED_REQUEST = "null"
+
 #: A POST slot of the rate budget is used at most this long after it was granted (s). Between the slot and the
 #: POST lie the claim and a lease renewal (milliseconds; a few hundred on a starved machine); an older slot means
 #: the claim waited out an outage, as did every other dispatcher's: it is dropped and a new one waited for, so the
@@ -208,11 +212,16 @@ class Dispatcher:
             row = await self.rt.ledger.get_operation(operation_id)
             previous = request_digest(exactjson.loads(row["request"])) if row is not None else None
             if previous is not None and previous != request_digest(event["request"]):
+                erased = row is not None and row["request"] == ERASED_REQUEST
                 await self._reject_input(
                     message,
                     "conflicting_duplicate",
-                    f"operation {operation_id} was accepted with another request (canonical digest {previous}); "
-                    f"this submission's request differs (digest {request_digest(event['request'])}): "
+                    f"operation {operation_id} was erased (by streams purge or streams operations forget: its "
+                    "request is gone, its id stays taken), so a submission with its id is refused: a new request "
+                    "needs a new operation id"
+                    if erased
+                    else f"operation {operation_id} was accepted with another request (canonical digest "
+                    f"{previous}); this submission's request differs (digest {request_digest(event['request'])}): "
                     "a different request needs a new operation id",
                 )
                 return
