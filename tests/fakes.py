@@ -50,7 +50,7 @@ from streams.ledger.records import (
 )
 from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.ledger.written import AnnouncesTransitions, writes_transitions
-from streams.model.answers import JobSnapshot, LookupJob, clean_text
+from streams.model.answers import JobSnapshot, LookupJob, clean_text, failed_reason
 from streams.model.codes import POLL_SETBACKS, ReasonCode, RemoteCallOutcome
 from streams.model.states import POLLABLE, OperationState, can_transition, is_terminal
 from streams.remote.client import RemoteClient
@@ -578,7 +578,7 @@ class InMemoryLedger(WaitsOutOutages, AnnouncesTransitions):
         terminal = is_terminal(new)
         reason = None
         if new is S.FAILED and snapshot.error:
-            reason = clean_text(f"remote job failed: {exactjson.dumps(snapshot.error).decode()}")
+            reason = failed_reason(snapshot.error)
         outputs: list[dict[str, Any]] = [
             {"output_id": str(o["id"]), "position": i, "payload": o} for i, o in enumerate(snapshot.outputs)
         ]

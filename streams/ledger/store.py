@@ -39,7 +39,7 @@ from streams.ledger.sql import CALLBACKS, CANCELLATIONS, RECONCILE
 from streams.ledger.sql import LEDGER as Q
 from streams.ledger.waiting import WaitsOutOutages, waits_out_outages
 from streams.ledger.written import AnnouncesTransitions, writes_transitions
-from streams.model.answers import JobSnapshot, LookupJob, clean_text
+from streams.model.answers import JobSnapshot, LookupJob, clean_text, failed_reason
 from streams.model.codes import POLL_SETBACKS, ReasonCode, RemoteCallOutcome
 from streams.model.states import OperationState, is_terminal
 from streams.wire import exactjson
@@ -487,7 +487,7 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
         terminal = is_terminal(new)
         reason = None
         if new is OperationState.FAILED and snapshot.error:
-            reason = clean_text(f"remote job failed: {exactjson.dumps(snapshot.error).decode()}")
+            reason = failed_reason(snapshot.error)
         outputs = [
             {"output_id": str(o["id"]), "position": i, "payload": o, "expires_at_ms": snapshot.expires_at_ms(i)}
             for i, o in enumerate(snapshot.outputs)

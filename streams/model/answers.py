@@ -8,6 +8,7 @@ commands with it, need neither the HTTP stack nor the JSON Schemas.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,32 @@ from streams.model.states import OperationState
 
 #: Job ids this client accepts: they go into a URL path and the ledger (at most 256 characters).
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,255}")
+
+
+#: The longest text member of a failed job's error kept in the operation's reason: a code or a type, not a sentence.
+MAX_CODE_CHARS = 64
+
+
+def error_codes(error: dict[str, Any]) -> dict[str, Any]:
+    """The members of a failed job's ``error`` fit for the operation's reason, which goes to logs, the
+    ``generation.transitions`` topic and the live view: numbers, booleans, and texts of at most
+    :data:`MAX_CODE_CHARS` characters without a blank (``"code": "content_filter"``). A sentence (``message``) may
+    quote the prompt or an output; it stays in the ledger's last observation, beside the request."""
+    kept: dict[str, Any] = {}
+    for key, value in error.items():
+        if isinstance(value, bool | int | float) or (
+            isinstance(value, str) and len(value) <= MAX_CODE_CHARS and not any(c.isspace() for c in value)
+        ):
+            kept[key] = value
+    return kept
+
+
+def failed_reason(error: dict[str, Any]) -> str:
+    """The reason of an operation whose job failed with ``error``: its codes (:func:`error_codes`) as JSON, or
+    ``no code``, and where the provider's own words are."""
+    codes = error_codes(error)
+    shown = json.dumps(codes, separators=(",", ":"), ensure_ascii=False) if codes else "no code"
+    return clean_text(f"remote job failed: {shown} (the provider's words: the operation's last observation)")
 
 
 def clean_text(text: str, limit: int = 2000) -> str:

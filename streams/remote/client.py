@@ -96,6 +96,7 @@ from streams.remote.dialect import (
     read_path,
     route_problem,
 )
+from streams.remote.redaction import without_request_echoes
 from streams.remote.transport import (
     DEFAULT_ANSWER_MAX_BYTES,
     AiohttpTransport,
@@ -764,9 +765,13 @@ class RemoteClient:
                 operation_id, f"POST answer could not be read ({error_summary(exc)}); a job may exist"
             ) from exc
         duration_ms = (time.perf_counter() - started) * 1000.0
-        return self._classify_submit(operation_id, response, duration_ms)
+        return self._classify_submit(operation_id, response, duration_ms, request_text)
 
-    def _classify_submit(self, operation_id: str, response: httpx.Response, duration_ms: float) -> SubmitResult:
+    def _classify_submit(
+        self, operation_id: str, response: httpx.Response, duration_ms: float, request_text: str
+    ) -> SubmitResult:
+        """The POST's answer read (see :meth:`submit`); a refusal's message without what it quotes of
+        ``request_text`` (:func:`~streams.remote.redaction.without_request_echoes`)."""
         status = response.status_code
         fields = self.dialect.answer
         parsed, unreadable = _read_json(response)
@@ -797,7 +802,8 @@ class RemoteClient:
             code = clean_text(str(f"http_{status}" if raw_code is None else raw_code), 80)
             if code in self.throttled_codes:
                 raise throttled(operation_id, response, code)
-            message = clean_text(str(response.reason_phrase if raw_message is None else raw_message), 500)
+            message = str(response.reason_phrase if raw_message is None else raw_message)
+            message = clean_text(without_request_echoes(message, request_text), 500)
             raise RemoteRefusedError(
                 operation_id, f"refused with HTTP {status} {code}: {message}", status_code=status, code=code
             )

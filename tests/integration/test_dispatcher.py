@@ -198,3 +198,18 @@ async def test_model_default_is_added_only_when_absent(runtime: Runtime, simulat
     [default] = (await simulator.get("/_sim/operations/op-default"))["jobs"]
     [own] = (await simulator.get("/_sim/operations/op-own-model"))["jobs"]
     assert (default["model"], own["model"]) == (runtime.settings.remote_model, "genace-1")
+
+
+async def test_a_refusal_quoting_the_prompt_keeps_it_out_of_the_reason_and_the_log(
+    runtime: Runtime, pool: asyncpg.Pool, simulator: Simulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The simulator's 400 quotes the refused value, as providers do: that text became the operation's reason (a log
+    line, the transitions topic, the live view) with the prompt in it."""
+    secret = "MY-PRIVATE-PROMPT-TEXT-3"
+    await Dispatcher(runtime).handle(submission("op-echo", request=f'{{"input": "{secret}"}}'))
+    row = await op_row(pool, "op-echo")
+    assert row["state"] == "rejected" and row["reason_code"] == "refused"
+    assert row["reason"].endswith(
+        "refused with HTTP 400 invalid_request: at input: '<request text>' is not of type 'object'"
+    )
+    assert secret not in caplog.text and "<request text>" in caplog.text
