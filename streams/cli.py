@@ -395,7 +395,12 @@ def submit(path: Path) -> None:
 
 
 @main.command()
-@click.option("--group-id", default=None, help="Consumer group (commits offsets; resume after restart).")
+@click.option(
+    "--group-id",
+    default=None,
+    help="Consumer group: commits the offsets of what was printed, so a restart resumes after it (and knows the event "
+    "ids of the 10,000 records before, so a repeat among them is not printed again).",
+)
 @click.option(
     "--from-beginning/--from-now",
     default=True,
