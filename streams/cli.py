@@ -23,6 +23,7 @@ them is invoked (or listed by ``--help``): the harness (``generation-streams[har
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import logging.config
@@ -416,14 +417,18 @@ def follow(group_id: str | None, from_beginning: bool, count: int | None, operat
 
     async def run() -> None:
         seen = 0
-        async for value in follow_outputs(_settings(), group_id=group_id, from_beginning=from_beginning):
-            if not value["operation_id"].startswith(operation_prefix):
-                continue
-            sys.stdout.write(exactjson.dumps(value).decode() + "\n")
-            sys.stdout.flush()
-            seen += 1
-            if count is not None and seen >= count:
-                return
+        # closed here, not at the loop's shutdown: its last commit (with a group) is of what was printed
+        async with contextlib.aclosing(
+            follow_outputs(_settings(), group_id=group_id, from_beginning=from_beginning)
+        ) as outputs:
+            async for value in outputs:
+                if not value["operation_id"].startswith(operation_prefix):
+                    continue
+                sys.stdout.write(exactjson.dumps(value).decode() + "\n")
+                sys.stdout.flush()
+                seen += 1
+                if count is not None and seen >= count:
+                    return
 
     try:
         asyncio.run(run())

@@ -8,22 +8,26 @@ an ``int``, a long fraction a ``Decimal``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import KafkaError
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_fixed
 
 from streams.config import Settings
 from streams.kafka_security import client_kwargs, raise_for_security
 from streams.wire import exactjson
+
+log = logging.getLogger(__name__)
 
 #: Records of each partition read again before a group's committed offset when ``follow_outputs`` resumes, only to
 #: learn their event ids: a repeat the relay published within them is recognised (the relay repeats a record it
@@ -131,39 +135,79 @@ async def _assignment(consumer: AIOKafkaConsumer) -> set[TopicPartition]:
     return partitions
 
 
-class _ResumeBehind(ConsumerRebalanceListener):  # type: ignore[misc]
-    """On each assignment, moves every partition back :data:`RESUME_LOOKBACK_RECORDS` before its committed offset
-    and notes that offset in ``resume_at``: the records before it were handled by an earlier run, and are read again
-    only to learn their event ids."""
+class _LearnBeforeResuming(ConsumerRebalanceListener):  # type: ignore[misc]
+    """On each assignment, reads the :data:`RESUME_LOOKBACK_RECORDS` records of every partition before its committed
+    offset with a consumer of its own (no group), only to learn their event ids (:func:`learn_event_ids`): an earlier
+    run handled them. On each revocation, commits what was handled of the partitions while they are still ours."""
 
-    def __init__(self, consumer: AIOKafkaConsumer, resume_at: dict[TopicPartition, int]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        consumer: AIOKafkaConsumer,
+        dedupe: EventDeduplicator,
+        handled: dict[TopicPartition, int],
+    ) -> None:
+        self.settings = settings
         self.consumer = consumer
-        self.resume_at = resume_at
+        self.dedupe = dedupe
+        self.handled = handled
+        #: Set once a partition's look-back was read: its records are handled only then (the consumer may fetch them
+        #: while this listener still reads).
+        self.learned: dict[TopicPartition, asyncio.Event] = {}
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
-        for tp in revoked:
-            self.resume_at.pop(tp, None)
+        with contextlib.suppress(KafkaError):
+            await _commit(self.consumer, self.handled)
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        for tp in assigned:
-            committed = await self.consumer.committed(tp)
-            if committed:
-                self.resume_at[tp] = committed
-                beginning = (await self.consumer.beginning_offsets([tp]))[tp]
-                self.consumer.seek(tp, max(beginning, committed - RESUME_LOOKBACK_RECORDS))
+        events = {tp: asyncio.Event() for tp in assigned}
+        self.learned.update(events)  # before any await: no record of these partitions is handled until set
+        try:
+            for tp in assigned:
+                committed = await self.consumer.committed(tp)
+                if committed:
+                    await learn_event_ids(self.settings, tp, committed, self.dedupe)
+                events[tp].set()
+        finally:
+            for event in events.values():
+                event.set()  # a look-back that failed leaves only the in-memory dedupe
+
+
+async def learn_event_ids(settings: Settings, tp: TopicPartition, before: int, dedupe: EventDeduplicator) -> int:
+    """Read the records of ``tp`` from :data:`RESUME_LOOKBACK_RECORDS` before offset ``before`` (or the partition's
+    first) up to it, each one's event id told to ``dedupe`` as seen; returns how many were read. Nothing when the
+    partition ends before ``before`` (the topic was made again)."""
+    reader = AIOKafkaConsumer(**client_kwargs(settings), enable_auto_commit=False)
+    await _start(settings, reader)
+    try:
+        reader.assign([tp])
+        beginning, end = (await reader.beginning_offsets([tp]))[tp], (await reader.end_offsets([tp]))[tp]
+        stop = min(before, end)
+        if stop <= beginning:
+            return 0
+        reader.seek(tp, max(beginning, before - RESUME_LOOKBACK_RECORDS))
+        read = 0
+        while await reader.position(tp) < stop:
+            for message in (await reader.getmany(tp, timeout_ms=1000)).get(tp, []):
+                if message.offset < stop:
+                    dedupe.first_time(exactjson.loads(message.value)["event_id"])
+                    read += 1
+        return read
+    finally:
+        await reader.stop()
 
 
 async def follow_outputs(
     settings: Settings, *, group_id: str | None = None, from_beginning: bool = True
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncGenerator[dict[str, Any], None]:
     """Yield each delivered output once (deduplicated by ``event_id``), following the topic forever.
 
     With a ``group_id`` the consumer commits the offsets of the records handled (a value yielded counts as handled
-    once the next one is asked for or the iteration stops), at most every :data:`COMMIT_INTERVAL_S` and when it
-    stops: a restart resumes after them, never past a value not yet handled (one killed between handling and
-    committing yields it again). The :data:`RESUME_LOOKBACK_RECORDS` records of each partition before the resume point
-    are read again to learn their event ids, so a repeat published within them (the relay's, after a crash) is not
-    yielded a second time by the next run either.
+    once the next one is asked for or the iteration stops: close the generator, ``contextlib.aclosing``), at most
+    every :data:`COMMIT_INTERVAL_S`, when a partition is revoked and when it stops: a restart resumes after them,
+    never past a value not yet handled (one killed between handling and committing yields it again). On resuming, the
+    :data:`RESUME_LOOKBACK_RECORDS` records of each partition before its committed offset are read to learn their
+    event ids, so a repeat published after them (the relay's, after a crash) is not yielded a second time either.
     """
     topic = settings.topic("outputs_delivered")
     consumer = AIOKafkaConsumer(
@@ -173,10 +217,10 @@ async def follow_outputs(
         enable_auto_commit=False,
     )
     dedupe = EventDeduplicator()
-    resume_at: dict[TopicPartition, int] = {}
     handled: dict[TopicPartition, int] = {}
+    listener = _LearnBeforeResuming(settings, consumer, dedupe, handled)
     if group_id is not None:
-        consumer.subscribe([topic], listener=_ResumeBehind(consumer, resume_at))
+        consumer.subscribe([topic], listener=listener)
     else:
         consumer.subscribe([topic])
     await _start(settings, consumer)
@@ -184,9 +228,11 @@ async def follow_outputs(
     try:
         async for message in consumer:
             tp = TopicPartition(message.topic, message.partition)
+            learned = listener.learned.get(tp)
+            if learned is not None:
+                await learned.wait()
             value = exactjson.loads(message.value)
-            fresh = dedupe.first_time(value["event_id"])
-            if fresh and message.offset >= resume_at.get(tp, 0):
+            if dedupe.first_time(value["event_id"]):
                 try:
                     yield value
                 except GeneratorExit:  # the caller stopped after taking it: handled
@@ -194,22 +240,23 @@ async def follow_outputs(
                     raise
             handled[tp] = message.offset + 1
             if group_id is not None and time.monotonic() - committed_at >= COMMIT_INTERVAL_S:
-                await _commit(consumer, handled, resume_at)
+                try:
+                    await _commit(consumer, handled)
+                except (CommitFailedError, IllegalStateError) as exc:  # a rebalance under way: the next one commits
+                    log.info("offsets not committed yet (%s); kept for the next commit", type(exc).__name__)
                 committed_at = time.monotonic()
     finally:
         if group_id is not None:
             with contextlib.suppress(KafkaError):
-                await _commit(consumer, handled, resume_at)
+                await _commit(consumer, handled)
         await consumer.stop()
 
 
-async def _commit(
-    consumer: AIOKafkaConsumer, handled: dict[TopicPartition, int], resume_at: dict[TopicPartition, int]
-) -> None:
-    """Commit ``handled`` (partition -> next offset) for the partitions still assigned, never below a partition's
-    resume point (the look-back's records were handled before); then forget them."""
+async def _commit(consumer: AIOKafkaConsumer, handled: dict[TopicPartition, int]) -> None:
+    """Commit ``handled`` (partition -> next offset) for the partitions still assigned; then forget them (those of
+    partitions no longer assigned too: their new owner resumes from the last commit)."""
     assigned = consumer.assignment()
-    offsets = {tp: max(offset, resume_at.get(tp, 0)) for tp, offset in handled.items() if tp in assigned}
-    handled.clear()
+    offsets = {tp: offset for tp, offset in handled.items() if tp in assigned}
     if offsets:
-        await consumer.commit(offsets)
+        await consumer.commit(offsets)  # raising, keeps them in handled for the next commit
+    handled.clear()

@@ -3,6 +3,7 @@ published around a restart printed once (streams/clients/follow.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any
 
@@ -13,6 +14,7 @@ from aiokafka import AIOKafkaProducer
 from streams.clients.follow import follow_outputs
 from streams.config import Settings
 from streams.setup.admin import create_topics, delete_topics
+from tests.integration.operators_support import streams_cli
 from tests.support import unique_settings
 
 pytestmark = pytest.mark.integration
@@ -25,10 +27,11 @@ def output(op: str, text: str) -> dict[str, Any]:
 async def taken(settings: Settings, group: str, n: int) -> list[dict[str, Any]]:
     """The first ``n`` values ``follow_outputs`` yields with consumer group ``group``; then it is stopped."""
     got: list[dict[str, Any]] = []
-    async for value in follow_outputs(settings, group_id=group):
-        got.append(value)
-        if len(got) >= n:
-            break
+    async with contextlib.aclosing(follow_outputs(settings, group_id=group)) as outputs:
+        async for value in outputs:
+            got.append(value)
+            if len(got) >= n:
+                break
     return got
 
 
@@ -49,6 +52,29 @@ async def test_a_restart_resumes_after_what_was_handled_and_skips_a_repeat_of_it
         await producer.send_and_wait(topic, orjson.dumps(output("b", "b")), key=b"b")
         await producer.send_and_wait(topic, orjson.dumps(output("d", "d")), key=b"d")
         assert [v["operation_id"] for v in await taken(settings, group, 2)] == ["c", "d"]
+    finally:
+        await producer.stop()
+        await delete_topics(settings)
+
+
+async def test_the_command_with_a_count_commits_what_it_printed(base_settings: Settings) -> None:
+    """``streams follow --group-id G --count 1`` returned from inside its loop: the generator was closed only by the
+    event loop's shutdown, its last commit cut off, and every run printed the same first output."""
+    settings = unique_settings(base_settings, partitions=1)
+    await create_topics(settings)
+    group = f"follow-{uuid.uuid4().hex[:6]}"
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
+    await producer.start()
+    topic = settings.topic("outputs_delivered")
+    try:
+        for op in ("a", "b", "c"):
+            await producer.send_and_wait(topic, orjson.dumps(output(op, op)), key=op.encode())
+        printed = []
+        for _ in range(3):
+            result = await streams_cli(settings, "follow", "--group-id", group, "--count", "1")
+            assert result.exit_code == 0, result.stderr
+            printed += [orjson.loads(line)["operation_id"] for line in result.stdout.splitlines()]
+        assert printed == ["a", "b", "c"]
     finally:
         await producer.stop()
         await delete_topics(settings)
