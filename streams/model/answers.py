@@ -26,15 +26,18 @@ MAX_CODE_CHARS = 64
 def error_codes(error: dict[str, Any]) -> dict[str, Any]:
     """The members of a failed job's ``error`` fit for the operation's reason, which goes to logs, the
     ``generation.transitions`` topic and the live view: numbers, booleans, and texts of at most
-    :data:`MAX_CODE_CHARS` characters without a blank (``"code": "content_filter"``). A sentence (``message``) may
-    quote the prompt or an output; it stays in the ledger's last observation, beside the request."""
+    :data:`MAX_CODE_CHARS` characters without a blank (``"code": "content_filter"``), under keys of that kind too. A
+    sentence (``message``) may quote the prompt or an output; it stays in the ledger's last observation, beside the
+    request."""
     kept: dict[str, Any] = {}
     for key, value in error.items():
-        if isinstance(value, bool | int | float) or (
-            isinstance(value, str) and len(value) <= MAX_CODE_CHARS and not any(c.isspace() for c in value)
-        ):
+        if _is_code(key) and (isinstance(value, bool | int | float) or _is_code(value)):
             kept[key] = value
     return kept
+
+
+def _is_code(text: object) -> bool:
+    return isinstance(text, str) and len(text) <= MAX_CODE_CHARS and not any(c.isspace() for c in text)
 
 
 def failed_reason(error: dict[str, Any]) -> str:

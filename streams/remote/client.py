@@ -799,7 +799,9 @@ class RemoteClient:
             raise RemoteRateLimitedError(operation_id, RATE_LIMITED_FALLBACK_S if retry_after is None else retry_after)
         if 400 <= status < 500:
             raw_code, raw_message = read_path(body, fields.error_code), read_path(body, fields.error_message)
-            code = clean_text(str(f"http_{status}" if raw_code is None else raw_code), 80)
+            code = clean_text(
+                without_request_echoes(str(f"http_{status}" if raw_code is None else raw_code), request_text), 80
+            )
             if code in self.throttled_codes:
                 raise throttled(operation_id, response, code)
             message = str(response.reason_phrase if raw_message is None else raw_message)

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from streams.model.answers import failed_reason
-from streams.remote.redaction import REDACTED, without_request_echoes
+from streams.remote.redaction import MAX_TEXT_CHARS, REDACTED, without_request_echoes
 
 PROMPT = "MY-PRIVATE-PROMPT-TEXT: tell me about the object in the picture"
 REQUEST = orjson.dumps({"model": "genace-1", "input": {"prompt": PROMPT, "max_tokens": 8}, "tags": ["abc", "secret-1"]})
@@ -47,3 +47,39 @@ def test_a_failed_jobs_reason_keeps_its_codes_not_its_sentences() -> None:
     )
     assert "PRIVATE" not in failed_reason({"message": PROMPT}) and "no code" in failed_reason({"message": PROMPT})
     assert "PRIVATE" not in failed_reason({"type": PROMPT[:30]})  # a text with a blank is no code
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        # Python's repr of a prompt with a line break (jsonschema's message, the simulator's)
+        ("first line of secret\nsecond line of secret", "'first line of secret\\nsecond line of secret' is bad"),
+        ("both 'single' and \"double\" quotes here", "value 'both \\'single\\' and \"double\" quotes here' refused"),
+        ("un café très secret", 'prompt "un caf\\u00e9 tr\\u00e8s secret" refused'),  # JSON escapes
+        # pydantic's shortened form: the start and the end of the value around "..."
+        (
+            "Tell me everything about the patient born 1970-01-01, diagnosis X",
+            "input_value='Tell me everything about ...0-01-01, diagnosis X'",
+        ),
+    ],
+)
+def test_a_value_written_back_escaped_or_shortened_is_redacted(value: str, message: str) -> None:
+    request = orjson.dumps({"input": value}).decode()
+    out = without_request_echoes(message, request)
+    assert REDACTED in out
+    for word in ("secret", "patient", "diagnosis", "single"):
+        assert word not in out or word not in value
+
+
+def test_a_short_value_inside_a_quoted_part_does_not_save_the_rest_of_it() -> None:
+    request = orjson.dumps({"user": "Jane", "input": "Patient Jane Roe has condition Q and more"}).decode()
+    out = without_request_echoes("refused 'Patient Jane Roe has condition Q...'", request)
+    assert out == f"refused '{REDACTED}'"
+
+
+def test_the_text_is_cut_before_it_is_redacted_and_a_value_it_ends_inside_goes_too() -> None:
+    prompt = "confidential " * 1000  # 13,000 characters
+    request = orjson.dumps({"input": prompt.strip()}).decode()
+    out = without_request_echoes("x" * (MAX_TEXT_CHARS - 100) + " " + prompt, request)
+    assert "confidential" not in out and out.endswith(REDACTED)
+    assert len(out) <= MAX_TEXT_CHARS

@@ -26,7 +26,7 @@ from typing import Any
 from streams import metrics
 from streams.errors import RemoteError, RemoteJobNotFoundError, RemoteUnknownStatusError
 from streams.ledger.records import ObserveClaim
-from streams.model.answers import clean_text
+from streams.model.answers import clean_text, error_codes
 from streams.model.codes import ReasonCode
 from streams.model.states import OperationState
 from streams.worker.runtime import Runtime
@@ -172,10 +172,17 @@ class StallGuard:
 
 
 def _short(answer: dict[str, Any], limit: int = 300) -> str:
-    """``answer`` as reason text, without its body: a body may carry the user's payload (outputs, an echoed
-    prompt), and a reason is published, logged and shown; the ledger keeps the raw answer apart (``last_answer``)."""
-    text = ", ".join(
-        f"body of {len(v)} chars kept in the ledger" if k == "body" and isinstance(v, str) else f"{k}={v!r}"
-        for k, v in answer.items()
-    )
+    """``answer`` as reason text, without its body and with only the codes of its error
+    (:func:`~streams.model.answers.error_codes`): a body or an error's message may carry the user's payload (outputs,
+    an echoed prompt), and a reason is published, logged and shown; the ledger keeps the raw answer apart
+    (``last_answer``)."""
+
+    def shown(key: str, value: Any) -> str:
+        if key == "body" and isinstance(value, str):
+            return f"body of {len(value)} chars kept in the ledger"
+        if key == "error" and isinstance(value, dict):
+            return f"error codes={error_codes(value)!r}"
+        return f"{key}={value!r}"
+
+    text = ", ".join(shown(k, v) for k, v in answer.items())
     return text if len(text) <= limit else text[: limit - 3] + "..."
