@@ -260,6 +260,22 @@ async def test_a_replay_after_a_purge_is_dead_lettered_and_never_posted_again(
     assert [(x["reason"], x["offset"]) for x in letters] == [("conflicting_duplicate", 2)]
     assert "was erased" in letters[0]["error"] and "its id stays taken" in letters[0]["error"]
     assert await pool.fetchval("SELECT state::text FROM operations WHERE operation_id = $1", op) == "rejected"
+    assert await pool.fetchval("SELECT updated_by FROM operations WHERE operation_id = $1", op) != "test-worker"
+
+    # a late job adopted for it (rejected -> submitted, docs/decisions.md) makes it whole again: a later purge takes it
+    await pool.execute(
+        "INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by) "
+        "VALUES ($2, $1, 'created_after_decision', 'test')",
+        op,
+        f"job-late-{op}",
+    )
+    await pool.execute(
+        "UPDATE operations SET state = 'submitted', remote_job_id = $2, updated_by = 'operator' "
+        "WHERE operation_id = $1",
+        op,
+        f"job-late-{op}",
+    )
+    assert await pool.fetchval("SELECT purged_at FROM operations WHERE operation_id = $1", op) is None
 
 
 async def test_a_blocked_partition_holds_up_only_its_own_operations(

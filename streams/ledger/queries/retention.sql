@@ -59,7 +59,7 @@ WITH doomed AS (
     DELETE FROM callback_deliveries c USING doomed d WHERE c.operation_id = d.operation_id RETURNING 1
 ), ops AS (
     UPDATE operations o
-    SET request = 'null'::json, source = NULL, last_observation = NULL, purged_at = now(),
+    SET request = 'null'::json, source = NULL, last_observation = NULL, purged_at = now(), updated_by = session_user,
         reason = CASE WHEN o.reason IS NOT NULL THEN 'erased by streams purge' END  -- reason_code stays
     FROM doomed d WHERE o.operation_id = d.operation_id RETURNING 1
 )
