@@ -73,8 +73,9 @@ def _format_checker() -> jsonschema.FormatChecker:
     checker = jsonschema.FormatChecker(formats=())
     checker.checkers = dict(_BASE.FORMAT_CHECKER.checkers)
     for fmt in NO_FINAL_NEWLINE_FORMATS:
-        check, raises = checker.checkers[fmt]
-        checker.checkers[fmt] = (_without_final_newline(check), raises)
+        if fmt in checker.checkers:  # missing without its package: compile_schema refuses a schema that uses it
+            check, raises = checker.checkers[fmt]
+            checker.checkers[fmt] = (_without_final_newline(check), raises)
     checker.checks("iri")(iri.is_iri)
     checker.checks("iri-reference")(iri.is_iri_reference)
     return checker
