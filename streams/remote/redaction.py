@@ -81,11 +81,12 @@ def without_request_echoes(text: str, request_text: str) -> str:
         reverse=True,
     )
     text = text[:MAX_TEXT_CHARS]
+    haystack = "\0".join(forms)  # one search per piece, not one per piece and value
 
     def quoted(match: re.Match[str]) -> str:
         part = next(group for group in match.groups() if group is not None)
         pieces = [p for p in _pieces(part) if len(p) >= MIN_QUOTED_CHARS]
-        if pieces and all(any(p in form for form in forms) for p in pieces):
+        if pieces and all("\0" not in p and p in haystack for p in pieces):
             return match.group(0).replace(part, REDACTED)
         return match.group(0)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -35,46 +37,51 @@ async def taken(settings: Settings, group: str, n: int) -> list[dict[str, Any]]:
     return got
 
 
-async def test_a_restart_resumes_after_what_was_handled_and_skips_a_repeat_of_it(base_settings: Settings) -> None:
+@dataclass
+class OutputsTopic:
+    """A topic prefix of its own with its outputs topic, a producer on it and a consumer group name."""
+
+    settings: Settings
+    group: str
+    producer: AIOKafkaProducer
+
+    async def publish(self, *ops: str) -> None:
+        """One output of each operation, keyed by its id (a repeat is the same record again)."""
+        for op in ops:
+            await self.producer.send_and_wait(
+                self.settings.topic("outputs_delivered"), orjson.dumps(output(op, op)), key=op.encode()
+            )
+
+
+@pytest.fixture
+async def outputs(base_settings: Settings) -> AsyncIterator[OutputsTopic]:
+    settings = unique_settings(base_settings, partitions=1)
+    await create_topics(settings)
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        yield OutputsTopic(settings, f"follow-{uuid.uuid4().hex[:6]}", producer)
+    finally:
+        await producer.stop()
+        await delete_topics(settings)
+
+
+async def test_a_restart_resumes_after_what_was_handled_and_skips_a_repeat_of_it(outputs: OutputsTopic) -> None:
     """The consumer auto-committed what it had fetched, not what was printed, and remembered event ids only in
     memory: a relay's repeat published before a restart was printed again by the next run."""
-    settings = unique_settings(base_settings, partitions=1)
-    await create_topics(settings)
-    group = f"follow-{uuid.uuid4().hex[:6]}"
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
-    await producer.start()
-    topic = settings.topic("outputs_delivered")
-    try:
-        for op in ("a", "b", "c"):
-            await producer.send_and_wait(topic, orjson.dumps(output(op, op)), key=op.encode())
-        assert [v["operation_id"] for v in await taken(settings, group, 2)] == ["a", "b"]
-        # the relay repeats b (published, not marked, then its next round) and a new output follows
-        await producer.send_and_wait(topic, orjson.dumps(output("b", "b")), key=b"b")
-        await producer.send_and_wait(topic, orjson.dumps(output("d", "d")), key=b"d")
-        assert [v["operation_id"] for v in await taken(settings, group, 2)] == ["c", "d"]
-    finally:
-        await producer.stop()
-        await delete_topics(settings)
+    await outputs.publish("a", "b", "c")
+    assert [v["operation_id"] for v in await taken(outputs.settings, outputs.group, 2)] == ["a", "b"]
+    await outputs.publish("b", "d")  # the relay repeats b (published, not marked, then its next round); d is new
+    assert [v["operation_id"] for v in await taken(outputs.settings, outputs.group, 2)] == ["c", "d"]
 
 
-async def test_the_command_with_a_count_commits_what_it_printed(base_settings: Settings) -> None:
+async def test_the_command_with_a_count_commits_what_it_printed(outputs: OutputsTopic) -> None:
     """``streams follow --group-id G --count 1`` returned from inside its loop: the generator was closed only by the
     event loop's shutdown, its last commit cut off, and every run printed the same first output."""
-    settings = unique_settings(base_settings, partitions=1)
-    await create_topics(settings)
-    group = f"follow-{uuid.uuid4().hex[:6]}"
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
-    await producer.start()
-    topic = settings.topic("outputs_delivered")
-    try:
-        for op in ("a", "b", "c"):
-            await producer.send_and_wait(topic, orjson.dumps(output(op, op)), key=op.encode())
-        printed = []
-        for _ in range(3):
-            result = await streams_cli(settings, "follow", "--group-id", group, "--count", "1")
-            assert result.exit_code == 0, result.stderr
-            printed += [orjson.loads(line)["operation_id"] for line in result.stdout.splitlines()]
-        assert printed == ["a", "b", "c"]
-    finally:
-        await producer.stop()
-        await delete_topics(settings)
+    await outputs.publish("a", "b", "c")
+    printed = []
+    for _ in range(3):
+        result = await streams_cli(outputs.settings, "follow", "--group-id", outputs.group, "--count", "1")
+        assert result.exit_code == 0, result.stderr
+        printed += [orjson.loads(line)["operation_id"] for line in result.stdout.splitlines()]
+    assert printed == ["a", "b", "c"]
