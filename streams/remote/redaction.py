@@ -32,8 +32,8 @@ MIN_QUOTED_CHARS = 8
 #: redacting, which is then bounded by this times the request's values.
 MAX_TEXT_CHARS = 4000
 
-#: What splits a quoted part into pieces: the marks of a shortened value and the redaction marker.
-_PIECE_SPLIT = re.compile(r"\.\.\.|\u2026|" + re.escape(REDACTED))
+#: What splits a quoted part into pieces: the marks of a shortened value.
+_PIECE_SPLIT = re.compile(r"\.\.\.|\u2026")
 
 #: A part of the provider's text in single, double or typographic quotes (at most 2,000 characters).
 _QUOTED = re.compile(
@@ -59,44 +59,60 @@ def _written_forms(value: str) -> set[str]:
     return {value, repr(value)[1:-1], json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]}
 
 
-def _pieces(part: str) -> list[str]:
-    """The pieces of a quoted part between the marks a provider shortens a value with (``...``, ``…``) and between
-    pieces already redacted."""
-    return [p for p in _PIECE_SPLIT.split(part) if p]
+def _spans_of(text: str, form: str) -> Iterator[tuple[int, int]]:
+    start = text.find(form)
+    while start != -1:
+        yield start, start + len(form)
+        start = text.find(form, start + 1)
 
 
 def without_request_echoes(text: str, request_text: str) -> str:
     """``text``, cut to :data:`MAX_TEXT_CHARS`, with what it holds of the request ``request_text`` (JSON text)
-    replaced by :data:`REDACTED`: each written form (:func:`_written_forms`) of a value of :data:`MIN_ECHO_CHARS` or
-    more, longest first; then each quoted part whose pieces (:func:`_pieces`) of :data:`MIN_QUOTED_CHARS` or more all
-    occur in request values; and an end of the cut text that begins a value. A request that is not JSON is taken as one
-    string value."""
+    replaced by :data:`REDACTED`, all found in the cut text as it is and replaced at once (a marker is never searched):
+    each written form (:func:`_written_forms`) of a value of :data:`MIN_ECHO_CHARS` or more; each quoted part whose
+    pieces between ``...`` marks and those forms, of :data:`MIN_QUOTED_CHARS` or more, all occur in request values;
+    and an end of the text that begins a value (the cut's, or the provider's). A request that is not JSON is taken as
+    one string value."""
     try:
         request: Any = exactjson.loads(request_text)
     except JsonValueError:
         request = request_text
-    forms = sorted(
-        {f for v in _string_values(request) if len(v) >= MIN_ECHO_CHARS for f in _written_forms(v)},
-        key=len,
-        reverse=True,
-    )
-    text = text[:MAX_TEXT_CHARS]
+    forms = {f for v in _string_values(request) if len(v) >= MIN_ECHO_CHARS for f in _written_forms(v)}
     haystack = "\0".join(forms)  # one search per piece, not one per piece and value
+    text = text[:MAX_TEXT_CHARS]
+    covered = bytearray(len(text))  # 1 where the text holds a piece of the request
 
-    def quoted(match: re.Match[str]) -> str:
-        part = next(group for group in match.groups() if group is not None)
-        pieces = [p for p in _pieces(part) if len(p) >= MIN_QUOTED_CHARS]
-        if pieces and all("\0" not in p and p in haystack for p in pieces):
-            return match.group(0).replace(part, REDACTED)
-        return match.group(0)
+    def cover(start: int, end: int) -> None:
+        covered[start:end] = b"\1" * (end - start)
 
     for form in forms:
-        text = text.replace(form, REDACTED)
-    text = _QUOTED.sub(quoted, text)
-    for form in forms:  # a value the cut ends inside
+        for start, end in _spans_of(text, form):
+            cover(start, end)
+    for match in _QUOTED.finditer(text):
+        group = next(g for g in range(1, 5) if match.group(g) is not None)
+        start, end = match.span(group)
+        uncovered = "".join(c if not covered[start + k] else "\0" for k, c in enumerate(text[start:end]))
+        pieces = [p for p in _PIECE_SPLIT.split(uncovered.replace("\0", "...")) if len(p) >= MIN_QUOTED_CHARS]
+        if pieces and all(p in haystack for p in pieces):
+            cover(start, end)
+    for form in forms:  # the end of the text inside a value
         if len(form) < MIN_QUOTED_CHARS:
-            break
-        start = text.find(form[:MIN_QUOTED_CHARS], max(0, len(text) - len(form)))
-        if start != -1 and form.startswith(text[start:]):
-            text = text[:start] + REDACTED
-    return text
+            continue
+        for start, _ in _spans_of(text[max(0, len(text) - len(form)) :], form[:MIN_QUOTED_CHARS]):
+            start += max(0, len(text) - len(form))
+            if form.startswith(text[start:]):
+                cover(start, len(text))
+                break
+    out: list[str] = []
+    k = 0
+    while k < len(text):
+        if covered[k]:
+            while k < len(text) and covered[k]:
+                k += 1
+            out.append(REDACTED)
+        else:
+            j = covered.find(b"\1", k)
+            j = len(text) if j == -1 else j
+            out.append(text[k:j])
+            k = j
+    return "".join(out)

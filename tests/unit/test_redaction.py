@@ -83,3 +83,22 @@ def test_the_text_is_cut_before_it_is_redacted_and_a_value_it_ends_inside_goes_t
     out = without_request_echoes("x" * (MAX_TEXT_CHARS - 100) + " " + prompt, request)
     assert "confidential" not in out and out.endswith(REDACTED)
     assert len(out) <= MAX_TEXT_CHARS
+
+
+def test_values_that_are_pieces_of_the_marker_do_not_nest_or_grow_the_text() -> None:
+    """Each value was replaced in turn, so later values matched inside the markers already written: 65 such values
+    turned a 3,200-character message into 959,528,600 characters."""
+    words = ["text", "request", "<request", "text>", "quest", "eques", "uest t"]
+    request = orjson.dumps({"tools": [{"type": w} for w in words], "input": "the real prompt here"}).decode()
+    message = "context json_object; " * 150 + "'the real prompt here'"
+    out = without_request_echoes(message, request)
+    assert len(out) <= 2 * len(message) and "the real prompt" not in out
+    assert without_request_echoes("a text here", orjson.dumps({"t": "text"}).decode()) == f"a {REDACTED} here"
+
+
+def test_an_end_inside_a_value_is_found_past_an_earlier_start_of_it() -> None:
+    memo = "Translate the following confidential memo into French: " + "secret detail " * 40
+    request = orjson.dumps({"input": memo}).decode()
+    message = "Translate request failed: input 'Translate the following confidential memo into"
+    out = without_request_echoes(message, request)
+    assert "confidential" not in out and out.endswith(REDACTED)
