@@ -13,8 +13,8 @@ COMMENT ON COLUMN operations.purged_at IS
 CREATE INDEX operations_purgeable ON operations (state_entered_at, operation_id)
     WHERE purged_at IS NULL AND state IN ('succeeded', 'failed', 'canceled', 'rejected');
 
--- A purged operation that changes state again (a late job adopted: docs/decisions.md) is whole again, and a later
--- purge takes it again.
+-- A purged operation that changes state again (a late job adopted: docs/decisions.md) is no longer counted as purged
+-- (its erased request and deleted rows stay so), so a later purge takes what it wrote since.
 CREATE FUNCTION operations_unpurge() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     NEW.purged_at := NULL;

@@ -24,6 +24,7 @@ from aiokafka.structs import TopicPartition
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_fixed
 
 from streams.config import Settings
+from streams.errors import JsonValueError, error_summary
 from streams.kafka_security import client_kwargs, raise_for_security
 from streams.wire import exactjson
 
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 #: learn their event ids: a repeat the relay published within them is recognised (the relay repeats a record it
 #: published but could not mark, in its next round: seconds, a few hundred records at most).
 RESUME_LOOKBACK_RECORDS = 10_000
+
+#: Most seconds a partition's look-back may take (its records wait for it; then they are handled without it).
+LOOKBACK_TIMEOUT_S = 10.0
 
 #: Most seconds between two commits of the offsets ``follow_outputs`` handled, with a group.
 COMMIT_INTERVAL_S = 1.0
@@ -136,9 +140,12 @@ async def _assignment(consumer: AIOKafkaConsumer) -> set[TopicPartition]:
 
 
 class _LearnBeforeResuming(ConsumerRebalanceListener):  # type: ignore[misc]
-    """On each assignment, reads the :data:`RESUME_LOOKBACK_RECORDS` records of every partition before its committed
-    offset with a consumer of its own (no group), only to learn their event ids (:func:`learn_event_ids`): an earlier
-    run handled them. On each revocation, commits what was handled of the partitions while they are still ours."""
+    """On each assignment, starts reading the :data:`RESUME_LOOKBACK_RECORDS` records of every partition before its
+    committed offset with a consumer of its own (no group), only to learn their event ids (:func:`learn_event_ids`):
+    an earlier run handled them. The reading runs in a task of its own (the group's heartbeats wait while a listener
+    runs), within :data:`LOOKBACK_TIMEOUT_S`; a partition's records are handled once its look-back ended, read or not.
+    On each revocation, stops the look-backs and commits what was handled of the partitions while they are still
+    ours."""
 
     def __init__(
         self,
@@ -151,47 +158,62 @@ class _LearnBeforeResuming(ConsumerRebalanceListener):  # type: ignore[misc]
         self.consumer = consumer
         self.dedupe = dedupe
         self.handled = handled
-        #: Set once a partition's look-back was read: its records are handled only then (the consumer may fetch them
-        #: while this listener still reads).
+        #: Set once a partition's look-back ended: its records are handled only then.
         self.learned: dict[TopicPartition, asyncio.Event] = {}
+        self._lookbacks: set[asyncio.Task[None]] = set()
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
+        self.stop()
         with contextlib.suppress(KafkaError):
             await _commit(self.consumer, self.handled)
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        events = {tp: asyncio.Event() for tp in assigned}
-        self.learned.update(events)  # before any await: no record of these partitions is handled until set
+        for tp in assigned:
+            self.learned[tp] = asyncio.Event()  # before any await: no record of tp is handled until set
+            task = asyncio.create_task(self._look_back(tp, self.learned[tp]))
+            self._lookbacks.add(task)
+            task.add_done_callback(self._lookbacks.discard)
+
+    def stop(self) -> None:
+        """Cancel the look-backs under way (their partitions' records are then handled without them)."""
+        for task in list(self._lookbacks):
+            task.cancel()
+
+    async def _look_back(self, tp: TopicPartition, learned: asyncio.Event) -> None:
         try:
-            for tp in assigned:
+            async with asyncio.timeout(LOOKBACK_TIMEOUT_S):
                 committed = await self.consumer.committed(tp)
                 if committed:
                     await learn_event_ids(self.settings, tp, committed, self.dedupe)
-                events[tp].set()
+        except Exception as exc:  # the look-back only helps: without it, the in-memory dedupe alone
+            log.warning("event ids before the committed offset of %s not read (%s)", tp, error_summary(exc))
         finally:
-            for event in events.values():
-                event.set()  # a look-back that failed leaves only the in-memory dedupe
+            learned.set()
 
 
 async def learn_event_ids(settings: Settings, tp: TopicPartition, before: int, dedupe: EventDeduplicator) -> int:
     """Read the records of ``tp`` from :data:`RESUME_LOOKBACK_RECORDS` before offset ``before`` (or the partition's
-    first) up to it, each one's event id told to ``dedupe`` as seen; returns how many were read. Nothing when the
-    partition ends before ``before`` (the topic was made again)."""
+    first) up to it, each one's event id told to ``dedupe`` as seen (a record that is not an output event is skipped);
+    returns how many were read. Nothing when the partition ends before ``before`` (the topic was made again: its
+    records are new to the group). Unbounded in time on a partition that stops answering: the caller bounds it."""
     reader = AIOKafkaConsumer(**client_kwargs(settings), enable_auto_commit=False)
     await _start(settings, reader)
     try:
         reader.assign([tp])
         beginning, end = (await reader.beginning_offsets([tp]))[tp], (await reader.end_offsets([tp]))[tp]
-        stop = min(before, end)
-        if stop <= beginning:
+        if end < before or before <= beginning:
             return 0
         reader.seek(tp, max(beginning, before - RESUME_LOOKBACK_RECORDS))
         read = 0
-        while await reader.position(tp) < stop:
+        while await reader.position(tp) < before:
             for message in (await reader.getmany(tp, timeout_ms=1000)).get(tp, []):
-                if message.offset < stop:
+                if message.offset >= before:
+                    continue
+                try:
                     dedupe.first_time(exactjson.loads(message.value)["event_id"])
-                    read += 1
+                except (JsonValueError, KeyError, TypeError):
+                    continue
+                read += 1
         return read
     finally:
         await reader.stop()
@@ -205,9 +227,11 @@ async def follow_outputs(
     With a ``group_id`` the consumer commits the offsets of the records handled (a value yielded counts as handled
     once the next one is asked for or the iteration stops: close the generator, ``contextlib.aclosing``), at most
     every :data:`COMMIT_INTERVAL_S`, when a partition is revoked and when it stops: a restart resumes after them,
-    never past a value not yet handled (one killed between handling and committing yields it again). On resuming, the
-    :data:`RESUME_LOOKBACK_RECORDS` records of each partition before its committed offset are read to learn their
-    event ids, so a repeat published after them (the relay's, after a crash) is not yielded a second time either.
+    never past a value not yet handled (one killed between handling and committing yields it again; so does the next
+    owner of a partition revoked while a value of it waited to be handled). Outputs the caller skips count as
+    handled. On resuming, the :data:`RESUME_LOOKBACK_RECORDS` records of each partition before its committed offset
+    are read to learn their event ids (within :data:`LOOKBACK_TIMEOUT_S`), so a repeat published after them (the
+    relay's, after a crash) is not yielded a second time either.
     """
     topic = settings.topic("outputs_delivered")
     consumer = AIOKafkaConsumer(
@@ -246,6 +270,7 @@ async def follow_outputs(
                     log.info("offsets not committed yet (%s); kept for the next commit", type(exc).__name__)
                 committed_at = time.monotonic()
     finally:
+        listener.stop()
         if group_id is not None:
             with contextlib.suppress(KafkaError):
                 await _commit(consumer, handled)
