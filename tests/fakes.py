@@ -578,7 +578,7 @@ class InMemoryLedger(WaitsOutOutages, AnnouncesTransitions):
         terminal = is_terminal(new)
         reason = None
         if new is S.FAILED and snapshot.error:
-            reason = failed_reason(snapshot.error)
+            reason = failed_reason(snapshot.error, snapshot.own_message)
         outputs: list[dict[str, Any]] = [
             {"output_id": str(o["id"]), "position": i, "payload": o} for i, o in enumerate(snapshot.outputs)
         ]

@@ -487,7 +487,7 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
         terminal = is_terminal(new)
         reason = None
         if new is OperationState.FAILED and snapshot.error:
-            reason = failed_reason(snapshot.error)
+            reason = failed_reason(snapshot.error, snapshot.own_message)
         outputs = [
             {"output_id": str(o["id"]), "position": i, "payload": o, "expires_at_ms": snapshot.expires_at_ms(i)}
             for i, o in enumerate(snapshot.outputs)

@@ -40,11 +40,14 @@ def _is_code(text: object) -> bool:
     return isinstance(text, str) and len(text) <= MAX_CODE_CHARS and not any(c.isspace() for c in text)
 
 
-def failed_reason(error: dict[str, Any]) -> str:
+def failed_reason(error: dict[str, Any], own_message: str | None = None) -> str:
     """The reason of an operation whose job failed with ``error``: its codes (:func:`error_codes`) as JSON, or
-    ``no code``, and where the provider's own words are."""
+    ``no code``, then this client's ``own_message`` when it decided the failure (:attr:`JobSnapshot.own_message`),
+    else where the provider's own words are."""
     codes = error_codes(error)
     shown = json.dumps(codes, separators=(",", ":"), ensure_ascii=False) if codes else "no code"
+    if own_message is not None:
+        return clean_text(f"remote job failed: {shown}: {own_message}")
     return clean_text(f"remote job failed: {shown} (the provider's words: the operation's last observation)")
 
 
@@ -94,6 +97,9 @@ class JobSnapshot:
     charge: dict[str, Any] | None = None
     refund: dict[str, Any] | None = None
     output_expires_at_ms: tuple[int | None, ...] = ()
+    #: This client's own words for a failure it decided (an answer it cannot carry: a contract violation), shown in the
+    #: operation's reason; the provider's words never go here (they may echo the request: :func:`failed_reason`).
+    own_message: str | None = None
 
     def expires_at_ms(self, position: int) -> int | None:
         """When output ``position`` stops being fetchable at the provider (epoch ms), None when unknown."""

@@ -84,7 +84,7 @@ async def test_list_older_than_and_limit(cli_settings: Settings, pool: asyncpg.P
         (["--older-than", "5 minutes"], "is not a duration"),
         (["--older-than", "0s"], "is not a positive duration"),
         (["--state", "lost"], "'lost' is not one of"),
-        (["--limit", "0"], "0 is not in the range x>=1"),
+        (["--limit", "0"], "0 is not in the range 1<=x<=1000000"),
     ],
 )
 async def test_list_bad_usage_exits_2(cli_settings: Settings, args: list[str], message: str) -> None:

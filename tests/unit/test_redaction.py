@@ -102,3 +102,10 @@ def test_an_end_inside_a_value_is_found_past_an_earlier_start_of_it() -> None:
     message = "Translate request failed: input 'Translate the following confidential memo into"
     out = without_request_echoes(message, request)
     assert "confidential" not in out and out.endswith(REDACTED)
+
+
+def test_the_clients_own_words_for_a_failure_it_decided_stay_in_the_reason() -> None:
+    """A contract violation is this client's verdict, named by field without values: its words are the reason."""
+    error = {"code": "contract_violation", "message": "at outputs/0/score: NaN is not a JSON number"}
+    reason = failed_reason(error, error["message"])
+    assert reason == ('remote job failed: {"code":"contract_violation"}: at outputs/0/score: NaN is not a JSON number')

@@ -94,6 +94,7 @@ def _failed(job_id: str, code: str, message: str) -> JobSnapshot:
         status="failed",
         state=OperationState.FAILED,
         error={"code": code, "message": clean_text(message, 1000)},
+        own_message=clean_text(message, 1000),
     )
 
 
