@@ -745,6 +745,20 @@ def forget(operation_id: str, reason: str, actor: str | None, as_json: bool) -> 
     help="Purge operations terminal for longer than this (30s, 5m, 2h, 7d, 1h30m).",
 )
 @click.option(
+    "--ids-older-than",
+    type=Duration(),
+    default=None,
+    help="Also delete the kept row of each id purged longer ago than this, freeing the id: a replay of its "
+    "submission is then accepted as new. Refused (exit 3) unless the submissions and dead-letter topics keep their "
+    "records for less time.",
+)
+@click.option(
+    "--skip-replay-check",
+    is_flag=True,
+    help="With --ids-older-than: do not read the topics' retention (you vouch that no record of those ids can "
+    "come back, e.g. a topic bounded by retention.bytes).",
+)
+@click.option(
     "--batch-size",
     type=click.IntRange(1, 10_000),
     default=500,
@@ -753,22 +767,39 @@ def forget(operation_id: str, reason: str, actor: str | None, as_json: bool) -> 
 )
 @click.option("--dry-run", is_flag=True, help="Count what would be purged; change nothing.")
 @_JSON_OPTION
-def purge(older_than: float, batch_size: int, dry_run: bool, as_json: bool) -> None:
+def purge(
+    older_than: float,
+    ids_older_than: float | None,
+    skip_replay_check: bool,
+    batch_size: int,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
     """Purge terminal operations (succeeded, failed, canceled, rejected) older than --older-than in their state, in
     batches of --batch-size, one transaction each: their transitions, outputs and outbox rows deleted, their request,
     source, last observation and reason text erased. Each operation's row of its id, state and times stays, so that a
-    replay of its submission is refused, never POSTed again. The accounting (remote_calls, remote_jobs, refunds) and
-    the records of erasures and re-drives are kept; an operation whose outbox row is not yet published is kept until
-    the relay publishes it.
+    replay of its submission is refused, never POSTed again, until --ids-older-than deletes it. The accounting
+    (remote_calls, remote_jobs, refunds) and the records of erasures and re-drives are kept; an operation whose outbox
+    row is not yet published is kept until the relay publishes it.
 
     \b
     streams purge --older-than 30d --dry-run
+    streams purge --older-than 30d --ids-older-than 400d
     """
     from streams.ledger import retention
 
+    if skip_replay_check and ids_older_than is None:
+        raise click.UsageError("--skip-replay-check goes with --ids-older-than")
+    settings = _settings()
+    if ids_older_than is not None and not skip_replay_check:
+        _refuse_replayable_ids(settings, ids_older_than)
+
     async def run(pool: asyncpg.Pool) -> dict[str, Any]:
         if dry_run:
-            return {"dry_run": True, **await retention.purge_preview(pool, older_than)}
+            result = {"dry_run": True, **await retention.purge_preview(pool, older_than)}
+            if ids_older_than is not None:
+                result["ids"] = await retention.forget_ids_preview(pool, ids_older_than)
+            return result
         batches: list[retention.PurgeCounts] = []
 
         def told(counts: retention.PurgeCounts) -> None:
@@ -777,22 +808,67 @@ def purge(older_than: float, batch_size: int, dry_run: bool, as_json: bool) -> N
                 click.echo(f"batch {len(batches)}: {counts.operations} operations purged")
 
         total = await retention.purge(pool, older_than, batch_size, on_batch=told)
-        return {"dry_run": False, "batches": len(batches), **dataclasses.asdict(total)}
+        result = {"dry_run": False, "batches": len(batches), **dataclasses.asdict(total)}
+        if ids_older_than is not None:
+            id_batches: list[retention.ForgottenIds] = []
 
-    result = asyncio.run(_with_pool(_settings(), run))
+            def told_ids(counts: retention.ForgottenIds) -> None:
+                id_batches.append(counts)
+                if not as_json:
+                    click.echo(f"batch {len(id_batches)}: {counts.ids} purged ids deleted")
+
+            ids = await retention.forget_ids(pool, ids_older_than, batch_size, on_batch=told_ids)
+            result["ids"] = {"batches": len(id_batches), **dataclasses.asdict(ids)}
+        return result
+
+    result = asyncio.run(_with_pool(settings, run))
     if as_json:
         _echo_json(result)
-    elif dry_run:
+        return
+    ids = result.get("ids")
+    if dry_run:
         click.echo(
             f"would purge {result['operations']} operations with {result['transitions']} transitions, "
             f"{result['outputs']} outputs and {result['outbox']} outbox rows (oldest terminal for "
             f"{operators_age(result['oldest_age_s'])}); {result['held_by_outbox']} kept for their unpublished "
             "outbox rows"
         )
-    else:
+        if ids is not None:
+            click.echo(
+                f"would delete {ids['ids']} purged ids with {ids['callback_deliveries']} callback deliveries "
+                f"(oldest purged {operators_age(ids['oldest_purge_age_s'])} ago)"
+            )
+        return
+    click.echo(
+        f"purged {result['operations']} operations (their ids kept) with {result['transitions']} transitions, "
+        f"{result['outputs']} outputs and {result['outbox']} outbox rows in {result['batches']} batches"
+    )
+    if ids is not None:
         click.echo(
-            f"purged {result['operations']} operations (their ids kept) with {result['transitions']} transitions, "
-            f"{result['outputs']} outputs and {result['outbox']} outbox rows in {result['batches']} batches"
+            f"deleted {ids['ids']} purged ids with {ids['callback_deliveries']} callback deliveries in "
+            f"{ids['batches']} batches"
+        )
+
+
+def _refuse_replayable_ids(settings: Settings, horizon_s: float) -> None:
+    """End the command (EXIT_REFUSED) when a topic that can replay a submission keeps its records at least
+    ``horizon_s`` seconds (:func:`streams.setup.admin.replay_refusals`); a security setting Kafka refuses ends it
+    with EXIT_CONFIG, Kafka not answering with EXIT_UNAVAILABLE."""
+    from streams.setup.admin import replay_refusals, replay_windows
+
+    try:
+        windows = asyncio.run(replay_windows(settings))
+    except ConfigError as exc:  # KafkaSecurityError: a wrong security setting
+        raise CommandExit(str(exc), EXIT_CONFIG) from exc
+    refusals = replay_refusals(windows, horizon_s, operators_age)
+    if refusals:
+        raise CommandExit(
+            f"purge --ids-older-than {operators_age(horizon_s)} refused, nothing purged: "
+            + "; ".join(refusals)
+            + ". A replay of a submission whose id is deleted is accepted as new and POSTed again. Give an "
+            "--ids-older-than longer than the topics' retention, shorten their retention.ms, or pass "
+            "--skip-replay-check if you know no record of those ids can come back",
+            EXIT_REFUSED,
         )
 
 

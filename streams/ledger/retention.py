@@ -1,5 +1,6 @@
 """Retention and erasure on the ledger: ``streams purge`` (terminal operations erased in bounded batches, their
-transitions, outputs and outbox rows deleted, the row of each id and the accounting kept) and ``streams operations
+transitions, outputs and outbox rows deleted, the row of each id and the accounting kept; with ``--ids-older-than``
+the rows of ids purged longer ago deleted too) and ``streams operations
 forget`` (one operation's request, source and outputs erased, and the erasure recorded); and the database role an
 operator's command runs as (its actor).
 
@@ -37,6 +38,18 @@ class PurgeCounts:
             self.outputs + other.outputs,
             self.outbox + other.outbox,
         )
+
+
+@dataclass(frozen=True)
+class ForgottenIds:
+    """What deleting kept ids did: rows of purged operations deleted (their ids free again) and the callback
+    deliveries recorded for them since their purge."""
+
+    ids: int = 0
+    callback_deliveries: int = 0
+
+    def __add__(self, other: ForgottenIds) -> ForgottenIds:
+        return ForgottenIds(self.ids + other.ids, self.callback_deliveries + other.callback_deliveries)
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,53 @@ async def purge(
     return total
 
 
+async def forget_ids_preview(pool: asyncpg.Pool, older_than_s: float) -> dict[str, Any]:
+    """What :func:`forget_ids` would delete now: ``{ids, oldest_purge_age_s, callback_deliveries}``.
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not answer.
+    """
+    async with guard("preview deleting purged ids"):
+        row = await RETENTION.forget_ids_preview.fetchrow(pool, older_than_s=older_than_s)
+    assert row is not None  # aggregates only: always one row
+    return dict(row)
+
+
+async def forget_ids(
+    pool: asyncpg.Pool,
+    older_than_s: float,
+    batch_size: int,
+    *,
+    on_batch: Callable[[ForgottenIds], None] | None = None,
+) -> ForgottenIds:
+    """Delete the kept rows of the operations purged more than ``older_than_s`` seconds ago, with the callback
+    deliveries recorded for them since: their ids are free again, and a replay of one of their submissions is then
+    accepted as a new operation and POSTed. The caller makes sure none can come (``streams purge --ids-older-than``
+    compares the horizon with the submissions and dead-letter topics' retention). The accounting rows and the
+    records of erasures and re-drives stay. One transaction per batch of at most ``batch_size`` (>= 1) rows, oldest
+    purge first, until a batch finds none; ``on_batch`` is told each batch's counts.
+
+    Raises:
+        ValueError: ``batch_size`` < 1 or ``older_than_s`` <= 0.
+        LedgerUnavailableError: PostgreSQL did not answer (the batches committed before stay deleted).
+    """
+    if batch_size < 1 or older_than_s <= 0:
+        raise ValueError(
+            f"deleting ids needs a batch size >= 1 and a positive age, got {batch_size} and {older_than_s} s"
+        )
+    total = ForgottenIds()
+    while True:
+        async with guard(f"delete a batch of {batch_size} purged ids"):
+            row = await RETENTION.forget_ids_batch.fetchrow(pool, older_than_s=older_than_s, batch_size=batch_size)
+        assert row is not None
+        counts = ForgottenIds(row["ids"], row["callback_deliveries"])
+        if counts.ids == 0:
+            return total
+        total += counts
+        if on_batch is not None:
+            on_batch(counts)
+
+
 async def forget(pool: asyncpg.Pool, operation_id: str, reason: str, actor: str) -> Erasure:
     """Erase a terminal operation's request body (JSON ``null``), source, last observation and outputs (each
     output's payload and its outbox row's ``output``: JSON ``null``), and record it in ``erasures`` with
@@ -121,8 +181,8 @@ async def forget(pool: asyncpg.Pool, operation_id: str, reason: str, actor: str)
     Raises:
         UnknownOperationError: the ledger does not hold the operation.
         OperatorActionRefusedError: reason or actor is empty, the operation is not terminal (its request and
-            outputs are still in use), or one of its outbox rows is not yet published (the relay still needs
-            it). Nothing is written.
+            outputs are still in use), one of its outbox rows is not yet published (the relay still needs it), or
+            ``streams purge`` erased it already (nothing is left to erase). Nothing is written.
         LedgerUnavailableError: PostgreSQL did not answer (nothing is written).
     """
     action = "forget"
@@ -139,6 +199,14 @@ async def forget(pool: asyncpg.Pool, operation_id: str, reason: str, actor: str)
                 action,
                 f"the operation is {state.value}, not terminal: its request and outputs are still in use; decide it "
                 "first (streams operations abandon|fail) or wait until it finishes",
+                state=state.value,
+            )
+        if row["purged_at"] is not None:
+            raise OperatorActionRefusedError(
+                operation_id,
+                action,
+                f"streams purge erased it at {row['purged_at'].isoformat()}: its request, source and outputs are "
+                "gone already; nothing to erase",
                 state=state.value,
             )
         if row["unpublished"]:

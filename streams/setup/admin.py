@@ -547,6 +547,76 @@ async def set_dead_letter_retention(settings: Settings) -> int:
     return settings.dead_letter_retention_ms
 
 
+#: The topics whose records can bring an operation id back to the dispatcher: the submissions topic (a consumer
+#: group set back to an earlier offset) and the dead-letter topic (a re-drive). Deleting a purged id is safe only
+#: once they can hold no record of it (``streams purge --ids-older-than``).
+REPLAY_ROLES = ("submissions", "dead_letter")
+CLEANUP_POLICY = "cleanup.policy"
+
+
+@dataclass(frozen=True)
+class ReplayWindow:
+    """How long a topic of :data:`REPLAY_ROLES` keeps its records: ``retention_ms``, or None when it keeps them
+    without a time limit (``retention.ms`` -1, or a ``cleanup.policy`` without ``delete``: compaction keeps a key's
+    latest record for good) or does not exist (``exists`` False: the settings may name the wrong topics)."""
+
+    topic: str
+    retention_ms: int | None
+    exists: bool = True
+
+
+async def replay_windows(settings: Settings) -> list[ReplayWindow]:
+    """The :class:`ReplayWindow` of each topic of :data:`REPLAY_ROLES`, as the broker has them (its defaults
+    included).
+
+    Raises :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
+    """
+
+    async def topic_names(client: AIOKafkaAdminClient) -> set[str]:
+        return set(await client.list_topics())
+
+    windows = []
+    async with KafkaAdmin(settings) as admin:
+        existing = await admin.call("list the topics", topic_names)
+        for role in REPLAY_ROLES:
+            name = settings.topic(role)
+            configs = None
+            if name in existing:
+                configs = await admin.describe_topic_configs(name, [RETENTION_MS, CLEANUP_POLICY])
+            windows.append(replay_window(name, configs))
+    return windows
+
+
+def replay_window(topic: str, configs: Mapping[str, str | None] | None) -> ReplayWindow:
+    """The :class:`ReplayWindow` of ``topic`` from its configs as the broker describes them (None: no such topic).
+    A missing or unparsable ``retention.ms`` counts as no time limit."""
+    if configs is None:
+        return ReplayWindow(topic, None, exists=False)
+    try:
+        retention_ms = int(configs.get(RETENTION_MS) or -1)
+    except ValueError:
+        retention_ms = -1
+    deletes = "delete" in [p.strip() for p in (configs.get(CLEANUP_POLICY) or "delete").strip("[]").split(",")]
+    return ReplayWindow(topic, retention_ms if retention_ms >= 0 and deletes else None)
+
+
+def replay_refusals(
+    windows: list[ReplayWindow], horizon_s: float, age: Callable[[float], str] = lambda s: f"{s:g} s"
+) -> list[str]:
+    """One phrase per window that may still hold a record older than ``horizon_s`` seconds (its retention is not
+    shorter, or it could not be read), saying why (durations written by ``age``, seconds -> text); empty when every
+    window is shorter than the horizon."""
+    phrases = []
+    for window in windows:
+        if not window.exists:
+            phrases.append(f"topic {window.topic} does not exist (check STREAMS_TOPIC_PREFIX)")
+        elif window.retention_ms is None:
+            phrases.append(f"{window.topic} keeps its records without a time limit")
+        elif window.retention_ms >= horizon_s * 1000:
+            phrases.append(f"{window.topic} keeps its records {age(window.retention_ms / 1000)} (retention.ms)")
+    return phrases
+
+
 def run_topics(settings: Settings) -> list[str]:
     """Every topic of a run on ``settings``: its five (:attr:`Settings.topics`), by exact name. Faust adds none:
     the app keeps no tables and its leader topic is disabled (:func:`streams.worker.app.create_app`)."""

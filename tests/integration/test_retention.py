@@ -16,6 +16,7 @@ from streams.errors import OperatorActionRefusedError
 from streams.ledger import retention
 from streams.ledger.pool import create_pool
 from streams.ledger.store import Ledger
+from streams.setup.admin import replay_windows
 from tests.integration.operators_support import Seeded, backdate, seed_ledger, streams_cli
 
 pytestmark = pytest.mark.integration
@@ -99,6 +100,68 @@ async def test_purge_erases_old_terminal_operations_in_batches_and_keeps_their_i
     assert (await retention.purge_preview(pool, 86400.0))["operations"] == 0
 
 
+async def purged_ago(pool: asyncpg.Pool, op: str, interval: str) -> None:
+    """Purge ``op``'s row by hand as ``streams purge`` erased it ``interval`` ago (its log, outputs, outbox gone)."""
+    for table in ("outbox", "outputs"):
+        await pool.execute(f"DELETE FROM {table} WHERE operation_id = $1", op)
+    await pool.execute("DELETE FROM transitions WHERE operation_id = $1", op)
+    await pool.execute(
+        "UPDATE operations SET request = 'null'::json, purged_at = now() - $2::text::interval WHERE operation_id = $1",
+        op,
+        interval,
+    )
+
+
+async def test_purge_deletes_the_ids_purged_before_a_horizon_only_once_the_topics_can_replay_none_of_them(
+    settings: Settings, pool: asyncpg.Pool, seeded: Seeded
+) -> None:
+    windows = await replay_windows(settings)
+    assert [w.exists for w in windows] == [True, True] and all(w.retention_ms for w in windows)
+    longest_s = max(w.retention_ms or 0 for w in windows) / 1000
+    old, recent, late = seeded.by_state["failed"][0], seeded.by_state["rejected"][0], seeded.by_state["succeeded"][0]
+    for op in (old, late):
+        await purged_ago(pool, op, f"{longest_s + 2 * 86400} seconds")
+    await purged_ago(pool, recent, "1 hour")
+    job = seeded.job_ids[late]  # a completion callback that came after the purge: its record goes with the id
+    await pool.execute(
+        "INSERT INTO callback_deliveries (webhook_id, remote_job_id, operation_id, poll_made_due, received_by) "
+        "VALUES ('msg_1', $1, $2, false, 'w')",
+        job,
+        late,
+    )
+    accounting = tuple((await pool.fetchrow(ACCOUNTING)).values())
+    horizon = f"{int(longest_s) + 86400}s"
+
+    at_retention = await streams_cli(settings, "purge", "--older-than", "1d", "--ids-older-than", f"{int(longest_s)}s")
+    assert at_retention.exit_code == 3, at_retention.stderr
+    assert "refused, nothing purged" in at_retention.stderr and settings.topic("dead_letter") in at_retention.stderr
+    assert "--skip-replay-check" in at_retention.stderr
+    assert await pool.fetchval("SELECT count(*) FROM operations WHERE purged_at IS NOT NULL") == 3
+
+    dry = await streams_cli(settings, "purge", "--older-than", "1d", "--ids-older-than", horizon, "--dry-run", "--json")
+    assert dry.exit_code == 0, dry.stderr
+    ids = dry.json()["ids"]
+    assert (ids["ids"], ids["callback_deliveries"]) == (2, 1) and ids["oldest_purge_age_s"] > longest_s + 86400
+    assert await pool.fetchval("SELECT count(*) FROM operations WHERE purged_at IS NOT NULL") == 3
+
+    result = await streams_cli(
+        settings, "purge", "--older-than", "1d", "--ids-older-than", horizon, "--batch-size", "1"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "deleted 2 purged ids with 1 callback deliveries in 2 batches"
+    assert await pool.fetchval("SELECT array_agg(operation_id) FROM operations WHERE purged_at IS NOT NULL") == [recent]
+    assert await pool.fetchval("SELECT count(*) FROM operations WHERE operation_id = ANY($1::text[])", [old, late]) == 0
+    assert await pool.fetchval("SELECT count(*) FROM callback_deliveries") == 0
+    assert tuple((await pool.fetchrow(ACCOUNTING)).values()) == accounting  # the accounting stays whole
+
+    unchecked = await streams_cli(
+        settings, "purge", "--older-than", "1d", "--ids-older-than", "1m", "--skip-replay-check", "--json"
+    )
+    assert unchecked.exit_code == 0, unchecked.stderr
+    assert unchecked.json()["ids"] == {"batches": 1, "ids": 1, "callback_deliveries": 0}
+    assert await pool.fetchval("SELECT count(*) FROM operations WHERE purged_at IS NOT NULL") == 0
+
+
 async def test_the_ledger_refuses_to_delete_an_operation_that_is_not_terminal(
     pool: asyncpg.Pool, seeded: Seeded
 ) -> None:
@@ -155,6 +218,10 @@ async def test_forget_is_refused_while_an_operation_is_in_use_or_unpublished(
         result = await streams_cli(settings, "operations", "forget", op, "--reason", "r")
         assert result.exit_code == 3 and message in result.stderr and "nothing was written" in result.stderr
         assert await pool.fetchval("SELECT request::text FROM operations WHERE operation_id = $1", op) == before
+    purged = seeded.by_state["failed"][0]
+    await purged_ago(pool, purged, "1 minute")
+    again = await streams_cli(settings, "operations", "forget", purged, "--reason", "r")
+    assert again.exit_code == 3 and "streams purge erased it at" in again.stderr, again.stderr
     missing = await streams_cli(settings, "operations", "forget", "no-such-op", "--reason", "r")
     assert missing.exit_code == 4
     assert await pool.fetchval("SELECT count(*) FROM erasures") == 0
@@ -185,6 +252,10 @@ async def test_the_operator_role_purges_and_forgets_and_rewrites_nothing_else(
     erasure = await retention.forget(operator_pool, forgotten, "request 7", "op@postgres-role/h@os")
     assert erasure.outputs_erased == 2
     assert (await retention.purge(operator_pool, 86400.0, 10)).operations == 1
+    await pool.execute(
+        "UPDATE operations SET purged_at = purged_at - interval '2 days' WHERE operation_id = $1", purged
+    )
+    assert await retention.forget_ids(operator_pool, 86400.0, 10) == retention.ForgottenIds(ids=1)
     assert await retention.database_role(operator_pool) != "streams"
     refused = [
         "UPDATE transitions SET reason = 'rewritten'",

@@ -137,6 +137,8 @@ EXPECTED = {
         "database_role",
         "purge_preview",
         "purge_batch",
+        "forget_ids_preview",
+        "forget_ids_batch",
         "lock_for_erasure",
         "erase_operation",
         "erase_outputs",

@@ -1,6 +1,7 @@
 -- Named queries of retention and erasure (loaded by streams.ledger.sql.Queries; called by streams.ledger.retention):
 -- `streams purge` erases terminal operations and deletes their rows in bounded batches, keeping each one's row of
--- its id, state and times as the guard against a replay of the id (migration 0020), `streams operations forget`
+-- its id, state and times as the guard against a replay of the id (migration 0020) until `--ids-older-than` deletes
+-- it (migration 0021), `streams operations forget`
 -- erases one operation's request, source and outputs and records it (table erasures, migration 0009).
 -- Terminal: succeeded, failed, canceled, rejected (streams.model.states.is_terminal). The accounting rows
 -- (remote_calls, remote_jobs, refunds) are never deleted.
@@ -68,10 +69,47 @@ SELECT (SELECT count(*) FROM ops)::bigint AS operations,
        (SELECT count(*) FROM outs)::bigint AS outputs,
        (SELECT count(*) FROM box)::bigint AS outbox;
 
+-- name: forget_ids_preview
+-- What forget_ids_batch would delete now. :older_than_s (float8): purged longer ago than this. Returns ids (kept
+-- rows deletable now), oldest_purge_age_s (seconds since the oldest of them was purged; NULL when none),
+-- callback_deliveries (rows of a completion callback that came after the purge, deleted with them).
+WITH doomed AS (
+    SELECT o.operation_id, o.purged_at
+    FROM operations o
+    WHERE o.purged_at < now() - make_interval(secs => :older_than_s::float8)
+)
+SELECT (SELECT count(*) FROM doomed)::bigint AS ids,
+       (SELECT extract(epoch FROM now() - min(purged_at))::float8 FROM doomed) AS oldest_purge_age_s,
+       (SELECT count(*) FROM callback_deliveries c JOIN doomed d USING (operation_id))::bigint AS callback_deliveries;
+
+-- name: forget_ids_batch
+-- Delete at most :batch_size kept rows of operations purged longer ago than :older_than_s (float8 s), oldest purge
+-- first, in one statement, with the callback deliveries recorded for them since the purge: the ids are free again,
+-- so a replay of one of their submissions is accepted as a new operation (the caller checks that none can come:
+-- streams purge --ids-older-than). A row that holds transitions, outputs or outbox rows (which a purge deleted) is
+-- left alone, as are rows another transaction holds (SKIP LOCKED; a late job adopted changes the row's state and
+-- its trigger clears purged_at). Returns ids, callback_deliveries (deleted).
+WITH doomed AS (
+    SELECT o.operation_id
+    FROM operations o
+    WHERE o.purged_at < now() - make_interval(secs => :older_than_s::float8)
+      AND NOT EXISTS (SELECT 1 FROM transitions t WHERE t.operation_id = o.operation_id)
+      AND NOT EXISTS (SELECT 1 FROM outputs x WHERE x.operation_id = o.operation_id)
+      AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.operation_id = o.operation_id)
+    ORDER BY o.purged_at, o.operation_id
+    LIMIT :batch_size
+    FOR UPDATE SKIP LOCKED
+), hints AS (
+    DELETE FROM callback_deliveries c USING doomed d WHERE c.operation_id = d.operation_id RETURNING 1
+), ids AS (
+    DELETE FROM operations o USING doomed d WHERE o.operation_id = d.operation_id RETURNING 1
+)
+SELECT (SELECT count(*) FROM ids)::bigint AS ids, (SELECT count(*) FROM hints)::bigint AS callback_deliveries;
+
 -- name: lock_for_erasure
--- :operation_id. One row or none, the operation locked (FOR UPDATE) for the rest of the transaction: state, and
--- unpublished (its outbox rows not yet published).
-SELECT o.state::text AS state,
+-- :operation_id. One row or none, the operation locked (FOR UPDATE) for the rest of the transaction: state,
+-- purged_at (when streams purge erased it; NULL while whole), and unpublished (its outbox rows not yet published).
+SELECT o.state::text AS state, o.purged_at,
        (SELECT count(*) FROM outbox b WHERE b.operation_id = o.operation_id AND b.published_at IS NULL)::bigint
            AS unpublished
 FROM operations o

@@ -1,0 +1,3 @@
+-- transactional: false
+
+DROP INDEX CONCURRENTLY IF EXISTS operations_purged;
