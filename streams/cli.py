@@ -834,9 +834,10 @@ def purge(
             "outbox rows"
         )
         if ids is not None:
+            oldest = ids["oldest_purge_age_s"]
             click.echo(
-                f"would delete {ids['ids']} purged ids with {ids['callback_deliveries']} callback deliveries "
-                f"(oldest purged {operators_age(ids['oldest_purge_age_s'])} ago)"
+                f"would delete {ids['ids']} purged ids with {ids['callback_deliveries']} callback deliveries"
+                + (f" (the oldest purged {operators_age(oldest)} ago)" if oldest is not None else "")
             )
         return
     click.echo(
