@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,11 +141,11 @@ async def _assignment(consumer: AIOKafkaConsumer) -> set[TopicPartition]:
 
 class _LearnBeforeResuming(ConsumerRebalanceListener):  # type: ignore[misc]
     """On each assignment, starts reading the :data:`RESUME_LOOKBACK_RECORDS` records of every partition before its
-    committed offset with a consumer of its own (no group), only to learn their event ids (:func:`learn_event_ids`):
-    an earlier run handled them. The reading runs in a task of its own (the group's heartbeats wait while a listener
-    runs), within :data:`LOOKBACK_TIMEOUT_S`; a partition's records are handled once its look-back ended, read or not.
-    On each revocation, stops the look-backs and commits what was handled of the partitions while they are still
-    ours."""
+    committed offset, all with one consumer of its own (no group), only to learn their event ids
+    (:func:`learn_event_ids`): an earlier run handled them. The reading runs in a task of its own (the group's
+    heartbeats wait while a listener runs), within :data:`LOOKBACK_TIMEOUT_S`; a partition's records are handled
+    once its look-back ended, read or not. On each revocation, stops the look-backs and commits what was handled of
+    the partitions while they are still ours."""
 
     def __init__(
         self,
@@ -168,9 +168,10 @@ class _LearnBeforeResuming(ConsumerRebalanceListener):  # type: ignore[misc]
             await _commit(self.consumer, self.handled)
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        for tp in assigned:
-            self.learned[tp] = asyncio.Event()  # before any await: no record of tp is handled until set
-            task = asyncio.create_task(self._look_back(tp, self.learned[tp]))
+        events = {tp: asyncio.Event() for tp in assigned}
+        self.learned.update(events)  # before any await: no record of these partitions is handled until set
+        if events:
+            task = asyncio.create_task(self._look_back(events))
             self._lookbacks.add(task)
             task.add_done_callback(self._lookbacks.discard)
 
@@ -179,41 +180,66 @@ class _LearnBeforeResuming(ConsumerRebalanceListener):  # type: ignore[misc]
         for task in list(self._lookbacks):
             task.cancel()
 
-    async def _look_back(self, tp: TopicPartition, learned: asyncio.Event) -> None:
+    async def _look_back(self, events: dict[TopicPartition, asyncio.Event]) -> None:
         try:
             async with asyncio.timeout(LOOKBACK_TIMEOUT_S):
-                committed = await self.consumer.committed(tp)
-                if committed:
-                    await learn_event_ids(self.settings, tp, committed, self.dedupe)
+                before = {}
+                for tp, learned in events.items():
+                    committed = await self.consumer.committed(tp)
+                    if committed:
+                        before[tp] = committed
+                    else:
+                        learned.set()  # nothing handled before: nothing to learn
+                if before:
+                    await learn_event_ids(self.settings, before, self.dedupe, lambda tp: events[tp].set())
         except Exception as exc:  # the look-back only helps: without it, the in-memory dedupe alone
-            log.warning("event ids before the committed offset of %s not read (%s)", tp, error_summary(exc))
+            waiting = sorted(f"{tp.topic}[{tp.partition}]" for tp, learned in events.items() if not learned.is_set())
+            log.warning("event ids before the committed offsets of %s not read (%s)", waiting, error_summary(exc))
         finally:
-            learned.set()
+            for learned in events.values():
+                learned.set()
 
 
-async def learn_event_ids(settings: Settings, tp: TopicPartition, before: int, dedupe: EventDeduplicator) -> int:
-    """Read the records of ``tp`` from :data:`RESUME_LOOKBACK_RECORDS` before offset ``before`` (or the partition's
-    first) up to it, each one's event id told to ``dedupe`` as seen (a record that is not an output event is skipped);
-    returns how many were read. Nothing when the partition ends before ``before`` (the topic was made again: its
-    records are new to the group). Unbounded in time on a partition that stops answering: the caller bounds it."""
+async def learn_event_ids(
+    settings: Settings,
+    before: Mapping[TopicPartition, int],
+    dedupe: EventDeduplicator,
+    on_learned: Callable[[TopicPartition], None] | None = None,
+) -> dict[TopicPartition, int]:
+    """Read, with one consumer of its own, the records of each partition of ``before`` from
+    :data:`RESUME_LOOKBACK_RECORDS` before its offset (or the partition's first) up to it, each one's event id told to
+    ``dedupe`` as seen (a record that is not an output event is skipped); ``on_learned(tp)`` is called as each
+    partition is done. Returns how many records of each partition were read: none of a partition that ends before its
+    offset (the topic was made again: its records are new to the group). Unbounded in time on a partition that stops
+    answering: the caller bounds it."""
+    read = dict.fromkeys(before, 0)
+    done = on_learned or (lambda tp: None)
     reader = AIOKafkaConsumer(**client_kwargs(settings), enable_auto_commit=False)
     await _start(settings, reader)
     try:
-        reader.assign([tp])
-        beginning, end = (await reader.beginning_offsets([tp]))[tp], (await reader.end_offsets([tp]))[tp]
-        if end < before or before <= beginning:
-            return 0
-        reader.seek(tp, max(beginning, before - RESUME_LOOKBACK_RECORDS))
-        read = 0
-        while await reader.position(tp) < before:
-            for message in (await reader.getmany(tp, timeout_ms=1000)).get(tp, []):
-                if message.offset >= before:
-                    continue
-                try:
-                    dedupe.first_time(exactjson.loads(message.value)["event_id"])
-                except (JsonValueError, KeyError, TypeError):
-                    continue
-                read += 1
+        tps = list(before)
+        beginnings, ends = await reader.beginning_offsets(tps), await reader.end_offsets(tps)
+        pending = {tp: offset for tp, offset in before.items() if beginnings[tp] < offset <= ends[tp]}
+        for tp in before.keys() - pending.keys():
+            done(tp)
+        reader.assign(list(pending))
+        for tp, offset in pending.items():
+            reader.seek(tp, max(beginnings[tp], offset - RESUME_LOOKBACK_RECORDS))
+        while pending:
+            for tp, messages in (await reader.getmany(*pending, timeout_ms=1000)).items():
+                for message in messages:
+                    if tp not in pending or message.offset >= pending[tp]:
+                        continue
+                    try:
+                        dedupe.first_time(exactjson.loads(message.value)["event_id"])
+                    except (JsonValueError, KeyError, TypeError):
+                        continue
+                    read[tp] += 1
+            for tp in list(pending):
+                if await reader.position(tp) >= pending[tp]:
+                    del pending[tp]
+                    reader.pause(tp)
+                    done(tp)
         return read
     finally:
         await reader.stop()

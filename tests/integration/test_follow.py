@@ -94,7 +94,32 @@ async def test_a_committed_offset_past_the_end_learns_nothing(outputs: OutputsTo
     await outputs.publish("a", "b", "c")
     tp = TopicPartition(outputs.settings.topic("outputs_delivered"), 0)
     dedupe = EventDeduplicator()
-    assert await learn_event_ids(outputs.settings, tp, 12_000, dedupe) == 0
+    assert await learn_event_ids(outputs.settings, {tp: 12_000}, dedupe) == {tp: 0}
     assert dedupe.first_time("output:a:out_0")
-    assert await learn_event_ids(outputs.settings, tp, 2, dedupe) == 2  # a and b, before offset 2
+    assert await learn_event_ids(outputs.settings, {tp: 2}, dedupe) == {tp: 2}  # a and b, before offset 2
     assert not dedupe.first_time("output:b:out_0") and dedupe.first_time("output:c:out_0")
+
+
+async def test_one_look_back_learns_each_partition_up_to_its_own_offset(base_settings: Settings) -> None:
+    """The look-back reads every partition of an assignment with one consumer (it opened one per partition), each
+    up to its own committed offset, and tells each partition apart as it is done."""
+    settings = unique_settings(base_settings, partitions=3)
+    await create_topics(settings)
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
+    await producer.start()
+    topic = settings.topic("outputs_delivered")
+    try:
+        for partition, ops in enumerate((["a0", "a1", "a2"], ["b0", "b1"], ["c0"])):
+            for op in ops:
+                await producer.send_and_wait(topic, orjson.dumps(output(op, op)), partition=partition)
+        await producer.send_and_wait(topic, b"not an output event", partition=0)  # skipped, not counted
+        tps = [TopicPartition(topic, p) for p in range(3)]
+        dedupe, done = EventDeduplicator(), list[TopicPartition]()
+        learned = await learn_event_ids(settings, {tps[0]: 4, tps[1]: 1, tps[2]: 5}, dedupe, done.append)
+        assert learned == {tps[0]: 3, tps[1]: 1, tps[2]: 0}  # partition 2 ends before offset 5: nothing learned
+        assert sorted(done) == tps
+        seen = [op for op in ("a0", "a1", "a2", "b0", "b1", "c0") if not dedupe.first_time(f"output:{op}:out_0")]
+        assert seen == ["a0", "a1", "a2", "b0"]
+    finally:
+        await producer.stop()
+        await delete_topics(settings)
