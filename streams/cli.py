@@ -800,25 +800,15 @@ def purge(
             if ids_older_than is not None:
                 result["ids"] = await retention.forget_ids_preview(pool, ids_older_than)
             return result
-        batches: list[retention.PurgeCounts] = []
-
-        def told(counts: retention.PurgeCounts) -> None:
-            batches.append(counts)
-            if not as_json:
-                click.echo(f"batch {len(batches)}: {counts.operations} operations purged")
-
-        total = await retention.purge(pool, older_than, batch_size, on_batch=told)
-        result = {"dry_run": False, "batches": len(batches), **dataclasses.asdict(total)}
+        batches = _BatchLines(as_json, "operations purged")
+        total = await retention.purge(pool, older_than, batch_size, on_batch=lambda c: batches.told(c.operations))
+        result = {"dry_run": False, "batches": batches.count, **dataclasses.asdict(total)}
         if ids_older_than is not None:
-            id_batches: list[retention.ForgottenIds] = []
-
-            def told_ids(counts: retention.ForgottenIds) -> None:
-                id_batches.append(counts)
-                if not as_json:
-                    click.echo(f"batch {len(id_batches)}: {counts.ids} purged ids deleted")
-
-            ids = await retention.forget_ids(pool, ids_older_than, batch_size, on_batch=told_ids)
-            result["ids"] = {"batches": len(id_batches), **dataclasses.asdict(ids)}
+            id_batches = _BatchLines(as_json, "purged ids deleted")
+            ids = await retention.forget_ids(
+                pool, ids_older_than, batch_size, on_batch=lambda c: id_batches.told(c.ids)
+            )
+            result["ids"] = {"batches": id_batches.count, **dataclasses.asdict(ids)}
         return result
 
     result = asyncio.run(_with_pool(settings, run))
@@ -849,6 +839,18 @@ def purge(
             f"deleted {ids['ids']} purged ids with {ids['callback_deliveries']} callback deliveries in "
             f"{ids['batches']} batches"
         )
+
+
+class _BatchLines:
+    """Counts the batches of a batched command and prints ``batch N: <rows> <what>`` for each (not with --json)."""
+
+    def __init__(self, as_json: bool, what: str) -> None:
+        self.as_json, self.what, self.count = as_json, what, 0
+
+    def told(self, rows: int) -> None:
+        self.count += 1
+        if not self.as_json:
+            click.echo(f"batch {self.count}: {rows} {self.what}")
 
 
 def _refuse_replayable_ids(settings: Settings, horizon_s: float) -> None:

@@ -9,15 +9,15 @@ Queries of ``queries/retention.sql``; the tables and the grants of ``migrations/
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
 from streams.errors import OperatorActionRefusedError, UnknownOperationError
 from streams.ledger.pool import guard
-from streams.ledger.sql import RETENTION
+from streams.ledger.sql import RETENTION, Query
 from streams.model.states import OperationState, is_terminal
 
 
@@ -80,10 +80,7 @@ async def purge_preview(pool: asyncpg.Pool, older_than_s: float) -> dict[str, An
     Raises:
         LedgerUnavailableError: PostgreSQL did not answer.
     """
-    async with guard("preview a purge"):
-        row = await RETENTION.purge_preview.fetchrow(pool, older_than_s=older_than_s)
-    assert row is not None  # aggregates only: always one row
-    return dict(row)
+    return await _preview(pool, RETENTION.purge_preview, "preview a purge", older_than_s)
 
 
 async def purge(
@@ -109,21 +106,16 @@ async def purge(
         ValueError: ``batch_size`` < 1 or ``older_than_s`` <= 0.
         LedgerUnavailableError: PostgreSQL did not answer (the batches committed before stay deleted).
     """
-    if batch_size < 1 or older_than_s <= 0:
-        raise ValueError(f"purge needs a batch size >= 1 and a positive age, got {batch_size} and {older_than_s} s")
-    total, batches = PurgeCounts(), 0
-    while max_batches is None or batches < max_batches:
-        async with guard(f"purge a batch of {batch_size} operations"):
-            row = await RETENTION.purge_batch.fetchrow(pool, older_than_s=older_than_s, batch_size=batch_size)
-        assert row is not None
-        counts = PurgeCounts(row["operations"], row["transitions"], row["outputs"], row["outbox"])
-        batches += 1
-        if counts.operations == 0:
-            break
-        total += counts
-        if on_batch is not None:
-            on_batch(counts)
-    return total
+    return await _in_batches(
+        pool,
+        RETENTION.purge_batch,
+        "purge",
+        older_than_s,
+        batch_size,
+        lambda row: PurgeCounts(*(row.get(k, 0) for k in ("operations", "transitions", "outputs", "outbox"))),
+        on_batch,
+        max_batches,
+    )
 
 
 async def forget_ids_preview(pool: asyncpg.Pool, older_than_s: float) -> dict[str, Any]:
@@ -132,8 +124,13 @@ async def forget_ids_preview(pool: asyncpg.Pool, older_than_s: float) -> dict[st
     Raises:
         LedgerUnavailableError: PostgreSQL did not answer.
     """
-    async with guard("preview deleting purged ids"):
-        row = await RETENTION.forget_ids_preview.fetchrow(pool, older_than_s=older_than_s)
+    return await _preview(pool, RETENTION.forget_ids_preview, "preview deleting purged ids", older_than_s)
+
+
+async def _preview(pool: asyncpg.Pool, statement: Query, what: str, older_than_s: float) -> dict[str, Any]:
+    """The one row of aggregates ``statement`` (parameter ``older_than_s``) returns, as a dict."""
+    async with guard(what):
+        row = await statement.fetchrow(pool, older_than_s=older_than_s)
     assert row is not None  # aggregates only: always one row
     return dict(row)
 
@@ -156,21 +153,54 @@ async def forget_ids(
         ValueError: ``batch_size`` < 1 or ``older_than_s`` <= 0.
         LedgerUnavailableError: PostgreSQL did not answer (the batches committed before stay deleted).
     """
+    return await _in_batches(
+        pool,
+        RETENTION.forget_ids_batch,
+        "delete purged ids",
+        older_than_s,
+        batch_size,
+        lambda row: ForgottenIds(row.get("ids", 0), row.get("callback_deliveries", 0)),
+        on_batch,
+    )
+
+
+_Counts = TypeVar("_Counts", PurgeCounts, ForgottenIds)
+
+
+async def _in_batches(
+    pool: asyncpg.Pool,
+    statement: Query,
+    what: str,
+    older_than_s: float,
+    batch_size: int,
+    counts_of: Callable[[Mapping[str, int]], _Counts],
+    on_batch: Callable[[_Counts], None] | None,
+    max_batches: int | None = None,
+) -> _Counts:
+    """Run ``statement`` (parameters ``older_than_s``, ``batch_size``; one row of counts, read by ``counts_of``, which
+    reads a missing count as 0) until a batch changes nothing (its counts all zero) or ``max_batches`` ran; returns
+    the counts' sum, each batch's told to ``on_batch``.
+
+    Raises:
+        ValueError: ``batch_size`` < 1 or ``older_than_s`` <= 0.
+        LedgerUnavailableError: PostgreSQL did not answer (the batches committed before stay done).
+    """
     if batch_size < 1 or older_than_s <= 0:
-        raise ValueError(
-            f"deleting ids needs a batch size >= 1 and a positive age, got {batch_size} and {older_than_s} s"
-        )
-    total = ForgottenIds()
-    while True:
-        async with guard(f"delete a batch of {batch_size} purged ids"):
-            row = await RETENTION.forget_ids_batch.fetchrow(pool, older_than_s=older_than_s, batch_size=batch_size)
+        raise ValueError(f"{what} needs a batch size >= 1 and a positive age, got {batch_size} and {older_than_s} s")
+    nothing = total = counts_of({})
+    batches = 0
+    while max_batches is None or batches < max_batches:
+        async with guard(f"{what}: a batch of {batch_size}"):
+            row = await statement.fetchrow(pool, older_than_s=older_than_s, batch_size=batch_size)
         assert row is not None
-        counts = ForgottenIds(row["ids"], row["callback_deliveries"])
-        if counts.ids == 0:
-            return total
+        counts = counts_of(row)
+        batches += 1
+        if counts == nothing:
+            break
         total += counts
         if on_batch is not None:
             on_batch(counts)
+    return total
 
 
 async def forget(pool: asyncpg.Pool, operation_id: str, reason: str, actor: str) -> Erasure:
