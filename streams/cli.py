@@ -748,9 +748,9 @@ def forget(operation_id: str, reason: str, actor: str | None, as_json: bool) -> 
     "--ids-older-than",
     type=Duration(),
     default=None,
-    help="Also delete the kept row of each id purged longer ago than this, freeing the id: a replay of its "
-    "submission is then accepted as new. Refused (exit 3) unless the submissions and dead-letter topics keep their "
-    "records for less time.",
+    help="Then delete the kept row of each id purged (and last replayed) longer ago than this, freeing the id: a "
+    "submission with it is then accepted as new. Refused (exit 3, after the purge) unless the submissions and "
+    "dead-letter topics keep no record that long (retention.ms + segment.ms + 1 day).",
 )
 @click.option(
     "--skip-replay-check",
@@ -778,7 +778,8 @@ def purge(
     """Purge terminal operations (succeeded, failed, canceled, rejected) older than --older-than in their state, in
     batches of --batch-size, one transaction each: their transitions, outputs and outbox rows deleted, their request,
     source, last observation and reason text erased. Each operation's row of its id, state and times stays, so that a
-    replay of its submission is refused, never POSTed again, until --ids-older-than deletes it. The accounting
+    replay of its submission is refused, never POSTed again, until --ids-older-than deletes it (with its callback
+    deliveries and cancellation), after the purge and only when no replay can come any more. The accounting
     (remote_calls, remote_jobs, refunds) and the records of erasures and re-drives are kept; an operation whose outbox
     row is not yet published is kept until the relay publishes it.
 
@@ -791,54 +792,62 @@ def purge(
     if skip_replay_check and ids_older_than is None:
         raise click.UsageError("--skip-replay-check goes with --ids-older-than")
     settings = _settings()
-    if ids_older_than is not None and not skip_replay_check:
-        _refuse_replayable_ids(settings, ids_older_than)
 
     async def run(pool: asyncpg.Pool) -> dict[str, Any]:
         if dry_run:
-            result = {"dry_run": True, **await retention.purge_preview(pool, older_than)}
-            if ids_older_than is not None:
-                result["ids"] = await retention.forget_ids_preview(pool, ids_older_than)
-            return result
+            return {"dry_run": True, **await retention.purge_preview(pool, older_than)}
         batches = _BatchLines(as_json, "operations purged")
         total = await retention.purge(pool, older_than, batch_size, on_batch=lambda c: batches.told(c.operations))
-        result = {"dry_run": False, "batches": batches.count, **dataclasses.asdict(total)}
-        if ids_older_than is not None:
-            id_batches = _BatchLines(as_json, "purged ids deleted")
-            ids = await retention.forget_ids(
-                pool, ids_older_than, batch_size, on_batch=lambda c: id_batches.told(c.ids)
-            )
-            result["ids"] = {"batches": id_batches.count, **dataclasses.asdict(ids)}
-        return result
+        return {"dry_run": False, "batches": batches.count, **dataclasses.asdict(total)}
 
-    result = asyncio.run(_with_pool(settings, run))
-    if as_json:
-        _echo_json(result)
+    result = asyncio.run(_with_pool(settings, run))  # first, whatever the ids' check says: erasure never waits on it
+    if not as_json:
+        click.echo(_purge_line(result))
+    if ids_older_than is None:
+        if as_json:
+            _echo_json(result)
         return
-    ids = result.get("ids")
+    refusal = None if skip_replay_check else _replayable_ids(settings, ids_older_than)
+    if refusal is not None:
+        if as_json:
+            _echo_json(result)
+        raise CommandExit(refusal, EXIT_REFUSED)
+
+    async def run_ids(pool: asyncpg.Pool) -> dict[str, Any]:
+        if dry_run:
+            return await retention.forget_ids_preview(pool, ids_older_than)
+        batches = _BatchLines(as_json, "purged ids deleted")
+        ids = await retention.forget_ids(pool, ids_older_than, batch_size, on_batch=lambda c: batches.told(c.ids))
+        return {"batches": batches.count, **dataclasses.asdict(ids)}
+
+    ids = asyncio.run(_with_pool(settings, run_ids))
+    if as_json:
+        _echo_json({**result, "ids": ids})
+        return
+    deleted = (
+        f"{ids['ids']} purged ids with {ids['callback_deliveries']} callback deliveries and {ids['cancellations']}"
+    )
     if dry_run:
-        click.echo(
+        oldest = ids["oldest_age_s"]
+        since = f" (the oldest purged or replayed {operators_age(oldest)} ago)" if oldest is not None else ""
+        click.echo(f"would delete {deleted} cancellations{since}")
+    else:
+        click.echo(f"deleted {deleted} cancellations in {ids['batches']} batches")
+
+
+def _purge_line(result: dict[str, Any]) -> str:
+    """The summary line of ``streams purge`` (a dry run's or a purge's)."""
+    if result["dry_run"]:
+        return (
             f"would purge {result['operations']} operations with {result['transitions']} transitions, "
             f"{result['outputs']} outputs and {result['outbox']} outbox rows (oldest terminal for "
             f"{operators_age(result['oldest_age_s'])}); {result['held_by_outbox']} kept for their unpublished "
             "outbox rows"
         )
-        if ids is not None:
-            oldest = ids["oldest_purge_age_s"]
-            click.echo(
-                f"would delete {ids['ids']} purged ids with {ids['callback_deliveries']} callback deliveries"
-                + (f" (the oldest purged {operators_age(oldest)} ago)" if oldest is not None else "")
-            )
-        return
-    click.echo(
+    return (
         f"purged {result['operations']} operations (their ids kept) with {result['transitions']} transitions, "
         f"{result['outputs']} outputs and {result['outbox']} outbox rows in {result['batches']} batches"
     )
-    if ids is not None:
-        click.echo(
-            f"deleted {ids['ids']} purged ids with {ids['callback_deliveries']} callback deliveries in "
-            f"{ids['batches']} batches"
-        )
 
 
 class _BatchLines:
@@ -853,26 +862,29 @@ class _BatchLines:
             click.echo(f"batch {self.count}: {rows} {self.what}")
 
 
-def _refuse_replayable_ids(settings: Settings, horizon_s: float) -> None:
-    """End the command (EXIT_REFUSED) when a topic that can replay a submission keeps its records at least
-    ``horizon_s`` seconds (:func:`streams.setup.admin.replay_refusals`); a security setting Kafka refuses ends it
-    with EXIT_CONFIG, Kafka not answering with EXIT_UNAVAILABLE."""
+def _replayable_ids(settings: Settings, horizon_s: float) -> str | None:
+    """Why deleting the ids purged ``horizon_s`` seconds ago is refused: a topic that can replay a submission may
+    still hold a record that old (:func:`streams.setup.admin.replay_refusals`); None when none can. A security
+    setting Kafka refuses ends the command with EXIT_CONFIG, Kafka not answering with EXIT_UNAVAILABLE, another
+    error Kafka answers (an authorization refused) with exit 1 and its message."""
     from streams.setup.admin import replay_refusals, replay_windows
 
     try:
         windows = asyncio.run(replay_windows(settings))
     except ConfigError as exc:  # KafkaSecurityError: a wrong security setting
         raise CommandExit(str(exc), EXIT_CONFIG) from exc
+    except StreamsError as exc:  # KafkaAdminError
+        raise command_failed(exc, "streams purge --ids-older-than (reading the topics' retention)") from exc
     refusals = replay_refusals(windows, horizon_s, operators_age)
-    if refusals:
-        raise CommandExit(
-            f"purge --ids-older-than {operators_age(horizon_s)} refused, nothing purged: "
-            + "; ".join(refusals)
-            + ". A replay of a submission whose id is deleted is accepted as new and POSTed again. Give an "
-            "--ids-older-than longer than the topics' retention, shorten their retention.ms, or pass "
-            "--skip-replay-check if you know no record of those ids can come back",
-            EXIT_REFUSED,
-        )
+    if not refusals:
+        return None
+    return (
+        f"purge --ids-older-than {operators_age(horizon_s)} refused, no id deleted: "
+        + "; ".join(refusals)
+        + ". A submission whose id is deleted is accepted as a new operation and POSTed again. Give a longer "
+        "--ids-older-than, shorten the topics' retention.ms, or pass --skip-replay-check if you know no record of "
+        "those ids can come back"
+    )
 
 
 def operators_age(seconds: float | None) -> str:

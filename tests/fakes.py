@@ -161,6 +161,8 @@ class InMemoryLedger(WaitsOutOutages, AnnouncesTransitions):
     relay_probes: list[bool] = field(default_factory=list)
     remote_calls: list[RemoteCall] = field(default_factory=list)
     cancellations: dict[str, Cancellation] = field(default_factory=dict)
+    #: Operations whose erased request met a replay of their id (note_erased_replay), in order.
+    replayed: list[str] = field(default_factory=list)
     #: Callback deliveries recorded: webhook id -> operation id.
     callback_deliveries: dict[str, str] = field(default_factory=dict)
     #: Call ids of the accounting rows written (a repeat of one writes nothing).
@@ -301,6 +303,15 @@ class InMemoryLedger(WaitsOutOutages, AnnouncesTransitions):
             "last_observation": op.last_observation,
             "request": op.request,
         }
+
+    @waits_out_outages("note replay")
+    async def note_erased_replay(self, operation_id: str) -> bool:
+        self._call(f"note a replay of erased {operation_id}")
+        op = self.operations.get(operation_id)
+        if op is None or op.request != "null":
+            return False
+        self.replayed.append(operation_id)
+        return True
 
     @writes_transitions
     @waits_out_outages("claim submit")

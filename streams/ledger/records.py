@@ -138,12 +138,14 @@ class CallbackNote:
 @dataclass(frozen=True)
 class LookupClaim:
     """The reconciler's claim of one ``uncertain`` operation for a lookup: the fencing value its save must name,
-    how long the operation has been uncertain (s), and the lookups claimed so far (this one included)."""
+    how long the operation has been uncertain (s), the lookups claimed so far (this one included), and when the
+    operation was accepted (epoch ms, the database's clock; None: not known)."""
 
     operation_id: str
     fencing_token: int
     uncertain_for_s: float
     lookup_count: int
+    accepted_at_ms: int | None = None
 
 
 def sources_for(new: OperationState) -> list[str]:

@@ -9,7 +9,7 @@ Queries of ``queries/retention.sql``; the tables and the grants of ``migrations/
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,7 +17,7 @@ import asyncpg
 
 from streams.errors import OperatorActionRefusedError, UnknownOperationError
 from streams.ledger.pool import guard
-from streams.ledger.sql import RETENTION, Query
+from streams.ledger.sql import RETENTION
 from streams.model.states import OperationState, is_terminal
 
 
@@ -42,14 +42,19 @@ class PurgeCounts:
 
 @dataclass(frozen=True)
 class ForgottenIds:
-    """What deleting kept ids did: rows of purged operations deleted (their ids free again) and the callback
-    deliveries recorded for them since their purge."""
+    """What deleting kept ids did: rows of purged operations deleted (their ids free again), and the callback
+    deliveries recorded for them since their purge and their cancellations deleted with them."""
 
     ids: int = 0
     callback_deliveries: int = 0
+    cancellations: int = 0
 
     def __add__(self, other: ForgottenIds) -> ForgottenIds:
-        return ForgottenIds(self.ids + other.ids, self.callback_deliveries + other.callback_deliveries)
+        return ForgottenIds(
+            self.ids + other.ids,
+            self.callback_deliveries + other.callback_deliveries,
+            self.cancellations + other.cancellations,
+        )
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ async def purge_preview(pool: asyncpg.Pool, older_than_s: float) -> dict[str, An
     Raises:
         LedgerUnavailableError: PostgreSQL did not answer.
     """
-    return await _preview(pool, RETENTION.purge_preview, "preview a purge", older_than_s)
+    return await _preview("preview a purge", RETENTION.purge_preview.fetchrow(pool, older_than_s=older_than_s))
 
 
 async def purge(
@@ -106,12 +111,10 @@ async def purge(
         ValueError: ``batch_size`` < 1 or ``older_than_s`` <= 0.
         LedgerUnavailableError: PostgreSQL did not answer (the batches committed before stay deleted).
     """
+    _check_batches(older_than_s, batch_size)
     return await _in_batches(
-        pool,
-        RETENTION.purge_batch,
-        "purge",
-        older_than_s,
-        batch_size,
+        lambda: RETENTION.purge_batch.fetchrow(pool, older_than_s=older_than_s, batch_size=batch_size),
+        f"purge: a batch of {batch_size}",
         lambda row: PurgeCounts(*(row.get(k, 0) for k in ("operations", "transitions", "outputs", "outbox"))),
         on_batch,
         max_batches,
@@ -119,18 +122,21 @@ async def purge(
 
 
 async def forget_ids_preview(pool: asyncpg.Pool, older_than_s: float) -> dict[str, Any]:
-    """What :func:`forget_ids` would delete now: ``{ids, oldest_purge_age_s, callback_deliveries}``.
+    """What :func:`forget_ids` would delete now: ``{ids, oldest_age_s, callback_deliveries, cancellations}``
+    (``oldest_age_s``: since the oldest of them was purged or last replayed; None when none).
 
     Raises:
         LedgerUnavailableError: PostgreSQL did not answer.
     """
-    return await _preview(pool, RETENTION.forget_ids_preview, "preview deleting purged ids", older_than_s)
+    return await _preview(
+        "preview deleting purged ids", RETENTION.forget_ids_preview.fetchrow(pool, older_than_s=older_than_s)
+    )
 
 
-async def _preview(pool: asyncpg.Pool, statement: Query, what: str, older_than_s: float) -> dict[str, Any]:
-    """The one row of aggregates ``statement`` (parameter ``older_than_s``) returns, as a dict."""
+async def _preview(what: str, fetch: Awaitable[Any]) -> dict[str, Any]:
+    """The one row of aggregates ``fetch`` (a statement's ``fetchrow``) returns, as a dict."""
     async with guard(what):
-        row = await statement.fetchrow(pool, older_than_s=older_than_s)
+        row = await fetch
     assert row is not None  # aggregates only: always one row
     return dict(row)
 
@@ -142,24 +148,24 @@ async def forget_ids(
     *,
     on_batch: Callable[[ForgottenIds], None] | None = None,
 ) -> ForgottenIds:
-    """Delete the kept rows of the operations purged more than ``older_than_s`` seconds ago, with the callback
-    deliveries recorded for them since: their ids are free again, and a replay of one of their submissions is then
-    accepted as a new operation and POSTed. The caller makes sure none can come (``streams purge --ids-older-than``
-    compares the horizon with the submissions and dead-letter topics' retention). The accounting rows and the
-    records of erasures and re-drives stay. One transaction per batch of at most ``batch_size`` (>= 1) rows, oldest
-    purge first, until a batch finds none; ``on_batch`` is told each batch's counts.
+    """Delete the kept rows of the operations purged, and last replayed (a submission of an erased id that came and
+    was dead-lettered), more than ``older_than_s`` seconds ago, with the callback deliveries recorded for them since
+    and their cancellations: their ids are free again, and a submission with one of them is then accepted as a new
+    operation and POSTed. The caller makes sure no replay can come (``streams purge --ids-older-than`` compares the
+    horizon with the submissions and dead-letter topics' retention). Kept: a row with a job created after its decision
+    and never observed (the accounting's open question). The accounting rows and the records of erasures and
+    re-drives stay. One transaction per batch of at most ``batch_size`` (>= 1) rows, oldest first, until a batch finds
+    none; ``on_batch`` is told each batch's counts.
 
     Raises:
         ValueError: ``batch_size`` < 1 or ``older_than_s`` <= 0.
         LedgerUnavailableError: PostgreSQL did not answer (the batches committed before stay deleted).
     """
+    _check_batches(older_than_s, batch_size)
     return await _in_batches(
-        pool,
-        RETENTION.forget_ids_batch,
-        "delete purged ids",
-        older_than_s,
-        batch_size,
-        lambda row: ForgottenIds(row.get("ids", 0), row.get("callback_deliveries", 0)),
+        lambda: RETENTION.forget_ids_batch.fetchrow(pool, older_than_s=older_than_s, batch_size=batch_size),
+        f"delete purged ids: a batch of {batch_size}",
+        lambda row: ForgottenIds(*(row.get(k, 0) for k in ("ids", "callback_deliveries", "cancellations"))),
         on_batch,
     )
 
@@ -167,31 +173,28 @@ async def forget_ids(
 _Counts = TypeVar("_Counts", PurgeCounts, ForgottenIds)
 
 
+def _check_batches(older_than_s: float, batch_size: int) -> None:
+    """Raises ValueError unless ``batch_size`` >= 1 and ``older_than_s`` > 0."""
+    if batch_size < 1 or older_than_s <= 0:
+        raise ValueError(f"needs a batch size >= 1 and a positive age, got {batch_size} and {older_than_s} s")
+
+
 async def _in_batches(
-    pool: asyncpg.Pool,
-    statement: Query,
+    run_batch: Callable[[], Awaitable[Any]],
     what: str,
-    older_than_s: float,
-    batch_size: int,
     counts_of: Callable[[Mapping[str, int]], _Counts],
     on_batch: Callable[[_Counts], None] | None,
     max_batches: int | None = None,
 ) -> _Counts:
-    """Run ``statement`` (parameters ``older_than_s``, ``batch_size``; one row of counts, read by ``counts_of``, which
-    reads a missing count as 0) until a batch changes nothing (its counts all zero) or ``max_batches`` ran; returns
-    the counts' sum, each batch's told to ``on_batch``.
-
-    Raises:
-        ValueError: ``batch_size`` < 1 or ``older_than_s`` <= 0.
-        LedgerUnavailableError: PostgreSQL did not answer (the batches committed before stay done).
-    """
-    if batch_size < 1 or older_than_s <= 0:
-        raise ValueError(f"{what} needs a batch size >= 1 and a positive age, got {batch_size} and {older_than_s} s")
+    """Run ``run_batch`` (a statement's ``fetchrow``: one row of counts, read by ``counts_of``, which reads a missing
+    count as 0) until a batch changes nothing (its counts all zero) or ``max_batches`` ran; returns the counts' sum,
+    each batch's told to ``on_batch``. Raises LedgerUnavailableError when PostgreSQL did not answer (``what``: the
+    batch, for its message; the batches committed before stay done)."""
     nothing = total = counts_of({})
     batches = 0
     while max_batches is None or batches < max_batches:
-        async with guard(f"{what}: a batch of {batch_size}"):
-            row = await statement.fetchrow(pool, older_than_s=older_than_s, batch_size=batch_size)
+        async with guard(what):
+            row = await run_batch()
         assert row is not None
         counts = counts_of(row)
         batches += 1

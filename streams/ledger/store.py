@@ -436,6 +436,18 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
             row = await Q.get_operation.fetchrow(self.pool, operation_id=operation_id)
         return dict(row) if row is not None else None
 
+    @waits_out_outages("note replay")
+    async def note_erased_replay(self, operation_id: str) -> bool:
+        """Record that a submission with the id of an erased operation (forgotten or purged) came and was
+        dead-lettered (``replayed_at``): ``streams purge --ids-older-than`` counts its horizon from the last one.
+        False when the ledger holds no erased operation of that id.
+
+        Raises:
+            LedgerUnavailableError: PostgreSQL did not answer (nothing recorded).
+        """
+        async with guard(f"note a replay of erased {operation_id}"):
+            return await Q.note_erased_replay.fetchval(self.pool, operation_id=operation_id) is not None
+
     @waits_out_outages("claim observe")
     async def claim_for_observe(
         self, operation_id: str, poll_claim_id: int, claim_id: uuid.UUID | None = None
@@ -606,7 +618,10 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
                 worker=self.worker,
             )
         return [
-            LookupClaim(r["operation_id"], r["fencing_token"], r["uncertain_for_s"], r["lookup_count"]) for r in rows
+            LookupClaim(
+                r["operation_id"], r["fencing_token"], r["uncertain_for_s"], r["lookup_count"], r["accepted_at_ms"]
+            )
+            for r in rows
         ]
 
     @writes_transitions

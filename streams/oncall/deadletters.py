@@ -8,10 +8,11 @@ The dead-letter topic's records are the envelopes of ``schemas/generation.dead-l
 A re-drive publishes a submission again to the topic it came from, keyed by its operation id: the dead letter's
 original value, or a fixed value from a file. It is refused when the value is still invalid, when the original
 was cut (``original_truncated``) and no fixed value is given, when the dead letter did not come from the
-submissions topic (the other topics' events are the workers' own), and when the ledger holds the operation with
+submissions topic (the other topics' events are the workers' own), when the ledger holds the operation with
 another request (compared by canonical form, :func:`streams.wire.jsontext.canonical`, as the dispatcher compares
-replays). Each re-drive is recorded in the ledger (``dead_letter_redrives``: which record, where it went, the
-value's SHA-256, why, by whom).
+replays), and when it was dead-lettered as a duplicate of an operation whose id the ledger no longer holds (deleted
+by ``streams purge --ids-older-than``: it would run again as a new operation). Each re-drive is recorded in the
+ledger (``dead_letter_redrives``: which record, where it went, the value's SHA-256, why, by whom).
 
 Payloads (the original value, which holds a user's prompt) are never logged; :func:`show` returns the value only
 when asked.
@@ -352,6 +353,12 @@ def check_redrive(
                 f"the ledger holds operation {operation_id} with another request (canonical forms differ, or it "
                 "was erased): a different request needs a new operation id"
             )
+    elif letter.reason == "conflicting_duplicate" and operation_id == letter.operation_id():
+        return operation_id, (
+            f"it was refused as a duplicate of operation {operation_id}, which the ledger no longer holds (streams "
+            "purge --ids-older-than deleted its id): re-driving it would run its request again as a new operation; "
+            "give it a new operation id with --value-file if that is meant"
+        )
     return operation_id, None
 
 

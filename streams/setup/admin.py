@@ -536,7 +536,8 @@ RETENTION_MS = "retention.ms"
 async def set_dead_letter_retention(settings: Settings) -> int:
     """Set ``retention.ms`` of the dead-letter topic to :attr:`Settings.dead_letter_retention_ms` (the topic must
     exist: :func:`create_topics` first); returns the value set. Dead letters hold the original submissions, user
-    prompts included: they are kept that long and no longer (docs/operating-data.md "Retention and erasure").
+    prompts included: they are kept at least that long, and deleted with their segment (up to ``segment.ms``
+    later: docs/operating-data.md "Retention and erasure").
 
     Raises :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
     """
@@ -552,16 +553,24 @@ async def set_dead_letter_retention(settings: Settings) -> int:
 #: once they can hold no record of it (``streams purge --ids-older-than``).
 REPLAY_ROLES = ("submissions", "dead_letter")
 CLEANUP_POLICY = "cleanup.policy"
+SEGMENT_MS = "segment.ms"
+
+#: What a horizon must exceed beyond a topic's longest record life (``retention.ms`` + ``segment.ms``): the broker's
+#: retention check runs every ``log.retention.check.interval.ms`` (5 minutes by default), and a record's timestamp is
+#: its producer's clock (``CreateTime``), which may run ahead.
+REPLAY_MARGIN_S = 86_400.0
 
 
 @dataclass(frozen=True)
 class ReplayWindow:
-    """How long a topic of :data:`REPLAY_ROLES` keeps its records: ``retention_ms``, or None when it keeps them
-    without a time limit (``retention.ms`` -1, or a ``cleanup.policy`` without ``delete``: compaction keeps a key's
-    latest record for good) or does not exist (``exists`` False: the settings may name the wrong topics)."""
+    """How long a topic of :data:`REPLAY_ROLES` may keep a record: ``longest_ms``, its ``retention.ms`` plus its
+    ``segment.ms`` (Kafka deletes whole segments, once the newest record of one is older than ``retention.ms``: a
+    record can outlive it by a segment's span); None when it keeps records without a time limit (``retention.ms`` -1,
+    a ``cleanup.policy`` without ``delete``: compaction keeps a key's latest record for good, or a config the broker
+    did not report) or does not exist (``exists`` False: the settings may name the wrong topics)."""
 
     topic: str
-    retention_ms: int | None
+    longest_ms: int | None
     exists: bool = True
 
 
@@ -582,38 +591,43 @@ async def replay_windows(settings: Settings) -> list[ReplayWindow]:
             name = settings.topic(role)
             configs = None
             if name in existing:
-                configs = await admin.describe_topic_configs(name, [RETENTION_MS, CLEANUP_POLICY])
+                configs = await admin.describe_topic_configs(name, [RETENTION_MS, SEGMENT_MS, CLEANUP_POLICY])
             windows.append(replay_window(name, configs))
     return windows
 
 
 def replay_window(topic: str, configs: Mapping[str, str | None] | None) -> ReplayWindow:
     """The :class:`ReplayWindow` of ``topic`` from its configs as the broker describes them (None: no such topic).
-    A missing or unparsable ``retention.ms`` counts as no time limit."""
+    A config missing or not a number counts as no time limit."""
     if configs is None:
         return ReplayWindow(topic, None, exists=False)
     try:
-        retention_ms = int(configs.get(RETENTION_MS) or -1)
+        retention_ms, segment_ms = int(configs.get(RETENTION_MS) or -1), int(configs.get(SEGMENT_MS) or -1)
     except ValueError:
-        retention_ms = -1
-    deletes = "delete" in [p.strip() for p in (configs.get(CLEANUP_POLICY) or "delete").strip("[]").split(",")]
-    return ReplayWindow(topic, retention_ms if retention_ms >= 0 and deletes else None)
+        return ReplayWindow(topic, None)
+    policies = [p.strip() for p in (configs.get(CLEANUP_POLICY) or "").strip("[]").split(",")]
+    if retention_ms < 0 or segment_ms < 0 or "delete" not in policies:
+        return ReplayWindow(topic, None)
+    return ReplayWindow(topic, retention_ms + segment_ms)
 
 
 def replay_refusals(
     windows: list[ReplayWindow], horizon_s: float, age: Callable[[float], str] = lambda s: f"{s:g} s"
 ) -> list[str]:
-    """One phrase per window that may still hold a record older than ``horizon_s`` seconds (its retention is not
-    shorter, or it could not be read), saying why (durations written by ``age``, seconds -> text); empty when every
-    window is shorter than the horizon."""
+    """One phrase per window that may still hold a record older than ``horizon_s`` seconds (its longest record
+    life plus :data:`REPLAY_MARGIN_S` is not shorter, or it could not be read), saying why (durations written by
+    ``age``, seconds -> text); empty when every window is shorter than the horizon."""
     phrases = []
     for window in windows:
         if not window.exists:
             phrases.append(f"topic {window.topic} does not exist (check STREAMS_TOPIC_PREFIX)")
-        elif window.retention_ms is None:
+        elif window.longest_ms is None:
             phrases.append(f"{window.topic} keeps its records without a time limit")
-        elif window.retention_ms >= horizon_s * 1000:
-            phrases.append(f"{window.topic} keeps its records {age(window.retention_ms / 1000)} (retention.ms)")
+        elif window.longest_ms / 1000 + REPLAY_MARGIN_S >= horizon_s:
+            phrases.append(
+                f"{window.topic} may keep a record {age(window.longest_ms / 1000)} (retention.ms + segment.ms; "
+                f"a horizon must exceed it by {age(REPLAY_MARGIN_S)})"
+            )
     return phrases
 
 

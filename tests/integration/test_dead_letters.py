@@ -142,6 +142,49 @@ async def test_a_redrive_asking_for_another_request_than_the_ledger_holds_is_ref
     assert await pool.fetchval("SELECT count(*) FROM dead_letter_redrives") == 0
 
 
+async def test_a_replay_of_a_purged_id_is_noted_and_its_dead_letter_is_never_redriven_once_the_id_is_deleted(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings, tmp_path: Path, simulator: object
+) -> None:
+    """A replay that came after the purge left copies on the topics the purge's horizon did not count (it counted
+    from the purge): the replay is noted on the kept row, and its dead letter, once the id is deleted, would have
+    been re-driven as a new operation and POSTed again."""
+    op = f"rp-{uuid.uuid4().hex[:6]}"
+    d = Dispatcher(runtime)
+    await d.handle(RawMessage(settings.topic("submissions"), 0, 1, op.encode(), submission(op)))
+    await pool.execute(  # as streams purge leaves it (the state does not matter to a replay)
+        "UPDATE operations SET request = 'null'::json, purged_at = now() - interval '1 day' WHERE operation_id = $1", op
+    )
+    assert await pool.fetchval("SELECT replayed_at FROM operations WHERE operation_id = $1", op) is None
+    await d.handle(RawMessage(settings.topic("submissions"), 0, 2, op.encode(), submission(op)))
+    (letter,) = await listed(settings, op)
+    assert letter["reason"] == "conflicting_duplicate"
+    noted = await pool.fetchval(
+        "SELECT now() - replayed_at < interval '1 minute' FROM operations WHERE operation_id = $1", op
+    )
+    assert noted is True
+
+    await pool.execute("DELETE FROM transitions WHERE operation_id = $1", op)
+    await pool.execute("DELETE FROM outbox WHERE operation_id = $1", op)
+    await pool.execute("DELETE FROM operations WHERE operation_id = $1", op)  # as --ids-older-than does later
+    refused = await streams_cli(settings, "dead-letters", "redrive", "--operation-id", op, "--why", "w")
+    assert refused.exit_code == 3 and "no longer holds" in refused.stdout, refused.stdout
+    renamed = tmp_path / "renamed.json"
+    renamed.write_bytes(submission(f"{op}-new"))  # meant as a new operation: a new id
+    dry = await streams_cli(
+        settings,
+        "dead-letters",
+        "redrive",
+        "--operation-id",
+        op,
+        "--value-file",
+        str(renamed),
+        "--why",
+        "w",
+        "--dry-run",
+    )
+    assert dry.exit_code == 0 and "would be re-driven (dry run)" in dry.stdout, dry.stdout + dry.stderr
+
+
 async def test_redrive_needs_a_selection_and_list_is_bounded(settings: Settings, migrated: Settings) -> None:
     usage = await streams_cli(settings, "dead-letters", "redrive", "--why", "w")
     assert usage.exit_code == 2 and "select dead letters" in usage.stderr

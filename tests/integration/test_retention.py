@@ -16,7 +16,7 @@ from streams.errors import OperatorActionRefusedError
 from streams.ledger import retention
 from streams.ledger.pool import create_pool
 from streams.ledger.store import Ledger
-from streams.setup.admin import replay_windows
+from streams.setup.admin import REPLAY_MARGIN_S, replay_windows
 from tests.integration.operators_support import Seeded, backdate, seed_ledger, streams_cli
 
 pytestmark = pytest.mark.integration
@@ -116,12 +116,22 @@ async def test_purge_deletes_the_ids_purged_before_a_horizon_only_once_the_topic
     settings: Settings, pool: asyncpg.Pool, seeded: Seeded
 ) -> None:
     windows = await replay_windows(settings)
-    assert [w.exists for w in windows] == [True, True] and all(w.retention_ms for w in windows)
-    longest_s = max(w.retention_ms or 0 for w in windows) / 1000
-    old, recent, late = seeded.by_state["failed"][0], seeded.by_state["rejected"][0], seeded.by_state["succeeded"][0]
-    for op in (old, late):
-        await purged_ago(pool, op, f"{longest_s + 2 * 86400} seconds")
-    await purged_ago(pool, recent, "1 hour")
+    assert [w.exists for w in windows] == [True, True] and all(w.longest_ms for w in windows)
+    longest_s = max(w.longest_ms or 0 for w in windows) / 1000 + REPLAY_MARGIN_S
+    long_ago = f"{longest_s + 2 * 86400} seconds"
+    old, late, replayed = seeded.by_state["failed"][0], *seeded.by_state["succeeded"][:2]
+    revived = seeded.by_state["rejected"][0]
+    for op in (old, late, replayed, revived):
+        await purged_ago(pool, op, long_ago)
+    # a replay of its id came an hour ago and was dead-lettered: its copies on the topics keep the id taken
+    await pool.execute(
+        "UPDATE operations SET replayed_at = now() - interval '1 hour' WHERE operation_id = $1", replayed
+    )
+    # purged, then a late job adopted (rejected -> submitted): its trigger clears purged_at, the id is never deleted
+    await pool.execute(
+        "UPDATE operations SET state = 'submitted', remote_job_id = 'job_adopted_late' WHERE operation_id = $1", revived
+    )
+    assert await pool.fetchval("SELECT purged_at FROM operations WHERE operation_id = $1", revived) is None
     job = seeded.job_ids[late]  # a completion callback that came after the purge: its record goes with the id
     await pool.execute(
         "INSERT INTO callback_deliveries (webhook_id, remote_job_id, operation_id, poll_made_due, received_by) "
@@ -129,37 +139,78 @@ async def test_purge_deletes_the_ids_purged_before_a_horizon_only_once_the_topic
         job,
         late,
     )
+    await pool.execute(  # a cancellation would cancel a new operation of the freed id before its POST
+        "INSERT INTO cancellations (operation_id, path, actor, reason) VALUES ($1, 'operator', 'a', 'r')", old
+    )
     accounting = tuple((await pool.fetchrow(ACCOUNTING)).values())
+    terminal_old = seeded.by_state["succeeded"][2]  # purged by the same command, whatever the ids' check says
+    await published(pool, terminal_old)
+    await backdate(pool, terminal_old, "2 days")
     horizon = f"{int(longest_s) + 86400}s"
 
-    at_retention = await streams_cli(settings, "purge", "--older-than", "1d", "--ids-older-than", f"{int(longest_s)}s")
-    assert at_retention.exit_code == 3, at_retention.stderr
-    assert "refused, nothing purged" in at_retention.stderr and settings.topic("dead_letter") in at_retention.stderr
-    assert "--skip-replay-check" in at_retention.stderr
-    assert await pool.fetchval("SELECT count(*) FROM operations WHERE purged_at IS NOT NULL") == 3
+    at_margin = await streams_cli(settings, "purge", "--older-than", "1d", "--ids-older-than", f"{int(longest_s)}s")
+    assert at_margin.exit_code == 3, at_margin.stderr
+    assert "refused, no id deleted" in at_margin.stderr and settings.topic("dead_letter") in at_margin.stderr
+    assert "--skip-replay-check" in at_margin.stderr
+    assert at_margin.stdout.startswith("batch 1: 1 operations purged\npurged 1 operations")  # the purge ran first
+    assert await pool.fetchval("SELECT purged_at IS NOT NULL FROM operations WHERE operation_id = $1", terminal_old)
+    assert await pool.fetchval("SELECT count(*) FROM operations WHERE purged_at IS NOT NULL") == 4
 
     dry = await streams_cli(settings, "purge", "--older-than", "1d", "--ids-older-than", horizon, "--dry-run", "--json")
     assert dry.exit_code == 0, dry.stderr
     ids = dry.json()["ids"]
-    assert (ids["ids"], ids["callback_deliveries"]) == (2, 1) and ids["oldest_purge_age_s"] > longest_s + 86400
-    assert await pool.fetchval("SELECT count(*) FROM operations WHERE purged_at IS NOT NULL") == 3
+    assert (ids["ids"], ids["callback_deliveries"], ids["cancellations"]) == (2, 1, 1)
+    assert ids["oldest_age_s"] > longest_s + 86400
+    assert await pool.fetchval("SELECT count(*) FROM operations WHERE purged_at IS NOT NULL") == 4
 
     result = await streams_cli(
         settings, "purge", "--older-than", "1d", "--ids-older-than", horizon, "--batch-size", "1"
     )
     assert result.exit_code == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "deleted 2 purged ids with 1 callback deliveries in 2 batches"
-    assert await pool.fetchval("SELECT array_agg(operation_id) FROM operations WHERE purged_at IS NOT NULL") == [recent]
+    assert result.stdout.splitlines()[-1] == (
+        "deleted 2 purged ids with 1 callback deliveries and 1 cancellations in 2 batches"
+    )
+    kept = await pool.fetchval(
+        "SELECT array_agg(operation_id ORDER BY operation_id) FROM operations WHERE purged_at IS NOT NULL"
+    )
+    assert kept == sorted([replayed, terminal_old])
     assert await pool.fetchval("SELECT count(*) FROM operations WHERE operation_id = ANY($1::text[])", [old, late]) == 0
+    assert await pool.fetchval("SELECT count(*) FROM operations WHERE operation_id = $1", revived) == 1
     assert await pool.fetchval("SELECT count(*) FROM callback_deliveries") == 0
+    assert await pool.fetchval("SELECT count(*) FROM cancellations") == 0
     assert tuple((await pool.fetchrow(ACCOUNTING)).values()) == accounting  # the accounting stays whole
 
     unchecked = await streams_cli(
         settings, "purge", "--older-than", "1d", "--ids-older-than", "1m", "--skip-replay-check", "--json"
     )
     assert unchecked.exit_code == 0, unchecked.stderr
-    assert unchecked.json()["ids"] == {"batches": 1, "ids": 1, "callback_deliveries": 0}
-    assert await pool.fetchval("SELECT count(*) FROM operations WHERE purged_at IS NOT NULL") == 0
+    assert unchecked.json()["ids"] == {"batches": 1, "ids": 1, "callback_deliveries": 0, "cancellations": 0}
+    # the one purged by this test's first command, seconds ago, stays
+    assert await pool.fetchval("SELECT array_agg(operation_id) FROM operations WHERE purged_at IS NOT NULL") == [
+        terminal_old
+    ]
+
+    alone = await streams_cli(settings, "purge", "--older-than", "1d", "--skip-replay-check")
+    assert alone.exit_code == 2 and "--skip-replay-check goes with --ids-older-than" in alone.stderr
+
+
+async def test_an_unobserved_job_created_after_the_decision_keeps_its_id(
+    settings: Settings, pool: asyncpg.Pool, seeded: Seeded
+) -> None:
+    """A job the provider created after the operation was decided, never observed, is the accounting's open
+    question (streams accounting report, adopt): deleting the id would drop it from the report and leave nothing to
+    adopt it into."""
+    op = seeded.by_state["rejected"][0]
+    await purged_ago(pool, op, "1000 days")
+    await pool.execute(
+        "INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by) "
+        "VALUES ('job_late', $1, 'created_after_decision', 'w')",
+        op,
+    )
+    result = await streams_cli(settings, "purge", "--older-than", "1d", "--ids-older-than", "900d", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json()["ids"]["ids"] == 0
+    assert await pool.fetchval("SELECT count(*) FROM operations WHERE operation_id = $1", op) == 1
 
 
 async def test_the_ledger_refuses_to_delete_an_operation_that_is_not_terminal(

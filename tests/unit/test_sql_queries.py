@@ -102,6 +102,7 @@ EXPECTED = {
         "claim_due_polls",
         "next_due_in_s",
         "get_operation",
+        "note_erased_replay",
         "claim_for_observe",
         "reschedule_poll",
         "save_observation",

@@ -66,7 +66,8 @@ SELECT
         AS gets_per_completed_operation,
     (SELECT jsonb_build_object(
                 'jobs', count(*),
-                'unobserved', count(*) FILTER (WHERE o.remote_job_id IS DISTINCT FROM j.remote_job_id),
+                'unobserved', count(*) FILTER (WHERE o.operation_id IS NOT NULL
+                                                 AND o.remote_job_id IS DISTINCT FROM j.remote_job_id),
                 'first', COALESCE((
                     SELECT jsonb_agg(jsonb_build_object('operation_id', x.operation_id,
                                                         'remote_job_id', x.remote_job_id, 'state', x.state)
@@ -77,7 +78,8 @@ SELECT
                             AND lo.remote_job_id IS DISTINCT FROM lj.remote_job_id
                           ORDER BY lj.learned_at, lj.remote_job_id
                           LIMIT 20) AS x), '[]'::jsonb))
-     FROM jobs j JOIN operations o USING (operation_id)
+     -- an operation whose id streams purge --ids-older-than deleted had no unobserved late job: its jobs still count
+     FROM jobs j LEFT JOIN operations o USING (operation_id)
      WHERE j.learned_via = 'created_after_decision')
         AS created_after_decision;
 

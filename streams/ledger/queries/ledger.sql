@@ -290,6 +290,15 @@ SELECT operation_id, state::text AS state, remote_job_id, fencing_token, poll_cl
 FROM operations
 WHERE operation_id = :operation_id;
 
+-- name: note_erased_replay
+-- :operation_id. A submission with the id of an erased operation (request JSON null: forgotten or purged) came and
+-- was dead-lettered: record when (replayed_at, migration 0021), so that streams purge --ids-older-than keeps the id
+-- until the copies this replay left on the topics are gone. Returns 1 when recorded, no row when the operation is
+-- not erased (or not held).
+UPDATE operations SET replayed_at = now()
+WHERE operation_id = :operation_id AND request::text = 'null'
+RETURNING 1;
+
 -- name: claim_for_observe
 -- Batched: the observer's claim for one poll, taken after the Redis lease: a new fencing value and the caller's
 -- claim id. It clears hinted_at: the GET that follows comes after every callback recorded so far (callbacks.sql).

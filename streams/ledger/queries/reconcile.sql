@@ -10,7 +10,7 @@
 -- consistency lag: a job created by the POST is listed by then), or rescheduled to now. Each gets a new fencing
 -- value and next_lookup_at = now + :visibility_timeout_s.
 -- :batch_size, :lag_s lag (s), :visibility_timeout_s visibility timeout (s), :worker. Returns operation_id, fencing_token,
--- uncertain_for_s, lookup_count (this one included).
+-- uncertain_for_s, lookup_count (this one included), accepted_at_ms (epoch ms).
 UPDATE operations AS o
 SET fencing_token = o.fencing_token + 1,
     next_lookup_at = now() + make_interval(secs => :visibility_timeout_s),
@@ -22,7 +22,8 @@ FROM (SELECT operation_id FROM operations
       ORDER BY COALESCE(next_lookup_at, state_entered_at) LIMIT :batch_size FOR UPDATE SKIP LOCKED) AS due
 WHERE o.operation_id = due.operation_id
 RETURNING o.operation_id, o.fencing_token, o.lookup_count,
-          extract(epoch FROM now() - o.state_entered_at)::float8 AS uncertain_for_s;
+          extract(epoch FROM now() - o.state_entered_at)::float8 AS uncertain_for_s,
+          (extract(epoch FROM o.accepted_at) * 1000)::bigint AS accepted_at_ms;
 
 -- name: adopt_found_job
 -- Fenced: the lookup found jobs for this operation. The first by creation time is adopted (uncertain ->

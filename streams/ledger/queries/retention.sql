@@ -1,7 +1,7 @@
 -- Named queries of retention and erasure (loaded by streams.ledger.sql.Queries; called by streams.ledger.retention):
 -- `streams purge` erases terminal operations and deletes their rows in bounded batches, keeping each one's row of
 -- its id, state and times as the guard against a replay of the id (migration 0020) until `--ids-older-than` deletes
--- it (migration 0021), `streams operations forget`
+-- it (migrations 0021, 0022), `streams operations forget`
 -- erases one operation's request, source and outputs and records it (table erasures, migration 0009).
 -- Terminal: succeeded, failed, canceled, rejected (streams.model.states.is_terminal). The accounting rows
 -- (remote_calls, remote_jobs, refunds) are never deleted.
@@ -70,41 +70,53 @@ SELECT (SELECT count(*) FROM ops)::bigint AS operations,
        (SELECT count(*) FROM box)::bigint AS outbox;
 
 -- name: forget_ids_preview
--- What forget_ids_batch would delete now. :older_than_s (float8): purged longer ago than this. Returns ids (kept
--- rows deletable now), oldest_purge_age_s (seconds since the oldest of them was purged; NULL when none),
--- callback_deliveries (rows of a completion callback that came after the purge, deleted with them).
+-- What forget_ids_batch would delete now (the same rows). :older_than_s (float8): purged, and last replayed, longer
+-- ago than this. Returns ids (kept rows deletable now), oldest_age_s (seconds since the oldest of them was purged or
+-- last replayed; NULL when none), callback_deliveries, cancellations (rows deleted with them).
 WITH doomed AS (
-    SELECT o.operation_id, o.purged_at
+    SELECT o.operation_id, greatest(o.purged_at, o.replayed_at) AS kept_since
     FROM operations o
-    WHERE o.purged_at < now() - make_interval(secs => :older_than_s::float8)
+    WHERE o.purged_at IS NOT NULL
+      AND greatest(o.purged_at, o.replayed_at) < now() - make_interval(secs => :older_than_s::float8)
+      AND NOT EXISTS (SELECT 1 FROM remote_jobs j
+                      WHERE j.operation_id = o.operation_id AND j.learned_via = 'created_after_decision'
+                        AND j.remote_job_id IS DISTINCT FROM o.remote_job_id)
 )
 SELECT (SELECT count(*) FROM doomed)::bigint AS ids,
-       (SELECT extract(epoch FROM now() - min(purged_at))::float8 FROM doomed) AS oldest_purge_age_s,
-       (SELECT count(*) FROM callback_deliveries c JOIN doomed d USING (operation_id))::bigint AS callback_deliveries;
+       (SELECT extract(epoch FROM now() - min(kept_since))::float8 FROM doomed) AS oldest_age_s,
+       (SELECT count(*) FROM callback_deliveries c JOIN doomed d USING (operation_id))::bigint AS callback_deliveries,
+       (SELECT count(*) FROM cancellations c JOIN doomed d USING (operation_id))::bigint AS cancellations;
 
 -- name: forget_ids_batch
--- Delete at most :batch_size kept rows of operations purged longer ago than :older_than_s (float8 s), oldest purge
--- first, in one statement, with the callback deliveries recorded for them since the purge: the ids are free again,
--- so a replay of one of their submissions is accepted as a new operation (the caller checks that none can come:
--- streams purge --ids-older-than). A row that holds transitions, outputs or outbox rows (which a purge deleted) is
--- left alone, as are rows another transaction holds (SKIP LOCKED; a late job adopted changes the row's state and
--- its trigger clears purged_at). Returns ids, callback_deliveries (deleted).
+-- Delete at most :batch_size kept rows of operations purged, and last replayed (replayed_at, migration 0021), longer
+-- ago than :older_than_s (float8 s), oldest first, in one statement, with what else holds their ids: the callback
+-- deliveries recorded since the purge and a cancellation (which would cancel a new operation of the id before its
+-- POST). The ids are free again: a submission with one of them is accepted as a new operation (the caller checks that
+-- no replay can come: streams purge --ids-older-than). Kept: a row with a job created after its decision and never
+-- observed (an open question of the accounting: streams accounting report, adopt), and rows another transaction
+-- holds (SKIP LOCKED: a late job adopted changes the row's state, and its trigger clears purged_at).
+-- Returns ids, callback_deliveries, cancellations (deleted).
 WITH doomed AS (
     SELECT o.operation_id
     FROM operations o
-    WHERE o.purged_at < now() - make_interval(secs => :older_than_s::float8)
-      AND NOT EXISTS (SELECT 1 FROM transitions t WHERE t.operation_id = o.operation_id)
-      AND NOT EXISTS (SELECT 1 FROM outputs x WHERE x.operation_id = o.operation_id)
-      AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.operation_id = o.operation_id)
-    ORDER BY o.purged_at, o.operation_id
+    WHERE o.purged_at IS NOT NULL
+      AND greatest(o.purged_at, o.replayed_at) < now() - make_interval(secs => :older_than_s::float8)
+      AND NOT EXISTS (SELECT 1 FROM remote_jobs j
+                      WHERE j.operation_id = o.operation_id AND j.learned_via = 'created_after_decision'
+                        AND j.remote_job_id IS DISTINCT FROM o.remote_job_id)
+    ORDER BY greatest(o.purged_at, o.replayed_at), o.operation_id
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ), hints AS (
     DELETE FROM callback_deliveries c USING doomed d WHERE c.operation_id = d.operation_id RETURNING 1
+), cancels AS (
+    DELETE FROM cancellations c USING doomed d WHERE c.operation_id = d.operation_id RETURNING 1
 ), ids AS (
     DELETE FROM operations o USING doomed d WHERE o.operation_id = d.operation_id RETURNING 1
 )
-SELECT (SELECT count(*) FROM ids)::bigint AS ids, (SELECT count(*) FROM hints)::bigint AS callback_deliveries;
+SELECT (SELECT count(*) FROM ids)::bigint AS ids,
+       (SELECT count(*) FROM hints)::bigint AS callback_deliveries,
+       (SELECT count(*) FROM cancels)::bigint AS cancellations;
 
 -- name: lock_for_erasure
 -- :operation_id. One row or none, the operation locked (FOR UPDATE) for the rest of the transaction: state,

@@ -24,7 +24,9 @@ A lookup is a GET of the provider account: it waits for a slot of the account's 
 lookup,
 tried again later.
 
-The client reference is not an idempotency key: nothing here assumes the provider created at most one job.
+The client reference is not an idempotency key: nothing here assumes the provider created at most one job. Jobs
+created well before the operation was accepted are left out: they belong to a former operation of the same id
+(``streams purge --ids-older-than`` frees ids), never to this one, whose POST came after its acceptance.
 """
 
 from __future__ import annotations
@@ -46,10 +48,16 @@ from streams.errors import (
     RemoteRefusedError,
 )
 from streams.ledger.records import LookupClaim, RemoteCall
+from streams.model.answers import LookupJob
 from streams.model.codes import RemoteCallOutcome
 from streams.worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+#: How much earlier than the operation's acceptance (the database's clock) a job found by lookup may say it was
+#: created (the provider's clock) and still be taken for this operation's: clocks disagree by seconds, a former
+#: operation of the same id was purged and its id freed months before.
+FORMER_JOB_MARGIN_S = 86_400.0
 
 
 class Reconciler:
@@ -105,6 +113,7 @@ class Reconciler:
             await rt.ledger.reschedule_lookup(claim, delay)
             return
         duration_ms = (time.perf_counter() - started) * 1000.0
+        found = _not_former(claim, found)
         outcome = RemoteCallOutcome.lookup_found(len(found))
         await rt.account(RemoteCall(op, "GET", 200, outcome, None, duration_ms, claim.fencing_token))
         if not found:
@@ -145,3 +154,21 @@ class Reconciler:
         return next_poll_delay_s(
             claim.lookup_count - 1, None, base_s=s.poll_backoff_base_s, cap_s=s.poll_backoff_cap_s, min_s=1.0
         )
+
+
+def _not_former(claim: LookupClaim, found: list[LookupJob]) -> list[LookupJob]:
+    """``found`` without the jobs created more than :data:`FORMER_JOB_MARGIN_S` before the claimed operation was
+    accepted: jobs of a former operation of the same id (``streams purge --ids-older-than`` freed it), which carry
+    the same client reference; never this operation's, whose POST came after its acceptance. Each one left out is
+    logged (a job without a creation time is kept)."""
+    if claim.accepted_at_ms is None:
+        return found
+    before_ms = claim.accepted_at_ms - FORMER_JOB_MARGIN_S * 1000
+    former = [j for j in found if j.created_at_ms is not None and j.created_at_ms < before_ms]
+    if former:
+        log.warning(
+            "lookup: %d job(s) created before this operation was accepted left out (a former operation of its id): %s",
+            len(former),
+            ", ".join(j.job_id for j in former[:10]),
+        )
+    return [j for j in found if j not in former]

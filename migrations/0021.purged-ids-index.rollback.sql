@@ -1,3 +1,0 @@
--- transactional: false
-
-DROP INDEX CONCURRENTLY IF EXISTS operations_purged;
