@@ -704,6 +704,9 @@ def cancel(operation_id: str, reason: str, actor: str | None, as_json: bool) -> 
     from streams.ledger.store import Ledger
     from streams.worker.stages.canceller import describe
 
+    if not reason.strip():  # as the topic's schema and the ledger require (pattern \S, a CHECK)
+        raise CommandExit(f"cancel operation {operation_id!r} refused: a reason is required", EXIT_REFUSED)
+
     async def run(pool: asyncpg.Pool) -> tuple[Any, str]:
         who = await _actor(pool, actor)
         return await Ledger(pool, who).request_cancel(operation_id, CancelPath.OPERATOR, who, reason), who
@@ -788,9 +791,16 @@ def purge(
     streams purge --older-than 30d --ids-older-than 400d
     """
     from streams.ledger import retention
+    from streams.ledger.records import FORMER_JOB_MARGIN_S
 
     if skip_replay_check and ids_older_than is None:
         raise click.UsageError("--skip-replay-check goes with --ids-older-than")
+    if ids_older_than is not None and ids_older_than < FORMER_JOB_MARGIN_S:
+        raise click.BadParameter(
+            f"at least {operators_age(FORMER_JOB_MARGIN_S)}: a freed id's former jobs are told from a new operation's "
+            "by their creation times, a day apart at least (and no replay may come any more)",
+            param_hint="--ids-older-than",
+        )
     settings = _settings()
 
     async def run(pool: asyncpg.Pool) -> dict[str, Any]:

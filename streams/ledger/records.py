@@ -135,17 +135,26 @@ class CallbackNote:
     hinted: bool = False
 
 
+#: How much earlier than an operation's acceptance (the database's clock) a job found by lookup may say it was
+#: created (the provider's clock) and still be taken for that operation's: clocks disagree by seconds, while a former
+#: operation of the same id was purged and its id freed at least this long before (``streams purge
+#: --ids-older-than`` refuses a shorter horizon).
+FORMER_JOB_MARGIN_S = 86_400.0
+
+
 @dataclass(frozen=True)
 class LookupClaim:
     """The reconciler's claim of one ``uncertain`` operation for a lookup: the fencing value its save must name,
-    how long the operation has been uncertain (s), the lookups claimed so far (this one included), and when the
-    operation was accepted (epoch ms, the database's clock; None: not known)."""
+    how long the operation has been uncertain (s), the lookups claimed so far (this one included), when the
+    operation was accepted (epoch ms, the database's clock; None: not known), and the jobs the accounting learned
+    for its id before that (a former operation's of the same id)."""
 
     operation_id: str
     fencing_token: int
     uncertain_for_s: float
     lookup_count: int
     accepted_at_ms: int | None = None
+    former_job_ids: frozenset[str] = frozenset()
 
 
 def sources_for(new: OperationState) -> list[str]:

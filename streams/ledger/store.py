@@ -619,7 +619,12 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
             )
         return [
             LookupClaim(
-                r["operation_id"], r["fencing_token"], r["uncertain_for_s"], r["lookup_count"], r["accepted_at_ms"]
+                r["operation_id"],
+                r["fencing_token"],
+                r["uncertain_for_s"],
+                r["lookup_count"],
+                r["accepted_at_ms"],
+                frozenset(r["former_job_ids"]),
             )
             for r in rows
         ]

@@ -18,6 +18,10 @@ from streams.model.states import OperationState
 #: Job ids this client accepts: they go into a URL path and the ledger (at most 256 characters).
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,255}")
 
+#: Operation ids, as the submissions topic's schema takes them (``schemas/generation.submissions.json``, its
+#: ``operation_id`` pattern; fullmatch): no other id can be in the ledger.
+OPERATION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
 
 #: The longest text member of a failed job's error kept in the operation's reason: a code or a type, not a sentence.
 MAX_CODE_CHARS = 64

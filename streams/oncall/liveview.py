@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from streams.config import Settings
 from streams.errors import LedgerUnavailableError
+from streams.model.answers import OPERATION_ID
 from streams.oncall import operations as operators
 from streams.oncall.operations import format_age, format_time
 from streams.oncall.snapshot import Snapshot
@@ -437,6 +438,9 @@ def register_pages(app: Any, runtime: RuntimeFn, snapshot: SnapshotFn, settings:
         return web.html(render_overview(data, worker, counters, dead_letters, stale=stale))
 
     async def operation_page(web: Any, request: Any, operation_id: str) -> Any:
+        if OPERATION_ID.fullmatch(operation_id) is None:  # no such id is in the ledger (nor may a NUL reach it)
+            message = "not an operation id: letters, digits and . _ : - (at most 128), starting with a letter or digit"
+            return web.html(_error_page("no such operation", message), status=404)
         rt = await runtime()
         try:
             found = await operators.operation_detail(rt.ledger_pool(), rt.leases.client, rt.settings, operation_id)

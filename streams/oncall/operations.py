@@ -58,7 +58,7 @@ CONTENTION_METRICS = (
 )
 DEAD_LETTER_METRICS = ("streams_dead_letters_total",)
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")  # ASCII digits: int() would take any script's
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -69,11 +69,15 @@ MAX_DURATION_S = 100 * 365 * 86400.0
 
 def parse_duration(text: str) -> float:
     """Seconds in a duration such as ``30s``, ``5m``, ``2h``, ``1d``, ``1.5h`` or ``1h30m`` (units s, m, h, d,
-    largest first, each at most once).
+    largest first, each at most once; ``S``, ``H``, ``D`` too, never ``M``, which could mean months; ASCII digits).
 
     Raises:
         ValueError: the text is not such a duration, it is zero, or it is longer than :data:`MAX_DURATION_S`.
     """
+    if "M" in text:
+        raise ValueError(
+            f"{text!r} is not a duration: M could mean months or minutes; write m for minutes, days for months (180d)"
+        )
     raw = text.strip().lower()
     pos, total, units = 0, 0.0, []
     for match in _DURATION.finditer(raw):

@@ -121,7 +121,8 @@ def migrate(database_url: str) -> list[str]:
                 database_url,
                 "apply the migrations",
                 exc,
-                "the ones applied before stay, none half applied (each is one transaction)",
+                "the ones applied before stay; each is one transaction, but one that builds indexes CONCURRENTLY may "
+                "have built some of them and is run whole again by the next streams migrate",
             ) from exc
     return [m.id for m in pending]
 

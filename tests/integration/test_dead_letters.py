@@ -150,9 +150,11 @@ async def test_a_replay_of_a_purged_id_is_noted_and_its_dead_letter_is_never_red
     been re-driven as a new operation and POSTed again."""
     op = f"rp-{uuid.uuid4().hex[:6]}"
     d = Dispatcher(runtime)
-    await d.handle(RawMessage(settings.topic("submissions"), 0, 1, op.encode(), submission(op)))
-    await pool.execute(  # as streams purge leaves it (the state does not matter to a replay)
-        "UPDATE operations SET request = 'null'::json, purged_at = now() - interval '1 day' WHERE operation_id = $1", op
+    assert await runtime.ledger.accept(op, REQUEST, submitted_at_ms=1)
+    await pool.execute(  # canceled before its POST, then purged: as streams purge leaves it
+        "UPDATE operations SET state = 'canceled', request = 'null'::json, purged_at = now() - interval '1 day' "
+        "WHERE operation_id = $1",
+        op,
     )
     assert await pool.fetchval("SELECT replayed_at FROM operations WHERE operation_id = $1", op) is None
     await d.handle(RawMessage(settings.topic("submissions"), 0, 2, op.encode(), submission(op)))
@@ -163,9 +165,8 @@ async def test_a_replay_of_a_purged_id_is_noted_and_its_dead_letter_is_never_red
     )
     assert noted is True
 
-    await pool.execute("DELETE FROM transitions WHERE operation_id = $1", op)
-    await pool.execute("DELETE FROM outbox WHERE operation_id = $1", op)
-    await pool.execute("DELETE FROM operations WHERE operation_id = $1", op)  # as --ids-older-than does later
+    for table in ("outbox", "transitions", "operations"):  # as streams purge, then --ids-older-than, do later
+        await pool.execute(f"DELETE FROM {table} WHERE operation_id = $1", op)
     refused = await streams_cli(settings, "dead-letters", "redrive", "--operation-id", op, "--why", "w")
     assert refused.exit_code == 3 and "no longer holds" in refused.stdout, refused.stdout
     renamed = tmp_path / "renamed.json"

@@ -5,6 +5,7 @@ accounting row compared. A rule changed in the SQL and not in the fake (or the o
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -93,7 +94,12 @@ class ScriptedProvider:
             queue: list[Any] = self.posts[orjson.loads(request.content)["metadata"]["client_reference"]]
         elif "client_reference" in request.url.params:
             ids = LOOKUPS[request.url.params["client_reference"]]
-            return httpx.Response(200, json={"data": [{"id": j, "status": "running", "created_at": 1} for j in ids]})
+            now_s = int(
+                time.time()
+            )  # a job created now: a job created before its operation was accepted is a former one's
+            return httpx.Response(
+                200, json={"data": [{"id": j, "status": "running", "created_at": now_s} for j in ids]}
+            )
         else:
             job_id = request.url.path.rsplit("/", 1)[1]
             if self.during_get is not None:

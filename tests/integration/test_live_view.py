@@ -214,6 +214,10 @@ async def test_live_view_in_chromium(
             async with httpx.AsyncClient(timeout=10) as c:
                 as_json = (await c.get(worker.url + "/?format=json", headers=AUTH)).json()
                 detail_json = (await c.get(f"{worker.url}/operations/{old}?format=json", headers=AUTH)).json()
+                # not an operation id (a NUL reached PostgreSQL and answered 500), and an id nobody submitted
+                for path, status in (("%00", 404), ("a%00b", 404), ("%20x", 404), ("no-such-op", 404)):
+                    answer = await c.get(f"{worker.url}/operations/{path}", headers=AUTH)
+                    assert answer.status_code == status, (path, answer.status_code)
             assert {s: n for s, n in as_json["states"].items() if n} == counts
             assert as_json["outbox"]["unpublished"] == backlog and as_json["throughput"]["finished"] == finished
             assert as_json["dead_letter_topic"]["retained"] == retained and as_json["worker"]

@@ -11,7 +11,7 @@ from pydantic import SecretStr
 from yoyo import get_backend
 
 from streams.config import Settings
-from streams.ledger.sql import LEDGER
+from streams.ledger.sql import LEDGER, RETENTION
 from streams.model.codes import ReasonCode, RemoteCallOutcome
 from streams.model.states import OperationState, can_transition
 from streams.setup.admin import sql_migrations, yoyo_url
@@ -282,6 +282,44 @@ async def test_accepted_index_replaces_the_state_index_and_rolls_back(migrated: 
                 backend.rollback_migrations(backend.to_rollback(migrations.filter(lambda m: m.id.startswith("0005."))))
             rolled_back = await conn.fetchval(indexes)
             assert "operations_state" in rolled_back and "operations_accepted" not in rolled_back
+        finally:
+            await conn.close()
+    finally:
+        await drop_run_database(base_url, run_url)
+
+
+async def test_purged_ids_indexes_are_built_anew_over_a_failed_builds_leftover_and_used(migrated: Settings) -> None:
+    """0022 builds its indexes CONCURRENTLY, outside a transaction: a build that failed leaves an index of the same
+    name (invalid) and the migration unrecorded, so the next run must build it anew rather than skip it."""
+    base_url = migrated.database_url.get_secret_value()
+    run_url = await create_run_database(base_url, f"mig{uuid.uuid4().hex[:8]}")
+    indexes = (
+        "SELECT array_agg(i.indexrelid::regclass::text ORDER BY 1) FROM pg_index i "
+        "WHERE i.indrelid = ANY('{operations,outbox}'::regclass[]) AND i.indisvalid"
+    )
+    try:
+        backend = get_backend(yoyo_url(run_url))
+        migrations = sql_migrations(MIGRATIONS)
+        ours = migrations.filter(lambda m: m.id.startswith("0022."))
+        with backend.lock():
+            backend.apply_migrations(backend.to_apply(migrations))
+        conn = await asyncpg.connect(run_url)
+        try:
+            applied = await conn.fetchval(indexes)
+            assert {"operations_purged", "outbox_operation_output"} <= set(applied)
+            assert "outbox_one_row_per_output" not in applied
+            with backend.lock():
+                backend.rollback_migrations(backend.to_rollback(ours))
+            assert "outbox_one_row_per_output" in await conn.fetchval(indexes)
+            # what a failed run leaves: an index of the name (here a wrong one), the migration not recorded
+            await conn.execute("CREATE INDEX operations_purged ON operations (updated_at)")
+            with backend.lock():
+                backend.apply_migrations(backend.to_apply(migrations))
+            definition = await conn.fetchval("SELECT pg_get_indexdef('operations_purged'::regclass)")
+            assert "GREATEST(purged_at, replayed_at)" in definition and "WHERE (purged_at IS NOT NULL)" in definition
+            await conn.execute("SET enable_seqscan = off")
+            plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + RETENTION.forget_ids_batch.sql, 86400.0, 10)
+            assert "operations_purged" in str(plan)
         finally:
             await conn.close()
     finally:

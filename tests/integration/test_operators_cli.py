@@ -200,3 +200,15 @@ async def test_help(cli_settings: Settings, args: list[str], expected: list[str]
     assert result.exit_code == 0
     for text in expected:
         assert text in result.stdout
+
+
+async def test_a_blank_reason_is_refused_by_every_decision_without_a_traceback(
+    cli_settings: Settings, pool: asyncpg.Pool, seeded: Seeded
+) -> None:
+    """``cancel --reason "   "`` reached the ledger's CHECK and ended in a traceback (exit 1)."""
+    op = seeded.by_state["accepted"][0]
+    for command in ("cancel", "abandon", "fail", "repoll", "forget"):
+        result = await streams_cli(cli_settings, "operations", command, op, "--reason", "   ")
+        assert result.exit_code == 3, (command, result.stderr)
+        assert "Traceback" not in result.stderr and "reason" in result.stderr, (command, result.stderr)
+    assert await pool.fetchval("SELECT count(*) FROM cancellations") == 0

@@ -15,9 +15,11 @@ from streams.config import Settings
 from streams.errors import OperatorActionRefusedError
 from streams.ledger import retention
 from streams.ledger.pool import create_pool
+from streams.ledger.records import RemoteCall
 from streams.ledger.store import Ledger
+from streams.model.codes import RemoteCallOutcome
 from streams.setup.admin import REPLAY_MARGIN_S, replay_windows
-from tests.integration.operators_support import Seeded, backdate, seed_ledger, streams_cli
+from tests.integration.operators_support import REQUEST, SUBMITTED_AT_MS, Seeded, backdate, seed_ledger, streams_cli
 
 pytestmark = pytest.mark.integration
 
@@ -129,6 +131,11 @@ async def test_purge_deletes_the_ids_purged_before_a_horizon_only_once_the_topic
     )
     # purged, then a late job adopted (rejected -> submitted): its trigger clears purged_at, the id is never deleted
     await pool.execute(
+        "INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by) "
+        "VALUES ('job_adopted_late', $1, 'created_after_decision', 'w')",
+        revived,
+    )
+    await pool.execute(
         "UPDATE operations SET state = 'submitted', remote_job_id = 'job_adopted_late' WHERE operation_id = $1", revived
     )
     assert await pool.fetchval("SELECT purged_at FROM operations WHERE operation_id = $1", revived) is None
@@ -180,8 +187,20 @@ async def test_purge_deletes_the_ids_purged_before_a_horizon_only_once_the_topic
     assert await pool.fetchval("SELECT count(*) FROM cancellations") == 0
     assert tuple((await pool.fetchrow(ACCOUNTING)).values()) == accounting  # the accounting stays whole
 
+    # the freed id taken by a new operation: the accounting counts its own calls, not its former operation's
+    ledger = Ledger(pool, "new-worker")
+    assert await ledger.accept(old, REQUEST, submitted_at_ms=SUBMITTED_AT_MS)
+    await ledger.record_remote_call(RemoteCall(old, "POST", 201, RemoteCallOutcome.CREATED, "job_new", 5.0, 1))
+    assert (await ledger.accounting_summary(old))["posts_per_operation"] == {"operations": 1, "mean": 1.0, "max": 1}
+    await pool.execute(
+        "UPDATE operations SET replayed_at = now() - interval '2 days' WHERE operation_id = $1", replayed
+    )
+    too_short = await streams_cli(
+        settings, "purge", "--older-than", "1d", "--ids-older-than", "23h", "--skip-replay-check"
+    )
+    assert too_short.exit_code == 2 and "at least 1d00h" in too_short.stderr, too_short.stderr
     unchecked = await streams_cli(
-        settings, "purge", "--older-than", "1d", "--ids-older-than", "1m", "--skip-replay-check", "--json"
+        settings, "purge", "--older-than", "1d", "--ids-older-than", "1d", "--skip-replay-check", "--json"
     )
     assert unchecked.exit_code == 0, unchecked.stderr
     assert unchecked.json()["ids"] == {"batches": 1, "ids": 1, "callback_deliveries": 0, "cancellations": 0}

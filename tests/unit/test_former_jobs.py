@@ -3,16 +3,16 @@
 
 from __future__ import annotations
 
-from streams.ledger.records import LookupClaim
+from streams.ledger.records import FORMER_JOB_MARGIN_S, LookupClaim
 from streams.model.answers import LookupJob
-from streams.worker.stages.reconciler import FORMER_JOB_MARGIN_S, _not_former
+from streams.worker.stages.reconciler import _not_former
 
 ACCEPTED_MS = 1_800_000_000_000
 MARGIN_MS = int(FORMER_JOB_MARGIN_S * 1000)
 
 
-def claim(accepted_at_ms: int | None = ACCEPTED_MS) -> LookupClaim:
-    return LookupClaim("op-1", 3, 40.0, 1, accepted_at_ms)
+def claim(accepted_at_ms: int | None = ACCEPTED_MS, former: frozenset[str] = frozenset()) -> LookupClaim:
+    return LookupClaim("op-1", 3, 40.0, 1, accepted_at_ms, former)
 
 
 def test_jobs_created_before_the_acceptance_by_more_than_the_margin_are_left_out() -> None:
@@ -27,3 +27,12 @@ def test_jobs_created_before_the_acceptance_by_more_than_the_margin_are_left_out
 def test_an_unknown_acceptance_leaves_every_job() -> None:
     jobs = [LookupJob("job_old", "succeeded", 1), LookupJob("job_own", "queued", ACCEPTED_MS)]
     assert _not_former(claim(None), jobs) == jobs
+
+
+def test_the_jobs_the_accounting_learned_before_the_acceptance_are_left_out_however_recent() -> None:
+    """A former operation of the id, freed with a short horizon (--skip-replay-check): its job was created minutes
+    before this operation, within the margin, but the accounting learned it before this operation was accepted."""
+    former = LookupJob("job_former", "succeeded", ACCEPTED_MS - 60_000)
+    own = LookupJob("job_own", "queued", ACCEPTED_MS + 150)
+    assert _not_former(claim(former=frozenset({"job_former"})), [former, own]) == [own]
+    assert _not_former(claim(None, frozenset({"job_former"})), [former, own]) == [own]

@@ -32,7 +32,11 @@ def test_durations(text: str, seconds: float) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "30", "s", "5 m", "5min", "1m1h", "1h1h", "-5m", "5m!", "0s", "1e3s", "36501d", "99999999999999999999d"],
+    [
+        *("", "30", "s", "5 m", "5min", "1m1h", "1h1h", "-5m", "5m!", "0s", "1e3s", "36501d", "99999999999999999999d"),
+        *("6M", "1d6M"),  # months or minutes?
+        *("\u0661\u0662s", "\uff11s", "1\u0660m"),  # digits of other scripts
+    ],
 )
 def test_not_durations(text: str) -> None:
     """Past 100 years the window's start falls before PostgreSQL's earliest timestamp: a traceback, not an answer."""

@@ -8,18 +8,19 @@
 --   charges [{currency, amount, jobs}], refunds_settled [{currency, amount, refunds}],
 --   refunds_pending n (jobs that failed or were canceled with a charge and no refund recorded),
 --   needs_decision {state: {operations, oldest_age_s}} for uncertain and stalled,
---   posts_per_operation {operations, mean, max}, gets_per_completed_operation {operations, mean, max},
+--   posts_per_operation {operations, mean, max}, gets_per_completed_operation {operations, mean, max} (the calls of
+--   each operation the ledger holds since it was accepted: streams purge --ids-older-than frees ids for reuse),
 --   created_after_decision {jobs n, unobserved n, first [{operation_id, remote_job_id, state}] (the unobserved,
 --   oldest first, at most 20)}: jobs a POST answer reported after an operator decided the operation.
 WITH jobs AS (
     SELECT * FROM remote_jobs WHERE operation_id LIKE :operation_pattern
-), calls AS (
-    SELECT operation_id,
-           count(*) FILTER (WHERE method = 'POST') AS posts,
-           count(*) FILTER (WHERE method = 'GET') AS gets
-    FROM remote_calls
-    WHERE operation_id LIKE :operation_pattern
-    GROUP BY operation_id
+), calls AS (  -- of each operation the ledger holds, since it was accepted: not those of a former operation of its id
+    SELECT c.operation_id,
+           count(*) FILTER (WHERE c.method = 'POST') AS posts,
+           count(*) FILTER (WHERE c.method = 'GET') AS gets
+    FROM remote_calls c JOIN operations o USING (operation_id)
+    WHERE c.operation_id LIKE :operation_pattern AND c.at >= o.accepted_at
+    GROUP BY c.operation_id
 ), completed AS (
     SELECT o.operation_id, COALESCE(c.gets, 0) AS gets
     FROM operations o LEFT JOIN calls c USING (operation_id)

@@ -10,7 +10,9 @@
 -- consistency lag: a job created by the POST is listed by then), or rescheduled to now. Each gets a new fencing
 -- value and next_lookup_at = now + :visibility_timeout_s.
 -- :batch_size, :lag_s lag (s), :visibility_timeout_s visibility timeout (s), :worker. Returns operation_id, fencing_token,
--- uncertain_for_s, lookup_count (this one included), accepted_at_ms (epoch ms).
+-- uncertain_for_s, lookup_count (this one included), accepted_at_ms (epoch ms), former_job_ids (the jobs the accounting
+-- learned for this id before the operation was accepted: a former operation's, whose id streams purge --ids-older-than
+-- freed; never NULL).
 UPDATE operations AS o
 SET fencing_token = o.fencing_token + 1,
     next_lookup_at = now() + make_interval(secs => :visibility_timeout_s),
@@ -23,7 +25,9 @@ FROM (SELECT operation_id FROM operations
 WHERE o.operation_id = due.operation_id
 RETURNING o.operation_id, o.fencing_token, o.lookup_count,
           extract(epoch FROM now() - o.state_entered_at)::float8 AS uncertain_for_s,
-          (extract(epoch FROM o.accepted_at) * 1000)::bigint AS accepted_at_ms;
+          (extract(epoch FROM o.accepted_at) * 1000)::bigint AS accepted_at_ms,
+          ARRAY(SELECT j.remote_job_id FROM remote_jobs j
+                WHERE j.operation_id = o.operation_id AND j.learned_at < o.accepted_at) AS former_job_ids;
 
 -- name: adopt_found_job
 -- Fenced: the lookup found jobs for this operation. The first by creation time is adopted (uncertain ->

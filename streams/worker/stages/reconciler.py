@@ -47,17 +47,12 @@ from streams.errors import (
     RemoteRateLimitedError,
     RemoteRefusedError,
 )
-from streams.ledger.records import LookupClaim, RemoteCall
+from streams.ledger.records import FORMER_JOB_MARGIN_S, LookupClaim, RemoteCall
 from streams.model.answers import LookupJob
 from streams.model.codes import RemoteCallOutcome
 from streams.worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
-
-#: How much earlier than the operation's acceptance (the database's clock) a job found by lookup may say it was
-#: created (the provider's clock) and still be taken for this operation's: clocks disagree by seconds, a former
-#: operation of the same id was purged and its id freed months before.
-FORMER_JOB_MARGIN_S = 86_400.0
 
 
 class Reconciler:
@@ -157,17 +152,22 @@ class Reconciler:
 
 
 def _not_former(claim: LookupClaim, found: list[LookupJob]) -> list[LookupJob]:
-    """``found`` without the jobs created more than :data:`FORMER_JOB_MARGIN_S` before the claimed operation was
-    accepted: jobs of a former operation of the same id (``streams purge --ids-older-than`` freed it), which carry
-    the same client reference; never this operation's, whose POST came after its acceptance. Each one left out is
-    logged (a job without a creation time is kept)."""
-    if claim.accepted_at_ms is None:
-        return found
-    before_ms = claim.accepted_at_ms - FORMER_JOB_MARGIN_S * 1000
-    former = [j for j in found if j.created_at_ms is not None and j.created_at_ms < before_ms]
+    """``found`` without the jobs of a former operation of the same id (``streams purge --ids-older-than`` freed it;
+    they carry the same client reference): those the accounting learned for the id before this operation was accepted
+    (``former_job_ids``), and those created more than :data:`FORMER_JOB_MARGIN_S` before it was accepted (never this
+    operation's, whose POST came after its acceptance; a job without a creation time is kept). Each one left out is
+    logged."""
+    before_ms = None if claim.accepted_at_ms is None else claim.accepted_at_ms - FORMER_JOB_MARGIN_S * 1000
+    former = [
+        j
+        for j in found
+        if j.job_id in claim.former_job_ids
+        or (before_ms is not None and j.created_at_ms is not None and j.created_at_ms < before_ms)
+    ]
     if former:
         log.warning(
-            "lookup: %d job(s) created before this operation was accepted left out (a former operation of its id): %s",
+            "lookup: %d job(s) of a former operation of this id left out (learned or created before it was "
+            "accepted): %s",
             len(former),
             ", ".join(j.job_id for j in former[:10]),
         )
