@@ -1,6 +1,9 @@
--- Run outside a transaction too (yoyo applies the migration's own `transactional: false` to its rollback).
-DROP INDEX CONCURRENTLY IF EXISTS outbox_one_row_per_output;
-CREATE UNIQUE INDEX CONCURRENTLY outbox_one_row_per_output ON outbox (operation_id, output_id)
+-- Run outside a transaction too (yoyo applies the migration's own `transactional: false` to its rollback). yoyo pairs
+-- this file's statements with the migration's in reverse order (the last here undoes the first there) and runs the
+-- undo of the steps already done when one fails: one statement here per statement there.
+CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS outbox_one_row_per_output ON outbox (operation_id, output_id)
     WHERE output_id IS NOT NULL;
 DROP INDEX CONCURRENTLY IF EXISTS outbox_operation_output;
+SELECT 'nothing to undo: the leftover dropped was a failed build';
 DROP INDEX CONCURRENTLY IF EXISTS operations_purged;
+SELECT 'nothing to undo: the leftover dropped was a failed build';

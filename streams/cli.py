@@ -758,8 +758,17 @@ def forget(operation_id: str, reason: str, actor: str | None, as_json: bool) -> 
 @click.option(
     "--skip-replay-check",
     is_flag=True,
-    help="With --ids-older-than: do not read the topics' retention (you vouch that no record of those ids can "
-    "come back, e.g. a topic bounded by retention.bytes).",
+    help="With --ids-older-than: do not read the topics' retention nor wait for the workers (you vouch that no record "
+    "of those ids can come back, e.g. a topic bounded by retention.bytes).",
+)
+@click.option(
+    "--catch-up-timeout-s",
+    type=click.FloatRange(0, 3600),
+    default=60.0,
+    show_default=True,
+    help="With --ids-older-than: how long to wait for the workers' consumer group to consume the submissions and "
+    "cancels written before the command started (a replay among them must meet its id first); refused (exit 3) past "
+    "it.",
 )
 @click.option(
     "--batch-size",
@@ -774,6 +783,7 @@ def purge(
     older_than: float,
     ids_older_than: float | None,
     skip_replay_check: bool,
+    catch_up_timeout_s: float,
     batch_size: int,
     dry_run: bool,
     as_json: bool,
@@ -817,7 +827,12 @@ def purge(
         if as_json:
             _echo_json(result)
         return
-    refusal = None if skip_replay_check else _replayable_ids(settings, ids_older_than)
+    try:
+        refusal = None if skip_replay_check else _replayable_ids(settings, ids_older_than, catch_up_timeout_s)
+    except click.ClickException:  # Kafka did not answer or refused: the purge is done, say what it did
+        if as_json:
+            _echo_json(result)
+        raise
     if refusal is not None:
         if as_json:
             _echo_json(result)
@@ -872,28 +887,40 @@ class _BatchLines:
             click.echo(f"batch {self.count}: {rows} {self.what}")
 
 
-def _replayable_ids(settings: Settings, horizon_s: float) -> str | None:
+def _replayable_ids(settings: Settings, horizon_s: float, catch_up_timeout_s: float) -> str | None:
     """Why deleting the ids purged ``horizon_s`` seconds ago is refused: a topic that can replay a submission may
-    still hold a record that old (:func:`streams.setup.admin.replay_refusals`); None when none can. A security
-    setting Kafka refuses ends the command with EXIT_CONFIG, Kafka not answering with EXIT_UNAVAILABLE, another
-    error Kafka answers (an authorization refused) with exit 1 and its message."""
-    from streams.setup.admin import replay_refusals, replay_windows
+    still hold a record that old (:func:`streams.setup.admin.replay_refusals`), or the workers' consumer group has not
+    consumed, within ``catch_up_timeout_s``, every submission written before now (a replay among them would meet a
+    freed id: :func:`streams.setup.admin.submissions_behind`); None when neither. A security setting Kafka refuses
+    ends the command with EXIT_CONFIG, Kafka not answering with EXIT_UNAVAILABLE, another error Kafka answers (an
+    authorization refused) with exit 1 and its message."""
+    from streams.setup.admin import replay_refusals, replay_windows, submissions_behind
 
+    what = "streams purge --ids-older-than (reading the topics' retention and the workers' offsets)"
     try:
-        windows = asyncio.run(replay_windows(settings))
+        refusals = replay_refusals(asyncio.run(replay_windows(settings)), horizon_s, operators_age)
+        if not refusals:
+            behind = asyncio.run(submissions_behind(settings, catch_up_timeout_s))
+            if behind:
+                refusals = [
+                    f"the workers' consumer group {settings.app_id} has not consumed, within "
+                    f"{catch_up_timeout_s:g} s, every submission and cancel written before this command started ("
+                    + ", ".join(behind[:8])
+                    + (f", {len(behind) - 8} more" if len(behind) > 8 else "")
+                    + "): a replay among them would meet a freed id"
+                ]
     except ConfigError as exc:  # KafkaSecurityError: a wrong security setting
         raise CommandExit(str(exc), EXIT_CONFIG) from exc
     except StreamsError as exc:  # KafkaAdminError
-        raise command_failed(exc, "streams purge --ids-older-than (reading the topics' retention)") from exc
-    refusals = replay_refusals(windows, horizon_s, operators_age)
+        raise command_failed(exc, what) from exc
     if not refusals:
         return None
     return (
         f"purge --ids-older-than {operators_age(horizon_s)} refused, no id deleted: "
         + "; ".join(refusals)
         + ". A submission whose id is deleted is accepted as a new operation and POSTed again. Give a longer "
-        "--ids-older-than, shorten the topics' retention.ms, or pass --skip-replay-check if you know no record of "
-        "those ids can come back"
+        "--ids-older-than, shorten the topics' retention.ms, run it when the workers have caught up, or pass "
+        "--skip-replay-check if you know no record of those ids can come back"
     )
 
 

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 #: published but could not mark, in its next round: seconds, a few hundred records at most).
 RESUME_LOOKBACK_RECORDS = 10_000
 
-#: Most seconds a partition's look-back may take (its records wait for it; then they are handled without it).
+#: Most seconds the look-back of an assignment may take (its partitions' records wait for it; then they are handled
+#: without it).
 LOOKBACK_TIMEOUT_S = 10.0
 
 #: Most seconds between two commits of the offsets ``follow_outputs`` handled, with a group.
@@ -176,9 +177,12 @@ class _LearnBeforeResuming(ConsumerRebalanceListener):  # type: ignore[misc]
             task.add_done_callback(self._lookbacks.discard)
 
     def stop(self) -> None:
-        """Cancel the look-backs under way (their partitions' records are then handled without them)."""
+        """Cancel the look-backs under way; their partitions' records are then handled without them (a task cancelled
+        before it ran never reaches its ``finally``: every event is set here too)."""
         for task in list(self._lookbacks):
             task.cancel()
+        for learned in self.learned.values():
+            learned.set()
 
     async def _look_back(self, events: dict[TopicPartition, asyncio.Event]) -> None:
         try:

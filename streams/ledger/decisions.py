@@ -80,6 +80,19 @@ class Decisions:
                 f"it is {state.value}; adopt applies only to uncertain operations{exception}",
                 state=state.value,
             )
+        async with guard(f"read the accounting of job {remote_job_id}"):
+            former = await OPS.former_job_of_operation.fetchval(
+                self.pool, operation_id=operation_id, remote_job_id=remote_job_id
+            )
+        if former is not None:
+            raise OperatorActionRefusedError(
+                operation_id,
+                action,
+                f"job {remote_job_id} belongs to a former operation of this id (the accounting learned it before "
+                "this operation was accepted; streams purge --ids-older-than freed the id): its outputs answer "
+                "another request",
+                state=state.value,
+            )
         if provider_check is not None:
             async with guard(f"read holder of job {remote_job_id}"):
                 holder = await OPS.operation_holding_job.fetchval(self.pool, remote_job_id=remote_job_id)

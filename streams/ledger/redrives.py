@@ -50,6 +50,17 @@ async def operation_request(pool: asyncpg.Pool, operation_id: str) -> str | None
     return request
 
 
+async def posts_of(pool: asyncpg.Pool, operation_id: str) -> int:
+    """How many POSTs the accounting recorded for ``operation_id`` (its rows outlive the operation's).
+
+    Raises:
+        LedgerUnavailableError: PostgreSQL did not answer.
+    """
+    async with guard(f"read the POSTs of {operation_id}"):
+        posts: int = await REDRIVES.posts_of.fetchval(pool, operation_id=operation_id)
+    return posts
+
+
 async def record_redrive(pool: asyncpg.Pool, redrive: Redrive) -> dict[str, Any]:
     """Record ``redrive``; returns ``{id, at}``.
 

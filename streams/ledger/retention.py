@@ -152,10 +152,11 @@ async def forget_ids(
     was dead-lettered), more than ``older_than_s`` seconds ago, with the callback deliveries recorded for them since
     and their cancellations: their ids are free again, and a submission with one of them is then accepted as a new
     operation and POSTed. The caller makes sure no replay can come (``streams purge --ids-older-than`` compares the
-    horizon with the submissions and dead-letter topics' retention). Kept: a row with a job created after its decision
-    and never observed (the accounting's open question). The accounting rows and the records of erasures and
-    re-drives stay. One transaction per batch of at most ``batch_size`` (>= 1) rows, oldest first, until a batch finds
-    none; ``on_batch`` is told each batch's counts.
+    horizon with the replaying topics' retention and waits for the workers to consume what was written before).
+    Kept: a row with a job created after its decision (the late-job listings, the accounting and ``adopt`` find it by
+    operation id). The accounting rows and the records of erasures and re-drives stay. One transaction per batch of
+    at most ``batch_size`` (>= 1) rows, oldest first, until a batch finds none; ``on_batch`` is told each batch's
+    counts.
 
     Raises:
         ValueError: ``batch_size`` < 1 or ``older_than_s`` <= 0.

@@ -10,9 +10,10 @@ original value, or a fixed value from a file. It is refused when the value is st
 was cut (``original_truncated``) and no fixed value is given, when the dead letter did not come from the
 submissions topic (the other topics' events are the workers' own), when the ledger holds the operation with
 another request (compared by canonical form, :func:`streams.wire.jsontext.canonical`, as the dispatcher compares
-replays), and when it was dead-lettered as a duplicate of an operation whose id the ledger no longer holds (deleted
-by ``streams purge --ids-older-than``: it would run again as a new operation). Each re-drive is recorded in the
-ledger (``dead_letter_redrives``: which record, where it went, the value's SHA-256, why, by whom).
+replays), and when the ledger no longer holds an operation of its id that the provider was sent (the accounting
+keeps its POSTs; ``streams purge --ids-older-than`` freed the id: it would be sent again as a new operation). Each
+re-drive is recorded in the ledger (``dead_letter_redrives``: which record, where it went, the value's SHA-256, why,
+by whom).
 
 Payloads (the original value, which holds a user's prompt) are never logged; :func:`show` returns the value only
 when asked.
@@ -326,11 +327,16 @@ class RedriveResult:
 
 
 def check_redrive(
-    settings: Settings, letter: DeadLetter, value: bytes, value_source: ValueSource, ledger_request: str | None
+    settings: Settings,
+    letter: DeadLetter,
+    value: bytes,
+    value_source: ValueSource,
+    ledger_request: str | None,
+    former_posts: int = 0,
 ) -> tuple[str, str | None]:
     """Whether ``value`` may be re-driven for ``letter``: ``(operation_id, None)``, or ``(operation_id or "",
-    why not)``. ``ledger_request`` is the request the ledger holds for the value's operation (None: not held).
-    Pure (no I/O): the rules of the module docstring."""
+    why not)``. ``ledger_request`` is the request the ledger holds for the value's operation (None: not held);
+    ``former_posts`` the POSTs the accounting recorded for its id. Pure (no I/O): the rules of the module docstring."""
     if letter.envelope.get("source_topic") != settings.topic("submissions"):
         return "", (
             f"it came from {letter.envelope.get('source_topic')!r}, not {settings.topic('submissions')!r}: only "
@@ -353,11 +359,11 @@ def check_redrive(
                 f"the ledger holds operation {operation_id} with another request (canonical forms differ, or it "
                 "was erased): a different request needs a new operation id"
             )
-    elif letter.reason == "conflicting_duplicate" and operation_id == letter.operation_id():
+    elif former_posts:
         return operation_id, (
-            f"it was refused as a duplicate of operation {operation_id}, which the ledger no longer holds (streams "
-            "purge --ids-older-than deleted its id): re-driving it would run its request again as a new operation; "
-            "give it a new operation id with --value-file if that is meant"
+            f"the provider was sent operation {operation_id} before ({former_posts} POSTs in the accounting), and the "
+            "ledger no longer holds it (streams purge --ids-older-than freed its id): re-driving it would send it "
+            "again as a new operation; give it a new operation id with --value-file if that is meant"
         )
     return operation_id, None
 
@@ -406,7 +412,8 @@ async def redrive(
             value = fixed_value if fixed_value is not None else letter.original()
             candidate = value_operation_id(settings, value)
             held = await redrives.operation_request(pool, candidate) if candidate is not None else None
-            operation_id, refused = check_redrive(settings, letter, value, source, held)
+            posts = await redrives.posts_of(pool, candidate) if candidate is not None and held is None else 0
+            operation_id, refused = check_redrive(settings, letter, value, source, held, posts)
             if refused is not None or dry_run:
                 results.append(RedriveResult(letter, operation_id or letter.operation_id(), source, refused))
                 continue

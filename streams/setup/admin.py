@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import psycopg
+from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
@@ -35,11 +36,14 @@ from aiokafka.errors import (
     UnknownTopicOrPartitionError,
     for_code,
 )
+from aiokafka.structs import TopicPartition
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
+    retry_if_result,
     stop_after_delay,
     wait_exponential,
+    wait_fixed,
     wait_random,
 )
 from yoyo import get_backend, read_migrations
@@ -549,10 +553,11 @@ async def set_dead_letter_retention(settings: Settings) -> int:
     return settings.dead_letter_retention_ms
 
 
-#: The topics whose records can bring an operation id back to the dispatcher: the submissions topic (a consumer
-#: group set back to an earlier offset) and the dead-letter topic (a re-drive). Deleting a purged id is safe only
-#: once they can hold no record of it (``streams purge --ids-older-than``).
-REPLAY_ROLES = ("submissions", "dead_letter")
+#: The topics whose records can bring an operation id back: the submissions topic (a consumer group set back to an
+#: earlier offset), the dead-letter topic (a re-drive) and the cancellations topic (a cancel of an unknown id is
+#: recorded, and cancels the next operation of the id before its POST). Deleting a purged id is safe only once they
+#: can hold no record of it (``streams purge --ids-older-than``).
+REPLAY_ROLES = ("submissions", "dead_letter", "cancellations")
 CLEANUP_POLICY = "cleanup.policy"
 SEGMENT_MS = "segment.ms"
 
@@ -630,6 +635,70 @@ def replay_refusals(
                 f"a horizon must exceed it by {age(REPLAY_MARGIN_S)})"
             )
     return phrases
+
+
+#: How long ``streams purge --ids-older-than`` waits for the workers' consumer group to consume the submissions
+#: written before it started (and how often it looks).
+CATCH_UP_TIMEOUT_S = 60.0
+CATCH_UP_LOOK_INTERVAL_S = 1.0
+
+
+async def submissions_behind(settings: Settings, timeout_s: float = CATCH_UP_TIMEOUT_S) -> list[str]:
+    """Wait until the workers' consumer group (``settings.app_id``) has committed, on every partition of the
+    submissions and cancellations topics, at least the end offset the partition had when this was called: every
+    record written before now consumed (a replay among them has met its id, and an erased id's ``replayed_at`` is
+    recorded; a cancel has been recorded, so the purge that follows deletes it with the id), looking
+    every :data:`CATCH_UP_LOOK_INTERVAL_S` (tenacity) for ``timeout_s`` at most. Returns one phrase per partition
+    still behind then (``topic[p]: consumed up to C of E``); empty when caught up.
+
+    Raises :class:`~streams.errors.KafkaAdminError` (see :class:`KafkaAdmin`).
+    """
+    topics, group = [settings.topic("submissions"), settings.topic("cancellations")], settings.app_id
+    async with KafkaAdmin(settings) as admin:
+        layouts = await admin.topic_layouts(topics)
+        missing = [
+            f"topic {topic} does not exist (check STREAMS_TOPIC_PREFIX)" for topic in topics if topic not in layouts
+        ]
+        if missing:
+            return missing
+        partitions = [TopicPartition(t, p) for t in topics for p in range(layouts[t].partitions)]
+
+        async def log_offsets(_: AIOKafkaAdminClient) -> tuple[dict[TopicPartition, int], dict[TopicPartition, int]]:
+            reader = AIOKafkaConsumer(**client_kwargs(settings), enable_auto_commit=False)
+            try:
+                await reader.start()
+            except Exception as exc:
+                await reader.stop()
+                await raise_for_security(settings, exc)
+                raise
+            try:
+                return await reader.beginning_offsets(partitions), await reader.end_offsets(partitions)
+            finally:
+                await reader.stop()
+
+        starts, ends = await admin.call(f"read the offsets of topics {topics}", log_offsets)
+
+        async def committed(client: AIOKafkaAdminClient) -> dict[TopicPartition, Any]:
+            return dict(await client.list_consumer_group_offsets(group, partitions=partitions))
+
+        async def behind() -> list[str]:
+            offsets = await admin.call(f"read the offsets of consumer group {group!r}", committed)
+            phrases = []
+            for tp in partitions:
+                done = offsets.get(tp)  # none committed: from the partition's first record still kept
+                position = max(done.offset if done is not None else -1, starts[tp])
+                if position < ends[tp]:
+                    phrases.append(f"{tp.topic}[{tp.partition}]: consumed up to {position} of {ends[tp]}")
+            return phrases
+
+        retrying = AsyncRetrying(
+            retry=retry_if_result(bool),
+            wait=wait_fixed(CATCH_UP_LOOK_INTERVAL_S),
+            stop=stop_after_delay(timeout_s),
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome is not None else [],
+        )
+        result: list[str] = await retrying(behind)
+        return result
 
 
 def run_topics(settings: Settings) -> list[str]:

@@ -13,6 +13,8 @@ import pytest
 
 from streams.clients.follow import read_topic_to_end
 from streams.config import Settings
+from streams.ledger.records import RemoteCall
+from streams.model.codes import RemoteCallOutcome
 from streams.setup.admin import RETENTION_MS, KafkaAdmin
 from streams.worker.runtime import RawMessage, Runtime
 from streams.worker.stages.dispatcher import Dispatcher
@@ -146,12 +148,14 @@ async def test_a_replay_of_a_purged_id_is_noted_and_its_dead_letter_is_never_red
     runtime: Runtime, pool: asyncpg.Pool, settings: Settings, tmp_path: Path, simulator: object
 ) -> None:
     """A replay that came after the purge left copies on the topics the purge's horizon did not count (it counted
-    from the purge): the replay is noted on the kept row, and its dead letter, once the id is deleted, would have
-    been re-driven as a new operation and POSTed again."""
+    from the purge): the replay is noted on the kept row, and its dead letter (any dead letter of the id: the
+    accounting keeps the POST), once the id is deleted, would have been re-driven as a new operation and POSTed
+    again."""
     op = f"rp-{uuid.uuid4().hex[:6]}"
     d = Dispatcher(runtime)
     assert await runtime.ledger.accept(op, REQUEST, submitted_at_ms=1)
-    await pool.execute(  # canceled before its POST, then purged: as streams purge leaves it
+    await runtime.ledger.record_remote_call(RemoteCall(op, "POST", 201, RemoteCallOutcome.CREATED, "job_x", 5.0, 1))
+    await pool.execute(  # sent, canceled, then purged: as streams purge leaves it
         "UPDATE operations SET state = 'canceled', request = 'null'::json, purged_at = now() - interval '1 day' "
         "WHERE operation_id = $1",
         op,
@@ -168,7 +172,7 @@ async def test_a_replay_of_a_purged_id_is_noted_and_its_dead_letter_is_never_red
     for table in ("outbox", "transitions", "operations"):  # as streams purge, then --ids-older-than, do later
         await pool.execute(f"DELETE FROM {table} WHERE operation_id = $1", op)
     refused = await streams_cli(settings, "dead-letters", "redrive", "--operation-id", op, "--why", "w")
-    assert refused.exit_code == 3 and "no longer holds" in refused.stdout, refused.stdout
+    assert refused.exit_code == 3 and "was sent operation" in refused.stdout and "1 POSTs" in refused.stdout
     renamed = tmp_path / "renamed.json"
     renamed.write_bytes(submission(f"{op}-new"))  # meant as a new operation: a new id
     dry = await streams_cli(

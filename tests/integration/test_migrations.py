@@ -311,10 +311,19 @@ async def test_purged_ids_indexes_are_built_anew_over_a_failed_builds_leftover_a
             with backend.lock():
                 backend.rollback_migrations(backend.to_rollback(ours))
             assert "outbox_one_row_per_output" in await conn.fetchval(indexes)
-            # what a failed run leaves: an index of the name (here a wrong one), the migration not recorded
-            await conn.execute("CREATE INDEX operations_purged ON operations (updated_at)")
+            # what a failed run leaves: an invalid index of the name (a concurrent build that failed), the migration
+            # not recorded
+            for op in ("mig-a", "mig-b"):
+                await conn.execute(
+                    "INSERT INTO operations (operation_id, request, updated_by) VALUES ($1, '{}', 'test')", op
+                )
+            with pytest.raises(asyncpg.UniqueViolationError):
+                await conn.execute("CREATE UNIQUE INDEX CONCURRENTLY operations_purged ON operations ((1))")
+            invalid = "SELECT indisvalid FROM pg_index WHERE indexrelid = 'operations_purged'::regclass"
+            assert await conn.fetchval(invalid) is False
             with backend.lock():
                 backend.apply_migrations(backend.to_apply(migrations))
+            assert await conn.fetchval(invalid) is True
             definition = await conn.fetchval("SELECT pg_get_indexdef('operations_purged'::regclass)")
             assert "GREATEST(purged_at, replayed_at)" in definition and "WHERE (purged_at IS NOT NULL)" in definition
             await conn.execute("SET enable_seqscan = off")

@@ -10,6 +10,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
 
 from streams.config import Settings
 from streams.errors import OperatorActionRefusedError
@@ -18,8 +20,9 @@ from streams.ledger.pool import create_pool
 from streams.ledger.records import RemoteCall
 from streams.ledger.store import Ledger
 from streams.model.codes import RemoteCallOutcome
-from streams.setup.admin import REPLAY_MARGIN_S, replay_windows
+from streams.setup.admin import REPLAY_MARGIN_S, create_topics, delete_topics, replay_windows
 from tests.integration.operators_support import REQUEST, SUBMITTED_AT_MS, Seeded, backdate, seed_ledger, streams_cli
+from tests.support import unique_settings
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +34,16 @@ ACCOUNTING = (
 @pytest.fixture
 async def seeded(pool: asyncpg.Pool) -> Seeded:
     return await seed_ledger(Ledger(pool, "seed-worker"), "ret")
+
+
+@pytest.fixture
+async def own(settings: Settings) -> AsyncIterator[Settings]:
+    """The settings with topics and a workers' consumer group of their own (the session's topics hold other tests'
+    submissions, which no worker of the session's group consumed), the topics made and deleted again."""
+    mine = unique_settings(settings)
+    await create_topics(mine)
+    yield mine
+    await delete_topics(mine)
 
 
 async def rows_of(pool: asyncpg.Pool, op: str) -> tuple[int, int, int, int]:
@@ -115,10 +128,11 @@ async def purged_ago(pool: asyncpg.Pool, op: str, interval: str) -> None:
 
 
 async def test_purge_deletes_the_ids_purged_before_a_horizon_only_once_the_topics_can_replay_none_of_them(
-    settings: Settings, pool: asyncpg.Pool, seeded: Seeded
+    own: Settings, pool: asyncpg.Pool, seeded: Seeded
 ) -> None:
+    settings = own
     windows = await replay_windows(settings)
-    assert [w.exists for w in windows] == [True, True] and all(w.longest_ms for w in windows)
+    assert [w.exists for w in windows] == [True, True, True] and all(w.longest_ms for w in windows)
     longest_s = max(w.longest_ms or 0 for w in windows) / 1000 + REPLAY_MARGIN_S
     long_ago = f"{longest_s + 2 * 86400} seconds"
     old, late, replayed = seeded.by_state["failed"][0], *seeded.by_state["succeeded"][:2]
@@ -191,7 +205,11 @@ async def test_purge_deletes_the_ids_purged_before_a_horizon_only_once_the_topic
     ledger = Ledger(pool, "new-worker")
     assert await ledger.accept(old, REQUEST, submitted_at_ms=SUBMITTED_AT_MS)
     await ledger.record_remote_call(RemoteCall(old, "POST", 201, RemoteCallOutcome.CREATED, "job_new", 5.0, 1))
-    assert (await ledger.accounting_summary(old))["posts_per_operation"] == {"operations": 1, "mean": 1.0, "max": 1}
+    # the seeded POST of its former operation and the new one's, counted apart (two operations, one POST each)
+    assert (await ledger.accounting_summary(old))["posts_per_operation"] == {"operations": 2, "mean": 1.0, "max": 1}
+    report = await streams_cli(settings, "accounting", "report", "--operation-prefix", old, "--json")
+    assert report.exit_code == 0, report.stderr
+    assert (report.json()["post_attempts"]["max_sent"], report.json()["post_attempts"]["operations"]) == (1, 2)
     await pool.execute(
         "UPDATE operations SET replayed_at = now() - interval '2 days' WHERE operation_id = $1", replayed
     )
@@ -213,23 +231,65 @@ async def test_purge_deletes_the_ids_purged_before_a_horizon_only_once_the_topic
     assert alone.exit_code == 2 and "--skip-replay-check goes with --ids-older-than" in alone.stderr
 
 
-async def test_an_unobserved_job_created_after_the_decision_keeps_its_id(
-    settings: Settings, pool: asyncpg.Pool, seeded: Seeded
-) -> None:
-    """A job the provider created after the operation was decided, never observed, is the accounting's open
-    question (streams accounting report, adopt): deleting the id would drop it from the report and leave nothing to
-    adopt it into."""
-    op = seeded.by_state["rejected"][0]
-    await purged_ago(pool, op, "1000 days")
+async def test_a_job_created_after_the_decision_keeps_its_id(own: Settings, pool: asyncpg.Pool, seeded: Seeded) -> None:
+    """A job the provider created after the operation was decided is found by operation id (the late-job listings,
+    the accounting, adopt): a new operation of a freed id would be offered the former one's job."""
+    observed, unobserved = seeded.by_state["rejected"][0], seeded.by_state["failed"][0]
+    for op in (observed, unobserved):
+        await purged_ago(pool, op, "1000 days")
+        await pool.execute(
+            "INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by) "
+            "VALUES ($1, $2, 'created_after_decision', 'w')",
+            f"job_late_{op}",
+            op,
+        )
+    # the late job seen (its id saved on the row): the first version deleted this id
     await pool.execute(
-        "INSERT INTO remote_jobs (remote_job_id, operation_id, learned_via, learned_by) "
-        "VALUES ('job_late', $1, 'created_after_decision', 'w')",
-        op,
+        "UPDATE operations SET remote_job_id = $2 WHERE operation_id = $1", observed, f"job_late_{observed}"
     )
-    result = await streams_cli(settings, "purge", "--older-than", "1d", "--ids-older-than", "900d", "--json")
+    result = await streams_cli(own, "purge", "--older-than", "1d", "--ids-older-than", "900d", "--json")
     assert result.exit_code == 0, result.stderr
     assert result.json()["ids"]["ids"] == 0
+    assert (
+        await pool.fetchval(
+            "SELECT count(*) FROM operations WHERE operation_id = ANY($1::text[])", [observed, unobserved]
+        )
+        == 2
+    )
+
+
+async def test_ids_are_deleted_only_once_the_workers_consumed_every_submission_written_before(
+    own: Settings, pool: asyncpg.Pool, seeded: Seeded
+) -> None:
+    """A resend of a purged id written before the command but not yet consumed (workers stopped, a partition
+    behind) has not met the id: the id would be free when it is read, and it would be POSTed again."""
+    op = seeded.by_state["failed"][0]
+    await purged_ago(pool, op, "1000 days")
+    topic = own.topic("submissions")
+    producer = AIOKafkaProducer(bootstrap_servers=own.kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        sent = await producer.send_and_wait(topic, b'{"resent": true}', key=op.encode())
+    finally:
+        await producer.stop()
+    args = ("purge", "--older-than", "1d", "--ids-older-than", "900d", "--catch-up-timeout-s", "1")
+    behind = await streams_cli(own, *args)
+    assert behind.exit_code == 3, behind.stderr
+    assert f"{own.app_id} has not consumed" in behind.stderr
+    assert f"{topic}[{sent.partition}]: consumed up to 0 of {sent.offset + 1}" in behind.stderr
     assert await pool.fetchval("SELECT count(*) FROM operations WHERE operation_id = $1", op) == 1
+
+    workers = AIOKafkaConsumer(bootstrap_servers=own.kafka_bootstrap, group_id=own.app_id, enable_auto_commit=False)
+    await workers.start()
+    try:  # the workers' group read it (and met the id: a replay dead-lettered, noted on the row)
+        tp = TopicPartition(topic, sent.partition)
+        workers.assign([tp])
+        await workers.commit({tp: sent.offset + 1})
+    finally:
+        await workers.stop()
+    caught_up = await streams_cli(own, *args)
+    assert caught_up.exit_code == 0, caught_up.stderr
+    assert await pool.fetchval("SELECT count(*) FROM operations WHERE operation_id = $1", op) == 0
 
 
 async def test_the_ledger_refuses_to_delete_an_operation_that_is_not_terminal(

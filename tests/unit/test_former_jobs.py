@@ -36,3 +36,9 @@ def test_the_jobs_the_accounting_learned_before_the_acceptance_are_left_out_howe
     own = LookupJob("job_own", "queued", ACCEPTED_MS + 150)
     assert _not_former(claim(former=frozenset({"job_former"})), [former, own]) == [own]
     assert _not_former(claim(None, frozenset({"job_former"})), [former, own]) == [own]
+
+
+def test_an_undated_job_is_left_out_only_when_the_id_had_a_former_operation() -> None:
+    undated = LookupJob("job_undated", "queued", None)
+    assert _not_former(claim(), [undated]) == [undated]
+    assert _not_former(claim(former=frozenset({"job_former"})), [undated]) == []

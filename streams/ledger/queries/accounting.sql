@@ -8,22 +8,23 @@
 --   charges [{currency, amount, jobs}], refunds_settled [{currency, amount, refunds}],
 --   refunds_pending n (jobs that failed or were canceled with a charge and no refund recorded),
 --   needs_decision {state: {operations, oldest_age_s}} for uncertain and stalled,
---   posts_per_operation {operations, mean, max}, gets_per_completed_operation {operations, mean, max} (the calls of
---   each operation the ledger holds since it was accepted: streams purge --ids-older-than frees ids for reuse),
+--   posts_per_operation {operations, mean, max}, gets_per_completed_operation {operations, mean, max} (a freed id's
+--   former calls, before the acceptance of the operation holding it or of none held, count apart),
 --   created_after_decision {jobs n, unobserved n, first [{operation_id, remote_job_id, state}] (the unobserved,
 --   oldest first, at most 20)}: jobs a POST answer reported after an operator decided the operation.
 WITH jobs AS (
     SELECT * FROM remote_jobs WHERE operation_id LIKE :operation_pattern
-), calls AS (  -- of each operation the ledger holds, since it was accepted: not those of a former operation of its id
+), calls AS (  -- the former calls of a freed id (before the acceptance of the operation holding it, or none held) apart
     SELECT c.operation_id,
+           (o.operation_id IS NULL OR c.at < o.accepted_at) AS former,
            count(*) FILTER (WHERE c.method = 'POST') AS posts,
            count(*) FILTER (WHERE c.method = 'GET') AS gets
-    FROM remote_calls c JOIN operations o USING (operation_id)
-    WHERE c.operation_id LIKE :operation_pattern AND c.at >= o.accepted_at
-    GROUP BY c.operation_id
+    FROM remote_calls c LEFT JOIN operations o USING (operation_id)
+    WHERE c.operation_id LIKE :operation_pattern
+    GROUP BY 1, 2
 ), completed AS (
     SELECT o.operation_id, COALESCE(c.gets, 0) AS gets
-    FROM operations o LEFT JOIN calls c USING (operation_id)
+    FROM operations o LEFT JOIN calls c ON c.operation_id = o.operation_id AND NOT c.former
     WHERE o.operation_id LIKE :operation_pattern AND o.state IN ('succeeded', 'failed', 'canceled')
 )
 SELECT
@@ -79,7 +80,7 @@ SELECT
                             AND lo.remote_job_id IS DISTINCT FROM lj.remote_job_id
                           ORDER BY lj.learned_at, lj.remote_job_id
                           LIMIT 20) AS x), '[]'::jsonb))
-     -- an operation whose id streams purge --ids-older-than deleted had no unobserved late job: its jobs still count
+     -- an operation whose id streams purge --ids-older-than deleted had no late job: its jobs still count
      FROM jobs j LEFT JOIN operations o USING (operation_id)
      WHERE j.learned_via = 'created_after_decision')
         AS created_after_decision;

@@ -115,15 +115,18 @@ SELECT now();
 -- name: posts_per_operation
 -- POST attempts per operation, of the operations matching :operation_pattern (LIKE pattern): every attempt (429 and never-sent
 -- retries included) and those that may have created a job (every outcome but those of :nothing_created_outcomes, text[]: the provider
--- said no job, or nothing reached it). The second must never exceed 1.
+-- said no job, or nothing reached it). The second must never exceed 1. The calls of an id streams purge --ids-older-than
+-- freed (those before the acceptance of the operation holding it now, or of no operation held) count apart from the
+-- present operation's.
 -- Returns operations, mean_attempts, max_attempts, max_sent, operations_sent_twice.
 WITH per_op AS (
-    SELECT operation_id,
+    SELECT c.operation_id,
+           (o.operation_id IS NULL OR c.at < o.accepted_at) AS former,
            count(*) AS attempts,
-           count(*) FILTER (WHERE outcome <> ALL(:nothing_created_outcomes::text[])) AS sent
-    FROM remote_calls
-    WHERE method = 'POST' AND operation_id LIKE :operation_pattern
-    GROUP BY operation_id
+           count(*) FILTER (WHERE c.outcome <> ALL(:nothing_created_outcomes::text[])) AS sent
+    FROM remote_calls c LEFT JOIN operations o USING (operation_id)
+    WHERE c.method = 'POST' AND c.operation_id LIKE :operation_pattern
+    GROUP BY 1, 2
 )
 SELECT count(*)::integer AS operations,
        round(avg(attempts), 3)::float8 AS mean_attempts,

@@ -75,6 +75,13 @@ RETURNING transition_seq, fencing_token;
 -- :remote_job_id. The operation that saved this job id, if any.
 SELECT operation_id FROM operations WHERE remote_job_id = :remote_job_id;
 
+-- name: former_job_of_operation
+-- :operation_id, :remote_job_id. 1 when the accounting learned this job for the id before the operation holding the
+-- id now was accepted: a former operation's of the same id (streams purge --ids-older-than freed it), never this
+-- one's; no row otherwise.
+SELECT 1 FROM remote_jobs j JOIN operations o USING (operation_id)
+WHERE j.remote_job_id = :remote_job_id AND j.operation_id = :operation_id AND j.learned_at < o.accepted_at;
+
 -- name: adopt_late_job
 -- rejected -> submitted with the job a POST answer reported after the operation was decided (the accounting
 -- holds it for this operation as 'created_after_decision'; the trigger operations_late_job_guard refuses any

@@ -6,6 +6,11 @@
 -- :operation_id. The request the ledger holds for the operation, as JSON text (one row or none): request.
 SELECT request::text AS request FROM operations WHERE operation_id = :operation_id;
 
+-- name: posts_of
+-- :operation_id. How many POSTs the accounting recorded for the id (kept when streams purge --ids-older-than deletes
+-- the operation's row: a former operation of the id was sent to the provider).
+SELECT count(*)::integer AS posts FROM remote_calls WHERE operation_id = :operation_id AND method = 'POST';
+
 -- name: record_redrive
 -- One re-drive: the dead letter (:dead_letter_topic, :dead_letter_partition, :dead_letter_offset,
 -- :dead_letter_reason), the operation it names (:operation_id, or NULL), where it was published again

@@ -79,8 +79,10 @@ WITH doomed AS (
     WHERE o.purged_at IS NOT NULL
       AND greatest(o.purged_at, o.replayed_at) < now() - make_interval(secs => :older_than_s::float8)
       AND NOT EXISTS (SELECT 1 FROM remote_jobs j
-                      WHERE j.operation_id = o.operation_id AND j.learned_via = 'created_after_decision'
-                        AND j.remote_job_id IS DISTINCT FROM o.remote_job_id)
+                      WHERE j.operation_id = o.operation_id AND j.learned_via = 'created_after_decision')
+      AND NOT EXISTS (SELECT 1 FROM transitions t WHERE t.operation_id = o.operation_id)
+      AND NOT EXISTS (SELECT 1 FROM outputs x WHERE x.operation_id = o.operation_id)
+      AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.operation_id = o.operation_id)
 )
 SELECT (SELECT count(*) FROM doomed)::bigint AS ids,
        (SELECT extract(epoch FROM now() - min(kept_since))::float8 FROM doomed) AS oldest_age_s,
@@ -92,9 +94,11 @@ SELECT (SELECT count(*) FROM doomed)::bigint AS ids,
 -- ago than :older_than_s (float8 s), oldest first, in one statement, with what else holds their ids: the callback
 -- deliveries recorded since the purge and a cancellation (which would cancel a new operation of the id before its
 -- POST). The ids are free again: a submission with one of them is accepted as a new operation (the caller checks that
--- no replay can come: streams purge --ids-older-than). Kept: a row with a job created after its decision and never
--- observed (an open question of the accounting: streams accounting report, adopt), and rows another transaction
--- holds (SKIP LOCKED: a late job adopted changes the row's state, and its trigger clears purged_at).
+-- no replay can come: streams purge --ids-older-than). Kept: a row with a job the provider created after its decision
+-- (observed or not: the late-job listings, the accounting and `adopt` find such a job by operation id, and would
+-- offer it to a new operation of the id), a row that still has transitions, outputs or outbox rows (never, after a
+-- purge: a batch would fail on their foreign keys), and rows another transaction holds (SKIP LOCKED: a late job
+-- adopted changes the row's state, and its trigger clears purged_at).
 -- Returns ids, callback_deliveries, cancellations (deleted).
 WITH doomed AS (
     SELECT o.operation_id
@@ -102,8 +106,10 @@ WITH doomed AS (
     WHERE o.purged_at IS NOT NULL
       AND greatest(o.purged_at, o.replayed_at) < now() - make_interval(secs => :older_than_s::float8)
       AND NOT EXISTS (SELECT 1 FROM remote_jobs j
-                      WHERE j.operation_id = o.operation_id AND j.learned_via = 'created_after_decision'
-                        AND j.remote_job_id IS DISTINCT FROM o.remote_job_id)
+                      WHERE j.operation_id = o.operation_id AND j.learned_via = 'created_after_decision')
+      AND NOT EXISTS (SELECT 1 FROM transitions t WHERE t.operation_id = o.operation_id)
+      AND NOT EXISTS (SELECT 1 FROM outputs x WHERE x.operation_id = o.operation_id)
+      AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.operation_id = o.operation_id)
     ORDER BY greatest(o.purged_at, o.replayed_at), o.operation_id
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED

@@ -213,8 +213,9 @@ class Dispatcher:
             previous = request_digest(exactjson.loads(row["request"])) if row is not None else None
             if previous is not None and previous != request_digest(event["request"]):
                 erased = row is not None and row["request"] == ERASED_REQUEST
-                if erased:  # this replay's copies on the topics keep the id taken a while longer
-                    await self.rt.ledger.note_erased_replay(operation_id)
+                if erased and not await self.rt.ledger.note_erased_replay(operation_id):
+                    # its copies on the topics keep the id taken a while longer; gone meanwhile: purge freed it
+                    log.warning("a replay of erased operation %s met no erased row to note it on", operation_id)
                 await self._reject_input(
                     message,
                     "conflicting_duplicate",
