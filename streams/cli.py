@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from streams import logs
 from streams.config import Settings
@@ -751,9 +752,10 @@ def forget(operation_id: str, reason: str, actor: str | None, as_json: bool) -> 
     "--ids-older-than",
     type=Duration(),
     default=None,
-    help="Then delete the kept row of each id purged (and last replayed) longer ago than this, freeing the id: a "
-    "submission with it is then accepted as new. Refused (exit 3, after the purge) unless the submissions and "
-    "dead-letter topics keep no record that long (retention.ms + segment.ms + 1 day).",
+    help="Then delete the kept row of each id purged (and last replayed) longer ago than this (at least 1d), freeing "
+    "the id: a submission with it is then accepted as new. Refused (exit 3, after the purge; --dry-run too) unless "
+    "the submissions, dead-letter and cancellations topics keep no record that long (retention.ms + segment.ms + 1 "
+    "day) and the workers consumed what was written before (--catch-up-timeout-s).",
 )
 @click.option(
     "--skip-replay-check",
@@ -803,8 +805,9 @@ def purge(
     from streams.ledger import retention
     from streams.ledger.records import FORMER_JOB_MARGIN_S
 
-    if skip_replay_check and ids_older_than is None:
-        raise click.UsageError("--skip-replay-check goes with --ids-older-than")
+    given = click.get_current_context().get_parameter_source("catch_up_timeout_s") is not ParameterSource.DEFAULT
+    if (skip_replay_check or given) and ids_older_than is None:
+        raise click.UsageError("--skip-replay-check and --catch-up-timeout-s go with --ids-older-than")
     if ids_older_than is not None and ids_older_than < FORMER_JOB_MARGIN_S:
         raise click.BadParameter(
             f"at least {operators_age(FORMER_JOB_MARGIN_S)}: a freed id's former jobs are told from a new operation's "
@@ -829,13 +832,13 @@ def purge(
         return
     try:
         refusal = None if skip_replay_check else _replayable_ids(settings, ids_older_than, catch_up_timeout_s)
-    except click.ClickException:  # Kafka did not answer or refused: the purge is done, say what it did
+    except click.ClickException as exc:  # Kafka did not answer or refused: the purge is done, say what it did
         if as_json:
-            _echo_json(result)
+            _echo_json({**result, "ids": {"failed": exc.format_message()}})
         raise
     if refusal is not None:
         if as_json:
-            _echo_json(result)
+            _echo_json({**result, "ids": {"refused": refusal}})
         raise CommandExit(refusal, EXIT_REFUSED)
 
     async def run_ids(pool: asyncpg.Pool) -> dict[str, Any]:
@@ -845,7 +848,12 @@ def purge(
         ids = await retention.forget_ids(pool, ids_older_than, batch_size, on_batch=lambda c: batches.told(c.ids))
         return {"batches": batches.count, **dataclasses.asdict(ids)}
 
-    ids = asyncio.run(_with_pool(settings, run_ids))
+    try:
+        ids = asyncio.run(_with_pool(settings, run_ids))
+    except click.ClickException as exc:  # PostgreSQL went away: the batches committed before stay deleted
+        if as_json:
+            _echo_json({**result, "ids": {"failed": exc.format_message()}})
+        raise
     if as_json:
         _echo_json({**result, "ids": ids})
         return
@@ -904,7 +912,7 @@ def _replayable_ids(settings: Settings, horizon_s: float, catch_up_timeout_s: fl
             if behind:
                 refusals = [
                     f"the workers' consumer group {settings.app_id} has not consumed, within "
-                    f"{catch_up_timeout_s:g} s, every submission and cancel written before this command started ("
+                    f"{catch_up_timeout_s:g} s, every submission and cancel written before the check began ("
                     + ", ".join(behind[:8])
                     + (f", {len(behind) - 8} more" if len(behind) > 8 else "")
                     + "): a replay among them would meet a freed id"

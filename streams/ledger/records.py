@@ -146,8 +146,9 @@ FORMER_JOB_MARGIN_S = 86_400.0
 class LookupClaim:
     """The reconciler's claim of one ``uncertain`` operation for a lookup: the fencing value its save must name,
     how long the operation has been uncertain (s), the lookups claimed so far (this one included), when the
-    operation was accepted (epoch ms, the database's clock; None: not known), and the jobs the accounting learned
-    for its id before that (a former operation's of the same id)."""
+    operation was accepted (epoch ms, the database's clock; None: not known), the jobs the accounting learned for its
+    id before that (a former operation's of the same id), and whether the accounting holds calls of the id from
+    before it (a former operation was sent)."""
 
     operation_id: str
     fencing_token: int
@@ -155,6 +156,7 @@ class LookupClaim:
     lookup_count: int
     accepted_at_ms: int | None = None
     former_job_ids: frozenset[str] = frozenset()
+    had_former: bool = False
 
 
 def sources_for(new: OperationState) -> list[str]:

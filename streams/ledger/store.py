@@ -625,6 +625,7 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
                 r["lookup_count"],
                 r["accepted_at_ms"],
                 frozenset(r["former_job_ids"]),
+                r["had_former"],
             )
             for r in rows
         ]

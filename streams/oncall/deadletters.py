@@ -10,10 +10,10 @@ original value, or a fixed value from a file. It is refused when the value is st
 was cut (``original_truncated``) and no fixed value is given, when the dead letter did not come from the
 submissions topic (the other topics' events are the workers' own), when the ledger holds the operation with
 another request (compared by canonical form, :func:`streams.wire.jsontext.canonical`, as the dispatcher compares
-replays), and when the ledger no longer holds an operation of its id that the provider was sent (the accounting
-keeps its POSTs; ``streams purge --ids-older-than`` freed the id: it would be sent again as a new operation). Each
-re-drive is recorded in the ledger (``dead_letter_redrives``: which record, where it went, the value's SHA-256, why,
-by whom).
+replays), and when the ledger no longer holds the operation of its id (``streams purge --ids-older-than`` freed it)
+while the accounting has a POST for it or the letter was refused as its duplicate: it would run again as a new
+operation. Each re-drive is recorded in the ledger (``dead_letter_redrives``: which record, where it went, the
+value's SHA-256, why, by whom).
 
 Payloads (the original value, which holds a user's prompt) are never logged; :func:`show` returns the value only
 when asked.
@@ -359,11 +359,16 @@ def check_redrive(
                 f"the ledger holds operation {operation_id} with another request (canonical forms differ, or it "
                 "was erased): a different request needs a new operation id"
             )
-    elif former_posts:
+    elif former_posts or (letter.reason == "conflicting_duplicate" and operation_id == letter.operation_id()):
+        was = (
+            f"the provider was asked for operation {operation_id} before ({former_posts} POST attempts in the "
+            "accounting)"
+            if former_posts
+            else f"it was refused as a duplicate of operation {operation_id}"
+        )
         return operation_id, (
-            f"the provider was sent operation {operation_id} before ({former_posts} POSTs in the accounting), and the "
-            "ledger no longer holds it (streams purge --ids-older-than freed its id): re-driving it would send it "
-            "again as a new operation; give it a new operation id with --value-file if that is meant"
+            f"{was}, and the ledger no longer holds it (streams purge --ids-older-than freed its id): re-driving it "
+            "would run it again as a new operation; give it a new operation id with --value-file if that is meant"
         )
     return operation_id, None
 

@@ -627,7 +627,12 @@ def format_accounting(report: Mapping[str, Any]) -> str:
         f"POSTs per operation                {_stats(posts)} (every attempt, 429 and never-sent retries included)",
         f"  that may have created a job      max {attempts['max_sent']} (must be 1"
         + ("" if sent_ok else f"; BROKEN for {attempts['operations_sent_twice']} operations")
-        + ")",
+        + ")"
+        + (
+            f"; POSTs of {attempts['former_ids']} freed ids' former operations not counted"
+            if attempts.get("former_ids")
+            else ""
+        ),
         f"GETs per completed operation       {_stats(gets)}",
     ]
     late = report.get("created_after_decision") or {"jobs": 0, "unobserved": 0, "first": []}

@@ -30,6 +30,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
+    CoordinatorLoadInProgressError,
     KafkaConnectionError,
     KafkaError,
     TopicAlreadyExistsError,
@@ -655,13 +656,21 @@ async def submissions_behind(settings: Settings, timeout_s: float = CATCH_UP_TIM
     """
     topics, group = [settings.topic("submissions"), settings.topic("cancellations")], settings.app_id
     async with KafkaAdmin(settings) as admin:
-        layouts = await admin.topic_layouts(topics)
+
+        async def partition_counts(client: AIOKafkaAdminClient) -> dict[str, int]:
+            existing = set(await client.list_topics())
+            described = await client.describe_topics([t for t in topics if t in existing]) if existing else []
+            for topic in described:
+                _raise_for_code(topic["error_code"], f"describing topic {topic['topic']!r}")
+            return {topic["topic"]: len(topic["partitions"]) for topic in described}
+
+        counts = await admin.call(f"describe topics {topics}", partition_counts)
         missing = [
-            f"topic {topic} does not exist (check STREAMS_TOPIC_PREFIX)" for topic in topics if topic not in layouts
+            f"topic {topic} does not exist (check STREAMS_TOPIC_PREFIX)" for topic in topics if topic not in counts
         ]
         if missing:
             return missing
-        partitions = [TopicPartition(t, p) for t in topics for p in range(layouts[t].partitions)]
+        partitions = [TopicPartition(t, p) for t in topics for p in range(counts[t])]
 
         async def log_offsets(_: AIOKafkaAdminClient) -> tuple[dict[TopicPartition, int], dict[TopicPartition, int]]:
             reader = AIOKafkaConsumer(**client_kwargs(settings), enable_auto_commit=False)
@@ -678,18 +687,15 @@ async def submissions_behind(settings: Settings, timeout_s: float = CATCH_UP_TIM
 
         starts, ends = await admin.call(f"read the offsets of topics {topics}", log_offsets)
 
-        async def committed(client: AIOKafkaAdminClient) -> dict[TopicPartition, Any]:
-            return dict(await client.list_consumer_group_offsets(group, partitions=partitions))
+        async def committed(client: AIOKafkaAdminClient) -> dict[TopicPartition, int]:
+            answer = await client.list_consumer_group_offsets(group, partitions=partitions)
+            if any(tp not in answer for tp in partitions):  # aiokafka drops a group-level error (coordinator loading)
+                raise CoordinatorLoadInProgressError(f"no committed offsets of group {group!r} in the answer")
+            return {tp: meta.offset for tp, meta in answer.items()}
 
         async def behind() -> list[str]:
             offsets = await admin.call(f"read the offsets of consumer group {group!r}", committed)
-            phrases = []
-            for tp in partitions:
-                done = offsets.get(tp)  # none committed: from the partition's first record still kept
-                position = max(done.offset if done is not None else -1, starts[tp])
-                if position < ends[tp]:
-                    phrases.append(f"{tp.topic}[{tp.partition}]: consumed up to {position} of {ends[tp]}")
-            return phrases
+            return behind_phrases(partitions, starts, ends, offsets)
 
         retrying = AsyncRetrying(
             retry=retry_if_result(bool),
@@ -699,6 +705,22 @@ async def submissions_behind(settings: Settings, timeout_s: float = CATCH_UP_TIM
         )
         result: list[str] = await retrying(behind)
         return result
+
+
+def behind_phrases(
+    partitions: list[TopicPartition],
+    starts: Mapping[TopicPartition, int],
+    ends: Mapping[TopicPartition, int],
+    committed: Mapping[TopicPartition, int],
+) -> list[str]:
+    """``topic[p]: consumed up to C of E`` for each partition whose committed offset (-1 or missing: none committed,
+    read from the first record still kept, ``starts``) is below its end offset (``ends``, taken before)."""
+    phrases = []
+    for tp in partitions:
+        position = max(committed.get(tp, -1), starts[tp])
+        if position < ends[tp]:
+            phrases.append(f"{tp.topic}[{tp.partition}]: consumed up to {position} of {ends[tp]}")
+    return phrases
 
 
 def run_topics(settings: Settings) -> list[str]:

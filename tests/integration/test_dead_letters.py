@@ -172,7 +172,8 @@ async def test_a_replay_of_a_purged_id_is_noted_and_its_dead_letter_is_never_red
     for table in ("outbox", "transitions", "operations"):  # as streams purge, then --ids-older-than, do later
         await pool.execute(f"DELETE FROM {table} WHERE operation_id = $1", op)
     refused = await streams_cli(settings, "dead-letters", "redrive", "--operation-id", op, "--why", "w")
-    assert refused.exit_code == 3 and "was sent operation" in refused.stdout and "1 POSTs" in refused.stdout
+    assert refused.exit_code == 3, refused.stderr
+    assert "was asked for operation" in refused.stdout and "1 POST attempts" in refused.stdout
     renamed = tmp_path / "renamed.json"
     renamed.write_bytes(submission(f"{op}-new"))  # meant as a new operation: a new id
     dry = await streams_cli(

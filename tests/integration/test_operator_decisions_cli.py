@@ -289,6 +289,7 @@ async def test_accounting_report_against_the_ledger(cli: Settings, pool: asyncpg
         "max_attempts": 1,
         "max_sent": 1,
         "operations_sent_twice": 0,
+        "former_ids": 0,
     }
     gets = await pool.fetchval(
         "SELECT count(*) FROM remote_calls c JOIN operations o USING (operation_id) "

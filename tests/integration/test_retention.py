@@ -205,11 +205,16 @@ async def test_purge_deletes_the_ids_purged_before_a_horizon_only_once_the_topic
     ledger = Ledger(pool, "new-worker")
     assert await ledger.accept(old, REQUEST, submitted_at_ms=SUBMITTED_AT_MS)
     await ledger.record_remote_call(RemoteCall(old, "POST", 201, RemoteCallOutcome.CREATED, "job_new", 5.0, 1))
-    # the seeded POST of its former operation and the new one's, counted apart (two operations, one POST each)
-    assert (await ledger.accounting_summary(old))["posts_per_operation"] == {"operations": 2, "mean": 1.0, "max": 1}
+    # the seeded POST of its former operation is not the new one's second POST
+    await ledger.record_remote_call(RemoteCall(late, "POST", 201, RemoteCallOutcome.CREATED, "job_late2", 5.0, 1))
+    assert (await ledger.accounting_summary(old))["posts_per_operation"] == {"operations": 1, "mean": 1.0, "max": 1}
     report = await streams_cli(settings, "accounting", "report", "--operation-prefix", old, "--json")
     assert report.exit_code == 0, report.stderr
-    assert (report.json()["post_attempts"]["max_sent"], report.json()["post_attempts"]["operations"]) == (1, 2)
+    attempts = report.json()["post_attempts"]
+    assert (attempts["max_sent"], attempts["operations"], attempts["former_ids"]) == (1, 1, 1)
+    # a freed id with two former operations' POSTs (and none held): no "BROKEN"
+    twice = await streams_cli(settings, "accounting", "report", "--operation-prefix", late)
+    assert twice.exit_code == 0 and "BROKEN" not in twice.stdout and "1 freed ids" in twice.stdout, twice.stdout
     await pool.execute(
         "UPDATE operations SET replayed_at = now() - interval '2 days' WHERE operation_id = $1", replayed
     )
@@ -228,7 +233,9 @@ async def test_purge_deletes_the_ids_purged_before_a_horizon_only_once_the_topic
     ]
 
     alone = await streams_cli(settings, "purge", "--older-than", "1d", "--skip-replay-check")
-    assert alone.exit_code == 2 and "--skip-replay-check goes with --ids-older-than" in alone.stderr
+    assert alone.exit_code == 2 and "go with --ids-older-than" in alone.stderr
+    timeout_alone = await streams_cli(settings, "purge", "--older-than", "1d", "--catch-up-timeout-s", "5")
+    assert timeout_alone.exit_code == 2 and "go with --ids-older-than" in timeout_alone.stderr
 
 
 async def test_a_job_created_after_the_decision_keeps_its_id(own: Settings, pool: asyncpg.Pool, seeded: Seeded) -> None:
@@ -273,8 +280,9 @@ async def test_ids_are_deleted_only_once_the_workers_consumed_every_submission_w
     finally:
         await producer.stop()
     args = ("purge", "--older-than", "1d", "--ids-older-than", "900d", "--catch-up-timeout-s", "1")
-    behind = await streams_cli(own, *args)
+    behind = await streams_cli(own, *args, "--json")
     assert behind.exit_code == 3, behind.stderr
+    assert "has not consumed" in behind.json()["ids"]["refused"] and behind.json()["operations"] == 0
     assert f"{own.app_id} has not consumed" in behind.stderr
     assert f"{topic}[{sent.partition}]: consumed up to 0 of {sent.offset + 1}" in behind.stderr
     assert await pool.fetchval("SELECT count(*) FROM operations WHERE operation_id = $1", op) == 1

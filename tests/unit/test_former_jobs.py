@@ -42,3 +42,5 @@ def test_an_undated_job_is_left_out_only_when_the_id_had_a_former_operation() ->
     undated = LookupJob("job_undated", "queued", None)
     assert _not_former(claim(), [undated]) == [undated]
     assert _not_former(claim(former=frozenset({"job_former"})), [undated]) == []
+    had_calls = LookupClaim("op-1", 3, 40.0, 1, ACCEPTED_MS, frozenset(), had_former=True)  # sent, job never learned
+    assert _not_former(had_calls, [undated]) == []

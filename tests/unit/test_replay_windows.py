@@ -4,8 +4,9 @@ still keep a record that old: how a topic's configs read as a replay window, and
 from __future__ import annotations
 
 import pytest
+from aiokafka.structs import TopicPartition
 
-from streams.setup.admin import REPLAY_MARGIN_S, ReplayWindow, replay_refusals, replay_window
+from streams.setup.admin import REPLAY_MARGIN_S, ReplayWindow, behind_phrases, replay_refusals, replay_window
 
 DAY_MS = 86_400_000
 WEEK = {"retention.ms": str(7 * DAY_MS), "segment.ms": str(7 * DAY_MS)}
@@ -51,3 +52,14 @@ def test_a_horizon_is_refused_unless_it_exceeds_every_window_by_the_margin() -> 
     assert replay_refusals([ReplayWindow("subs", None, exists=False)], 10**9) == [
         "topic subs does not exist (check STREAMS_TOPIC_PREFIX)"
     ]
+
+
+def test_a_partition_is_behind_until_its_committed_offset_reaches_the_end_taken_before() -> None:
+    """``streams purge --ids-older-than`` waits for the workers to consume what was written before it: a partition
+    never committed counts from its first record still kept (records that expired need no reading)."""
+    a, b, c, d = (TopicPartition("subs", p) for p in range(4))
+    starts = {a: 0, b: 0, c: 40, d: 0}
+    ends = {a: 10, b: 10, c: 40, d: 0}
+    committed = {a: 10, b: 7, c: -1}  # d: no answer for it (never committed, and nothing written)
+    assert behind_phrases([a, b, c, d], starts, ends, committed) == ["subs[1]: consumed up to 7 of 10"]
+    assert behind_phrases([a, b], starts, ends, {a: -1, b: 10}) == ["subs[0]: consumed up to 0 of 10"]

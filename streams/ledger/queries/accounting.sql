@@ -8,8 +8,8 @@
 --   charges [{currency, amount, jobs}], refunds_settled [{currency, amount, refunds}],
 --   refunds_pending n (jobs that failed or were canceled with a charge and no refund recorded),
 --   needs_decision {state: {operations, oldest_age_s}} for uncertain and stalled,
---   posts_per_operation {operations, mean, max}, gets_per_completed_operation {operations, mean, max} (a freed id's
---   former calls, before the acceptance of the operation holding it or of none held, count apart),
+--   posts_per_operation {operations, mean, max}, gets_per_completed_operation {operations, mean, max} (of the
+--   operations held, since their acceptance: the former calls of a freed id are left out),
 --   created_after_decision {jobs n, unobserved n, first [{operation_id, remote_job_id, state}] (the unobserved,
 --   oldest first, at most 20)}: jobs a POST answer reported after an operator decided the operation.
 WITH jobs AS (
@@ -61,7 +61,7 @@ SELECT
                 GROUP BY 1) AS x USING (state))
         AS needs_decision,
     (SELECT jsonb_build_object('operations', count(*), 'mean', round(avg(posts), 3)::float8, 'max', max(posts))
-     FROM calls WHERE posts > 0)
+     FROM calls WHERE posts > 0 AND NOT former)
         AS posts_per_operation,
     (SELECT jsonb_build_object('operations', count(*), 'mean', round(avg(gets), 3)::float8, 'max', max(gets))
      FROM completed)

@@ -24,6 +24,13 @@ WITH locked AS MATERIALIZED (
     VALUES (:operation_id, :path, :actor, :reason, (SELECT state FROM locked))
     ON CONFLICT (operation_id) DO NOTHING
     RETURNING operation_id
+), replayed AS (  -- a cancel of an erased operation (forgotten or purged) keeps its id taken until its copy on
+    -- the topic is gone: streams purge --ids-older-than counts from replayed_at (migration 0021), as for a resend
+    UPDATE operations AS o
+    SET replayed_at = now()
+    FROM locked
+    WHERE o.operation_id = locked.operation_id AND o.request::text = 'null'
+    RETURNING o.operation_id
 ), canceled AS (
     UPDATE operations AS o
     SET state = 'canceled',

@@ -115,10 +115,11 @@ SELECT now();
 -- name: posts_per_operation
 -- POST attempts per operation, of the operations matching :operation_pattern (LIKE pattern): every attempt (429 and never-sent
 -- retries included) and those that may have created a job (every outcome but those of :nothing_created_outcomes, text[]: the provider
--- said no job, or nothing reached it). The second must never exceed 1. The calls of an id streams purge --ids-older-than
--- freed (those before the acceptance of the operation holding it now, or of no operation held) count apart from the
--- present operation's.
--- Returns operations, mean_attempts, max_attempts, max_sent, operations_sent_twice.
+-- said no job, or nothing reached it). The second must never exceed 1. Of the operations the ledger holds, since their
+-- acceptance: the calls of an id streams purge --ids-older-than freed (before the acceptance of the operation holding
+-- it now, or of no operation held) belong to one or more former operations, told apart by nothing, and are only
+-- counted (former_ids: the ids with such POSTs; each was checked while its operation was held).
+-- Returns operations, mean_attempts, max_attempts, max_sent, operations_sent_twice, former_ids.
 WITH per_op AS (
     SELECT c.operation_id,
            (o.operation_id IS NULL OR c.at < o.accepted_at) AS former,
@@ -128,9 +129,10 @@ WITH per_op AS (
     WHERE c.method = 'POST' AND c.operation_id LIKE :operation_pattern
     GROUP BY 1, 2
 )
-SELECT count(*)::integer AS operations,
-       round(avg(attempts), 3)::float8 AS mean_attempts,
-       COALESCE(max(attempts), 0)::integer AS max_attempts,
-       COALESCE(max(sent), 0)::integer AS max_sent,
-       count(*) FILTER (WHERE sent > 1)::integer AS operations_sent_twice
+SELECT count(*) FILTER (WHERE NOT former)::integer AS operations,
+       round(avg(attempts) FILTER (WHERE NOT former), 3)::float8 AS mean_attempts,
+       COALESCE(max(attempts) FILTER (WHERE NOT former), 0)::integer AS max_attempts,
+       COALESCE(max(sent) FILTER (WHERE NOT former), 0)::integer AS max_sent,
+       count(*) FILTER (WHERE sent > 1 AND NOT former)::integer AS operations_sent_twice,
+       count(*) FILTER (WHERE former)::integer AS former_ids
 FROM per_op;

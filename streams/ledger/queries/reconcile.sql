@@ -12,7 +12,7 @@
 -- :batch_size, :lag_s lag (s), :visibility_timeout_s visibility timeout (s), :worker. Returns operation_id, fencing_token,
 -- uncertain_for_s, lookup_count (this one included), accepted_at_ms (epoch ms), former_job_ids (the jobs the accounting
 -- learned for this id before the operation was accepted: a former operation's, whose id streams purge --ids-older-than
--- freed; never NULL).
+-- freed; never NULL), had_former (the accounting holds calls of the id from before: a former operation was sent).
 UPDATE operations AS o
 SET fencing_token = o.fencing_token + 1,
     next_lookup_at = now() + make_interval(secs => :visibility_timeout_s),
@@ -27,7 +27,9 @@ RETURNING o.operation_id, o.fencing_token, o.lookup_count,
           extract(epoch FROM now() - o.state_entered_at)::float8 AS uncertain_for_s,
           (extract(epoch FROM o.accepted_at) * 1000)::bigint AS accepted_at_ms,
           ARRAY(SELECT j.remote_job_id FROM remote_jobs j
-                WHERE j.operation_id = o.operation_id AND j.learned_at < o.accepted_at) AS former_job_ids;
+                WHERE j.operation_id = o.operation_id AND j.learned_at < o.accepted_at) AS former_job_ids,
+          EXISTS (SELECT 1 FROM remote_calls c
+                  WHERE c.operation_id = o.operation_id AND c.at < o.accepted_at) AS had_former;
 
 -- name: adopt_found_job
 -- Fenced: the lookup found jobs for this operation. The first by creation time is adopted (uncertain ->

@@ -155,15 +155,16 @@ def _not_former(claim: LookupClaim, found: list[LookupJob]) -> list[LookupJob]:
     """``found`` without the jobs of a former operation of the same id (``streams purge --ids-older-than`` freed it;
     they carry the same client reference): those the accounting learned for the id before this operation was accepted
     (``former_job_ids``), those created more than :data:`FORMER_JOB_MARGIN_S` before it was accepted (never this
-    operation's, whose POST came after its acceptance), and, when the id had a former operation, those without a
-    creation time (left for a person: nothing tells them apart). Each one left out is logged."""
+    operation's, whose POST came after its acceptance), and, when the id had a former operation (jobs or calls of it
+    in the accounting from before), those without a creation time (left for a person: nothing tells them apart). Each
+    one left out is logged."""
     before_ms = None if claim.accepted_at_ms is None else claim.accepted_at_ms - FORMER_JOB_MARGIN_S * 1000
     former = [
         j
         for j in found
         if j.job_id in claim.former_job_ids
         or (before_ms is not None and j.created_at_ms is not None and j.created_at_ms < before_ms)
-        or (claim.former_job_ids and j.created_at_ms is None)  # the id had a former operation: nothing tells them apart
+        or ((claim.former_job_ids or claim.had_former) and j.created_at_ms is None)  # nothing tells them apart
     ]
     if former:
         log.warning(
