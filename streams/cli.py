@@ -830,16 +830,6 @@ def purge(
         if as_json:
             _echo_json(result)
         return
-    try:
-        refusal = None if skip_replay_check else _replayable_ids(settings, ids_older_than, catch_up_timeout_s)
-    except click.ClickException as exc:  # Kafka did not answer or refused: the purge is done, say what it did
-        if as_json:
-            _echo_json({**result, "ids": {"failed": exc.format_message()}})
-        raise
-    if refusal is not None:
-        if as_json:
-            _echo_json({**result, "ids": {"refused": refusal}})
-        raise CommandExit(refusal, EXIT_REFUSED)
 
     async def run_ids(pool: asyncpg.Pool) -> dict[str, Any]:
         if dry_run:
@@ -849,10 +839,14 @@ def purge(
         return {"batches": batches.count, **dataclasses.asdict(ids)}
 
     try:
+        refusal = None if skip_replay_check else _replayable_ids(settings, ids_older_than, catch_up_timeout_s)
+        if refusal is not None:
+            raise CommandExit(refusal, EXIT_REFUSED)
         ids = asyncio.run(_with_pool(settings, run_ids))
-    except click.ClickException as exc:  # PostgreSQL went away: the batches committed before stay deleted
-        if as_json:
-            _echo_json({**result, "ids": {"failed": exc.format_message()}})
+    except click.ClickException as exc:  # refused, or Kafka or PostgreSQL failed: the purge is done, say what it did
+        if as_json:  # (the id batches committed before a failure stay deleted)
+            outcome = "refused" if exc.exit_code == EXIT_REFUSED else "failed"
+            _echo_json({**result, "ids": {outcome: exc.format_message()}})
         raise
     if as_json:
         _echo_json({**result, "ids": ids})
