@@ -215,3 +215,81 @@ async def test_a_probing_round_costs_one_statement_when_the_lock_is_held_or_noth
         )
     finally:
         await own.close()
+
+
+async def test_a_chained_round_marks_each_batch_and_selects_the_next_in_one_statement(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings
+) -> None:
+    """``relay_outbox(chain_s=...)``: after a batch, rows committed while it was published go out in the same
+    transaction, each next batch selected by the statement that marks the one before (BEGIN, the select, one
+    statement per batch, COMMIT: five for two batches, where two rounds cost eight); the lock is held and the marks
+    stay uncommitted until the chain ends. ``chain_s=0`` publishes one batch."""
+    await OutboxRelay(runtime).tick()  # the outbox drained of earlier tests' rows
+    own = await create_pool(settings.database_url.get_secret_value(), min_size=1, max_size=1)
+    statements: list[str] = []
+    async with own.acquire() as conn:
+        conn.add_query_logger(lambda q: statements.append(q.query))
+    ledger = Ledger(own, "chain-test", batching=False)
+    op = f"chained-{uuid.uuid4().hex[:6]}"
+    batches: list[list[str]] = []
+    seen_during: list[tuple[bool, int | None]] = []
+
+    async def publish(rows: list[dict[str, object]]) -> None:
+        batches.append([str(r["operation_id"]) for r in rows])
+        first = batches[-1][0]
+        if first.endswith(("-a", "-c")):
+            await pool.execute(ACCEPT, first[:-1] + ("b" if first.endswith("-a") else "d"))  # written meanwhile
+        elif first.endswith("-d"):  # the first batch's mark is not committed yet, and the lock is held
+            unmarked = await pool.fetchval("SELECT published_at IS NULL FROM outbox WHERE operation_id=$1", f"{op}-c")
+            seen_during.append((unmarked, await runtime.ledger.relay_outbox(100, publish_nothing)))
+
+    async def publish_nothing(rows: list[dict[str, object]]) -> None:
+        raise AssertionError("a second relay published while the chain held the lock")
+
+    try:
+        await pool.execute(ACCEPT, f"{op}-a")
+        assert await ledger.relay_outbox(100, publish, chain_s=0.0) == 1  # one batch: the row written during it waits
+        assert batches == [[f"{op}-a"]]
+        assert await ledger.relay_outbox(100, publish) == 1
+        assert batches == [[f"{op}-a"], [f"{op}-b"]]
+        batches.clear()
+        await pool.execute(ACCEPT, f"{op}-c")
+        statements.clear()
+        assert await ledger.relay_outbox(100, publish, chain_s=5.0) == 2
+        assert batches == [[f"{op}-c"], [f"{op}-d"]]
+        assert seen_during == [(True, None)]
+        assert len(statements) == 5, statements  # BEGIN, the select, mark-and-select twice, COMMIT
+        marked = await pool.fetchval(
+            "SELECT count(*) FROM outbox WHERE operation_id LIKE $1 AND published_at IS NOT NULL", f"{op}-%"
+        )
+        assert marked == 4
+    finally:
+        await own.close()
+
+
+async def test_a_chain_whose_later_batch_fails_commits_the_batches_before_it(
+    runtime: Runtime, pool: asyncpg.Pool, settings: Settings
+) -> None:
+    """A ``publish`` that raises in a chain's second batch: the first batch's mark commits (it was published), the
+    second's rows stay unpublished for a later round, and the exception reaches the caller."""
+    await OutboxRelay(runtime).tick()
+    ledger = Ledger(pool, "chain-fail-test", batching=False)
+    op = f"chainfail-{uuid.uuid4().hex[:6]}"
+    calls = 0
+
+    async def publish(rows: list[dict[str, object]]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await pool.execute(ACCEPT, f"{op}-b")
+            return
+        raise RuntimeError("the second batch failed")
+
+    await pool.execute(ACCEPT, f"{op}-a")
+    with pytest.raises(RuntimeError, match="the second batch failed"):
+        await ledger.relay_outbox(100, publish, chain_s=5.0)
+    marks = await pool.fetch(
+        "SELECT operation_id, published_at IS NOT NULL AS marked FROM outbox WHERE operation_id LIKE $1 ORDER BY id",
+        f"{op}-%",
+    )
+    assert [(r["operation_id"], r["marked"]) for r in marks] == [(f"{op}-a", True), (f"{op}-b", False)]

@@ -667,6 +667,31 @@ FROM relay_lock AS l;
 -- :outbox_ids (bigint[]).
 UPDATE outbox SET published_at = now() WHERE id = ANY(:outbox_ids::bigint[]);
 
+-- name: mark_outbox_published_and_lock_next
+-- A chained relay round, in the transaction of lock_unpublished_outbox that still holds the relay's advisory lock:
+-- marks the rows the previous round published and selects (and locks) the next batch in one statement, where a
+-- round on its own costs four (BEGIN, the select, the mark, COMMIT). The select runs on the statement's snapshot,
+-- which does not see the mark: the marked ids are left out by id.
+-- :outbox_ids (bigint[]) the previous round's ids to mark; :skip_operation_ids (text[]) and :batch_size as for
+-- lock_unpublished_outbox. Returns id, event_id, topic_role, operation_id, payload (text), expires_at_ms, in id
+-- order; no row when the outbox is drained.
+WITH marked AS (
+    UPDATE outbox SET published_at = now() WHERE id = ANY(:outbox_ids::bigint[])
+)
+SELECT o.id, o.event_id, o.topic_role, o.operation_id, o.payload::text AS payload,
+       CASE WHEN jsonb_typeof(o.payload -> 'expires_at_ms') = 'number' THEN (o.payload ->> 'expires_at_ms')::bigint
+       END AS expires_at_ms
+FROM (
+    SELECT id, event_id, topic_role, operation_id, payload
+    FROM outbox
+    WHERE published_at IS NULL AND NOT (id = ANY(:outbox_ids::bigint[]))
+      AND NOT (operation_id = ANY(:skip_operation_ids::text[]))
+    ORDER BY id
+    LIMIT :batch_size
+    FOR UPDATE SKIP LOCKED
+) AS o
+ORDER BY o.id;
+
 -- name: announce_transitions
 -- Wake every listening relay for transitions as the outbox trigger would: a stopping worker's, which the trigger
 -- does not notify (migrations/0019.worker-transitions.sql). :channel (streams.ledger.notices.OUTBOX_CHANNEL),
