@@ -10,6 +10,8 @@ trigger writes the transition log and its outbox event. The hot path's statement
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
@@ -227,6 +229,11 @@ BATCHED: tuple[BatchedStatement, ...] = (
 #: The name of the outbox relay's transaction-scoped advisory lock (``pg_try_advisory_xact_lock(hashtext(name))``):
 #: one relay publishes at a time, across every worker on the database (queries/ledger.sql).
 OUTBOX_RELAY_LOCK_NAME = "generation-streams:outbox-relay"
+#: Longest :meth:`Ledger.close` waits for its batches and for the pool's connections to come back (s); then the
+#: pool is terminated (asyncpg's ``Pool.close`` waits for every connection a task still holds, without limit).
+CLOSE_TIMEOUT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
@@ -253,9 +260,19 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
             self._batches.stage(statement.name, statement.bind(pool, worker), distinct=statement.distinct)
 
     async def close(self) -> None:
-        """Finish the batches on the wire or queued, then close the pool."""
-        await self._batches.drain()
-        await self.pool.close()
+        """Finish the batches on the wire or queued, then close the pool; past :data:`CLOSE_TIMEOUT_S`, terminate
+        the pool instead (a WARNING: a statement still on the wire is cut off, and PostgreSQL rolls it back)."""
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await self._batches.drain()
+                await self.pool.close()
+        except TimeoutError:
+            log.warning(
+                "the ledger's connections were not all back %g s after the worker began to stop; closed under "
+                "the statements still running (PostgreSQL rolls them back)",
+                CLOSE_TIMEOUT_S,
+            )
+            self.pool.terminate()
 
     @writes_transitions
     @waits_out_outages("accept")

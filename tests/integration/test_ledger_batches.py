@@ -21,8 +21,9 @@ from prometheus_client import REGISTRY
 from streams.config import Settings
 from streams.errors import LedgerDataError, LedgerUnavailableError
 from streams.ledger import batching as ledger_module
+from streams.ledger import store as store_module
 from streams.ledger.batching import WAIT_FOR_LOCKS
-from streams.ledger.pool import _init_connection
+from streams.ledger.pool import _init_connection, create_pool
 from streams.ledger.records import ObserveClaim, RemoteCall, SaveOutcome
 from streams.ledger.sql import LEDGER as Q
 from streams.ledger.store import Ledger
@@ -877,3 +878,21 @@ async def test_batched_claims_and_saves_find_their_rows_by_primary_key_with_a_pl
                 rows = await getattr(Q, name).fetch(conn, **values)
                 assert sorted(r["i"] for r in rows) == [1, 2], name  # both requests served
                 assert await _secondary_index_reads(conn) == {}, name
+
+
+async def test_closing_the_ledger_while_a_connection_is_held_ends_within_its_bound(
+    migrated: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """asyncpg's ``Pool.close`` waits without limit for every connection a task still holds (a worker stopping
+    then never ends): ``Ledger.close`` terminates the pool after ``CLOSE_TIMEOUT_S`` and says so."""
+    monkeypatch.setattr(store_module, "CLOSE_TIMEOUT_S", 0.5)
+    pool = await create_pool(migrated.database_url.get_secret_value(), min_size=1, max_size=2)
+    ledger = Ledger(pool, "closing-test")
+    held = await pool.acquire()  # never released: a task stuck on it
+    await held.execute("SELECT 1")
+    started = asyncio.get_running_loop().time()
+    await asyncio.wait_for(ledger.close(), timeout=10.0)  # the old close waits here for good
+    assert asyncio.get_running_loop().time() - started < 5.0
+    with pytest.raises(asyncpg.InterfaceError):  # terminated under the task that held it
+        await held.execute("SELECT 1")
+    assert "were not all back 0.5 s after the worker began to stop" in caplog.text
