@@ -336,13 +336,6 @@ class Settings(ExplicitSettings):
         0.05, description="Wait of the outbox relay after a round that failed (an outage) before the next (s)."
     )
     relay_batch_size: PositiveInt = Field(1000, description="Outbox rows the relay publishes at most per tick.")
-    relay_chain_s: Annotated[float, Field(ge=0, le=5)] = Field(
-        0.5,
-        description="Longest a relay's transaction goes on from batch to batch while each found rows to publish (s, "
-        "at most 5): each next batch's select also marks the batch before, one round trip a batch instead of "
-        "four, and the marks commit together at the end (a crash republishes them, with their event ids). 0: "
-        "one batch per transaction.",
-    )
 
     # Remote calls and the lease that covers them. Every remote call (POST or GET) ends within
     # ``remote_call_deadline_s`` as a whole (waiting for a pooled connection, connecting, sending and reading the

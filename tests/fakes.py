@@ -883,14 +883,13 @@ class InMemoryLedger(WaitsOutOutages, AnnouncesTransitions):
         self,
         batch_size: int,
         publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
-        skip_operation_ids: Sequence[str] | Callable[[], Sequence[str]] = (),
+        skip_operation_ids: Sequence[str] = (),
         *,
         probe: bool = False,
-        chain_s: float = 0.0,
     ) -> int | None:
         self._call("relay outbox")
         self.relay_probes.append(probe)
-        skip = set(skip_operation_ids() if callable(skip_operation_ids) else skip_operation_ids)  # one batch
+        skip = set(skip_operation_ids)
         batch = [r for r in self.outbox if not r.published and r.operation_id not in skip][:batch_size]
         if not batch:
             return 0

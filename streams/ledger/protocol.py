@@ -124,10 +124,9 @@ class PipelineLedger(Protocol):
         self,
         batch_size: int,
         publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
-        skip_operation_ids: Sequence[str] | Callable[[], Sequence[str]] = (),
+        skip_operation_ids: Sequence[str] = (),
         *,
         probe: bool = False,
-        chain_s: float = 0.0,
     ) -> int | None: ...
     async def announce_transitions(self) -> None: ...
     async def close(self) -> None: ...

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
@@ -807,75 +806,47 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
         self,
         batch_size: int,
         publish: Callable[[list[dict[str, Any]]], Awaitable[Collection[int] | None]],
-        skip_operation_ids: Sequence[str] | Callable[[], Sequence[str]] = (),
+        skip_operation_ids: Sequence[str] = (),
         *,
         probe: bool = False,
-        chain_s: float = 0.0,
     ) -> int | None:
-        """Publish batches of unpublished outbox rows with ``publish`` and mark those it published.
+        """Publish one batch of unpublished outbox rows with ``publish`` and mark those it published.
 
         Only one relay runs at a time (a transaction-scoped advisory lock), which keeps each operation's
         events in order. ``publish`` returns the ids of the rows Kafka acknowledged (or that are done with), None
-        for all of them, or raises: then nothing of that batch is marked (the batches of the chain before it are,
-        committed before the exception is raised again). The rows of ``skip_operation_ids`` (or of
-        what it returns when called, before each batch) are not selected.
-        A crash between publish and the commit repeats rows with the same ``event_id``.
+        for all of them, or raises: then nothing is marked. The rows of ``skip_operation_ids`` are not selected.
+        A crash between publish and mark repeats rows with the same ``event_id``.
         ``probe``: first look, in one statement, whether the lock is free and a row waits (``probe_outbox``), and
         open the round's transaction only then: a round that finds nothing or the lock held costs one round trip
         instead of three, one that finds rows one more.
-        ``chain_s``: while a batch marked rows and less than this long (s) has passed since the first batch was
-        selected, the same transaction marks it and selects the next batch in one statement
-        (``mark_outbox_published_and_lock_next``), a round trip a batch instead of four; the marks commit together
-        at the end (a crash republishes the chain's rows, with their event ids). 0: one batch.
         Returns the number of rows marked, or None when another relay held the lock (no row was looked at).
         """
-        skip = skip_operation_ids if callable(skip_operation_ids) else (lambda: skip_operation_ids)
         if probe:
             async with guard("probe outbox"):
                 row = await Q.probe_outbox.fetchrow(
-                    self.pool, relay_lock_name=OUTBOX_RELAY_LOCK_NAME, skip_operation_ids=list(skip())
+                    self.pool, relay_lock_name=OUTBOX_RELAY_LOCK_NAME, skip_operation_ids=list(skip_operation_ids)
                 )
             assert row is not None  # one row always
             if not row["held"]:
                 return None
             if not row["pending"]:
                 return 0
-        failure: Exception | None = None
-        async with guard("relay outbox"), self.pool.acquire() as conn:
-            async with conn.transaction():
-                found = await Q.lock_unpublished_outbox.fetch(
-                    conn,
-                    relay_lock_name=OUTBOX_RELAY_LOCK_NAME,
-                    batch_size=batch_size,
-                    skip_operation_ids=list(skip()),
-                )
-                if not found[0]["held"]:
-                    return None
-                rows = [dict(r) for r in found if r["id"] is not None]
-                for row in rows:
-                    del row["held"]
-                chain_ends_at = time.monotonic() + chain_s
-                marked = 0
-                while rows:
-                    try:
-                        published = await publish(rows)
-                    except Exception as exc:
-                        if not marked:
-                            raise
-                        failure = exc  # the batches before are marked: commit them, then raise
-                        break
-                    ids = [r["id"] for r in rows] if published is None else list(published)
-                    marked += len(ids)
-                    if not ids or time.monotonic() >= chain_ends_at:
-                        if ids:
-                            await Q.mark_outbox_published.execute(conn, outbox_ids=ids)
-                        break
-                    rows = [
-                        dict(r)
-                        for r in await Q.mark_outbox_published_and_lock_next.fetch(
-                            conn, outbox_ids=ids, batch_size=batch_size, skip_operation_ids=list(skip())
-                        )
-                    ]
-            if failure is not None:
-                raise failure
-            return marked
+        async with guard("relay outbox"), self.pool.acquire() as conn, conn.transaction():
+            found = await Q.lock_unpublished_outbox.fetch(
+                conn,
+                relay_lock_name=OUTBOX_RELAY_LOCK_NAME,
+                batch_size=batch_size,
+                skip_operation_ids=list(skip_operation_ids),
+            )
+            if not found[0]["held"]:
+                return None
+            rows = [dict(r) for r in found if r["id"] is not None]
+            if not rows:
+                return 0
+            for row in rows:
+                del row["held"]
+            published = await publish(rows)
+            ids = [r["id"] for r in rows] if published is None else list(published)
+            if ids:
+                await Q.mark_outbox_published.execute(conn, outbox_ids=ids)
+            return len(ids)

@@ -202,7 +202,7 @@ class Floor:
             ]
             await asyncio.gather(*futures)
 
-        marked = await self.ledger.relay_outbox(BATCH, publish, chain_s=self.settings.relay_chain_s)
+        marked = await self.ledger.relay_outbox(BATCH, publish)
         return 0 if marked is None else marked
 
     async def consume(self, consumer: AIOKafkaConsumer) -> None:

@@ -113,7 +113,6 @@ EXPECTED = {
         "lock_unpublished_outbox",
         "probe_outbox",
         "mark_outbox_published",
-        "mark_outbox_published_and_lock_next",
         "announce_transitions",
         "stale_accepted",
     ],

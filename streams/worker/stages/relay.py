@@ -317,11 +317,7 @@ class OutboxRelay:
         while True:
             try:
                 n = await self.rt.ledger.relay_outbox(
-                    s.relay_batch_size,
-                    self._publish,
-                    self._skip_operation_ids,
-                    probe=not self.found_rows,
-                    chain_s=s.relay_chain_s,
+                    s.relay_batch_size, self._publish, self._skip_operation_ids(), probe=not self.found_rows
                 )
             except Exception as exc:  # nothing was marked; the next tick retries (an outage is waited out there)
                 self.rt.report_failure("outbox relay", exc)
