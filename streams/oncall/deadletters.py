@@ -38,6 +38,7 @@ from aiokafka.errors import KafkaError
 
 from streams.config import Settings
 from streams.errors import DeadLetterReadError, InvalidEventError, JsonValueError, RedriveRefusedError, error_summary
+from streams.kafka_security import client_kwargs, new_producer
 from streams.ledger import redrives
 from streams.ledger.redrives import Redrive, ValueSource
 from streams.wire import contracts, exactjson, jsontext
@@ -180,7 +181,7 @@ async def scan(settings: Settings, selection: Filter, *, limit: int, timeout_s: 
     result = Scan(topic)
     timeout_ms = max(int(timeout_s * 1000), 1000)
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap,
+        **client_kwargs(settings),
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         request_timeout_ms=timeout_ms,
@@ -189,7 +190,7 @@ async def scan(settings: Settings, selection: Filter, *, limit: int, timeout_s: 
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
         await asyncio.wait_for(
-            _scan(consumer, settings.kafka_bootstrap, timeout_ms, topic, selection, limit, deadline, result), timeout_s
+            _scan(consumer, settings, timeout_ms, topic, selection, limit, deadline, result), timeout_s
         )
     except TimeoutError:
         if result.read == 0 and not result.letters and result.retained == 0:
@@ -204,7 +205,7 @@ async def scan(settings: Settings, selection: Filter, *, limit: int, timeout_s: 
 
 async def _scan(
     consumer: AIOKafkaConsumer,
-    bootstrap: str,
+    settings: Settings,
     timeout_ms: int,
     topic: str,
     selection: Filter,
@@ -212,7 +213,7 @@ async def _scan(
     deadline: float,
     result: Scan,
 ) -> None:
-    partitions = await _partitions(consumer, bootstrap, topic, timeout_ms)
+    partitions = await _partitions(consumer, settings, topic, timeout_ms)
     tps = [TopicPartition(topic, p) for p in partitions]
     consumer.assign(tps)
     first = await consumer.beginning_offsets(tps)
@@ -257,14 +258,14 @@ async def _scan(
             return
 
 
-async def _partitions(consumer: AIOKafkaConsumer, bootstrap: str, topic: str, timeout_ms: int) -> list[int]:
+async def _partitions(consumer: AIOKafkaConsumer, settings: Settings, topic: str, timeout_ms: int) -> list[int]:
     """The partitions of ``topic``, asked of the admin API (listed first: a metadata request naming a missing
     topic may have the broker create it); starts ``consumer``.
 
     Raises:
         DeadLetterReadError: the topic does not exist.
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=timeout_ms)
+    admin = AIOKafkaAdminClient(**client_kwargs(settings), request_timeout_ms=timeout_ms)
     try:
         await admin.start()
         if topic not in await admin.list_topics():
@@ -423,9 +424,7 @@ async def redrive(
                 results.append(RedriveResult(letter, operation_id or letter.operation_id(), source, refused))
                 continue
             if producer is None:
-                producer = AIOKafkaProducer(
-                    bootstrap_servers=settings.kafka_bootstrap, acks="all", request_timeout_ms=int(timeout_s * 1000)
-                )
+                producer = new_producer(settings, request_timeout_ms=int(timeout_s * 1000))
                 await asyncio.wait_for(producer.start(), timeout_s)
             target = settings.topic("submissions")
             try:

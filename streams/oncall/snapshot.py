@@ -27,6 +27,7 @@ from aiokafka.errors import KafkaError
 from streams import metrics
 from streams.config import Settings
 from streams.errors import LedgerUnavailableError, error_summary
+from streams.kafka_security import client_kwargs
 from streams.ledger.snapshot import LedgerFigures, read_figures
 from streams.model.states import OperationState
 from streams.oncall import operations as operators
@@ -74,9 +75,9 @@ class KafkaFigures:
     async def _clients(self) -> tuple[AIOKafkaAdminClient, AIOKafkaConsumer]:
         if self._admin is None or self._consumer is None:
             timeout_ms = int(PART_TIMEOUT_S * 1000)
-            admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap, request_timeout_ms=timeout_ms)
+            admin = AIOKafkaAdminClient(**client_kwargs(self.settings), request_timeout_ms=timeout_ms)
             consumer = AIOKafkaConsumer(
-                bootstrap_servers=self.settings.kafka_bootstrap, enable_auto_commit=False, request_timeout_ms=timeout_ms
+                **client_kwargs(self.settings), enable_auto_commit=False, request_timeout_ms=timeout_ms
             )
             self._admin, self._consumer = admin, consumer
             await admin.start()

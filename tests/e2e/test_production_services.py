@@ -31,6 +31,7 @@ from redis.exceptions import NoPermissionError
 from streams.clients.submit import SubmissionProducer
 from streams.config import Settings
 from streams.ledger.pool import create_pool
+from streams.oncall.snapshot import CONSUMED_ROLES, KafkaFigures
 from streams.setup.admin import KafkaAdmin, delete_topics
 from streams_harness.fleet import Fleet, Worker
 from streams_harness.run import collect_report, progress, publication_times_ms, settled
@@ -167,7 +168,8 @@ async def report_of(settings: Settings, prefix: str, ids: list[str]) -> dict[str
 
 async def main_flow_through_the_cli(settings: Settings, tmp_path: Path, n: int = 12) -> dict[str, Any]:
     """``streams migrate`` and ``ready``, one worker, ``streams submit`` of ``n`` operations, ``streams follow``
-    of their outputs, ``streams operations list``/``show`` and ``streams accounting report``; returns the report."""
+    of their outputs, ``streams operations list``/``show``, ``streams accounting report``, ``streams dead-letters
+    list`` and the live view's Kafka figures; returns the report."""
     checked(streams_cli(settings, "migrate"))
     assert "not ready" not in checked(streams_cli(settings, "ready", "--timeout-s", "60"))
     fleet = Fleet(settings, tmp_path)
@@ -194,6 +196,16 @@ async def main_flow_through_the_cli(settings: Settings, tmp_path: Path, n: int =
         shown = checked(streams_cli(settings, "operations", "show", f"{prefix}-00000"))
         assert f"{prefix}-00000" in shown
         checked(streams_cli(settings, "accounting", "report"))
+        # the dead letters and the live view's Kafka figures over the same security settings (they once spoke
+        # PLAINTEXT to every broker)
+        assert orjson.loads(checked(streams_cli(settings, "dead-letters", "list", "--json")))["dead_letters"] == []
+        figures = KafkaFigures(settings)
+        try:
+            lag, dead_letters = await asyncio.wait_for(figures.read(), 60)
+        finally:
+            await figures.close()
+        assert set(lag) == {settings.topic(role) for role in CONSUMED_ROLES}
+        assert dead_letters["retained"] == 0
         return report
     finally:
         fleet.stop_all()

@@ -170,3 +170,31 @@ async def test_the_workers_faust_producer_times_out_each_request_and_keeps_the_d
         assert producer._message_accumulator._batch_ttl == 25.0
     finally:
         await producer.stop()
+
+
+KAFKA_CLIENTS = ("AIOKafkaConsumer", "AIOKafkaProducer", "AIOKafkaAdminClient")
+
+
+def test_every_kafka_client_of_the_product_is_built_with_the_security_settings() -> None:
+    """Each aiokafka client the product builds takes ``**client_kwargs(settings)`` or ``producer_kwargs``: one
+    built from ``bootstrap_servers`` alone spoke PLAINTEXT to a SASL_SSL or mutual TLS cluster (the live view's lag,
+    ``streams dead-letters list``/``show``/``redrive`` did, and failed there)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "streams"
+    bare: list[str] = []
+    built = 0
+    for path in sorted(root.rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name not in KAFKA_CLIENTS:
+                continue
+            built += 1
+            spread = [ast.get_source_segment(source, k.value) or "" for k in node.keywords if k.arg is None]
+            if not any("client_kwargs" in s or "producer_kwargs" in s for s in spread):  # or a copy of them
+                bare.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert built >= 8  # the scan finds the clients (a renamed import would leave nothing to check)
+    assert bare == []
