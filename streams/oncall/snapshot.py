@@ -22,7 +22,7 @@ from typing import Any
 import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
+from aiokafka.errors import CoordinatorLoadInProgressError, KafkaError
 
 from streams import metrics
 from streams.config import Settings
@@ -105,7 +105,15 @@ class KafkaFigures:
         every = [tp for parts in tps.values() for tp in parts]
         end = await consumer.end_offsets(every) if every else {}
         first = await consumer.beginning_offsets(every) if every else {}
-        committed = await admin.list_consumer_group_offsets(self.settings.app_id)
+        consumed = [tp for role in CONSUMED_ROLES for tp in tps.get(self.settings.topic(role), [])]
+        committed = (
+            await admin.list_consumer_group_offsets(self.settings.app_id, partitions=consumed) if consumed else {}
+        )
+        if any(tp not in committed for tp in consumed):  # named partitions come back (-1: none committed) unless
+            # aiokafka dropped a group-level error (the coordinator loading): a lag read from it would be the topic's
+            raise CoordinatorLoadInProgressError(
+                f"no committed offsets of group {self.settings.app_id!r} in the answer"
+            )
         lag: dict[str, int] = {}
         for role in CONSUMED_ROLES:
             topic = self.settings.topic(role)
