@@ -52,6 +52,18 @@ def provider_request(context_tokens: int, max_tokens: int, model: str | None = N
     return request
 
 
+async def stop_tasks(tasks: list[asyncio.Task[Any]], timeout_s: float = 30.0) -> None:
+    """Cancel ``tasks`` and wait for them to end; fail naming those still running after ``timeout_s`` (a task
+    that swallowed its cancel), where an unbounded gather hung until pytest's timeout with no word."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    if pending:
+        raise AssertionError(f"still running {timeout_s} s after their cancel: {[t.get_coro() for t in pending]}")
+
+
 async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
     """Poll ``predicate`` every 50 ms until true; fail with ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

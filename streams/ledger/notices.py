@@ -147,7 +147,8 @@ class OutboxListener:
         self._on_notice(LISTENING)
         while not lost.is_set():
             try:
-                await asyncio.wait_for(lost.wait(), CHECK_INTERVAL_S)
+                async with asyncio.timeout(CHECK_INTERVAL_S):
+                    await lost.wait()
             except TimeoutError:
                 try:
                     await conn.execute("SELECT 1", timeout=CONNECT_TIMEOUT_S)

@@ -18,6 +18,7 @@ from typing import Any
 
 import asyncpg
 
+from streams import bounded
 from streams.ledger.accounting import Accounting
 from streams.ledger.batching import BatchedStatement, Batcher, Request, by_position
 from streams.ledger.decisions import Decisions
@@ -230,7 +231,7 @@ BATCHED: tuple[BatchedStatement, ...] = (
 OUTBOX_RELAY_LOCK_NAME = "generation-streams:outbox-relay"
 #: Longest :meth:`Ledger.close` waits for its batches and for the pool's connections to come back (s); then the
 #: pool is terminated (asyncpg's ``Pool.close`` waits for every connection a task still holds, without limit).
-CLOSE_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = bounded.CLOSE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

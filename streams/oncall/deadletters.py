@@ -36,6 +36,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
+from streams.bounded import close_within
 from streams.config import Settings
 from streams.errors import DeadLetterReadError, InvalidEventError, JsonValueError, RedriveRefusedError, error_summary
 from streams.kafka_security import client_kwargs, new_producer
@@ -189,9 +190,8 @@ async def scan(settings: Settings, selection: Filter, *, limit: int, timeout_s: 
     )
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
-        await asyncio.wait_for(
-            _scan(consumer, settings, timeout_ms, topic, selection, limit, deadline, result), timeout_s
-        )
+        async with asyncio.timeout(timeout_s):
+            await _scan(consumer, settings, timeout_ms, topic, selection, limit, deadline, result)
     except TimeoutError:
         if result.read == 0 and not result.letters and result.retained == 0:
             raise DeadLetterReadError(f"Kafka did not answer within {timeout_s} s reading {topic}") from None
@@ -199,7 +199,7 @@ async def scan(settings: Settings, selection: Filter, *, limit: int, timeout_s: 
     except (KafkaError, OSError) as exc:
         raise DeadLetterReadError(f"reading {topic}: {error_summary(exc)}") from exc
     finally:
-        await consumer.stop()
+        await close_within(consumer.stop(), timeout_s, "the dead-letter scan's Kafka consumer")
     return result
 
 
@@ -423,14 +423,14 @@ async def redrive(
             if refused is not None or dry_run:
                 results.append(RedriveResult(letter, operation_id or letter.operation_id(), source, refused))
                 continue
-            if producer is None:
-                producer = new_producer(settings, request_timeout_ms=int(timeout_s * 1000))
-                await asyncio.wait_for(producer.start(), timeout_s)
             target = settings.topic("submissions")
             try:
-                meta = await asyncio.wait_for(
-                    producer.send_and_wait(target, value, key=operation_id.encode()), timeout_s
-                )
+                if producer is None:
+                    producer = new_producer(settings, request_timeout_ms=int(timeout_s * 1000))
+                    async with asyncio.timeout(timeout_s):
+                        await producer.start()
+                async with asyncio.timeout(timeout_s):
+                    meta = await producer.send_and_wait(target, value, key=operation_id.encode())
             except (KafkaError, TimeoutError) as exc:
                 raise DeadLetterReadError(
                     f"publishing dead letter {letter.record} to {target}: {error_summary(exc)}; "
@@ -468,6 +468,6 @@ async def redrive(
                 RedriveResult(letter, operation_id, source, None, (target, meta.partition, meta.offset), record["id"])
             )
     finally:
-        if producer is not None:
-            await producer.stop()
+        if producer is not None:  # a record left unacknowledged is given up with the command
+            await close_within(producer.stop(), timeout_s, "the re-drive's Kafka producer")
     return results

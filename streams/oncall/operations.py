@@ -27,6 +27,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from prometheus_client import REGISTRY
 
+from streams.bounded import close_within
 from streams.config import Settings, lease_key
 from streams.coordination.lease import REDIS_POOL_EXHAUSTED, REDIS_UNAVAILABLE
 from streams.errors import error_summary
@@ -381,12 +382,13 @@ async def dead_letter_topic(settings: Settings, *, timeout_s: float = 3.0) -> di
         return {str(tp.partition): end[tp] - first[tp] for tp in tps}  # JSON keys are text
 
     try:
-        by_partition = await asyncio.wait_for(read(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            by_partition = await read()
     except (KafkaError, OSError, TimeoutError) as exc:
         return {"topic": topic, "retained": None, "by_partition": {}, "error": error_summary(exc)}
     finally:
-        await consumer.stop()
-        await admin.close()
+        await close_within(consumer.stop(), timeout_s, "the dead-letter count's Kafka consumer")
+        await close_within(admin.close(), timeout_s, "the dead-letter count's Kafka admin client")
     return {"topic": topic, "retained": sum(by_partition.values()), "by_partition": by_partition, "error": None}
 
 

@@ -25,6 +25,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import CoordinatorLoadInProgressError, KafkaError
 
 from streams import metrics
+from streams.bounded import close_within
 from streams.config import Settings
 from streams.errors import LedgerUnavailableError, error_summary
 from streams.kafka_security import client_kwargs
@@ -138,9 +139,9 @@ class KafkaFigures:
         admin, consumer = self._admin, self._consumer
         self._admin = self._consumer = None
         if consumer is not None:
-            await consumer.stop()
+            await close_within(consumer.stop(), PART_TIMEOUT_S, "the live view's Kafka consumer")
         if admin is not None:
-            await admin.close()
+            await close_within(admin.close(), PART_TIMEOUT_S, "the live view's Kafka admin client")
 
 
 class Snapshotter:
@@ -166,7 +167,8 @@ class Snapshotter:
         snap = dataclasses.replace(self.latest)
         snap.blocked = dict(self.blocked())
         try:
-            figures, overview = await asyncio.wait_for(self._ledger(), PART_TIMEOUT_S)
+            async with asyncio.timeout(PART_TIMEOUT_S):
+                figures, overview = await self._ledger()
         except (LedgerUnavailableError, TimeoutError) as exc:
             snap.ledger_error = error_summary(exc)
             metrics.SNAPSHOT_FAILURES.labels("ledger").inc()
@@ -174,7 +176,8 @@ class Snapshotter:
         else:
             snap.figures, snap.overview, snap.ledger_at, snap.ledger_error = figures, overview, time.time(), None
         try:
-            lag, dead_letters = await asyncio.wait_for(self.kafka.read(), PART_TIMEOUT_S)
+            async with asyncio.timeout(PART_TIMEOUT_S):
+                lag, dead_letters = await self.kafka.read()
         except (KafkaError, OSError, TimeoutError) as exc:
             snap.kafka_error = error_summary(exc)
             metrics.SNAPSHOT_FAILURES.labels("kafka").inc()

@@ -66,6 +66,7 @@ from faust.web.drivers.aiohttp import Web as FaustAiohttpWeb
 from prometheus_client import generate_latest
 
 from streams import logs, metrics
+from streams.bounded import CLOSE_TIMEOUT_S
 from streams.config import Settings
 from streams.errors import InvalidEventError, LedgerUnavailableError, error_summary
 from streams.kafka_security import faust_settings, keep_delivery_timeout
@@ -515,7 +516,14 @@ def create_app(settings: Settings) -> faust.App:
         loops = list(ledger_loops)
         for task in loops:
             task.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
+        if loops:
+            _, pending = await asyncio.wait(loops, timeout=CLOSE_TIMEOUT_S)
+            if pending:  # a loop that did not end: the runtime closes under it (its writes fail, nothing is lost)
+                log.warning(
+                    "%d ledger loop(s) still running %g s after they were cancelled; closing the runtime anyway",
+                    len(pending),
+                    CLOSE_TIMEOUT_S,
+                )
         first_polls = dispatchers.pop("first_polls", None)
         if first_polls is not None:
             await first_polls.close()
@@ -686,7 +694,8 @@ async def readiness_checks(
         if rt is None:
             return False, "not connected yet (the worker is starting or waiting for PostgreSQL)"
         try:
-            await asyncio.wait_for(ping_ledger(rt.ledger_pool()), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await ping_ledger(rt.ledger_pool())
         except TimeoutError:
             return False, f"no answer within {timeout_s} s"
         except LedgerUnavailableError as exc:
@@ -697,7 +706,8 @@ async def readiness_checks(
         if rt is None:
             return False, "not connected yet (the worker is starting)"
         try:
-            healthy = await asyncio.wait_for(rt.leases.healthy(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                healthy = await rt.leases.healthy()
         except TimeoutError:
             return False, f"no answer within {timeout_s} s"
         return (True, "answers") if healthy else (False, "does not answer PING")

@@ -55,7 +55,8 @@ class ClockCheck:
         :func:`skew_log_level` says; None (logged, the gauge kept) when PostgreSQL did not answer. Never raises
         for an outage."""
         try:
-            reading = await asyncio.wait_for(read_clock_offset(self.pool, clock=self.clock), CLOCK_CHECK_TIMEOUT_S)
+            async with asyncio.timeout(CLOCK_CHECK_TIMEOUT_S):
+                reading = await read_clock_offset(self.pool, clock=self.clock)
         except (LedgerUnavailableError, TimeoutError) as exc:
             log.warning(
                 "could not measure this worker's clock against PostgreSQL's (tried again in %.0f s): %s",

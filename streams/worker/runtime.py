@@ -23,6 +23,7 @@ import asyncpg
 import tenacity
 
 from streams import metrics
+from streams.bounded import CLOSE_TIMEOUT_S, close_within
 from streams.config import Settings
 from streams.coordination.lease import Lease, LeaseManager, redis_for
 from streams.coordination.ratebudget import RateBudget
@@ -231,7 +232,7 @@ class Runtime:
         :data:`ANNOUNCE_TIMEOUT_S`; a failure is logged, never raised). Call it after the loops that write the
         ledger stopped (streams.worker.app ``close_runtime``)."""
         self.closing = True
-        await self.remote.aclose()
+        await close_within(self.remote.aclose(), CLOSE_TIMEOUT_S, "the provider's HTTP client")
         await self.leases.stage.drain()  # lease releases still queued or on the wire
         await self.leases.client.aclose()
         try:  # after this worker's last write: other workers' relays publish what its relay left

@@ -89,7 +89,8 @@ class Wakeup:
             until = limit if self._deadline is None else min(limit, self._deadline)
             self._event.clear()
             try:
-                await asyncio.wait_for(self._event.wait(), until - now)
+                async with asyncio.timeout(until - now):  # not wait_for: on 3.11 it can swallow a cancel
+                    await self._event.wait()
             except TimeoutError:
                 pass  # a deadline or the fallback: read above
 

@@ -29,7 +29,7 @@ from streams.worker.stages.scheduler import PollScheduler
 from streams.worker.wakeup import DUE, FALLBACK, WRITTEN
 from tests.integration.test_dispatcher import submission
 from tests.integration.test_relay_and_dead_letters import for_op, succeeded_operation
-from tests.support import wait_for
+from tests.support import stop_tasks, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -73,9 +73,7 @@ async def relay_worker(
 
     yield start
     for rt, tasks in started:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(tasks)
         await rt.close()
 
 
@@ -167,9 +165,7 @@ async def test_a_workers_transitions_notify_no_other_worker_its_own_relay_publis
                 await wait_for(lambda: _true(len(heard) > 0), 30.0, "the operator's transition notified")
                 assert heard == [(operator.get_server_pid(), notices.TRANSITIONS_PAYLOAD)]  # none of the worker's
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stop_tasks(tasks)
 
         # a worker that stops with a transition its relay did not publish: another worker's listening relay, whose
         # listening fallback never comes within this test, publishes it 0.2 s after the stopping worker's announcement

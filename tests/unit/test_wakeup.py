@@ -213,3 +213,16 @@ def test_a_fallback_runs_a_round_only_for_work_due_in_the_ledger() -> None:
     assert not work_due(SchedulerDue(0.5, 59.0))
     assert work_due(SchedulerDue(0.0, None))  # a poll due now
     assert work_due(SchedulerDue(None, -0.1))  # an operation past its stale age: reconcile or re-dispatch
+
+
+async def test_a_sleeper_cancelled_as_it_is_woken_is_cancelled() -> None:
+    """A loop stopped (cancelled) in the same turn as a wake-up ends: with ``asyncio.wait_for`` (CPython 3.11) the
+    cancel was swallowed when the event's waiter finished first, the sleeper went on to its next round, and the
+    worker's shutdown waited for it for good (streams/bounded.py)."""
+    wakeup = Wakeup("test_cancel_race")
+    sleeper = asyncio.create_task(wakeup.wait(fallback_s=3600.0))
+    await asyncio.sleep(0)  # asleep on the event
+    wakeup.notify(WRITTEN)  # the event's waiter finishes in the next turn...
+    sleeper.cancel()  # ...and the cancel comes in the same one
+    with pytest.raises(asyncio.CancelledError):
+        await sleeper
