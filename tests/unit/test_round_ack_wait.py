@@ -289,3 +289,46 @@ async def test_relay_probes_before_a_round_unless_its_last_round_found_rows(base
     assert ledger.relay_probes == [True, True, False, False]
     assert await tick(relay) == 0
     assert ledger.relay_probes[-1] is True
+
+
+@dataclass
+class RefusingEnqueue(StuckEnqueue):
+    """Refuses for good (record too large) the records whose payload says ``big``; acknowledges the others."""
+
+    async def __call__(self, topic: str, key: bytes, value: bytes) -> asyncio.Future[Any]:
+        self.handed.append((topic, key, value))
+        ack: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if exactjson.loads(value).get("big"):
+            ack.set_exception(aiokafka.errors.MessageSizeTooLargeError())
+        else:
+            ack.set_result(None)
+        return ack
+
+
+async def test_a_dead_letter_that_does_not_go_within_the_wait_leaves_its_row_and_its_operations_later_rows(
+    base_settings: Settings,
+) -> None:
+    """A row refused for good is dead-lettered inside the round, which holds the relay lock and its transaction:
+    a dead-letter topic that does not acknowledge (``dead_letter`` waits out outages) held them for good. Now the
+    round waits at most ``kafka_round_ack_wait_s``; the row and the later rows of its operation stay unmarked for
+    a later round, the other operations' rows are marked."""
+    ledger, enqueue, clock = InMemoryLedger(), RefusingEnqueue(stuck=set()), Clock()
+    rt = runtime(base_settings, ledger, enqueue, clock)
+    letters: list[str] = []
+    acknowledging = asyncio.Event()
+
+    async def dead_letter(message: Any, error: Any) -> None:
+        await acknowledging.wait()  # the dead-letter topic does not acknowledge until set
+        letters.append(message.key.decode())
+
+    rt.dead_letter = dead_letter  # type: ignore[method-assign]
+    relay = OutboxRelay(rt)
+    add_rows(ledger, HEALTHY_A, HEALTHY_A, HEALTHY_C)
+    ledger.outbox[0].payload["big"] = True  # row 1 of op-0 is refused for good
+    assert await tick(relay) == 1  # within the wait, not for good
+    assert published(ledger) == [3]
+    assert letters == []
+    acknowledging.set()
+    assert await tick(relay) == 2
+    assert published(ledger) == [1, 2, 3]
+    assert letters == [HEALTHY_A]

@@ -11,7 +11,9 @@ after a higher one was published, and it is published the next round.
 A row Kafka refuses for good (:func:`refused_for_good`: an output over the broker's or producer's record size
 limit, say) goes to the dead-letter topic with reason ``unpublishable``, its topic and its bytes (cut as every
 dead letter's, with their size and SHA-256), and is marked like a published row: otherwise the relay would offer
-it again every round, and every row after it would wait behind it for good.
+it again every round, and every row after it would wait behind it for good. The dead letter is waited for at most
+``kafka_round_ack_wait_s`` (the round holds the relay lock and its transaction meanwhile): one not acknowledged by
+then leaves the row and the later rows of its operation unmarked, for a later round.
 
 A blocked partition (no leader, or a send to it just failed: :class:`~streams.worker.partitions.PartitionRoutes`)
 holds up only its own rows: they are not sent (their operations are left out of the next selections while it stays
@@ -259,6 +261,7 @@ class OutboxRelay:
         report_skipped("outbox relay", failed, failed=True)
         report_skipped("outbox relay", overdue, in_flight=True)
         report_skipped("outbox relay", not_handed, not_handed_over=True)
+        unsent: dict[str, int] = {}  # operation -> the id of its first row whose dead letter failed
         for row, (target, key, value), exc in dead_letters:  # refused for good: to the dead-letter topic, then marked
             log.error(
                 "outbox row %s (%s) of operation %s refused by Kafka for %s (%s); sent to the dead-letter topic",
@@ -273,7 +276,17 @@ class OutboxRelay:
                 f"for {target}: {error_summary(exc)}; its bytes are here: raise the topic's and the "
                 "producer's record size limits and republish them"
             )
-            await rt.dead_letter(RawMessage(target, None, None, key, value), InvalidEventError("unpublishable", why))
+            try:  # bounded: the round holds the relay lock and its transaction (dead_letter waits out outages)
+                async with asyncio.timeout(wait_s):
+                    await rt.dead_letter(
+                        RawMessage(target, None, None, key, value), InvalidEventError("unpublishable", why)
+                    )
+            except Exception as dead_letter_exc:  # not marked, nor the later rows of its operation: a later round
+                rt.report_failure("outbox relay", dead_letter_exc)
+                unsent[row["operation_id"]] = min(row["id"], unsent.get(row["operation_id"], row["id"]))
+        if unsent:  # marked in id order per operation: nothing after a row left unmarked
+            done = [r for r in done if r["id"] < unsent.get(r["operation_id"], r["id"] + 1)]
+            dead_letters = [d for d in dead_letters if d[0]["id"] < unsent.get(d[0]["operation_id"], d[0]["id"] + 1)]
         now_ms = time.time() * 1000
         published: dict[str, int] = {}  # per topic role: one labelled increment per role and batch
         for row in done:
