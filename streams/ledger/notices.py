@@ -132,7 +132,8 @@ class OutboxListener:
         """Listen on ``conn`` until it is lost (returns) or the task is cancelled."""
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _conn: lost.set())
-        await conn.add_listener(OUTBOX_CHANNEL, self._notified)
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):  # LISTEN on a backend that stopped answering: reconnect
+            await conn.add_listener(OUTBOX_CHANNEL, self._notified)
         self.connections += 1
         self.backend_pid = conn.get_server_pid()
         metrics.LEDGER_LISTENER_CONNECTS.labels("connected").inc()

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 #: constraint violation) and class 54 (program limit exceeded: a value too large for an index row, e.g. an output
 #: id of a few kB, or for a jsonb). :class:`LedgerDataError`; a batch holding one is run again request by request.
 REFUSED_VALUES = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError, asyncpg.ProgramLimitExceededError)
+#: Longest one statement on a ledger or administration connection runs before asyncpg gives up on it (s; its
+#: ``command_timeout``, also the bound of the connection's close).
+COMMAND_TIMEOUT_S = 30.0
 
 
 @contextlib.asynccontextmanager
@@ -91,7 +94,7 @@ async def create_pool(
                 max_size=max_size,
                 init=_init_connection,
                 reset=_keep_session,
-                command_timeout=30,
+                command_timeout=COMMAND_TIMEOUT_S,
                 max_inactive_connection_lifetime=idle_lifetime_s,
                 connect=connect_options.connect,
                 **connect_options.connect_kwargs(database_url, statement_cache_size, worker=worker),
@@ -110,7 +113,7 @@ async def connect(database_url: str) -> asyncpg.Connection:
     """
     try:
         async with guard("connect"):
-            conn: asyncpg.Connection = await connect_options.connect(database_url)
+            conn: asyncpg.Connection = await connect_options.connect(database_url, command_timeout=COMMAND_TIMEOUT_S)
     except CONNECT_CONFIG_ERRORS as exc:
         raise connect_config_error(database_url, exc) from exc
     return conn

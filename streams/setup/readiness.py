@@ -111,9 +111,11 @@ async def check_postgres(settings: Settings, deadline_s: float) -> str:
     database_url = settings.database_url.get_secret_value()
 
     async def check() -> str:
+        attempt_s = min(5.0, deadline_s)
         conn = await connect_options.connect(
             database_url,
-            timeout=min(5.0, deadline_s),
+            timeout=attempt_s,
+            command_timeout=attempt_s,  # a server that took the login and stopped answering: the next attempt
             **connect_options.connect_kwargs(database_url, settings.database_statement_cache_size),  # 0: PgBouncer
         )
         try:
