@@ -13,6 +13,7 @@ import tenacity
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaTimeoutError, OutOfOrderSequenceNumber
 
+from streams.bounded import close_within
 from streams.config import Settings
 from streams.errors import InvalidEventError, JsonValueError
 from streams.kafka_security import new_producer, raise_for_security
@@ -204,18 +205,38 @@ class SubmissionProducer:
         self._unstarted: BaseException | None = None  # why the last replacement did not start (None: it did)
 
     async def __aenter__(self) -> SubmissionProducer:
+        """Start the producer within ``kafka_delivery_timeout_s``.
+
+        Raises:
+            KafkaTimeoutError: it did not start by then (aiokafka's idempotent start waits for its producer id
+                without a limit); KafkaSecurityError: a wrong security setting; KafkaError, OSError: as aiokafka.
+        """
         try:
-            await self._producer.start()
+            await self._start(self._producer)
         except Exception as exc:
-            await self._producer.stop()  # a producer that did not start still holds its client
             await raise_for_security(self.settings, exc)  # KafkaSecurityError: a wrong security setting
             raise
         return self
 
+    async def _start(self, producer: AIOKafkaProducer) -> None:
+        """Start ``producer`` within ``kafka_delivery_timeout_s``; one that did not start is stopped (it still holds
+        its client), and the error raised (a :class:`KafkaTimeoutError` for the time limit)."""
+        limit_s = self.settings.kafka_delivery_timeout_s
+        try:
+            try:
+                async with asyncio.timeout(limit_s):
+                    await producer.start()
+            except TimeoutError:
+                raise KafkaTimeoutError(f"the submission producer did not start within {limit_s:g} s") from None
+        except BaseException:
+            await close_within(producer.stop(), limit_s, "the submission producer")
+            raise
+
     async def __aexit__(self, *exc: object) -> None:
+        """Wait for a resend under way, then stop the producer (its flush at most ``kafka_delivery_timeout_s``)."""
         while self._recovery is not None:
             await asyncio.gather(self._recovery, return_exceptions=True)
-        await self._producer.stop()
+        await close_within(self._producer.stop(), self.settings.kafka_delivery_timeout_s, "the submission producer")
 
     async def submit(
         self, operation_id: str, request: JsonObject, source: JsonObject | None = None
@@ -341,11 +362,7 @@ class SubmissionProducer:
 
         async def start() -> AIOKafkaProducer:
             producer = self._factory()
-            try:
-                await producer.start()
-            except BaseException:
-                await producer.stop()  # a producer that did not start still holds its client
-                raise
+            await self._start(producer)
             return producer
 
         retrying = tenacity.AsyncRetrying(

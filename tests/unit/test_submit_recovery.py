@@ -176,3 +176,30 @@ async def test_a_replacement_that_cannot_start_fails_what_is_pending_and_the_nex
         with pytest.raises(RecordTooLargeError):
             await asyncio.wait_for(failed, 5.0)
         assert len(refused.made) == 2
+
+
+class HangingProducer(FakeProducer):
+    """A producer whose start and stop never end (aiokafka's idempotent start waiting for its producer id, its
+    stop flushing a batch no broker acknowledges)."""
+
+    async def start(self) -> None:
+        await asyncio.Event().wait()
+
+    async def stop(self) -> None:
+        self.stopped = True
+        await asyncio.Event().wait()
+
+
+async def test_a_producer_that_never_starts_fails_within_the_delivery_timeout_and_is_left_behind() -> None:
+    made: list[HangingProducer] = []
+
+    def factory() -> Any:
+        made.append(HangingProducer([], len(made)))
+        return made[-1]
+
+    settings = Settings(kafka_delivery_timeout_s=0.5, kafka_round_ack_wait_s=0.1, kafka_request_timeout_s=0.5)
+    with pytest.raises(KafkaTimeoutError, match=r"did not start within 0\.5 s"):
+        async with asyncio.timeout(10):  # the old start waited for good
+            async with SubmissionProducer(settings, producer_factory=factory):
+                pass
+    assert made[0].stopped  # its stop was tried, and cut off
