@@ -27,10 +27,13 @@ CLOSE_TIMEOUT_S = 10.0
 async def close_within(closing: Awaitable[object], timeout_s: float, what: str) -> bool:
     """Await ``closing`` (a client's close) at most ``timeout_s`` seconds; True when it finished, False (a WARNING
     naming ``what``) when it was cut off. An exception of the close itself propagates."""
+    bound = asyncio.timeout(timeout_s)
     try:
-        async with asyncio.timeout(timeout_s):
+        async with bound:
             await closing
     except TimeoutError:
+        if not bound.expired():  # the close's own error
+            raise
         log.warning("%s did not close within %g s; left behind", what, timeout_s)
         return False
     return True

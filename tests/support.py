@@ -59,7 +59,10 @@ async def stop_tasks(tasks: list[asyncio.Task[Any]], timeout_s: float = 30.0) ->
         task.cancel()
     if not tasks:
         return
-    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in done:  # retrieved, as gather(return_exceptions=True) did: no "never retrieved" warning
+        if not task.cancelled():
+            task.exception()
     if pending:
         raise AssertionError(f"still running {timeout_s} s after their cancel: {[t.get_coro() for t in pending]}")
 

@@ -149,6 +149,9 @@ RESEND_ATTEMPTS = 3
 #: First and longest wait (s) between starts of a replacement producer that found no broker (exponential, jittered).
 START_RETRY_INITIAL_S = 0.1
 START_RETRY_MAX_S = 2.0
+#: Longest a producer that did not start is given to stop when its start was cancelled (s; Ctrl-C): a stop may
+#: flush for ``kafka_delivery_timeout_s`` otherwise.
+STOP_ON_CANCEL_S = 1.0
 
 
 def needs_new_producer(exc: BaseException) -> bool:
@@ -220,23 +223,30 @@ class SubmissionProducer:
 
     async def _start(self, producer: AIOKafkaProducer) -> None:
         """Start ``producer`` within ``kafka_delivery_timeout_s``; one that did not start is stopped (it still holds
-        its client), and the error raised (a :class:`KafkaTimeoutError` for the time limit)."""
+        its client; within that time again, :data:`STOP_ON_CANCEL_S` when cancelled), and the error raised (a
+        :class:`KafkaTimeoutError` for the time limit)."""
         limit_s = self.settings.kafka_delivery_timeout_s
+        bound = asyncio.timeout(limit_s)
         try:
-            try:
-                async with asyncio.timeout(limit_s):
-                    await producer.start()
-            except TimeoutError:
+            async with bound:
+                await producer.start()
+        except BaseException as exc:
+            stop_s = limit_s if isinstance(exc, Exception) else STOP_ON_CANCEL_S
+            await close_within(producer.stop(), stop_s, "the submission producer")
+            if isinstance(exc, TimeoutError) and bound.expired():
                 raise KafkaTimeoutError(f"the submission producer did not start within {limit_s:g} s") from None
-        except BaseException:
-            await close_within(producer.stop(), limit_s, "the submission producer")
             raise
 
     async def __aexit__(self, *exc: object) -> None:
         """Wait for a resend under way, then stop the producer (its flush at most ``kafka_delivery_timeout_s``)."""
         while self._recovery is not None:
             await asyncio.gather(self._recovery, return_exceptions=True)
-        await close_within(self._producer.stop(), self.settings.kafka_delivery_timeout_s, "the submission producer")
+        limit_s = self.settings.kafka_delivery_timeout_s
+        if not await close_within(self._producer.stop(), limit_s, "the submission producer"):
+            for entry in list(self._pending):  # their flush was cut off: failed, never left pending for good
+                if not entry.future.done():
+                    entry.future.set_exception(KafkaTimeoutError(f"not acknowledged within {limit_s:g} s"))
+            self._pending.clear()
 
     async def submit(
         self, operation_id: str, request: JsonObject, source: JsonObject | None = None

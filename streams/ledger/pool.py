@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 #: constraint violation) and class 54 (program limit exceeded: a value too large for an index row, e.g. an output
 #: id of a few kB, or for a jsonb). :class:`LedgerDataError`; a batch holding one is run again request by request.
 REFUSED_VALUES = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError, asyncpg.ProgramLimitExceededError)
-#: Longest one statement on a ledger or administration connection runs before asyncpg gives up on it (s; its
-#: ``command_timeout``, also the bound of the connection's close).
+#: Longest one statement on a ledger connection runs before asyncpg gives up on it (s; the pool's
+#: ``command_timeout``, also the bound of a connection's close). Administration connections (:func:`connect`: a
+#: ``DROP DATABASE`` of a large database) have none.
 COMMAND_TIMEOUT_S = 30.0
 
 
@@ -113,7 +114,7 @@ async def connect(database_url: str) -> asyncpg.Connection:
     """
     try:
         async with guard("connect"):
-            conn: asyncpg.Connection = await connect_options.connect(database_url, command_timeout=COMMAND_TIMEOUT_S)
+            conn: asyncpg.Connection = await connect_options.connect(database_url)
     except CONNECT_CONFIG_ERRORS as exc:
         raise connect_config_error(database_url, exc) from exc
     return conn

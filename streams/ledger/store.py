@@ -260,15 +260,20 @@ class Ledger(WaitsOutOutages, AnnouncesTransitions, Decisions, Accounting):
             self._batches.stage(statement.name, statement.bind(pool, worker), distinct=statement.distinct)
 
     async def close(self) -> None:
-        """Finish the batches on the wire or queued, then close the pool; past :data:`CLOSE_TIMEOUT_S`, terminate
-        the pool instead (a WARNING: a statement still on the wire is cut off, and PostgreSQL rolls it back)."""
+        """Finish the batches on the wire or queued (at most :data:`CLOSE_TIMEOUT_S`: then they are cancelled, and
+        their callers get ``CancelledError``), then close the pool (at most :data:`CLOSE_TIMEOUT_S` again: then it
+        is terminated, and a statement still running is rolled back by PostgreSQL); each cut is logged."""
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 await self._batches.drain()
+        except TimeoutError:
+            log.warning("the ledger's batches were not done %g s after it began to close; cancelled", CLOSE_TIMEOUT_S)
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 await self.pool.close()
         except TimeoutError:
             log.warning(
-                "the ledger's connections were not all back %g s after the worker began to stop; closed under "
+                "the ledger's connections were not all back %g s after its pool began to close; closed under "
                 "the statements still running (PostgreSQL rolls them back)",
                 CLOSE_TIMEOUT_S,
             )

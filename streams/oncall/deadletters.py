@@ -272,7 +272,7 @@ async def _partitions(consumer: AIOKafkaConsumer, settings: Settings, topic: str
             raise DeadLetterReadError(f"topic {topic} does not exist: run streams migrate")
         (described,) = await admin.describe_topics([topic])
     finally:
-        await admin.close()
+        await close_within(admin.close(), timeout_ms / 1000, "the dead-letter scan's Kafka admin client")
     await consumer.start()
     return sorted(p["partition"] for p in described["partitions"])
 

@@ -111,9 +111,10 @@ class KafkaFigures:
             await admin.list_consumer_group_offsets(self.settings.app_id, partitions=consumed) if consumed else {}
         )
         if any(tp not in committed for tp in consumed):  # named partitions come back (-1: none committed) unless
-            # aiokafka dropped a group-level error (the coordinator loading): a lag read from it would be the topic's
+            # aiokafka dropped a group-level error (the coordinator loading or moved, a refusal): a lag read from it
+            # would be the topic's
             raise CoordinatorLoadInProgressError(
-                f"no committed offsets of group {self.settings.app_id!r} in the answer"
+                f"no committed offsets of group {self.settings.app_id!r} in the answer (a group-level error)"
             )
         lag: dict[str, int] = {}
         for role in CONSUMED_ROLES:

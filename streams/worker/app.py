@@ -518,7 +518,8 @@ def create_app(settings: Settings) -> faust.App:
             task.cancel()
         if loops:
             _, pending = await asyncio.wait(loops, timeout=CLOSE_TIMEOUT_S)
-            if pending:  # a loop that did not end: the runtime closes under it (its writes fail, nothing is lost)
+            if pending:  # a loop that did not end: the runtime closes under it (the process is stopping; what it
+                # had not written waits for another worker's loop)
                 log.warning(
                     "%d ledger loop(s) still running %g s after they were cancelled; closing the runtime anyway",
                     len(pending),

@@ -393,7 +393,8 @@ class Runtime:
         await self.send(self.settings.topic(role), key.encode(), exactjson.dumps(value))
 
     async def dead_letter(self, message: RawMessage, error: InvalidEventError) -> None:
-        """Send ``message`` with its reason and original bytes to the dead-letter topic (waits for the ack)."""
+        """Send ``message`` with its reason and original bytes to the dead-letter topic (waits for the ack); once
+        acknowledged, count it (``streams_dead_letters_total``) and log it."""
         envelope = contracts.dead_letter(
             source_topic=message.topic,
             partition=message.partition,
@@ -402,19 +403,6 @@ class Runtime:
             original=message.value,
             error=error,
             worker=self.worker,
-        )
-        metrics.DEAD_LETTERS.labels(message.topic, error.reason).inc()
-        # the value's size and digest, never the value: the error's text names fields and kinds, not content
-        # (streams.wire.contracts.explain), and is cut to a bounded length all the same
-        log.warning(
-            "dead-lettered %s[%s]@%s: %s, %d bytes, sha256 %s: %s",
-            message.topic,
-            message.partition,
-            message.offset,
-            error.reason,
-            envelope["original_size"],
-            envelope["original_sha256"],
-            clean_text(str(error), MAX_LOGGED_ERROR_CHARS),
         )
         key = (message.key or b"").decode("utf-8", "replace")
         # A dead letter is the event's only record: never drop it. Every failed attempt is reported
@@ -439,6 +427,19 @@ class Runtime:
                 f"after {DEAD_LETTER_ATTEMPTS} attempts ({error_summary(exc)}); the event is "
                 "neither processed nor recorded: fix the cause and consume it again"
             ) from exc
+        metrics.DEAD_LETTERS.labels(message.topic, error.reason).inc()
+        # the value's size and digest, never the value: the error's text names fields and kinds, not content
+        # (streams.wire.contracts.explain), and is cut to a bounded length all the same
+        log.warning(
+            "dead-lettered %s[%s]@%s: %s, %d bytes, sha256 %s: %s",
+            message.topic,
+            message.partition,
+            message.offset,
+            error.reason,
+            envelope["original_size"],
+            envelope["original_sha256"],
+            clean_text(str(error), MAX_LOGGED_ERROR_CHARS),
+        )
 
     def _on_dead_letter_failure(self, retry_state: tenacity.RetryCallState) -> None:
         self.report_failure("dead letter", failure_of(retry_state) or Exception("dead letter"))

@@ -895,4 +895,4 @@ async def test_closing_the_ledger_while_a_connection_is_held_ends_within_its_bou
     assert asyncio.get_running_loop().time() - started < 5.0
     with pytest.raises(asyncpg.InterfaceError):  # terminated under the task that held it
         await held.execute("SELECT 1")
-    assert "were not all back 0.5 s after the worker began to stop" in caplog.text
+    assert "were not all back 0.5 s after its pool began to close" in caplog.text

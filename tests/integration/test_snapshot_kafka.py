@@ -4,15 +4,17 @@ consumed topic from the group's committed offsets (none committed: every record 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
 from streams.config import Settings
 from streams.oncall.snapshot import KafkaFigures
 from streams.setup.admin import create_topics, delete_topics
-from tests.support import unique_settings
+from tests.support import unique_settings, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -42,8 +44,18 @@ async def test_the_lag_counts_from_the_committed_offsets_and_from_the_first_reco
     finally:
         await producer.stop()
     figures = KafkaFigures(settings)
+    read: list[tuple[dict[str, int], dict[str, Any]]] = []
+
+    async def answered() -> bool:  # a fresh group's coordinator may still be loading: a failed read, said so
+        try:
+            read.append(await figures.read())
+        except KafkaError:
+            return False
+        return True
+
     try:
-        lag, dead_letters = await figures.read()
+        await wait_for(answered, 30.0, "the live view's Kafka figures")
+        lag, dead_letters = read[-1]
         assert lag == {submissions: 5, polls: 0}  # the group committed nothing: every record kept is behind
         assert dead_letters["retained"] == 1
         group = AIOKafkaConsumer(
@@ -55,7 +67,9 @@ async def test_the_lag_counts_from_the_committed_offsets_and_from_the_first_reco
             await group.commit({TopicPartition(submissions, 0): OffsetAndMetadata(2, "")})
         finally:
             await group.stop()
-        lag, _ = await figures.read()
+        read.clear()
+        await wait_for(answered, 30.0, "the live view's Kafka figures after the commit")
+        lag, _ = read[-1]
         assert lag == {submissions: 3, polls: 0}  # partition 0: 3 records, 2 consumed; partition 1: 2, none
     finally:
         await figures.close()

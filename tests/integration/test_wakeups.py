@@ -73,8 +73,10 @@ async def relay_worker(
 
     yield start
     for rt, tasks in started:
-        await stop_tasks(tasks)
-        await rt.close()
+        try:
+            await stop_tasks(tasks)
+        finally:
+            await rt.close()
 
 
 def listening(rt: Runtime, after: int = 0) -> Callable[[], Awaitable[bool]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,27 +309,34 @@ class RefusingEnqueue(StuckEnqueue):
 async def test_a_dead_letter_that_does_not_go_within_the_wait_leaves_its_row_and_its_operations_later_rows(
     base_settings: Settings,
 ) -> None:
-    """A row refused for good is dead-lettered inside the round, which holds the relay lock and its transaction:
+    """Rows refused for good are dead-lettered inside the round, which holds the relay lock and its transaction:
     a dead-letter topic that does not acknowledge (``dead_letter`` waits out outages) held them for good. Now the
-    round waits at most ``kafka_round_ack_wait_s``; the row and the later rows of its operation stay unmarked for
-    a later round, the other operations' rows are marked."""
+    round's dead letters together wait at most ``kafka_round_ack_wait_s``; a row whose dead letter did not go and
+    the later rows of its operation (dead-lettered or not) stay unmarked and unsent for a round
+    ``relay_interval_s`` later, the other operations' rows are marked; each dead letter goes once, in order."""
     ledger, enqueue, clock = InMemoryLedger(), RefusingEnqueue(stuck=set()), Clock()
     rt = runtime(base_settings, ledger, enqueue, clock)
-    letters: list[str] = []
+    letters: list[int] = []
     acknowledging = asyncio.Event()
 
     async def dead_letter(message: Any, error: Any) -> None:
         await acknowledging.wait()  # the dead-letter topic does not acknowledge until set
-        letters.append(message.key.decode())
+        letters.append(exactjson.loads(message.value)["n"])
 
     rt.dead_letter = dead_letter  # type: ignore[method-assign]
     relay = OutboxRelay(rt)
-    add_rows(ledger, HEALTHY_A, HEALTHY_A, HEALTHY_C)
-    ledger.outbox[0].payload["big"] = True  # row 1 of op-0 is refused for good
-    assert await tick(relay) == 1  # within the wait, not for good
+    add_rows(ledger, HEALTHY_A, HEALTHY_A, HEALTHY_C, HEALTHY_A, STUCK)
+    for refused in (0, 3, 4):  # rows 1 and 4 of op-0, row 5 of op-1: refused for good
+        ledger.outbox[refused].payload["big"] = True
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await tick(relay) == 1  # within one wait for the round, not one per dead letter, nor for good
+    assert loop.time() - started < 2 * ROUND_ACK_WAIT_S
     assert published(ledger) == [3]
     assert letters == []
+    deadline = relay.rt.wakeups.outbox.deadline
+    assert deadline is not None and deadline - time.monotonic() <= base_settings.relay_interval_s  # a round soon
     acknowledging.set()
-    assert await tick(relay) == 2
-    assert published(ledger) == [1, 2, 3]
-    assert letters == [HEALTHY_A]
+    assert await tick(relay) == 4
+    assert published(ledger) == [1, 2, 3, 4, 5]
+    assert letters == [1, 4, 5]  # each once, in order

@@ -13,7 +13,8 @@ limit, say) goes to the dead-letter topic with reason ``unpublishable``, its top
 dead letter's, with their size and SHA-256), and is marked like a published row: otherwise the relay would offer
 it again every round, and every row after it would wait behind it for good. The dead letter is waited for at most
 ``kafka_round_ack_wait_s`` (the round holds the relay lock and its transaction meanwhile): one not acknowledged by
-then leaves the row and the later rows of its operation unmarked, for a later round.
+then leaves the row and the later rows of its operation unmarked, for a round ``relay_interval_s`` later (a dead
+letter cut off at the wait may still be written: the dead-letter topic may then hold the row twice).
 
 A blocked partition (no leader, or a send to it just failed: :class:`~streams.worker.partitions.PartitionRoutes`)
 holds up only its own rows: they are not sent (their operations are left out of the next selections while it stays
@@ -262,9 +263,13 @@ class OutboxRelay:
         report_skipped("outbox relay", overdue, in_flight=True)
         report_skipped("outbox relay", not_handed, not_handed_over=True)
         unsent: dict[str, int] = {}  # operation -> the id of its first row whose dead letter failed
+        # one deadline for every dead letter of the round: it holds the relay lock and its transaction meanwhile
+        dead_letter_deadline = asyncio.get_running_loop().time() + wait_s
         for row, (target, key, value), exc in dead_letters:  # refused for good: to the dead-letter topic, then marked
+            if row["operation_id"] in unsent:  # after an earlier row of its operation: in order, a later round
+                continue
             log.error(
-                "outbox row %s (%s) of operation %s refused by Kafka for %s (%s); sent to the dead-letter topic",
+                "outbox row %s (%s) of operation %s refused by Kafka for %s (%s); sending it to the dead-letter topic",
                 row["id"],
                 row["event_id"],
                 row["operation_id"],
@@ -276,17 +281,18 @@ class OutboxRelay:
                 f"for {target}: {error_summary(exc)}; its bytes are here: raise the topic's and the "
                 "producer's record size limits and republish them"
             )
-            try:  # bounded: the round holds the relay lock and its transaction (dead_letter waits out outages)
-                async with asyncio.timeout(wait_s):
+            try:  # dead_letter waits out outages: bounded by the round's deadline
+                async with asyncio.timeout_at(dead_letter_deadline):
                     await rt.dead_letter(
                         RawMessage(target, None, None, key, value), InvalidEventError("unpublishable", why)
                     )
             except Exception as dead_letter_exc:  # not marked, nor the later rows of its operation: a later round
                 rt.report_failure("outbox relay", dead_letter_exc)
-                unsent[row["operation_id"]] = min(row["id"], unsent.get(row["operation_id"], row["id"]))
+                unsent[row["operation_id"]] = row["id"]
         if unsent:  # marked in id order per operation: nothing after a row left unmarked
             done = [r for r in done if r["id"] < unsent.get(r["operation_id"], r["id"] + 1)]
             dead_letters = [d for d in dead_letters if d[0]["id"] < unsent.get(d[0]["operation_id"], d[0]["id"] + 1)]
+            rt.wakeups.outbox.due_in(rt.settings.relay_interval_s)  # their round, as after a failed one
         now_ms = time.time() * 1000
         published: dict[str, int] = {}  # per topic role: one labelled increment per role and batch
         for row in done:
