@@ -66,7 +66,7 @@ from faust.web.drivers.aiohttp import Web as FaustAiohttpWeb
 from prometheus_client import generate_latest
 
 from streams import logs, metrics
-from streams.bounded import CLOSE_TIMEOUT_S
+from streams.bounded import CLOSE_TIMEOUT_S, answer_within
 from streams.config import Settings
 from streams.errors import InvalidEventError, LedgerUnavailableError, error_summary
 from streams.kafka_security import faust_settings, keep_delivery_timeout
@@ -695,8 +695,7 @@ async def readiness_checks(
         if rt is None:
             return False, "not connected yet (the worker is starting or waiting for PostgreSQL)"
         try:
-            async with asyncio.timeout(timeout_s):
-                await ping_ledger(rt.ledger_pool())
+            await answer_within(ping_ledger(rt.ledger_pool()), timeout_s)
         except TimeoutError:
             return False, f"no answer within {timeout_s} s"
         except LedgerUnavailableError as exc:
@@ -707,8 +706,7 @@ async def readiness_checks(
         if rt is None:
             return False, "not connected yet (the worker is starting)"
         try:
-            async with asyncio.timeout(timeout_s):
-                healthy = await rt.leases.healthy()
+            healthy = await answer_within(rt.leases.healthy(), timeout_s)
         except TimeoutError:
             return False, f"no answer within {timeout_s} s"
         return (True, "answers") if healthy else (False, "does not answer PING")
