@@ -221,6 +221,14 @@ def service_exit(exc: BaseException, what: str) -> CommandExit | None:
     return CommandExit(" ".join(message.split()), EXIT_UNAVAILABLE)
 
 
+def ledger_unavailable(exc: StreamsError) -> CommandExit:
+    """The exit of the running command when PostgreSQL did not answer: :func:`service_exit`'s message, naming the
+    command (its click path), the service and what to do."""
+    ctx = click.get_current_context(silent=True)
+    what = ctx.command_path if ctx is not None else "streams"
+    return service_exit(exc, what) or CommandExit(str(exc), EXIT_UNAVAILABLE)
+
+
 def command_failed(exc: StreamsError, what: str) -> click.ClickException:
     """The exit of ``what`` stopped by ``exc``: :func:`service_exit`'s when a service did not answer, else exit 1
     with the error's message."""
@@ -485,7 +493,7 @@ async def _with_pool(settings: Settings, work: Callable[[asyncpg.Pool], Awaitabl
         finally:
             await pool.close()
     except LedgerUnavailableError as exc:
-        raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
+        raise ledger_unavailable(exc) from exc
     except DatabaseConfigError as exc:
         raise CommandExit(str(exc), EXIT_CONFIG) from exc
     except (asyncpg_errors.UndefinedTableError, asyncpg_errors.UndefinedColumnError) as exc:
@@ -1292,7 +1300,7 @@ def teardown(
     except SharedResourceRefusedError as exc:
         raise CommandExit(str(exc), EXIT_REFUSED) from exc
     except LedgerUnavailableError as exc:
-        raise CommandExit(str(exc), EXIT_UNAVAILABLE) from exc
+        raise ledger_unavailable(exc) from exc
     except ConfigError as exc:
         raise CommandExit(str(exc), EXIT_CONFIG) from exc
     except StreamsError as exc:

@@ -23,6 +23,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_fixed
 
+from streams.bounded import close_within
 from streams.config import Settings
 from streams.errors import JsonValueError, error_summary
 from streams.kafka_security import client_kwargs, raise_for_security
@@ -301,10 +302,20 @@ async def follow_outputs(
                 committed_at = time.monotonic()
     finally:
         listener.stop()
+        limit_s = settings.kafka_request_timeout_s  # a stop (Ctrl-C) with Kafka frozen ends within this, twice
         if group_id is not None:
-            with contextlib.suppress(KafkaError):
-                await _commit(consumer, handled)
-        await consumer.stop()
+            try:
+                async with asyncio.timeout(limit_s):
+                    await _commit(consumer, handled)
+            except (KafkaError, TimeoutError) as exc:
+                why = f"no answer within {limit_s:g} s" if isinstance(exc, TimeoutError) else error_summary(exc)
+                log.warning(
+                    "the last offsets were not committed (%s): a restart of group %s prints again what came after "
+                    "its last commit",
+                    why,
+                    group_id,
+                )
+        await close_within(consumer.stop(), limit_s, "the follower's Kafka consumer")
 
 
 async def _commit(consumer: AIOKafkaConsumer, handled: dict[TopicPartition, int]) -> None:

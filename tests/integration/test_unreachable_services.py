@@ -103,3 +103,33 @@ async def test_a_worker_facing_a_refusing_kafka_at_startup_exits_5_in_one_line(
     assert len(stopped) == 1, result.stdout[-2000:]
     assert f"a service did not answer: kafka: {refusing_bootstrap}" in stopped[0]
     assert "Check that the broker" in stopped[0]
+
+
+#: (the command's name, its arguments)
+LEDGER_COMMANDS = [
+    ("operations list", []),
+    ("operations show", ["unreachable-1"]),
+    ("accounting report", []),
+    ("purge", ["--older-than", "30d", "--dry-run"]),
+]
+
+
+@pytest.mark.parametrize(("name", "args"), LEDGER_COMMANDS, ids=[name for name, _ in LEDGER_COMMANDS])
+async def test_an_on_call_command_facing_a_refusing_postgresql_names_itself_the_service_and_what_to_do(
+    migrated: Settings, refusing_bootstrap: str, name: str, args: list[str]
+) -> None:
+    """The on-call commands said only "PostgreSQL unavailable during connect: ...": not which command stopped nor
+    what to do, as every other command does."""
+    database_url = migrated.database_url.get_secret_value()
+    at = database_url.split("@", 1)[1].split("/", 1)[0]
+    settings = migrated.replace(database_url=database_url.replace(at, refusing_bootstrap))
+    result = await streams_cli(settings, *name.split(), *args)
+    assert result.exit_code == EXIT_UNAVAILABLE, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    line = [x for x in result.stderr.splitlines() if x.startswith("Error: ")][-1]
+    assert line.startswith(f"Error: streams {name} stopped: PostgreSQL did not answer: "), line
+    assert line.endswith(
+        "What to do: check that the server of STREAMS_DATABASE_URL is up (`streams ready --service postgres`), then "
+        "run it again"
+    ), line
+    assert "streams:streams@" not in result.stderr  # the password stays out
