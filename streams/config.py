@@ -371,6 +371,12 @@ class Settings(ExplicitSettings):
     startup_timeout_s: Seconds = Field(
         300.0, description="How long a starting worker waits for PostgreSQL, Redis and Kafka (s)."
     )
+    stop_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        25.0,
+        description="Longest a worker takes to stop after SIGTERM or SIGINT (s); past it, it exits at once (status "
+        "5, an ERROR line): nothing is lost, the events it had not handled are handled by the next owner of their "
+        "partitions. Keep it below the orchestrator's grace period (Kubernetes: 30 s by default).",
+    )
 
     # Rate budget of the provider account, shared by every worker process through Redis
     # (streams/coordination/ratebudget.py,

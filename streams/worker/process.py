@@ -37,7 +37,9 @@ import gc
 import logging
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import faust
@@ -137,6 +139,13 @@ class StreamsWorker(faust.Worker):
         (SIGTERM, SIGINT)."""
         return self.startup_failure if self.startup_failure is not None else self.crash_reason
 
+    def _schedule_shutdown(self, signal: Any) -> None:
+        """mode's worker on SIGTERM or SIGINT; the first one also starts the stop's deadline
+        (:class:`StopDeadline`, ``stop_timeout_s``)."""
+        if self._signal_stop_time is None:
+            StopDeadline(self.settings.stop_timeout_s).start()
+        super()._schedule_shutdown(signal)
+
     @property
     def stop_requested(self) -> bool:
         """True once the worker was told to stop (SIGTERM, SIGINT): whatever fails after that, it must not start
@@ -146,6 +155,39 @@ class StreamsWorker(faust.Worker):
     def uptime_s(self) -> float:
         """Seconds since Faust reported the worker started; 0.0 if it never did."""
         return 0.0 if self.started_monotonic is None else time.monotonic() - self.started_monotonic
+
+
+class StopDeadline:
+    """Ends the process ``timeout_s`` after a stop began if it is still running: faust's stop waits without limit
+    for the events in hand (``stream_wait_empty``, which wait out an outage), the producer's flush and the consumer's
+    leaving its group, so with Kafka frozen a stopped worker ran until Kafka came back. Past the deadline: one ERROR
+    line and ``os._exit`` with ``EXIT_UNAVAILABLE``, in a thread of its own (the event loop may be the one stuck).
+    Nothing is lost: an event not handled is not committed (the partition's next owner handles it), leases expire,
+    and outbox rows not marked are published again with their event ids.
+
+    ``exit`` replaces ``os._exit`` in tests."""
+
+    def __init__(self, timeout_s: float, exit: Callable[[int], object] = os._exit) -> None:
+        self.timeout_s = timeout_s
+        self._exit = exit
+        self._timer = threading.Timer(timeout_s, self._overdue)
+        self._timer.daemon = True  # a process that ends in time is not held back by it
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _overdue(self) -> None:
+        log.error(
+            "streams worker did not stop within %g s (STREAMS_STOP_TIMEOUT_S: a service not answering); exiting "
+            "now: events not handled are not committed, their partitions' next owner handles them",
+            self.timeout_s,
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        self._exit(EXIT_UNAVAILABLE)
 
 
 def next_attempt(failure: BaseException | None, attempt: int, uptime_s: float = 0.0) -> int | None:
